@@ -1,0 +1,349 @@
+"""Flax NNX layers of the Transformer. Each holds its parameters and calls `functional`.
+
+Parameters are float32 and carry logical axis names (`vocab`, `embed`, `heads`, `kv`,
+`mlp`, `layers`) in their `out_sharding` metadata; `jaxformer.sharding` maps them to a
+mesh. Computation runs in `ModelConfig.dtype`. Dropout is driven by an explicit
+`dropout_rng` argument (None = deterministic), so a model's state is its parameters only.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxformer import functional as F
+from jaxformer.config import ModelConfig
+
+Array = jax.Array
+init = nnx.initializers
+
+
+def param(rngs: nnx.Rngs, initializer, shape: tuple[int, ...], names: tuple[str | None, ...]) -> nnx.Param:
+    """A float32 parameter annotated with logical axis names (sharded later, not at creation)."""
+    annotated = nnx.with_partitioning(initializer, names, eager_sharding=False)
+    return nnx.Param(annotated(rngs.params(), shape, jnp.float32))
+
+
+def split_rng(rng: Array | None, n: int) -> list[Array | None]:
+    """n independent keys from `rng`, or n Nones when running deterministically."""
+    return [None] * n if rng is None else list(jax.random.split(rng, n))
+
+
+# ----------------------------------------------------------------------------- token ids
+
+
+def _raise_if_out_of_range(ids, vocab_size: int) -> None:
+    ids = np.asarray(ids)
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        where = tuple(int(i[0]) for i in np.nonzero(bad))
+        raise ValueError(f"token id {int(ids[where])} at index {where} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_token_ids(ids: Array, vocab_size: int) -> None:
+    """Reject ids outside [0, V): JAX's gather would silently clamp them.
+
+    Free on concrete arrays; under `jit` it is a host callback (a device-to-host copy
+    of the ids each call), switched off with `ModelConfig.check_token_ids=False` once
+    the data pipeline validates ids on the host.
+    """
+    if isinstance(ids, jax.core.Tracer):
+        jax.debug.callback(functools.partial(_raise_if_out_of_range, vocab_size=vocab_size), ids)
+    else:
+        _raise_if_out_of_range(ids, vocab_size)
+
+
+# ----------------------------------------------------------------------------- embeddings
+
+
+class Embed(nnx.Module):
+    """Token embedding, times sqrt(D) as in the paper; `attend` gives tied output logits."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        # Paper scaling: N(0, 1/D) times sqrt(D) gives unit-variance inputs; GPT/BERT use 0.02.
+        std = cfg.d_model**-0.5 if cfg.scale_embeddings else 0.02
+        self.embedding = param(rngs, init.normal(std), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
+
+    def __call__(self, ids_BT: Array) -> Array:
+        cfg = self.cfg
+        if cfg.check_token_ids:
+            check_token_ids(ids_BT, cfg.vocab_size)
+        x_BTD = jnp.take(self.embedding[...], ids_BT, axis=0).astype(cfg.dtype)
+        return x_BTD * math.sqrt(cfg.d_model) if cfg.scale_embeddings else x_BTD
+
+    def attend(self, x_BTD: Array) -> Array:
+        """Logits against the embedding matrix: [B, T, D] -> [B, T, V]."""
+        return jnp.einsum("BTD,VD->BTV", x_BTD, self.embedding[...].astype(self.cfg.dtype))
+
+
+class PositionalEncoding(nnx.Module):
+    """Adds absolute positions: `sinusoidal` (paper), `learned`; `rope` and `none` add nothing."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        if cfg.position == "learned":
+            self.table = param(rngs, init.normal(0.02), (cfg.max_len, cfg.d_model), (None, "embed"))
+
+    def __call__(self, x_BTD: Array, positions_BT: Array) -> Array:
+        cfg = self.cfg
+        if cfg.position == "sinusoidal":
+            table_TD = F.sinusoidal_positions(cfg.max_len, cfg.d_model)
+        elif cfg.position == "learned":
+            table_TD = self.table[...]
+        else:
+            return x_BTD
+        return x_BTD + jnp.take(table_TD, positions_BT, axis=0).astype(x_BTD.dtype)
+
+
+# ----------------------------------------------------------------------------- sublayers
+
+
+class Norm(nnx.Module):
+    """LayerNorm or RMSNorm over D, statistics in float32."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.scale = param(rngs, init.ones, (cfg.d_model,), ("embed",))
+        if cfg.norm == "layernorm":
+            self.bias = param(rngs, init.zeros, (cfg.d_model,), ("embed",))
+
+    def __call__(self, x_BTD: Array) -> Array:
+        if self.cfg.norm == "rmsnorm":
+            return F.rms_norm(x_BTD, self.scale[...], self.cfg.norm_eps)
+        return F.layer_norm(x_BTD, self.scale[...], self.bias[...], self.cfg.norm_eps)
+
+
+class MultiHeadAttention(nnx.Module):
+    """Multi-head (or grouped-query) attention; self-attention, or cross-attention over memory.
+
+    Projections are einsums over kernels shaped [D, H, K] (queries), [D, G, K] (keys,
+    values) and [H, K, D] (output), so heads are a real axis that tensor parallelism shards.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, cross: bool = False, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.use_rope = cfg.position == "rope" and not cross
+        D, H, G, K = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
+        in_init = init.xavier_uniform(in_axis=0, out_axis=(1, 2))
+        self.q = param(rngs, in_init, (D, H, K), ("embed", "heads", "kv"))
+        self.k = param(rngs, in_init, (D, G, K), ("embed", "heads", "kv"))
+        self.v = param(rngs, in_init, (D, G, K), ("embed", "heads", "kv"))
+        self.o = param(rngs, init.xavier_uniform(in_axis=(0, 1), out_axis=2), (H, K, D), ("heads", "kv", "embed"))
+        if cfg.use_bias:
+            self.q_bias = param(rngs, init.zeros, (H, K), ("heads", "kv"))
+            self.k_bias = param(rngs, init.zeros, (G, K), ("heads", "kv"))
+            self.v_bias = param(rngs, init.zeros, (G, K), ("heads", "kv"))
+            self.o_bias = param(rngs, init.zeros, (D,), ("embed",))
+
+    def _project(self, x_BTD: Array, name: str) -> Array:
+        dt = self.cfg.dtype
+        y_BTHK = jnp.einsum("BTD,DHK->BTHK", x_BTD, getattr(self, name)[...].astype(dt))
+        return y_BTHK + F.lift(getattr(self, f"{name}_bias")[...].astype(dt), y_BTHK) if self.cfg.use_bias else y_BTHK
+
+    def __call__(
+        self,
+        x_BTD: Array,
+        memory_BSD: Array | None = None,
+        *,
+        mask: Array | None = None,
+        positions_BT: Array | None = None,
+        kv_positions_BS: Array | None = None,
+        dropout_rng: Array | None = None,
+        return_weights: bool = False,
+    ):
+        """Attend from x to memory (cross) or to x itself (memory None). Returns [B, T, D]."""
+        cfg = self.cfg
+        kv_BSD = x_BTD if memory_BSD is None else memory_BSD
+        q_BTHK = self._project(x_BTD, "q")
+        k_BSGK = self._project(kv_BSD, "k")
+        v_BSGK = self._project(kv_BSD, "v")
+        if self.use_rope:
+            kv_positions_BS = positions_BT if kv_positions_BS is None else kv_positions_BS
+            q_BTHK = F.apply_rope(q_BTHK, positions_BT, cfg.rope_base)
+            k_BSGK = F.apply_rope(k_BSGK, kv_positions_BS, cfg.rope_base)
+        result = F.dot_product_attention(
+            q_BTHK, k_BSGK, v_BSGK,
+            mask=mask,
+            dropout_rate=cfg.attention_dropout_rate,
+            dropout_rng=dropout_rng,
+            return_weights=return_weights,
+            implementation=cfg.attention_impl,
+        )  # fmt: skip
+        out_BTHK, weights = result if return_weights else (result, None)
+        y_BTD = jnp.einsum("BTHK,HKD->BTD", out_BTHK, self.o[...].astype(cfg.dtype))
+        if cfg.use_bias:
+            y_BTD = y_BTD + F.lift(self.o_bias[...].astype(cfg.dtype), y_BTD)
+        return (y_BTD, weights) if return_weights else y_BTD
+
+
+class FeedForward(nnx.Module):
+    """Position-wise feed-forward D -> F -> D with ReLU (paper), GELU, or gated SwiGLU."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        D, Fw = cfg.d_model, cfg.d_ff
+        self.gated = cfg.activation in F.GATED_ACTIVATIONS
+        kernel = init.xavier_uniform()
+        self.wi = param(rngs, kernel, (D, Fw), ("embed", "mlp"))
+        if self.gated:
+            self.wi_gate = param(rngs, kernel, (D, Fw), ("embed", "mlp"))
+        self.wo = param(rngs, kernel, (Fw, D), ("mlp", "embed"))
+        if cfg.use_bias:
+            self.wi_bias = param(rngs, init.zeros, (Fw,), ("mlp",))
+            if self.gated:
+                self.wi_gate_bias = param(rngs, init.zeros, (Fw,), ("mlp",))
+            self.wo_bias = param(rngs, init.zeros, (D,), ("embed",))
+
+    def _dense(self, x: Array, name: str, spec: str) -> Array:
+        dt = self.cfg.dtype
+        y = jnp.einsum(spec, x, getattr(self, name)[...].astype(dt))
+        return y + F.lift(getattr(self, f"{name}_bias")[...].astype(dt), y) if self.cfg.use_bias else y
+
+    def __call__(self, x_BTD: Array) -> Array:
+        up_BTF = self._dense(x_BTD, "wi", "BTD,DF->BTF")
+        if self.gated:
+            gate_BTF = self._dense(x_BTD, "wi_gate", "BTD,DF->BTF")
+            h_BTF = F.GATED_ACTIVATIONS[self.cfg.activation](gate_BTF, up_BTF)
+        else:
+            h_BTF = F.ACTIVATIONS[self.cfg.activation](up_BTF)
+        return self._dense(h_BTF, "wo", "BTF,FD->BTD")
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+class Residual(nnx.Module):
+    """Residual + norm + dropout around a sublayer.
+
+    post (paper):  LayerNorm(x + Dropout(Sublayer(x)))
+    pre (Annotated Transformer, GPT-2):  x + Dropout(Sublayer(LayerNorm(x)))
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.norm = Norm(cfg, rngs=rngs)
+
+    def __call__(self, x_BTD: Array, sublayer: Callable[[Array], Array], dropout_rng: Array | None) -> Array:
+        if self.cfg.norm_position == "pre":
+            return x_BTD + F.dropout(sublayer(self.norm(x_BTD)), self.cfg.dropout_rate, dropout_rng)
+        return self.norm(x_BTD + F.dropout(sublayer(x_BTD), self.cfg.dropout_rate, dropout_rng))
+
+
+class EncoderLayer(nnx.Module):
+    """Self-attention then feed-forward, each wrapped in `Residual`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.self_attn = MultiHeadAttention(cfg, rngs=rngs)
+        self.self_attn_res = Residual(cfg, rngs=rngs)
+        self.ffn = FeedForward(cfg, rngs=rngs)
+        self.ffn_res = Residual(cfg, rngs=rngs)
+
+    def __call__(self, x_BTD: Array, *, mask: Array | None, positions_BT: Array, dropout_rng: Array | None = None):
+        r_attn, r_attn_res, r_ffn = split_rng(dropout_rng, 3)
+
+        def attend(h_BTD):
+            return self.self_attn(h_BTD, mask=mask, positions_BT=positions_BT, dropout_rng=r_attn)
+
+        x_BTD = self.self_attn_res(x_BTD, attend, r_attn_res)
+        return self.ffn_res(x_BTD, self.ffn, r_ffn)
+
+
+class DecoderLayer(nnx.Module):
+    """Masked self-attention, cross-attention over the encoder memory (when `cross`), feed-forward."""
+
+    def __init__(self, cfg: ModelConfig, *, cross: bool, rngs: nnx.Rngs):
+        self.self_attn = MultiHeadAttention(cfg, rngs=rngs)
+        self.self_attn_res = Residual(cfg, rngs=rngs)
+        if cross:
+            self.cross_attn = MultiHeadAttention(cfg, cross=True, rngs=rngs)
+            self.cross_attn_res = Residual(cfg, rngs=rngs)
+        self.ffn = FeedForward(cfg, rngs=rngs)
+        self.ffn_res = Residual(cfg, rngs=rngs)
+        self.cross = cross
+
+    def __call__(
+        self,
+        x_BTD: Array,
+        *,
+        mask: Array | None,
+        positions_BT: Array,
+        memory_BSD: Array | None = None,
+        memory_mask: Array | None = None,
+        dropout_rng: Array | None = None,
+    ):
+        r_self, r_self_res, r_cross, r_cross_res, r_ffn = split_rng(dropout_rng, 5)
+
+        def attend(h_BTD):
+            return self.self_attn(h_BTD, mask=mask, positions_BT=positions_BT, dropout_rng=r_self)
+
+        x_BTD = self.self_attn_res(x_BTD, attend, r_self_res)
+        if self.cross:
+
+            def cross_attend(h_BTD):
+                return self.cross_attn(h_BTD, memory_BSD, mask=memory_mask, dropout_rng=r_cross)
+
+            x_BTD = self.cross_attn_res(x_BTD, cross_attend, r_cross_res)
+        return self.ffn_res(x_BTD, self.ffn, r_ffn)
+
+
+# ----------------------------------------------------------------------------- stacks
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing, recompute the whole layer in the backward pass
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,  # keep matmul outputs
+}
+
+
+class LayerStack(nnx.Module):
+    """L identical layers, scanned (parameters stacked on a leading `layers` axis, one
+    compiled body, compile time flat in depth) or unrolled (a list); same outputs.
+
+    Layer i draws its dropout keys from fold_in(dropout_rng, i) in both forms.
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, *, rngs: nnx.Rngs
+    ):
+        self.cfg = cfg
+        self.num_layers = num_layers
+        keys = jax.random.split(rngs.params(), num_layers)
+        if cfg.scan_layers:
+            make = nnx.vmap(
+                lambda k: make_layer(nnx.Rngs(params=k)),
+                in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"},
+            )  # fmt: skip
+            self.layers = make(keys)
+        else:
+            self.layers = nnx.List([make_layer(nnx.Rngs(params=k)) for k in keys])
+
+    def __call__(self, x_BTD: Array, *, dropout_rng: Array | None = None, **kwargs) -> Array:
+        """Runs x through every layer; kwargs (masks, positions, memory) go to each layer."""
+
+        def apply(graphdef, state, x_BTD, index, kwargs):
+            rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, index)
+            return nnx.merge(graphdef, state)(x_BTD, dropout_rng=rng, **kwargs)
+
+        if self.cfg.remat != "none":
+            apply = jax.checkpoint(
+                apply, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=not self.cfg.scan_layers, static_argnums=(0,)
+            )
+        if self.cfg.scan_layers:
+            graphdef, state = nnx.split(self.layers)
+
+            def body(x_BTD, layer):
+                state_i, index = layer
+                return apply(graphdef, state_i, x_BTD, index, kwargs), None
+
+            x_BTD, _ = jax.lax.scan(body, x_BTD, (state, jnp.arange(self.num_layers)))
+            return x_BTD
+        for index, layer in enumerate(self.layers):
+            graphdef, state = nnx.split(layer)
+            x_BTD = apply(graphdef, state, x_BTD, index, kwargs)
+        return x_BTD

@@ -1,0 +1,313 @@
+"""Encoder, Decoder, output heads and the Transformer of the three modes.
+
+    encoder_only     Encoder -> masked-LM head (and a classification head if num_classes > 0)
+    decoder_only     Decoder without cross-attention -> LM head (causal LM)
+    encoder_decoder  Encoder -> Decoder with cross-attention -> LM head (translation)
+
+Packed batches pass `segments` (ids > 0 per packed sequence, 0 = padding) and
+`positions`; otherwise padding is `ModelConfig.pad_id` and positions are 0..T-1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxformer import functional as F
+from jaxformer.config import ModelConfig
+from jaxformer.layers import (
+    DecoderLayer,
+    Embed,
+    EncoderLayer,
+    LayerStack,
+    Norm,
+    PositionalEncoding,
+    param,
+    split_rng,
+)
+
+Array = jax.Array
+init = nnx.initializers
+
+
+def default_positions(ids_BT: Array) -> Array:
+    """Positions 0..T-1 for every row: [B, T]."""
+    return jnp.broadcast_to(jnp.arange(ids_BT.shape[1]), ids_BT.shape)
+
+
+def self_attention_mask(ids_BT: Array, segments_BT: Array | None, pad_id: int, causal: bool) -> Array:
+    """[B, 1, T, T]: key padding (or same-segment for packed rows), and causal when decoding."""
+    mask = F.padding_mask(ids_BT, pad_id) if segments_BT is None else F.segment_mask(segments_BT, segments_BT)
+    return F.combine_masks(mask, F.causal_mask(ids_BT.shape[1]) if causal else None)
+
+
+def memory_attention_mask(
+    tgt_segments_BT: Array | None, src_ids_BS: Array, src_segments_BS: Array | None, pad_id: int
+) -> Array:
+    """[B, 1, T or 1, S]: which source positions each target position may attend to."""
+    if src_segments_BS is None:
+        return F.padding_mask(src_ids_BS, pad_id)
+    return F.segment_mask(tgt_segments_BT, src_segments_BS)
+
+
+class Encoder(nnx.Module):
+    """Embedding + positions + dropout, a stack of encoder layers, and a final norm if pre-norm."""
+
+    def __init__(self, cfg: ModelConfig, embed: Embed, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = embed
+        self.positions = PositionalEncoding(cfg, rngs=rngs)
+        self.stack = LayerStack(cfg, lambda r: EncoderLayer(cfg, rngs=r), cfg.num_encoder_layers, rngs=rngs)
+        if cfg.norm_position == "pre":
+            self.final_norm = Norm(cfg, rngs=rngs)
+
+    def __call__(
+        self,
+        ids_BS: Array,
+        *,
+        segments_BS: Array | None = None,
+        positions_BS: Array | None = None,
+        dropout_rng: Array | None = None,
+    ) -> Array:
+        cfg = self.cfg
+        positions_BS = default_positions(ids_BS) if positions_BS is None else positions_BS
+        r_embed, r_layers = split_rng(dropout_rng, 2)
+        x_BSD = self.positions(self.embed(ids_BS), positions_BS)
+        x_BSD = F.dropout(x_BSD, cfg.dropout_rate, r_embed)
+        mask = self_attention_mask(ids_BS, segments_BS, cfg.pad_id, causal=False)
+        x_BSD = self.stack(x_BSD, mask=mask, positions_BT=positions_BS, dropout_rng=r_layers)
+        return self.final_norm(x_BSD) if cfg.norm_position == "pre" else x_BSD
+
+
+class Decoder(nnx.Module):
+    """Causal decoder stack; with `cross`, each layer also attends to the encoder memory."""
+
+    def __init__(self, cfg: ModelConfig, embed: Embed, *, cross: bool, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = embed
+        self.positions = PositionalEncoding(cfg, rngs=rngs)
+        self.stack = LayerStack(
+            cfg, lambda r: DecoderLayer(cfg, cross=cross, rngs=r), cfg.num_decoder_layers, rngs=rngs
+        )
+        if cfg.norm_position == "pre":
+            self.final_norm = Norm(cfg, rngs=rngs)
+
+    def __call__(
+        self,
+        ids_BT: Array,
+        *,
+        memory_BSD: Array | None = None,
+        memory_mask: Array | None = None,
+        segments_BT: Array | None = None,
+        positions_BT: Array | None = None,
+        dropout_rng: Array | None = None,
+    ) -> Array:
+        cfg = self.cfg
+        positions_BT = default_positions(ids_BT) if positions_BT is None else positions_BT
+        r_embed, r_layers = split_rng(dropout_rng, 2)
+        x_BTD = self.positions(self.embed(ids_BT), positions_BT)
+        x_BTD = F.dropout(x_BTD, cfg.dropout_rate, r_embed)
+        mask = self_attention_mask(ids_BT, segments_BT, cfg.pad_id, causal=True)
+        x_BTD = self.stack(
+            x_BTD,
+            mask=mask,
+            positions_BT=positions_BT,
+            memory_BSD=memory_BSD,
+            memory_mask=memory_mask,
+            dropout_rng=r_layers,
+        )
+        return self.final_norm(x_BTD) if cfg.norm_position == "pre" else x_BTD
+
+
+# ----------------------------------------------------------------------------- heads
+
+
+class LMHead(nnx.Module):
+    """Vocabulary logits [B, T, V]: tied to an embedding (x E^T) or an untied kernel."""
+
+    def __init__(self, cfg: ModelConfig, tied_to: Embed | None, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.tied_to = tied_to
+        if tied_to is None:
+            self.kernel = param(rngs, init.xavier_uniform(), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+
+    def __call__(self, x_BTD: Array, log_softmax: bool = False) -> Array:
+        if self.tied_to is not None:
+            logits_BTV = self.tied_to.attend(x_BTD)
+        else:
+            logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, self.kernel[...].astype(self.cfg.dtype))
+        # The paper's Generator: log-softmax, in float32.
+        return jax.nn.log_softmax(logits_BTV.astype(jnp.float32)) if log_softmax else logits_BTV
+
+
+class MaskedLMHead(nnx.Module):
+    """BERT's masked-LM head: dense D->D, GELU, norm, then vocabulary logits plus a bias."""
+
+    def __init__(self, cfg: ModelConfig, tied_to: Embed | None, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.transform = param(rngs, init.xavier_uniform(), (cfg.d_model, cfg.d_model), ("embed", "mlp"))
+        self.transform_bias = param(rngs, init.zeros, (cfg.d_model,), ("mlp",))
+        self.norm = Norm(cfg, rngs=rngs)
+        self.decoder = LMHead(cfg, tied_to, rngs=rngs)
+        self.bias = param(rngs, init.zeros, (cfg.vocab_size,), ("vocab",))
+
+    def __call__(self, x_BTD: Array) -> Array:
+        dt = self.cfg.dtype
+        h_BTD = jnp.einsum("BTD,DE->BTE", x_BTD, self.transform[...].astype(dt))
+        h_BTD = self.norm(F.gelu(h_BTD + F.lift(self.transform_bias[...].astype(dt), h_BTD)))
+        logits_BTV = self.decoder(h_BTD)
+        return logits_BTV + F.lift(self.bias[...].astype(dt), logits_BTV)
+
+
+class ClassificationHead(nnx.Module):
+    """Sequence classification: pool ([CLS] token or masked mean), dense + tanh, dropout, logits [B, C]."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.pooler = param(rngs, init.xavier_uniform(), (cfg.d_model, cfg.d_model), ("embed", "mlp"))
+        self.pooler_bias = param(rngs, init.zeros, (cfg.d_model,), ("mlp",))
+        self.out = param(rngs, init.xavier_uniform(), (cfg.d_model, cfg.num_classes), ("embed", None))
+        self.out_bias = param(rngs, init.zeros, (cfg.num_classes,), (None,))
+
+    def __call__(self, x_BSD: Array, ids_BS: Array, dropout_rng: Array | None = None) -> Array:
+        cfg, dt = self.cfg, self.cfg.dtype
+        if cfg.pooling == "first":
+            pooled_BD = x_BSD[:, 0]
+        else:
+            live_BS1 = (ids_BS != cfg.pad_id)[..., None].astype(jnp.float32)
+            total_BD = (x_BSD.astype(jnp.float32) * live_BS1).sum(1)
+            pooled_BD = (total_BD / jnp.maximum(live_BS1.sum(1), 1.0)).astype(dt)
+        h_BD = pooled_BD @ self.pooler[...].astype(dt)
+        h_BD = jnp.tanh(h_BD + F.lift(self.pooler_bias[...].astype(dt), h_BD))
+        h_BD = F.dropout(h_BD, cfg.dropout_rate, dropout_rng)
+        logits_BC = h_BD @ self.out[...].astype(dt)
+        return logits_BC + F.lift(self.out_bias[...].astype(dt), logits_BC)
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class Transformer(nnx.Module):
+    """The Transformer in the mode `cfg.mode` selects.
+
+    Call forms (all return logits in the compute dtype):
+      encoder_only:    model(src_ids) -> masked-LM logits [B, S, V];  model.classify(src_ids) -> [B, C]
+      decoder_only:    model(tgt_ids) -> next-token logits [B, T, V]
+      encoder_decoder: model(src_ids, tgt_ids) -> logits [B, T, V];
+                       or memory = model.encode(src_ids); model.decode(memory, src_ids, tgt_ids)
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        mode = cfg.mode
+        if mode in ("encoder_only", "encoder_decoder"):
+            self.src_embed = Embed(cfg, rngs=rngs)
+            self.encoder = Encoder(cfg, self.src_embed, rngs=rngs)
+        if mode == "encoder_only":
+            self.mlm_head = MaskedLMHead(cfg, self.src_embed if cfg.tie_output else None, rngs=rngs)
+            if cfg.num_classes:
+                self.classifier = ClassificationHead(cfg, rngs=rngs)
+            return
+        if mode == "encoder_decoder" and cfg.share_embeddings:
+            self.tgt_embed = self.src_embed  # one matrix for source, target (and output if tied)
+        else:
+            self.tgt_embed = Embed(cfg, rngs=rngs)
+        self.decoder = Decoder(cfg, self.tgt_embed, cross=mode == "encoder_decoder", rngs=rngs)
+        self.lm_head = LMHead(cfg, self.tgt_embed if cfg.tie_output else None, rngs=rngs)
+
+    def encode(
+        self,
+        src_ids_BS: Array,
+        *,
+        src_segments: Array | None = None,
+        src_positions: Array | None = None,
+        dropout_rng: Array | None = None,
+    ) -> Array:
+        """Source ids [B, S] -> memory [B, S, D]."""
+        return self.encoder(src_ids_BS, segments_BS=src_segments, positions_BS=src_positions, dropout_rng=dropout_rng)
+
+    def decode(
+        self,
+        memory_BSD: Array | None,
+        src_ids_BS: Array | None,
+        tgt_ids_BT: Array,
+        *,
+        src_segments: Array | None = None,
+        tgt_segments: Array | None = None,
+        tgt_positions: Array | None = None,
+        dropout_rng: Array | None = None,
+        log_softmax: bool = False,
+    ) -> Array:
+        """Decoder input ids [B, T] (and the memory in encoder_decoder mode) -> logits [B, T, V]."""
+        memory_mask = None
+        if memory_BSD is not None:
+            memory_mask = memory_attention_mask(tgt_segments, src_ids_BS, src_segments, self.cfg.pad_id)
+        h_BTD = self.decoder(
+            tgt_ids_BT,
+            memory_BSD=memory_BSD,
+            memory_mask=memory_mask,
+            segments_BT=tgt_segments,
+            positions_BT=tgt_positions,
+            dropout_rng=dropout_rng,
+        )
+        return self.lm_head(h_BTD, log_softmax=log_softmax)
+
+    def classify(
+        self,
+        src_ids_BS: Array,
+        *,
+        src_segments: Array | None = None,
+        src_positions: Array | None = None,
+        dropout_rng: Array | None = None,
+    ) -> Array:
+        """encoder_only with num_classes > 0: class logits [B, C]."""
+        if self.cfg.num_classes == 0:
+            raise ValueError("classify() needs model.num_classes > 0 (mode='encoder_only')")
+        r_enc, r_head = split_rng(dropout_rng, 2)
+        x_BSD = self.encode(src_ids_BS, src_segments=src_segments, src_positions=src_positions, dropout_rng=r_enc)
+        return self.classifier(x_BSD, src_ids_BS, dropout_rng=r_head)
+
+    def __call__(
+        self,
+        ids: Array,
+        tgt_ids: Array | None = None,
+        *,
+        segments: Array | None = None,
+        positions: Array | None = None,
+        tgt_segments: Array | None = None,
+        tgt_positions: Array | None = None,
+        dropout_rng: Array | None = None,
+    ) -> Array:
+        """Logits of the mode's language-model objective (see the class docstring)."""
+        mode = self.cfg.mode
+        if (mode == "encoder_decoder") != (tgt_ids is not None):
+            raise ValueError(
+                f"mode={mode} takes {'(src_ids, tgt_ids)' if mode == 'encoder_decoder' else 'one id array'}"
+            )
+        r_enc, r_dec = split_rng(dropout_rng, 2)
+        if mode == "encoder_only":
+            x_BSD = self.encode(ids, src_segments=segments, src_positions=positions, dropout_rng=r_enc)
+            return self.mlm_head(x_BSD)
+        if mode == "decoder_only":
+            return self.decode(None, None, ids, tgt_segments=segments, tgt_positions=positions, dropout_rng=r_dec)
+        memory_BSD = self.encode(ids, src_segments=segments, src_positions=positions, dropout_rng=r_enc)
+        return self.decode(
+            memory_BSD,
+            ids,
+            tgt_ids,
+            src_segments=segments,
+            tgt_segments=tgt_segments,
+            tgt_positions=tgt_positions,
+            dropout_rng=r_dec,
+        )
+
+
+def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """A freshly initialised Transformer for `cfg` (parameters on the default device)."""
+    return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def count_params(model: nnx.Module) -> int:
+    """Number of parameters; a shared embedding counts once."""
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

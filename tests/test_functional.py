@@ -1,0 +1,216 @@
+"""The pure maths against NumPy transcriptions of the formulas and library references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxformer import functional as F
+
+# Tolerances: float32 matches references to rounding; bfloat16 inputs carry ~3 significant digits.
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+
+
+def numpy_attention(q, k, v, mask=None, bias=None):
+    """softmax(Q K^T / sqrt(K) + bias) V in float64 NumPy, heads of k/v repeated for GQA."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    H, G = q.shape[2], k.shape[2]
+    k, v = np.repeat(k, H // G, axis=2), np.repeat(v, H // G, axis=2)
+    logits = np.einsum("bthk,bshk->bhts", q, k) / np.sqrt(q.shape[-1])
+    if bias is not None:
+        logits = logits + np.asarray(bias, np.float64)
+    if mask is not None:
+        logits = np.where(mask, logits, -np.inf)
+    logits = logits - logits.max(-1, keepdims=True)
+    w = np.exp(logits)
+    w = w / w.sum(-1, keepdims=True)
+    return np.einsum("bhts,bshk->bthk", w, v), w
+
+
+def qkv(dtype, B=2, T=5, S=7, H=4, G=4, K=8, seed=0):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    return (
+        jax.random.normal(kq, (B, T, H, K), dtype),
+        jax.random.normal(kk, (B, S, G, K), dtype),
+        jax.random.normal(kv, (B, S, G, K), dtype),
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("G", [4, 2, 1])
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_matches_numpy_and_jax(dtype, G, masked):
+    q, k, v = qkv(dtype, G=G)
+    mask = None
+    if masked:  # key padding on the second row and a causal-like band
+        pad = F.padding_mask(jnp.array([[1] * 7, [1] * 4 + [0] * 3]))
+        mask = F.combine_masks(pad, F.causal_mask(5, 7, offset=2))
+    out, w = F.dot_product_attention(q, k, v, mask=mask, return_weights=True)
+    ref, ref_w = numpy_attention(q, k, v, None if mask is None else np.asarray(mask))
+    assert out.dtype == dtype and w.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    np.testing.assert_allclose(np.asarray(w), ref_w, atol=TOL[jnp.float32])
+    lib = jax.nn.dot_product_attention(q, k, v, mask=mask)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(lib, np.float32), atol=TOL[dtype])
+    routed = F.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+    np.testing.assert_allclose(np.asarray(routed, np.float32), np.asarray(out, np.float32), atol=TOL[dtype])
+
+
+def test_attention_additive_bias():
+    q, k, v = qkv(jnp.float32)
+    bias = jax.random.normal(jax.random.key(3), (1, 4, 5, 7))
+    out = F.dot_product_attention(q, k, v, bias=bias)
+    np.testing.assert_allclose(out, numpy_attention(q, k, v, bias=bias)[0], atol=TOL[jnp.float32])
+
+
+@pytest.mark.parametrize("implementation", ["naive", "xla"])
+def test_fully_masked_row_gives_zeros_not_nan(implementation):
+    q, k, v = qkv(jnp.float32)
+    mask = jnp.ones((2, 1, 5, 7), bool).at[:, :, 1, :].set(False)
+
+    def loss(q):
+        return F.dot_product_attention(q, k, v, mask=mask, implementation=implementation).sum()
+
+    out = F.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+    assert np.all(np.asarray(out[:, 1]) == 0.0)
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(jax.grad(loss)(q)))
+
+
+def test_attention_dropout_is_unbiased_and_keyed():
+    q, k, v = qkv(jnp.float32, B=1)
+    clean = F.dot_product_attention(q, k, v)
+    keys = jax.random.split(jax.random.key(1), 4000)
+    drop = jax.vmap(lambda r: F.dot_product_attention(q, k, v, dropout_rate=0.3, dropout_rng=r))(keys)
+    assert not np.allclose(drop[0], drop[1])  # different keys, different masks
+    single = F.dot_product_attention(q, k, v, dropout_rate=0.3, dropout_rng=keys[0])
+    np.testing.assert_allclose(drop[0], single, rtol=1e-6, atol=1e-6)  # the key alone decides the mask
+    np.testing.assert_allclose(drop.mean(0), clean, atol=0.05)  # inverted dropout keeps the expectation
+    no_key = F.dot_product_attention(q, k, v, dropout_rate=0.3, dropout_rng=None)
+    np.testing.assert_array_equal(no_key, clean)
+
+
+def test_forced_backend_refuses_weights():
+    q, k, v = qkv(jnp.float32)
+    with pytest.raises(ValueError, match="cannot return weights"):
+        F.dot_product_attention(q, k, v, return_weights=True, implementation="xla")
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        F.dot_product_attention(q, k[:, :, :3], v[:, :, :3])
+
+
+def test_masks():
+    ids = jnp.array([[5, 6, 0], [7, 0, 0]])
+    np.testing.assert_array_equal(F.padding_mask(ids)[:, 0, 0], np.array([[1, 1, 0], [1, 0, 0]], bool))
+    np.testing.assert_array_equal(F.causal_mask(3)[0, 0], np.tril(np.ones((3, 3), bool)))
+    np.testing.assert_array_equal(F.causal_mask(2, 4, offset=2)[0, 0], np.tril(np.ones((2, 4), bool), k=2))
+    cross = F.cross_attention_mask(ids, jnp.array([[1, 2], [3, 0]]))
+    assert cross.shape == (2, 1, 3, 2)
+    np.testing.assert_array_equal(cross[1, 0], np.array([[1, 0], [0, 0], [0, 0]], bool))
+    seg = F.segment_mask(jnp.array([[1, 1, 2, 0]]), jnp.array([[1, 1, 2, 0]]))[0, 0]
+    np.testing.assert_array_equal(seg, np.array([[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]], bool))
+    both = F.combine_masks(F.padding_mask(ids), None, F.causal_mask(3))
+    assert both.shape == (2, 1, 3, 3) and F.combine_masks(None, None) is None
+
+
+def test_sinusoidal_table_is_the_papers_formula():
+    T, D = 50, 16
+    ref = np.zeros((T, D))
+    for pos in range(T):
+        for i in range(D // 2):
+            ref[pos, 2 * i] = np.sin(pos / 10000 ** (2 * i / D))
+            ref[pos, 2 * i + 1] = np.cos(pos / 10000 ** (2 * i / D))
+    np.testing.assert_allclose(F.sinusoidal_positions(T, D), ref, atol=1e-5)
+
+
+def test_rope_preserves_norm_and_depends_on_relative_position():
+    B, H, K = 1, 2, 8
+    q = jax.random.normal(jax.random.key(0), (B, 1, H, K))
+    k = jax.random.normal(jax.random.key(1), (B, 1, H, K))
+
+    def rotated(x, pos):
+        return F.apply_rope(x, jnp.full((B, 1), pos))
+
+    np.testing.assert_allclose(jnp.linalg.norm(rotated(q, 17), axis=-1), jnp.linalg.norm(q, axis=-1), rtol=1e-5)
+
+    def score(m, n):
+        return jnp.einsum("bthk,bthk->bh", rotated(q, m), rotated(k, n))
+
+    np.testing.assert_allclose(score(3, 1), score(103, 101), rtol=1e-4)
+    np.testing.assert_allclose(score(5, 5), jnp.einsum("bthk,bthk->bh", q, k), rtol=1e-5)
+    assert not np.allclose(score(3, 1), score(1, 3))
+
+
+def test_activations_match_formulas():
+    x = jnp.linspace(-4, 4, 101)
+    np.testing.assert_array_equal(F.relu(x), np.maximum(np.asarray(x), 0))
+    c = np.sqrt(2 / np.pi)
+    xn = np.asarray(x, np.float64)
+    np.testing.assert_allclose(F.gelu(x), 0.5 * xn * (1 + np.tanh(c * (xn + 0.044715 * xn**3))), atol=1e-6)
+    np.testing.assert_allclose(F.swiglu(x, 2 * x), xn / (1 + np.exp(-xn)) * 2 * xn, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_norms_match_flax(dtype):
+    x = (3 * jax.random.normal(jax.random.key(0), (2, 5, 16)) + 1).astype(dtype)
+    scale = jax.random.normal(jax.random.key(1), (16,))
+    bias = jax.random.normal(jax.random.key(2), (16,))
+    ln = nnx.LayerNorm(16, epsilon=1e-6, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    ln.scale[...], ln.bias[...] = scale, bias
+    rms = nnx.RMSNorm(16, epsilon=1e-6, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    rms.scale[...] = scale
+    x32 = x.astype(jnp.float32)
+    tol = TOL[dtype]
+    np.testing.assert_allclose(F.layer_norm(x, scale, bias).astype(jnp.float32), ln(x32), atol=tol, rtol=tol)
+    np.testing.assert_allclose(F.rms_norm(x, scale).astype(jnp.float32), rms(x32), atol=tol, rtol=tol)
+
+
+def test_cross_entropy_matches_optax_with_smoothing_and_zloss():
+    B, T, V = 3, 4, 11
+    logits = jax.random.normal(jax.random.key(0), (B, T, V)) * 3
+    labels = jax.random.randint(jax.random.key(1), (B, T), 0, V)
+    weights = jnp.array([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], jnp.float32)
+    loss, w = F.cross_entropy(logits, labels, weights, label_smoothing=0.1, z_loss=1e-3)
+    targets = optax.smooth_labels(jax.nn.one_hot(labels, V), 0.1)
+    ref = optax.softmax_cross_entropy(logits, targets) + 1e-3 * jax.nn.logsumexp(logits, -1) ** 2
+    np.testing.assert_allclose(loss, ref * weights, rtol=1e-5)
+    np.testing.assert_array_equal(w, weights)
+    plain, _ = F.cross_entropy(logits, labels)
+    np.testing.assert_allclose(plain, optax.softmax_cross_entropy_with_integer_labels(logits, labels), rtol=1e-5)
+
+
+def test_every_function_under_jit_grad_vmap():
+    q, k, v = qkv(jnp.float32)
+    mask = F.combine_masks(F.padding_mask(jnp.ones((2, 7), jnp.int32)), F.causal_mask(5, 7))
+    pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+    scale, bias = jnp.ones(8), jnp.zeros(8)
+    labels = jnp.zeros((2, 5), jnp.int32)
+    fns = {
+        "attention": lambda q: F.dot_product_attention(q, k, v, mask=mask),
+        "attention_dropout": lambda q: F.dot_product_attention(
+            q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0)
+        ),
+        "rope": lambda q: F.apply_rope(q, pos),
+        "relu": F.relu,
+        "gelu": F.gelu,
+        "swiglu": lambda q: F.swiglu(q, q),
+        "layer_norm": lambda q: F.layer_norm(q, scale, bias),
+        "rms_norm": lambda q: F.rms_norm(q, scale),
+        "cross_entropy": lambda q: F.cross_entropy(q.reshape(2, 5, 32), labels, label_smoothing=0.1)[0],
+        "dropout": lambda q: F.dropout(q, 0.2, jax.random.key(1)),
+    }
+    for name, f in fns.items():
+        eager = f(q)
+        np.testing.assert_allclose(jax.jit(f)(q), eager, atol=1e-5, err_msg=name)
+        g = jax.grad(lambda q, f=f: f(q).sum())(q)
+        assert np.all(np.isfinite(g)), name
+    # vmap over the batch axis of every array argument equals the batched call.
+    per_example = jax.vmap(
+        lambda qi, ki, vi, mi, pi: (
+            F.dot_product_attention(qi[None], ki[None], vi[None], mask=mi[None])[0]
+            + F.apply_rope(qi[None], pi[None])[0]
+        )
+    )(q, k, v, jnp.broadcast_to(mask, (2, 1, 5, 7)), pos)
+    np.testing.assert_allclose(per_example, fns["attention"](q) + fns["rope"](q), atol=1e-5)
+    pe = jax.jit(F.sinusoidal_positions, static_argnums=(0, 1))(10, 8)
+    np.testing.assert_allclose(pe, F.sinusoidal_positions(10, 8))

@@ -1,0 +1,103 @@
+"""NNX layers against flax's own layers and against invariants."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxformer as jf
+from jaxformer import functional as F
+
+
+def test_attention_equals_flax_multihead_attention():
+    cfg = jf.tiny("encoder_only", d_model=16, num_heads=4)
+    ours = jf.MultiHeadAttention(cfg, rngs=nnx.Rngs(0))
+    ref = nnx.MultiHeadAttention(num_heads=4, in_features=16, qkv_features=16, decode=False, rngs=nnx.Rngs(1))
+    # Same layout ([D, H, K] in, [H, K, D] out): copy our weights into flax's layer.
+    for name in ("query", "key", "value", "out"):
+        mine = {"query": "q", "key": "k", "value": "v", "out": "o"}[name]
+        getattr(ref, name).kernel[...] = getattr(ours, mine)[...]
+        getattr(ref, name).bias[...] = getattr(ours, f"{mine}_bias")[...]
+    x = jax.random.normal(jax.random.key(0), (2, 6, 16))
+    memory = jax.random.normal(jax.random.key(1), (2, 5, 16))
+    mask = F.padding_mask(jnp.array([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]]))
+    np.testing.assert_allclose(ours(x), ref(x, deterministic=True), atol=1e-5)
+    np.testing.assert_allclose(
+        ours(x, memory, mask=mask), ref(x, memory, memory, mask=mask, deterministic=True), atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("G", [1, 2])
+def test_grouped_query_attention_equals_mha_with_shared_heads(G):
+    gqa_cfg = jf.tiny("encoder_only", d_model=16, num_heads=4, num_kv_heads=G, position="rope")
+    gqa = jf.MultiHeadAttention(gqa_cfg, rngs=nnx.Rngs(0))
+    mha = jf.MultiHeadAttention(gqa_cfg.replace(num_kv_heads=None), rngs=nnx.Rngs(1))
+    for name in ("q", "o", "q_bias", "o_bias"):
+        getattr(mha, name)[...] = getattr(gqa, name)[...]
+    for name, axis in (("k", 1), ("v", 1), ("k_bias", 0), ("v_bias", 0)):  # each kv head serves 4 // G query heads
+        getattr(mha, name)[...] = jnp.repeat(getattr(gqa, name)[...], 4 // G, axis=axis)
+    x = jax.random.normal(jax.random.key(0), (2, 6, 16))
+    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+    np.testing.assert_allclose(gqa(x, positions_BT=pos), mha(x, positions_BT=pos), atol=1e-5)
+
+
+def test_embedding_scaling_and_tied_logits():
+    cfg = jf.tiny("decoder_only", vocab_size=10, d_model=16)
+    emb = jf.Embed(cfg, rngs=nnx.Rngs(0))
+    ids = jnp.array([[3, 1, 9]])
+    table = np.asarray(emb.embedding[...])
+    np.testing.assert_allclose(emb(ids), table[np.asarray(ids)] * 4.0, rtol=1e-6)  # sqrt(16) = 4
+    x = jax.random.normal(jax.random.key(0), (1, 3, 16))
+    np.testing.assert_allclose(emb.attend(x), np.asarray(x) @ table.T, rtol=1e-5, atol=1e-5)
+
+
+def test_out_of_range_token_ids_are_rejected():
+    cfg = jf.tiny("decoder_only", vocab_size=10)
+    emb = jf.Embed(cfg, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"token id 10 .* outside the vocabulary \[0, 10\)"):
+        emb(jnp.array([[1, 10]]))
+    with pytest.raises(ValueError, match="token id -1"):
+        emb(jnp.array([[-1, 2]]))
+
+    @jax.jit
+    def embed(state, ids):
+        return nnx.merge(graphdef, state)(ids)
+
+    graphdef, state = nnx.split(emb)
+    with pytest.raises(Exception, match=r"token id 12 .* outside the vocabulary"):
+        embed(state, jnp.array([[1, 12]])).block_until_ready()
+    unchecked = jf.Embed(cfg.replace(check_token_ids=False), rngs=nnx.Rngs(0))
+    unchecked(jnp.array([[1, 12]]))  # the documented escape hatch: JAX clamps silently
+
+
+def test_feed_forward_activations_match_manual():
+    for activation in ("relu", "gelu", "swiglu"):
+        cfg = jf.tiny("encoder_only", activation=activation)
+        ffn = jf.FeedForward(cfg, rngs=nnx.Rngs(0))
+        x = np.asarray(jax.random.normal(jax.random.key(0), (2, 3, 16)))
+        up = x @ np.asarray(ffn.wi[...]) + np.asarray(ffn.wi_bias[...])
+        if activation == "swiglu":
+            gate = x @ np.asarray(ffn.wi_gate[...]) + np.asarray(ffn.wi_gate_bias[...])
+            h = gate / (1 + np.exp(-gate)) * up
+        else:
+            h = np.asarray(F.ACTIVATIONS[activation](jnp.asarray(up)))
+        ref = h @ np.asarray(ffn.wo[...]) + np.asarray(ffn.wo_bias[...])
+        np.testing.assert_allclose(ffn(jnp.asarray(x)), ref, atol=1e-5, err_msg=activation)
+
+
+@pytest.mark.parametrize("norm_position", ["post", "pre"])
+def test_encoder_layer_composition(norm_position):
+    """post: LN(x + Sublayer(x)); pre: x + Sublayer(LN(x)), checked by composing the sublayers by hand."""
+    cfg = jf.tiny("encoder_only", norm_position=norm_position, norm="rmsnorm")
+    layer = jf.EncoderLayer(cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (2, 4, 16))
+    pos = jnp.broadcast_to(jnp.arange(4), (2, 4))
+    n1, n2 = layer.self_attn_res.norm, layer.ffn_res.norm
+    if norm_position == "post":
+        h = n1(x + layer.self_attn(x))
+        ref = n2(h + layer.ffn(h))
+    else:
+        h = x + layer.self_attn(n1(x))
+        ref = h + layer.ffn(n2(h))
+    np.testing.assert_allclose(layer(x, mask=None, positions_BT=pos), ref, atol=1e-6)
