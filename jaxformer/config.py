@@ -216,3 +216,198 @@ PRESETS = {
     "gpt2_style": gpt2_style,
     "tiny": tiny,
 }
+
+
+# ----------------------------------------------------------------------------- training run
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and the training loop."""
+
+    objective: Literal["lm", "seq2seq", "mlm", "classify"] = "lm"
+    steps: int = 1000
+    batch_size: int = 32  # global batch, in sequences
+    grad_accum: int = 1  # micro-batches per step; batch_size must divide by it
+    optimizer: Literal["adamw", "adam"] = "adamw"
+    learning_rate: float = 1e-3  # peak; for the noam schedule a multiplier on the paper's formula
+    schedule: Literal["noam", "cosine", "constant"] = "cosine"
+    warmup_steps: int = 100
+    b1: float = 0.9
+    b2: float = 0.98  # paper: 0.98
+    eps: float = 1e-9  # paper: 1e-9
+    weight_decay: float = 0.0  # AdamW decoupled decay; never applied to norms and biases
+    clip_norm: float = 1.0  # global gradient-norm clipping; 0 disables
+    label_smoothing: float = 0.0  # paper: 0.1
+    z_loss: float = 0.0
+    mlm_probability: float = 0.15  # BERT: 15% of tokens; 80% [MASK], 10% random, 10% unchanged
+    seed: int = 0
+    log_every: int = 25
+    eval_every: int = 250
+    eval_batches: int = 16
+    num_samples: int = 3  # greedy samples printed at each evaluation
+    peak_flops: float = 0.0  # device peak FLOP/s for MFU; 0 = measure with a matmul probe
+
+    def __post_init__(self):
+        p = "train"
+        check_field_types(self, p)
+        for name in ("steps", "batch_size", "grad_accum", "log_every", "eval_every"):
+            require(getattr(self, name) > 0, f"{p}.{name}", f"must be positive, got {getattr(self, name)}")
+        require(
+            self.batch_size % self.grad_accum == 0,
+            f"{p}.grad_accum",
+            f"grad_accum={self.grad_accum} does not divide batch_size={self.batch_size}",
+        )
+        require(self.learning_rate > 0, f"{p}.learning_rate", f"must be positive, got {self.learning_rate}")
+        require(self.warmup_steps >= 0, f"{p}.warmup_steps", "must be >= 0")
+        require(0 <= self.label_smoothing < 1, f"{p}.label_smoothing", "must be in [0, 1)")
+        require(0 < self.mlm_probability < 1, f"{p}.mlm_probability", "must be in (0, 1)")
+        require(self.clip_norm >= 0 and self.weight_decay >= 0, f"{p}.clip_norm", "clip_norm and weight_decay >= 0")
+        require(self.eval_batches >= 0 and self.num_samples >= 0, f"{p}.eval_batches", "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where examples come from and how they become token batches."""
+
+    source: Literal["shakespeare", "en_de", "en_es", "lohelp_apps", "copy", "reverse"] = "shakespeare"
+    path: str | None = None  # a corpus file instead of the shipped one
+    tokenizer: Literal["byte", "sentencepiece", "symbols"] = "byte"
+    spm_vocab_size: int = 2000  # sentencepiece vocabulary (trained on the training split)
+    spm_model_type: Literal["bpe", "unigram"] = "bpe"
+    max_len: int = 128  # tokens per sequence (LM window; source/target cap for pairs)
+    too_long: Literal["truncate", "reject"] = "truncate"
+    length_buckets: int = 4  # pairs/classification: batches cut to one of this many widths (1 = pad to max_len)
+    max_examples: int = 0  # cap on records read (0 = all); keeps CPU runs small
+    min_words: int = 3  # en_de / lohelp: drop UI labels shorter than this
+    val_fraction: float = 0.05
+    test_fraction: float = 0.05
+    split_seed: int = 0  # splits are a fixed function of this seed
+    synthetic_vocab: int = 11  # copy/reverse: V = 11 as in the Annotated Transformer
+    synthetic_len: int = 10
+
+    def __post_init__(self):
+        p = "data"
+        check_field_types(self, p)
+        require(self.max_len > 1, f"{p}.max_len", f"must be > 1, got {self.max_len}")
+        require(self.spm_vocab_size > 8, f"{p}.spm_vocab_size", "must be > 8")
+        require(self.max_examples >= 0, f"{p}.max_examples", "must be >= 0")
+        require(self.length_buckets > 0, f"{p}.length_buckets", "must be positive")
+        require(
+            0 < self.val_fraction < 1 and 0 < self.test_fraction < 1 and self.val_fraction + self.test_fraction < 1,
+            f"{p}.val_fraction",
+            "val_fraction and test_fraction must be in (0, 1) and sum below 1",
+        )
+        require(self.synthetic_vocab > 3, f"{p}.synthetic_vocab", "must be > 3")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One training run: model, optimisation, data."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+
+    def __post_init__(self):
+        objective, mode = self.train.objective, self.model.mode
+        allowed = {
+            "lm": "decoder_only",
+            "seq2seq": "encoder_decoder",
+            "mlm": "encoder_only",
+            "classify": "encoder_only",
+        }
+        require(
+            allowed[objective] == mode,
+            "train.objective",
+            f"objective={objective!r} needs model.mode={allowed[objective]!r}, got {mode!r}",
+        )
+        if objective == "classify":
+            require(self.model.num_classes > 0, "model.num_classes", "classification needs num_classes > 0")
+        if self.model.position in ("sinusoidal", "learned"):
+            require(
+                self.data.max_len <= self.model.max_len,
+                "data.max_len",
+                f"data.max_len={self.data.max_len} exceeds model.max_len={self.model.max_len}",
+            )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def from_dict(d: dict) -> Config:
+    """Rebuild a Config from `to_dict()` output (e.g. a run's saved config.json)."""
+    sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    unknown = set(d) - set(sections)
+    require(not unknown, ", ".join(sorted(unknown)), "unknown config section")
+    return Config(**{name: _section(name, d.get(name, {})) for name in sections})
+
+
+def _section(name: str, values: dict):
+    cls = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}[name]
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        require(key in known, f"{name}.{key}", f"unknown field (known: {', '.join(sorted(known))})")
+    return cls(**values)
+
+
+def load_experiment(path: str) -> Config:
+    """Run experiments/NAME.py and return its `get_config()`."""
+    import importlib.util
+    import pathlib
+
+    file = pathlib.Path(path)
+    if not file.is_file():
+        raise ConfigError(f"experiment file {path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"jaxformer_experiment_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"{path} defines no get_config()")
+    cfg = module.get_config()
+    if not isinstance(cfg, Config):
+        raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, not jaxformer.config.Config")
+    return cfg
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """Apply `section.field=value` overrides; values are parsed by the field's type and validated."""
+    d = cfg.to_dict()
+    for item in overrides:
+        require("=" in item, item, "an override is section.field=value")
+        dotted, raw = item.split("=", 1)
+        parts = dotted.strip().split(".")
+        require(len(parts) == 2 and parts[0] in d, dotted, "an override names section.field (model, train or data)")
+        section, name = parts
+        cls = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}[section]
+        hints = typing.get_type_hints(cls)
+        require(name in hints, dotted, f"unknown field (known: {', '.join(sorted(hints))})")
+        d[section][name] = _parse(raw.strip(), hints[name], dotted)
+    return from_dict(d)
+
+
+def _parse(raw: str, hint, field: str):
+    if raw.lower() in ("none", "null") and _matches(None, hint):
+        return None
+    candidates = (
+        [h for h in typing.get_args(hint) if h is not type(None)]
+        if typing.get_origin(hint)
+        in (
+            typing.Union,
+            types.UnionType,
+        )
+        else [hint]
+    )
+    for h in candidates:
+        try:
+            if h is bool:
+                if raw.lower() in ("true", "1", "yes", "false", "0", "no"):
+                    return raw.lower() in ("true", "1", "yes")
+                continue
+            if h in (int, float):
+                return h(float(raw)) if h is int and float(raw).is_integer() else h(raw)
+            if h is str or typing.get_origin(h) is Literal:
+                return raw
+        except ValueError:
+            continue
+    raise ConfigError(f"{field}: cannot parse {raw!r} as {_type_name(hint)}")

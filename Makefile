@@ -1,0 +1,24 @@
+# Two commands that work on a fresh machine with Python 3.11+ and pip:
+#   make demo   set up, then train the main job (a small Shakespeare language model, ~8 min on 2 CPU cores)
+#   make test   set up, then lint, format-check and run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+$(BIN)/jaxformer: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $@
+
+setup: $(BIN)/jaxformer
+
+demo: setup
+	$(BIN)/jaxformer train --config experiments/lm_shakespeare.py --workdir runs/lm_shakespeare
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/pytest -n 2 -q
+
+.PHONY: setup demo test

@@ -1,0 +1,35 @@
+"""The Annotated Transformer's copy task: an encoder-decoder learns to copy 10 random symbols (V = 11).
+
+    jaxformer train --config experiments/copy_task.py --workdir runs/copy_task
+
+Converges in ~400 steps (under a minute on 2 CPU cores); then greedy decoding copies
+held-out sequences exactly. `--set data.source=reverse` trains the reverse task instead.
+"""
+
+from jaxformer.config import Config, DataConfig, ModelConfig, TrainConfig
+
+
+def get_config() -> Config:
+    return Config(
+        model=ModelConfig(
+            mode="encoder_decoder",
+            vocab_size=11,  # pad 0, bos 1, symbols 2..10
+            d_model=64,
+            num_heads=4,
+            d_ff=128,  # tiny: the task needs attention, not capacity
+            num_encoder_layers=2,
+            num_decoder_layers=2,
+            max_len=16,
+            dropout_rate=0.0,  # infinite fresh data, nothing to regularise
+        ),
+        data=DataConfig(source="copy", tokenizer="symbols", max_len=10, synthetic_vocab=11, synthetic_len=10),
+        train=TrainConfig(
+            objective="seq2seq",
+            steps=400,
+            batch_size=64,
+            learning_rate=3e-3,
+            warmup_steps=50,
+            eval_every=200,
+            log_every=50,
+        ),
+    )

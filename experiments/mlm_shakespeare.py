@@ -1,0 +1,29 @@
+"""Encoder-only masked-LM pretraining (BERT's 15% / 80-10-10 masking) on Shakespeare, byte level.
+
+jaxformer train --config experiments/mlm_shakespeare.py --workdir runs/mlm_shakespeare
+"""
+
+from jaxformer.config import Config, DataConfig, ModelConfig, TrainConfig
+
+
+def get_config() -> Config:
+    return Config(
+        model=ModelConfig(
+            mode="encoder_only",
+            vocab_size=260,
+            d_model=128,
+            num_heads=4,
+            d_ff=512,
+            num_encoder_layers=4,
+            num_decoder_layers=0,
+            max_len=128,
+            position="learned",
+            activation="gelu",
+            scale_embeddings=False,
+            dropout_rate=0.1,
+        ),
+        data=DataConfig(source="shakespeare", tokenizer="byte", max_len=128, max_examples=12_000),
+        train=TrainConfig(
+            objective="mlm", steps=800, batch_size=32, learning_rate=1e-3, warmup_steps=100, eval_every=400
+        ),
+    )

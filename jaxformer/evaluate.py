@@ -1,0 +1,61 @@
+"""Held-out evaluation of a trained model, each figure beside a baseline that needs no model.
+
+lm        perplexity vs a unigram model fitted on the training split
+seq2seq   BLEU (sacrebleu) of greedy translations vs copying the source; exact-sequence accuracy
+classify  accuracy vs always predicting the majority class of the training split
+mlm       masked-token accuracy and perplexity vs the unigram model
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxformer import decode
+from jaxformer.data.pipeline import Batches
+
+
+def _arrays(batches: Batches, num_batches: int) -> dict[str, np.ndarray]:
+    parts = [batches.get(i) for i in range(min(num_batches, len(batches)))]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def unigram_perplexity(train: Batches, test: dict, vocab_size: int) -> float:
+    """Perplexity of add-one unigram frequencies from the training split on the test targets."""
+    counts = np.ones(vocab_size)
+    for i in range(min(len(train), 200)):
+        b = train.get(i)
+        np.add.at(counts, b["targets"][b["weights"] > 0], 1)
+    logp = np.log(counts / counts.sum())
+    w = test["weights"] > 0
+    return float(np.exp(-logp[test["targets"][w]].mean()))
+
+
+def evaluate_model(cfg, graphdef, params, data, eval_step, state, num_batches: int = 32) -> dict:
+    """Figures on the test split, beside their baselines."""
+    from jaxformer.train import evaluate
+
+    objective = cfg.train.objective
+    out = {f"test_{k}": v for k, v in evaluate(eval_step, state, data.test, num_batches).items() if k != "tokens"}
+    test = _arrays(data.test, num_batches)
+    if objective in ("lm", "mlm"):
+        out["unigram_perplexity"] = unigram_perplexity(data.train, test, cfg.model.vocab_size)
+    if objective == "classify":
+        train_labels = np.concatenate([data.train.get(i)["label"] for i in range(min(len(data.train), 200))])
+        majority = np.bincount(train_labels).argmax()
+        out["majority_accuracy"] = float((test["label"] == majority).mean())
+    if objective == "seq2seq":
+        import sacrebleu
+
+        tok = data.tokenizer
+        n = min(len(test["src"]), 512)
+        hyps, refs, srcs = [], [], []
+        for i in range(0, n, cfg.train.batch_size):
+            src = test["src"][i : i + cfg.train.batch_size]
+            hyps += decode.translate_texts(graphdef, params, cfg, tok, src, cfg.data.max_len)
+            refs += [tok.decode(decode.strip_after_eos(t, tok.eos_id)) for t in test["targets"][i : i + len(src)]]
+            srcs += [tok.decode(decode.strip_after_eos(s, tok.eos_id)) for s in src]
+        out["bleu"] = sacrebleu.corpus_bleu(hyps, [refs]).score
+        out["copy_source_bleu"] = sacrebleu.corpus_bleu(srcs, [refs]).score
+        out["sequence_accuracy"] = float(np.mean([h == r for h, r in zip(hyps, refs, strict=True)]))
+        out["examples"] = [{"src": s, "ref": r, "hyp": h} for s, r, h in list(zip(srcs, refs, hyps, strict=True))[:3]]
+    return out

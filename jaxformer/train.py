@@ -1,0 +1,296 @@
+"""Training: state, optimizer, losses per objective, pure train/eval steps, and the fit loop.
+
+`train_step(state, batch) -> (state, metrics)` and `eval_step(state, batch) -> metrics`
+are pure functions of pytrees, jitted once with the state donated. The loop around
+them (data, logging, evaluation, samples) runs in Python outside jit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from jaxformer import functional as F
+from jaxformer.config import Config, ModelConfig, TrainConfig
+from jaxformer.models import Transformer
+
+Array = jax.Array
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a step reads and writes: a plain pytree."""
+
+    step: Array  # int32 scalar
+    params: nnx.State
+    opt_state: optax.OptState
+    rng: Array  # root key; step t's dropout key is fold_in(rng, t)
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def learning_rate_schedule(cfg: TrainConfig, d_model: int) -> optax.Schedule:
+    """noam: lr * D^-0.5 * min(t^-0.5, t * warmup^-1.5) (paper, t counted from 1);
+    cosine: linear warmup to lr then cosine decay to 0 at `steps`; constant (with warmup)."""
+    if cfg.schedule == "noam":
+        w = max(cfg.warmup_steps, 1)
+        rsqrt = lambda t: cfg.learning_rate * d_model**-0.5 * jnp.minimum((t + 1.0) ** -0.5, (t + 1.0) * w**-1.5)
+        return rsqrt
+    if cfg.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            0.0, cfg.learning_rate, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps + 1)
+        )
+    warm = optax.linear_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1))
+    return optax.join_schedules([warm, optax.constant_schedule(cfg.learning_rate)], [cfg.warmup_steps])
+
+
+def decay_mask(params: nnx.State) -> Any:
+    """True for weight matrices; False for norms' scales and all biases (never decayed)."""
+
+    def keep(path, _):
+        name = str(path[-2].key if path and hasattr(path[-1], "name") else path[-1])
+        return not (name.endswith("bias") or name == "scale")
+
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def make_optimizer(cfg: TrainConfig, d_model: int) -> optax.GradientTransformation:
+    """Clip by global norm, then Adam (paper: b1=0.9, b2=0.98, eps=1e-9) or AdamW with a decay mask."""
+    schedule = learning_rate_schedule(cfg, d_model)
+    if cfg.optimizer == "adam":
+        opt = optax.adam(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+    else:
+        opt = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), opt) if cfg.clip_norm else opt
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+def forward(model: Transformer, objective: str, batch: dict, dropout_rng: Array | None) -> Array:
+    """Logits of the objective: [B, T, V] for token objectives, [B, C] for classification."""
+    if objective == "classify":
+        return model.classify(batch["src"], dropout_rng=dropout_rng)
+    if objective == "seq2seq":
+        return model(batch["src"], batch["inputs"], dropout_rng=dropout_rng)
+    return model(batch["inputs"], dropout_rng=dropout_rng)
+
+
+def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Array | None) -> tuple[Array, dict]:
+    """Summed loss (to be divided by the token count) and summed metrics of one (micro-)batch."""
+    logits = forward(model, cfg.objective, batch, dropout_rng)
+    if cfg.objective == "classify":
+        labels, weights = batch["label"], jnp.ones(batch["label"].shape, jnp.float32)
+    else:
+        labels, weights = batch["targets"], batch["weights"]
+    loss, w = F.cross_entropy(logits, labels, weights, label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss)
+    nll, _ = F.cross_entropy(logits, labels, weights)  # unsmoothed, for perplexity
+    correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32) * w
+    sums = {"loss": loss.sum(), "nll": nll.sum(), "correct": correct.sum(), "count": w.sum()}
+    return loss.sum(), sums
+
+
+def make_steps(graphdef: nnx.GraphDef, cfg: Config, optimizer: optax.GradientTransformation):
+    """Build the pure `train_step(state, batch)` and `eval_step(state, batch)` (not yet jitted)."""
+    tcfg = cfg.train
+    schedule = learning_rate_schedule(tcfg, cfg.model.d_model)
+
+    def grads_and_sums(params, batch, rng):
+        def f(params):
+            return loss_sums(nnx.merge(graphdef, params), tcfg, batch, rng)
+
+        (_, sums), grads = jax.value_and_grad(f, has_aux=True)(params)
+        return grads, sums
+
+    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        rng = jax.random.fold_in(state.rng, state.step)  # same step, same dropout masks
+        k = tcfg.grad_accum
+        if k == 1:
+            grads, sums = grads_and_sums(state.params, batch, rng)
+        else:  # k micro-batches; gradients of summed losses add up exactly to the big batch's
+            micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+
+            def body(acc, xs):
+                i, mb = xs
+                g, s = grads_and_sums(state.params, mb, jax.random.fold_in(rng, i))
+                return jax.tree.map(jnp.add, acc, (g, s)), None
+
+            zeros = jax.tree.map(
+                jnp.zeros_like, jax.eval_shape(grads_and_sums, state.params, jax.tree.map(lambda x: x[0], micro), rng)
+            )
+            (grads, sums), _ = jax.lax.scan(body, zeros, (jnp.arange(k), micro))
+        count = jnp.maximum(sums["count"], 1.0)
+        grads = jax.tree.map(lambda g: g / count, grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = summarize(sums) | {"grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step)}
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    def eval_step(state: TrainState, batch: dict) -> dict:
+        _, sums = loss_sums(nnx.merge(graphdef, state.params), tcfg, batch, None)
+        return sums
+
+    return train_step, eval_step
+
+
+def summarize(sums: dict) -> dict:
+    """Means from summed metrics: loss, accuracy, perplexity (from the unsmoothed NLL)."""
+    count = jnp.maximum(sums["count"], 1.0)
+    nll = sums["nll"] / count
+    return {
+        "loss": sums["loss"] / count,
+        "nll": nll,
+        "accuracy": sums["correct"] / count,
+        "perplexity": jnp.exp(nll),
+        "tokens": sums["count"],
+    }
+
+
+def init_state(cfg: Config) -> tuple[nnx.GraphDef, TrainState, optax.GradientTransformation]:
+    model = Transformer(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))
+    graphdef, params = nnx.split(model, nnx.Param)
+    optimizer = make_optimizer(cfg.train, cfg.model.d_model)
+    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jax.random.key(cfg.train.seed))
+    return graphdef, state, optimizer
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def flops_per_example(cfg: ModelConfig, objective: str, src_len: int, tgt_len: int) -> float:
+    """Training FLOPs of one example: 3 x forward (backward = 2 x forward).
+
+    Forward, per token and layer: 2 FLOPs per multiply-add of each weight matrix,
+    attention projections 2 * D * (2 H K + 2 G K), feed-forward 2 * D * F * (2 or 3 if gated),
+    attention scores and values 2 * 2 * H * K * context (full context for the encoder and
+    cross-attention, T for decoder self-attention as it is computed unmasked); plus the
+    output head 2 * D * V per predicted token. Embedding lookups and norms are ignored.
+    """
+    D, H, G, K, Fw, V = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head, cfg.d_ff, cfg.vocab_size
+    proj = 2 * D * (2 * H * K + 2 * G * K)
+    ffn = 2 * D * Fw * (3 if cfg.activation == "swiglu" else 2)
+    attn = lambda ctx: 4 * H * K * ctx
+    enc_len = src_len if objective in ("seq2seq", "classify", "mlm") else 0
+    total = cfg.num_encoder_layers * enc_len * (proj + ffn + attn(enc_len)) if enc_len else 0.0
+    if objective in ("lm", "seq2seq"):
+        cross = (proj + attn(src_len)) if objective == "seq2seq" else 0
+        total += cfg.num_decoder_layers * tgt_len * (proj + ffn + attn(tgt_len) + cross)
+    head_tokens = tgt_len if objective in ("lm", "seq2seq") else src_len if objective == "mlm" else 0
+    total += 2 * D * V * head_tokens
+    return 3.0 * total
+
+
+def measure_peak_flops(n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a float32 n x n matmul on the default device (a probe of achievable peak)."""
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    f(a).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        out = f(a)
+    out.block_until_ready()
+    return 2 * n**3 * repeats / (time.perf_counter() - t0)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+class MetricWriter:
+    """Metrics to a JSONL file and TensorBoard event files in the workdir."""
+
+    def __init__(self, workdir: pathlib.Path):
+        from tensorboardX import SummaryWriter
+
+        self.jsonl = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115 (lives as long as the run)
+        self.tb = SummaryWriter(str(workdir / "tensorboard"))
+
+    def write(self, step: int, split: str, metrics: dict) -> None:
+        values = {k: float(v) for k, v in metrics.items()}
+        self.jsonl.write(json.dumps({"step": step, "split": split, **values}) + "\n")
+        self.jsonl.flush()
+        for k, v in values.items():
+            self.tb.add_scalar(f"{split}/{k}", v, step)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        self.tb.close()
+
+
+def evaluate(eval_step, state, batches, num_batches: int) -> dict:
+    totals = None
+    for i in range(min(num_batches, len(batches))):
+        sums = eval_step(state, batches.get(i))
+        totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+    return {k: float(v) for k, v in summarize(totals).items()}
+
+
+def fit(cfg: Config, workdir: str | pathlib.Path, *, quiet: bool = False) -> dict:
+    """Train `cfg` in `workdir`; returns the final validation metrics and samples."""
+    from tqdm.auto import tqdm
+
+    from jaxformer import decode
+    from jaxformer.data import build_dataset
+
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    data = build_dataset(cfg, workdir)
+    graphdef, state, optimizer = init_state(cfg)
+    train_step, eval_step = make_steps(graphdef, cfg, optimizer)
+    train_step = jax.jit(train_step, donate_argnums=0)
+    eval_step = jax.jit(eval_step)
+    tcfg = cfg.train
+    first = data.train.get(0)
+    src_len = first["src"].shape[1] if "src" in first else first["inputs"].shape[1]
+    tgt_len = first["inputs"].shape[1] if "inputs" in first else 0
+    step_flops = flops_per_example(cfg.model, tcfg.objective, src_len, tgt_len) * tcfg.batch_size
+    peak = tcfg.peak_flops or measure_peak_flops()
+    writer = MetricWriter(workdir)
+    log = (lambda *a: None) if quiet else tqdm.write
+    log(f"peak {peak / 1e9:.1f} GFLOP/s (matmul probe); {step_flops / 1e9:.2f} GFLOP per step; workdir {workdir}")
+
+    def show_samples():
+        for src, ref in zip(*decode.sample_texts(graphdef, state.params, cfg, data), strict=True):
+            log(f"  > {src!r}\n  = {ref!r}")
+
+    t_last, pending, result = time.perf_counter(), None, {}
+    bar = tqdm(range(tcfg.steps), disable=quiet, dynamic_ncols=True)
+    compile_start = time.perf_counter()
+    for step in bar:
+        state, metrics = train_step(state, data.train.get(step))
+        if step == 0:
+            jax.block_until_ready(metrics)
+            log(f"compiled and ran step 0 in {time.perf_counter() - compile_start:.1f}s")
+            t_last = time.perf_counter()
+        if pending is not None:  # read step t-1's metrics after dispatching step t
+            prev_step, prev = pending
+            loss = float(prev["loss"])
+            if not math.isfinite(loss):
+                raise FloatingPointError(
+                    f"loss is {loss} at step {prev_step}; lower train.learning_rate or check the data"
+                )
+            if prev_step % tcfg.log_every == 0 and prev_step > 0:
+                now = time.perf_counter()
+                dt = (now - t_last) / tcfg.log_every
+                t_last = now
+                extra = {"tokens_per_s": float(prev["tokens"]) / dt, "step_time": dt, "mfu": step_flops / dt / peak}
+                writer.write(prev_step, "train", {**prev, **extra})
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{extra['tokens_per_s']:.0f}")
+        pending = (step, metrics)
+        if (step + 1) % tcfg.eval_every == 0 or step + 1 == tcfg.steps:
+            result = evaluate(eval_step, state, data.val, tcfg.eval_batches)
+            writer.write(step + 1, "eval", result)
+            log(f"step {step + 1}: eval " + " ".join(f"{k}={v:.4g}" for k, v in result.items()))
+            if tcfg.num_samples:
+                show_samples()
+    writer.close()
+    return {"eval": result, "state": state, "graphdef": graphdef, "data": data, "eval_step": eval_step}

@@ -1,0 +1,119 @@
+"""Data: deterministic splits and batches, tokenizers, and errors naming file and line."""
+
+import lzma
+
+import numpy as np
+import pytest
+
+from jaxformer import config as C
+from jaxformer.data import ByteTokenizer, DataError, SentencePieceTokenizer, build_dataset
+
+
+def cfg_for(source="shakespeare", objective="lm", mode="decoder_only", **data):
+    model = C.tiny(mode, vocab_size=260, max_len=32, num_classes=8 if objective == "classify" else 0)
+    return C.Config(
+        model=model,
+        data=C.DataConfig(source=source, max_len=32, **data),
+        train=C.TrainConfig(objective=objective, batch_size=4),
+    )
+
+
+def test_batches_are_a_deterministic_function_of_step():
+    cfg = cfg_for(max_examples=2000)
+    a, b = build_dataset(cfg), build_dataset(cfg)
+    for step in (0, 7, len(a.train) + 3):
+        for k in a.train.get(step):
+            np.testing.assert_array_equal(a.train.get(step)[k], b.train.get(step)[k])
+    assert not np.array_equal(a.train.get(0)["inputs"], a.train.get(1)["inputs"])
+    # Every training window is served exactly once per epoch.
+    seen = np.concatenate([a.train.get(i)["inputs"][:, 0] for i in range(len(a.train))])
+    assert len(seen) == len(a.train) * 4
+
+
+def test_lm_targets_are_inputs_shifted():
+    b = build_dataset(cfg_for(max_examples=500)).train.get(0)
+    np.testing.assert_array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])
+
+
+def test_splits_are_disjoint_and_seeded():
+    from jaxformer.data import sources
+
+    records = list(range(1000))
+    train, val, test = sources.split(records, 0.1, 0.1, seed=3, path="x")
+    assert len(set(train) | set(val) | set(test)) == 1000 and not set(val) & set(test)
+    assert sources.split(records, 0.1, 0.1, seed=3, path="x") == (train, val, test)
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    text = "Wherefore art thou, Romeo? — ünïcödé"
+    assert tok.decode(tok.encode(text)) == text
+    assert min(tok.encode(text)) >= 4 and max(tok.encode(text)) < tok.vocab_size
+
+
+def test_sentencepiece_trains_and_round_trips(tmp_path):
+    texts = [f"the {w} is on the table number {i}" for i, w in enumerate(["cat", "dog", "cup", "book"] * 50)]
+    tok = SentencePieceTokenizer.train(texts, tmp_path / "tok.model", vocab_size=60)
+    assert tok.vocab_size == 60 and tok.pad_id == 0 and tok.mask_id > tok.eos_id
+    assert tok.decode(tok.encode("the dog is on the table")) == "the dog is on the table"
+    assert SentencePieceTokenizer(tmp_path / "tok.model").encode("the cat") == tok.encode("the cat")
+
+
+def test_mlm_masking_follows_bert_proportions():
+    cfg = cfg_for(objective="mlm", mode="encoder_only", max_examples=3000)
+    data = build_dataset(cfg)
+    batches = [data.train.get(i) for i in range(200)]
+    chosen = np.concatenate([b["weights"].ravel() for b in batches]) > 0
+    inputs = np.concatenate([b["inputs"].ravel() for b in batches])[chosen]
+    targets = np.concatenate([b["targets"].ravel() for b in batches])[chosen]
+    assert abs(chosen.mean() - 0.15) < 0.01
+    assert abs((inputs == ByteTokenizer.mask_id).mean() - 0.8) < 0.03
+    assert abs((inputs == targets).mean() - 0.1 - 0.1 / 256) < 0.03  # unchanged (+ random hits)
+
+
+def test_classification_labels_are_the_applications():
+    data = build_dataset(cfg_for("lohelp_apps", "classify", "encoder_only"))
+    labels = np.concatenate([data.train.get(i)["label"] for i in range(len(data.train))])
+    counts = np.bincount(labels, minlength=8)
+    assert counts.argmax() == 0  # scalc is the largest class
+    assert (counts > 0).all()
+
+
+def write_xz(path, text):
+    with lzma.open(path, "wt", encoding="utf-8") as f:
+        f.write(text)
+
+
+def test_bad_data_errors_name_file_and_line(tmp_path):
+    with pytest.raises(DataError, match=r"missing\.tsv\.xz: no such data file"):
+        build_dataset(cfg_for("en_de", "seq2seq", "encoder_decoder", path=str(tmp_path / "missing.tsv.xz")))
+    bad = tmp_path / "bad.tsv.xz"
+    write_xz(bad, "id\ten\tde\ntext/a/b#1\tone two three\tein zwei drei\ntext/a/b#2\tonly two columns\n")
+    with pytest.raises(DataError, match=r"bad.tsv.xz:3: expected 3 tab-separated columns, got 2"):
+        build_dataset(cfg_for("en_de", "seq2seq", "encoder_decoder", path=str(bad)))
+    tiny = tmp_path / "tiny.tsv.xz"
+    write_xz(tiny, "id\ten\tde\n" + "".join(f"text/a/b#{i}\tone two three\teins zwei drei\n" for i in range(5)))
+    with pytest.raises(DataError, match=r"tiny\.tsv\.xz: the validation split is empty"):
+        build_dataset(cfg_for("en_de", "seq2seq", "encoder_decoder", path=str(tiny)))
+    long = tmp_path / "long.tsv.xz"
+    rows = "".join(f"text/a/b#{i}\tone two three\teins zwei drei\n" for i in range(60))
+    write_xz(long, "id\ten\tde\n" + rows + "text/a/b#x\t" + "word " * 40 + "\tlang\n")
+    with pytest.raises(DataError, match=r"long.tsv.xz:62: sequence of \d+ tokens exceeds data.max_len=32"):
+        build_dataset(
+            cfg_for(
+                "en_de",
+                "seq2seq",
+                "encoder_decoder",
+                path=str(long),
+                too_long="reject",
+                val_fraction=0.3,
+                test_fraction=0.3,
+            )
+        )
+
+
+def test_tokenizer_larger_than_model_vocab_is_rejected():
+    cfg = cfg_for(max_examples=500)
+    cfg = C.Config(model=cfg.model.replace(vocab_size=100), data=cfg.data, train=cfg.train)
+    with pytest.raises(DataError, match=r"260 ids but model\.vocab_size=100"):
+        build_dataset(cfg)

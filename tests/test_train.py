@@ -1,0 +1,149 @@
+"""The training step against formulas and invariants: schedules, losses, accumulation, determinism."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxformer import config as C
+from jaxformer.train import TrainState, init_state, learning_rate_schedule, make_steps
+
+
+def run_config(**train):
+    model = C.tiny("decoder_only", vocab_size=16, dropout_rate=0.1)
+    return C.Config(model=model, data=C.DataConfig(max_len=8), train=C.TrainConfig(objective="lm", **train))
+
+
+def lm_batch(seed=0, B=8, T=8, V=16, pad_from=None):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, V, (B, T + 1)).astype(np.int32)
+    if pad_from is not None:
+        tokens[:, pad_from:] = 0
+    targets = tokens[:, 1:]
+    return {"inputs": tokens[:, :-1], "targets": targets, "weights": (targets != 0).astype(np.float32)}
+
+
+def test_noam_and_cosine_schedules_equal_their_formulas():
+    D, w = 512, 4000
+    noam = learning_rate_schedule(C.TrainConfig(schedule="noam", warmup_steps=w, learning_rate=1.0), D)
+    for step in (0, 99, 3999, 4000, 20_000):
+        t = step + 1  # the paper counts steps from 1
+        np.testing.assert_allclose(noam(step), D**-0.5 * min(t**-0.5, t * w**-1.5), rtol=1e-6)
+    cfg = C.TrainConfig(schedule="cosine", warmup_steps=100, learning_rate=3e-4, steps=1100)
+    cosine = learning_rate_schedule(cfg, D)
+    for step in (0, 50, 100, 600, 1100):
+        want = 3e-4 * step / 100 if step < 100 else 3e-4 * 0.5 * (1 + np.cos(np.pi * (step - 100) / 1000))
+        np.testing.assert_allclose(cosine(step), want, rtol=1e-5, atol=1e-12)
+
+
+def test_pad_tokens_contribute_zero_loss_and_gradient():
+    cfg = run_config()
+    graphdef, state, optimizer = init_state(cfg)
+    _, eval_step = make_steps(graphdef, cfg, optimizer)
+    batch = lm_batch(pad_from=5)
+    garbage = dict(batch, targets=np.where(batch["weights"] > 0, batch["targets"], 7))
+    garbage["weights"] = batch["weights"]
+    a, b = eval_step(state, batch), eval_step(state, garbage)
+    assert float(a["count"]) == 8 * 4
+    np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-6)
+
+    from flax import nnx
+
+    from jaxformer.train import loss_sums
+
+    def grads(batch):
+        return jax.grad(lambda p: loss_sums(nnx.merge(graphdef, p), cfg.train, batch, None)[0])(state.params)
+
+    g1, g2 = grads(batch), grads(garbage)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-7), g1, g2)
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    """k micro-batches of size b give the same update as one batch of k*b (no dropout: same maths)."""
+    base = run_config(batch_size=8, clip_norm=0.0)
+    base = dataclasses.replace(base, model=base.model.replace(dropout_rate=0.0))
+    batch = lm_batch(pad_from=6)
+    batch["weights"][:4, :3] = 0  # uneven token counts across micro-batches
+    results = []
+    for k in (1, 4):
+        cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, grad_accum=k))
+        graphdef, state, optimizer = init_state(cfg)
+        step, _ = make_steps(graphdef, cfg, optimizer)
+        new_state, metrics = jax.jit(step)(state, batch)
+        results.append((new_state, metrics))
+    (s1, m1), (s4, m4) = results
+    np.testing.assert_allclose(m1["loss"], m4["loss"], rtol=1e-6)
+    np.testing.assert_allclose(m1["grad_norm"], m4["grad_norm"], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), s1.params, s4.params)
+
+
+def train_losses(cfg, batch, steps):
+    graphdef, state, optimizer = init_state(cfg)
+    step = jax.jit(make_steps(graphdef, cfg, optimizer)[0], donate_argnums=0)
+    losses = []
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        losses.append(np.asarray(metrics["loss"]))
+    return np.array(losses)
+
+
+def test_overfit_one_batch():
+    cfg = run_config(learning_rate=1e-2, warmup_steps=10, steps=250)  # cosine to 0 at step 250
+    cfg = dataclasses.replace(cfg, model=cfg.model.replace(dropout_rate=0.0, d_model=32, d_ff=64))
+    batch = lm_batch()
+    batch["inputs"][:, 0] = np.arange(1, 9)  # distinct first tokens: every next token is determined
+    losses = train_losses(cfg, batch, 250)
+    assert losses[0] > 2.0 and losses[-1] < 0.05, (losses[0], losses[-1])
+
+
+def test_same_seed_gives_bitwise_identical_losses():
+    cfg = run_config(learning_rate=3e-3, warmup_steps=2)  # dropout 0.1: keys from (seed, step)
+    a, b = train_losses(cfg, lm_batch(), 6), train_losses(cfg, lm_batch(), 6)
+    np.testing.assert_array_equal(a, b)
+    other = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=1))
+    assert not np.array_equal(a, train_losses(other, lm_batch(), 6))
+
+
+def test_dropout_masks_depend_on_step_only():
+    cfg = run_config()
+    graphdef, state, optimizer = init_state(cfg)
+    step = jax.jit(make_steps(graphdef, cfg, optimizer)[0])
+    batch = lm_batch()
+    _, m_a = step(state, batch)
+    _, m_b = step(state, batch)
+    _, m_c = step(state.replace(step=state.step + 1), batch)
+    assert float(m_a["loss"]) == float(m_b["loss"]) != float(m_c["loss"])
+
+
+def test_weight_decay_skips_norms_and_biases():
+    cfg = run_config(weight_decay=0.5, learning_rate=1.0, warmup_steps=0, schedule="constant", clip_norm=0.0)
+    _graphdef, state, optimizer = init_state(cfg)
+    zero_grads = jax.tree.map(jnp.zeros_like, state.params)
+    updates, _ = optimizer.update(zero_grads, state.opt_state, state.params)
+    for path, u in jax.tree_util.tree_leaves_with_path(updates):
+        name = jax.tree_util.keystr(path)
+        decayed = bool(np.any(np.asarray(u) != 0))
+        assert decayed == ("bias" not in name and "scale" not in name), name
+    assert isinstance(state, TrainState) and isinstance(optimizer, optax.GradientTransformation)
+
+
+@pytest.mark.parametrize("objective, mode", [("seq2seq", "encoder_decoder"), ("mlm", "encoder_only")])
+def test_objectives_train_steps(objective, mode):
+    model = C.tiny(mode, vocab_size=260, max_len=32)
+    cfg = C.Config(
+        model=model,
+        data=C.DataConfig(source="shakespeare" if objective == "mlm" else "en_de", max_len=32, max_examples=600),
+        train=C.TrainConfig(objective=objective, batch_size=8, steps=3),
+    )
+    from jaxformer.data import build_dataset
+
+    data = build_dataset(cfg)
+    graphdef, state, optimizer = init_state(cfg)
+    step = jax.jit(make_steps(graphdef, cfg, optimizer)[0])
+    for i in range(3):
+        state, metrics = step(state, data.train.get(i))
+        assert np.isfinite(float(metrics["loss"]))
+    assert int(state.step) == 3
