@@ -1,6 +1,7 @@
 """jaxformer: the Transformer of "Attention Is All You Need" as a JAX/Flax NNX framework."""
 
 from jaxformer import functional
+from jaxformer.checkpoint import load_model
 from jaxformer.config import ConfigError, ModelConfig, bert_style, gpt2_style, paper_base, paper_big, tiny
 from jaxformer.layers import (
     DecoderLayer,
@@ -35,6 +36,7 @@ __all__ = [
     "count_params",
     "functional",
     "gpt2_style",
+    "load_model",
     "paper_base",
     "paper_big",
     "tiny",

@@ -1,29 +1,165 @@
-"""Saving and restoring parameters with orbax-checkpoint.
+"""Checkpoints with orbax-checkpoint: periodic async saves, exact resume, fallback, export.
 
-For now: the final parameters of a run, in `WORKDIR/params` (atomic: orbax writes to a
-temporary directory and renames it when complete).
+A checkpoint `WORKDIR/checkpoints/<step>/` holds two items:
+  state  the TrainState pytree (step, params, optimizer state, RNG), arrays restored
+         straight into the shardings of the state you restore into (any mesh);
+  meta   JSON: the resolved config and the data position (batches are a function of
+         the step, so the position is the step and the seed).
+orbax writes each step into a temporary directory and renames it when complete, so an
+interrupted save is never listed as a checkpoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import pathlib
 
 import jax
 import orbax.checkpoint as ocp
+from flax import nnx
+
+from jaxformer.config import Config, ConfigError, from_dict
+
+log = logging.getLogger("jaxformer.checkpoint")
+
+# Exit code of a run that saved a checkpoint on SIGTERM and stopped: rerun the same command to resume.
+EXIT_PREEMPTED = 3
+
+# Model fields that do not change the parameters' shapes or layout: a run may resume with them changed.
+RUNTIME_MODEL_FIELDS = {"dtype", "attention_impl", "remat", "check_token_ids", "dropout_rate", "attention_dropout_rate"}
 
 
-def save_params(workdir: pathlib.Path, params) -> pathlib.Path:
-    path = (workdir / "params").absolute()
+class Checkpointer:
+    """The run's CheckpointManager: save every `checkpoint.every` steps, keep the last
+    `checkpoint.keep` (and the best by `checkpoint.best_metric` when set)."""
+
+    def __init__(self, workdir: str | pathlib.Path, cfg: Config):
+        self.cfg = cfg
+        self.directory = (pathlib.Path(workdir) / "checkpoints").absolute()
+        c = cfg.checkpoint
+        policies = [ocp.checkpoint_managers.LatestN(n=c.keep)]
+        if c.best_metric:
+            policies.append(
+                ocp.checkpoint_managers.BestN(
+                    get_metric_fn=lambda m: m[c.best_metric],
+                    reverse=c.best_mode == "min",
+                    n=1,
+                    keep_checkpoints_without_metrics=False,
+                )
+            )
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
+            enable_async_checkpointing=c.async_save,
+            create=True,
+        )
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        except OSError as e:
+            raise OSError(f"cannot use checkpoint directory {self.directory}: {e}") from e
+
+    def save(self, state, *, metrics: dict | None = None) -> None:
+        """Start saving `state` (asynchronously unless configured otherwise)."""
+        step = int(state.step)
+        meta = {"config": self.cfg.to_dict(), "data": {"step": step, "seed": self.cfg.train.seed}}
+        try:
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                metrics=metrics,
+                force=True,
+            )
+        except OSError as e:
+            raise OSError(f"saving checkpoint {self.directory / str(step)} failed: {e}; earlier ones are intact") from e
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+    def restore_latest(self, like):
+        """Restore the newest checkpoint that reads back, into the structure and shardings of `like`.
+
+        A checkpoint that fails to restore is moved to `corrupt-<step>` (never deleted)
+        with a warning, and the previous one is tried. Returns None if there is none.
+        """
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            except Exception as e:  # unreadable metadata: a damaged checkpoint
+                self._set_aside(step, e)
+                continue
+            check_compatible(from_dict(meta["config"]), self.cfg, self.directory / str(step))
+            try:
+                restored = self.manager.restore(
+                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+                )
+            except Exception as e:
+                self._set_aside(step, e)
+                continue
+            return restored["state"]
+        return None
+
+    def _set_aside(self, step: int, error: Exception) -> None:
+        src = self.directory / str(step)
+        dst = self.directory / f"corrupt-{step}"
+        log.warning("checkpoint %s cannot be restored (%s); moved to %s, trying the previous one", src, error, dst)
+        print(f"warning: checkpoint {src} cannot be restored ({type(error).__name__}); moved to {dst}")
+        src.rename(dst)
+        self.manager.reload()
+
+
+def check_compatible(saved: Config, current: Config, where) -> None:
+    """Refuse to resume when the model's shapes differ from the checkpoint's, listing the fields."""
+    a, b = dataclasses.asdict(saved.model), dataclasses.asdict(current.model)
+    diff = [
+        f"model.{k}: checkpoint {a[k]!r}, config {b[k]!r}" for k in a if k not in RUNTIME_MODEL_FIELDS and a[k] != b[k]
+    ]
+    if diff:
+        raise ConfigError(
+            f"cannot resume from {where}: the model differs from the checkpoint's:\n  " + "\n  ".join(diff)
+        )
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def export(workdir: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path:
+    """Write the latest checkpoint's parameters (no optimizer state) and config to `out`."""
+    from jaxformer.train import init_state
+
+    workdir, out = pathlib.Path(workdir), pathlib.Path(out).absolute()
+    config_file = workdir / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} does not exist: is {workdir} a training workdir?")
+    cfg = from_dict(json.loads(config_file.read_text()))
+    _, state, _ = init_state(cfg)
+    ckpt = Checkpointer(workdir, cfg)
+    restored = ckpt.restore_latest(state)
+    ckpt.close()
+    if restored is None:
+        raise FileNotFoundError(f"{workdir / 'checkpoints'} holds no checkpoint to export")
+    out.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path, params, force=True)
-    return path
+        ckptr.save(out / "params", restored.params, force=True)
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    for extra in ("tokenizer.model", "tokenizer.vocab"):
+        if (workdir / extra).is_file():
+            (out / extra).write_bytes((workdir / extra).read_bytes())
+    return out
 
 
-def restore_params(workdir: pathlib.Path, like):
-    """Restore into the structure, shapes and shardings of `like` (e.g. a fresh model's params)."""
-    path = (workdir / "params").absolute()
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no saved parameters (train first)")
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+def load_model(directory: str | pathlib.Path):
+    """A ready `Transformer` from an exported directory (see `export`), for use in any JAX code."""
+    from jaxformer.models import Transformer
+
+    directory = pathlib.Path(directory).absolute()
+    cfg = from_dict(json.loads((directory / "config.json").read_text()))
+    abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    graphdef, abstract_params = nnx.split(abstract, nnx.Param)
     with ocp.StandardCheckpointer() as ckptr:
-        return ckptr.restore(path, abstract)
+        params = ckptr.restore(directory / "params", jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_params))
+    return nnx.merge(graphdef, params)

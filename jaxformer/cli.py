@@ -1,4 +1,4 @@
-"""`jaxformer train | eval | demo`: the command line over config, train and evaluate."""
+"""`jaxformer train | eval | export | demo`: the command line over config, train and evaluate."""
 
 from __future__ import annotations
 
@@ -22,14 +22,15 @@ def _load_config(args):
 
 
 def cmd_train(args) -> int:
-    from jaxformer.checkpoint import save_params
+    from jaxformer.checkpoint import EXIT_PREEMPTED
     from jaxformer.evaluate import evaluate_model
     from jaxformer.train import fit
 
     cfg = _load_config(args)
     print(json.dumps(cfg.to_dict(), indent=2))
-    result = fit(cfg, args.workdir)
-    save_params(pathlib.Path(args.workdir), result["state"].params)
+    result = fit(cfg, args.workdir, quiet=args.quiet)
+    if result["preempted"]:
+        return EXIT_PREEMPTED
     report = evaluate_model(
         cfg, result["graphdef"], result["state"].params, result["data"], result["eval_step"], result["state"]
     )
@@ -41,7 +42,7 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     import jax
 
-    from jaxformer.checkpoint import restore_params
+    from jaxformer.checkpoint import Checkpointer
     from jaxformer.data import build_dataset
     from jaxformer.evaluate import evaluate_model
     from jaxformer.train import init_state, make_steps
@@ -49,9 +50,22 @@ def cmd_eval(args) -> int:
     cfg = _load_config(args)
     data = build_dataset(cfg, args.workdir)
     graphdef, state, optimizer = init_state(cfg)
-    state = state.replace(params=restore_params(pathlib.Path(args.workdir), state.params))
+    ckpt = Checkpointer(args.workdir, cfg)
+    state = ckpt.restore_latest(state)
+    ckpt.close()
+    if state is None:
+        raise SystemExit(f"error: {args.workdir}/checkpoints holds no checkpoint: train first")
+    print(f"evaluating the checkpoint of step {int(state.step)}")
     _, eval_step = make_steps(graphdef, cfg, optimizer)
     _print_report(evaluate_model(cfg, graphdef, state.params, data, jax.jit(eval_step), state))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from jaxformer.checkpoint import export
+
+    out = export(args.workdir, args.out)
+    print(f"exported parameters and config to {out}; load with jaxformer.load_model({str(out)!r})")
     return 0
 
 
@@ -86,17 +100,22 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--config", required=True, help="experiments/NAME.py")
     train.add_argument("--workdir", required=True)
     train.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")
+    train.add_argument("--quiet", action="store_true", help="no progress output (the final report still prints)")
     ev = sub.add_parser("eval", help="evaluate the model saved in a workdir on held-out data")
     ev.add_argument("--workdir", required=True)
     ev.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE")
+    exp = sub.add_parser("export", help="write the latest parameters and config for jaxformer.load_model")
+    exp.add_argument("--workdir", required=True)
+    exp.add_argument("--out", required=True)
     sub.add_parser("demo", help="a forward pass of each mode")
     args = parser.parse_args(argv)
     from jaxformer.config import ConfigError
     from jaxformer.data import DataError
 
     try:
-        return {"train": cmd_train, "eval": cmd_eval, "demo": cmd_demo}[args.command](args)
-    except (ConfigError, DataError) as e:
+        commands = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "demo": cmd_demo}
+        return commands[args.command](args)
+    except (ConfigError, DataError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

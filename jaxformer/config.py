@@ -302,12 +302,35 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """When to save and what to keep (orbax CheckpointManager in WORKDIR/checkpoints)."""
+
+    every: int = 500  # save every N steps; also at the end and on SIGTERM
+    keep: int = 3  # the last K checkpoints are kept
+    best_metric: str | None = None  # e.g. "nll": also keep the best checkpoint by this eval metric
+    best_mode: Literal["min", "max"] = "min"
+    async_save: bool = True  # write in the background; the step loop does not wait on disk
+
+    def __post_init__(self):
+        check_field_types(self, "checkpoint")
+        require(self.every > 0, "checkpoint.every", f"must be positive, got {self.every}")
+        require(self.keep > 0, "checkpoint.keep", f"must be positive, got {self.keep}")
+        metrics = ("loss", "nll", "accuracy", "perplexity")
+        require(
+            self.best_metric is None or self.best_metric in metrics,
+            "checkpoint.best_metric",
+            f"{self.best_metric!r} is not an eval metric ({', '.join(metrics)})",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
-    """One training run: model, optimisation, data."""
+    """One training run: model, optimisation, data, checkpoints."""
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
     def __post_init__(self):
         objective, mode = self.train.objective, self.model.mode
@@ -335,16 +358,18 @@ class Config:
         return dataclasses.asdict(self)
 
 
+SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "checkpoint": CheckpointConfig}
+
+
 def from_dict(d: dict) -> Config:
     """Rebuild a Config from `to_dict()` output (e.g. a run's saved config.json)."""
-    sections = {f.name: f.type for f in dataclasses.fields(Config)}
-    unknown = set(d) - set(sections)
+    unknown = set(d) - set(SECTIONS)
     require(not unknown, ", ".join(sorted(unknown)), "unknown config section")
-    return Config(**{name: _section(name, d.get(name, {})) for name in sections})
+    return Config(**{name: _section(name, d.get(name, {})) for name in SECTIONS})
 
 
 def _section(name: str, values: dict):
-    cls = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}[name]
+    cls = SECTIONS[name]
     known = {f.name for f in dataclasses.fields(cls)}
     for key in values:
         require(key in known, f"{name}.{key}", f"unknown field (known: {', '.join(sorted(known))})")
@@ -377,9 +402,9 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         require("=" in item, item, "an override is section.field=value")
         dotted, raw = item.split("=", 1)
         parts = dotted.strip().split(".")
-        require(len(parts) == 2 and parts[0] in d, dotted, "an override names section.field (model, train or data)")
+        require(len(parts) == 2 and parts[0] in d, dotted, f"an override names section.field ({', '.join(SECTIONS)})")
         section, name = parts
-        cls = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}[section]
+        cls = SECTIONS[section]
         hints = typing.get_type_hints(cls)
         require(name in hints, dotted, f"unknown field (known: {', '.join(sorted(hints))})")
         d[section][name] = _parse(raw.strip(), hints[name], dotted)

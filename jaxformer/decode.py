@@ -76,7 +76,9 @@ def sample_texts(graphdef, params, cfg, data) -> tuple[list[str], list[str]]:
         for s in sources:
             prompt = jnp.asarray([tok.encode(s)[-L // 2 :]], jnp.int32)
             out = greedy_continue(graphdef, params, prompt, min(L // 2, cfg.model.max_len - prompt.shape[1]))
-            outs.append(tok.decode(strip_after_eos(np.asarray(out[0, prompt.shape[1] :]), tok.eos_id)))
+            new_ids = [int(i) for i in np.asarray(out[0, prompt.shape[1] :])]
+            chunks = np.split(new_ids, [i + 1 for i, t in enumerate(new_ids) if t == tok.eos_id])
+            outs.append("\n\n".join(tok.decode(c) for c in chunks))  # EOS ends a paragraph
         return sources, outs
     if objective == "classify":
         from jaxformer.data.sources import APPS

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import signal
 import time
 from typing import Any
 
@@ -32,7 +33,7 @@ class TrainState:
     step: Array  # int32 scalar
     params: nnx.State
     opt_state: optax.OptState
-    rng: Array  # root key; step t's dropout key is fold_in(rng, t)
+    rng: Array  # root key as raw uint32 key data (checkpointable); step t's dropout key is fold_in(rng, t)
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -112,7 +113,7 @@ def make_steps(graphdef: nnx.GraphDef, cfg: Config, optimizer: optax.GradientTra
         return grads, sums
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        rng = jax.random.fold_in(state.rng, state.step)  # same step, same dropout masks
+        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)  # same step, same masks
         k = tcfg.grad_accum
         if k == 1:
             grads, sums = grads_and_sums(state.params, batch, rng)
@@ -159,7 +160,8 @@ def init_state(cfg: Config) -> tuple[nnx.GraphDef, TrainState, optax.GradientTra
     model = Transformer(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))
     graphdef, params = nnx.split(model, nnx.Param)
     optimizer = make_optimizer(cfg.train, cfg.model.d_model)
-    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jax.random.key(cfg.train.seed))
+    rng = jax.random.key_data(jax.random.key(cfg.train.seed))
+    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), rng)
     return graphdef, state, optimizer
 
 
@@ -205,13 +207,26 @@ def measure_peak_flops(n: int = 2048, repeats: int = 5) -> float:
 
 
 class MetricWriter:
-    """Metrics to a JSONL file and TensorBoard event files in the workdir."""
+    """Metrics to a JSONL file and TensorBoard event files in the workdir.
 
-    def __init__(self, workdir: pathlib.Path):
+    On resume from step N, records of steps the checkpoint does not contain (train
+    steps >= N, evaluations after N) are dropped first, so the log of a resumed run
+    equals that of an uninterrupted one.
+    """
+
+    def __init__(self, workdir: pathlib.Path, resume_step: int = 0):
         from tensorboardX import SummaryWriter
 
-        self.jsonl = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115 (lives as long as the run)
-        self.tb = SummaryWriter(str(workdir / "tensorboard"))
+        path = workdir / "metrics.jsonl"
+        if resume_step and path.is_file():
+            kept = [
+                line
+                for line in path.read_text().splitlines()
+                if (r := json.loads(line))["step"] < resume_step or (r["split"] == "eval" and r["step"] == resume_step)
+            ]
+            path.write_text("".join(line + "\n" for line in kept))
+        self.jsonl = path.open("a")
+        self.tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=resume_step or None)
 
     def write(self, step: int, split: str, metrics: dict) -> None:
         values = {k: float(v) for k, v in metrics.items()}
@@ -233,64 +248,123 @@ def evaluate(eval_step, state, batches, num_batches: int) -> dict:
     return {k: float(v) for k, v in summarize(totals).items()}
 
 
+def batch_cost(cfg: Config, batch: dict) -> tuple[float, float]:
+    """(target tokens, model FLOPs) of a host batch, from its actual shapes."""
+    objective = cfg.train.objective
+    src_len = batch["src"].shape[1] if "src" in batch else batch["inputs"].shape[1]
+    tgt_len = batch["inputs"].shape[1] if "inputs" in batch else 0
+    tokens = float(batch["weights"].sum()) if "weights" in batch else float(len(batch["label"]))
+    B = len(next(iter(batch.values())))
+    return tokens, flops_per_example(cfg.model, objective, src_len, tgt_len) * B
+
+
+class _Preemption:
+    """Turns SIGTERM into a flag the loop checks after each step (then it saves and exits)."""
+
+    def __init__(self):
+        self.requested = False
+
+    def __enter__(self):
+        self.previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGTERM, self.previous)
+
+
 def fit(cfg: Config, workdir: str | pathlib.Path, *, quiet: bool = False) -> dict:
-    """Train `cfg` in `workdir`; returns the final validation metrics and samples."""
+    """Train `cfg` in `workdir`, resuming from its latest checkpoint if it has one.
+
+    Returns the final state and, under "preempted", whether SIGTERM stopped the run
+    (after saving) before `train.steps`.
+    """
     from tqdm.auto import tqdm
 
     from jaxformer import decode
+    from jaxformer.checkpoint import Checkpointer
     from jaxformer.data import build_dataset
 
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    tcfg = cfg.train
+    log = (lambda *a: None) if quiet else tqdm.write
+    graphdef, state, optimizer = init_state(cfg)
+    ckpt = Checkpointer(workdir, cfg)  # checks the workdir is writable before any work
+    restored = ckpt.restore_latest(state)  # refuses a checkpoint whose model differs
+    start = 0
+    if restored is not None:
+        state, start = restored, int(restored.step)
+        log(f"resumed from {ckpt.directory / str(start)}")
     (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     data = build_dataset(cfg, workdir)
-    graphdef, state, optimizer = init_state(cfg)
     train_step, eval_step = make_steps(graphdef, cfg, optimizer)
-    train_step = jax.jit(train_step, donate_argnums=0)
-    eval_step = jax.jit(eval_step)
-    tcfg = cfg.train
-    first = data.train.get(0)
-    src_len = first["src"].shape[1] if "src" in first else first["inputs"].shape[1]
-    tgt_len = first["inputs"].shape[1] if "inputs" in first else 0
-    step_flops = flops_per_example(cfg.model, tcfg.objective, src_len, tgt_len) * tcfg.batch_size
+    train_step, eval_step = jax.jit(train_step, donate_argnums=0), jax.jit(eval_step)
     peak = tcfg.peak_flops or measure_peak_flops()
-    writer = MetricWriter(workdir)
-    log = (lambda *a: None) if quiet else tqdm.write
-    log(f"peak {peak / 1e9:.1f} GFLOP/s (matmul probe); {step_flops / 1e9:.2f} GFLOP per step; workdir {workdir}")
+    writer = MetricWriter(workdir, start)
+    log(f"device peak {peak / 1e9:.1f} GFLOP/s (matmul probe); workdir {workdir}")
+    # A live bar on a terminal; in a log file (not a TTY) a plain line every log_every steps.
+    bar = tqdm(range(start, tcfg.steps), initial=start, total=tcfg.steps, disable=True if quiet else None)
+    window = {"tokens": 0.0, "flops": 0.0, "start": time.perf_counter()}
+    pending, result, preempted, done = None, {}, False, start
 
-    def show_samples():
-        for src, ref in zip(*decode.sample_texts(graphdef, state.params, cfg, data), strict=True):
-            log(f"  > {src!r}\n  = {ref!r}")
+    def flush():
+        """Log the metrics of the step before the one just dispatched (reading them waits for it)."""
+        nonlocal pending, window
+        if pending is None:
+            return
+        prev_step, prev = pending
+        pending = None
+        loss = float(prev["loss"])
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {prev_step}: lower train.learning_rate or check the data")
+        if prev_step % tcfg.log_every == 0:
+            elapsed = time.perf_counter() - window["start"]
+            rates = {"tokens_per_s": window["tokens"] / elapsed, "mfu": window["flops"] / elapsed / peak}
+            writer.write(prev_step, "train", {**prev, **rates, "step_time": elapsed / tcfg.log_every})
+            window = {"tokens": 0.0, "flops": 0.0, "start": time.perf_counter()}
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rates['tokens_per_s']:.0f}")
+            if bar.disable:
+                eta = (tcfg.steps - prev_step) * elapsed / tcfg.log_every
+                tok_s, mfu = rates["tokens_per_s"], rates["mfu"]
+                log(f"step {prev_step}: loss {loss:.4f}, {tok_s:.0f} tok/s, MFU {mfu:.2f}, ETA {eta:.0f}s")
 
-    t_last, pending, result = time.perf_counter(), None, {}
-    bar = tqdm(range(tcfg.steps), disable=quiet, dynamic_ncols=True)
-    compile_start = time.perf_counter()
-    for step in bar:
-        state, metrics = train_step(state, data.train.get(step))
-        if step == 0:
-            jax.block_until_ready(metrics)
-            log(f"compiled and ran step 0 in {time.perf_counter() - compile_start:.1f}s")
-            t_last = time.perf_counter()
-        if pending is not None:  # read step t-1's metrics after dispatching step t
-            prev_step, prev = pending
-            loss = float(prev["loss"])
-            if not math.isfinite(loss):
-                raise FloatingPointError(
-                    f"loss is {loss} at step {prev_step}; lower train.learning_rate or check the data"
-                )
-            if prev_step % tcfg.log_every == 0 and prev_step > 0:
-                now = time.perf_counter()
-                dt = (now - t_last) / tcfg.log_every
-                t_last = now
-                extra = {"tokens_per_s": float(prev["tokens"]) / dt, "step_time": dt, "mfu": step_flops / dt / peak}
-                writer.write(prev_step, "train", {**prev, **extra})
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{extra['tokens_per_s']:.0f}")
-        pending = (step, metrics)
-        if (step + 1) % tcfg.eval_every == 0 or step + 1 == tcfg.steps:
-            result = evaluate(eval_step, state, data.val, tcfg.eval_batches)
-            writer.write(step + 1, "eval", result)
-            log(f"step {step + 1}: eval " + " ".join(f"{k}={v:.4g}" for k, v in result.items()))
-            if tcfg.num_samples:
-                show_samples()
+    with _Preemption() as preemption:
+        for step in bar:
+            batch = data.train.get(step)
+            state, metrics = train_step(state, batch)
+            tokens, flops = batch_cost(cfg, batch)
+            window["tokens"] += tokens
+            window["flops"] += flops
+            if step == start:
+                jax.block_until_ready(metrics)
+                log(f"step {step} compiled and ran in {time.perf_counter() - window['start']:.1f}s")
+                window = {"tokens": 0.0, "flops": 0.0, "start": time.perf_counter()}
+            flush()
+            pending = (step, metrics)
+            done = step + 1
+            evaluated = done % tcfg.eval_every == 0 or done == tcfg.steps
+            if evaluated:
+                result = evaluate(eval_step, state, data.val, tcfg.eval_batches)
+                writer.write(done, "eval", result)
+                log(f"step {done}: eval " + " ".join(f"{k}={v:.4g}" for k, v in result.items()))
+                if tcfg.num_samples:
+                    for src, out in zip(*decode.sample_texts(graphdef, state.params, cfg, data), strict=True):
+                        log(f"  > {src!r}\n  = {out!r}")
+            preempted = preemption.requested or ckpt.manager.reached_preemption(done)
+            if done % cfg.checkpoint.every == 0 or done == tcfg.steps or preempted:
+                flush()  # the log holds every step the checkpoint holds
+                ckpt.save(state, metrics=result if evaluated else None)
+            if preempted:
+                log(f"SIGTERM: saved step {done} to {ckpt.directory}; rerun the same command to resume")
+                break
+    flush()
+    ckpt.wait()
+    ckpt.close()
     writer.close()
-    return {"eval": result, "state": state, "graphdef": graphdef, "data": data, "eval_step": eval_step}
+    return {
+        "eval": result, "state": state, "graphdef": graphdef, "data": data, "eval_step": eval_step,
+        "preempted": preempted and done < tcfg.steps,
+    }  # fmt: skip

@@ -140,7 +140,9 @@ def build_dataset(cfg: Config, workdir: str | pathlib.Path | None = None) -> Dat
         src_texts, refs = [r[1] for r in samples], [sources.APPS[r[2]] for r in samples]
     else:
         src_texts, refs = [r[1][:80] for r in samples], [r[1][80:200] for r in samples]
-    return Dataset(tok, mk(arrays[0], t.seed), mk(arrays[1], 1_000 + t.seed), mk(arrays[2], 2_000 + t.seed), src_texts, refs)
+    return Dataset(
+        tok, mk(arrays[0], t.seed), mk(arrays[1], 1_000 + t.seed), mk(arrays[2], 2_000 + t.seed), src_texts, refs
+    )
 
 
 def _tokenizer(cfg: Config, train_texts: list[str], workdir):
