@@ -19,6 +19,6 @@ demo: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -n 2 -q
+	$(BIN)/pytest -n 2 --dist loadfile -q
 
 .PHONY: setup demo test

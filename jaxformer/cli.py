@@ -22,6 +22,8 @@ def _load_config(args):
 
 
 def cmd_train(args) -> int:
+    import jax
+
     from jaxformer.checkpoint import EXIT_PREEMPTED
     from jaxformer.evaluate import evaluate_model
     from jaxformer.train import fit
@@ -31,6 +33,8 @@ def cmd_train(args) -> int:
     result = fit(cfg, args.workdir, quiet=args.quiet)
     if result["preempted"]:
         return EXIT_PREEMPTED
+    if jax.process_count() > 1:
+        return 0  # the held-out report decodes on one host: run `jaxformer eval` after training
     report = evaluate_model(
         cfg, result["graphdef"], result["state"].params, result["data"], result["eval_step"], result["state"]
     )

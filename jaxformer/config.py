@@ -323,14 +323,43 @@ class CheckpointConfig:
         )
 
 
+def _as_tuples(x):
+    return tuple(_as_tuples(i) for i in x) if isinstance(x, (list, tuple)) else x
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The device mesh (axes data, fsdp, tensor) and the rules placing logical axes on it."""
+
+    data: int = -1  # data-parallel ways; -1 = all devices the other axes leave
+    fsdp: int = 1  # FSDP (ZeRO-3) ways: parameters and optimizer state split, batch split too
+    tensor: int = 1  # Megatron tensor-parallel ways
+    dcn_data: int = 1  # of `data`, ways across slices/hosts on the slower network (hybrid mesh)
+    rules: Literal["default", "dp", "fsdp", "tp", "fsdp_tp"] = "default"
+    custom_rules: tuple | None = None  # ((logical, mesh axis or axes or None), ...) replaces `rules`
+    distributed: bool = False  # call jax.distributed.initialize (auto-detects on TPU pods and SLURM)
+    coordinator_address: str | None = None  # host:port of process 0 (or JAX_COORDINATOR_ADDRESS)
+    num_processes: int | None = None  # or JAX_NUM_PROCESSES
+    process_id: int | None = None  # or JAX_PROCESS_ID
+
+    def __post_init__(self):
+        object.__setattr__(self, "custom_rules", _as_tuples(self.custom_rules))  # JSON gives lists
+        check_field_types(self, "mesh")
+        for name in ("data", "fsdp", "tensor"):
+            size = getattr(self, name)
+            require(size == -1 or size > 0, f"mesh.{name}", f"must be positive or -1 (fill), got {size}")
+        require(self.dcn_data > 0, "mesh.dcn_data", "must be positive")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One training run: model, optimisation, data, checkpoints."""
+    """One training run: model, optimisation, data, checkpoints, mesh."""
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self):
         objective, mode = self.train.objective, self.model.mode
@@ -358,7 +387,13 @@ class Config:
         return dataclasses.asdict(self)
 
 
-SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "checkpoint": CheckpointConfig}
+SECTIONS = {
+    "model": ModelConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "mesh": MeshConfig,
+}
 
 
 def from_dict(d: dict) -> Config:

@@ -89,15 +89,11 @@ def sample_texts(graphdef, params, cfg, data) -> tuple[list[str], list[str]]:
             enc = [tok.bos_id, *tok.encode(s)][:L]
             ids[i, : len(enc)] = enc
         return sources, [APPS[int(c)] for c in np.argmax(model.classify(jnp.asarray(ids)), -1)]
-    model = nnx.merge(graphdef, params)  # mlm: fill every [MASK] in a masked copy of the text
+    model = nnx.merge(graphdef, params)  # mlm: every 7th token masked, then predicted
     outs = []
     for s in sources:
         ids = np.asarray(tok.encode(s)[:L], np.int32)
-        masked = ids.copy()
-        masked[1::7] = tok.mask_id
-        pred = np.asarray(jnp.argmax(model(jnp.asarray(masked[None])), -1))[0]
-        outs.append(tok.decode(np.where(masked == tok.mask_id, pred, ids)))
-    return [
-        tok.decode(np.where(np.arange(len(ids)) % 7 == 1, tok.mask_id, ids))
-        for ids in [np.asarray(tok.encode(s)[:L]) for s in sources]
-    ], outs
+        hidden = np.arange(len(ids)) % 7 == 1
+        pred = np.asarray(jnp.argmax(model(jnp.asarray(np.where(hidden, tok.mask_id, ids)[None])), -1))[0]
+        outs.append(tok.decode(np.where(hidden, pred, ids)))
+    return sources, outs

@@ -35,7 +35,8 @@ def evaluate_model(cfg, graphdef, params, data, eval_step, state, num_batches: i
     from jaxformer.train import evaluate
 
     objective = cfg.train.objective
-    out = {f"test_{k}": v for k, v in evaluate(eval_step, state, data.test, num_batches).items() if k != "tokens"}
+    n = min(num_batches, len(data.test))
+    out = {f"test_{k}": v for k, v in evaluate(eval_step, state, data.test.get, n).items() if k != "tokens"}
     test = _arrays(data.test, num_batches)
     if objective in ("lm", "mlm"):
         out["unigram_perplexity"] = unigram_perplexity(data.train, test, cfg.model.vocab_size)

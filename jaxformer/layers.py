@@ -19,6 +19,7 @@ from flax import nnx
 
 from jaxformer import functional as F
 from jaxformer.config import ModelConfig
+from jaxformer.sharding import constrain
 
 Array = jax.Array
 init = nnx.initializers
@@ -76,11 +77,13 @@ class Embed(nnx.Module):
         if cfg.check_token_ids:
             check_token_ids(ids_BT, cfg.vocab_size)
         x_BTD = jnp.take(self.embedding[...], ids_BT, axis=0).astype(cfg.dtype)
+        x_BTD = constrain(x_BTD, ("batch", None, None))
         return x_BTD * math.sqrt(cfg.d_model) if cfg.scale_embeddings else x_BTD
 
     def attend(self, x_BTD: Array) -> Array:
-        """Logits against the embedding matrix: [B, T, D] -> [B, T, V]."""
-        return jnp.einsum("BTD,VD->BTV", x_BTD, self.embedding[...].astype(self.cfg.dtype))
+        """Logits against the embedding matrix: [B, T, D] -> [B, T, V] (vocab-parallel under TP)."""
+        logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, self.embedding[...].astype(self.cfg.dtype))
+        return constrain(logits_BTV, ("batch", None, "vocab"))
 
 
 class PositionalEncoding(nnx.Module):
@@ -145,7 +148,9 @@ class MultiHeadAttention(nnx.Module):
     def _project(self, x_BTD: Array, name: str) -> Array:
         dt = self.cfg.dtype
         y_BTHK = jnp.einsum("BTD,DHK->BTHK", x_BTD, getattr(self, name)[...].astype(dt))
-        return y_BTHK + F.lift(getattr(self, f"{name}_bias")[...].astype(dt), y_BTHK) if self.cfg.use_bias else y_BTHK
+        if self.cfg.use_bias:
+            y_BTHK = y_BTHK + F.lift(getattr(self, f"{name}_bias")[...].astype(dt), y_BTHK)
+        return constrain(y_BTHK, ("batch", None, "heads", None))  # column-parallel under TP
 
     def __call__(
         self,
@@ -177,9 +182,10 @@ class MultiHeadAttention(nnx.Module):
             implementation=cfg.attention_impl,
         )  # fmt: skip
         out_BTHK, weights = result if return_weights else (result, None)
-        y_BTD = jnp.einsum("BTHK,HKD->BTD", out_BTHK, self.o[...].astype(cfg.dtype))
+        y_BTD = jnp.einsum("BTHK,HKD->BTD", out_BTHK, self.o[...].astype(cfg.dtype))  # row-parallel under TP
         if cfg.use_bias:
             y_BTD = y_BTD + F.lift(self.o_bias[...].astype(cfg.dtype), y_BTD)
+        y_BTD = constrain(y_BTD, ("batch", None, None))
         return (y_BTD, weights) if return_weights else y_BTD
 
 
@@ -213,7 +219,8 @@ class FeedForward(nnx.Module):
             h_BTF = F.GATED_ACTIVATIONS[self.cfg.activation](gate_BTF, up_BTF)
         else:
             h_BTF = F.ACTIVATIONS[self.cfg.activation](up_BTF)
-        return self._dense(h_BTF, "wo", "BTF,FD->BTD")
+        h_BTF = constrain(h_BTF, ("batch", None, "mlp"))
+        return constrain(self._dense(h_BTF, "wo", "BTF,FD->BTD"), ("batch", None, None))
 
 
 # ----------------------------------------------------------------------------- layers

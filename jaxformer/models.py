@@ -26,6 +26,7 @@ from jaxformer.layers import (
     param,
     split_rng,
 )
+from jaxformer.sharding import constrain
 
 Array = jax.Array
 init = nnx.initializers
@@ -137,6 +138,7 @@ class LMHead(nnx.Module):
             logits_BTV = self.tied_to.attend(x_BTD)
         else:
             logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, self.kernel[...].astype(self.cfg.dtype))
+            logits_BTV = constrain(logits_BTV, ("batch", None, "vocab"))
         # The paper's Generator: log-softmax, in float32.
         return jax.nn.log_softmax(logits_BTV.astype(jnp.float32)) if log_softmax else logits_BTV
 

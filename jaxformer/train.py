@@ -156,13 +156,40 @@ def summarize(sums: dict) -> dict:
     }
 
 
-def init_state(cfg: Config) -> tuple[nnx.GraphDef, TrainState, optax.GradientTransformation]:
-    model = Transformer(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))
-    graphdef, params = nnx.split(model, nnx.Param)
+def init_state(cfg: Config, mesh: jax.sharding.Mesh | None = None):
+    """(graphdef, TrainState, optimizer) for `cfg`.
+
+    With a mesh (and the rules in effect, see `sharding.use`), parameters and optimizer
+    state are created already sharded: the initialiser is jitted with the shardings the
+    logical axis names give as `out_shardings`, so no array is ever whole on one device.
+    """
     optimizer = make_optimizer(cfg.train, cfg.model.d_model)
-    rng = jax.random.key_data(jax.random.key(cfg.train.seed))
-    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), rng)
-    return graphdef, state, optimizer
+
+    def create() -> TrainState:
+        model = Transformer(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))
+        params = nnx.state(model, nnx.Param)
+        rng = jax.random.key_data(jax.random.key(cfg.train.seed))
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), rng)
+
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))), nnx.Param)
+    if mesh is None:
+        return graphdef, create(), optimizer
+    from jaxformer import sharding
+
+    shardings = sharding.state_shardings(jax.eval_shape(create), mesh)
+    return graphdef, jax.jit(create, out_shardings=shardings)(), optimizer
+
+
+def jit_steps(train_step, eval_step, state: TrainState, mesh: jax.sharding.Mesh | None):
+    """jit both steps once: the state donated, and with a mesh explicit in/out shardings."""
+    if mesh is None:
+        return jax.jit(train_step, donate_argnums=0), jax.jit(eval_step)
+    from jaxformer import sharding
+
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    batch_sh = sharding.batch_sharding(mesh)
+    train = jax.jit(train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=0)
+    return train, jax.jit(eval_step, in_shardings=(state_sh, batch_sh))
 
 
 # ----------------------------------------------------------------------------- FLOPs
@@ -240,21 +267,22 @@ class MetricWriter:
         self.tb.close()
 
 
-def evaluate(eval_step, state, batches, num_batches: int) -> dict:
+def evaluate(eval_step, state, fetch, num_batches: int) -> dict:
+    """Mean metrics over the first `num_batches` batches given by `fetch(i)`."""
     totals = None
-    for i in range(min(num_batches, len(batches))):
-        sums = eval_step(state, batches.get(i))
+    for i in range(num_batches):
+        sums = eval_step(state, fetch(i))
         totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
     return {k: float(v) for k, v in summarize(totals).items()}
 
 
 def batch_cost(cfg: Config, batch: dict) -> tuple[float, float]:
-    """(target tokens, model FLOPs) of a host batch, from its actual shapes."""
+    """(target tokens, model FLOPs) of a host batch, from its contents and actual shapes."""
     objective = cfg.train.objective
     src_len = batch["src"].shape[1] if "src" in batch else batch["inputs"].shape[1]
     tgt_len = batch["inputs"].shape[1] if "inputs" in batch else 0
-    tokens = float(batch["weights"].sum()) if "weights" in batch else float(len(batch["label"]))
     B = len(next(iter(batch.values())))
+    tokens = float(batch["weights"].sum()) if "weights" in batch else float(B)
     return tokens, flops_per_example(cfg.model, objective, src_len, tgt_len) * B
 
 
@@ -276,39 +304,62 @@ class _Preemption:
 
 
 def fit(cfg: Config, workdir: str | pathlib.Path, *, quiet: bool = False) -> dict:
-    """Train `cfg` in `workdir`, resuming from its latest checkpoint if it has one.
+    """Train `cfg` in `workdir` on the mesh of `cfg.mesh`, resuming from its latest checkpoint.
 
     Returns the final state and, under "preempted", whether SIGTERM stopped the run
     (after saving) before `train.steps`.
     """
+    from jaxformer import sharding
+
+    sharding.initialize_distributed(cfg.mesh)
+    mesh = sharding.make_mesh(cfg.mesh)
+    with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
+        return _fit(cfg, pathlib.Path(workdir), mesh, quiet or jax.process_index() != 0)
+
+
+class _NullWriter:
+    def write(self, *args) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: bool) -> dict:
     from tqdm.auto import tqdm
 
-    from jaxformer import decode
+    from jaxformer import decode, sharding
     from jaxformer.checkpoint import Checkpointer
     from jaxformer.data import build_dataset
 
-    workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     tcfg = cfg.train
     log = (lambda *a: None) if quiet else tqdm.write
-    graphdef, state, optimizer = init_state(cfg)
+    rows = sharding.process_rows(tcfg.batch_size, mesh)  # this process loads only its rows
+    graphdef, state, optimizer = init_state(cfg, mesh)
     ckpt = Checkpointer(workdir, cfg)  # checks the workdir is writable before any work
-    restored = ckpt.restore_latest(state)  # refuses a checkpoint whose model differs
+    restored = ckpt.restore_latest(state)  # into the current mesh; refuses a different model
     start = 0
     if restored is not None:
         state, start = restored, int(restored.step)
         log(f"resumed from {ckpt.directory / str(start)}")
-    (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    lead = jax.process_index() == 0
+    if lead:
+        (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     data = build_dataset(cfg, workdir)
-    train_step, eval_step = make_steps(graphdef, cfg, optimizer)
-    train_step, eval_step = jax.jit(train_step, donate_argnums=0), jax.jit(eval_step)
-    peak = tcfg.peak_flops or measure_peak_flops()
-    writer = MetricWriter(workdir, start)
-    log(f"device peak {peak / 1e9:.1f} GFLOP/s (matmul probe); workdir {workdir}")
+    train_step, eval_step = jit_steps(*make_steps(graphdef, cfg, optimizer), state, mesh)
+
+    def fetch(batches):
+        return lambda step: sharding.global_batch(batches.get(step, rows), mesh, tcfg.batch_size)
+
+    peak = (tcfg.peak_flops or measure_peak_flops()) * jax.device_count()
+    writer = MetricWriter(workdir, start) if lead else _NullWriter()
+    log(f"{jax.device_count()} devices, mesh {dict(mesh.shape)}; peak {peak / 1e9:.1f} GFLOP/s (matmul probe)")
     # A live bar on a terminal; in a log file (not a TTY) a plain line every log_every steps.
     bar = tqdm(range(start, tcfg.steps), initial=start, total=tcfg.steps, disable=True if quiet else None)
     window = {"tokens": 0.0, "flops": 0.0, "start": time.perf_counter()}
     pending, result, preempted, done = None, {}, False, start
+    samples = tcfg.num_samples and jax.process_count() == 1
 
     def flush():
         """Log the metrics of the step before the one just dispatched (reading them waits for it)."""
@@ -333,11 +384,11 @@ def fit(cfg: Config, workdir: str | pathlib.Path, *, quiet: bool = False) -> dic
 
     with _Preemption() as preemption:
         for step in bar:
-            batch = data.train.get(step)
-            state, metrics = train_step(state, batch)
-            tokens, flops = batch_cost(cfg, batch)
-            window["tokens"] += tokens
-            window["flops"] += flops
+            local = data.train.get(step, rows)
+            state, metrics = train_step(state, sharding.global_batch(local, mesh, tcfg.batch_size))
+            tokens, flops = batch_cost(cfg, local)  # this process's share; all shares are alike
+            window["tokens"] += tokens * jax.process_count()
+            window["flops"] += flops * jax.process_count()
             if step == start:
                 jax.block_until_ready(metrics)
                 log(f"step {step} compiled and ran in {time.perf_counter() - window['start']:.1f}s")
@@ -347,10 +398,10 @@ def fit(cfg: Config, workdir: str | pathlib.Path, *, quiet: bool = False) -> dic
             done = step + 1
             evaluated = done % tcfg.eval_every == 0 or done == tcfg.steps
             if evaluated:
-                result = evaluate(eval_step, state, data.val, tcfg.eval_batches)
+                result = evaluate(eval_step, state, fetch(data.val), min(tcfg.eval_batches, len(data.val)))
                 writer.write(done, "eval", result)
                 log(f"step {done}: eval " + " ".join(f"{k}={v:.4g}" for k, v in result.items()))
-                if tcfg.num_samples:
+                if samples:
                     for src, out in zip(*decode.sample_texts(graphdef, state.params, cfg, data), strict=True):
                         log(f"  > {src!r}\n  = {out!r}")
             preempted = preemption.requested or ckpt.manager.reached_preemption(done)
@@ -366,5 +417,5 @@ def fit(cfg: Config, workdir: str | pathlib.Path, *, quiet: bool = False) -> dic
     writer.close()
     return {
         "eval": result, "state": state, "graphdef": graphdef, "data": data, "eval_step": eval_step,
-        "preempted": preempted and done < tcfg.steps,
+        "fetch_test": fetch(data.test), "preempted": preempted and done < tcfg.steps,
     }  # fmt: skip

@@ -17,10 +17,10 @@ from jaxformer.config import ConfigError, apply_overrides, from_dict
 from jaxformer.train import init_state
 
 OVERRIDES = [
-    "train.steps=150",
-    "checkpoint.every=25",
+    "train.steps=80",
+    "checkpoint.every=20",
     "train.log_every=1",  # every loss in the log, to compare them all
-    "train.eval_every=75",
+    "train.eval_every=40",
     "train.num_samples=0",
 ]
 
@@ -83,7 +83,7 @@ def uninterrupted(tmp_path_factory):
 def assert_same_run(workdir, uninterrupted):
     _, state, log = uninterrupted
     resumed = final_state(workdir)
-    assert int(resumed.step) == int(state.step) == 150
+    assert int(resumed.step) == int(state.step) == 80
     jax.tree.map(np.testing.assert_array_equal, resumed.params, state.params)  # bitwise on CPU
     jax.tree.map(np.testing.assert_array_equal, resumed.opt_state, state.opt_state)
     assert train_log(workdir) == log  # same losses, each step logged exactly once
@@ -92,7 +92,7 @@ def assert_same_run(workdir, uninterrupted):
 def test_sigkill_then_rerun_equals_uninterrupted(tmp_path, uninterrupted):
     proc = start_and_signal(tmp_path, signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL
-    assert saved_steps(tmp_path)[-1] < 150, "killed before the end"
+    assert saved_steps(tmp_path)[-1] < 80, "killed before the end"
     result = run(tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_run(tmp_path, uninterrupted)
@@ -103,7 +103,7 @@ def test_sigterm_saves_at_the_signal_and_exits_cleanly(tmp_path, uninterrupted):
     out = proc.stdout.read()
     assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
     last = saved_steps(tmp_path)[-1]
-    assert 25 <= last < 150
+    assert 20 <= last < 80
     logged = [s for s, split, _ in train_log(tmp_path) if split == "train"]
     assert logged == list(range(last)), "the log and the checkpoint agree on where the run stopped"
     result = run(tmp_path)
@@ -115,17 +115,17 @@ def test_corrupt_latest_checkpoint_falls_back_and_is_kept(tmp_path, uninterrupte
     source, _, _ = uninterrupted
     workdir = tmp_path / "run"
     subprocess.run(["cp", "-r", str(source), str(workdir)], check=True)
-    latest = workdir / "checkpoints" / "150"
+    latest = workdir / "checkpoints" / "80"
     data_files = [p for p in (latest / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
     assert data_files
     for path in data_files:  # the array data cut short, as by a full disk
         with open(path, "r+b") as f:
             f.truncate(path.stat().st_size // 3)
     state = final_state(workdir)
-    assert int(state.step) == 125, "fell back to the previous complete checkpoint"
-    assert "checkpoints/150 cannot be restored" in capsys.readouterr().out
-    assert (workdir / "checkpoints" / "corrupt-150").is_dir(), "set aside, not deleted"
-    assert saved_steps(workdir) == [100, 125]
+    assert int(state.step) == 60, "fell back to the previous complete checkpoint"
+    assert "checkpoints/80 cannot be restored" in capsys.readouterr().out
+    assert (workdir / "checkpoints" / "corrupt-80").is_dir(), "set aside, not deleted"
+    assert saved_steps(workdir) == [40, 60]
 
 
 def test_resume_with_different_model_fails_naming_the_field(tmp_path, uninterrupted, capsys):

@@ -69,19 +69,27 @@ class Batches:
             self._epoch = (epoch, [batches[i] for i in rng.permutation(len(batches))])
         return self._epoch[1]
 
-    def get(self, step: int) -> dict[str, np.ndarray]:
+    def get(self, step: int, part: slice | None = None) -> dict[str, np.ndarray]:
+        """The batch of `step`, or only its rows `part` (a process's share of the global batch).
+
+        The part is cut after the batch-wide choices (bucket width, random masking), so the
+        shares of all processes put together equal the whole batch.
+        """
         rng = np.random.default_rng([self.seed, step])
         if self.arrays is None:
             batch = self.generate(rng, self.batch_size)
         else:
             epoch, index = divmod(step, len(self))
             rows = self._batches_of_epoch(epoch)[index]
-            batch = {k: v[rows] for k, v in self.arrays.items()}
+            width = None
             if self.buckets:
                 longest = int(self.lengths[rows].max())
                 width = next((w for w in self.buckets if w >= longest), self.buckets[-1])
-                batch = {k: v[:, :width] if v.ndim == 2 else v for k, v in batch.items()}
-        return self.transform(batch, rng) if self.transform else batch
+            if part is not None and self.transform is None:
+                rows, part = rows[part], None  # read only this share
+            batch = {k: v[rows, :width] if v.ndim == 2 else v[rows] for k, v in self.arrays.items()}
+        batch = self.transform(batch, rng) if self.transform else batch
+        return batch if part is None else {k: v[part] for k, v in batch.items()}
 
 
 @dataclasses.dataclass

@@ -1,0 +1,206 @@
+"""Meshes, logical-axis rules, and the shardings of parameters, optimizer state and batches.
+
+Every parameter names its axes where it is defined (`vocab`, `embed`, `heads`, `kv`,
+`mlp`, `layers`); a rules table maps those names to the mesh axes `data`, `fsdp`,
+`tensor`. The default table serves every strategy; the mesh shape picks it:
+
+    data=8                  data parallel: parameters replicated, batch split 8 ways
+    fsdp=8                  FSDP / ZeRO-3: parameters and optimizer state split on `embed`,
+                            gathered layer by layer by XLA; batch split 8 ways
+    data=4, tensor=2        Megatron tensor parallel inside pairs of devices: QKV and FFN-in
+                            split by column (heads, mlp), output and FFN-out by row, embedding
+                            and logits by vocabulary
+    fsdp=4, tensor=2        both
+
+Activations are constrained with the same names (`batch` for their leading axis, `heads`
+and `vocab` for attention heads and logits), so XLA's partitioner sees one consistent plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import flax.linen as nn
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxformer.config import ConfigError, MeshConfig
+
+MESH_AXES = ("data", "fsdp", "tensor")
+LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layers")
+BATCH = ("data", "fsdp")  # the global batch is split over every axis that is not tensor parallel
+
+# logical axis -> mesh axis (None: replicated). Unlisted names (kv, layers, length) are replicated.
+RULES = {
+    "dp": (("batch", BATCH),),
+    "fsdp": (("batch", BATCH), ("embed", "fsdp")),
+    "tp": (("batch", BATCH), ("heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor")),
+    "fsdp_tp": (("batch", BATCH), ("embed", "fsdp"), ("heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor")),
+}
+RULES["default"] = RULES["fsdp_tp"]  # axes of size 1 make it any of the others
+
+
+def rules_for(cfg: MeshConfig) -> tuple:
+    """The rules table of a mesh config (a named one or the user's own), checked for conflicts
+    and completed: logical axes it does not name are replicated."""
+    rules = cfg.custom_rules if cfg.custom_rules is not None else RULES[cfg.rules]
+    seen: dict[str, object] = {}
+    for logical, target in rules:
+        if logical in seen and seen[logical] != target:
+            raise ConfigError(f"mesh.rules: logical axis {logical!r} maps to both {seen[logical]!r} and {target!r}")
+        seen[logical] = target
+        for axis in (target,) if isinstance(target, str) or target is None else target:
+            if axis is not None and axis not in MESH_AXES:
+                raise ConfigError(f"mesh.rules: {logical!r} maps to unknown mesh axis {axis!r} (axes: {MESH_AXES})")
+    return tuple(rules) + tuple((name, None) for name in LOGICAL_AXES if name not in seen)
+
+
+# ----------------------------------------------------------------------------- processes and meshes
+
+
+def initialize_distributed(cfg: MeshConfig) -> None:
+    """`jax.distributed.initialize` for multi-host runs (no-op on one process).
+
+    Coordinator, process count and id come from the config or the environment
+    (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); with none given on a
+    TPU pod or under SLURM, JAX detects them itself (`mesh.distributed=true`).
+    """
+    address = cfg.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if not (address or cfg.distributed):
+        return
+    if jax.distributed.is_initialized():
+        return
+    num = cfg.num_processes or _env_int("JAX_NUM_PROCESSES")
+    pid = cfg.process_id if cfg.process_id is not None else _env_int("JAX_PROCESS_ID")
+    if jax.default_backend() == "cpu" or os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
+
+
+def _env_int(name: str) -> int | None:
+    return int(os.environ[name]) if name in os.environ else None
+
+
+def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) with one -1 filled from the device count; errors name the fields."""
+    sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+    if sizes.count(-1) > 1:
+        raise ConfigError("mesh: at most one of data, fsdp, tensor may be -1 (fill)")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if num_devices % known:
+            raise ConfigError(f"mesh: {num_devices} devices are not divisible by the fixed axes' product {known}")
+        sizes[sizes.index(-1)] = num_devices // known
+    if math.prod(sizes) != num_devices:
+        names = ", ".join(f"{n}={s}" for n, s in zip(MESH_AXES, sizes, strict=True))
+        raise ConfigError(f"mesh: {names} makes {math.prod(sizes)} devices, but {num_devices} are available")
+    return tuple(sizes)
+
+
+def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
+    """A (data, fsdp, tensor) mesh of Auto axes over `devices` (default: all, every process).
+
+    With `dcn_data` > 1 (several slices or hosts linked by a slower network), the data axis
+    is split into an outer DCN part and an inner ICI part (`mesh_utils.create_hybrid_device_mesh`).
+    """
+    devices = jax.devices() if devices is None else list(devices)
+    shape = mesh_shape(cfg, len(devices))
+    auto = (jax.sharding.AxisType.Auto,) * 3
+    if cfg.dcn_data > 1:
+        from jax.experimental import mesh_utils
+
+        if shape[0] % cfg.dcn_data:
+            raise ConfigError(f"mesh.dcn_data={cfg.dcn_data} does not divide mesh data={shape[0]}")
+        ici = (shape[0] // cfg.dcn_data, shape[1], shape[2])
+        grid = mesh_utils.create_hybrid_device_mesh(ici, (cfg.dcn_data, 1, 1), devices)
+        return jax.sharding.Mesh(grid, MESH_AXES, axis_types=auto)
+    if len(devices) == jax.device_count():
+        return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+    return jax.sharding.Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
+
+
+@contextlib.contextmanager
+def use(mesh: jax.sharding.Mesh, rules: tuple):
+    """Mesh and rules in effect: parameters created, steps traced and constraints applied under them."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield
+
+
+# ----------------------------------------------------------------------------- shardings
+
+
+def logical_to_spec(names: tuple[str | None, ...]) -> PartitionSpec:
+    """Logical names -> PartitionSpec under the rules in effect."""
+    return nn.logical_to_mesh_axes(names)
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """Sharding constraint by logical names; a no-op outside a mesh and rules context."""
+    if not nn.get_logical_axis_rules() or jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names))
+
+
+def state_shardings(abstract_state, mesh: jax.sharding.Mesh):
+    """NamedShardings of a (TrainState or params) pytree from its variables' logical names.
+
+    Optimizer moments carry their parameter's names, so they inherit its sharding;
+    scalars (step, counts) and the RNG are replicated.
+    """
+    specs = nnx.get_partition_spec(abstract_state)
+    specs = jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, specs, is_leaf=_is_var)
+    shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    check_divisible(abstract_state, shardings)
+    return shardings
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def check_divisible(abstract_state, shardings) -> None:
+    """Every sharded dimension must divide by its mesh axes' size: name the array, dim and axis."""
+    leaves = jax.tree_util.tree_leaves_with_path(abstract_state)
+    for (path, leaf), sharding in zip(leaves, jax.tree.leaves(shardings), strict=True):
+        mesh = sharding.mesh
+        for dim, axes in zip(leaf.shape, sharding.spec, strict=False):
+            axes = (axes,) if isinstance(axes, str) else axes or ()
+            size = math.prod(mesh.shape[a] for a in axes)
+            if dim % size:
+                name = jax.tree_util.keystr(path)
+                raise ConfigError(
+                    f"{name} has a dimension of {dim} that mesh axes {axes} (size {size}) do not divide; "
+                    "change the mesh or the model size"
+                )
+
+
+def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(BATCH))
+
+
+def process_rows(global_batch_size: int, mesh: jax.sharding.Mesh) -> slice:
+    """The rows of the global batch this process loads (its devices' share of the batch axes)."""
+    shards = math.prod(mesh.shape[a] for a in BATCH)
+    if global_batch_size % shards:
+        raise ConfigError(
+            f"train.batch_size={global_batch_size} does not divide over the {shards} batch shards "
+            f"(mesh data x fsdp = {mesh.shape['data']} x {mesh.shape['fsdp']})"
+        )
+    n = jax.process_count()
+    if global_batch_size % n:
+        raise ConfigError(f"train.batch_size={global_batch_size} does not divide over {n} processes")
+    per = global_batch_size // n
+    return slice(jax.process_index() * per, (jax.process_index() + 1) * per)
+
+
+def global_batch(local: dict[str, np.ndarray], mesh: jax.sharding.Mesh, global_batch_size: int) -> dict:
+    """Assemble this process's rows into global arrays sharded over the batch axes."""
+    sharding = batch_sharding(mesh)
+    return {
+        k: jax.make_array_from_process_local_data(sharding, v, (global_batch_size, *v.shape[1:]))
+        for k, v in local.items()
+    }

@@ -1,0 +1,207 @@
+"""Sharded training in a process of its own (XLA_FLAGS must be set before JAX starts).
+
+    python tests/sharded_worker.py strategies MODE         # 8 devices: each strategy vs 1 device
+    python tests/sharded_worker.py multihost PID PORT      # one of two processes, 4 devices each
+    python tests/sharded_worker.py singlehost              # the same run in one process, 8 devices
+    python tests/sharded_worker.py remesh DIR              # save under FSDP=8, restore on DP=4 and on 1
+
+Prints one JSON line of results for tests/test_sharding.py to check.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import numpy as np
+
+STEPS, B, T = 5, 8, 8
+STRATEGIES = {  # (data, fsdp, tensor)
+    "dp8": (8, 1, 1),
+    "fsdp8": (1, 8, 1),
+    "tp2_dp4": (4, 1, 2),
+    "fsdp4_tp2": (1, 4, 2),
+}
+
+
+def config(mode: str, mesh: tuple[int, int, int]):
+    from jaxformer import config as C
+
+    objective = {"decoder_only": "lm", "encoder_decoder": "seq2seq", "encoder_only": "mlm"}[mode]
+    # d_model, heads, ff and vocab all divide by 8 so every strategy can split them.
+    model = C.tiny(mode, vocab_size=64, d_model=32, num_heads=4, d_ff=64, dropout_rate=0.1, check_token_ids=False)
+    model = model.replace(  # one layer per stack: the layers are alike, compile time is not
+        num_encoder_layers=min(model.num_encoder_layers, 1), num_decoder_layers=min(model.num_decoder_layers, 1)
+    )
+    data, fsdp, tensor = mesh
+    return C.Config(
+        model=model,
+        data=C.DataConfig(max_len=T),
+        train=C.TrainConfig(objective=objective, batch_size=B, learning_rate=1e-2, warmup_steps=1),
+        mesh=C.MeshConfig(data=data, fsdp=fsdp, tensor=tensor),
+    )
+
+
+def batches(mode: str) -> list[dict]:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(STEPS):
+        ids = lambda: rng.integers(1, 64, (B, T)).astype(np.int32)
+        batch = {"inputs": ids(), "targets": ids(), "weights": np.ones((B, T), np.float32)}
+        if mode == "encoder_decoder":
+            batch["src"] = ids()
+        out.append(batch)
+    return out
+
+
+def train(cfg, devices=None) -> tuple[list[float], dict, object]:
+    from jaxformer import sharding
+    from jaxformer.train import init_state, jit_steps, make_steps
+
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
+        graphdef, state, optimizer = init_state(cfg, mesh)
+        train_step, _ = jit_steps(*make_steps(graphdef, cfg, optimizer), state, mesh)
+        rows = sharding.process_rows(B, mesh)
+        losses = []
+        for batch in batches(cfg.model.mode):
+            local = {k: v[rows] for k, v in batch.items()}  # each process feeds only its rows
+            state, metrics = train_step(state, sharding.global_batch(local, mesh, B))
+            losses.append(float(metrics["loss"]))
+    return losses, state, mesh
+
+
+def gathered(tree) -> dict:
+    from jax.experimental import multihost_utils
+
+    flat = jax.tree_util.tree_leaves_with_path(tree)
+    return {jax.tree_util.keystr(p): np.asarray(multihost_utils.process_allgather(x, tiled=True)) for p, x in flat}
+
+
+def strategies(mode: str) -> dict:
+    from jaxformer import sharding
+
+    results = {}
+    ref_losses, ref_state, _ = train(config(mode, (1, 1, 1)), jax.devices()[:1])
+    ref_params = gathered(ref_state.params)
+    for name, shape in STRATEGIES.items():
+        cfg = config(mode, shape)
+        losses, state, mesh = train(cfg)
+        params = gathered(state.params)
+        # The key bias is left out: its gradient is exactly zero in exact arithmetic (q.b is
+        # the same for every key, and softmax ignores it), so Adam turns rounding noise into
+        # lr-sized steps that no two reduction orders reproduce.
+        rel = max(
+            float(np.max(np.abs(params[k] - ref_params[k])) / (np.max(np.abs(ref_params[k])) + 1e-12))
+            for k in ref_params
+            if "k_bias" not in k
+        )
+        entry = {
+            "loss_rel": float(np.max(np.abs(np.array(losses) - ref_losses) / np.abs(ref_losses))),
+            "param_rel": rel,
+        }
+        # Actual shardings against the rules table.
+        with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
+            expected = sharding.state_shardings(jax.eval_shape(lambda s=state: s), mesh)
+        entry["sharding_mismatches"] = [
+            jax.tree_util.keystr(p)
+            for (p, x), want in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(expected), strict=True)
+            if not x.sharding.is_equivalent_to(want, x.ndim)
+        ]
+        # Bytes each device holds of the parameters and optimizer state.
+        per_device = {}
+        for tree_name, tree in (("params", state.params), ("opt_state", state.opt_state)):
+            total = sum(x.nbytes for x in jax.tree.leaves(tree))
+            held = [0] * len(jax.devices())
+            for x in jax.tree.leaves(tree):
+                for shard in x.addressable_shards:
+                    held[shard.device.id] += shard.data.nbytes
+            per_device[tree_name] = max(held) / total
+        entry["max_device_fraction"] = per_device
+        results[f"{mode}/{name}"] = entry
+    return results
+
+
+def errors() -> dict:
+    from jaxformer import config as C
+    from jaxformer import sharding
+    from jaxformer.config import ConfigError
+
+    out = {}
+    for key, fn in {
+        "mesh_size": lambda: sharding.make_mesh(C.MeshConfig(data=3, fsdp=2)),
+        "not_divisible": lambda: train(config("decoder_only", (1, 8, 1)).__class__(
+            model=config("decoder_only", (1, 8, 1)).model.replace(d_model=36, num_heads=4, head_dim=8),
+            data=C.DataConfig(max_len=T), train=C.TrainConfig(batch_size=B), mesh=C.MeshConfig(data=1, fsdp=8),
+        )),
+        "conflict": lambda: sharding.rules_for(C.MeshConfig(custom_rules=(("embed", "fsdp"), ("embed", "tensor")))),
+        "batch": lambda: sharding.process_rows(12, sharding.make_mesh(C.MeshConfig(data=8))),
+    }.items():  # fmt: skip
+        try:
+            fn()
+            out[key] = None
+        except ConfigError as e:
+            out[key] = str(e)
+    return out
+
+
+def remesh(directory: str) -> dict:
+    """A checkpoint written under FSDP over 8 devices restores onto DP over 4 and onto 1 device."""
+    from jaxformer import sharding
+    from jaxformer.checkpoint import Checkpointer
+    from jaxformer.train import init_state
+
+    cfg = config("decoder_only", (1, 8, 1))
+    _, state, _ = train(cfg)
+    saved = gathered(state)
+    ckpt = Checkpointer(directory, cfg)
+    ckpt.save(state)
+    ckpt.wait()
+    out = {}
+    for name, (mesh_shape, devices) in {
+        "dp4": ((4, 1, 1), jax.devices()[:4]),
+        "one": ((1, 1, 1), jax.devices()[:1]),
+    }.items():
+        target = config("decoder_only", mesh_shape)
+        mesh = sharding.make_mesh(target.mesh, devices)
+        with sharding.use(mesh, sharding.rules_for(target.mesh)):
+            _, like, _ = init_state(target, mesh)
+        restored = ckpt.restore_latest(like)
+        values = gathered(restored)
+        out[name] = {
+            "equal": all(np.array_equal(values[k], saved[k]) for k in saved),
+            "devices": sorted({d.id for x in jax.tree.leaves(restored) for d in x.sharding.device_set}),
+            "shardings_as_requested": all(
+                x.sharding.is_equivalent_to(y.sharding, x.ndim)
+                for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(like), strict=True)
+            ),
+        }
+    ckpt.close()
+    return out
+
+
+def main() -> None:
+    task = sys.argv[1]
+    if task == "strategies":
+        mode = sys.argv[2]
+        print(json.dumps({"strategies": strategies(mode), "errors": errors() if mode == "decoder_only" else {}}))
+    elif task == "multihost":
+        pid, port = int(sys.argv[2]), int(sys.argv[3])
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+        losses, state, _ = train(config("encoder_decoder", (2, 2, 2)))
+        params = gathered(state.params)
+        if pid == 0:
+            print(json.dumps({"losses": losses, "checksum": float(sum(np.abs(v).sum() for v in params.values()))}))
+        jax.distributed.shutdown()
+    elif task == "remesh":
+        print(json.dumps(remesh(sys.argv[2])))
+    elif task == "singlehost":
+        losses, state, _ = train(config("encoder_decoder", (2, 2, 2)))
+        params = gathered(state.params)
+        print(json.dumps({"losses": losses, "checksum": float(sum(np.abs(v).sum() for v in params.values()))}))
+
+
+if __name__ == "__main__":
+    main()

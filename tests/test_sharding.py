@@ -1,0 +1,114 @@
+"""Sharded training on 8 virtual CPU devices and on two real processes equals the 1-device run.
+
+Each check runs tests/sharded_worker.py in a process of its own, since the device count
+is fixed when JAX starts.
+"""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+
+WORKER = pathlib.Path(__file__).with_name("sharded_worker.py")
+# float32, 5 steps: sharding changes only the order of reductions.
+LOSS_RTOL, PARAM_RTOL = 1e-5, 1e-5
+MODES = ["decoder_only", "encoder_decoder", "encoder_only"]
+STRATEGIES = ["dp8", "fsdp8", "tp2_dp4", "fsdp4_tp2"]
+
+
+def worker(*args, devices=8, timeout=600):
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), *map(str, args)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def result(proc, timeout=600) -> dict:
+    """The JSON line the worker printed (None if it printed none), after it exits cleanly."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:  # bounded: never leave a worker behind
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-4000:]
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if lines else None
+
+
+@pytest.fixture(scope="module")
+def strategies():
+    """One worker per mode, run side by side (compilation dominates their time)."""
+    procs = [worker("strategies", mode) for mode in MODES]
+    merged = {"strategies": {}, "errors": {}}
+    for proc in procs:
+        r = result(proc)
+        merged["strategies"].update(r["strategies"])
+        merged["errors"].update(r["errors"])
+    return merged
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("mode", MODES)
+def test_sharded_training_equals_one_device(strategies, mode, strategy):
+    r = strategies["strategies"][f"{mode}/{strategy}"]
+    assert r["loss_rel"] < LOSS_RTOL, r
+    assert r["param_rel"] < PARAM_RTOL, r
+    assert r["sharding_mismatches"] == [], "every array sharded as the rules table says"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fsdp_splits_parameters_and_optimizer_state(strategies, mode):
+    fractions = strategies["strategies"][f"{mode}/fsdp8"]["max_device_fraction"]
+    # 1/8 of the bytes, plus the few small arrays FSDP leaves replicated (head-shaped biases).
+    assert fractions["params"] < 0.16 and fractions["opt_state"] < 0.16, fractions
+    assert strategies["strategies"][f"{mode}/dp8"]["max_device_fraction"]["params"] == 1.0
+
+
+def test_mesh_errors_name_what_is_wrong(strategies):
+    e = strategies["errors"]
+    assert "data=3, fsdp=2, tensor=1 makes 6 devices, but 8 are available" in e["mesh_size"]
+    assert (
+        "['embedding'].value has a dimension of 36 that mesh axes ('fsdp',) (size 8) do not divide"
+        in e["not_divisible"]
+    )
+    assert "logical axis 'embed' maps to both 'fsdp' and 'tensor'" in e["conflict"]
+    assert "batch_size=12 does not divide over the 8 batch shards" in e["batch"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_equal_one_process():
+    """Two real processes (4 CPU devices each, gloo), each feeding half of every batch."""
+    port = free_port()
+    procs = [worker("multihost", pid, port, devices=4) for pid in (0, 1)]
+    try:
+        two = result(procs[0], timeout=300)
+        result(procs[1], timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    one = result(worker("singlehost"))
+    for a, b in zip(two["losses"], one["losses"], strict=True):
+        assert a == pytest.approx(b, rel=LOSS_RTOL)
+    assert two["checksum"] == pytest.approx(one["checksum"], rel=PARAM_RTOL)
+
+
+def test_checkpoint_restores_onto_another_mesh(tmp_path):
+    r = result(worker("remesh", tmp_path))
+    assert r["dp4"]["equal"] and r["dp4"]["shardings_as_requested"] and r["dp4"]["devices"] == [0, 1, 2, 3]
+    assert r["one"]["equal"] and r["one"]["shardings_as_requested"] and r["one"]["devices"] == [0]
