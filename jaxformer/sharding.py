@@ -76,8 +76,9 @@ def initialize_distributed(cfg: MeshConfig) -> None:
         return
     num = cfg.num_processes or _env_int("JAX_NUM_PROCESSES")
     pid = cfg.process_id if cfg.process_id is not None else _env_int("JAX_PROCESS_ID")
-    if jax.default_backend() == "cpu" or os.environ.get("JAX_PLATFORMS", "") == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Collectives between CPU devices of different processes need gloo; accelerators ignore it.
+    # (Asking for the backend here would start it, which must wait until after initialize.)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
 
 
