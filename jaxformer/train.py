@@ -287,20 +287,32 @@ def batch_cost(cfg: Config, batch: dict) -> tuple[float, float]:
 
 
 class _Preemption:
-    """Turns SIGTERM into a flag the loop checks after each step (then it saves and exits)."""
+    """Whether to stop after this step: SIGTERM on one process, or, on several, the step
+    all processes agreed on through JAX's preemption sync (orbax `reached_preemption`).
 
-    def __init__(self):
+    A Python SIGTERM handler would replace the notifier that sync relies on, and hosts
+    stopping at different steps would hang in the save, so it is installed on one process only.
+    """
+
+    def __init__(self, manager):
+        self.manager = manager
+        self.local = jax.process_count() == 1
         self.requested = False
 
     def __enter__(self):
-        self.previous = signal.signal(signal.SIGTERM, self._handle)
+        if self.local:
+            self.previous = signal.signal(signal.SIGTERM, self._handle)
         return self
 
     def _handle(self, signum, frame):
         self.requested = True
 
+    def reached(self, step: int) -> bool:
+        return self.requested if self.local else self.manager.reached_preemption(step)
+
     def __exit__(self, *exc):
-        signal.signal(signal.SIGTERM, self.previous)
+        if self.local:
+            signal.signal(signal.SIGTERM, self.previous)
 
 
 def fit(cfg: Config, workdir: str | pathlib.Path, *, quiet: bool = False) -> dict:
@@ -382,7 +394,7 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
                 tok_s, mfu = rates["tokens_per_s"], rates["mfu"]
                 log(f"step {prev_step}: loss {loss:.4f}, {tok_s:.0f} tok/s, MFU {mfu:.2f}, ETA {eta:.0f}s")
 
-    with _Preemption() as preemption:
+    with _Preemption(ckpt.manager) as preemption:
         for step in bar:
             local = data.train.get(step, rows)
             state, metrics = train_step(state, sharding.global_batch(local, mesh, tcfg.batch_size))
@@ -404,7 +416,7 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
                 if samples:
                     for src, out in zip(*decode.sample_texts(graphdef, state.params, cfg, data), strict=True):
                         log(f"  > {src!r}\n  = {out!r}")
-            preempted = preemption.requested or ckpt.manager.reached_preemption(done)
+            preempted = preemption.reached(done)
             if done % cfg.checkpoint.every == 0 or done == tcfg.steps or preempted:
                 flush()  # the log holds every step the checkpoint holds
                 ckpt.save(state, metrics=result if evaluated else None)
