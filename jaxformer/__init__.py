@@ -13,7 +13,7 @@ from jaxformer.layers import (
     Norm,
     PositionalEncoding,
 )
-from jaxformer.models import Decoder, Encoder, Transformer, build_model, count_params
+from jaxformer.models import Decoder, Encoder, Transformer, TransformerStack, build_model, count_params
 
 __version__ = "0.1.0"
 
@@ -31,6 +31,7 @@ __all__ = [
     "Norm",
     "PositionalEncoding",
     "Transformer",
+    "TransformerStack",
     "bert_style",
     "build_model",
     "count_params",

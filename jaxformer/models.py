@@ -52,45 +52,18 @@ def memory_attention_mask(
     return F.segment_mask(tgt_segments_BT, src_segments_BS)
 
 
-class Encoder(nnx.Module):
-    """Embedding + positions + dropout, a stack of encoder layers, and a final norm if pre-norm."""
+class TransformerStack(nnx.Module):
+    """Embedding + positions + dropout, a LayerStack, and a final norm if pre-norm.
 
-    def __init__(self, cfg: ModelConfig, embed: Embed, *, rngs: nnx.Rngs):
+    The encoder and the decoder are this with their own layer and mask (see `Encoder`, `Decoder`).
+    """
+
+    def __init__(self, cfg: ModelConfig, embed: Embed, make_layer, num_layers: int, *, causal: bool, rngs: nnx.Rngs):
         self.cfg = cfg
+        self.causal = causal
         self.embed = embed
         self.positions = PositionalEncoding(cfg, rngs=rngs)
-        self.stack = LayerStack(cfg, lambda r: EncoderLayer(cfg, rngs=r), cfg.num_encoder_layers, rngs=rngs)
-        if cfg.norm_position == "pre":
-            self.final_norm = Norm(cfg, rngs=rngs)
-
-    def __call__(
-        self,
-        ids_BS: Array,
-        *,
-        segments_BS: Array | None = None,
-        positions_BS: Array | None = None,
-        dropout_rng: Array | None = None,
-    ) -> Array:
-        cfg = self.cfg
-        positions_BS = default_positions(ids_BS) if positions_BS is None else positions_BS
-        r_embed, r_layers = split_rng(dropout_rng, 2)
-        x_BSD = self.positions(self.embed(ids_BS), positions_BS)
-        x_BSD = F.dropout(x_BSD, cfg.dropout_rate, r_embed)
-        mask = self_attention_mask(ids_BS, segments_BS, cfg.pad_id, causal=False)
-        x_BSD = self.stack(x_BSD, mask=mask, positions_BT=positions_BS, dropout_rng=r_layers)
-        return self.final_norm(x_BSD) if cfg.norm_position == "pre" else x_BSD
-
-
-class Decoder(nnx.Module):
-    """Causal decoder stack; with `cross`, each layer also attends to the encoder memory."""
-
-    def __init__(self, cfg: ModelConfig, embed: Embed, *, cross: bool, rngs: nnx.Rngs):
-        self.cfg = cfg
-        self.embed = embed
-        self.positions = PositionalEncoding(cfg, rngs=rngs)
-        self.stack = LayerStack(
-            cfg, lambda r: DecoderLayer(cfg, cross=cross, rngs=r), cfg.num_decoder_layers, rngs=rngs
-        )
+        self.stack = LayerStack(cfg, make_layer, num_layers, rngs=rngs)
         if cfg.norm_position == "pre":
             self.final_norm = Norm(cfg, rngs=rngs)
 
@@ -98,27 +71,34 @@ class Decoder(nnx.Module):
         self,
         ids_BT: Array,
         *,
-        memory_BSD: Array | None = None,
-        memory_mask: Array | None = None,
-        segments_BT: Array | None = None,
-        positions_BT: Array | None = None,
+        segments: Array | None = None,
+        positions: Array | None = None,
         dropout_rng: Array | None = None,
+        **layer_inputs,
     ) -> Array:
+        """Ids [B, T] -> hidden states [B, T, D]; `layer_inputs` (the decoder's memory) go to every layer."""
         cfg = self.cfg
-        positions_BT = default_positions(ids_BT) if positions_BT is None else positions_BT
+        positions_BT = default_positions(ids_BT) if positions is None else positions
         r_embed, r_layers = split_rng(dropout_rng, 2)
         x_BTD = self.positions(self.embed(ids_BT), positions_BT)
         x_BTD = F.dropout(x_BTD, cfg.dropout_rate, r_embed)
-        mask = self_attention_mask(ids_BT, segments_BT, cfg.pad_id, causal=True)
-        x_BTD = self.stack(
-            x_BTD,
-            mask=mask,
-            positions_BT=positions_BT,
-            memory_BSD=memory_BSD,
-            memory_mask=memory_mask,
-            dropout_rng=r_layers,
-        )
+        mask = self_attention_mask(ids_BT, segments, cfg.pad_id, causal=self.causal)
+        x_BTD = self.stack(x_BTD, mask=mask, positions_BT=positions_BT, dropout_rng=r_layers, **layer_inputs)
         return self.final_norm(x_BTD) if cfg.norm_position == "pre" else x_BTD
+
+
+def Encoder(cfg: ModelConfig, embed: Embed, *, rngs: nnx.Rngs) -> TransformerStack:
+    """Bidirectional self-attention layers over the source: ids [B, S] -> memory [B, S, D]."""
+    return TransformerStack(
+        cfg, embed, lambda r: EncoderLayer(cfg, rngs=r), cfg.num_encoder_layers, causal=False, rngs=rngs
+    )
+
+
+def Decoder(cfg: ModelConfig, embed: Embed, *, cross: bool, rngs: nnx.Rngs) -> TransformerStack:
+    """Causal layers; with `cross`, each also attends to the encoder memory (pass memory_BSD, memory_mask)."""
+    return TransformerStack(
+        cfg, embed, lambda r: DecoderLayer(cfg, cross=cross, rngs=r), cfg.num_decoder_layers, causal=True, rngs=rngs
+    )
 
 
 # ----------------------------------------------------------------------------- heads
@@ -227,7 +207,7 @@ class Transformer(nnx.Module):
         dropout_rng: Array | None = None,
     ) -> Array:
         """Source ids [B, S] -> memory [B, S, D]."""
-        return self.encoder(src_ids_BS, segments_BS=src_segments, positions_BS=src_positions, dropout_rng=dropout_rng)
+        return self.encoder(src_ids_BS, segments=src_segments, positions=src_positions, dropout_rng=dropout_rng)
 
     def decode(
         self,
@@ -247,11 +227,11 @@ class Transformer(nnx.Module):
             memory_mask = memory_attention_mask(tgt_segments, src_ids_BS, src_segments, self.cfg.pad_id)
         h_BTD = self.decoder(
             tgt_ids_BT,
+            segments=tgt_segments,
+            positions=tgt_positions,
+            dropout_rng=dropout_rng,
             memory_BSD=memory_BSD,
             memory_mask=memory_mask,
-            segments_BT=tgt_segments,
-            positions_BT=tgt_positions,
-            dropout_rng=dropout_rng,
         )
         return self.lm_head(h_BTD, log_softmax=log_softmax)
 
