@@ -282,7 +282,8 @@ def batch_cost(cfg: Config, batch: dict) -> tuple[float, float]:
     src_len = batch["src"].shape[1] if "src" in batch else batch["inputs"].shape[1]
     tgt_len = batch["inputs"].shape[1] if "inputs" in batch else 0
     B = len(next(iter(batch.values())))
-    tokens = float(batch["weights"].sum()) if "weights" in batch else float(B)
+    # Tokens that carry a target; for classification, the input tokens read.
+    tokens = float(batch["weights"].sum()) if "weights" in batch else float((batch["src"] != 0).sum())
     return tokens, flops_per_example(cfg.model, objective, src_len, tgt_len) * B
 
 

@@ -72,6 +72,52 @@ def bench_mode(mode: str, args, peak: float) -> dict:
     }
 
 
+def checkpoint_overhead(args, rounds: int = 6, steps: int = 5) -> None:
+    """Step time with an async checkpoint save started before the first of `steps` steps vs without,
+    interleaved round by round in one process so machine noise hits both alike."""
+    import tempfile
+
+    from jaxformer.checkpoint import Checkpointer
+
+    mode = args.modes.split(",")[0]
+    objective = OBJECTIVE[mode]
+    model = C.ModelConfig(
+        mode=mode, vocab_size=args.vocab, d_model=args.d_model, num_heads=args.heads, d_ff=4 * args.d_model,
+        num_encoder_layers=0 if mode == "decoder_only" else args.layers,
+        num_decoder_layers=0 if mode == "encoder_only" else args.layers, max_len=args.seq, check_token_ids=False,
+    )  # fmt: skip
+    cfg = C.Config(
+        model=model,
+        train=C.TrainConfig(objective=objective, batch_size=args.batch),
+        data=C.DataConfig(max_len=args.seq),
+    )
+    graphdef, state, optimizer = init_state(cfg)
+    step_fn = jax.jit(make_steps(graphdef, cfg, optimizer)[0], donate_argnums=0)
+    batch = jax.device_put(synthetic_batch(objective, args.batch, args.seq, args.vocab))
+    state, m = step_fn(state, batch)
+    jax.block_until_ready(m)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Checkpointer(tmp, cfg)
+        timings = {"no save": [], "async save": []}
+        for r in range(2 * rounds):
+            kind = "async save" if r % 2 else "no save"
+            t = time.perf_counter()
+            if kind == "async save":
+                ckpt.save(state)
+            for _ in range(steps):
+                state, m = step_fn(state, batch)
+            jax.block_until_ready(m)
+            timings[kind].append((time.perf_counter() - t) / steps)
+            ckpt.wait()  # the next round starts with no save in flight
+        ckpt.close()
+    plain, saving = statistics.median(timings["no save"]), statistics.median(timings["async save"])
+    params_mb = sum(x.nbytes for x in jax.tree.leaves(state)) / 2**20
+    print(
+        f"checkpoint ({params_mb:.1f} MB of state): step {1e3 * plain:.1f} ms without a save, "
+        f"{1e3 * saving:.1f} ms per step over {steps} steps after starting one: overhead {saving / plain - 1:+.1%}"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default="decoder_only,encoder_decoder,encoder_only")
@@ -86,7 +132,11 @@ def main() -> None:
     p.add_argument("--remat", default="none", choices=["none", "full", "dots_saveable"])
     p.add_argument("--scan", action="store_true", help="scan over layers")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--checkpoint-overhead", action="store_true", help="time steps while an async save runs")
     args = p.parse_args()
+    if args.checkpoint_overhead:
+        checkpoint_overhead(args)
+        return
     peak = measure_peak_flops()
     print(
         f"device: {jax.devices()[0].device_kind} x{jax.device_count()}; matmul peak {peak / 1e9:.1f} GFLOP/s (float32)"

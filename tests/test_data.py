@@ -117,3 +117,14 @@ def test_tokenizer_larger_than_model_vocab_is_rejected():
     cfg = C.Config(model=cfg.model.replace(vocab_size=100), data=cfg.data, train=cfg.train)
     with pytest.raises(DataError, match=r"260 ids but model\.vocab_size=100"):
         build_dataset(cfg)
+
+
+def test_bucketed_batches_vary_in_width_and_join_for_evaluation():
+    from jaxformer.evaluate import _arrays
+
+    data = build_dataset(cfg_for("lohelp_apps", "classify", "encoder_only"))
+    widths = {data.test.get(i)["src"].shape[1] for i in range(len(data.test))}
+    assert len(widths) > 1 and max(widths) <= 32  # buckets of data.max_len=32
+    joined = _arrays(data.test, len(data.test))
+    assert joined["src"].shape == (len(data.test) * 4, max(widths))
+    assert len(joined["label"]) == len(joined["src"])
