@@ -5,11 +5,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from jaxformer import config as C
-from jaxformer.train import TrainState, init_state, learning_rate_schedule, make_steps
+from jaxformer.train import init_state, learning_rate_schedule, make_steps
 
 
 def run_config(**train):
@@ -127,7 +126,6 @@ def test_weight_decay_skips_norms_and_biases():
         name = jax.tree_util.keystr(path)
         decayed = bool(np.any(np.asarray(u) != 0))
         assert decayed == ("bias" not in name and "scale" not in name), name
-    assert isinstance(state, TrainState) and isinstance(optimizer, optax.GradientTransformation)
 
 
 @pytest.mark.parametrize("objective, mode", [("seq2seq", "encoder_decoder"), ("mlm", "encoder_only")])
