@@ -6,7 +6,7 @@ Converges in ~400 steps (under a minute on 2 CPU cores); then greedy decoding co
 held-out sequences exactly. `--set data.source=reverse` trains the reverse task instead.
 """
 
-from jaxformer.config import Config, DataConfig, ModelConfig, TrainConfig
+from jaxformer.config import Config, DataConfig, DecodeConfig, ModelConfig, TrainConfig
 
 
 def get_config() -> Config:
@@ -32,4 +32,5 @@ def get_config() -> Config:
             eval_every=200,
             log_every=50,
         ),
+        decode=DecodeConfig(extra_len=0),  # no EOS in this task: the output is as long as the input
     )

@@ -1,4 +1,4 @@
-"""`jaxformer train | eval | export | demo`: the command line over config, train and evaluate."""
+"""`jaxformer train | eval | generate | translate | export | demo`: the command line."""
 
 from __future__ import annotations
 
@@ -43,25 +43,65 @@ def cmd_train(args) -> int:
     return 0
 
 
-def cmd_eval(args) -> int:
-    import jax
-
+def _restore(cfg, workdir):
+    """(graphdef, state, optimizer) of the latest checkpoint in `workdir`."""
     from jaxformer.checkpoint import Checkpointer
-    from jaxformer.data import build_dataset
-    from jaxformer.evaluate import evaluate_model
-    from jaxformer.train import init_state, make_steps
+    from jaxformer.train import init_state
 
-    cfg = _load_config(args)
-    data = build_dataset(cfg, args.workdir)
     graphdef, state, optimizer = init_state(cfg)
-    ckpt = Checkpointer(args.workdir, cfg)
+    ckpt = Checkpointer(workdir, cfg)
     state = ckpt.restore_latest(state)
     ckpt.close()
     if state is None:
-        raise SystemExit(f"error: {args.workdir}/checkpoints holds no checkpoint: train first")
+        raise SystemExit(f"error: {workdir}/checkpoints holds no checkpoint: train first")
+    return graphdef, state, optimizer
+
+
+def cmd_eval(args) -> int:
+    import jax
+
+    from jaxformer.data import build_dataset
+    from jaxformer.evaluate import evaluate_model
+    from jaxformer.train import make_steps
+
+    cfg = _load_config(args)
+    data = build_dataset(cfg, args.workdir)
+    graphdef, state, optimizer = _restore(cfg, args.workdir)
     print(f"evaluating the checkpoint of step {int(state.step)}")
     _, eval_step = make_steps(graphdef, cfg, optimizer)
     _print_report(evaluate_model(cfg, graphdef, state.params, data, jax.jit(eval_step), state))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    """`generate` (decoder_only: continue prompts) and `translate` (encoder_decoder: sources)."""
+    from flax import nnx
+
+    from jaxformer import decode
+    from jaxformer.data import load_tokenizer
+
+    cfg = _load_config(args)
+    texts = list(args.text or [])
+    if args.file:
+        texts += pathlib.Path(args.file).read_text(encoding="utf-8").splitlines()
+    if not texts:
+        raise SystemExit(f"error: give --{args.what} TEXT or --{args.what}-file FILE")
+    needed = "decoder_only" if args.command == "generate" else "encoder_decoder"
+    if cfg.model.mode != needed:
+        raise SystemExit(f"error: `{args.command}` needs a {needed} model; {args.workdir} holds {cfg.model.mode}")
+    tok = load_tokenizer(cfg, args.workdir)
+    graphdef, state, _ = _restore(cfg, args.workdir)
+    model = nnx.merge(graphdef, state.params)
+    try:
+        if args.command == "generate":
+            outs = decode.continue_texts(model, tok, texts, cfg.decode, stop_at_eos=args.stop_at_eos)
+        else:
+            outs = decode.translate_texts(model, tok, texts, cfg.decode)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    for text, out in zip(texts, outs, strict=True):
+        for i, o in enumerate([out] if isinstance(out, str) else out):
+            print(f"{text}\n=> {o}\n" if i == 0 else f"{i + 1:d}> {o}\n")
     return 0
 
 
@@ -111,13 +151,32 @@ def main(argv: list[str] | None = None) -> int:
     exp = sub.add_parser("export", help="write the latest parameters and config for jaxformer.load_model")
     exp.add_argument("--workdir", required=True)
     exp.add_argument("--out", required=True)
+    for name, what, help_text in (
+        ("generate", "prompt", "continue prompts with a decoder_only model (settings: --set decode.FIELD=...)"),
+        ("translate", "src", "translate sources with an encoder_decoder model (default: the experiment's decoding)"),
+    ):
+        gen = sub.add_parser(name, help=help_text)
+        gen.add_argument("--workdir", required=True)
+        gen.add_argument(f"--{what}", dest="text", action="append", help="a text (repeat for a batch)")
+        gen.add_argument(f"--{what}-file", dest="file", help="one text per line")
+        gen.add_argument("--set", action="append", metavar="decode.FIELD=VALUE", help="e.g. decode.strategy=beam")
+        gen.set_defaults(what=what)
+        if name == "generate":
+            gen.add_argument("--stop-at-eos", action="store_true", help="stop at the end of a paragraph")
     sub.add_parser("demo", help="a forward pass of each mode")
     args = parser.parse_args(argv)
     from jaxformer.config import ConfigError
     from jaxformer.data import DataError
 
     try:
-        commands = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "demo": cmd_demo}
+        commands = {
+            "train": cmd_train,
+            "eval": cmd_eval,
+            "export": cmd_export,
+            "demo": cmd_demo,
+            "generate": cmd_generate,
+            "translate": cmd_generate,
+        }
         return commands[args.command](args)
     except (ConfigError, DataError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

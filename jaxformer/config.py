@@ -323,6 +323,45 @@ class CheckpointConfig:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """How text is generated: samples during training, evaluation, `jaxformer generate|translate`.
+
+    The paper translates with beam 4, length penalty 0.6 and outputs up to input length + 50.
+    """
+
+    strategy: Literal["greedy", "sample", "beam"] = "greedy"
+    max_new_tokens: int = 64  # decoder_only: tokens generated after the prompt
+    extra_len: int = 50  # encoder_decoder: output up to source length + extra_len tokens (paper: 50)
+    temperature: float = 1.0  # sample: logits / temperature
+    top_k: int = 0  # sample: keep the k most likely tokens (0 = all)
+    top_p: float = 1.0  # sample: keep the smallest set of most likely tokens with mass >= top_p (nucleus)
+    beam_size: int = 4
+    length_penalty: float = 0.6  # beam: GNMT alpha; score = log P / ((5 + length) / 6) ** alpha
+    num_return: int = 1  # beam: the n best sequences returned (<= beam_size)
+    use_cache: bool = True  # False recomputes the whole prefix at every step (the reference)
+    seed: int = 0  # sample: the sampling key
+
+    def __post_init__(self):
+        p = "decode"
+        check_field_types(self, p)
+        require(self.max_new_tokens > 0, f"{p}.max_new_tokens", f"must be positive, got {self.max_new_tokens}")
+        require(self.extra_len >= 0, f"{p}.extra_len", f"must be >= 0, got {self.extra_len}")
+        require(self.temperature > 0, f"{p}.temperature", f"must be > 0, got {self.temperature}")
+        require(self.top_k >= 0, f"{p}.top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        require(0 < self.top_p <= 1, f"{p}.top_p", f"must be in (0, 1], got {self.top_p}")
+        require(self.beam_size >= 1, f"{p}.beam_size", f"must be >= 1, got {self.beam_size}")
+        require(self.length_penalty >= 0, f"{p}.length_penalty", f"must be >= 0, got {self.length_penalty}")
+        require(
+            1 <= self.num_return <= (self.beam_size if self.strategy == "beam" else 1),
+            f"{p}.num_return",
+            f"must be in [1, beam_size={self.beam_size}] for beam search, 1 otherwise; got {self.num_return}",
+        )
+
+    def replace(self, **changes) -> DecodeConfig:
+        return dataclasses.replace(self, **changes)
+
+
 def _as_tuples(x):
     return tuple(_as_tuples(i) for i in x) if isinstance(x, (list, tuple)) else x
 
@@ -353,13 +392,14 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One training run: model, optimisation, data, checkpoints, mesh."""
+    """One training run: model, optimisation, data, checkpoints, mesh, and how it generates."""
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    decode: DecodeConfig = dataclasses.field(default_factory=DecodeConfig)
 
     def __post_init__(self):
         objective, mode = self.train.objective, self.model.mode
@@ -393,6 +433,7 @@ SECTIONS = {
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "mesh": MeshConfig,
+    "decode": DecodeConfig,
 }
 
 

@@ -1,48 +1,340 @@
-"""Greedy decoding for evaluation and samples.
+"""Generation with a KV cache: greedy, sampling (temperature, top-k, top-p) and beam search,
+for decoder-only and encoder-decoder models.
 
-This version recomputes the full prefix at every step (no KV cache): simple and exact,
-used for the copy-task accuracy, BLEU and the samples printed during training.
+The decoder starts from a prompt [B, P] (right-padded, with per-row lengths); in
+encoder_decoder mode the prompt is BOS and the source is encoded once, each layer's
+cross-attention keys and values of it computed once and kept in the cache. The prompts
+run in one prefill pass, then one token per step inside a jitted `lax.while_loop` that
+stops when every row has ended (EOS, or its maximum length).
+
+Cache slot s holds position s of its row, so rows of different lengths need no shifting
+and a row's output does not depend on the rest of the batch. Shapes are static: one
+compilation per (batch, prompt width, output length, settings); prompt widths are rounded
+up to a power of two so that a handful of shapes serve every prompt.
+
+`DecodeConfig.use_cache=False` recomputes the whole prefix at every step instead: the
+reference the cache is tested and benchmarked against.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxformer.config import DecodeConfig
+from jaxformer.layers import Embed
+from jaxformer.sharding import constrain
+
 Array = jax.Array
+NEG_INF = -jnp.inf
+DEFAULTS = DecodeConfig()
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 4))
-def greedy_translate(graphdef, params, src_BS: Array, max_len: int, bos_id: int) -> Array:
-    """encoder_decoder: greedy target ids [B, max_len] (EOS and what follows it left in)."""
-    model = nnx.merge(graphdef, params)
-    memory_BSD = model.encode(src_BS)
-    B = src_BS.shape[0]
-    buf_BT = jnp.zeros((B, max_len + 1), jnp.int32).at[:, 0].set(bos_id)
+class Generation(NamedTuple):
+    """What `generate` / `translate` return (NumPy arrays).
 
-    def body(i, buf_BT):
-        logits_BTV = model.decode(memory_BSD, src_BS, buf_BT[:, :-1])
-        return buf_BT.at[:, i + 1].set(jnp.argmax(logits_BTV[:, i], -1).astype(jnp.int32))
+    tokens: [B, n, N] generated ids, best first, EOS included, `pad_id` after it.
+    scores: [B, n] beam search: length-penalised log-probability log P / ((5 + len) / 6) ** alpha;
+      greedy and sampling: the log-probability of the sequence under the model.
+    """
 
-    return jax.lax.fori_loop(0, max_len, body, buf_BT)[:, 1:]
+    tokens: np.ndarray
+    scores: np.ndarray
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3))
-def greedy_continue(graphdef, params, prompt_BT: Array, num_new: int) -> Array:
-    """decoder_only: the prompt [B, P] followed by `num_new` greedy tokens: [B, P + num_new]."""
-    model = nnx.merge(graphdef, params)
-    B, P = prompt_BT.shape
-    buf_BT = jnp.concatenate([prompt_BT, jnp.zeros((B, num_new), jnp.int32)], axis=1)
+# ----------------------------------------------------------------------------- token choice
 
-    def body(i, buf_BT):
-        logits_BTV = model(buf_BT)
-        return buf_BT.at[:, i + 1].set(jnp.argmax(logits_BTV[:, i], -1).astype(jnp.int32))
 
-    return jax.lax.fori_loop(P - 1, P + num_new - 1, body, buf_BT)
+def top_k_filter(logits_BV: Array, k: int) -> Array:
+    """Logits outside the k largest of each row set to -inf (k = 0: unchanged)."""
+    if k == 0 or k >= logits_BV.shape[-1]:
+        return logits_BV
+    kth_B1 = jax.lax.top_k(logits_BV, k)[0][:, -1:]
+    return jnp.where(logits_BV < kth_B1, NEG_INF, logits_BV)
+
+
+def top_p_filter(logits_BV: Array, p: float) -> Array:
+    """Nucleus filter (Holtzman et al. 2020): keep the smallest set of most likely tokens whose
+    probability mass reaches p (always at least the most likely one); the rest get -inf."""
+    if p >= 1.0:
+        return logits_BV
+    sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+    probs_BV = jax.nn.softmax(sorted_BV.astype(jnp.float32), axis=-1)
+    mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    kept_BV = mass_before_BV < p  # a token is kept if the mass above it has not yet reached p
+    threshold_B1 = jnp.min(jnp.where(kept_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits_BV < threshold_B1, NEG_INF, logits_BV)
+
+
+def sample_logits(logits_BV: Array, rng: Array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+    """One token per row from softmax(logits / temperature), restricted by top-k then top-p."""
+    logits_BV = logits_BV.astype(jnp.float32) / temperature
+    logits_BV = top_p_filter(top_k_filter(logits_BV, top_k), top_p)
+    return jax.random.categorical(rng, logits_BV, axis=-1).astype(jnp.int32)
+
+
+def length_penalty(length: Array, alpha: float) -> Array:
+    """GNMT's lp(Y) = ((5 + |Y|) / 6) ** alpha (Wu et al. 2016), used by the paper with alpha 0.6."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+# ----------------------------------------------------------------------------- next-token logits
+
+
+class Stepper(NamedTuple):
+    """The model seen by a search: logits of each row's next token.
+
+    start(prompt_BP, lengths_B) -> (logits_BV, carry): after each row's last prompt token.
+    step(carry, tokens_B, positions_B) -> (logits_BV, carry): after tokens placed at positions.
+    reorder(carry, rows_B) -> carry: row i takes row rows_B[i]'s history (beam search).
+    """
+
+    start: Callable
+    step: Callable
+    reorder: Callable
+
+
+def _at(x_BT_, index_B: Array) -> Array:
+    """x[b, index_b] for each row: [B, T, ...] -> [B, ...]."""
+    return jnp.take_along_axis(x_BT_, index_B[:, None, None], axis=1)[:, 0]
+
+
+def cached_stepper(model, length: int, memory_BSD: Array | None, src_BS: Array | None) -> Stepper:
+    """Prefill once, then one position per step against a KV cache of `length` slots."""
+
+    def start(prompt_BP, lengths_B):
+        B, P = prompt_BP.shape
+        cache = model.init_cache(B, length, memory_BSD, src_BS)
+        logits_BPV, cache = model.decode_step(cache, prompt_BP, jnp.broadcast_to(jnp.arange(P), (B, P)))
+        return _at(logits_BPV, lengths_B - 1), cache
+
+    def step(cache, tokens_B, positions_B):
+        logits_B1V, cache = model.decode_step(cache, tokens_B[:, None], positions_B[:, None])
+        return logits_B1V[:, 0], cache
+
+    def reorder(cache, rows_B):  # the memory is the same for every beam of a row: only "self" moves
+        self_cache = jax.tree.map(lambda c: jnp.take(c, rows_B, axis=1), cache["layers"]["self"])
+        return {**cache, "layers": {**cache["layers"], "self": self_cache}}
+
+    return Stepper(start, step, reorder)
+
+
+def recompute_stepper(model, length: int, memory_BSD: Array | None, src_BS: Array | None) -> Stepper:
+    """No cache: every step runs the decoder over the whole (static) buffer of `length` ids."""
+
+    def logits_at(buffer_BL, filled_B, index_B):
+        # Segment 1 marks the filled positions, so generated pad ids still count as tokens.
+        segments_BL = (jnp.arange(length)[None, :] < filled_B[:, None]).astype(jnp.int32)
+        if memory_BSD is None:
+            logits_BLV = model(buffer_BL, segments=segments_BL)
+        else:
+            logits_BLV = model.decode(memory_BSD, src_BS, buffer_BL, tgt_segments=segments_BL)
+        return _at(logits_BLV, index_B)
+
+    def start(prompt_BP, lengths_B):
+        buffer_BL = jnp.pad(prompt_BP, ((0, 0), (0, length - prompt_BP.shape[1])))
+        return logits_at(buffer_BL, lengths_B, lengths_B - 1), buffer_BL
+
+    def step(buffer_BL, tokens_B, positions_B):
+        buffer_BL = buffer_BL.at[jnp.arange(buffer_BL.shape[0]), positions_B].set(tokens_B)
+        return logits_at(buffer_BL, positions_B + 1, positions_B), buffer_BL
+
+    return Stepper(start, step, lambda buffer_BL, rows_B: jnp.take(buffer_BL, rows_B, axis=0))
+
+
+# ----------------------------------------------------------------------------- searches
+
+
+def sample_search(stepper, prompt_BP, lengths_B, max_new_B, num_new: int, choose, eos_id: int, pad_id: int, rng):
+    """Greedy or sampled decoding: `choose(logits_BV, key) -> tokens_B` at each step.
+
+    Returns (tokens [B, num_new], log-probabilities [B] of the chosen sequences).
+    """
+    B = prompt_BP.shape[0]
+    logits_BV, carry = stepper.start(prompt_BP, lengths_B)
+    last_position = prompt_BP.shape[1] + num_new - 1
+
+    def cond(s):
+        t, *_, done_B, _ = s
+        return (t < num_new) & ~jnp.all(done_B)
+
+    def body(s):
+        t, logits_BV, carry, out_BN, done_B, logp_B = s
+        logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32))
+        tokens_B = jnp.where(done_B, pad_id, choose(logits_BV, jax.random.fold_in(rng, t)))
+        logp_B = logp_B + jnp.where(done_B, 0.0, jnp.take_along_axis(logp_BV, tokens_B[:, None], -1)[:, 0])
+        out_BN = out_BN.at[:, t].set(tokens_B)
+        done_B = done_B | (tokens_B == eos_id) | (t + 1 >= max_new_B)
+        logits_BV, carry = stepper.step(carry, tokens_B, jnp.minimum(lengths_B + t, last_position))
+        return t + 1, logits_BV, carry, out_BN, done_B, logp_B
+
+    init = (jnp.int32(0), logits_BV, carry, jnp.full((B, num_new), pad_id, jnp.int32), jnp.zeros(B, bool), jnp.zeros(B))
+    _, _, _, out_BN, _, logp_B = jax.lax.while_loop(cond, body, init)
+    return out_BN, logp_B
+
+
+def beam_search(stepper, prompt_BP, lengths_B, max_new_B, num_new: int, W: int, alpha: float, eos_id: int, pad_id: int):
+    """Beam search with the GNMT length penalty, over rows already repeated W times ([B * W, ...]).
+
+    Each step extends the W live beams of a row by every token and keeps the 2W best
+    candidates; those among the first W that end (EOS, or the row's maximum length) join
+    the row's W best finished sequences (scored log P / lp(length)), and the W best that
+    do not end live on. A row stops once its best live beam, even at the longest length, cannot
+    beat its worst finished sequence. Returns (tokens [B, W, num_new], scores [B, W]), best first.
+    """
+    BW = prompt_BP.shape[0]
+    B = BW // W
+    logits_BV, carry = stepper.start(prompt_BP, lengths_B)
+    max_new_B_ = max_new_B.reshape(B, W)[:, 0]
+    last_position = prompt_BP.shape[1] + num_new - 1
+    take = lambda x, idx: jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+    def cond(s):
+        t, *_, done_B = s
+        return (t < num_new) & ~jnp.all(done_B)
+
+    def body(s):
+        t, logits_BV, carry, alive_BWN, alive_logp_BW, fin_BWN, fin_score_BW, done_B = s
+        V = logits_BV.shape[-1]
+        logp_BWV = jax.nn.log_softmax(logits_BV.astype(jnp.float32)).reshape(B, W, V)
+        candidates_BX = (alive_logp_BW[..., None] + logp_BWV).reshape(B, W * V)
+        logp_BC, index_BC = jax.lax.top_k(candidates_BX, 2 * W)  # C = 2W candidates
+        parent_BC, tokens_BC = index_BC // V, index_BC % V
+        seqs_BCN = take(alive_BWN, parent_BC).at[:, :, t].set(tokens_BC)
+        ends_BC = (tokens_BC == eos_id) | (t + 1 >= max_new_B_)[:, None]
+
+        # Only an ending among the W best candidates is final (as in fairseq): beam 1 is greedy.
+        final_BC = ends_BC & (jnp.arange(2 * W) < W)[None, :] & ~done_B[:, None]
+        finished_BC = jnp.where(final_BC, logp_BC / length_penalty(t + 1.0, alpha), NEG_INF)
+        fin_score_BW, keep_BW = jax.lax.top_k(jnp.concatenate([fin_score_BW, finished_BC], 1), W)
+        fin_BWN = take(jnp.concatenate([fin_BWN, seqs_BCN], 1), keep_BW)
+
+        alive_logp_BW, keep_BW = jax.lax.top_k(jnp.where(ends_BC, NEG_INF, logp_BC), W)
+        alive_BWN = take(seqs_BCN, keep_BW)
+        rows = (jnp.arange(B)[:, None] * W + take(parent_BC, keep_BW)).reshape(BW)
+        carry = stepper.reorder(carry, rows)
+
+        best_possible_B = alive_logp_BW[:, 0] / length_penalty(max_new_B_.astype(jnp.float32), alpha)
+        done_B = done_B | (t + 1 >= max_new_B_) | (best_possible_B <= fin_score_BW[:, -1])
+        tokens = take(tokens_BC, keep_BW).reshape(BW)
+        logits_BV, carry = stepper.step(carry, tokens, jnp.minimum(lengths_B + t, last_position))
+        return t + 1, logits_BV, carry, alive_BWN, alive_logp_BW, fin_BWN, fin_score_BW, done_B
+
+    first_only_BW = jnp.where(jnp.arange(W) == 0, 0.0, NEG_INF)[None, :].repeat(B, 0)  # the W beams start equal
+    pads_BWN = jnp.full((B, W, num_new), pad_id, jnp.int32)
+    no_scores_BW = jnp.full((B, W), NEG_INF)
+    init = (jnp.int32(0), logits_BV, carry, pads_BWN, first_only_BW, pads_BWN, no_scores_BW, jnp.zeros(B, bool))
+    *_, fin_BWN, fin_score_BW, _ = jax.lax.while_loop(cond, body, init)
+    return fin_BWN, fin_score_BW
+
+
+def _without_id_checks(model):
+    """Inputs are checked on the host and generated ids are in range: no host callback per step."""
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, Embed):
+            module.cfg = dataclasses.replace(module.cfg, check_token_ids=False)
+    return model
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings", "num_new", "eos_id", "pad_id"))
+def _generate(graphdef, params, prompt_BP, lengths_B, max_new_B, src_BS, rng, *, settings, num_new, eos_id, pad_id):
+    model = _without_id_checks(nnx.merge(graphdef, params))
+    W = settings.beam_size if settings.strategy == "beam" else 1
+    if W > 1:  # every beam is a row of its own: [B * W, ...]
+        prompt_BP, lengths_B, max_new_B = (jnp.repeat(x, W, axis=0) for x in (prompt_BP, lengths_B, max_new_B))
+        src_BS = None if src_BS is None else jnp.repeat(src_BS, W, axis=0)
+    prompt_BP = constrain(prompt_BP, ("batch", None))
+    memory_BSD = None if src_BS is None else model.encode(constrain(src_BS, ("batch", None)))
+    make = cached_stepper if settings.use_cache else recompute_stepper
+    stepper = make(model, prompt_BP.shape[1] + num_new, memory_BSD, src_BS)
+    if settings.strategy == "beam":
+        return beam_search(
+            stepper, prompt_BP, lengths_B, max_new_B, num_new, W, settings.length_penalty, eos_id, pad_id
+        )
+    if settings.strategy == "greedy":
+        choose = lambda logits_BV, _: jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    else:
+        choose = functools.partial(
+            sample_logits, temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p
+        )
+    tokens_BN, logp_B = sample_search(stepper, prompt_BP, lengths_B, max_new_B, num_new, choose, eos_id, pad_id, rng)
+    return tokens_BN[:, None], logp_B[:, None]
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def _padded(rows: Sequence[Sequence[int]], what: str, model, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """Id lists -> (ids [B, W] right-padded, lengths [B]); W a power of two (>= 8, <= max_tokens).
+
+    Rejects an empty batch or row, a row over `max_tokens` ids, and ids outside [0, V).
+    """
+    cfg = model.cfg
+    if len(rows) == 0:
+        raise ValueError(f"no {what}s given")
+    lengths = np.asarray([len(r) for r in rows], np.int32)
+    for i, n in enumerate(lengths):
+        if n == 0:
+            raise ValueError(f"{what} {i} is empty")
+        if n > max_tokens:
+            raise ValueError(f"{what} {i} has {n} tokens; with model.max_len={cfg.max_len} at most {max_tokens} fit")
+    width = min(max(8, 1 << int(lengths.max() - 1).bit_length()), max_tokens)
+    ids = np.full((len(rows), width), cfg.pad_id, np.int32)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+        bad = [t for t in r if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"{what} {i}: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+    return ids, lengths
+
+
+def _run(model, prompt_BP, lengths_B, max_new_B, src_BS, settings: DecodeConfig, num_new, eos_id, rng):
+    graphdef, params = nnx.split(model)
+    rng = jax.random.key(settings.seed) if rng is None else rng
+    tokens, scores = _generate(
+        graphdef, params, prompt_BP, lengths_B, max_new_B, src_BS, rng,
+        settings=settings, num_new=num_new, eos_id=-1 if eos_id is None else eos_id, pad_id=model.cfg.pad_id,
+    )  # fmt: skip
+    n = settings.num_return
+    return Generation(np.asarray(tokens)[:, :n], np.asarray(scores)[:, :n])
+
+
+def generate(model, prompts: Sequence[Sequence[int]], settings: DecodeConfig = DEFAULTS, *, eos_id, rng=None):
+    """decoder_only: continue each prompt (a list of ids) by up to `settings.max_new_tokens` tokens.
+
+    Rows may differ in length; a row stops at EOS, after max_new_tokens, or at the model's
+    maximum length. `rng` (a key) overrides `settings.seed` for sampling.
+    """
+    if model.cfg.mode != "decoder_only":
+        raise ValueError(f"generate() continues prompts of a decoder_only model; this one is {model.cfg.mode}")
+    L = model.cfg.max_len
+    prompt_BP, lengths_B = _padded(prompts, "prompt", model, L - 1)  # room for one new token
+    length = min(prompt_BP.shape[1] + settings.max_new_tokens, L)
+    max_new_B = np.minimum(settings.max_new_tokens, length - lengths_B).astype(np.int32)
+    return _run(model, prompt_BP, lengths_B, max_new_B, None, settings, length - prompt_BP.shape[1], eos_id, rng)
+
+
+def translate(model, sources: Sequence[Sequence[int]], settings: DecodeConfig = DEFAULTS, *, bos_id, eos_id):
+    """encoder_decoder: outputs for each source (a list of ids), up to source length + settings.extra_len
+    tokens (the paper's limit with extra_len=50) and the model's maximum length."""
+    if model.cfg.mode != "encoder_decoder":
+        raise ValueError(f"translate() needs an encoder_decoder model; this one is {model.cfg.mode}")
+    L = model.cfg.max_len
+    src_BS, src_lengths_B = _padded(sources, "source", model, L)
+    num_new = min(src_BS.shape[1] + settings.extra_len, L - 1)
+    max_new_B = np.minimum(src_lengths_B + settings.extra_len, num_new).astype(np.int32)
+    prompt_B1 = np.full((len(sources), 1), bos_id, np.int32)
+    return _run(model, prompt_B1, np.ones(len(sources), np.int32), max_new_B, src_BS, settings, num_new, eos_id, None)
+
+
+# ----------------------------------------------------------------------------- text
 
 
 def strip_after_eos(ids, eos_id) -> list[int]:
@@ -50,47 +342,59 @@ def strip_after_eos(ids, eos_id) -> list[int]:
     return ids[: ids.index(eos_id)] if eos_id is not None and eos_id in ids else ids
 
 
-def encode_sources(tok, texts: list[str], max_len: int) -> np.ndarray:
-    """Source texts as padded ids [B, S], each ending in EOS (where the tokenizer has one)."""
-    eos = [] if tok.eos_id is None else [tok.eos_id]
-    ids = np.full((len(texts), max_len), tok.pad_id, np.int32)
+def encode_texts(tok, texts: Sequence[str], what: str, eos: bool = False) -> list[list[int]]:
+    """Texts -> id lists (with EOS appended if asked); rejects text the tokenizer cannot represent."""
+    rows = []
     for i, text in enumerate(texts):
-        enc = tok.encode(text)[: max_len - len(eos)] + eos
-        ids[i, : len(enc)] = enc
-    return ids
+        ids = tok.encode(text)
+        unk = getattr(tok, "unk_id", None)
+        if unk is not None and unk in ids:
+            raise ValueError(f"{what} {i} ({text!r}) has pieces outside the tokenizer's vocabulary")
+        rows.append([*ids, tok.eos_id] if eos and ids and tok.eos_id is not None else ids)
+    return rows
 
 
-def translate_texts(graphdef, params, cfg, tok, src_ids: np.ndarray, max_len: int | None = None) -> list[str]:
-    out = greedy_translate(graphdef, params, jnp.asarray(src_ids), max_len or src_ids.shape[1], tok.bos_id)
-    return [tok.decode(strip_after_eos(row, tok.eos_id)) for row in np.asarray(out)]
+def translate_texts(model, tok, sources: Sequence[str] | Sequence[Sequence[int]], settings: DecodeConfig) -> list:
+    """Source texts (or id lists ending in EOS) -> output texts; with num_return > 1, a list per source."""
+    rows = encode_texts(tok, sources, "source", eos=True) if isinstance(sources[0], str) else sources
+    out = translate(model, rows, settings, bos_id=tok.bos_id, eos_id=tok.eos_id)
+    texts = [[tok.decode(strip_after_eos(seq, tok.eos_id)) for seq in row] for row in out.tokens]
+    return [t[0] for t in texts] if settings.num_return == 1 else texts
 
 
-def sample_texts(graphdef, params, cfg, data) -> tuple[list[str], list[str]]:
-    """A few (input, model output) pairs from held-out data, for logs."""
+def continue_texts(model, tok, prompts: Sequence[str], settings: DecodeConfig, stop_at_eos: bool = False) -> list:
+    """Prompt texts -> generated continuations. Unless `stop_at_eos`, EOS (the end of a
+    paragraph in the LM data) does not stop generation and shows as a blank line."""
+    eos_id = tok.eos_id if stop_at_eos else None
+    out = generate(model, encode_texts(tok, prompts, "prompt"), settings, eos_id=eos_id)
+    texts = []
+    for row in out.tokens:
+        texts.append([])
+        for seq in row:
+            ids = [int(i) for i in seq]
+            cut = [i + 1 for i, t in enumerate(ids) if t == tok.eos_id]
+            texts[-1].append("\n\n".join(tok.decode(c) for c in np.split(ids, cut)))
+    return [t[0] for t in texts] if settings.num_return == 1 else texts
+
+
+def sample_texts(model, cfg, data) -> tuple[list[str], list[str]]:
+    """A few (input, model output) pairs from held-out data, for logs; generation follows `cfg.decode`."""
     tok, objective, L = data.tokenizer, cfg.train.objective, cfg.data.max_len
     sources = data.sample_sources[: cfg.train.num_samples]
     if objective == "seq2seq":
-        return sources, translate_texts(graphdef, params, cfg, tok, encode_sources(tok, sources, L))
+        return sources, translate_texts(model, tok, sources, cfg.decode)
     if objective == "lm":
-        outs = []
-        for s in sources:
-            prompt = jnp.asarray([tok.encode(s)[-L // 2 :]], jnp.int32)
-            out = greedy_continue(graphdef, params, prompt, min(L // 2, cfg.model.max_len - prompt.shape[1]))
-            new_ids = [int(i) for i in np.asarray(out[0, prompt.shape[1] :])]
-            chunks = np.split(new_ids, [i + 1 for i, t in enumerate(new_ids) if t == tok.eos_id])
-            outs.append("\n\n".join(tok.decode(c) for c in chunks))  # EOS ends a paragraph
-        return sources, outs
+        prompts = [s[-L // 2 :] for s in sources]  # output runs to the model's maximum length
+        return prompts, continue_texts(model, tok, prompts, cfg.decode)
     if objective == "classify":
         from jaxformer.data.sources import APPS
 
-        model = nnx.merge(graphdef, params)
         ids = np.zeros((len(sources), L), np.int32)
         for i, s in enumerate(sources):
             enc = [tok.bos_id, *tok.encode(s)][:L]
             ids[i, : len(enc)] = enc
         return sources, [APPS[int(c)] for c in np.argmax(model.classify(jnp.asarray(ids)), -1)]
-    model = nnx.merge(graphdef, params)  # mlm: every 7th token masked, then predicted
-    outs = []
+    outs = []  # mlm: every 7th token masked, then predicted
     for s in sources:
         ids = np.asarray(tok.encode(s)[:L], np.int32)
         hidden = np.arange(len(ids)) % 7 == 1

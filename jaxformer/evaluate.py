@@ -1,7 +1,8 @@
 """Held-out evaluation of a trained model, each figure beside a baseline that needs no model.
 
 lm        perplexity vs a unigram model fitted on the training split
-seq2seq   BLEU (sacrebleu) of greedy translations vs copying the source; exact-sequence accuracy
+seq2seq   BLEU (sacrebleu) of translations (decoded as `cfg.decode` says: the translation
+          experiment uses the paper's beam search) vs copying the source; exact-sequence accuracy
 classify  accuracy vs always predicting the majority class of the training split
 mlm       masked-token accuracy and perplexity vs the unigram model
 """
@@ -9,6 +10,7 @@ mlm       masked-token accuracy and perplexity vs the unigram model
 from __future__ import annotations
 
 import numpy as np
+from flax import nnx
 
 from jaxformer import decode
 from jaxformer.data.pipeline import Batches
@@ -50,12 +52,12 @@ def evaluate_model(cfg, graphdef, params, data, eval_step, state, num_batches: i
     if objective == "seq2seq":
         import sacrebleu
 
-        tok = data.tokenizer
+        tok, model = data.tokenizer, nnx.merge(graphdef, params)
         n = min(len(test["src"]), 512)
         hyps, refs, srcs = [], [], []
         for i in range(0, n, cfg.train.batch_size):
-            src = test["src"][i : i + cfg.train.batch_size]
-            hyps += decode.translate_texts(graphdef, params, cfg, tok, src, cfg.data.max_len)
+            src = [[int(t) for t in row if t != tok.pad_id] for row in test["src"][i : i + cfg.train.batch_size]]
+            hyps += decode.translate_texts(model, tok, src, cfg.decode)
             refs += [tok.decode(decode.strip_after_eos(t, tok.eos_id)) for t in test["targets"][i : i + len(src)]]
             srcs += [tok.decode(decode.strip_after_eos(s, tok.eos_id)) for s in src]
         out["bleu"] = sacrebleu.corpus_bleu(hyps, [refs]).score

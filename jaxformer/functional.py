@@ -142,6 +142,20 @@ def segment_mask(q_segments_BT: Array, kv_segments_BS: Array) -> Array:
     return same & (kv_segments_BS != 0)[:, None, None, :]
 
 
+def cache_mask(positions_BT: Array, S: int) -> Array:
+    """[B, 1, T, S] over a KV cache whose slot s holds position s: a query at position p sees slots 0..p."""
+    return jnp.arange(S)[None, None, None, :] <= positions_BT[:, None, :, None]
+
+
+def write_rows(buffer_BS: Array, new_BT: Array, start_B: Array) -> Array:
+    """buffer[b, start_b : start_b + T] = new[b] for each row b (a KV-cache write; trailing axes kept).
+
+    Starts must leave room: like `lax.dynamic_update_slice`, a start past S - T is clamped.
+    """
+    write = lambda buf, new, start: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), start, axis=0)
+    return jax.vmap(write)(buffer_BS, new_BT, start_B)
+
+
 def combine_masks(*masks: Array | None) -> Array | None:
     """Logical AND of the masks that are not None (None if all are)."""
     present = [m for m in masks if m is not None]

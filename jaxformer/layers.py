@@ -132,6 +132,7 @@ class MultiHeadAttention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, cross: bool = False, rngs: nnx.Rngs):
         self.cfg = cfg
+        self.cross = cross
         self.use_rope = cfg.position == "rope" and not cross
         D, H, G, K = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
         in_init = init.xavier_uniform(in_axis=0, out_axis=(1, 2))
@@ -152,6 +153,14 @@ class MultiHeadAttention(nnx.Module):
             y_BTHK = y_BTHK + F.lift(getattr(self, f"{name}_bias")[...].astype(dt), y_BTHK)
         return constrain(y_BTHK, ("batch", None, "heads", None))  # column-parallel under TP
 
+    def project_kv(self, kv_BSD: Array, positions_BS: Array | None = None) -> tuple[Array, Array]:
+        """Keys and values [B, S, G, K] of the inputs attended to (RoPE applied at `positions_BS`)."""
+        k_BSGK = self._project(kv_BSD, "k")
+        v_BSGK = self._project(kv_BSD, "v")
+        if self.use_rope:
+            k_BSGK = F.apply_rope(k_BSGK, positions_BS, self.cfg.rope_base)
+        return k_BSGK, v_BSGK
+
     def __call__(
         self,
         x_BTD: Array,
@@ -160,19 +169,42 @@ class MultiHeadAttention(nnx.Module):
         mask: Array | None = None,
         positions_BT: Array | None = None,
         kv_positions_BS: Array | None = None,
+        memory_kv: tuple[Array, Array] | None = None,
         dropout_rng: Array | None = None,
         return_weights: bool = False,
     ):
-        """Attend from x to memory (cross) or to x itself (memory None). Returns [B, T, D]."""
-        cfg = self.cfg
-        kv_BSD = x_BTD if memory_BSD is None else memory_BSD
-        q_BTHK = self._project(x_BTD, "q")
-        k_BSGK = self._project(kv_BSD, "k")
-        v_BSGK = self._project(kv_BSD, "v")
-        if self.use_rope:
+        """Attend from x to memory (cross) or to x itself (memory None). Returns [B, T, D].
+
+        `memory_kv` gives cross-attention keys and values already projected (`project_kv`
+        of the memory), as decoding does once per source.
+        """
+        if memory_kv is None:
+            kv_BSD = x_BTD if memory_BSD is None else memory_BSD
             kv_positions_BS = positions_BT if kv_positions_BS is None else kv_positions_BS
+            memory_kv = self.project_kv(kv_BSD, kv_positions_BS)
+        return self._attend(x_BTD, *memory_kv, mask, positions_BT, dropout_rng, return_weights)
+
+    def extend(self, x_BTD: Array, cache: dict, *, mask: Array, positions_BT: Array) -> tuple[Array, dict]:
+        """Self-attention of new positions over a KV cache.
+
+        x holds T new positions per row, starting at `positions_BT[:, 0]` (per row); their
+        keys and values are written into `cache` ({"k", "v"}: [B, S_max, G, K]) at those
+        slots, and each query attends to the cache under `mask` [B, 1, T, S_max].
+        Returns (y [B, T, D], the updated cache).
+        """
+        k_BTGK, v_BTGK = self.project_kv(x_BTD, positions_BT)
+        start_B = positions_BT[:, 0]
+        cache = {
+            "k": constrain(F.write_rows(cache["k"], k_BTGK, start_B), ("batch", None, "heads", None)),
+            "v": constrain(F.write_rows(cache["v"], v_BTGK, start_B), ("batch", None, "heads", None)),
+        }
+        return self._attend(x_BTD, cache["k"], cache["v"], mask, positions_BT, None, False), cache
+
+    def _attend(self, x_BTD, k_BSGK, v_BSGK, mask, positions_BT, dropout_rng, return_weights):
+        cfg = self.cfg
+        q_BTHK = self._project(x_BTD, "q")
+        if self.use_rope:
             q_BTHK = F.apply_rope(q_BTHK, positions_BT, cfg.rope_base)
-            k_BSGK = F.apply_rope(k_BSGK, kv_positions_BS, cfg.rope_base)
         result = F.dot_product_attention(
             q_BTHK, k_BSGK, v_BSGK,
             mask=mask,
@@ -237,10 +269,21 @@ class Residual(nnx.Module):
         self.cfg = cfg
         self.norm = Norm(cfg, rngs=rngs)
 
-    def __call__(self, x_BTD: Array, sublayer: Callable[[Array], Array], dropout_rng: Array | None) -> Array:
+    def __call__(self, x_BTD: Array, sublayer: Callable, dropout_rng: Array | None, has_aux: bool = False):
+        """`sublayer` maps [B, T, D] to [B, T, D], or to ([B, T, D], aux) with `has_aux` (returned beside x)."""
+
+        def run(h_BTD):
+            y = sublayer(h_BTD)
+            y_BTD, aux = y if has_aux else (y, None)
+            return F.dropout(y_BTD, self.cfg.dropout_rate, dropout_rng), aux
+
         if self.cfg.norm_position == "pre":
-            return x_BTD + F.dropout(sublayer(self.norm(x_BTD)), self.cfg.dropout_rate, dropout_rng)
-        return self.norm(x_BTD + F.dropout(sublayer(x_BTD), self.cfg.dropout_rate, dropout_rng))
+            y_BTD, aux = run(self.norm(x_BTD))
+            x_BTD = x_BTD + y_BTD
+        else:
+            y_BTD, aux = run(x_BTD)
+            x_BTD = self.norm(x_BTD + y_BTD)
+        return (x_BTD, aux) if has_aux else x_BTD
 
 
 class EncoderLayer(nnx.Module):
@@ -284,20 +327,28 @@ class DecoderLayer(nnx.Module):
         memory_BSD: Array | None = None,
         memory_mask: Array | None = None,
         dropout_rng: Array | None = None,
+        cache: dict | None = None,
     ):
+        """Returns [B, T, D]. Decoding passes `cache`: {"self": this layer's KV cache, "memory":
+        the memory's projected keys and values}; x then holds only the new positions and the
+        result is (x, the updated self-attention cache)."""
         r_self, r_self_res, r_cross, r_cross_res, r_ffn = split_rng(dropout_rng, 5)
 
         def attend(h_BTD):
-            return self.self_attn(h_BTD, mask=mask, positions_BT=positions_BT, dropout_rng=r_self)
+            if cache is None:
+                return self.self_attn(h_BTD, mask=mask, positions_BT=positions_BT, dropout_rng=r_self), None
+            return self.self_attn.extend(h_BTD, cache["self"], mask=mask, positions_BT=positions_BT)
 
-        x_BTD = self.self_attn_res(x_BTD, attend, r_self_res)
+        x_BTD, self_cache = self.self_attn_res(x_BTD, attend, r_self_res, has_aux=True)
         if self.cross:
+            memory_kv = None if cache is None else (cache["memory"]["k"], cache["memory"]["v"])
 
             def cross_attend(h_BTD):
-                return self.cross_attn(h_BTD, memory_BSD, mask=memory_mask, dropout_rng=r_cross)
+                return self.cross_attn(h_BTD, memory_BSD, mask=memory_mask, memory_kv=memory_kv, dropout_rng=r_cross)
 
             x_BTD = self.cross_attn_res(x_BTD, cross_attend, r_cross_res)
-        return self.ffn_res(x_BTD, self.ffn, r_ffn)
+        x_BTD = self.ffn_res(x_BTD, self.ffn, r_ffn)
+        return x_BTD if cache is None else (x_BTD, self_cache)
 
 
 # ----------------------------------------------------------------------------- stacks
@@ -354,3 +405,32 @@ class LayerStack(nnx.Module):
             graphdef, state = nnx.split(layer)
             x_BTD = apply(graphdef, state, x_BTD, index, kwargs)
         return x_BTD
+
+    def extend(self, x_BTD: Array, cache: dict, **kwargs) -> tuple[Array, dict]:
+        """Decoding: x (new positions) through every layer with its slice of `cache`
+        ({"self", "memory"}, leaves [L, ...]); returns (x, the updated "self" caches [L, ...])."""
+
+        def apply(graphdef, state, x_BTD, layer_cache):
+            return nnx.merge(graphdef, state)(x_BTD, cache=layer_cache, **kwargs)
+
+        if self.cfg.scan_layers:
+            graphdef, state = nnx.split(self.layers)
+
+            def body(x_BTD, layer):
+                state_i, cache_i = layer
+                return apply(graphdef, state_i, x_BTD, cache_i)
+
+            return jax.lax.scan(body, x_BTD, (state, cache))
+        updated = []
+        for index, layer in enumerate(self.layers):
+            layer_cache = jax.tree.map(lambda c, i=index: c[i], cache)
+            x_BTD, layer_cache = apply(*nnx.split(layer), x_BTD, layer_cache)
+            updated.append(layer_cache)
+        return x_BTD, jax.tree.map(lambda *c: jnp.stack(c), *updated)
+
+    def map_layers(self, fn: Callable[[nnx.Module], object]):
+        """fn(layer) for every layer, its array results stacked on a leading [L] axis."""
+        if self.cfg.scan_layers:
+            graphdef, state = nnx.split(self.layers)
+            return jax.vmap(lambda s: fn(nnx.merge(graphdef, s)))(state)
+        return jax.tree.map(lambda *r: jnp.stack(r), *[fn(layer) for layer in self.layers])

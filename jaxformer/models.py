@@ -86,6 +86,17 @@ class TransformerStack(nnx.Module):
         x_BTD = self.stack(x_BTD, mask=mask, positions_BT=positions_BT, dropout_rng=r_layers, **layer_inputs)
         return self.final_norm(x_BTD) if cfg.norm_position == "pre" else x_BTD
 
+    def extend(self, ids_BT: Array, positions_BT: Array, cache: dict, **layer_inputs) -> tuple[Array, dict]:
+        """Decoding: new ids [B, T] at `positions_BT` (per row) against the layers' KV `cache`.
+
+        Cache slot s holds position s, so a position sees the slots up to itself. Returns
+        (hidden states [B, T, D], the updated self-attention caches).
+        """
+        x_BTD = self.positions(self.embed(ids_BT), positions_BT)
+        mask = F.cache_mask(positions_BT, cache["self"]["k"].shape[2])
+        x_BTD, self_cache = self.stack.extend(x_BTD, cache, mask=mask, positions_BT=positions_BT, **layer_inputs)
+        return (self.final_norm(x_BTD) if self.cfg.norm_position == "pre" else x_BTD), self_cache
+
 
 def Encoder(cfg: ModelConfig, embed: Embed, *, rngs: nnx.Rngs) -> TransformerStack:
     """Bidirectional self-attention layers over the source: ids [B, S] -> memory [B, S, D]."""
@@ -234,6 +245,37 @@ class Transformer(nnx.Module):
             memory_mask=memory_mask,
         )
         return self.lm_head(h_BTD, log_softmax=log_softmax)
+
+    def init_cache(self, batch: int, length: int, memory_BSD: Array | None = None, src_ids_BS: Array | None = None):
+        """An empty decoding cache for `length` target positions; with an encoder memory
+        (encoder_decoder), also each layer's cross-attention keys and values of it, computed once.
+
+        {"layers": {"self": {"k", "v"}: [L, B, length, G, K], "memory": {"k", "v"}: [L, B, S, G, K]},
+         "memory_mask": [B, 1, 1, S]}
+        """
+        cfg = self.cfg
+        if cfg.mode == "encoder_only":
+            raise ValueError("mode='encoder_only' has no decoder to cache")
+        if (memory_BSD is None) != (cfg.mode == "decoder_only"):
+            raise ValueError(f"mode={cfg.mode} {'takes no' if memory_BSD is not None else 'needs a'} memory")
+        zeros = jnp.zeros((cfg.num_decoder_layers, batch, length, cfg.kv_heads, cfg.dim_per_head), cfg.dtype)
+        cache = {"layers": {"self": {"k": zeros, "v": zeros}}}
+        if memory_BSD is not None:
+
+            def memory_kv(layer):
+                k_BSGK, v_BSGK = layer.cross_attn.project_kv(memory_BSD)
+                return {"k": k_BSGK, "v": v_BSGK}
+
+            cache["layers"]["memory"] = self.decoder.stack.map_layers(memory_kv)
+            cache["memory_mask"] = memory_attention_mask(None, src_ids_BS, None, cfg.pad_id)
+        return cache
+
+    def decode_step(self, cache: dict, ids_BT: Array, positions_BT: Array) -> tuple[Array, dict]:
+        """Logits [B, T, V] of new decoder positions (a prompt, or one token per row) and the updated cache."""
+        h_BTD, self_cache = self.decoder.extend(
+            ids_BT, positions_BT, cache["layers"], memory_mask=cache.get("memory_mask")
+        )
+        return self.lm_head(h_BTD), {**cache, "layers": {**cache["layers"], "self": self_cache}}
 
     def classify(
         self,

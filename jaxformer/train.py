@@ -415,7 +415,8 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
                 writer.write(done, "eval", result)
                 log(f"step {done}: eval " + " ".join(f"{k}={v:.4g}" for k, v in result.items()))
                 if samples:
-                    for src, out in zip(*decode.sample_texts(graphdef, state.params, cfg, data), strict=True):
+                    model = nnx.merge(graphdef, state.params)
+                    for src, out in zip(*decode.sample_texts(model, cfg, data), strict=True):
                         log(f"  > {src!r}\n  = {out!r}")
             preempted = preemption.reached(done)
             if done % cfg.checkpoint.every == 0 or done == tcfg.steps or preempted:

@@ -1,6 +1,6 @@
 """Data: tokenizers, shipped corpora and synthetic tasks, deterministic step-indexed batches."""
 
-from jaxformer.data.pipeline import Batches, Dataset, build_dataset
+from jaxformer.data.pipeline import Batches, Dataset, build_dataset, load_tokenizer
 from jaxformer.data.sources import DataError
 from jaxformer.data.tokenizers import ByteTokenizer, SentencePieceTokenizer, SymbolTokenizer
 
@@ -12,4 +12,5 @@ __all__ = [
     "SentencePieceTokenizer",
     "SymbolTokenizer",
     "build_dataset",
+    "load_tokenizer",
 ]

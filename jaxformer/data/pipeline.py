@@ -153,6 +153,18 @@ def build_dataset(cfg: Config, workdir: str | pathlib.Path | None = None) -> Dat
     )
 
 
+def load_tokenizer(cfg: Config, workdir: str | pathlib.Path):
+    """The tokenizer a run in `workdir` was trained with (no corpus is read)."""
+    if cfg.data.tokenizer == "byte":
+        return ByteTokenizer()
+    if cfg.data.tokenizer == "symbols":
+        return SymbolTokenizer(cfg.data.synthetic_vocab)
+    model_file = pathlib.Path(workdir) / "tokenizer.model"
+    if not model_file.is_file():
+        raise DataError(f"{model_file} does not exist: train in this workdir first")
+    return SentencePieceTokenizer(model_file)
+
+
 def _tokenizer(cfg: Config, train_texts: list[str], workdir):
     if cfg.data.tokenizer == "byte":
         return ByteTokenizer()

@@ -43,7 +43,7 @@ class SymbolTokenizer:
 class SentencePieceTokenizer:
     """A SentencePiece model (BPE or unigram) with pad 0, unk 1, bos 2, eos 3 and a [MASK] piece."""
 
-    pad_id, bos_id, eos_id = 0, 2, 3
+    pad_id, unk_id, bos_id, eos_id = 0, 1, 2, 3
 
     def __init__(self, model_file: str | pathlib.Path):
         import sentencepiece as spm
