@@ -127,21 +127,27 @@ def check_compatible(saved: Config, current: Config, where) -> None:
 # ----------------------------------------------------------------------------- export
 
 
-def export(workdir: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path:
-    """Write the latest checkpoint's parameters (no optimizer state) and config to `out`."""
+def restore_workdir(cfg, workdir: str | pathlib.Path):
+    """(graphdef, state, optimizer) of the latest checkpoint in a training workdir."""
     from jaxformer.train import init_state
 
+    graphdef, state, optimizer = init_state(cfg)
+    ckpt = Checkpointer(workdir, cfg)
+    state = ckpt.restore_latest(state)
+    ckpt.close()
+    if state is None:
+        raise FileNotFoundError(f"{pathlib.Path(workdir) / 'checkpoints'} holds no checkpoint: train first")
+    return graphdef, state, optimizer
+
+
+def export(workdir: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path:
+    """Write the latest checkpoint's parameters (no optimizer state) and config to `out`."""
     workdir, out = pathlib.Path(workdir), pathlib.Path(out).absolute()
     config_file = workdir / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} does not exist: is {workdir} a training workdir?")
     cfg = from_dict(json.loads(config_file.read_text()))
-    _, state, _ = init_state(cfg)
-    ckpt = Checkpointer(workdir, cfg)
-    restored = ckpt.restore_latest(state)
-    ckpt.close()
-    if restored is None:
-        raise FileNotFoundError(f"{workdir / 'checkpoints'} holds no checkpoint to export")
+    _, restored, _ = restore_workdir(cfg, workdir)
     out.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(out / "params", restored.params, force=True)

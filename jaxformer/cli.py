@@ -43,30 +43,17 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _restore(cfg, workdir):
-    """(graphdef, state, optimizer) of the latest checkpoint in `workdir`."""
-    from jaxformer.checkpoint import Checkpointer
-    from jaxformer.train import init_state
-
-    graphdef, state, optimizer = init_state(cfg)
-    ckpt = Checkpointer(workdir, cfg)
-    state = ckpt.restore_latest(state)
-    ckpt.close()
-    if state is None:
-        raise SystemExit(f"error: {workdir}/checkpoints holds no checkpoint: train first")
-    return graphdef, state, optimizer
-
-
 def cmd_eval(args) -> int:
     import jax
 
+    from jaxformer.checkpoint import restore_workdir
     from jaxformer.data import build_dataset
     from jaxformer.evaluate import evaluate_model
     from jaxformer.train import make_steps
 
     cfg = _load_config(args)
     data = build_dataset(cfg, args.workdir)
-    graphdef, state, optimizer = _restore(cfg, args.workdir)
+    graphdef, state, optimizer = restore_workdir(cfg, args.workdir)
     print(f"evaluating the checkpoint of step {int(state.step)}")
     _, eval_step = make_steps(graphdef, cfg, optimizer)
     _print_report(evaluate_model(cfg, graphdef, state.params, data, jax.jit(eval_step), state))
@@ -78,6 +65,7 @@ def cmd_generate(args) -> int:
     from flax import nnx
 
     from jaxformer import decode
+    from jaxformer.checkpoint import restore_workdir
     from jaxformer.data import load_tokenizer
 
     cfg = _load_config(args)
@@ -90,7 +78,7 @@ def cmd_generate(args) -> int:
     if cfg.model.mode != needed:
         raise SystemExit(f"error: `{args.command}` needs a {needed} model; {args.workdir} holds {cfg.model.mode}")
     tok = load_tokenizer(cfg, args.workdir)
-    graphdef, state, _ = _restore(cfg, args.workdir)
+    graphdef, state, _ = restore_workdir(cfg, args.workdir)
     model = nnx.merge(graphdef, state.params)
     try:
         if args.command == "generate":

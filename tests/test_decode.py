@@ -82,10 +82,13 @@ def test_rows_do_not_depend_on_the_batch(model, strategy):
 
 def test_generation_stops_at_eos_and_pads_after_it(model):
     out = run(model, ROWS, strategy="sample", seed=3)
+    ended = 0
     for seq in out.tokens[:, 0]:
         ends = np.flatnonzero(seq == EOS)
         if ends.size:
             assert (seq[ends[0] + 1 :] == 0).all()
+            ended += 1
+    assert ended > 0  # the check above ran
 
 
 def test_sampled_tokens_lie_in_the_top_k_and_top_p_sets():
