@@ -30,6 +30,7 @@ from flax import nnx
 
 from jaxformer.config import DecodeConfig
 from jaxformer.layers import Embed
+from jaxformer.models import memory_attention_mask
 from jaxformer.sharding import constrain
 
 Array = jax.Array
@@ -127,16 +128,16 @@ def cached_stepper(model, length: int, memory_BSD: Array | None, src_BS: Array |
 
 
 def recompute_stepper(model, length: int, memory_BSD: Array | None, src_BS: Array | None) -> Stepper:
-    """No cache: every step runs the decoder over the whole (static) buffer of `length` ids."""
+    """No cache: every step runs the decoder over the whole (static) buffer of `length` ids
+    (and the output layer at the one position whose logits are needed)."""
+
+    memory_mask = None if memory_BSD is None else memory_attention_mask(None, src_BS, None, model.cfg.pad_id)
 
     def logits_at(buffer_BL, filled_B, index_B):
         # Segment 1 marks the filled positions, so generated pad ids still count as tokens.
         segments_BL = (jnp.arange(length)[None, :] < filled_B[:, None]).astype(jnp.int32)
-        if memory_BSD is None:
-            logits_BLV = model(buffer_BL, segments=segments_BL)
-        else:
-            logits_BLV = model.decode(memory_BSD, src_BS, buffer_BL, tgt_segments=segments_BL)
-        return _at(logits_BLV, index_B)
+        h_BLD = model.decoder(buffer_BL, segments=segments_BL, memory_BSD=memory_BSD, memory_mask=memory_mask)
+        return model.lm_head(_at(h_BLD, index_B)[:, None])[:, 0]  # the output layer at one position only
 
     def start(prompt_BP, lengths_B):
         buffer_BL = jnp.pad(prompt_BP, ((0, 0), (0, length - prompt_BP.shape[1])))

@@ -1,6 +1,6 @@
 """Sharded training in a process of its own (XLA_FLAGS must be set before JAX starts).
 
-    python tests/sharded_worker.py strategies MODE         # 8 devices: each strategy vs 1 device
+    python tests/sharded_worker.py strategies MODE         # 8 devices: each strategy vs 1 device (train, generate)
     python tests/sharded_worker.py multihost PID PORT      # one of two processes, 4 devices each
     python tests/sharded_worker.py singlehost              # the same run in one process, 8 devices
     python tests/sharded_worker.py remesh DIR              # save under FSDP=8, restore on DP=4 and on 1
@@ -55,7 +55,7 @@ def batches(mode: str) -> list[dict]:
     return out
 
 
-def train(cfg, devices=None) -> tuple[list[float], dict, object]:
+def train(cfg, devices=None) -> tuple[list[float], object, object, object]:
     from jaxformer import sharding
     from jaxformer.train import init_state, jit_steps, make_steps
 
@@ -69,7 +69,29 @@ def train(cfg, devices=None) -> tuple[list[float], dict, object]:
             local = {k: v[rows] for k, v in batch.items()}  # each process feeds only its rows
             state, metrics = train_step(state, sharding.global_batch(local, mesh, B))
             losses.append(float(metrics["loss"]))
-    return losses, state, mesh
+    return losses, state, mesh, graphdef
+
+
+def generated(cfg, graphdef, state, mesh) -> dict | None:
+    """Beam search (2 beams, both returned) from the trained model under its mesh: the batch and
+    the KV cache sharded like activations, the beams reordered across shards at every step."""
+    from flax import nnx
+
+    from jaxformer import decode, sharding
+    from jaxformer.config import DecodeConfig
+
+    if cfg.model.mode == "encoder_only":
+        return None
+    settings = DecodeConfig(strategy="beam", beam_size=2, num_return=2, max_new_tokens=4, extra_len=2)
+    rng = np.random.default_rng(1)
+    rows = [rng.integers(3, 64, n).tolist() for n in (3, 5, 2, 4, 4, 1, 3, 5)]  # B=8: a row per data shard
+    with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
+        model = nnx.merge(graphdef, state.params)
+        if cfg.model.mode == "decoder_only":
+            out = decode.generate(model, rows, settings, eos_id=2)
+        else:
+            out = decode.translate(model, rows, settings, bos_id=1, eos_id=2)
+    return {"tokens": out.tokens.tolist(), "scores": out.scores.tolist()}
 
 
 def gathered(tree) -> dict:
@@ -83,11 +105,13 @@ def strategies(mode: str) -> dict:
     from jaxformer import sharding
 
     results = {}
-    ref_losses, ref_state, _ = train(config(mode, (1, 1, 1)), jax.devices()[:1])
+    ref_cfg = config(mode, (1, 1, 1))
+    ref_losses, ref_state, ref_mesh, graphdef = train(ref_cfg, jax.devices()[:1])
     ref_params = gathered(ref_state.params)
+    ref_out = generated(ref_cfg, graphdef, ref_state, ref_mesh)
     for name, shape in STRATEGIES.items():
         cfg = config(mode, shape)
-        losses, state, mesh = train(cfg)
+        losses, state, mesh, graphdef = train(cfg)
         params = gathered(state.params)
         # The key bias is left out: its gradient is exactly zero in exact arithmetic (q.b is
         # the same for every key, and softmax ignores it), so Adam turns rounding noise into
@@ -119,6 +143,12 @@ def strategies(mode: str) -> dict:
                     held[shard.device.id] += shard.data.nbytes
             per_device[tree_name] = max(held) / total
         entry["max_device_fraction"] = per_device
+        if ref_out is not None:  # the sharded model's beams: same tokens, scores to rounding
+            out = generated(cfg, graphdef, state, mesh)
+            entry["generation"] = {
+                "tokens_equal": out["tokens"] == ref_out["tokens"],
+                "score_diff": float(np.max(np.abs(np.subtract(out["scores"], ref_out["scores"])))),
+            }
         results[f"{mode}/{name}"] = entry
     return results
 
@@ -153,7 +183,7 @@ def remesh(directory: str) -> dict:
     from jaxformer.train import init_state
 
     cfg = config("decoder_only", (1, 8, 1))
-    _, state, _ = train(cfg)
+    _, state, _, _ = train(cfg)
     saved = gathered(state)
     ckpt = Checkpointer(directory, cfg)
     ckpt.save(state)
@@ -190,7 +220,7 @@ def main() -> None:
         pid, port = int(sys.argv[2]), int(sys.argv[3])
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
-        losses, state, _ = train(config("encoder_decoder", (2, 2, 2)))
+        losses, state, _, _ = train(config("encoder_decoder", (2, 2, 2)))
         params = gathered(state.params)
         if pid == 0:
             print(json.dumps({"losses": losses, "checksum": float(sum(np.abs(v).sum() for v in params.values()))}))
@@ -198,7 +228,7 @@ def main() -> None:
     elif task == "remesh":
         print(json.dumps(remesh(sys.argv[2])))
     elif task == "singlehost":
-        losses, state, _ = train(config("encoder_decoder", (2, 2, 2)))
+        losses, state, _, _ = train(config("encoder_decoder", (2, 2, 2)))
         params = gathered(state.params)
         print(json.dumps({"losses": losses, "checksum": float(sum(np.abs(v).sum() for v in params.values()))}))
 
