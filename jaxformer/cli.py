@@ -1,4 +1,4 @@
-"""`jaxformer train | eval | generate | translate | export | demo`: the command line."""
+"""`jaxformer train | eval | generate | translate | export | sweep | plot | demo`: the command line."""
 
 from __future__ import annotations
 
@@ -26,11 +26,16 @@ def cmd_train(args) -> int:
 
     from jaxformer.checkpoint import EXIT_PREEMPTED
     from jaxformer.evaluate import evaluate_model
+    from jaxformer.observe import parse_steps
     from jaxformer.train import fit
 
     cfg = _load_config(args)
+    try:
+        profile_steps = parse_steps(args.profile_steps)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     print(json.dumps(cfg.to_dict(), indent=2))
-    result = fit(cfg, args.workdir, quiet=args.quiet)
+    result = fit(cfg, args.workdir, quiet=args.quiet, profile_steps=profile_steps)
     if result["preempted"]:
         return EXIT_PREEMPTED
     if jax.process_count() > 1:
@@ -101,6 +106,20 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    from jaxformer import sweep
+
+    sweep.run(args.file, args.workdir, workers=args.workers, storage=args.storage, worker=args.worker)
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from jaxformer.observe import plot_run
+
+    print(f"wrote {plot_run(args.workdir, args.out)}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     """A forward pass of each mode: parameter counts and output shapes."""
     import jax.numpy as jnp
@@ -133,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--workdir", required=True)
     train.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")
     train.add_argument("--quiet", action="store_true", help="no progress output (the final report still prints)")
+    train.add_argument("--profile-steps", metavar="A:B", help="trace steps A..B-1 into WORKDIR/profile")
     ev = sub.add_parser("eval", help="evaluate the model saved in a workdir on held-out data")
     ev.add_argument("--workdir", required=True)
     ev.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE")
@@ -151,6 +171,15 @@ def main(argv: list[str] | None = None) -> int:
         gen.set_defaults(what=what)
         if name == "generate":
             gen.add_argument("--stop-at-eos", action="store_true", help="stop at the end of a paragraph")
+    sw = sub.add_parser("sweep", help="run (or continue) a hyperparameter sweep on Optuna")
+    sw.add_argument("file", help="experiments/sweeps/NAME.py")
+    sw.add_argument("--workdir", required=True, help="the sweep's directory: storage, trials, results")
+    sw.add_argument("--workers", type=int, default=1, help="worker processes on this machine")
+    sw.add_argument("--storage", help="Optuna storage URL (default: sqlite in the workdir), e.g. postgresql://...")
+    sw.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # one worker of a --workers N sweep
+    pl = sub.add_parser("plot", help="draw a run's loss and eval curves to a PNG")
+    pl.add_argument("--workdir", required=True)
+    pl.add_argument("--out", help="PNG path (default: WORKDIR/curves.png)")
     sub.add_parser("demo", help="a forward pass of each mode")
     args = parser.parse_args(argv)
     from jaxformer.config import ConfigError
@@ -164,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             "demo": cmd_demo,
             "generate": cmd_generate,
             "translate": cmd_generate,
+            "sweep": cmd_sweep,
+            "plot": cmd_plot,
         }
         return commands[args.command](args)
     except (ConfigError, DataError, OSError) as e:

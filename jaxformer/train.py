@@ -12,6 +12,7 @@ import math
 import pathlib
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -233,40 +234,6 @@ def measure_peak_flops(n: int = 2048, repeats: int = 5) -> float:
 # ----------------------------------------------------------------------------- the loop
 
 
-class MetricWriter:
-    """Metrics to a JSONL file and TensorBoard event files in the workdir.
-
-    On resume from step N, records of steps the checkpoint does not contain (train
-    steps >= N, evaluations after N) are dropped first, so the log of a resumed run
-    equals that of an uninterrupted one.
-    """
-
-    def __init__(self, workdir: pathlib.Path, resume_step: int = 0):
-        from tensorboardX import SummaryWriter
-
-        path = workdir / "metrics.jsonl"
-        if resume_step and path.is_file():
-            kept = [
-                line
-                for line in path.read_text().splitlines()
-                if (r := json.loads(line))["step"] < resume_step or (r["split"] == "eval" and r["step"] == resume_step)
-            ]
-            path.write_text("".join(line + "\n" for line in kept))
-        self.jsonl = path.open("a")
-        self.tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=resume_step or None)
-
-    def write(self, step: int, split: str, metrics: dict) -> None:
-        values = {k: float(v) for k, v in metrics.items()}
-        self.jsonl.write(json.dumps({"step": step, "split": split, **values}) + "\n")
-        self.jsonl.flush()
-        for k, v in values.items():
-            self.tb.add_scalar(f"{split}/{k}", v, step)
-
-    def close(self) -> None:
-        self.jsonl.close()
-        self.tb.close()
-
-
 def evaluate(eval_step, state, fetch, num_batches: int) -> dict:
     """Mean metrics over the first `num_batches` batches given by `fetch(i)`."""
     totals = None
@@ -316,32 +283,35 @@ class _Preemption:
             signal.signal(signal.SIGTERM, self.previous)
 
 
-def fit(cfg: Config, workdir: str | pathlib.Path, *, quiet: bool = False) -> dict:
+def fit(
+    cfg: Config,
+    workdir: str | pathlib.Path,
+    *,
+    quiet: bool = False,
+    on_eval: Callable[[int, dict], bool] | None = None,
+    profile_steps: tuple[int, int] | None = None,
+) -> dict:
     """Train `cfg` in `workdir` on the mesh of `cfg.mesh`, resuming from its latest checkpoint.
 
-    Returns the final state and, under "preempted", whether SIGTERM stopped the run
-    (after saving) before `train.steps`.
+    `on_eval(step, eval_metrics)` is called after each evaluation; if it returns True the run
+    saves a checkpoint and stops there (a sweep's pruner). `profile_steps=(A, B)` traces steps
+    A..B-1 with `jax.profiler` into workdir/profile.
+
+    Returns the final state, the last evaluation under "eval", and under "preempted" / "stopped"
+    whether SIGTERM / `on_eval` stopped the run (after saving) before `train.steps`.
     """
     from jaxformer import sharding
 
     sharding.initialize_distributed(cfg.mesh)
     mesh = sharding.make_mesh(cfg.mesh)
     with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
-        return _fit(cfg, pathlib.Path(workdir), mesh, quiet or jax.process_index() != 0)
+        return _fit(cfg, pathlib.Path(workdir), mesh, quiet or jax.process_index() != 0, on_eval, profile_steps)
 
 
-class _NullWriter:
-    def write(self, *args) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: bool) -> dict:
+def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: bool, on_eval, profile_steps) -> dict:
     from tqdm.auto import tqdm
 
-    from jaxformer import decode, sharding
+    from jaxformer import decode, observe, sharding
     from jaxformer.checkpoint import Checkpointer
     from jaxformer.data import build_dataset
 
@@ -357,8 +327,10 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
         state, start = restored, int(restored.step)
         log(f"resumed from {ckpt.directory / str(start)}")
     lead = jax.process_index() == 0
+    env = observe.environment(mesh)
     if lead:
         (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        (workdir / "environment.json").write_text(json.dumps(env, indent=2))
     data = build_dataset(cfg, workdir)
     train_step, eval_step = jit_steps(*make_steps(graphdef, cfg, optimizer), state, mesh)
 
@@ -366,12 +338,15 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
         return lambda step: sharding.global_batch(batches.get(step, rows), mesh, tcfg.batch_size)
 
     peak = (tcfg.peak_flops or measure_peak_flops()) * jax.device_count()
-    writer = MetricWriter(workdir, start) if lead else _NullWriter()
-    log(f"{jax.device_count()} devices, mesh {dict(mesh.shape)}; peak {peak / 1e9:.1f} GFLOP/s (matmul probe)")
+    writer = observe.MetricWriter(workdir, start) if lead else observe.NullWriter()
+    profiler = observe.Profiler(workdir, profile_steps if lead else None)
+    versions = ", ".join(f"{k} {env[k]}" for k in observe.PACKAGES if k != "numpy")
+    log(f"{versions}; {env['devices']} x {env['device_kind']} ({env['processes']} processes), mesh {env['mesh']}")
+    log(f"peak {peak / 1e9:.1f} GFLOP/s ({'train.peak_flops' if tcfg.peak_flops else 'matmul probe'})")
     # A live bar on a terminal; in a log file (not a TTY) a plain line every log_every steps.
     bar = tqdm(range(start, tcfg.steps), initial=start, total=tcfg.steps, disable=True if quiet else None)
     window = {"tokens": 0.0, "flops": 0.0, "start": time.perf_counter()}
-    pending, result, preempted, done = None, {}, False, start
+    pending, result, preempted, stopped, done = None, {}, False, False, start
     samples = tcfg.num_samples and jax.process_count() == 1
 
     def flush():
@@ -398,7 +373,9 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
     with _Preemption(ckpt.manager) as preemption:
         for step in bar:
             local = data.train.get(step, rows)
+            profiler.before(step)
             state, metrics = train_step(state, sharding.global_batch(local, mesh, tcfg.batch_size))
+            profiler.after(step, metrics)
             tokens, flops = batch_cost(cfg, local)  # this process's share; all shares are alike
             window["tokens"] += tokens * jax.process_count()
             window["flops"] += flops * jax.process_count()
@@ -418,13 +395,16 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
                     model = nnx.merge(graphdef, state.params)
                     for src, out in zip(*decode.sample_texts(model, cfg, data), strict=True):
                         log(f"  > {src!r}\n  = {out!r}")
+                stopped = on_eval is not None and bool(on_eval(done, result))
             preempted = preemption.reached(done)
-            if done % cfg.checkpoint.every == 0 or done == tcfg.steps or preempted:
+            if done % cfg.checkpoint.every == 0 or done == tcfg.steps or preempted or stopped:
                 flush()  # the log holds every step the checkpoint holds
                 ckpt.save(state, metrics=result if evaluated else None)
             if preempted:
                 log(f"SIGTERM: saved step {done} to {ckpt.directory}; rerun the same command to resume")
+            if preempted or stopped:
                 break
+    profiler.stop()
     flush()
     ckpt.wait()
     ckpt.close()
@@ -432,4 +412,5 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
     return {
         "eval": result, "state": state, "graphdef": graphdef, "data": data, "eval_step": eval_step,
         "fetch_test": fetch(data.test), "preempted": preempted and done < tcfg.steps,
+        "stopped": stopped and done < tcfg.steps,
     }  # fmt: skip

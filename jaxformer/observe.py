@@ -1,0 +1,165 @@
+"""What a run leaves behind to be looked at: metrics (JSONL + TensorBoard), the environment it ran
+in, profiler traces of chosen steps, and plots of its curves.
+
+    workdir/metrics.jsonl      one record per logged step: {"step", "split": "train" | "eval", metric: value}
+    workdir/tensorboard/       the same scalars as TensorBoard event files ("train/loss", "eval/accuracy", ...)
+    workdir/environment.json   versions, devices, mesh and host of the (latest) run
+    workdir/profile/           `jax.profiler` trace of the steps of `--profile-steps A:B` (TensorBoard / XProf)
+    workdir/curves.png         `jaxformer plot --workdir ...`
+
+Only process 0 writes (the caller passes a NullWriter elsewhere).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import pathlib
+import platform
+
+import jax
+
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy")
+
+
+class MetricWriter:
+    """Metrics to a JSONL file and TensorBoard event files in the workdir.
+
+    On resume from step N, records of steps the checkpoint does not contain (train
+    steps >= N, evaluations after N) are dropped first, so the log of a resumed run
+    equals that of an uninterrupted one.
+    """
+
+    def __init__(self, workdir: pathlib.Path, resume_step: int = 0):
+        from tensorboardX import SummaryWriter
+
+        path = workdir / "metrics.jsonl"
+        if resume_step and path.is_file():
+            kept = [
+                line
+                for line in path.read_text().splitlines()
+                if (r := json.loads(line))["step"] < resume_step or (r["split"] == "eval" and r["step"] == resume_step)
+            ]
+            path.write_text("".join(line + "\n" for line in kept))
+        self.jsonl = path.open("a")
+        self.tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=resume_step or None)
+
+    def write(self, step: int, split: str, metrics: dict) -> None:
+        values = {k: float(v) for k, v in metrics.items()}
+        self.jsonl.write(json.dumps({"step": step, "split": split, **values}) + "\n")
+        self.jsonl.flush()
+        for k, v in values.items():
+            self.tb.add_scalar(f"{split}/{k}", v, step)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        self.tb.close()
+
+
+class NullWriter:
+    """What processes other than 0 write to."""
+
+    def write(self, *args) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def environment(mesh: jax.sharding.Mesh) -> dict:
+    """Versions, devices, processes and mesh of this run."""
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return {
+        "python": platform.python_version(),
+        **versions,
+        "backend": jax.default_backend(),
+        "device_kind": jax.devices()[0].device_kind,
+        "devices": jax.device_count(),
+        "local_devices": jax.local_device_count(),
+        "processes": jax.process_count(),
+        "mesh": dict(mesh.shape),
+        "host": platform.node(),
+    }
+
+
+def parse_steps(text: str | None) -> tuple[int, int] | None:
+    """'A:B' -> (A, B): steps A..B-1 (the `--profile-steps` form); None passes through."""
+    if text is None:
+        return None
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--profile-steps takes A:B (e.g. 10:15), got {text!r}") from None
+    if not 0 <= a < b:
+        raise ValueError(f"--profile-steps {text}: needs 0 <= A < B")
+    return a, b
+
+
+class Profiler:
+    """A `jax.profiler` trace of steps [A, B) into workdir/profile (a no-op without steps).
+
+    `before(step)` is called before dispatching a step, `after(step, outputs)` once it is
+    dispatched; the trace stops when step B-1 has finished running, not just been dispatched.
+    """
+
+    def __init__(self, workdir: pathlib.Path, steps: tuple[int, int] | None):
+        self.directory = workdir / "profile"
+        self.steps = steps
+        self.active = False
+
+    def before(self, step: int) -> None:
+        if self.steps and step == self.steps[0]:
+            jax.profiler.start_trace(str(self.directory))
+            self.active = True
+
+    def after(self, step: int, outputs) -> None:
+        if self.active and step == self.steps[1] - 1:
+            jax.block_until_ready(outputs)
+            self.stop()
+
+    def stop(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
+
+
+def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: is {workdir} a training workdir?")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def curve(records: list[dict], split: str, metric: str) -> tuple[list[int], list[float]]:
+    rows = [(r["step"], r[metric]) for r in records if r["split"] == split and metric in r]
+    return [s for s, _ in rows], [v for _, v in rows]
+
+
+def plot_run(workdir: str | pathlib.Path, out: str | pathlib.Path | None = None) -> pathlib.Path:
+    """Loss (train and eval), eval accuracy and learning rate against step, to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(workdir)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for split in ("train", "eval"):
+        axes[0].plot(*curve(records, split, "loss"), label=f"{split} loss", marker="o" if split == "eval" else None)
+    axes[0].set(xlabel="step", ylabel="loss", yscale="log", title="loss")
+    axes[0].legend()
+    axes[1].plot(*curve(records, "eval", "accuracy"), marker="o")
+    axes[1].set(xlabel="step", ylabel="token accuracy", title="eval accuracy")
+    axes[2].plot(*curve(records, "train", "learning_rate"))
+    axes[2].set(xlabel="step", ylabel="learning rate", title="learning rate")
+    fig.suptitle(str(workdir))
+    fig.tight_layout()
+    out = pathlib.Path(out) if out else pathlib.Path(workdir) / "curves.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
