@@ -245,7 +245,7 @@ class TrainConfig:
     log_every: int = 25
     eval_every: int = 250
     eval_batches: int = 16
-    num_samples: int = 3  # greedy samples printed at each evaluation
+    num_samples: int = 3  # samples (decoded as `decode` says) printed at each evaluation
     peak_flops: float = 0.0  # device peak FLOP/s for MFU; 0 = measure with a matmul probe
 
     def __post_init__(self):
@@ -471,20 +471,33 @@ def load_experiment(path: str) -> Config:
     return cfg
 
 
+def field_hint(dotted: str):
+    """The type annotation of the field `section.field` names; ConfigError naming it if none."""
+    parts = dotted.strip().split(".")
+    require(len(parts) == 2 and parts[0] in SECTIONS, dotted, f"a field is section.field ({', '.join(SECTIONS)})")
+    hints = typing.get_type_hints(SECTIONS[parts[0]])
+    require(parts[1] in hints, dotted, f"unknown field (known: {', '.join(sorted(hints))})")
+    return hints[parts[1]]
+
+
+def with_values(cfg: Config, values: dict) -> Config:
+    """`cfg` with fields replaced: {"section.field": value}; the result is validated."""
+    d = cfg.to_dict()
+    for dotted, value in values.items():
+        field_hint(dotted)
+        section, name = dotted.strip().split(".")
+        d[section][name] = value
+    return from_dict(d)
+
+
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     """Apply `section.field=value` overrides; values are parsed by the field's type and validated."""
-    d = cfg.to_dict()
+    values = {}
     for item in overrides:
         require("=" in item, item, "an override is section.field=value")
         dotted, raw = item.split("=", 1)
-        parts = dotted.strip().split(".")
-        require(len(parts) == 2 and parts[0] in d, dotted, f"an override names section.field ({', '.join(SECTIONS)})")
-        section, name = parts
-        cls = SECTIONS[section]
-        hints = typing.get_type_hints(cls)
-        require(name in hints, dotted, f"unknown field (known: {', '.join(sorted(hints))})")
-        d[section][name] = _parse(raw.strip(), hints[name], dotted)
-    return from_dict(d)
+        values[dotted] = _parse(raw.strip(), field_hint(dotted), dotted.strip())
+    return with_values(cfg, values)
 
 
 def _parse(raw: str, hint, field: str):
