@@ -81,7 +81,7 @@ def test_scanned_equals_unrolled_and_remat_equals_plain():
 
     encoder_decoder exercises both stacks (encoder layers, decoder layers with cross-attention).
     """
-    base = jf.tiny("encoder_decoder", num_encoder_layers=3, dropout_rate=0.1)
+    base = jf.tiny("encoder_decoder", dropout_rate=0.1)  # two layers per stack
     variants = {
         "plain": base,
         "scan": base.replace(scan_layers=True),

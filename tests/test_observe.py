@@ -18,7 +18,13 @@ def run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("observed")
     cfg = apply_overrides(
         load_experiment("experiments/copy_task.py"),
-        [f"train.steps={STEPS}", f"train.eval_every={EVAL_EVERY}", "train.log_every=5", "train.num_samples=0"],
+        [
+            f"train.steps={STEPS}",
+            f"train.eval_every={EVAL_EVERY}",
+            "train.log_every=5",
+            "train.num_samples=0",
+            "train.peak_flops=1e11",
+        ],
     )
     seen = []
     result = fit(cfg, workdir, quiet=True, on_eval=lambda step, m: seen.append((step, m)) or step >= STOP_AT,

@@ -65,7 +65,7 @@ def test_sharded_training_equals_one_device(strategies, mode, strategy):
     assert r["sharding_mismatches"] == [], "every array sharded as the rules table says"
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ["dp8", "fsdp4_tp2"])
 @pytest.mark.parametrize("mode", ["decoder_only", "encoder_decoder"])
 def test_sharded_generation_equals_one_device(strategies, mode, strategy):
     """Beam search (2 beams, 8 prompts of 1-5 tokens) with the parameters trained on the mesh, run on

@@ -17,7 +17,7 @@ from jaxformer.config import ConfigError
 from jaxformer.sweep import load
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-# The copy task at its smallest: a trial is ~20 steps and two evaluations.
+# The copy task at its smallest (one layer per stack): a trial is 20-30 steps and 2-3 evaluations.
 SWEEP = """
 from jaxformer.sweep import Choice, Range, Sweep
 
@@ -26,7 +26,8 @@ def get_sweep():
         base={base!r},
         space={{"train.learning_rate": Range(1e-3, 1e-2, log=True), "train.warmup_steps": Choice(5, 10)}},
         fixed={{"train.steps": {steps}, "train.eval_every": 10, "train.log_every": 10, "train.batch_size": 16,
-               "train.num_samples": 0, "model.d_model": 32, "checkpoint.every": 10}},
+               "train.num_samples": 0, "train.eval_batches": 2, "model.d_model": 32, "model.num_encoder_layers": 1,
+               "model.num_decoder_layers": 1, "checkpoint.every": 10, "train.peak_flops": 1e11}},
         strategy="random", trials={trials}, metric="loss", prune=False, heartbeat=1,
     )
 """
@@ -73,7 +74,7 @@ def test_two_workers_share_one_sqlite_sweep_and_a_rerun_adds_nothing(tmp_path, c
 def test_a_killed_sweep_continues_and_retries_the_dead_trial_in_its_workdir(tmp_path, capfd):
     import optuna
 
-    file, workdir = sweep_file(tmp_path, "killed", trials=3, steps=40), tmp_path / "sweep"
+    file, workdir = sweep_file(tmp_path, "killed", trials=3, steps=30), tmp_path / "sweep"
     cmd = [sys.executable, "-m", "jaxformer.cli", "sweep", str(file), "--workdir", str(workdir)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     url = f"sqlite:///{workdir / 'sweep.db'}"
@@ -104,7 +105,7 @@ def test_a_killed_sweep_continues_and_retries_the_dead_trial_in_its_workdir(tmp_
     assert table[3]["train.learning_rate"] != table[0]["train.learning_rate"]  # a resumed sweep samples anew
     # The retry resumed from trial 1's checkpoint (a fresh start would append a second step 0).
     steps = [json.loads(line)["step"] for line in (workdir / "trial-001" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == sorted(steps) and steps[-1] == 40
+    assert steps == sorted(steps) and steps[-1] == 30
 
 
 @pytest.mark.parametrize(
