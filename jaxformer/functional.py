@@ -270,7 +270,9 @@ def cross_entropy(
     log_z = jax.nn.logsumexp(logits, axis=-1)
     log_probs = logits - log_z[..., None]
     nll = -jnp.take_along_axis(log_probs, labels_BT[..., None], axis=-1)[..., 0]
-    loss = (1.0 - label_smoothing) * nll - label_smoothing * log_probs.mean(-1)
+    loss = nll
+    if label_smoothing:  # skipped when 0: its [B, T, V] term would cost time even multiplied by 0
+        loss = (1.0 - label_smoothing) * nll - label_smoothing * log_probs.mean(-1)
     if z_loss:
         loss = loss + z_loss * jnp.square(log_z)
     w = jnp.ones(labels_BT.shape, jnp.float32) if weights_BT is None else weights_BT.astype(jnp.float32)

@@ -1,7 +1,10 @@
-"""Training-step speed of each mode: tokens/s, step time, compile time, memory and MFU.
+"""Training-step speed of each mode: tokens/s, step time, compile time, memory and MFU;
+and decoding speed with and without the KV cache.
 
     python scripts/benchmark.py                       # CPU-sized defaults, all three modes
     python scripts/benchmark.py --d-model 1024 --layers 12 --batch 64 --seq 1024 --dtype bfloat16   # accelerator
+    python scripts/benchmark.py --decode              # greedy and beam 4, batch 1 and 8, 64/256/1024 tokens
+    python scripts/benchmark.py --compare             # side by side with Hugging Face Flax and PyTorch (bench extra)
 
 Step times are the median of `--steps` timed steps after a warm-up; memory is XLA's
 own analysis of the compiled step (arguments + outputs + temporaries - donated aliases),
@@ -12,6 +15,11 @@ with the peak measured by a float32 matmul probe on the same device in the same 
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
+import json
+import os
+import pathlib
 import statistics
 import time
 
@@ -118,6 +126,184 @@ def checkpoint_overhead(args, rounds: int = 6, steps: int = 5) -> None:
     )
 
 
+def decode_speed(args) -> None:
+    """Decoding time of `--decode-lengths` new tokens from an 8-token prompt (or source), EOS never
+    stopping a row early: greedy and beam 4, at each `--decode-batches` batch size, with the KV cache
+    and (at `--recompute-lengths` and `--recompute-batches`) without it. Per-token time = run time /
+    new tokens; tokens/s counts the B output rows, not the beams. Weights are random: speed does
+    not depend on them."""
+    from jaxformer.config import DecodeConfig
+    from jaxformer.decode import generate, translate
+    from jaxformer.models import build_model
+
+    lengths = [int(n) for n in args.decode_lengths.split(",")]
+    recompute = {int(n) for n in args.recompute_lengths.split(",") if n}
+    batches = [int(b) for b in args.decode_batches.split(",")]
+    recompute_batches = {int(b) for b in args.recompute_batches.split(",") if b}
+    shortest, longest = min(lengths), max(lengths)
+    P = 8  # prompt / source tokens
+    print(
+        f"decode: D={args.d_model} H={args.heads} L={args.layers} V={args.vocab} dtype={args.dtype}, "
+        f"prompt/source {P} tokens; median of up to {args.repeats} runs after a compiling one"
+    )
+    print(f"{'mode':16s} {'strategy':8s} {'B':>3s} {'new':>5s} {'cache':>5s} {'compile s':>9s} {'run s':>8s} "
+          f"{'ms/token':>9s} {'tokens/s':>9s}")  # fmt: skip
+    per_token = {}
+    for mode in [m for m in args.modes.split(",") if m != "encoder_only"]:
+        cfg = C.ModelConfig(
+            mode=mode, vocab_size=args.vocab, d_model=args.d_model, num_heads=args.heads, d_ff=4 * args.d_model,
+            num_encoder_layers=0 if mode == "decoder_only" else args.layers, num_decoder_layers=args.layers,
+            max_len=P + longest + 1, dtype=args.dtype, dropout_rate=0.0,
+        )  # fmt: skip
+        model = build_model(cfg)
+        rng = np.random.default_rng(0)
+        run = functools.partial(generate, model, eos_id=None)
+        if mode == "encoder_decoder":
+            run = functools.partial(translate, model, bos_id=1, eos_id=None)
+
+        for strategy, B, N in itertools.product(("greedy", "beam"), batches, lengths):
+            rows = rng.integers(4, args.vocab, (B, P)).tolist()
+            for use_cache in (True, False) if N in recompute and B in recompute_batches else (True,):
+                settings = DecodeConfig(
+                    strategy=strategy, beam_size=4, max_new_tokens=N, extra_len=N - P, use_cache=use_cache
+                )
+                t = time.perf_counter()
+                assert run(rows, settings).tokens.shape[-1] == N  # the first call compiles
+                first = time.perf_counter() - t
+                times = []
+                while len(times) < args.repeats and sum(times) < 20.0:  # long runs: fewer repeats
+                    t = time.perf_counter()
+                    run(rows, settings)
+                    times.append(time.perf_counter() - t)
+                run_s = statistics.median(times)
+                per_token[mode, strategy, B, N, use_cache] = run_s / N
+                print(
+                    f"{mode:16s} {strategy:8s} {B:3d} {N:5d} {'yes' if use_cache else 'no':>5s} "
+                    f"{first - run_s:9.1f} {run_s:8.2f} {1e3 * run_s / N:9.2f} {B * N / run_s:9.0f}"
+                )
+    for (mode, strategy, B, N, use_cache), t in per_token.items():
+        if use_cache and longest == N != shortest:
+            ratio = t / per_token[mode, strategy, B, shortest, True]
+            print(f"{mode} {strategy} B={B}: per-token time with the cache at {N} vs {shortest} tokens: {ratio:.2f}x")
+        if not use_cache:
+            speedup = t / per_token[mode, strategy, B, N, True]
+            print(f"{mode} {strategy} B={B}: the cache is {speedup:.1f}x faster than recomputation at {N} tokens")
+
+
+PEER_ARCH = {  # jaxformer set up as each peer's architecture: same shapes, norms, positions, activation
+    "decoder_only": {"norm_position": "pre", "position": "learned", "activation": "gelu"},  # GPT-2
+    "encoder_decoder": {"norm_position": "post", "position": "learned", "activation": "gelu"},  # BART
+    "encoder_only": {"norm_position": "post", "position": "learned", "activation": "gelu"},  # BERT
+}
+
+
+def _timed_rounds(fns: dict, state: dict, batch, rounds: int, steps: int) -> dict:
+    """Step time of each fn, median over `rounds` rounds of `steps` steps; the fns take turns each
+    round so that machine noise hits them alike."""
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            for _ in range(steps):
+                state[name], out = fn(state[name], batch)
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - t) / steps)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _compiled(fn, *args) -> tuple:
+    """(compiled fn, compile seconds, XLA's memory estimate in MB)."""
+    t = time.perf_counter()
+    compiled = fn.lower(*args).compile()
+    seconds = time.perf_counter() - t
+    m = compiled.memory_analysis()
+    mem = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    return compiled, seconds, mem / 2**20
+
+
+def compare(args, peak: float) -> None:
+    """jaxformer vs Hugging Face Flax (same process, same XLA flags, interleaved rounds) and vs
+    PyTorch (a process of its own) at the same shapes: training tokens/s, compile time, memory,
+    MFU, and greedy decoding at batch 1 (decoder_only)."""
+    import subprocess
+    import sys
+
+    import peers
+
+    B, T, D = args.batch, args.seq, args.d_model
+    print(
+        f"compare: D={D} H={args.heads} F={4 * D} L={args.layers}/stack V={args.vocab} T={T} B={B} AdamW "
+        f"dropout {args.dropout}; median of {args.rounds} interleaved rounds of {args.steps} steps"
+    )
+    print(f"{'mode':16s} {'impl':10s} {'tokens/s':>9s} {'step ms':>8s} {'compile s':>9s} {'memory MB':>9s} {'MFU':>5s}")
+    for mode in args.modes.split(","):
+        objective = OBJECTIVE[mode]
+        model = C.ModelConfig(
+            mode=mode, vocab_size=args.vocab, d_model=D, num_heads=args.heads, d_ff=4 * D,
+            num_encoder_layers=0 if mode == "decoder_only" else args.layers,
+            num_decoder_layers=0 if mode == "encoder_only" else args.layers, max_len=T, dropout_rate=args.dropout,
+            check_token_ids=False, **PEER_ARCH[mode],
+        )  # fmt: skip
+        cfg = C.Config(
+            model=model, train=C.TrainConfig(objective=objective, batch_size=B, optimizer="adamw"),
+            data=C.DataConfig(max_len=T),
+        )  # fmt: skip
+        graphdef, state, optimizer = init_state(cfg)
+        batch = jax.device_put(synthetic_batch(objective, B, T, args.vocab))
+        ours, ours_compile, ours_mem = _compiled(jax.jit(make_steps(graphdef, cfg, optimizer)[0], donate_argnums=0),
+                                                 state, batch)  # fmt: skip
+        hf_model, hf_params = peers.hf_flax(mode, args)
+        hf_state = (hf_params, optimizer.init(hf_params), jax.random.key(0))
+        peer_step = peers.hf_flax_train_step(mode, hf_model, optimizer)
+        peer, peer_compile, peer_mem = _compiled(peer_step, hf_state, batch)
+        steps = {"jaxformer": ours, "hf_flax": peer}
+        states = {"jaxformer": state, "hf_flax": hf_state}
+        _timed_rounds(steps, states, batch, 1, 2)  # warm-up
+        step_s = _timed_rounds(steps, states, batch, args.rounds, args.steps)
+        shapes = {"mode": mode, "D": D, "H": args.heads, "F": 4 * D, "L": args.layers, "V": args.vocab, "T": T,
+                  "B": B, "dropout": args.dropout, "rounds": args.rounds, "steps": args.steps}  # fmt: skip
+        torch_cmd = [sys.executable, str(pathlib.Path(__file__).with_name("peers.py")), "torch", json.dumps(shapes)]
+        torch_out = subprocess.run(torch_cmd, capture_output=True, text=True, env={**os.environ, "USE_TORCH": "1"})
+        if torch_out.returncode == 0:
+            step_s["torch"] = json.loads(torch_out.stdout.splitlines()[-1])["step_s"]
+        else:
+            print(f"  torch peer failed: {torch_out.stderr.strip().splitlines()[-1:]}")
+        flops = flops_per_example(model, objective, T, T) * B
+        info = {"jaxformer": (ours_compile, ours_mem), "hf_flax": (peer_compile, peer_mem)}
+        for name, t in step_s.items():
+            compile_s, mem = info.get(name, (float("nan"), float("nan")))
+            print(f"{mode:16s} {name:10s} {B * T / t:9.0f} {1e3 * t:8.1f} {compile_s:9.1f} {mem:9.1f} "
+                  f"{flops / t / peak:5.2f}")  # fmt: skip
+        ratios = ", ".join(f"{step_s[p] / step_s['jaxformer']:.2f}x {p}" for p in step_s if p != "jaxformer")
+        print(f"{mode:16s} jaxformer tokens/s = {ratios}")
+        if mode == "decoder_only":
+            _compare_greedy(args, graphdef, states["jaxformer"], hf_model, states["hf_flax"][0])
+
+
+def _compare_greedy(args, graphdef, state, hf_model, hf_params, num_new: int = 64) -> None:
+    """Greedy decoding of `num_new` tokens from an 8-token prompt at batch 1, interleaved rounds."""
+    import peers
+    from flax import nnx
+
+    from jaxformer.config import DecodeConfig
+    from jaxformer.decode import generate
+
+    prompt = np.random.default_rng(0).integers(4, args.vocab, (1, 8)).astype(np.int32)
+    model = nnx.merge(graphdef, state.params)
+    settings = DecodeConfig(strategy="greedy", max_new_tokens=num_new)
+    peer, params, ids = peers.hf_flax_greedy(hf_model, hf_params, jax.numpy.asarray(prompt), num_new)
+    fns = {
+        "jaxformer": lambda _, __: (None, generate(model, prompt.tolist(), settings, eos_id=None).tokens),
+        "hf_flax": lambda _, __: (None, peer(params, ids)),
+    }
+    _timed_rounds(fns, dict.fromkeys(fns), None, 1, 1)  # compiles both
+    t = _timed_rounds(fns, dict.fromkeys(fns), None, args.rounds, 3)
+    print(
+        f"greedy decoding, batch 1, {num_new} new tokens: jaxformer {1e3 * t['jaxformer'] / num_new:.2f} ms/token, "
+        f"hf_flax {1e3 * t['hf_flax'] / num_new:.2f} ms/token: {t['hf_flax'] / t['jaxformer']:.2f}x"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default="decoder_only,encoder_decoder,encoder_only")
@@ -133,14 +319,29 @@ def main() -> None:
     p.add_argument("--scan", action="store_true", help="scan over layers")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--checkpoint-overhead", action="store_true", help="time steps while an async save runs")
+    p.add_argument("--decode", action="store_true", help="decoding speed instead of training")
+    p.add_argument("--decode-lengths", default="64,256,1024", help="new tokens per run")
+    p.add_argument("--recompute-lengths", default="64,256", help="lengths also run without the cache (slow)")
+    p.add_argument("--decode-batches", default="1,8")
+    p.add_argument("--recompute-batches", default="1", help="batch sizes also run without the cache (slow)")
+    p.add_argument("--repeats", type=int, default=3, help="decode: timed runs per setting (fewer past 20 s)")
+    p.add_argument("--compare", action="store_true", help="side by side with Hugging Face Flax and PyTorch")
+    p.add_argument("--rounds", type=int, default=3, help="compare: interleaved rounds")
+    p.add_argument("--dropout", type=float, default=0.1, help="compare: residual/embedding dropout")
     args = p.parse_args()
     if args.checkpoint_overhead:
         checkpoint_overhead(args)
+        return
+    if args.decode:
+        decode_speed(args)
         return
     peak = measure_peak_flops()
     print(
         f"device: {jax.devices()[0].device_kind} x{jax.device_count()}; matmul peak {peak / 1e9:.1f} GFLOP/s (float32)"
     )
+    if args.compare:
+        compare(args, peak)
+        return
     print(
         f"config: D={args.d_model} H={args.heads} L={args.layers} V={args.vocab} B={args.batch} T={args.seq} "
         f"dtype={args.dtype} attention={args.attention} remat={args.remat} scan={args.scan}"
