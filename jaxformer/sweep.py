@@ -240,6 +240,8 @@ def work(sweep: Sweep, base: Config, workdir: pathlib.Path, url: str, name: str,
 def run(path: str, workdir: str, workers: int = 1, storage: str | None = None, worker: int | None = None) -> list:
     """`jaxformer sweep`: check the sweep, run it with `workers` processes, report the results.
     (`worker=i`: be worker i of a multi-process sweep: run trials, report nothing.)"""
+    if workers < 1:
+        raise ConfigError(f"--workers: must be >= 1, got {workers}")
     sweep, base = load(path)
     root = pathlib.Path(workdir)
     root.mkdir(parents=True, exist_ok=True)
@@ -257,7 +259,7 @@ def run(path: str, workdir: str, workers: int = 1, storage: str | None = None, w
         procs = [subprocess.Popen([*cmd, "--worker", str(i)]) for i in range(1, workers + 1)]
         codes = [p.wait() for p in procs]
         if any(codes):
-            raise RuntimeError(f"sweep workers exited with {codes}; rerun the command to continue")
+            raise SystemExit(f"error: sweep workers exited with {codes}; rerun the command to continue")
     rows = results(sweep, name, url, root)
     print(f"\n{len(rows)} trials in {root} ({time.perf_counter() - start:.0f} s this run), best first:")
     print_table(rows, sweep)
