@@ -452,20 +452,25 @@ def _section(name: str, values: dict):
     return cls(**values)
 
 
-def load_experiment(path: str) -> Config:
-    """Run experiments/NAME.py and return its `get_config()`."""
+def call_file(path: str, function: str, what: str):
+    """Run the Python file at `path` and return its `function()`; ConfigError if either is missing."""
     import importlib.util
     import pathlib
 
     file = pathlib.Path(path)
     if not file.is_file():
-        raise ConfigError(f"experiment file {path} does not exist")
-    spec = importlib.util.spec_from_file_location(f"jaxformer_experiment_{file.stem}", file)
+        raise ConfigError(f"{what} file {path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"jaxformer_{what}_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ConfigError(f"{path} defines no get_config()")
-    cfg = module.get_config()
+    if not hasattr(module, function):
+        raise ConfigError(f"{path} defines no {function}()")
+    return getattr(module, function)()
+
+
+def load_experiment(path: str) -> Config:
+    """Run experiments/NAME.py and return its `get_config()`."""
+    cfg = call_file(path, "get_config", "experiment")
     if not isinstance(cfg, Config):
         raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, not jaxformer.config.Config")
     return cfg

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import importlib.util
 import math
 import os
 import pathlib
@@ -38,7 +37,7 @@ import typing
 import warnings
 from typing import Any, Literal
 
-from jaxformer.config import Config, ConfigError, field_hint, load_experiment, require, with_values
+from jaxformer.config import Config, ConfigError, call_file, field_hint, load_experiment, require, with_values
 
 EVAL_METRICS = {"loss": "minimize", "nll": "minimize", "perplexity": "minimize", "accuracy": "maximize"}
 
@@ -89,7 +88,6 @@ def _numeric(hint) -> type | None:
 
 def check(sweep: Sweep, base: Config) -> None:
     """Every mistake a sweep file can make, named, before any trial starts."""
-    require(isinstance(sweep, Sweep), "get_sweep()", f"returned {type(sweep).__name__}, not jaxformer.sweep.Sweep")
     require(sweep.space, "space", "is empty: name at least one field to search over")
     require(sweep.trials >= 1, "trials", f"must be >= 1, got {sweep.trials}")
     require(sweep.heartbeat >= 1, "heartbeat", f"must be >= 1 second, got {sweep.heartbeat}")
@@ -121,18 +119,11 @@ def check(sweep: Sweep, base: Config) -> None:
 
 def load(path: str | pathlib.Path) -> tuple[Sweep, Config]:
     """The sweep of a sweep file and its (fixed-overridden) base config, checked."""
-    file = pathlib.Path(path)
-    if not file.is_file():
-        raise ConfigError(f"sweep file {path} does not exist")
-    spec = importlib.util.spec_from_file_location(f"jaxformer_sweep_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_sweep"):
-        raise ConfigError(f"{path} defines no get_sweep()")
-    sweep = module.get_sweep()
+    sweep = call_file(path, "get_sweep", "sweep")
+    require(isinstance(sweep, Sweep), "get_sweep()", f"returned {type(sweep).__name__}, not jaxformer.sweep.Sweep")
     base_path = pathlib.Path(sweep.base)
     if not base_path.suffix:  # a name: the experiments/ directory next to experiments/sweeps/
-        base_path = file.resolve().parent.parent / f"{sweep.base}.py"
+        base_path = pathlib.Path(path).resolve().parent.parent / f"{sweep.base}.py"
     base = load_experiment(str(base_path))
     check(sweep, base)
     return sweep, with_values(base, sweep.fixed)

@@ -53,11 +53,7 @@ def bench_mode(mode: str, args, peak: float) -> dict:
     graphdef, state, optimizer = init_state(cfg)
     step_fn = jax.jit(make_steps(graphdef, cfg, optimizer)[0], donate_argnums=0)
     batch = jax.device_put(synthetic_batch(objective, args.batch, args.seq, args.vocab))
-    t0 = time.perf_counter()
-    compiled = step_fn.lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    mem_bytes = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+    compiled, compile_s, memory_mb = _compiled(step_fn, state, batch)
     for _ in range(2):  # warm-up
         state, metrics = compiled(state, batch)
     jax.block_until_ready(metrics)
@@ -74,7 +70,7 @@ def bench_mode(mode: str, args, peak: float) -> dict:
         "tokens_per_s": args.batch * args.seq / step_s,
         "step_ms": 1e3 * step_s,
         "compile_s": compile_s,
-        "memory_mb": mem_bytes / 2**20,
+        "memory_mb": memory_mb,
         "mfu": flops / step_s / peak,
         "params_m": sum(x.size for x in jax.tree.leaves(state.params)) / 1e6,
     }
