@@ -96,7 +96,7 @@ def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Ar
         labels, weights = batch["targets"], batch["weights"]
     loss, w = F.cross_entropy(logits, labels, weights, label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss)
     nll, _ = F.cross_entropy(logits, labels, weights)  # unsmoothed, for perplexity
-    correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32) * w
+    correct = F.top1_correct(logits.astype(jnp.float32), labels).astype(jnp.float32) * w
     sums = {"loss": loss.sum(), "nll": nll.sum(), "correct": correct.sum(), "count": w.sum()}
     return loss.sum(), sums
 

@@ -179,6 +179,15 @@ def test_cross_entropy_matches_optax_with_smoothing_and_zloss():
     np.testing.assert_allclose(plain, optax.softmax_cross_entropy_with_integer_labels(logits, labels), rtol=1e-5)
 
 
+def test_top1_correct_matches_argmax_and_counts_ties():
+    logits = jax.random.normal(jax.random.key(0), (4, 6, 9))
+    labels = jax.random.randint(jax.random.key(1), (4, 6), 0, 9)
+    labels = labels.at[0].set(jnp.argmax(logits[0], -1))  # a row of hits besides random guesses
+    np.testing.assert_array_equal(F.top1_correct(logits, labels), jnp.argmax(logits, -1) == labels)
+    tied = jnp.zeros((1, 1, 5))
+    assert bool(F.top1_correct(tied, jnp.array([[3]]))[0, 0])
+
+
 def test_every_function_under_jit_grad_vmap():
     q, k, v = qkv(jnp.float32)
     mask = F.combine_masks(F.padding_mask(jnp.ones((2, 7), jnp.int32)), F.causal_mask(5, 7))
