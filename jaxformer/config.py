@@ -106,7 +106,7 @@ class ModelConfig:
     attention_impl: Literal["naive", "auto", "xla", "cudnn"] = "naive"
     scan_layers: bool = False  # one compiled layer body scanned over a stacked `layers` axis
     remat: Literal["none", "full", "dots_saveable"] = "none"
-    check_token_ids: bool = True  # reject ids outside [0, V); under jit costs a host callback
+    check_token_ids: bool = True  # reject ids outside [0, V): a host callback under jit; fit checks on the host
 
     def __post_init__(self):
         p = "model"

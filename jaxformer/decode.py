@@ -18,7 +18,6 @@ reference the cache is tested and benchmarked against.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -29,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jaxformer.config import DecodeConfig
-from jaxformer.layers import Embed
+from jaxformer.layers import without_id_checks
 from jaxformer.models import memory_attention_mask
 from jaxformer.sharding import constrain
 
@@ -236,17 +235,9 @@ def beam_search(stepper, prompt_BP, lengths_B, max_new_B, num_new: int, W: int, 
     return fin_BWN, fin_score_BW
 
 
-def _without_id_checks(model):
-    """Inputs are checked on the host and generated ids are in range: no host callback per step."""
-    for _, module in nnx.iter_modules(model):
-        if isinstance(module, Embed):
-            module.cfg = dataclasses.replace(module.cfg, check_token_ids=False)
-    return model
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings", "num_new", "eos_id", "pad_id"))
 def _generate(graphdef, params, prompt_BP, lengths_B, max_new_B, src_BS, rng, *, settings, num_new, eos_id, pad_id):
-    model = _without_id_checks(nnx.merge(graphdef, params))
+    model = without_id_checks(nnx.merge(graphdef, params))  # inputs were checked on the host
     W = settings.beam_size if settings.strategy == "beam" else 1
     if W > 1:  # every beam is a row of its own: [B * W, ...]
         prompt_BP, lengths_B, max_new_B = (jnp.repeat(x, W, axis=0) for x in (prompt_BP, lengths_B, max_new_B))

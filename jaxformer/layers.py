@@ -8,6 +8,7 @@ mesh. Computation runs in `ModelConfig.dtype`. Dropout is driven by an explicit
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -45,6 +46,28 @@ def _raise_if_out_of_range(ids, vocab_size: int) -> None:
     if bad.any():
         where = tuple(int(i[0]) for i in np.nonzero(bad))
         raise ValueError(f"token id {int(ids[where])} at index {where} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_batch_ids(batch: dict, vocab_size: int) -> None:
+    """Reject ids outside [0, V) in a host batch's token arrays (`src`, `inputs`, `targets`), naming the key.
+
+    The training loop checks every batch here, on the host, so its jitted steps need no callback.
+    """
+    for key in ("src", "inputs", "targets"):
+        if key in batch:
+            try:
+                _raise_if_out_of_range(batch[key], vocab_size)
+            except ValueError as e:
+                raise ValueError(f"batch[{key!r}]: {e}") from None
+
+
+def without_id_checks(model: nnx.Module) -> nnx.Module:
+    """`model` with its embeddings' id checks off, for jitted code whose ids were checked on the
+    host (training batches) or come from the model itself (generation): no host callback per call."""
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, Embed):
+            module.cfg = dataclasses.replace(module.cfg, check_token_ids=False)
+    return model
 
 
 def check_token_ids(ids: Array, vocab_size: int) -> None:

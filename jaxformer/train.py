@@ -22,6 +22,7 @@ from flax import nnx, struct
 
 from jaxformer import functional as F
 from jaxformer.config import Config, ModelConfig, TrainConfig
+from jaxformer.layers import check_batch_ids, without_id_checks
 from jaxformer.models import Transformer
 
 Array = jax.Array
@@ -102,13 +103,20 @@ def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Ar
 
 
 def make_steps(graphdef: nnx.GraphDef, cfg: Config, optimizer: optax.GradientTransformation):
-    """Build the pure `train_step(state, batch)` and `eval_step(state, batch)` (not yet jitted)."""
+    """Build the pure `train_step(state, batch)` and `eval_step(state, batch)` (not yet jitted).
+
+    They do not check token ids (a host callback per step would also keep them out of JAX's
+    persistent compilation cache): check host batches with `layers.check_batch_ids`, as `fit` does.
+    """
     tcfg = cfg.train
     schedule = learning_rate_schedule(tcfg, cfg.model.d_model)
 
+    def model_of(params):  # ids are checked on the host (`check_batch_ids`): no callback in the steps
+        return without_id_checks(nnx.merge(graphdef, params))
+
     def grads_and_sums(params, batch, rng):
         def f(params):
-            return loss_sums(nnx.merge(graphdef, params), tcfg, batch, rng)
+            return loss_sums(model_of(params), tcfg, batch, rng)
 
         (_, sums), grads = jax.value_and_grad(f, has_aux=True)(params)
         return grads, sums
@@ -138,7 +146,7 @@ def make_steps(graphdef: nnx.GraphDef, cfg: Config, optimizer: optax.GradientTra
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     def eval_step(state: TrainState, batch: dict) -> dict:
-        _, sums = loss_sums(nnx.merge(graphdef, state.params), tcfg, batch, None)
+        _, sums = loss_sums(model_of(state.params), tcfg, batch, None)
         return sums
 
     return train_step, eval_step
@@ -334,8 +342,13 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
     data = build_dataset(cfg, workdir)
     train_step, eval_step = jit_steps(*make_steps(graphdef, cfg, optimizer), state, mesh)
 
+    def checked(batch):
+        if cfg.model.check_token_ids:
+            check_batch_ids(batch, cfg.model.vocab_size)
+        return batch
+
     def fetch(batches):
-        return lambda step: sharding.global_batch(batches.get(step, rows), mesh, tcfg.batch_size)
+        return lambda step: sharding.global_batch(checked(batches.get(step, rows)), mesh, tcfg.batch_size)
 
     peak = (tcfg.peak_flops or measure_peak_flops()) * jax.device_count()
     writer = observe.MetricWriter(workdir, start) if lead else observe.NullWriter()
@@ -372,7 +385,7 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
 
     with _Preemption(ckpt.manager) as preemption:
         for step in bar:
-            local = data.train.get(step, rows)
+            local = checked(data.train.get(step, rows))
             profiler.before(step)
             state, metrics = train_step(state, sharding.global_batch(local, mesh, tcfg.batch_size))
             profiler.after(step, metrics)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxformer import config as C
+from jaxformer.layers import check_batch_ids
 from jaxformer.train import init_state, learning_rate_schedule, make_steps
 
 
@@ -115,6 +116,23 @@ def test_dropout_masks_depend_on_step_only():
     _, m_b = step(state, batch)
     _, m_c = step(state.replace(step=state.step + 1), batch)
     assert float(m_a["loss"]) == float(m_b["loss"]) != float(m_c["loss"])
+
+
+def test_steps_need_no_host_callback_and_host_batches_are_checked():
+    """Ids are checked on the host, so the compiled step has no callback (which would also keep it
+    out of JAX's persistent compilation cache); a bad id is named with its key."""
+    cfg = run_config()
+    assert cfg.model.check_token_ids
+    graphdef, state, optimizer = init_state(cfg)
+    train_step, eval_step = make_steps(graphdef, cfg, optimizer)
+    for fn in (train_step, eval_step):
+        assert "callback" not in jax.jit(fn).lower(state, lm_batch()).as_text()
+    batch = lm_batch()
+    check_batch_ids(batch, 16)
+    batch["targets"] = batch["targets"].copy()  # a view of the inputs in lm_batch
+    batch["targets"][3, 2] = 16
+    with pytest.raises(ValueError, match=r"batch\['targets'\]: token id 16 at index \(3, 2\) is outside"):
+        check_batch_ids(batch, 16)
 
 
 def test_weight_decay_skips_norms_and_biases():
