@@ -37,11 +37,14 @@ def unigram_perplexity(train: Batches, test: dict, vocab_size: int) -> float:
 
 def evaluate_model(cfg, graphdef, params, data, eval_step, state, num_batches: int = 32) -> dict:
     """Figures on the test split, beside their baselines."""
+    from jaxformer.layers import check_batch_ids
     from jaxformer.train import evaluate
 
     objective = cfg.train.objective
     n = min(num_batches, len(data.test))
-    out = {f"test_{k}": v for k, v in evaluate(eval_step, state, data.test.get, n).items() if k != "tokens"}
+    V, check = cfg.model.vocab_size, cfg.model.check_token_ids
+    fetch = lambda i: check_batch_ids(data.test.get(i), V) if check else data.test.get(i)
+    out = {f"test_{k}": v for k, v in evaluate(eval_step, state, fetch, n).items() if k != "tokens"}
     test = _arrays(data.test, num_batches)
     if objective in ("lm", "mlm"):
         out["unigram_perplexity"] = unigram_perplexity(data.train, test, cfg.model.vocab_size)

@@ -48,17 +48,17 @@ def _raise_if_out_of_range(ids, vocab_size: int) -> None:
         raise ValueError(f"token id {int(ids[where])} at index {where} is outside the vocabulary [0, {vocab_size})")
 
 
-def check_batch_ids(batch: dict, vocab_size: int) -> None:
-    """Reject ids outside [0, V) in a host batch's token arrays (`src`, `inputs`, `targets`), naming the key.
-
-    The training loop checks every batch here, on the host, so its jitted steps need no callback.
-    """
+def check_batch_ids(batch: dict, vocab_size: int) -> dict:
+    """The host batch, once no token array (`src`, `inputs`, `targets`) holds an id outside [0, V);
+    otherwise a ValueError naming the key. Training checks every batch here, so its jitted steps
+    need no callback."""
     for key in ("src", "inputs", "targets"):
         if key in batch:
             try:
                 _raise_if_out_of_range(batch[key], vocab_size)
             except ValueError as e:
                 raise ValueError(f"batch[{key!r}]: {e}") from None
+    return batch
 
 
 def without_id_checks(model: nnx.Module) -> nnx.Module:

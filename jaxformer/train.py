@@ -343,9 +343,7 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
     train_step, eval_step = jit_steps(*make_steps(graphdef, cfg, optimizer), state, mesh)
 
     def checked(batch):
-        if cfg.model.check_token_ids:
-            check_batch_ids(batch, cfg.model.vocab_size)
-        return batch
+        return check_batch_ids(batch, cfg.model.vocab_size) if cfg.model.check_token_ids else batch
 
     def fetch(batches):
         return lambda step: sharding.global_batch(checked(batches.get(step, rows)), mesh, tcfg.batch_size)

@@ -21,7 +21,8 @@ STRATEGIES = ["dp8", "fsdp8", "tp2_dp4", "fsdp4_tp2"]
 
 
 def worker(*args, devices=8, timeout=600):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     return subprocess.Popen(
         [sys.executable, str(WORKER), *map(str, args)],
         env=env,
