@@ -74,10 +74,15 @@ def top_p_filter(logits_BV: Array, p: float) -> Array:
 
 
 def sample_logits(logits_BV: Array, rng: Array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
-    """One token per row from softmax(logits / temperature), restricted by top-k then top-p."""
+    """One token per row from softmax(logits / temperature), restricted by top-k then top-p.
+
+    Row b draws with its own key, fold_in(rng, b), so its token depends on its logits alone,
+    never on the other rows of the batch.
+    """
     logits_BV = logits_BV.astype(jnp.float32) / temperature
     logits_BV = top_p_filter(top_k_filter(logits_BV, top_k), top_p)
-    return jax.random.categorical(rng, logits_BV, axis=-1).astype(jnp.int32)
+    keys_B = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, jnp.arange(logits_BV.shape[0]))
+    return jax.vmap(jax.random.categorical)(keys_B, logits_BV).astype(jnp.int32)
 
 
 def length_penalty(length: Array, alpha: float) -> Array:

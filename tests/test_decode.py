@@ -80,10 +80,20 @@ def test_rows_do_not_depend_on_the_batch(model, strategy):
         np.testing.assert_allclose(alone.scores[0], together.scores[i], atol=1e-5)
 
 
+def test_a_sampled_row_does_not_depend_on_the_other_rows(model):
+    """Each row draws with its own key: other prompts beside it (or none) leave its sample unchanged."""
+    together = run(model, ROWS, strategy="sample", seed=5)
+    others = run(model, [ROWS[0], [4, 4, 4, 4], ROWS[2]], strategy="sample", seed=5)
+    alone = run(model, ROWS[:1], strategy="sample", seed=5)
+    for got, row in ((others, 0), (others, 2), (alone, 0)):
+        np.testing.assert_array_equal(got.tokens[row], together.tokens[row])
+    assert not np.array_equal(together.tokens[0], together.tokens[2])
+
+
 def test_generation_stops_at_eos_and_pads_after_it(model):
-    out = run(model, ROWS, strategy="sample", seed=3)
+    out = np.concatenate([run(model, ROWS, strategy="sample", seed=seed).tokens[:, 0] for seed in range(4)])
     ended = 0
-    for seq in out.tokens[:, 0]:
+    for seq in out:
         ends = np.flatnonzero(seq == EOS)
         if ends.size:
             assert (seq[ends[0] + 1 :] == 0).all()
