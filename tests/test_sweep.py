@@ -144,3 +144,26 @@ def test_shipped_sweeps_validate():
     for path in sorted((REPO / "experiments/sweeps").glob("*.py")):
         sweep, base = load(path)
         assert base.train.steps == sweep.fixed["train.steps"], path
+
+
+def test_the_median_pruner_stops_trials_behind_the_median_at_their_first_evaluation(tmp_path, monkeypatch, capsys):
+    """Training is replaced by a stand-in that reports eval loss 1.0 (trials 0 and 1) or 5.0 (later
+    trials) at steps 10, 20 and 30 and stops when `on_eval` says so, as `fit` does (tested in
+    test_observe). After the pruner's two startup trials, each later one is pruned at step 10."""
+    from jaxformer import sweep, train
+
+    def stand_in(cfg, workdir, *, quiet, on_eval):
+        loss = 1.0 if pathlib.Path(workdir).name in ("trial-000", "trial-001") else 5.0
+        for step in (10, 20, 30):
+            if on_eval(step, {"loss": loss}):
+                return {"eval": {"loss": loss}, "stopped": True}
+        return {"eval": {"loss": loss}, "stopped": False}
+
+    monkeypatch.setattr(train, "fit", stand_in)
+    path = sweep_file(tmp_path, "pruned", trials=4, steps=30)
+    path.write_text(path.read_text().replace("prune=False", "prune=True"))
+    table = sweep.run(str(path), str(tmp_path / "w"))
+    assert [(r["trial"], r["state"], r["steps"]) for r in table] == [
+        (0, "COMPLETE", 30), (1, "COMPLETE", 30), (2, "PRUNED", 10), (3, "PRUNED", 10)
+    ]  # fmt: skip
+    assert "trial 2: pruned (loss 5)" in capsys.readouterr().out
