@@ -7,8 +7,8 @@ Tests that need several devices run in a subprocess with XLA_FLAGS set there (ad
 import os
 
 # The suite is compile-bound (thousands of small programs): LLVM's optimisations at level 0 halve
-# its time. XLA's own passes, and so what is computed, are unchanged; set before JAX starts its
-# backend, and inherited by the training runs tests start as subprocesses.
+# its time; XLA's HLO passes are unchanged. Set before JAX starts its backend, and inherited by
+# the training runs tests start as subprocesses.
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 import jax
