@@ -372,7 +372,9 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
         loss = float(prev["loss"])
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {prev_step}: lower train.learning_rate or check the data")
-        if prev_step % tcfg.log_every == 0:
+        if prev_step == start:  # the step that compiled: its time is logged above, it has no rate
+            writer.write(prev_step, "train", prev)
+        elif prev_step % tcfg.log_every == 0:
             elapsed = time.perf_counter() - window["start"]
             rates = {"tokens_per_s": window["tokens"] / elapsed, "mfu": window["flops"] / elapsed / peak}
             writer.write(prev_step, "train", {**prev, **rates, "step_time": elapsed / tcfg.log_every})
