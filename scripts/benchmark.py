@@ -229,7 +229,8 @@ def compare(args, peak: float) -> None:
     B, T, D = args.batch, args.seq, args.d_model
     print(
         f"compare: D={D} H={args.heads} F={4 * D} L={args.layers}/stack V={args.vocab} T={T} B={B} AdamW "
-        f"dropout {args.dropout}; median of {args.rounds} interleaved rounds of {args.steps} steps"
+        f"dropout {args.dropout}{', jaxformer layers scanned' if args.scan else ''}; "
+        f"median of {args.rounds} interleaved rounds of {args.steps} steps"
     )
     print(f"{'mode':16s} {'impl':10s} {'tokens/s':>9s} {'step ms':>8s} {'compile s':>9s} {'memory MB':>9s} {'MFU':>5s}")
     for mode in args.modes.split(","):
@@ -238,7 +239,7 @@ def compare(args, peak: float) -> None:
             mode=mode, vocab_size=args.vocab, d_model=D, num_heads=args.heads, d_ff=4 * D,
             num_encoder_layers=0 if mode == "decoder_only" else args.layers,
             num_decoder_layers=0 if mode == "encoder_only" else args.layers, max_len=T, dropout_rate=args.dropout,
-            check_token_ids=False, **PEER_ARCH[mode],
+            check_token_ids=False, scan_layers=args.scan, **PEER_ARCH[mode],
         )  # fmt: skip
         cfg = C.Config(
             model=model, train=C.TrainConfig(objective=objective, batch_size=B, optimizer="adamw"),
