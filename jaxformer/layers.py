@@ -32,6 +32,27 @@ def param(rngs: nnx.Rngs, initializer, shape: tuple[int, ...], names: tuple[str 
     return nnx.Param(annotated(rngs.params(), shape, jnp.float32))
 
 
+@jax.custom_vjp
+def materialized_grad(x: Array) -> Array:
+    """Identity whose gradient XLA:CPU computes once into a buffer of its own.
+
+    In a pre-norm stack the residual stream's gradient is a chain of elementwise sums over every
+    later sublayer; XLA:CPU fuses that chain into each consumer (the transposed copies feeding
+    weight gradients) and so recomputes it, ~10% of a small decoder's step. It strips optimization
+    barriers before fusion, but no fusion crosses a conditional: the gradient passes through one
+    whose two branches are the identity. Other backends get the gradient unchanged.
+    """
+    return x
+
+
+def _materialized_grad_bwd(_, g):
+    through_cond = lambda g: jax.lax.cond(jnp.isfinite(g.reshape(-1)[0]), lambda g: g, lambda g: g * 1.0, g)
+    return (jax.lax.platform_dependent(g, cpu=through_cond, default=lambda g: g),)
+
+
+materialized_grad.defvjp(lambda x: (x, None), _materialized_grad_bwd)
+
+
 def split_rng(rng: Array | None, n: int) -> list[Array | None]:
     """n independent keys from `rng`, or n Nones when running deterministically."""
     return [None] * n if rng is None else list(jax.random.split(rng, n))
@@ -301,6 +322,7 @@ class Residual(nnx.Module):
             return F.dropout(y_BTD, self.cfg.dropout_rate, dropout_rng), aux
 
         if self.cfg.norm_position == "pre":
+            x_BTD = materialized_grad(x_BTD)
             y_BTD, aux = run(self.norm(x_BTD))
             x_BTD = x_BTD + y_BTD
         else:

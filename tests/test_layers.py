@@ -101,3 +101,13 @@ def test_encoder_layer_composition(norm_position):
         h = x + layer.self_attn(n1(x))
         ref = h + layer.ffn(n2(h))
     np.testing.assert_allclose(layer(x, mask=None, positions_BT=pos), ref, atol=1e-6)
+
+
+def test_materialized_grad_is_the_identity_in_value_and_gradient():
+    from jaxformer.layers import materialized_grad
+
+    x = jnp.arange(6.0).reshape(2, 3)
+    for g in (jnp.full((2, 3), 0.5), jnp.array([[jnp.nan, -0.0, 1.0], [jnp.inf, 2.0, -3.0]])):  # either branch
+        y, vjp = jax.jit(lambda x: jax.vjp(materialized_grad, x))(x)
+        np.testing.assert_array_equal(y, x)
+        np.testing.assert_array_equal(jax.jit(vjp)(g)[0], g)
