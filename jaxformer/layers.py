@@ -38,9 +38,9 @@ def materialized_grad(x: Array) -> Array:
 
     In a pre-norm stack the residual stream's gradient is a chain of elementwise sums over every
     later sublayer; XLA:CPU fuses that chain into each consumer (the transposed copies feeding
-    weight gradients) and so recomputes it, ~10% of a small decoder's step. It strips optimization
-    barriers before fusion, but no fusion crosses a conditional: the gradient passes through one
-    whose two branches are the identity. Other backends get the gradient unchanged.
+    weight gradients) and so recomputes it, ~10% of a small decoder's step. An optimization barrier
+    does not survive to its fusion pass, but no fusion crosses a conditional: the gradient passes
+    through one whose two branches are the identity. Other backends get the gradient unchanged.
     """
     return x
 
