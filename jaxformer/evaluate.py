@@ -42,8 +42,7 @@ def evaluate_model(cfg, graphdef, params, data, eval_step, state, num_batches: i
 
     objective = cfg.train.objective
     n = min(num_batches, len(data.test))
-    V, check = cfg.model.vocab_size, cfg.model.check_token_ids
-    fetch = lambda i: check_batch_ids(data.test.get(i), V) if check else data.test.get(i)
+    fetch = lambda i: check_batch_ids(data.test.get(i), cfg.model)
     out = {f"test_{k}": v for k, v in evaluate(eval_step, state, fetch, n).items() if k != "tokens"}
     test = _arrays(data.test, num_batches)
     if objective in ("lm", "mlm"):

@@ -344,11 +344,10 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
     data = build_dataset(cfg, workdir)
     train_step, eval_step = jit_steps(*make_steps(graphdef, cfg, optimizer), state, mesh)
 
-    def checked(batch):
-        return check_batch_ids(batch, cfg.model.vocab_size) if cfg.model.check_token_ids else batch
-
     def fetch(batches):
-        return lambda step: sharding.global_batch(checked(batches.get(step, rows)), mesh, tcfg.batch_size)
+        return lambda step: sharding.global_batch(
+            check_batch_ids(batches.get(step, rows), cfg.model), mesh, tcfg.batch_size
+        )
 
     peak = (tcfg.peak_flops or measure_peak_flops()) * jax.device_count()
     writer = observe.MetricWriter(workdir, start) if lead else observe.NullWriter()
@@ -387,7 +386,7 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
 
     with _Preemption(ckpt.manager) as preemption:
         for step in bar:
-            local = checked(data.train.get(step, rows))
+            local = check_batch_ids(data.train.get(step, rows), cfg.model)
             profiler.before(step)
             state, metrics = train_step(state, sharding.global_batch(local, mesh, tcfg.batch_size))
             profiler.after(step, metrics)

@@ -39,14 +39,20 @@ def synthetic_batch(objective: str, B: int, T: int, V: int, seed: int = 0) -> di
     return batch | {"src": ids()} if objective == "seq2seq" else batch
 
 
-def bench_mode(mode: str, args, peak: float) -> dict:
+def model_config(mode: str, args, **changes) -> C.ModelConfig:
+    """The model of `mode` at the command line's shapes (F = 4 D, `--layers` per stack); `changes` on top."""
     L = args.layers
-    model = C.ModelConfig(
+    shapes = dict(
         mode=mode, vocab_size=args.vocab, d_model=args.d_model, num_heads=args.heads, d_ff=4 * args.d_model,
         num_encoder_layers=0 if mode == "decoder_only" else L, num_decoder_layers=0 if mode == "encoder_only" else L,
-        max_len=args.seq, dtype=args.dtype, scan_layers=args.scan, remat=args.remat,
-        attention_impl=args.attention, check_token_ids=False,
+        max_len=args.seq, dtype=args.dtype, scan_layers=args.scan, remat=args.remat, attention_impl=args.attention,
+        check_token_ids=False,
     )  # fmt: skip
+    return C.ModelConfig(**shapes | changes)
+
+
+def bench_mode(mode: str, args, peak: float) -> dict:
+    model = model_config(mode, args)
     objective = OBJECTIVE[mode]
     train = C.TrainConfig(objective=objective, batch_size=args.batch, steps=args.steps)
     cfg = C.Config(model=model, train=train, data=C.DataConfig(max_len=args.seq))
@@ -85,11 +91,7 @@ def checkpoint_overhead(args, rounds: int = 6, steps: int = 5) -> None:
 
     mode = args.modes.split(",")[0]
     objective = OBJECTIVE[mode]
-    model = C.ModelConfig(
-        mode=mode, vocab_size=args.vocab, d_model=args.d_model, num_heads=args.heads, d_ff=4 * args.d_model,
-        num_encoder_layers=0 if mode == "decoder_only" else args.layers,
-        num_decoder_layers=0 if mode == "encoder_only" else args.layers, max_len=args.seq, check_token_ids=False,
-    )  # fmt: skip
+    model = model_config(mode, args)
     cfg = C.Config(
         model=model,
         train=C.TrainConfig(objective=objective, batch_size=args.batch),
@@ -146,12 +148,7 @@ def decode_speed(args) -> None:
           f"{'ms/token':>9s} {'tokens/s':>9s}")  # fmt: skip
     per_token = {}
     for mode in [m for m in args.modes.split(",") if m != "encoder_only"]:
-        cfg = C.ModelConfig(
-            mode=mode, vocab_size=args.vocab, d_model=args.d_model, num_heads=args.heads, d_ff=4 * args.d_model,
-            num_encoder_layers=0 if mode == "decoder_only" else args.layers, num_decoder_layers=args.layers,
-            max_len=P + longest + 1, dtype=args.dtype, dropout_rate=0.0,
-        )  # fmt: skip
-        model = build_model(cfg)
+        model = build_model(model_config(mode, args, max_len=P + longest + 1, dropout_rate=0.0))
         rng = np.random.default_rng(0)
         run = functools.partial(generate, model, eos_id=None)
         if mode == "encoder_decoder":
@@ -235,12 +232,7 @@ def compare(args, peak: float) -> None:
     print(f"{'mode':16s} {'impl':10s} {'tokens/s':>9s} {'step ms':>8s} {'compile s':>9s} {'memory MB':>9s} {'MFU':>5s}")
     for mode in args.modes.split(","):
         objective = OBJECTIVE[mode]
-        model = C.ModelConfig(
-            mode=mode, vocab_size=args.vocab, d_model=D, num_heads=args.heads, d_ff=4 * D,
-            num_encoder_layers=0 if mode == "decoder_only" else args.layers,
-            num_decoder_layers=0 if mode == "encoder_only" else args.layers, max_len=T, dropout_rate=args.dropout,
-            check_token_ids=False, scan_layers=args.scan, **PEER_ARCH[mode],
-        )  # fmt: skip
+        model = model_config(mode, args, dropout_rate=args.dropout, **PEER_ARCH[mode])
         cfg = C.Config(
             model=model, train=C.TrainConfig(objective=objective, batch_size=B, optimizer="adamw"),
             data=C.DataConfig(max_len=T),
@@ -274,7 +266,8 @@ def compare(args, peak: float) -> None:
         ratios = ", ".join(f"{step_s[p] / step_s['jaxformer']:.2f}x {p}" for p in step_s if p != "jaxformer")
         print(f"{mode:16s} jaxformer tokens/s = {ratios}")
         if mode == "decoder_only":
-            _compare_greedy(args, graphdef, states["jaxformer"], hf_model, states["hf_flax"][0])
+            num_new = min(64, T - 8)  # an 8-token prompt: both models hold T positions
+            _compare_greedy(args, graphdef, states["jaxformer"], hf_model, states["hf_flax"][0], num_new)
 
 
 def _compare_greedy(args, graphdef, state, hf_model, hf_params, num_new: int = 64) -> None:

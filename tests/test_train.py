@@ -128,11 +128,12 @@ def test_steps_need_no_host_callback_and_host_batches_are_checked():
     for fn in (train_step, eval_step):
         assert "callback" not in jax.jit(fn).lower(state, lm_batch()).as_text()
     batch = lm_batch()
-    check_batch_ids(batch, 16)
+    check_batch_ids(batch, cfg.model)
     batch["targets"] = batch["targets"].copy()  # a view of the inputs in lm_batch
     batch["targets"][3, 2] = 16
     with pytest.raises(ValueError, match=r"batch\['targets'\]: token id 16 at index \(3, 2\) is outside"):
-        check_batch_ids(batch, 16)
+        check_batch_ids(batch, cfg.model)
+    check_batch_ids(batch, cfg.model.replace(check_token_ids=False))  # the documented way out
 
 
 def test_weight_decay_skips_norms_and_biases():
