@@ -29,7 +29,7 @@ from flax import nnx
 
 from jaxformer.config import DecodeConfig
 from jaxformer.layers import without_id_checks
-from jaxformer.models import memory_attention_mask
+from jaxformer.models import memory_attention_mask, unrolled
 from jaxformer.sharding import constrain
 
 Array = jax.Array
@@ -124,11 +124,7 @@ def cached_stepper(model, length: int, memory_BSD: Array | None, src_BS: Array |
         logits_B1V, cache = model.decode_step(cache, tokens_B[:, None], positions_B[:, None])
         return logits_B1V[:, 0], cache
 
-    def reorder(cache, rows_B):  # the memory is the same for every beam of a row: only "self" moves
-        self_cache = jax.tree.map(lambda c: jnp.take(c, rows_B, axis=1), cache["layers"]["self"])
-        return {**cache, "layers": {**cache["layers"], "self": self_cache}}
-
-    return Stepper(start, step, reorder)
+    return Stepper(start, step, model.reorder_cache)
 
 
 def recompute_stepper(model, length: int, memory_BSD: Array | None, src_BS: Array | None) -> Stepper:
@@ -242,7 +238,7 @@ def beam_search(stepper, prompt_BP, lengths_B, max_new_B, num_new: int, W: int, 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings", "num_new", "eos_id", "pad_id"))
 def _generate(graphdef, params, prompt_BP, lengths_B, max_new_B, src_BS, rng, *, settings, num_new, eos_id, pad_id):
-    model = without_id_checks(nnx.merge(graphdef, params))  # inputs were checked on the host
+    model = unrolled(without_id_checks(nnx.merge(graphdef, params)))  # inputs were checked on the host
     W = settings.beam_size if settings.strategy == "beam" else 1
     if W > 1:  # every beam is a row of its own: [B * W, ...]
         prompt_BP, lengths_B, max_new_B = (jnp.repeat(x, W, axis=0) for x in (prompt_BP, lengths_B, max_new_B))

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 Array = jax.Array
 AttentionImpl = Literal["naive", "auto", "xla", "cudnn"]
+KVLayout = Literal["BSGK", "BGSK"]
 
 
 def lift(p: Array, x: Array) -> Array:
@@ -39,6 +40,7 @@ def dot_product_attention(
     k_BSGK: Array,
     v_BSGK: Array,
     *,
+    kv_layout: KVLayout = "BSGK",
     mask: Array | None = None,
     bias: Array | None = None,
     dropout_rate: float = 0.0,
@@ -51,6 +53,9 @@ def dot_product_attention(
     Args:
       q_BTHK: queries. k_BSGK, v_BSGK: keys and values with G heads, H % G == 0
         (G == H is multi-head, G == 1 is multi-query attention).
+      kv_layout: "BGSK" takes keys and values heads-major ([B, G, S, K]), the layout
+        of a KV cache: the products then read it in place, where [B, S, G, K] would
+        be transposed in full at every decoding step.
       mask: boolean, True = attend, broadcastable to [B, H, T, S]. A query whose
         row is fully masked gets a zero output (never NaN).
       bias: additive logits bias broadcastable to [B, H, T, S] (e.g. ALiBi, T5).
@@ -66,7 +71,7 @@ def dot_product_attention(
       out_BTHK in the dtype of v (and the weights if requested).
     """
     B, T, H, K = q_BTHK.shape
-    G = k_BSGK.shape[2]
+    G = k_BSGK.shape[2 if kv_layout == "BSGK" else 1]
     if H % G:
         raise ValueError(f"query heads H={H} must be a multiple of key/value heads G={G}")
     if k_BSGK.shape != v_BSGK.shape:
@@ -74,6 +79,8 @@ def dot_product_attention(
     use_dropout = dropout_rate > 0.0 and dropout_rng is not None
     if implementation != "naive" and not (return_weights or use_dropout):
         backend = None if implementation == "auto" else implementation
+        if kv_layout == "BGSK":
+            k_BSGK, v_BSGK = jnp.swapaxes(k_BSGK, 1, 2), jnp.swapaxes(v_BSGK, 1, 2)
         out_BTHK = jax.nn.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, bias=bias, mask=mask, implementation=backend)
         if mask is not None:  # JAX gives a fully masked row the mean of v; we give zeros.
             live_BT = jnp.any(jnp.broadcast_to(mask, (B, H, T, mask.shape[-1])), axis=-1)
@@ -87,7 +94,8 @@ def dot_product_attention(
     R = H // G
     q_BTGRK = q_BTHK.reshape(B, T, G, R, K)
     # Logits and softmax in float32 whatever the compute dtype: bfloat16 exp/sum lose too much.
-    logits_BGRTS = jnp.einsum("BTGRK,BSGK->BGRTS", q_BTGRK, k_BSGK, preferred_element_type=jnp.float32)
+    kv = "BSGK" if kv_layout == "BSGK" else "BGSK"  # the einsums' letters for k and v
+    logits_BGRTS = jnp.einsum(f"BTGRK,{kv}->BGRTS", q_BTGRK, k_BSGK, preferred_element_type=jnp.float32)
     logits_BHTS = logits_BGRTS.reshape(B, H, T, -1) / math.sqrt(K)
     if bias is not None:
         logits_BHTS = logits_BHTS + bias.astype(jnp.float32)
@@ -98,7 +106,7 @@ def dot_product_attention(
         weights_BHTS = jnp.where(mask, weights_BHTS, 0.0)
     probs_BHTS = dropout(weights_BHTS, dropout_rate, dropout_rng)
     probs_BGRTS = probs_BHTS.reshape(B, G, R, T, -1).astype(v_BSGK.dtype)
-    out_BTGRK = jnp.einsum("BGRTS,BSGK->BTGRK", probs_BGRTS, v_BSGK)
+    out_BTGRK = jnp.einsum(f"BGRTS,{kv}->BTGRK", probs_BGRTS, v_BSGK)
     out_BTHK = out_BTGRK.reshape(B, T, H, K)
     return (out_BTHK, weights_BHTS) if return_weights else out_BTHK
 
@@ -147,12 +155,14 @@ def cache_mask(positions_BT: Array, S: int) -> Array:
     return jnp.arange(S)[None, None, None, :] <= positions_BT[:, None, :, None]
 
 
-def write_rows(buffer_BS: Array, new_BT: Array, start_B: Array) -> Array:
-    """buffer[b, start_b : start_b + T] = new[b] for each row b (a KV-cache write; trailing axes kept).
+def write_rows(buffer_BS: Array, new_BT: Array, start_B: Array, axis: int = 1) -> Array:
+    """buffer[b, start_b : start_b + T] = new[b] for each row b along `axis` (the slot axis of a KV
+    cache, 1 for [B, S, ...], 2 for heads-major [B, G, S, K]); the other axes are kept.
 
     Starts must leave room: like `lax.dynamic_update_slice`, a start past S - T is clamped.
     """
-    write = lambda buf, new, start: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), start, axis=0)
+    row_axis = axis - 1  # inside one row
+    write = lambda buf, new, start: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), start, row_axis)
     return jax.vmap(write)(buffer_BS, new_BT, start_B)
 
 

@@ -221,38 +221,53 @@ class MultiHeadAttention(nnx.Module):
     ):
         """Attend from x to memory (cross) or to x itself (memory None). Returns [B, T, D].
 
-        `memory_kv` gives cross-attention keys and values already projected (`project_kv`
-        of the memory), as decoding does once per source.
+        `memory_kv` gives cross-attention keys and values already projected, heads-major
+        [B, G, S, K] (`memory_cache` of the memory), as decoding does once per source.
         """
-        if memory_kv is None:
-            kv_BSD = x_BTD if memory_BSD is None else memory_BSD
-            kv_positions_BS = positions_BT if kv_positions_BS is None else kv_positions_BS
-            memory_kv = self.project_kv(kv_BSD, kv_positions_BS)
-        return self._attend(x_BTD, *memory_kv, mask, positions_BT, dropout_rng, return_weights)
+        if memory_kv is not None:
+            return self._attend(x_BTD, *memory_kv, "BGSK", mask, positions_BT, dropout_rng, return_weights)
+        kv_BSD = x_BTD if memory_BSD is None else memory_BSD
+        kv_positions_BS = positions_BT if kv_positions_BS is None else kv_positions_BS
+        k_BSGK, v_BSGK = self.project_kv(kv_BSD, kv_positions_BS)
+        return self._attend(x_BTD, k_BSGK, v_BSGK, "BSGK", mask, positions_BT, dropout_rng, return_weights)
+
+    # Decoding caches hold keys and values heads-major, [B, G, S, K]: the attention products read
+    # them in place, where [B, S, G, K] would be transposed in full at every step.
+
+    def empty_cache(self, batch: int, length: int) -> dict:
+        """A self-attention KV cache of `length` slots: {"k", "v"}: zeros [B, G, length, K]."""
+        zeros = jnp.zeros((batch, self.cfg.kv_heads, length, self.cfg.dim_per_head), self.cfg.dtype)
+        return {"k": zeros, "v": zeros}
+
+    def memory_cache(self, memory_BSD: Array) -> dict:
+        """Cross-attention keys and values of the memory, once per source: {"k", "v"}: [B, G, S, K]."""
+        return dict(zip("kv", (jnp.swapaxes(a, 1, 2) for a in self.project_kv(memory_BSD)), strict=True))
 
     def extend(self, x_BTD: Array, cache: dict, *, mask: Array, positions_BT: Array) -> tuple[Array, dict]:
         """Self-attention of new positions over a KV cache.
 
         x holds T new positions per row, starting at `positions_BT[:, 0]` (per row); their
-        keys and values are written into `cache` ({"k", "v"}: [B, S_max, G, K]) at those
+        keys and values are written into `cache` ({"k", "v"}: [B, G, S_max, K]) at those
         slots, and each query attends to the cache under `mask` [B, 1, T, S_max].
         Returns (y [B, T, D], the updated cache).
         """
-        k_BTGK, v_BTGK = self.project_kv(x_BTD, positions_BT)
         start_B = positions_BT[:, 0]
+        new = dict(zip("kv", self.project_kv(x_BTD, positions_BT), strict=True))  # [B, T, G, K]
         cache = {
-            "k": constrain(F.write_rows(cache["k"], k_BTGK, start_B), ("batch", None, "heads", None)),
-            "v": constrain(F.write_rows(cache["v"], v_BTGK, start_B), ("batch", None, "heads", None)),
-        }
-        return self._attend(x_BTD, cache["k"], cache["v"], mask, positions_BT, None, False), cache
+            name: constrain(F.write_rows(cache[name], jnp.swapaxes(new[name], 1, 2), start_B, axis=2),
+                            ("batch", "heads", None, None))
+            for name in "kv"
+        }  # fmt: skip
+        return self._attend(x_BTD, cache["k"], cache["v"], "BGSK", mask, positions_BT, None, False), cache
 
-    def _attend(self, x_BTD, k_BSGK, v_BSGK, mask, positions_BT, dropout_rng, return_weights):
+    def _attend(self, x_BTD, k, v, kv_layout, mask, positions_BT, dropout_rng, return_weights):
         cfg = self.cfg
         q_BTHK = self._project(x_BTD, "q")
         if self.use_rope:
             q_BTHK = F.apply_rope(q_BTHK, positions_BT, cfg.rope_base)
         result = F.dot_product_attention(
-            q_BTHK, k_BSGK, v_BSGK,
+            q_BTHK, k, v,
+            kv_layout=kv_layout,
             mask=mask,
             dropout_rate=cfg.attention_dropout_rate,
             dropout_rng=dropout_rng,
@@ -455,31 +470,32 @@ class LayerStack(nnx.Module):
             x_BTD = apply(graphdef, state, x_BTD, index, kwargs)
         return x_BTD
 
-    def extend(self, x_BTD: Array, cache: dict, **kwargs) -> tuple[Array, dict]:
-        """Decoding: x (new positions) through every layer with its slice of `cache`
-        ({"self", "memory"}, leaves [L, ...]); returns (x, the updated "self" caches [L, ...])."""
+    # Decoding runs the layers one by one, scanned or not, each with a cache of its own that a step
+    # writes in place: a list of {"self": the layer's KV cache, "memory": the memory's keys and
+    # values (cross-attention)}. (Scanning would restack every layer's cache at every step.)
 
-        def apply(graphdef, state, x_BTD, layer_cache):
-            return nnx.merge(graphdef, state)(x_BTD, cache=layer_cache, **kwargs)
+    def unstacked(self) -> list[nnx.Module]:
+        """The layers as a list; scanned layers are sliced out of their stacked parameters
+        (inside a decoding loop XLA slices these loop invariants once, outside it)."""
+        if not self.cfg.scan_layers:
+            return list(self.layers)
+        graphdef, state = nnx.split(self.layers)
+        return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(self.num_layers)]
 
-        if self.cfg.scan_layers:
-            graphdef, state = nnx.split(self.layers)
+    def map_layers(self, fn: Callable[[nnx.Module], object]) -> list:
+        """[fn(layer) for every layer]."""
+        return [fn(layer) for layer in self.unstacked()]
 
-            def body(x_BTD, layer):
-                state_i, cache_i = layer
-                return apply(graphdef, state_i, x_BTD, cache_i)
-
-            return jax.lax.scan(body, x_BTD, (state, cache))
+    def extend(self, x_BTD: Array, cache: list, **kwargs) -> tuple[Array, list]:
+        """Decoding: x (new positions) through every layer with its entry of `cache`; returns
+        (x, the caches with every layer's "self" entry updated)."""
         updated = []
-        for index, layer in enumerate(self.layers):
-            layer_cache = jax.tree.map(lambda c, i=index: c[i], cache)
-            x_BTD, layer_cache = apply(*nnx.split(layer), x_BTD, layer_cache)
-            updated.append(layer_cache)
-        return x_BTD, jax.tree.map(lambda *c: jnp.stack(c), *updated)
+        for layer, layer_cache in zip(self.unstacked(), cache, strict=True):
+            x_BTD, self_cache = layer(x_BTD, cache=layer_cache, **kwargs)
+            updated.append({**layer_cache, "self": self_cache})
+        return x_BTD, updated
 
-    def map_layers(self, fn: Callable[[nnx.Module], object]):
-        """fn(layer) for every layer, its array results stacked on a leading [L] axis."""
-        if self.cfg.scan_layers:
-            graphdef, state = nnx.split(self.layers)
-            return jax.vmap(lambda s: fn(nnx.merge(graphdef, s)))(state)
-        return jax.tree.map(lambda *r: jnp.stack(r), *[fn(layer) for layer in self.layers])
+    def reorder_cache(self, cache: list, rows_B: Array) -> list:
+        """Row i of every layer's self-attention cache takes row rows_B[i]'s (beam search); the
+        memory's keys and values, the same for every beam of a source, stay."""
+        return [{**c, "self": jax.tree.map(lambda a: jnp.take(a, rows_B, axis=0), c["self"])} for c in cache]

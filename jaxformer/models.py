@@ -90,12 +90,12 @@ class TransformerStack(nnx.Module):
         """Decoding: new ids [B, T] at `positions_BT` (per row) against the layers' KV `cache`.
 
         Cache slot s holds position s, so a position sees the slots up to itself. Returns
-        (hidden states [B, T, D], the updated self-attention caches).
+        (hidden states [B, T, D], the layers' caches with their self-attention entries updated).
         """
         x_BTD = self.positions(self.embed(ids_BT), positions_BT)
-        mask = F.cache_mask(positions_BT, cache["self"]["k"].shape[2])
-        x_BTD, self_cache = self.stack.extend(x_BTD, cache, mask=mask, positions_BT=positions_BT, **layer_inputs)
-        return (self.final_norm(x_BTD) if self.cfg.norm_position == "pre" else x_BTD), self_cache
+        mask = F.cache_mask(positions_BT, cache[0]["self"]["k"].shape[2])
+        x_BTD, cache = self.stack.extend(x_BTD, cache, mask=mask, positions_BT=positions_BT, **layer_inputs)
+        return (self.final_norm(x_BTD) if self.cfg.norm_position == "pre" else x_BTD), cache
 
 
 def Encoder(cfg: ModelConfig, embed: Embed, *, rngs: nnx.Rngs) -> TransformerStack:
@@ -250,32 +250,32 @@ class Transformer(nnx.Module):
         """An empty decoding cache for `length` target positions; with an encoder memory
         (encoder_decoder), also each layer's cross-attention keys and values of it, computed once.
 
-        {"layers": {"self": {"k", "v"}: [L, B, length, G, K], "memory": {"k", "v"}: [L, B, S, G, K]},
-         "memory_mask": [B, 1, 1, S]}
+        {"layers": per layer {"self": {"k", "v"}: [B, G, length, K], "memory": {"k", "v"}: [B, G, S, K]},
+         "memory_mask": [B, 1, 1, S]}, "layers" a list (see `LayerStack.extend`).
         """
         cfg = self.cfg
         if cfg.mode == "encoder_only":
             raise ValueError("mode='encoder_only' has no decoder to cache")
         if (memory_BSD is None) != (cfg.mode == "decoder_only"):
             raise ValueError(f"mode={cfg.mode} {'takes no' if memory_BSD is not None else 'needs a'} memory")
-        zeros = jnp.zeros((cfg.num_decoder_layers, batch, length, cfg.kv_heads, cfg.dim_per_head), cfg.dtype)
-        cache = {"layers": {"self": {"k": zeros, "v": zeros}}}
+
+        def layer_cache(layer):
+            cache = {"self": layer.self_attn.empty_cache(batch, length)}
+            return cache if memory_BSD is None else cache | {"memory": layer.cross_attn.memory_cache(memory_BSD)}
+
+        cache = {"layers": self.decoder.stack.map_layers(layer_cache)}
         if memory_BSD is not None:
-
-            def memory_kv(layer):
-                k_BSGK, v_BSGK = layer.cross_attn.project_kv(memory_BSD)
-                return {"k": k_BSGK, "v": v_BSGK}
-
-            cache["layers"]["memory"] = self.decoder.stack.map_layers(memory_kv)
             cache["memory_mask"] = memory_attention_mask(None, src_ids_BS, None, cfg.pad_id)
         return cache
 
     def decode_step(self, cache: dict, ids_BT: Array, positions_BT: Array) -> tuple[Array, dict]:
         """Logits [B, T, V] of new decoder positions (a prompt, or one token per row) and the updated cache."""
-        h_BTD, self_cache = self.decoder.extend(
-            ids_BT, positions_BT, cache["layers"], memory_mask=cache.get("memory_mask")
-        )
-        return self.lm_head(h_BTD), {**cache, "layers": {**cache["layers"], "self": self_cache}}
+        h_BTD, layers = self.decoder.extend(ids_BT, positions_BT, cache["layers"], memory_mask=cache.get("memory_mask"))
+        return self.lm_head(h_BTD), {**cache, "layers": layers}
+
+    def reorder_cache(self, cache: dict, rows_B: Array) -> dict:
+        """Beam search: row i of the decoding cache takes row rows_B[i]'s history."""
+        return {**cache, "layers": self.decoder.stack.reorder_cache(cache["layers"], rows_B)}
 
     def classify(
         self,
@@ -325,6 +325,27 @@ class Transformer(nnx.Module):
             tgt_positions=tgt_positions,
             dropout_rng=r_dec,
         )
+
+
+def unrolled(model: Transformer) -> Transformer:
+    """`model` with its scanned layer stacks unrolled: the same parameters, each layer's sliced out.
+
+    Decoding runs the layers one by one; slicing them here, before a decoding loop, does it once,
+    where slicing inside the loop would copy every weight at every step.
+    """
+    if not model.cfg.scan_layers:
+        return model
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(model.cfg.replace(scan_layers=False), rngs=nnx.Rngs(0))))
+    flat = []
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        if "layers" not in path:
+            flat.append((path, var))
+            continue
+        at = path.index("layers") + 1  # (..., "stack", "layers", *rest) -> (..., "stack", "layers", i, *rest)
+        names = var.get_metadata()["out_sharding"][1:]  # the leading "layers" axis is gone
+        flat += [((*path[:at], i, *path[at:]), var.replace(var[...][i], out_sharding=names))
+                 for i in range(var[...].shape[0])]  # fmt: skip
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
