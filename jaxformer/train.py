@@ -227,17 +227,18 @@ def flops_per_example(cfg: ModelConfig, objective: str, src_len: int, tgt_len: i
     return 3.0 * total
 
 
-def measure_peak_flops(n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of a float32 n x n matmul on the default device: the best of `repeats` timed runs
-    (a probe of achievable peak; the best, since a shared machine only ever slows a run down)."""
+def measure_peak_flops(n: int = 2048, repeats: int = 5, min_seconds: float = 0.0) -> float:
+    """FLOP/s of a float32 n x n matmul on the default device: the best of `repeats` timed runs, or
+    of as many as fill `min_seconds` (a probe of achievable peak; the best, since a shared machine
+    only ever slows a run down, and a CPU may take a while to reach its full clock)."""
     a = jnp.ones((n, n), jnp.float32)
     f = jax.jit(lambda a: a @ a)
     f(a).block_until_ready()
-    best = math.inf
-    for _ in range(repeats):
+    best, start, runs = math.inf, time.perf_counter(), 0
+    while runs < repeats or time.perf_counter() - start < min_seconds:
         t0 = time.perf_counter()
         f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
+        best, runs = min(best, time.perf_counter() - t0), runs + 1
     return 2 * n**3 / best
 
 
