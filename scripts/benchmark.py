@@ -5,6 +5,7 @@ and decoding speed with and without the KV cache.
     python scripts/benchmark.py --d-model 1024 --layers 12 --batch 64 --seq 1024 --dtype bfloat16   # accelerator
     python scripts/benchmark.py --decode              # greedy and beam 4, batch 1 and 8, 64/256/1024 tokens
     python scripts/benchmark.py --compare             # side by side with Hugging Face Flax and PyTorch (bench extra)
+    python scripts/benchmark.py --matmul-floor --vocab 8192 --modes decoder_only   # the step's products timed alone
 
 Step times are the median of `--steps` timed steps after a warm-up; memory is XLA's
 own analysis of the compiled step (arguments + outputs + temporaries - donated aliases),
@@ -18,12 +19,14 @@ import argparse
 import functools
 import itertools
 import json
+import math
 import os
 import pathlib
 import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxformer import config as C
@@ -214,6 +217,49 @@ def _compiled(fn, *args) -> tuple:
     return compiled, seconds, mem / 2**20
 
 
+def matmul_floor(mode: str, args) -> None:
+    """The training step's matrix products, each timed alone with the shapes and dimension numbers
+    XLA compiled them with: their sum bounds what removing everything else from the step can gain."""
+    import collections
+    import re
+
+    objective = OBJECTIVE[mode]
+    cfg = C.Config(
+        model=model_config(mode, args, dropout_rate=args.dropout, **PEER_ARCH[mode]),
+        train=C.TrainConfig(objective=objective, batch_size=args.batch, optimizer="adamw"),
+        data=C.DataConfig(max_len=args.seq),
+    )
+    graphdef, state, optimizer = init_state(cfg)
+    batch = jax.device_put(synthetic_batch(objective, args.batch, args.seq, args.vocab))
+    hlo = jax.jit(make_steps(graphdef, cfg, optimizer)[0]).lower(state, batch).compile().as_text()
+    ints = lambda text: tuple(int(d) for d in text.split(",") if d)
+    shape_of = {name: ints(dims) for name, dims in re.findall(r"%(\S+) = f32\[([\d,]*)\]", hlo)}
+    dots = collections.Counter()
+    for lhs, rhs, numbers in re.findall(r" dot\(%(\S+), %(\S+)\), (.*?), metadata", hlo):
+        dims = dict(re.findall(r"(\w+)_dims=\{([\d,]*)\}", numbers))
+        axes = [ints(dims.get(k, "")) for k in ("lhs_contracting", "rhs_contracting", "lhs_batch", "rhs_batch")]
+        dots[shape_of[lhs], shape_of[rhs], tuple(axes)] += 1
+    total_s = total_flops = 0.0
+    print(f"{mode}: each matrix product of the training step timed alone (best of 15)")
+    for (lhs, rhs, (lc, rc, lb, rb)), n in dots.most_common():
+        a, b = jnp.ones(lhs, jnp.float32), jnp.ones(rhs, jnp.float32)
+        f = jax.jit(functools.partial(jax.lax.dot_general, dimension_numbers=((lc, rc), (lb, rb))))
+        flops = 2 * f(a, b).size * math.prod(lhs[i] for i in lc)
+        times = []
+        for _ in range(15):
+            t = time.perf_counter()
+            f(a, b).block_until_ready()
+            times.append(time.perf_counter() - t)
+        best = min(times)
+        total_s, total_flops = total_s + n * best, total_flops + n * flops
+        rate = flops / best / 1e9
+        print(f"  {n:3d} x {lhs} . {rhs} contracting {lc}, {rc}: {1e3 * best:6.2f} ms, {rate:4.0f} GFLOP/s")
+    print(
+        f"{mode}: matmul floor {1e3 * total_s:.0f} ms per step "
+        f"({total_flops / 1e9:.1f} GFLOP, {total_flops / total_s / 1e9:.0f} GFLOP/s)"
+    )
+
+
 def compare(args, peak: float) -> None:
     """jaxformer vs Hugging Face Flax (same process, same XLA flags, interleaved rounds) and vs
     PyTorch (a process of its own) at the same shapes: training tokens/s, compile time, memory,
@@ -316,6 +362,7 @@ def main() -> None:
     p.add_argument("--recompute-batches", default="1", help="batch sizes also run without the cache (slow)")
     p.add_argument("--repeats", type=int, default=3, help="decode: timed runs per setting (fewer past 20 s)")
     p.add_argument("--compare", action="store_true", help="side by side with Hugging Face Flax and PyTorch")
+    p.add_argument("--matmul-floor", action="store_true", help="the training step's matrix products timed alone")
     p.add_argument("--rounds", type=int, default=3, help="compare: interleaved rounds")
     p.add_argument("--dropout", type=float, default=0.1, help="compare: residual/embedding dropout")
     args = p.parse_args()
@@ -324,6 +371,10 @@ def main() -> None:
         return
     if args.decode:
         decode_speed(args)
+        return
+    if args.matmul_floor:
+        for mode in args.modes.split(","):
+            matmul_floor(mode, args)
         return
     peak = measure_peak_flops(min_seconds=5.0)  # the probe alone read 116-220 GFLOP/s in 0.4 s runs
     print(
