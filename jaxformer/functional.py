@@ -94,8 +94,7 @@ def dot_product_attention(
     R = H // G
     q_BTGRK = q_BTHK.reshape(B, T, G, R, K)
     # Logits and softmax in float32 whatever the compute dtype: bfloat16 exp/sum lose too much.
-    kv = "BSGK" if kv_layout == "BSGK" else "BGSK"  # the einsums' letters for k and v
-    logits_BGRTS = jnp.einsum(f"BTGRK,{kv}->BGRTS", q_BTGRK, k_BSGK, preferred_element_type=jnp.float32)
+    logits_BGRTS = jnp.einsum(f"BTGRK,{kv_layout}->BGRTS", q_BTGRK, k_BSGK, preferred_element_type=jnp.float32)
     logits_BHTS = logits_BGRTS.reshape(B, H, T, -1) / math.sqrt(K)
     if bias is not None:
         logits_BHTS = logits_BHTS + bias.astype(jnp.float32)
@@ -106,7 +105,7 @@ def dot_product_attention(
         weights_BHTS = jnp.where(mask, weights_BHTS, 0.0)
     probs_BHTS = dropout(weights_BHTS, dropout_rate, dropout_rng)
     probs_BGRTS = probs_BHTS.reshape(B, G, R, T, -1).astype(v_BSGK.dtype)
-    out_BTGRK = jnp.einsum(f"BGRTS,{kv}->BTGRK", probs_BGRTS, v_BSGK)
+    out_BTGRK = jnp.einsum(f"BGRTS,{kv_layout}->BTGRK", probs_BGRTS, v_BSGK)
     out_BTHK = out_BTGRK.reshape(B, T, H, K)
     return (out_BTHK, weights_BHTS) if return_weights else out_BTHK
 

@@ -475,8 +475,9 @@ class LayerStack(nnx.Module):
     # values (cross-attention)}. (Scanning would restack every layer's cache at every step.)
 
     def unstacked(self) -> list[nnx.Module]:
-        """The layers as a list; scanned layers are sliced out of their stacked parameters
-        (inside a decoding loop XLA slices these loop invariants once, outside it)."""
+        """The layers as a list; scanned layers are sliced out of their stacked parameters, here at
+        every call (XLA does not hoist the slices out of a decoding loop: `generate` and `translate`
+        slice once, before it, with `models.unrolled`)."""
         if not self.cfg.scan_layers:
             return list(self.layers)
         graphdef, state = nnx.split(self.layers)

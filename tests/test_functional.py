@@ -56,6 +56,10 @@ def test_attention_matches_numpy_and_jax(dtype, G, masked):
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(lib, np.float32), atol=TOL[dtype])
     routed = F.dot_product_attention(q, k, v, mask=mask, implementation="xla")
     np.testing.assert_allclose(np.asarray(routed, np.float32), np.asarray(out, np.float32), atol=TOL[dtype])
+    k_BGSK, v_BGSK = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # a KV cache's heads-major layout
+    for impl in ("naive", "xla"):
+        heads_major = F.dot_product_attention(q, k_BGSK, v_BGSK, kv_layout="BGSK", mask=mask, implementation=impl)
+        np.testing.assert_allclose(np.asarray(heads_major, np.float64), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 def test_attention_additive_bias():
