@@ -24,6 +24,7 @@ import os
 import pathlib
 import statistics
 import time
+import timeit
 
 import jax
 import jax.numpy as jnp
@@ -217,12 +218,9 @@ def _compiled(fn, *args) -> tuple:
     return compiled, seconds, mem / 2**20
 
 
-def matmul_floor(mode: str, args) -> None:
-    """The training step's matrix products, each timed alone with the shapes and dimension numbers
-    XLA compiled them with: their sum bounds what removing everything else from the step can gain."""
-    import collections
-    import re
-
+def peer_shaped_step(mode: str, args) -> tuple:
+    """jaxformer set up as `mode`'s peer architecture with AdamW, as --compare and --matmul-floor
+    run it: (config, graphdef, state, optimizer, the unjitted train step, a synthetic batch)."""
     objective = OBJECTIVE[mode]
     cfg = C.Config(
         model=model_config(mode, args, dropout_rate=args.dropout, **PEER_ARCH[mode]),
@@ -231,7 +229,17 @@ def matmul_floor(mode: str, args) -> None:
     )
     graphdef, state, optimizer = init_state(cfg)
     batch = jax.device_put(synthetic_batch(objective, args.batch, args.seq, args.vocab))
-    hlo = jax.jit(make_steps(graphdef, cfg, optimizer)[0]).lower(state, batch).compile().as_text()
+    return cfg, graphdef, state, optimizer, make_steps(graphdef, cfg, optimizer)[0], batch
+
+
+def matmul_floor(mode: str, args) -> None:
+    """The training step's matrix products, each timed alone with the shapes and dimension numbers
+    XLA compiled them with: their sum bounds what removing everything else from the step can gain."""
+    import collections
+    import re
+
+    *_, state, _, train_step, batch = peer_shaped_step(mode, args)
+    hlo = jax.jit(train_step).lower(state, batch).compile().as_text()
     ints = lambda text: tuple(int(d) for d in text.split(",") if d)
     shape_of = {name: ints(dims) for name, dims in re.findall(r"%(\S+) = f32\[([\d,]*)\]", hlo)}
     dots = collections.Counter()
@@ -245,12 +253,7 @@ def matmul_floor(mode: str, args) -> None:
         a, b = jnp.ones(lhs, jnp.float32), jnp.ones(rhs, jnp.float32)
         f = jax.jit(functools.partial(jax.lax.dot_general, dimension_numbers=((lc, rc), (lb, rb))))
         flops = 2 * f(a, b).size * math.prod(lhs[i] for i in lc)
-        times = []
-        for _ in range(15):
-            t = time.perf_counter()
-            f(a, b).block_until_ready()
-            times.append(time.perf_counter() - t)
-        best = min(times)
+        best = min(timeit.repeat(lambda f=f, a=a, b=b: f(a, b).block_until_ready(), number=1, repeat=15))
         total_s, total_flops = total_s + n * best, total_flops + n * flops
         rate = flops / best / 1e9
         print(f"  {n:3d} x {lhs} . {rhs} contracting {lc}, {rc}: {1e3 * best:6.2f} ms, {rate:4.0f} GFLOP/s")
@@ -278,15 +281,8 @@ def compare(args, peak: float) -> None:
     print(f"{'mode':16s} {'impl':10s} {'tokens/s':>9s} {'step ms':>8s} {'compile s':>9s} {'memory MB':>9s} {'MFU':>5s}")
     for mode in args.modes.split(","):
         objective = OBJECTIVE[mode]
-        model = model_config(mode, args, dropout_rate=args.dropout, **PEER_ARCH[mode])
-        cfg = C.Config(
-            model=model, train=C.TrainConfig(objective=objective, batch_size=B, optimizer="adamw"),
-            data=C.DataConfig(max_len=T),
-        )  # fmt: skip
-        graphdef, state, optimizer = init_state(cfg)
-        batch = jax.device_put(synthetic_batch(objective, B, T, args.vocab))
-        ours, ours_compile, ours_mem = _compiled(jax.jit(make_steps(graphdef, cfg, optimizer)[0], donate_argnums=0),
-                                                 state, batch)  # fmt: skip
+        cfg, graphdef, state, optimizer, train_step, batch = peer_shaped_step(mode, args)
+        ours, ours_compile, ours_mem = _compiled(jax.jit(train_step, donate_argnums=0), state, batch)
         hf_model, hf_params = peers.hf_flax(mode, args)
         hf_state = (hf_params, optimizer.init(hf_params), jax.random.key(0))
         peer_step = peers.hf_flax_train_step(mode, hf_model, optimizer)
@@ -303,7 +299,7 @@ def compare(args, peak: float) -> None:
             step_s["torch"] = json.loads(torch_out.stdout.splitlines()[-1])["step_s"]
         else:
             print(f"  torch peer failed: {torch_out.stderr.strip().splitlines()[-1:]}")
-        flops = flops_per_example(model, objective, T, T) * B
+        flops = flops_per_example(cfg.model, objective, T, T) * B
         info = {"jaxformer": (ours_compile, ours_mem), "hf_flax": (peer_compile, peer_mem)}
         for name, t in step_s.items():
             compile_s, mem = info.get(name, (float("nan"), float("nan")))
