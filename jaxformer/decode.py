@@ -29,7 +29,7 @@ from flax import nnx
 
 from jaxformer.config import DecodeConfig
 from jaxformer.layers import without_id_checks
-from jaxformer.models import memory_attention_mask, unrolled
+from jaxformer.models import memory_mask, unrolled
 from jaxformer.sharding import constrain
 
 Array = jax.Array
@@ -111,13 +111,12 @@ def _at(x_BT_, index_B: Array) -> Array:
     return jnp.take_along_axis(x_BT_, index_B[:, None, None], axis=1)[:, 0]
 
 
-def cached_stepper(model, length: int, memory_BSD: Array | None, src_BS: Array | None) -> Stepper:
+def cached_stepper(model, length: int, memory_BSD: Array | None, src_lengths_B: Array | None) -> Stepper:
     """Prefill once, then one position per step against a KV cache of `length` slots."""
 
     def start(prompt_BP, lengths_B):
-        B, P = prompt_BP.shape
-        cache = model.init_cache(B, length, memory_BSD, src_BS)
-        logits_BPV, cache = model.decode_step(cache, prompt_BP, jnp.broadcast_to(jnp.arange(P), (B, P)))
+        cache = model.init_cache(prompt_BP.shape[0], length, memory_BSD, src_lengths=src_lengths_B)
+        logits_BPV, cache = model.decode_step(cache, prompt_BP, None)  # a prefill from position 0
         return _at(logits_BPV, lengths_B - 1), cache
 
     def step(cache, tokens_B, positions_B):
@@ -127,16 +126,14 @@ def cached_stepper(model, length: int, memory_BSD: Array | None, src_BS: Array |
     return Stepper(start, step, model.reorder_cache)
 
 
-def recompute_stepper(model, length: int, memory_BSD: Array | None, src_BS: Array | None) -> Stepper:
+def recompute_stepper(model, length: int, memory_BSD: Array | None, src_lengths_B: Array | None) -> Stepper:
     """No cache: every step runs the decoder over the whole (static) buffer of `length` ids
     (and the output layer at the one position whose logits are needed)."""
 
-    memory_mask = None if memory_BSD is None else memory_attention_mask(None, src_BS, None, model.cfg.pad_id)
+    cross_mask = None if memory_BSD is None else memory_mask(src_lengths_B, None, None)
 
     def logits_at(buffer_BL, filled_B, index_B):
-        # Segment 1 marks the filled positions, so generated pad ids still count as tokens.
-        segments_BL = (jnp.arange(length)[None, :] < filled_B[:, None]).astype(jnp.int32)
-        h_BLD = model.decoder(buffer_BL, segments=segments_BL, memory_BSD=memory_BSD, memory_mask=memory_mask)
+        h_BLD = model.decoder(buffer_BL, lengths=filled_B, memory_BSD=memory_BSD, memory_mask=cross_mask)
         return model.lm_head(_at(h_BLD, index_B)[:, None])[:, 0]  # the output layer at one position only
 
     def start(prompt_BP, lengths_B):
@@ -237,16 +234,20 @@ def beam_search(stepper, prompt_BP, lengths_B, max_new_B, num_new: int, W: int, 
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings", "num_new", "eos_id", "pad_id"))
-def _generate(graphdef, params, prompt_BP, lengths_B, max_new_B, src_BS, rng, *, settings, num_new, eos_id, pad_id):
+def _generate(graphdef, params, prompt_BP, lengths_B, max_new_B, src, rng, *, settings, num_new, eos_id, pad_id):
+    """`src`: None (decoder_only), or the sources (ids [B, S], lengths [B]) to encode."""
     model = unrolled(without_id_checks(nnx.merge(graphdef, params)))  # inputs were checked on the host
     W = settings.beam_size if settings.strategy == "beam" else 1
     if W > 1:  # every beam is a row of its own: [B * W, ...]
         prompt_BP, lengths_B, max_new_B = (jnp.repeat(x, W, axis=0) for x in (prompt_BP, lengths_B, max_new_B))
-        src_BS = None if src_BS is None else jnp.repeat(src_BS, W, axis=0)
+        src = None if src is None else tuple(jnp.repeat(x, W, axis=0) for x in src)
     prompt_BP = constrain(prompt_BP, ("batch", None))
-    memory_BSD = None if src_BS is None else model.encode(constrain(src_BS, ("batch", None)))
+    memory_BSD, src_lengths_B = None, None
+    if src is not None:
+        src_BS, src_lengths_B = src
+        memory_BSD = model.encode(constrain(src_BS, ("batch", None)), src_lengths=src_lengths_B)
     make = cached_stepper if settings.use_cache else recompute_stepper
-    stepper = make(model, prompt_BP.shape[1] + num_new, memory_BSD, src_BS)
+    stepper = make(model, prompt_BP.shape[1] + num_new, memory_BSD, src_lengths_B)
     if settings.strategy == "beam":
         return beam_search(
             stepper, prompt_BP, lengths_B, max_new_B, num_new, W, settings.length_penalty, eos_id, pad_id
@@ -288,11 +289,11 @@ def _padded(rows: Sequence[Sequence[int]], what: str, model, max_tokens: int) ->
     return ids, lengths
 
 
-def _run(model, prompt_BP, lengths_B, max_new_B, src_BS, settings: DecodeConfig, num_new, eos_id, rng):
+def _run(model, prompt_BP, lengths_B, max_new_B, src, settings: DecodeConfig, num_new, eos_id, rng):
     graphdef, params = nnx.split(model)
     rng = jax.random.key(settings.seed) if rng is None else rng
     tokens, scores = _generate(
-        graphdef, params, prompt_BP, lengths_B, max_new_B, src_BS, rng,
+        graphdef, params, prompt_BP, lengths_B, max_new_B, src, rng,
         settings=settings, num_new=num_new, eos_id=-1 if eos_id is None else eos_id, pad_id=model.cfg.pad_id,
     )  # fmt: skip
     n = settings.num_return
@@ -324,7 +325,8 @@ def translate(model, sources: Sequence[Sequence[int]], settings: DecodeConfig = 
     num_new = min(src_BS.shape[1] + settings.extra_len, L - 1)
     max_new_B = np.minimum(src_lengths_B + settings.extra_len, num_new).astype(np.int32)
     prompt_B1 = np.full((len(sources), 1), bos_id, np.int32)
-    return _run(model, prompt_B1, np.ones(len(sources), np.int32), max_new_B, src_BS, settings, num_new, eos_id, None)
+    src = (src_BS, src_lengths_B)
+    return _run(model, prompt_B1, np.ones(len(sources), np.int32), max_new_B, src, settings, num_new, eos_id, None)
 
 
 # ----------------------------------------------------------------------------- text

@@ -8,11 +8,15 @@ Dimension legend (used in names and shape comments across jaxformer):
   G key/value heads (H = G * R for grouped-query attention), K head dim,
   F feed-forward width, V vocabulary, L layers, C classes.
 
-Masks are boolean, True = may attend, broadcastable to [B, H, T, S].
+Masks are structure (`Mask`: causal, lengths, segments), which fused kernels take; the
+reference path turns them into boolean arrays, True = may attend, broadcast to [B, H, T, S].
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
 import math
 from typing import Literal
 
@@ -32,7 +36,165 @@ def lift(p: Array, x: Array) -> Array:
     return p.reshape((1,) * (x.ndim - p.ndim) + p.shape)
 
 
+# ----------------------------------------------------------------------------- attention masks
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["q_lengths", "kv_lengths", "q_segments", "kv_segments", "q_offset"],
+    meta_fields=["causal"],
+)
+@dataclasses.dataclass(frozen=True)
+class Mask:
+    """Which keys each query may attend to, said as structure rather than a dense [B, H, T, S] array.
+
+    Fused kernels (cuDNN flash attention, TPU splash attention) take structure: a causal flag and
+    per-row lengths, never a dense mask. Only the reference path ("naive") and cases no kernel
+    serves build `dense()`. Padding is always said here, never inferred from a token id.
+
+    causal:      query t sees keys s <= t (+ q_offset).
+    q_lengths:   [B] queries t >= q_lengths[b] are padding: their output is zero.
+    kv_lengths:  [B] keys s >= kv_lengths[b] are padding: never attended.
+    q_segments, kv_segments: [B, T], [B, S] packed rows: a query sees only keys of its own
+                 segment; segment 0 is padding.
+    q_offset:    [B] with causal: the key index of query 0 (decoding against a KV cache whose
+                 slot s holds position s).
+    """
+
+    causal: bool = False
+    q_lengths: Array | None = None
+    kv_lengths: Array | None = None
+    q_segments: Array | None = None
+    kv_segments: Array | None = None
+    q_offset: Array | None = None
+
+    def dense(self, T: int, S: int) -> Array | None:
+        """The boolean mask [B or 1, 1, T, S] this structure means (None: everything is visible)."""
+        t_1T1, s_11S = jnp.arange(T)[None, :, None], jnp.arange(S)[None, None, :]
+        parts = []  # each [B or 1, T or 1, S or 1]
+        if self.causal:
+            offset = 0 if self.q_offset is None else self.q_offset[:, None, None]
+            parts.append(s_11S <= t_1T1 + offset)
+        if self.q_lengths is not None:
+            parts.append(t_1T1 < self.q_lengths[:, None, None])
+        if self.kv_lengths is not None:
+            parts.append(s_11S < self.kv_lengths[:, None, None])
+        if self.q_segments is not None or self.kv_segments is not None:
+            if self.q_segments is None or self.kv_segments is None:
+                raise ValueError("segments need both q_segments and kv_segments")
+            same_BTS = self.q_segments[:, :, None] == self.kv_segments[:, None, :]
+            parts.append(same_BTS & (self.kv_segments != 0)[:, None, :])
+        if not parts:
+            return None
+        out = parts[0]
+        for p in parts[1:]:
+            out = jnp.logical_and(out, p)
+        return jnp.broadcast_to(out, (out.shape[0], T, S))[:, None]
+
+    def live_queries(self, T: int) -> Array | None:
+        """[B, T] False where a query sees no key (padding rows; their output is zero), from the
+        lengths alone; None when every query sees a key or segments decide it (see `dense`)."""
+        live = None
+        if self.q_lengths is not None:
+            live = jnp.arange(T)[None, :] < self.q_lengths[:, None]
+        if self.kv_lengths is not None:
+            has_keys_B1 = (self.kv_lengths > 0)[:, None]
+            live = has_keys_B1 if live is None else live & has_keys_B1
+        return live
+
+
+def as_mask(mask: Mask | Array | None) -> Mask | Array | None:
+    """A dense boolean array passes as it is; a Mask with nothing in it becomes None."""
+    if isinstance(mask, Mask) and not mask.causal and not jax.tree.leaves(mask):
+        return None
+    return mask
+
+
+def causal_cache_mask(positions_BT: Array | None) -> Mask:
+    """Self-attention over a KV cache whose slot s holds position s: the query at position p sees
+    slots 0..p. `positions_BT` None means a prefill from position 0 (the plain causal mask, which
+    fused kernels take); one new position per row ([B, 1]) is a per-row key length."""
+    if positions_BT is None:
+        return Mask(causal=True)
+    if positions_BT.shape[1] == 1:
+        return Mask(kv_lengths=positions_BT[:, 0].astype(jnp.int32) + 1)
+    return Mask(causal=True, q_offset=positions_BT[:, 0].astype(jnp.int32))
+
+
 # ----------------------------------------------------------------------------- attention
+
+_fallbacks_logged: set[str] = set()
+
+
+def _log_fallback(reason: str) -> None:
+    """Say once per reason why attention left the fused path."""
+    if reason not in _fallbacks_logged:
+        _fallbacks_logged.add(reason)
+        logging.getLogger("jaxformer").warning("attention: %s", reason)
+
+
+def fused_attention_args(mask: Mask | Array | None, B: int, T: int, S: int) -> dict:
+    """The keyword arguments of `jax.nn.dot_product_attention` that say `mask`: `is_causal` and
+    per-row lengths where the structure allows, a dense `mask` only for what structure cannot say
+    to it (segments, a causal offset over several queries, or a dense array given by the caller)."""
+    if mask is None:
+        return {}
+    if not isinstance(mask, Mask):  # a dense array from the caller
+        return {"mask": jnp.asarray(mask, bool)}
+    args, rest = {}, Mask(q_segments=mask.q_segments, kv_segments=mask.kv_segments)
+    if mask.causal and mask.q_offset is not None:
+        rest = dataclasses.replace(rest, causal=True, q_offset=mask.q_offset)
+    elif mask.causal:
+        args["is_causal"] = True
+    for name, key in (("q_lengths", "query_seq_lengths"), ("kv_lengths", "key_value_seq_lengths")):
+        if getattr(mask, name) is not None:
+            args[key] = jnp.broadcast_to(getattr(mask, name).astype(jnp.int32), (B,))
+    dense = rest.dense(T, S)
+    if dense is not None:
+        args["mask"] = dense
+    return args
+
+
+def _fused(q_BTHK, k_BSGK, v_BSGK, mask, bias, backend: str) -> Array:
+    """`jax.nn.dot_product_attention` with `backend`, told the mask as structure; rows that see
+    no key get zeros (JAX would give them the mean of v)."""
+    B, T, H, _ = q_BTHK.shape
+    S = k_BSGK.shape[1]
+    args = fused_attention_args(mask, B, T, S)
+    if backend == "cudnn" and "mask" in args:
+        # cuDNN takes a dense mask only as a bias of the full [T, S]; a broadcast one is rejected.
+        args["mask"] = jnp.broadcast_to(args["mask"], (args["mask"].shape[0], 1, T, S))
+    out_BTHK = jax.nn.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, bias=bias, implementation=backend, **args)
+    if isinstance(mask, Mask) and mask.q_segments is None and not (mask.causal and mask.q_offset is not None):
+        live_BT = mask.live_queries(T)  # causal rows always see their own key
+    elif mask is not None:
+        dense = mask.dense(T, S) if isinstance(mask, Mask) else mask
+        live_BT = jnp.any(jnp.broadcast_to(dense, (dense.shape[0], H, T, S)), axis=(1, 3))
+    else:
+        live_BT = None
+    if live_BT is not None:
+        out_BTHK = out_BTHK * live_BT[:, :, None, None].astype(out_BTHK.dtype)
+    return out_BTHK
+
+
+def _choose_backend(implementation: str, q_BTHK: Array, needs_reference: str | None) -> str:
+    """Which path runs: "naive", "xla" or "cudnn". "auto" takes cuDNN flash attention on GPU in
+    bfloat16/float16, XLA's fused attention elsewhere, and the reference where weights or dropout
+    on the probabilities are asked for; each fallback is logged once."""
+    if needs_reference:
+        if implementation in ("xla", "cudnn"):
+            raise ValueError(f"implementation={implementation!r} cannot {needs_reference}; use 'naive' or 'auto'")
+        if implementation == "auto":
+            _log_fallback(f"the reference path runs, since no fused kernel can {needs_reference}")
+        return "naive"
+    if implementation != "auto":
+        return implementation
+    if jax.default_backend() != "gpu":
+        return "xla"
+    if q_BTHK.dtype not in (jnp.bfloat16, jnp.float16):
+        _log_fallback(f"cuDNN flash attention needs bfloat16 or float16, not {q_BTHK.dtype}: XLA's path runs")
+        return "xla"
+    return "cudnn"
 
 
 def dot_product_attention(
@@ -41,7 +203,7 @@ def dot_product_attention(
     v_BSGK: Array,
     *,
     kv_layout: KVLayout = "BSGK",
-    mask: Array | None = None,
+    mask: Mask | Array | None = None,
     bias: Array | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: Array | None = None,
@@ -56,16 +218,17 @@ def dot_product_attention(
       kv_layout: "BGSK" takes keys and values heads-major ([B, G, S, K]), the layout
         of a KV cache: the products then read it in place, where [B, S, G, K] would
         be transposed in full at every decoding step.
-      mask: boolean, True = attend, broadcastable to [B, H, T, S]. A query whose
-        row is fully masked gets a zero output (never NaN).
+      mask: a `Mask` (structure: causal, lengths, segments), or a boolean array, True =
+        attend, broadcastable to [B, H, T, S]. A query that sees no key gets a zero output
+        (never NaN).
       bias: additive logits bias broadcastable to [B, H, T, S] (e.g. ALiBi, T5).
       dropout_rate, dropout_rng: attention-weight dropout; no dropout when the
         rate is 0 or the key is None (evaluation).
       return_weights: also return the attention weights [B, H, T, S] (float32).
       implementation: "naive" is the einsum reference below; "xla"/"cudnn" call
-        `jax.nn.dot_product_attention` with that backend (cuDNN flash attention on
-        GPU); "auto" lets JAX choose when it can (no weights, no dropout) and
-        falls back to "naive" otherwise.
+        `jax.nn.dot_product_attention` with that backend, the mask given as structure
+        (cuDNN flash attention on GPU); "auto" picks cuDNN on GPU in bfloat16/float16,
+        XLA elsewhere, and the reference when weights or dropout are asked for.
 
     Returns:
       out_BTHK in the dtype of v (and the weights if requested).
@@ -76,21 +239,23 @@ def dot_product_attention(
         raise ValueError(f"query heads H={H} must be a multiple of key/value heads G={G}")
     if k_BSGK.shape != v_BSGK.shape:
         raise ValueError(f"keys {k_BSGK.shape} and values {v_BSGK.shape} differ in shape")
+    mask = as_mask(mask)
     use_dropout = dropout_rate > 0.0 and dropout_rng is not None
-    if implementation != "naive" and not (return_weights or use_dropout):
-        backend = None if implementation == "auto" else implementation
+    needs = "return weights" if return_weights else "apply dropout to probabilities" if use_dropout else None
+    backend = _choose_backend(implementation, q_BTHK, needs)
+    if backend != "naive":
         if kv_layout == "BGSK":
             k_BSGK, v_BSGK = jnp.swapaxes(k_BSGK, 1, 2), jnp.swapaxes(v_BSGK, 1, 2)
-        out_BTHK = jax.nn.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, bias=bias, mask=mask, implementation=backend)
-        if mask is not None:  # JAX gives a fully masked row the mean of v; we give zeros.
-            live_BT = jnp.any(jnp.broadcast_to(mask, (B, H, T, mask.shape[-1])), axis=-1)
-            out_BTHK = out_BTHK * jnp.swapaxes(live_BT, 1, 2)[..., None].astype(out_BTHK.dtype)
-        return out_BTHK
-    if implementation in ("xla", "cudnn"):
-        raise ValueError(
-            f"implementation={implementation!r} cannot return weights or apply dropout; use 'naive' or 'auto'"
-        )
+        if backend == "cudnn" and implementation == "auto":
+            try:  # cuDNN's limits (head dim, lengths with a bias, GPU generation) are checked as it traces
+                return _fused(q_BTHK, k_BSGK, v_BSGK, mask, bias, "cudnn")
+            except (NotImplementedError, ValueError, RuntimeError) as e:
+                _log_fallback(f"cuDNN flash attention cannot serve this call ({e}): XLA's path runs")
+                backend = "xla"
+        return _fused(q_BTHK, k_BSGK, v_BSGK, mask, bias, backend)
 
+    S = k_BSGK.shape[2 if kv_layout == "BGSK" else 1]
+    dense = mask.dense(T, S) if isinstance(mask, Mask) else mask
     R = H // G
     q_BTGRK = q_BTHK.reshape(B, T, G, R, K)
     # Logits and softmax in float32 whatever the compute dtype: bfloat16 exp/sum lose too much.
@@ -98,11 +263,11 @@ def dot_product_attention(
     logits_BHTS = logits_BGRTS.reshape(B, H, T, -1) / math.sqrt(K)
     if bias is not None:
         logits_BHTS = logits_BHTS + bias.astype(jnp.float32)
-    if mask is not None:
-        logits_BHTS = jnp.where(mask, logits_BHTS, jnp.finfo(jnp.float32).min)
+    if dense is not None:
+        logits_BHTS = jnp.where(dense, logits_BHTS, jnp.finfo(jnp.float32).min)
     weights_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
-    if mask is not None:  # a fully masked row would be uniform; zero it instead.
-        weights_BHTS = jnp.where(mask, weights_BHTS, 0.0)
+    if dense is not None:  # a fully masked row would be uniform; zero it instead.
+        weights_BHTS = jnp.where(dense, weights_BHTS, 0.0)
     probs_BHTS = dropout(weights_BHTS, dropout_rate, dropout_rng)
     probs_BGRTS = probs_BHTS.reshape(B, G, R, T, -1).astype(v_BSGK.dtype)
     out_BTGRK = jnp.einsum(f"BGRTS,{kv_layout}->BTGRK", probs_BGRTS, v_BSGK)
@@ -147,11 +312,6 @@ def segment_mask(q_segments_BT: Array, kv_segments_BS: Array) -> Array:
     """[B, 1, T, S] for packed sequences: attend only within the same segment (0 = padding)."""
     same = q_segments_BT[:, None, :, None] == kv_segments_BS[:, None, None, :]
     return same & (kv_segments_BS != 0)[:, None, None, :]
-
-
-def cache_mask(positions_BT: Array, S: int) -> Array:
-    """[B, 1, T, S] over a KV cache whose slot s holds position s: a query at position p sees slots 0..p."""
-    return jnp.arange(S)[None, None, None, :] <= positions_BT[:, None, :, None]
 
 
 def write_rows(buffer_BS: Array, new_BT: Array, start_B: Array, axis: int = 1) -> Array:

@@ -212,7 +212,7 @@ class MultiHeadAttention(nnx.Module):
         x_BTD: Array,
         memory_BSD: Array | None = None,
         *,
-        mask: Array | None = None,
+        mask: F.Mask | Array | None = None,
         positions_BT: Array | None = None,
         kv_positions_BS: Array | None = None,
         memory_kv: tuple[Array, Array] | None = None,
@@ -243,12 +243,12 @@ class MultiHeadAttention(nnx.Module):
         """Cross-attention keys and values of the memory, once per source: {"k", "v"}: [B, G, S, K]."""
         return dict(zip("kv", (jnp.swapaxes(a, 1, 2) for a in self.project_kv(memory_BSD)), strict=True))
 
-    def extend(self, x_BTD: Array, cache: dict, *, mask: Array, positions_BT: Array) -> tuple[Array, dict]:
+    def extend(self, x_BTD: Array, cache: dict, *, mask: F.Mask, positions_BT: Array) -> tuple[Array, dict]:
         """Self-attention of new positions over a KV cache.
 
         x holds T new positions per row, starting at `positions_BT[:, 0]` (per row); their
         keys and values are written into `cache` ({"k", "v"}: [B, G, S_max, K]) at those
-        slots, and each query attends to the cache under `mask` [B, 1, T, S_max].
+        slots, and each query attends to the cache under `mask` (`functional.causal_cache_mask`).
         Returns (y [B, T, D], the updated cache).
         """
         start_B = positions_BT[:, 0]
@@ -359,7 +359,9 @@ class EncoderLayer(nnx.Module):
         self.ffn = FeedForward(cfg, rngs=rngs)
         self.ffn_res = Residual(cfg, rngs=rngs)
 
-    def __call__(self, x_BTD: Array, *, mask: Array | None, positions_BT: Array, dropout_rng: Array | None = None):
+    def __call__(
+        self, x_BTD: Array, *, mask: F.Mask | Array | None, positions_BT: Array, dropout_rng: Array | None = None
+    ):
         r_attn, r_attn_res, r_ffn = split_rng(dropout_rng, 3)
 
         def attend(h_BTD):
@@ -386,10 +388,10 @@ class DecoderLayer(nnx.Module):
         self,
         x_BTD: Array,
         *,
-        mask: Array | None,
+        mask: F.Mask | Array | None,
         positions_BT: Array,
         memory_BSD: Array | None = None,
-        memory_mask: Array | None = None,
+        memory_mask: F.Mask | Array | None = None,
         dropout_rng: Array | None = None,
         cache: dict | None = None,
     ):

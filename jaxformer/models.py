@@ -4,8 +4,10 @@
     decoder_only     Decoder without cross-attention -> LM head (causal LM)
     encoder_decoder  Encoder -> Decoder with cross-attention -> LM head (translation)
 
-Packed batches pass `segments` (ids > 0 per packed sequence, 0 = padding) and
-`positions`; otherwise padding is `ModelConfig.pad_id` and positions are 0..T-1.
+Padding is structure, never a token id: per-row `lengths` of right-padded rows, or, for packed
+batches, `segments` (ids > 0 per packed sequence, 0 = padding) with their `positions`. A decoder
+needs none (causal attention never looks past a query); a source given without lengths is taken
+as right-padded with `ModelConfig.pad_id`. Positions default to 0..T-1.
 """
 
 from __future__ import annotations
@@ -37,19 +39,29 @@ def default_positions(ids_BT: Array) -> Array:
     return jnp.broadcast_to(jnp.arange(ids_BT.shape[1]), ids_BT.shape)
 
 
-def self_attention_mask(ids_BT: Array, segments_BT: Array | None, pad_id: int, causal: bool) -> Array:
-    """[B, 1, T, T]: key padding (or same-segment for packed rows), and causal when decoding."""
-    mask = F.padding_mask(ids_BT, pad_id) if segments_BT is None else F.segment_mask(segments_BT, segments_BT)
-    return F.combine_masks(mask, F.causal_mask(ids_BT.shape[1]) if causal else None)
+def trailing_padding_lengths(ids_BT: Array, pad_id: int) -> Array:
+    """[B] tokens before each row's trailing run of `pad_id`: the lengths of right-padded rows.
+
+    Only a source given without lengths is read this way (a convenience for `model(ids)`); a
+    pad id inside a row stays a token. The data pipeline passes lengths, and a decoder never
+    needs them: causal attention never looks past a query.
+    """
+    index_BT = default_positions(ids_BT) + 1
+    return jnp.max(jnp.where(ids_BT != pad_id, index_BT, 0), axis=1).astype(jnp.int32)
 
 
-def memory_attention_mask(
-    tgt_segments_BT: Array | None, src_ids_BS: Array, src_segments_BS: Array | None, pad_id: int
-) -> Array:
-    """[B, 1, T or 1, S]: which source positions each target position may attend to."""
-    if src_segments_BS is None:
-        return F.padding_mask(src_ids_BS, pad_id)
-    return F.segment_mask(tgt_segments_BT, src_segments_BS)
+def self_attention_mask(lengths_B: Array | None, segments_BT: Array | None, causal: bool) -> F.Mask:
+    """Self-attention: causal for a decoder; padding from segments (packed rows) or key lengths."""
+    if segments_BT is not None:
+        return F.Mask(causal=causal, q_segments=segments_BT, kv_segments=segments_BT)
+    return F.Mask(causal=causal, kv_lengths=lengths_B)
+
+
+def memory_mask(src_lengths_B: Array | None, tgt_segments_BT: Array | None, src_segments_BS: Array | None) -> F.Mask:
+    """Cross-attention: which source positions each target position may attend to."""
+    if src_segments_BS is not None:
+        return F.Mask(q_segments=tgt_segments_BT, kv_segments=src_segments_BS)
+    return F.Mask(kv_lengths=src_lengths_B)
 
 
 class TransformerStack(nnx.Module):
@@ -71,29 +83,35 @@ class TransformerStack(nnx.Module):
         self,
         ids_BT: Array,
         *,
+        lengths: Array | None = None,
         segments: Array | None = None,
         positions: Array | None = None,
         dropout_rng: Array | None = None,
         **layer_inputs,
     ) -> Array:
-        """Ids [B, T] -> hidden states [B, T, D]; `layer_inputs` (the decoder's memory) go to every layer."""
+        """Ids [B, T] -> hidden states [B, T, D]; `layer_inputs` (the decoder's memory) go to every layer.
+
+        Padding is `lengths` [B] (right-padded rows) or `segments` [B, T] (packed rows, 0 = padding).
+        """
         cfg = self.cfg
         positions_BT = default_positions(ids_BT) if positions is None else positions
         r_embed, r_layers = split_rng(dropout_rng, 2)
         x_BTD = self.positions(self.embed(ids_BT), positions_BT)
         x_BTD = F.dropout(x_BTD, cfg.dropout_rate, r_embed)
-        mask = self_attention_mask(ids_BT, segments, cfg.pad_id, causal=self.causal)
+        mask = self_attention_mask(lengths, segments, causal=self.causal)
         x_BTD = self.stack(x_BTD, mask=mask, positions_BT=positions_BT, dropout_rng=r_layers, **layer_inputs)
         return self.final_norm(x_BTD) if cfg.norm_position == "pre" else x_BTD
 
-    def extend(self, ids_BT: Array, positions_BT: Array, cache: dict, **layer_inputs) -> tuple[Array, dict]:
-        """Decoding: new ids [B, T] at `positions_BT` (per row) against the layers' KV `cache`.
+    def extend(self, ids_BT: Array, positions_BT: Array | None, cache: list, **layer_inputs) -> tuple[Array, list]:
+        """Decoding: new ids [B, T] at `positions_BT` (per row; None: a prefill from position 0)
+        against the layers' KV `cache`.
 
         Cache slot s holds position s, so a position sees the slots up to itself. Returns
         (hidden states [B, T, D], the layers' caches with their self-attention entries updated).
         """
+        mask = F.causal_cache_mask(positions_BT)
+        positions_BT = default_positions(ids_BT) if positions_BT is None else positions_BT
         x_BTD = self.positions(self.embed(ids_BT), positions_BT)
-        mask = F.cache_mask(positions_BT, cache[0]["self"]["k"].shape[2])
         x_BTD, cache = self.stack.extend(x_BTD, cache, mask=mask, positions_BT=positions_BT, **layer_inputs)
         return (self.final_norm(x_BTD) if self.cfg.norm_position == "pre" else x_BTD), cache
 
@@ -163,12 +181,12 @@ class ClassificationHead(nnx.Module):
         self.out = param(rngs, init.xavier_uniform(), (cfg.d_model, cfg.num_classes), ("embed", None))
         self.out_bias = param(rngs, init.zeros, (cfg.num_classes,), (None,))
 
-    def __call__(self, x_BSD: Array, ids_BS: Array, dropout_rng: Array | None = None) -> Array:
+    def __call__(self, x_BSD: Array, lengths_B: Array, dropout_rng: Array | None = None) -> Array:
         cfg, dt = self.cfg, self.cfg.dtype
         if cfg.pooling == "first":
             pooled_BD = x_BSD[:, 0]
         else:
-            live_BS1 = (ids_BS != cfg.pad_id)[..., None].astype(jnp.float32)
+            live_BS1 = (default_positions(x_BSD[..., 0]) < lengths_B[:, None])[..., None].astype(jnp.float32)
             total_BD = (x_BSD.astype(jnp.float32) * live_BS1).sum(1)
             pooled_BD = (total_BD / jnp.maximum(live_BS1.sum(1), 1.0)).astype(dt)
         h_BD = pooled_BD @ self.pooler[...].astype(dt)
@@ -209,16 +227,26 @@ class Transformer(nnx.Module):
         self.decoder = Decoder(cfg, self.tgt_embed, cross=mode == "encoder_decoder", rngs=rngs)
         self.lm_head = LMHead(cfg, self.tgt_embed if cfg.tie_output else None, rngs=rngs)
 
+    def src_lengths(self, src_ids_BS: Array, src_lengths: Array | None) -> Array:
+        """[B] source lengths: as given, or the rows taken as right-padded with `pad_id`."""
+        return trailing_padding_lengths(src_ids_BS, self.cfg.pad_id) if src_lengths is None else src_lengths
+
     def encode(
         self,
         src_ids_BS: Array,
         *,
+        src_lengths: Array | None = None,
         src_segments: Array | None = None,
         src_positions: Array | None = None,
         dropout_rng: Array | None = None,
     ) -> Array:
-        """Source ids [B, S] -> memory [B, S, D]."""
-        return self.encoder(src_ids_BS, segments=src_segments, positions=src_positions, dropout_rng=dropout_rng)
+        """Source ids [B, S] -> memory [B, S, D]. Padding: `src_lengths` [B] or `src_segments` [B, S]
+        (packed rows); with neither, trailing `pad_id`s are padding."""
+        if src_segments is None:
+            src_lengths = self.src_lengths(src_ids_BS, src_lengths)
+        return self.encoder(
+            src_ids_BS, lengths=src_lengths, segments=src_segments, positions=src_positions, dropout_rng=dropout_rng
+        )
 
     def decode(
         self,
@@ -226,32 +254,49 @@ class Transformer(nnx.Module):
         src_ids_BS: Array | None,
         tgt_ids_BT: Array,
         *,
+        src_lengths: Array | None = None,
         src_segments: Array | None = None,
+        tgt_lengths: Array | None = None,
         tgt_segments: Array | None = None,
         tgt_positions: Array | None = None,
         dropout_rng: Array | None = None,
         log_softmax: bool = False,
     ) -> Array:
-        """Decoder input ids [B, T] (and the memory in encoder_decoder mode) -> logits [B, T, V]."""
-        memory_mask = None
+        """Decoder input ids [B, T] (and the memory in encoder_decoder mode) -> logits [B, T, V].
+
+        The target needs no padding mask (causal attention never looks past a query); `tgt_lengths`
+        only lets a fused kernel skip padded keys. The memory's padding is `src_lengths` (or
+        `src_segments`; with neither, trailing `pad_id`s of `src_ids_BS`).
+        """
+        cross_mask = None
         if memory_BSD is not None:
-            memory_mask = memory_attention_mask(tgt_segments, src_ids_BS, src_segments, self.cfg.pad_id)
+            if src_segments is None:
+                src_lengths = self.src_lengths(src_ids_BS, src_lengths)
+            cross_mask = memory_mask(src_lengths, tgt_segments, src_segments)
         h_BTD = self.decoder(
             tgt_ids_BT,
+            lengths=tgt_lengths,
             segments=tgt_segments,
             positions=tgt_positions,
             dropout_rng=dropout_rng,
             memory_BSD=memory_BSD,
-            memory_mask=memory_mask,
+            memory_mask=cross_mask,
         )
         return self.lm_head(h_BTD, log_softmax=log_softmax)
 
-    def init_cache(self, batch: int, length: int, memory_BSD: Array | None = None, src_ids_BS: Array | None = None):
+    def init_cache(
+        self,
+        batch: int,
+        length: int,
+        memory_BSD: Array | None = None,
+        src_ids_BS: Array | None = None,
+        src_lengths: Array | None = None,
+    ):
         """An empty decoding cache for `length` target positions; with an encoder memory
         (encoder_decoder), also each layer's cross-attention keys and values of it, computed once.
 
         {"layers": per layer {"self": {"k", "v"}: [B, G, length, K], "memory": {"k", "v"}: [B, G, S, K]},
-         "memory_mask": [B, 1, 1, S]}, "layers" a list (see `LayerStack.extend`).
+         "memory_mask": a `Mask` of the source lengths}, "layers" a list (see `LayerStack.extend`).
         """
         cfg = self.cfg
         if cfg.mode == "encoder_only":
@@ -265,11 +310,12 @@ class Transformer(nnx.Module):
 
         cache = {"layers": self.decoder.stack.map_layers(layer_cache)}
         if memory_BSD is not None:
-            cache["memory_mask"] = memory_attention_mask(None, src_ids_BS, None, cfg.pad_id)
+            cache["memory_mask"] = memory_mask(self.src_lengths(src_ids_BS, src_lengths), None, None)
         return cache
 
-    def decode_step(self, cache: dict, ids_BT: Array, positions_BT: Array) -> tuple[Array, dict]:
-        """Logits [B, T, V] of new decoder positions (a prompt, or one token per row) and the updated cache."""
+    def decode_step(self, cache: dict, ids_BT: Array, positions_BT: Array | None) -> tuple[Array, dict]:
+        """Logits [B, T, V] of new decoder positions and the updated cache: a prompt from position 0
+        (`positions_BT` None, a prefill), or new tokens at `positions_BT` [B, T] (one per row per step)."""
         h_BTD, layers = self.decoder.extend(ids_BT, positions_BT, cache["layers"], memory_mask=cache.get("memory_mask"))
         return self.lm_head(h_BTD), {**cache, "layers": layers}
 
@@ -281,6 +327,7 @@ class Transformer(nnx.Module):
         self,
         src_ids_BS: Array,
         *,
+        src_lengths: Array | None = None,
         src_segments: Array | None = None,
         src_positions: Array | None = None,
         dropout_rng: Array | None = None,
@@ -289,21 +336,31 @@ class Transformer(nnx.Module):
         if self.cfg.num_classes == 0:
             raise ValueError("classify() needs model.num_classes > 0 (mode='encoder_only')")
         r_enc, r_head = split_rng(dropout_rng, 2)
-        x_BSD = self.encode(src_ids_BS, src_segments=src_segments, src_positions=src_positions, dropout_rng=r_enc)
-        return self.classifier(x_BSD, src_ids_BS, dropout_rng=r_head)
+        src_lengths = self.src_lengths(src_ids_BS, src_lengths)
+        x_BSD = self.encode(
+            src_ids_BS, src_lengths=src_lengths, src_segments=src_segments, src_positions=src_positions,
+            dropout_rng=r_enc,
+        )  # fmt: skip
+        return self.classifier(x_BSD, src_lengths, dropout_rng=r_head)
 
     def __call__(
         self,
         ids: Array,
         tgt_ids: Array | None = None,
         *,
+        lengths: Array | None = None,
         segments: Array | None = None,
         positions: Array | None = None,
+        tgt_lengths: Array | None = None,
         tgt_segments: Array | None = None,
         tgt_positions: Array | None = None,
         dropout_rng: Array | None = None,
     ) -> Array:
-        """Logits of the mode's language-model objective (see the class docstring)."""
+        """Logits of the mode's language-model objective (see the class docstring).
+
+        `lengths` [B] (or `segments`) say which of `ids` are padding: the source's in encoder
+        modes, where they default to trailing `pad_id`s; a decoder-only model needs none.
+        """
         mode = self.cfg.mode
         if (mode == "encoder_decoder") != (tgt_ids is not None):
             raise ValueError(
@@ -311,16 +368,26 @@ class Transformer(nnx.Module):
             )
         r_enc, r_dec = split_rng(dropout_rng, 2)
         if mode == "encoder_only":
-            x_BSD = self.encode(ids, src_segments=segments, src_positions=positions, dropout_rng=r_enc)
+            x_BSD = self.encode(
+                ids, src_lengths=lengths, src_segments=segments, src_positions=positions, dropout_rng=r_enc
+            )
             return self.mlm_head(x_BSD)
         if mode == "decoder_only":
-            return self.decode(None, None, ids, tgt_segments=segments, tgt_positions=positions, dropout_rng=r_dec)
-        memory_BSD = self.encode(ids, src_segments=segments, src_positions=positions, dropout_rng=r_enc)
+            return self.decode(
+                None, None, ids, tgt_lengths=lengths, tgt_segments=segments, tgt_positions=positions,
+                dropout_rng=r_dec,
+            )  # fmt: skip
+        if segments is None:
+            lengths = self.src_lengths(ids, lengths)
+        memory_BSD = self.encode(ids, src_lengths=lengths, src_segments=segments, src_positions=positions,
+                                 dropout_rng=r_enc)  # fmt: skip
         return self.decode(
             memory_BSD,
             ids,
             tgt_ids,
+            src_lengths=lengths,
             src_segments=segments,
+            tgt_lengths=tgt_lengths,
             tgt_segments=tgt_segments,
             tgt_positions=tgt_positions,
             dropout_rng=r_dec,

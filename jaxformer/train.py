@@ -81,10 +81,11 @@ def make_optimizer(cfg: TrainConfig, d_model: int) -> optax.GradientTransformati
 
 def forward(model: Transformer, objective: str, batch: dict, dropout_rng: Array | None) -> Array:
     """Logits of the objective: [B, T, V] for token objectives, [B, C] for classification."""
+    src_lengths = batch.get("src_lengths")  # padding is said by the data, never read off a token id
     if objective == "classify":
-        return model.classify(batch["src"], dropout_rng=dropout_rng)
+        return model.classify(batch["src"], src_lengths=src_lengths, dropout_rng=dropout_rng)
     if objective == "seq2seq":
-        return model(batch["src"], batch["inputs"], dropout_rng=dropout_rng)
+        return model(batch["src"], batch["inputs"], lengths=src_lengths, dropout_rng=dropout_rng)
     return model(batch["inputs"], dropout_rng=dropout_rng)
 
 
@@ -261,7 +262,7 @@ def batch_cost(cfg: Config, batch: dict) -> tuple[float, float]:
     tgt_len = batch["inputs"].shape[1] if "inputs" in batch else 0
     B = len(next(iter(batch.values())))
     # Tokens that carry a target; for classification, the input tokens read.
-    tokens = float(batch["weights"].sum()) if "weights" in batch else float((batch["src"] != 0).sum())
+    tokens = float(batch["weights"].sum()) if "weights" in batch else float(batch["src_lengths"].sum())
     return tokens, flops_per_example(cfg.model, objective, src_len, tgt_len) * B
 
 

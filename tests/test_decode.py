@@ -192,3 +192,40 @@ def test_bad_input_is_rejected(model):
 def test_invalid_settings_name_their_field(field, value):
     with pytest.raises(ConfigError, match=f"decode.{field}"):
         DecodeConfig(strategy="beam", **{field: value})
+
+
+def test_decoder_only_scores_and_continues_text_holding_the_pad_id():
+    """pad_id is a real token of a decoder-only vocabulary (GPT-2's id 0 is "!"): scoring a text
+    with `model(ids)` and decoding it step by step from the cache give the same log-probabilities,
+    and a prompt holding the id continues as it does alone, cached or recomputed."""
+    model = jf.build_model(jf.tiny("decoder_only", vocab_size=V, max_len=32), seed=4)
+    assert model.cfg.pad_id == 0
+    text = jnp.array([[5, 0, 9, 0, 0, 3, 7, 0], [0, 0, 4, 6, 0, 8, 2, 11]])
+    scored = jax.nn.log_softmax(model(text))
+    cache = model.init_cache(2, 8)
+    logits, cache = model.decode_step(cache, text[:, :1], None)
+    steps = [logits]
+    for t in range(1, 8):
+        logits, cache = model.decode_step(cache, text[:, t : t + 1], jnp.full((2, 1), t))
+        steps.append(logits)
+    np.testing.assert_allclose(jax.nn.log_softmax(jnp.concatenate(steps, 1)), scored, atol=1e-5)
+    prompt = [5, 0, 9, 0, 0]
+    alone = run(model, [prompt])
+    beside = run(model, [prompt, [3], [0, 0, 0, 0, 0, 0, 0, 0, 0]])
+    recomputed = run(model, [prompt], use_cache=False)
+    np.testing.assert_array_equal(beside.tokens[:1], alone.tokens)
+    np.testing.assert_array_equal(recomputed.tokens, alone.tokens)
+    np.testing.assert_allclose(beside.scores[:1], alone.scores, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+def test_generation_on_the_fused_paths_equals_the_reference(model, strategy, cudnn_checked):
+    """Prefill, cached steps and cross-attention over padded sources on "xla" and "cudnn" (JAX's
+    cuDNN checks on CPU) generate what the reference path does."""
+    ref = run(model, ROWS, strategy=strategy)
+    for impl in ("xla", "cudnn"):
+        fused = jf.build_model(model.cfg.replace(attention_impl=impl), seed=1)
+        out = run(fused, ROWS, strategy=strategy)
+        np.testing.assert_array_equal(out.tokens, ref.tokens)
+        np.testing.assert_allclose(out.scores, ref.scores, atol=1e-4)
+    assert cudnn_checked

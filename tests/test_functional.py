@@ -227,3 +227,114 @@ def test_every_function_under_jit_grad_vmap():
     np.testing.assert_allclose(per_example, fns["attention"](q) + fns["rope"](q), atol=1e-5)
     pe = jax.jit(F.sinusoidal_positions, static_argnums=(0, 1))(10, 8)
     np.testing.assert_allclose(pe, F.sinusoidal_positions(10, 8))
+
+
+# ----------------------------------------------------------------------------- structured masks
+
+
+def test_mask_structure_means_the_dense_masks():
+    """Each field of `Mask` gives the dense mask the old helpers (and the paper) define."""
+    ids = jnp.array([[5, 6, 0, 0], [7, 8, 9, 0]])
+    lengths = jnp.array([2, 3])
+    dense = lambda m, T=4, S=4: np.asarray(m.dense(T, S))
+    np.testing.assert_array_equal(dense(F.Mask(kv_lengths=lengths)), np.asarray(F.padding_mask(ids)).repeat(4, 2))
+    np.testing.assert_array_equal(dense(F.Mask(causal=True))[0, 0], np.tril(np.ones((4, 4), bool)))
+    both = F.combine_masks(F.padding_mask(ids), F.causal_mask(4))
+    np.testing.assert_array_equal(dense(F.Mask(causal=True, kv_lengths=lengths)), np.asarray(both))
+    q_pad = dense(F.Mask(q_lengths=lengths, kv_lengths=lengths))
+    np.testing.assert_array_equal(q_pad, np.asarray(F.cross_attention_mask(ids, ids)))
+    segs = jnp.array([[1, 1, 2, 0], [1, 2, 2, 3]])
+    np.testing.assert_array_equal(dense(F.Mask(q_segments=segs, kv_segments=segs)), F.segment_mask(segs, segs))
+    offset = dense(F.Mask(causal=True, q_offset=jnp.array([2, 0])), T=2)
+    np.testing.assert_array_equal(offset[0, 0], np.tril(np.ones((2, 4), bool), k=2))
+    np.testing.assert_array_equal(offset[1, 0], np.tril(np.ones((2, 4), bool)))
+    one_step = F.causal_cache_mask(jnp.array([[2], [0]]))  # one new position per row: a key length
+    assert not one_step.causal and one_step.kv_lengths.tolist() == [3, 1]
+    assert F.causal_cache_mask(None) == F.Mask(causal=True)  # a prefill: the plain causal mask
+    assert F.as_mask(F.Mask()) is None
+
+
+def structured_cases():
+    """Every kind of mask the models use, at even lengths (cuDNN wants them with a bias): (name, T, S, mask)."""
+    T, S = 6, 8
+    seg_q = jnp.array([[1, 1, 2, 2, 0, 0], [1, 2, 2, 3, 3, 3]])
+    seg_kv = jnp.array([[1, 1, 1, 2, 2, 0, 0, 0], [1, 2, 2, 2, 3, 3, 3, 3]])
+    return [
+        ("padded bidirectional", S, S, F.Mask(kv_lengths=jnp.array([8, 4]))),
+        ("padded queries and keys", S, S, F.Mask(q_lengths=jnp.array([8, 4]), kv_lengths=jnp.array([8, 4]))),
+        ("causal", S, S, F.Mask(causal=True)),
+        ("causal, padded", S, S, F.Mask(causal=True, kv_lengths=jnp.array([8, 3]))),
+        ("cross, T != S", T, S, F.Mask(kv_lengths=jnp.array([7, 2]))),
+        ("packed self", T, T, F.Mask(causal=True, q_segments=seg_q, kv_segments=seg_q)),
+        ("packed cross", T, S, F.Mask(q_segments=seg_q, kv_segments=seg_kv)),
+        ("prefill into a cache", T, S, F.causal_cache_mask(None)),
+        ("cache, one step", 1, S, F.causal_cache_mask(jnp.array([[3], [7]]))),
+        ("cache, several steps", 2, S, F.causal_cache_mask(jnp.array([[3, 4], [0, 1]]))),
+        ("no keys in a row", T, S, F.Mask(kv_lengths=jnp.array([0, 5]))),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(structured_cases())), ids=[c[0] for c in structured_cases()])
+@pytest.mark.parametrize("G", [4, 1])
+def test_xla_path_given_structure_equals_the_reference(case, G):
+    """The fused path ("xla": `jax.nn.dot_product_attention` told is_causal and lengths) equals the
+    einsum reference on the dense mask, values and gradients, in float32 at pinned precision."""
+    _, T, S, mask = structured_cases()[case]
+    q, k, v = qkv(jnp.float32, T=T, S=S, G=G)
+
+    def run(impl):
+        f = lambda q, k, v: F.dot_product_attention(q, k, v, mask=mask, implementation=impl)
+        out, vjp = jax.vjp(f, q, k, v)
+        return out, vjp(jnp.cos(out))
+
+    with jax.default_matmul_precision("highest"):
+        (ref, ref_grads), (fused, grads) = run("naive"), run("xla")
+    np.testing.assert_allclose(fused, ref, atol=1e-5)
+    for g, rg in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, rg, atol=1e-5)
+    dense = mask.dense(T, S)
+    np.testing.assert_allclose(ref, numpy_attention_zeroing(q, k, v, dense), atol=1e-5)
+
+
+def numpy_attention_zeroing(q, k, v, dense):
+    """The NumPy reference with rows that see no key set to zero (as jaxformer defines them)."""
+    full = np.broadcast_to(np.asarray(dense), (q.shape[0], q.shape[2], q.shape[1], k.shape[1]))
+    out, _ = numpy_attention(q, k, v, np.where(full.any(-1, keepdims=True), full, True))
+    return np.where(full.any(-1).transpose(0, 2, 1)[..., None], out, 0.0)
+
+
+@pytest.mark.parametrize("case", range(len(structured_cases())), ids=[c[0] for c in structured_cases()])
+def test_cudnn_is_given_only_what_it_accepts(cudnn_checked, case):
+    """Every mask reaches cuDNN as arguments its checks accept, lengths and causality as structure."""
+    name, T, S, mask = structured_cases()[case]
+    q, k, v = qkv(jnp.float32, T=T, S=S)
+    with jax.default_matmul_precision("highest"):
+        out = F.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+        ref = F.dot_product_attention(q, k, v, mask=mask, implementation="naive")
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+    (call,) = cudnn_checked
+    if mask.q_segments is None and not (mask.causal and mask.q_offset is not None):
+        assert call["mask"] is None, name  # structure alone: no dense mask for the kernel to read
+        assert call.get("is_causal", False) == mask.causal
+
+
+def test_auto_picks_cudnn_on_gpu_and_falls_back_once(cudnn_checked, monkeypatch, caplog):
+    """auto on a GPU: cuDNN in bfloat16; XLA for float32 or a head dim cuDNN refuses; the reference
+    for dropout on probabilities; each fallback said once, with its reason."""
+    q, k, v = qkv(jnp.bfloat16)
+    mask = F.Mask(causal=True, kv_lengths=jnp.array([5, 3]))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(F, "_fallbacks_logged", set())
+    with caplog.at_level("WARNING", logger="jaxformer"):
+        F.dot_product_attention(q, k, v, mask=mask, implementation="auto")
+        assert len(cudnn_checked) == 1
+        for _ in range(2):
+            F.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask=mask, implementation="auto")
+            F.dot_product_attention(*qkv(jnp.bfloat16, K=12), mask=mask, implementation="auto")
+            F.dot_product_attention(
+                q, k, v, mask=mask, implementation="auto", dropout_rate=0.1, dropout_rng=jax.random.key(0)
+            )
+    assert len(cudnn_checked) == 1
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 3, said
+    assert "bfloat16 or float16" in said[0] and "head dim must be" in said[1] and "dropout" in said[2]

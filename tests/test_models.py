@@ -201,3 +201,39 @@ def test_logical_axis_names_on_every_parameter():
 def test_invalid_configs_name_the_field(changes, field):
     with pytest.raises((jf.ConfigError, TypeError), match=field):
         jf.paper_base(**changes)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("impl", ["xla", "cudnn"])
+def test_fused_attention_equals_reference_in_every_mode(mode, impl, cudnn_checked):
+    """The fused paths, told padding (lengths) or packing (segments) as structure, give the reference's
+    logits and gradients in every mode. "cudnn" runs on CPU through JAX's own cuDNN argument checks
+    (conftest's `cudnn_checked`), so a mask cuDNN would reject fails here."""
+    lengths = jnp.array([T, 5])
+    segs = jnp.array([[1, 1, 1, 2, 2, 3, 3, 3], [1, 1, 2, 2, 2, 0, 0, 0]])
+    src, tgt = jnp.where(segs > 0, ids(0), 0), jnp.where(segs > 0, ids(1), 0)
+    weights = jax.random.normal(jax.random.key(5), (B, T, V))
+
+    def loss_and_grads(impl):
+        model = jf.build_model(jf.tiny(mode, vocab_size=V, attention_impl=impl), seed=3)
+
+        def loss(model, kw):
+            logits = forward(model, src, tgt, **kw)
+            return (logits.astype(jnp.float32) * weights).sum(), logits
+
+        out = []
+        for kw in ({"lengths": lengths}, {"segments": segs} | ({"tgt_segments": segs} if tgt is not None else {})):
+            (_, logits), grads = nnx.value_and_grad(loss, has_aux=True)(model, kw)
+            out.append((logits, jax.tree.leaves(nnx.state(grads, nnx.Param))))
+        return out
+
+    if mode != "encoder_decoder":
+        tgt = None
+    with jax.default_matmul_precision("highest"):
+        ref, fused = loss_and_grads("naive"), loss_and_grads(impl)
+    for (ref_logits, ref_grads), (logits, grads) in zip(ref, fused, strict=True):
+        real = (segs > 0)[..., None]
+        np.testing.assert_allclose(jnp.where(real, logits, 0), jnp.where(real, ref_logits, 0), atol=1e-5)
+        for g, rg in zip(grads, ref_grads, strict=True):
+            np.testing.assert_allclose(g, rg, atol=1e-5)
+    assert (len(cudnn_checked) > 0) == (impl == "cudnn")

@@ -7,9 +7,9 @@ resume trivial, and any process can compute its slice of any step.
 
 Batch keys by objective (all int32 unless noted; weights float32):
   lm        inputs [B, T], targets [B, T], weights [B, T]
-  seq2seq   src [B, S], inputs [B, T] (BOS + target[:-1]), targets [B, T], weights [B, T]
+  seq2seq   src [B, S], src_lengths [B], inputs [B, T] (BOS + target[:-1]), targets [B, T], weights [B, T]
   mlm       inputs [B, T] (masked), targets [B, T], weights [B, T] (1 on masked positions)
-  classify  src [B, S], label [B]
+  classify  src [B, S], src_lengths [B], label [B]
 """
 
 from __future__ import annotations
@@ -215,7 +215,8 @@ def _encode(cfg: Config, tok, records, path) -> dict[str, np.ndarray]:
     if objective == "classify":
         rows = [fit_length([tok.bos_id, *tok.encode(r[1])], L, d.too_long, f"{path}:{r[0]}") for r in records]
         labels = np.asarray([r[2] for r in records], np.int32)
-        return {"src": pad_to(rows, L, tok.pad_id), "label": labels, "lengths": np.asarray([len(r) for r in rows])}
+        lengths = np.asarray([len(r) for r in rows], np.int32)
+        return {"src": pad_to(rows, L, tok.pad_id), "src_lengths": lengths, "label": labels, "lengths": lengths}
     srcs = [fit_length([*tok.encode(r[1]), tok.eos_id], L, d.too_long, f"{path}:{r[0]}") for r in records]
     tgts = [fit_length([*tok.encode(r[2]), tok.eos_id], L, d.too_long, f"{path}:{r[0]}") for r in records]
     lengths = np.asarray([max(len(a), len(b)) for a, b in zip(srcs, tgts, strict=True)])
@@ -228,6 +229,7 @@ def _seq2seq_arrays(srcs, tgts, L, tok) -> dict[str, np.ndarray]:
     inputs = np.where(inputs == tok.eos_id, tok.pad_id, inputs) if tok.eos_id is not None else inputs
     return {
         "src": pad_to(srcs, L, tok.pad_id),
+        "src_lengths": np.asarray([len(s) for s in srcs], np.int32),  # padding is said, not read off an id
         "inputs": inputs,
         "targets": targets,
         "weights": (targets != tok.pad_id).astype(np.float32),
