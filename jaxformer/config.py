@@ -104,6 +104,9 @@ class ModelConfig:
     pad_id: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; parameters stay float32
     attention_impl: Literal["naive", "auto", "xla", "cudnn"] = "naive"
+    # float32 matmuls: "default" leaves JAX's setting (GPUs then use TF32, ~1e-3 off float32; TPUs
+    # bfloat16 passes); "high" / "highest" ask for more. bfloat16 compute is unaffected.
+    matmul_precision: Literal["default", "high", "highest"] = "default"
     scan_layers: bool = False  # one compiled layer body scanned over a stacked `layers` axis
     remat: Literal["none", "full", "dots_saveable"] = "none"
     check_token_ids: bool = True  # reject ids outside [0, V): a host callback under jit; fit checks on the host
@@ -246,7 +249,7 @@ class TrainConfig:
     eval_every: int = 250
     eval_batches: int = 16
     num_samples: int = 3  # samples (decoded as `decode` says) printed at each evaluation
-    peak_flops: float = 0.0  # device peak FLOP/s for MFU; 0 = measure with a matmul probe
+    peak_flops: float = 0.0  # one device's peak FLOP/s for MFU; 0 = jaxformer.chips' table, or a matmul probe
 
     def __post_init__(self):
         p = "train"
@@ -264,6 +267,7 @@ class TrainConfig:
         require(0 < self.mlm_probability < 1, f"{p}.mlm_probability", "must be in (0, 1)")
         require(self.clip_norm >= 0 and self.weight_decay >= 0, f"{p}.clip_norm", "clip_norm and weight_decay >= 0")
         require(self.eval_batches >= 0 and self.num_samples >= 0, f"{p}.eval_batches", "must be >= 0")
+        require(self.peak_flops >= 0, f"{p}.peak_flops", f"must be >= 0 (0 = chip table), got {self.peak_flops}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,8 @@ as right-padded with `ModelConfig.pad_id`. Positions default to 0..T-1.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -199,6 +201,19 @@ class ClassificationHead(nnx.Module):
 # ----------------------------------------------------------------------------- the model
 
 
+def in_precision(method):
+    """Trace a Transformer method under its `cfg.matmul_precision` ("default": JAX's own setting)."""
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        if self.cfg.matmul_precision == "default":
+            return method(self, *args, **kwargs)
+        with jax.default_matmul_precision(self.cfg.matmul_precision):
+            return method(self, *args, **kwargs)
+
+    return wrapped
+
+
 class Transformer(nnx.Module):
     """The Transformer in the mode `cfg.mode` selects.
 
@@ -231,6 +246,7 @@ class Transformer(nnx.Module):
         """[B] source lengths: as given, or the rows taken as right-padded with `pad_id`."""
         return trailing_padding_lengths(src_ids_BS, self.cfg.pad_id) if src_lengths is None else src_lengths
 
+    @in_precision
     def encode(
         self,
         src_ids_BS: Array,
@@ -248,6 +264,7 @@ class Transformer(nnx.Module):
             src_ids_BS, lengths=src_lengths, segments=src_segments, positions=src_positions, dropout_rng=dropout_rng
         )
 
+    @in_precision
     def decode(
         self,
         memory_BSD: Array | None,
@@ -284,6 +301,7 @@ class Transformer(nnx.Module):
         )
         return self.lm_head(h_BTD, log_softmax=log_softmax)
 
+    @in_precision
     def init_cache(
         self,
         batch: int,
@@ -313,6 +331,7 @@ class Transformer(nnx.Module):
             cache["memory_mask"] = memory_mask(self.src_lengths(src_ids_BS, src_lengths), None, None)
         return cache
 
+    @in_precision
     def decode_step(self, cache: dict, ids_BT: Array, positions_BT: Array | None) -> tuple[Array, dict]:
         """Logits [B, T, V] of new decoder positions and the updated cache: a prompt from position 0
         (`positions_BT` None, a prefill), or new tokens at `positions_BT` [B, T] (one per row per step)."""
@@ -323,6 +342,7 @@ class Transformer(nnx.Module):
         """Beam search: row i of the decoding cache takes row rows_B[i]'s history."""
         return {**cache, "layers": self.decoder.stack.reorder_cache(cache["layers"], rows_B)}
 
+    @in_precision
     def classify(
         self,
         src_ids_BS: Array,
@@ -343,6 +363,7 @@ class Transformer(nnx.Module):
         )  # fmt: skip
         return self.classifier(x_BSD, src_lengths, dropout_rng=r_head)
 
+    @in_precision
     def __call__(
         self,
         ids: Array,

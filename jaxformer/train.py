@@ -228,21 +228,6 @@ def flops_per_example(cfg: ModelConfig, objective: str, src_len: int, tgt_len: i
     return 3.0 * total
 
 
-def measure_peak_flops(n: int = 2048, repeats: int = 5, min_seconds: float = 0.0) -> float:
-    """FLOP/s of a float32 n x n matmul on the default device: the best of `repeats` timed runs, or
-    of as many as fill `min_seconds` (a probe of achievable peak; the best, since a shared machine
-    only ever slows a run down, and a CPU may take a while to reach its full clock)."""
-    a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda a: a @ a)
-    f(a).block_until_ready()
-    best, start, runs = math.inf, time.perf_counter(), 0
-    while runs < repeats or time.perf_counter() - start < min_seconds:
-        t0 = time.perf_counter()
-        f(a).block_until_ready()
-        best, runs = min(best, time.perf_counter() - t0), runs + 1
-    return 2 * n**3 / best
-
-
 # ----------------------------------------------------------------------------- the loop
 
 
@@ -323,7 +308,7 @@ def fit(
 def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: bool, on_eval, profile_steps) -> dict:
     from tqdm.auto import tqdm
 
-    from jaxformer import decode, observe, sharding
+    from jaxformer import chips, decode, observe, sharding
     from jaxformer.checkpoint import Checkpointer
     from jaxformer.data import build_dataset
 
@@ -351,12 +336,13 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
             check_batch_ids(batches.get(step, rows), cfg.model), mesh, tcfg.batch_size
         )
 
-    peak = (tcfg.peak_flops or measure_peak_flops()) * jax.device_count()
+    peak_device, peak_source = chips.peak_flops(cfg.model.dtype, tcfg.peak_flops)
+    peak = peak_device * jax.device_count()
     writer = observe.MetricWriter(workdir, start) if lead else observe.NullWriter()
     profiler = observe.Profiler(workdir, profile_steps if lead else None)
     versions = ", ".join(f"{k} {env[k]}" for k in observe.PACKAGES if k != "numpy")
     log(f"{versions}; {env['devices']} x {env['device_kind']} ({env['processes']} processes), mesh {env['mesh']}")
-    log(f"peak {peak / 1e9:.1f} GFLOP/s ({'train.peak_flops' if tcfg.peak_flops else 'matmul probe'})")
+    log(f"MFU against {peak / 1e12:.4g} TFLOP/s: {jax.device_count()} x {peak_source}")
     # A live bar on a terminal; in a log file (not a TTY) a plain line every log_every steps.
     bar = tqdm(range(start, tcfg.steps), initial=start, total=tcfg.steps, disable=True if quiet else None)
     window = {"tokens": 0.0, "flops": 0.0, "start": time.perf_counter()}
@@ -365,7 +351,7 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
 
     def flush():
         """Log the metrics of the step before the one just dispatched (reading them waits for it)."""
-        nonlocal pending, window
+        nonlocal pending, window, peak
         if pending is None:
             return
         prev_step, prev = pending
@@ -377,6 +363,9 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
             writer.write(prev_step, "train", prev)
         elif prev_step % tcfg.log_every == 0:
             elapsed = time.perf_counter() - window["start"]
+            if window["flops"] / elapsed > peak:  # only a probe's peak can be beaten: it was an underestimate
+                peak = window["flops"] / elapsed
+                log(f"the step ran at {peak / 1e12:.4g} TFLOP/s, above the {peak_source}: MFU is against that now")
             rates = {"tokens_per_s": window["tokens"] / elapsed, "mfu": window["flops"] / elapsed / peak}
             writer.write(prev_step, "train", {**prev, **rates, "step_time": elapsed / tcfg.log_every})
             window = {"tokens": 0.0, "flops": 0.0, "start": time.perf_counter()}

@@ -6,11 +6,14 @@ and decoding speed with and without the KV cache.
     python scripts/benchmark.py --decode              # greedy and beam 4, batch 1 and 8, 64/256/1024 tokens
     python scripts/benchmark.py --compare             # side by side with Hugging Face Flax and PyTorch (bench extra)
     python scripts/benchmark.py --matmul-floor --vocab 8192 --modes decoder_only   # the step's products timed alone
+    python scripts/benchmark.py --gpt2-vs-torch --d-model 2048 --heads 16 --layers 24 --vocab 50304 --seq 1024 \
+        --attention auto --batches 8,16    # the 1.3B GPT-2 shape beside torch.compile (scripts/gpu_check.sh)
 
 Step times are the median of `--steps` timed steps after a warm-up; memory is XLA's
 own analysis of the compiled step (arguments + outputs + temporaries - donated aliases),
-the same on every backend. MFU = model FLOPs (train.flops_per_example) / time / peak,
-with the peak measured by a float32 matmul probe on the same device in the same run.
+the same on every backend. MFU = model FLOPs (train.flops_per_example) / time / peak, with the
+peak as `jaxformer train` takes it (`jaxformer.chips`): the chip's dense peak in the compute
+dtype from the table, or, for a device the table lacks (a CPU), a matmul probe in that dtype.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer import chips
 from jaxformer import config as C
-from jaxformer.train import flops_per_example, init_state, make_steps, measure_peak_flops
+from jaxformer.train import flops_per_example, init_state, make_steps
 
 OBJECTIVE = {"decoder_only": "lm", "encoder_decoder": "seq2seq", "encoder_only": "mlm"}
 
@@ -40,7 +44,7 @@ def synthetic_batch(objective: str, B: int, T: int, V: int, seed: int = 0) -> di
     rng = np.random.default_rng(seed)
     ids = lambda: rng.integers(4, V, (B, T), dtype=np.int32)
     batch = {"inputs": ids(), "targets": ids(), "weights": np.ones((B, T), np.float32)}
-    return batch | {"src": ids()} if objective == "seq2seq" else batch
+    return batch | {"src": ids(), "src_lengths": np.full(B, T, np.int32)} if objective == "seq2seq" else batch
 
 
 def model_config(mode: str, args, **changes) -> C.ModelConfig:
@@ -136,7 +140,7 @@ def decode_speed(args) -> None:
     not depend on them."""
     from jaxformer.config import DecodeConfig
     from jaxformer.decode import generate, translate
-    from jaxformer.models import build_model
+    from jaxformer.models import build_model, count_params
 
     lengths = [int(n) for n in args.decode_lengths.split(",")]
     recompute = {int(n) for n in args.recompute_lengths.split(",") if n}
@@ -153,6 +157,11 @@ def decode_speed(args) -> None:
     per_token = {}
     for mode in [m for m in args.modes.split(",") if m != "encoder_only"]:
         model = build_model(model_config(mode, args, max_len=P + longest + 1, dropout_rate=0.0))
+        chip = chips.lookup(jax.devices()[0].device_kind)
+        if chip is not None:  # batch 1 reads every weight once per token at best
+            weight_bytes = count_params(model) * np.dtype(jnp.dtype(args.dtype)).itemsize
+            print(f"{mode}: weights {weight_bytes / 1e6:.0f} MB in {args.dtype}, one read at {chip.name}'s "
+                  f"{chip.bandwidth / 1e12:.3g} TB/s: {1e3 * weight_bytes / chip.bandwidth:.3f} ms")  # fmt: skip
         rng = np.random.default_rng(0)
         run = functools.partial(generate, model, eos_id=None)
         if mode == "encoder_decoder":
@@ -336,6 +345,65 @@ def _compare_greedy(args, graphdef, state, hf_model, hf_params, num_new: int = 6
     )
 
 
+def gpt2_vs_torch(args) -> None:
+    """GPT-2-shaped causal LM (pre-norm, learned positions, GELU, tied embeddings, no dropout, AdamW),
+    bfloat16 compute over float32 weights: jaxformer at each of `--batches` beside Hugging Face
+    PyTorch GPT-2 + torch.compile (a process of its own, when torch and a CUDA device are there).
+    Tokens/s, MFU against the chip's bfloat16 peak, peak device memory, and the ratio to torch's best."""
+    import subprocess
+    import sys
+
+    D, H, L, V, T = args.d_model, args.heads, args.layers, args.vocab, args.seq
+    peak, source = chips.peak_flops("bfloat16")
+    print(f"GPT-2 shape D={D} H={H} L={L} V={V} T={T}; peak {peak / 1e12:.4g} TFLOP/s ({source})")
+    print(f"{'impl':28s} {'B':>3s} {'tokens/s':>9s} {'MFU':>5s} {'memory GB':>9s}")
+    rows = {}
+    for B in (int(b) for b in args.batches.split(",")):
+        model = C.gpt2_style(
+            vocab_size=V, d_model=D, num_heads=H, d_ff=4 * D, num_decoder_layers=L, max_len=T, dropout_rate=0.0,
+            dtype="bfloat16", attention_impl=args.attention, scan_layers=args.scan, remat=args.remat,
+            check_token_ids=False,
+        )  # fmt: skip
+        train = C.TrainConfig(objective="lm", batch_size=B, optimizer="adamw")
+        cfg = C.Config(model=model, train=train, data=C.DataConfig(max_len=T))
+        name = f"jaxformer {args.attention}{' scan' if args.scan else ''} remat={args.remat}"
+        try:
+            graphdef, state, optimizer = init_state(cfg)
+            step = jax.jit(make_steps(graphdef, cfg, optimizer)[0], donate_argnums=0)
+            batch = jax.device_put(synthetic_batch("lm", B, T, V))
+            compiled, _, memory_mb = _compiled(step, state, batch)
+            for _ in range(2):
+                state, metrics = compiled(state, batch)
+            jax.block_until_ready(metrics)
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                state, metrics = compiled(state, batch)
+            jax.block_until_ready(metrics)
+            step_s = (time.perf_counter() - t) / args.steps
+            stats = jax.devices()[0].memory_stats() or {}
+            memory_gb = stats.get("peak_bytes_in_use", memory_mb * 1e6) / 1e9
+            del state, compiled
+        except Exception as e:  # out of memory at this batch: say so and go on
+            print(f"{name:28s} {B:3d} failed: {str(e).splitlines()[0][:100]}")
+            continue
+        flops = flops_per_example(model, "lm", T, T) * B
+        rows[(name, B)] = step_s
+        print(f"{name:28s} {B:3d} {B * T / step_s:9.0f} {flops / step_s / peak:5.3f} {memory_gb:9.1f}")
+        shapes = {"D": D, "H": H, "L": L, "V": V, "T": T, "B": B, "rounds": 3, "steps": args.steps}
+        cmd = [sys.executable, str(pathlib.Path(__file__).with_name("peers.py")), "torch_gpt2", json.dumps(shapes)]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode:
+            print(f"{'torch.compile GPT-2':28s} {B:3d} failed: {(out.stderr.strip().splitlines() or [''])[-1][:100]}")
+            continue
+        r = json.loads(out.stdout.splitlines()[-1])
+        rows[("torch", B)] = r["step_s"]
+        print(f"{'torch.compile GPT-2':28s} {B:3d} {B * T / r['step_s']:9.0f} {flops / r['step_s'] / peak:5.3f} "
+              f"{r['peak_memory_gb']:9.1f}")  # fmt: skip
+    best = lambda who: max((B * T / s for (n, B), s in rows.items() if (n == "torch") == (who == "torch")), default=0)
+    if best("torch"):
+        print(f"jaxformer's best / torch.compile's best tokens/s: {best('jaxformer') / best('torch'):.3f}x")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default="decoder_only,encoder_decoder,encoder_only")
@@ -359,6 +427,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="decode: timed runs per setting (fewer past 20 s)")
     p.add_argument("--compare", action="store_true", help="side by side with Hugging Face Flax and PyTorch")
     p.add_argument("--matmul-floor", action="store_true", help="the training step's matrix products timed alone")
+    p.add_argument("--gpt2-vs-torch", action="store_true", help="GPT-2 shape in bf16 beside torch.compile (GPU)")
+    p.add_argument("--batches", default="8,16", help="gpt2-vs-torch: batch sizes")
     p.add_argument("--rounds", type=int, default=3, help="compare: interleaved rounds")
     p.add_argument("--dropout", type=float, default=0.1, help="compare: residual/embedding dropout")
     args = p.parse_args()
@@ -368,14 +438,15 @@ def main() -> None:
     if args.decode:
         decode_speed(args)
         return
+    if args.gpt2_vs_torch:
+        gpt2_vs_torch(args)
+        return
     if args.matmul_floor:
         for mode in args.modes.split(","):
             matmul_floor(mode, args)
         return
-    peak = measure_peak_flops(min_seconds=5.0)  # the probe alone read 116-220 GFLOP/s in 0.4 s runs
-    print(
-        f"device: {jax.devices()[0].device_kind} x{jax.device_count()}; matmul peak {peak / 1e9:.1f} GFLOP/s (float32)"
-    )
+    peak, source = chips.peak_flops(args.dtype, min_seconds=5.0)  # a CPU probe read 116-220 GFLOP/s in 0.4 s runs
+    print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}; peak {peak / 1e12:.4g} TFLOP/s ({source})")
     if args.compare:
         compare(args, peak)
         return

@@ -154,7 +154,50 @@ def torch_peer(
     return {"step_s": statistics.median(times), "threads": torch.get_num_threads(), "version": torch.__version__}
 
 
+def torch_gpt2(D: int, H: int, L: int, V: int, T: int, B: int, rounds: int, steps: int) -> dict:
+    """Hugging Face PyTorch GPT-2 (no dropout) + torch.compile, bfloat16 autocast over float32 weights,
+    fused AdamW: median step time per round and peak CUDA memory. Needs a CUDA device."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        vocab_size=V, n_positions=T, n_embd=D, n_layer=L, n_head=H, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = GPT2LMHeadModel(cfg).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+    ids = torch.randint(4, V, (B, T), device="cuda")
+
+    @torch.compile
+    def loss_fn(ids):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return model(ids, labels=ids).loss
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn(ids).backward()
+        opt.step()
+
+    for _ in range(3):  # compiles
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) / steps)
+    return {
+        "step_s": statistics.median(times), "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "version": torch.__version__,
+    }  # fmt: skip
+
+
 if __name__ == "__main__":
-    if sys.argv[1] != "torch":
+    peers = {"torch": torch_peer, "torch_gpt2": torch_gpt2}
+    if sys.argv[1] not in peers:
         raise SystemExit(__doc__)
-    print(json.dumps(torch_peer(**json.loads(sys.argv[2]))))
+    print(json.dumps(peers[sys.argv[1]](**json.loads(sys.argv[2]))))

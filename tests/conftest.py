@@ -1,5 +1,6 @@
 """Shared test setup: strict rank promotion, one CPU device in this process, fast compilation,
-and one JAX compilation cache for the session.
+float32 matmuls at full precision on every backend, no GPU memory preallocation, and one JAX
+compilation cache for the session.
 
 Tests that need several devices run in a subprocess with XLA_FLAGS set there (added to these).
 """
@@ -10,6 +11,11 @@ import os
 # its time; XLA's HLO passes are unchanged. Set before JAX starts its backend, and inherited by
 # the training runs tests start as subprocesses.
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+# Tests compare float32 results with references at ~1e-5: pin full-precision matmuls, which GPUs (TF32)
+# and TPUs (bfloat16 passes) do not use by default. Inherited by the runs tests start as subprocesses.
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# Parallel test workers share one accelerator: none may take 75% of its memory up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
 import jax.numpy as jnp

@@ -1,5 +1,7 @@
 """Whole models: invariants of each mode, stack variants, dtypes, parameter counts, configs."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -237,3 +239,37 @@ def test_fused_attention_equals_reference_in_every_mode(mode, impl, cudnn_checke
         for g, rg in zip(grads, ref_grads, strict=True):
             np.testing.assert_allclose(g, rg, atol=1e-5)
     assert (len(cudnn_checked) > 0) == (impl == "cudnn")
+
+
+def test_matmul_precision_reaches_every_matrix_product():
+    """model.matmul_precision is traced into every dot of the model; "default" keeps JAX's setting."""
+
+    def precisions(setting, ambient):
+        model = jf.build_model(jf.tiny("encoder_decoder", matmul_precision=setting))
+        with jax.default_matmul_precision(ambient):
+            text = nnx.jit(lambda m, x: m(x, x)).lower(model, ids(0)).as_text()
+        return set(re.findall(r"precision = \[(\w+), \w+\]", text)), text.count("dot_general")
+
+    found, dots = precisions("highest", "bfloat16")
+    assert found == {"HIGHEST"} and dots > 10
+    assert precisions("high", "highest")[0] == {"HIGH"}
+    assert precisions("default", "highest")[0] == {"HIGHEST"}
+    with pytest.raises(jf.ConfigError, match=r"model\.matmul_precision"):
+        jf.tiny(matmul_precision="tf32")
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention needs an NVIDIA GPU")
+@pytest.mark.parametrize("mode", MODES)
+def test_auto_attention_compiles_to_cudnn_flash_attention_on_gpu(mode):
+    """On a GPU in bfloat16, "auto" puts cuDNN's fused attention (forward and backward) in the training step."""
+    from jaxformer import config as C
+    from jaxformer.train import init_state, make_steps
+
+    objective = {"encoder_only": "mlm", "decoder_only": "lm", "encoder_decoder": "seq2seq"}[mode]
+    model = jf.tiny(mode, vocab_size=V, d_model=64, num_heads=2, max_len=64, dtype="bfloat16", attention_impl="auto")
+    cfg = C.Config(model=model, train=C.TrainConfig(objective=objective, batch_size=2), data=C.DataConfig(max_len=64))
+    graphdef, state, optimizer = init_state(cfg)
+    batch = {k: jnp.ones((2, 64), jnp.int32) for k in ("inputs", "targets", "src")}
+    batch |= {"weights": jnp.ones((2, 64)), "src_lengths": jnp.array([64, 40], jnp.int32)}
+    hlo = jax.jit(make_steps(graphdef, cfg, optimizer)[0]).lower(state, batch).compile().as_text()
+    assert "__cudnn$fmha" in hlo

@@ -81,3 +81,17 @@ def test_bad_profile_steps_fail_before_training(tmp_path):
     with pytest.raises(SystemExit, match="needs 0 <= A < B"):
         cli.main(args)
     assert not (tmp_path / "config.json").exists()
+
+
+def test_mfu_is_model_flops_over_the_configured_peak(run):
+    """MFU / (tokens/s) is the model's FLOPs per target token over train.peak_flops (1e11 here)."""
+    from jaxformer.train import flops_per_example
+
+    workdir = run[0]
+    cfg = load_experiment("experiments/copy_task.py")
+    L = cfg.data.synthetic_len  # copy task: every target position is a token
+    per_token = flops_per_example(cfg.model, "seq2seq", L, L) / L
+    rows = [r for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines()) if "mfu" in r]
+    assert len(rows) >= 2
+    for r in rows:
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * per_token / 1e11, rel=1e-4)
