@@ -21,4 +21,7 @@ test: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -n 2 --dist loadfile -q
 
-.PHONY: setup demo test
+gpu-check: setup  # on a machine with an NVIDIA GPU and a CUDA build of jax (see scripts/gpu_check.sh)
+	PYTHON=$(BIN)/python bash scripts/gpu_check.sh
+
+.PHONY: setup demo test gpu-check
