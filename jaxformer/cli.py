@@ -1,8 +1,9 @@
-"""`jaxformer train | eval | generate | translate | export | sweep | plot | demo`: the command line."""
+"""`jaxformer train | eval | generate | translate | export | plan | sweep | plot | demo`: the command line."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -113,6 +114,24 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    import os
+    import subprocess
+
+    flag = f"--xla_force_host_platform_device_count={args.devices}"
+    if args.devices and flag not in os.environ.get("XLA_FLAGS", ""):
+        # JAX fixes its device count when it starts: plan in a process of its own with N CPU devices.
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip())
+        return subprocess.run([sys.executable, "-m", "jaxformer.cli", *sys.argv[1:]], env=env).returncode
+    from jaxformer.plan import parse_bytes, plan
+
+    cfg = _load_config(args)
+    memory = parse_bytes(args.device_memory) if args.device_memory else None
+    result = plan(cfg, device_memory=memory)
+    print(json.dumps(dataclasses.asdict(result), indent=2) if args.json else result.table())
+    return 0 if result.fits is not False else 1
+
+
 def cmd_plot(args) -> int:
     from jaxformer.observe import plot_run
 
@@ -177,6 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--workers", type=int, default=1, help="worker processes on this machine")
     sw.add_argument("--storage", help="Optuna storage URL (default: sqlite in the workdir), e.g. postgresql://...")
     sw.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # one worker of a --workers N sweep
+    pn = sub.add_parser("plan", help="compile the training step for the mesh ahead of time: per-device memory, fit")
+    pn.add_argument("--config", required=True, help="experiments/NAME.py")
+    pn.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")
+    pn.add_argument("--devices", type=int, help="plan on this many fake CPU devices (default: this machine's)")
+    pn.add_argument("--device-memory", help="memory of one device, e.g. 80GB: says whether it fits, the largest batch")
+    pn.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl = sub.add_parser("plot", help="draw a run's loss and eval curves to a PNG")
     pl.add_argument("--workdir", required=True)
     pl.add_argument("--out", help="PNG path (default: WORKDIR/curves.png)")
@@ -195,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             "translate": cmd_generate,
             "sweep": cmd_sweep,
             "plot": cmd_plot,
+            "plan": cmd_plan,
         }
         return commands[args.command](args)
     except (ConfigError, DataError, OSError) as e:

@@ -166,13 +166,9 @@ def summarize(sums: dict) -> dict:
     }
 
 
-def init_state(cfg: Config, mesh: jax.sharding.Mesh | None = None):
-    """(graphdef, TrainState, optimizer) for `cfg`.
-
-    With a mesh (and the rules in effect, see `sharding.use`), parameters and optimizer
-    state are created already sharded: the initialiser is jitted with the shardings the
-    logical axis names give as `out_shardings`, so no array is ever whole on one device.
-    """
+def state_factory(cfg: Config):
+    """(graphdef, create, optimizer): `create()` builds the initial TrainState of `cfg`; nothing is
+    allocated until it runs (`jax.eval_shape(create)` gives its shapes, as the planner uses them)."""
     optimizer = make_optimizer(cfg.train, cfg.model.d_model)
 
     def create() -> TrainState:
@@ -182,6 +178,17 @@ def init_state(cfg: Config, mesh: jax.sharding.Mesh | None = None):
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), rng)
 
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))), nnx.Param)
+    return graphdef, create, optimizer
+
+
+def init_state(cfg: Config, mesh: jax.sharding.Mesh | None = None):
+    """(graphdef, TrainState, optimizer) for `cfg`.
+
+    With a mesh (and the rules in effect, see `sharding.use`), parameters and optimizer
+    state are created already sharded: the initialiser is jitted with the shardings the
+    logical axis names give as `out_shardings`, so no array is ever whole on one device.
+    """
+    graphdef, create, optimizer = state_factory(cfg)
     if mesh is None:
         return graphdef, create(), optimizer
     from jaxformer import sharding
