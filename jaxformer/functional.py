@@ -165,13 +165,11 @@ def _fused(q_BTHK, k_BSGK, v_BSGK, mask, bias, backend: str) -> Array:
         # cuDNN takes a dense mask only as a bias of the full [T, S]; a broadcast one is rejected.
         args["mask"] = jnp.broadcast_to(args["mask"], (args["mask"].shape[0], 1, T, S))
     out_BTHK = jax.nn.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, bias=bias, implementation=backend, **args)
-    if isinstance(mask, Mask) and mask.q_segments is None and not (mask.causal and mask.q_offset is not None):
-        live_BT = mask.live_queries(T)  # causal rows always see their own key
-    elif mask is not None:
+    if "mask" in args:  # a dense part: it decides which rows see a key
         dense = mask.dense(T, S) if isinstance(mask, Mask) else mask
         live_BT = jnp.any(jnp.broadcast_to(dense, (dense.shape[0], H, T, S)), axis=(1, 3))
-    else:
-        live_BT = None
+    else:  # structure alone: lengths decide (a causal row always sees its own key)
+        live_BT = None if mask is None else mask.live_queries(T)
     if live_BT is not None:
         out_BTHK = out_BTHK * live_BT[:, :, None, None].astype(out_BTHK.dtype)
     return out_BTHK
