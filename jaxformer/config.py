@@ -7,6 +7,7 @@ wrong value fails with the field named before anything is built or compiled.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Literal
@@ -261,7 +262,10 @@ class TrainConfig:
             f"{p}.grad_accum",
             f"grad_accum={self.grad_accum} does not divide batch_size={self.batch_size}",
         )
-        require(self.learning_rate > 0, f"{p}.learning_rate", f"must be positive, got {self.learning_rate}")
+        require(0 < self.learning_rate < math.inf, f"{p}.learning_rate", f"must be positive, got {self.learning_rate}")
+        for name in ("b1", "b2"):  # Adam's moment decays; NaN fails every comparison
+            require(0 <= getattr(self, name) < 1, f"{p}.{name}", f"must be in [0, 1), got {getattr(self, name)}")
+        require(0 < self.eps < math.inf, f"{p}.eps", f"must be positive, got {self.eps}")
         require(self.warmup_steps >= 0, f"{p}.warmup_steps", "must be >= 0")
         require(0 <= self.label_smoothing < 1, f"{p}.label_smoothing", "must be in [0, 1)")
         require(0 < self.mlm_probability < 1, f"{p}.mlm_probability", "must be in (0, 1)")

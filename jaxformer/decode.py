@@ -289,6 +289,14 @@ def _padded(rows: Sequence[Sequence[int]], what: str, model, max_tokens: int) ->
     return ids, lengths
 
 
+def _check_special_ids(model, **ids) -> None:
+    """BOS/EOS ids must be tokens of the vocabulary (None: no such token)."""
+    V = model.cfg.vocab_size
+    for name, token in ids.items():
+        if token is not None and not 0 <= token < V:
+            raise ValueError(f"{name}={token} is outside the vocabulary [0, {V})")
+
+
 def _run(model, prompt_BP, lengths_B, max_new_B, src, settings: DecodeConfig, num_new, eos_id, rng):
     graphdef, params = nnx.split(model)
     rng = jax.random.key(settings.seed) if rng is None else rng
@@ -308,6 +316,7 @@ def generate(model, prompts: Sequence[Sequence[int]], settings: DecodeConfig = D
     """
     if model.cfg.mode != "decoder_only":
         raise ValueError(f"generate() continues prompts of a decoder_only model; this one is {model.cfg.mode}")
+    _check_special_ids(model, eos_id=eos_id)
     L = model.cfg.max_len
     prompt_BP, lengths_B = _padded(prompts, "prompt", model, L - 1)  # room for one new token
     length = min(prompt_BP.shape[1] + settings.max_new_tokens, L)
@@ -320,6 +329,7 @@ def translate(model, sources: Sequence[Sequence[int]], settings: DecodeConfig = 
     tokens (the paper's limit with extra_len=50) and the model's maximum length."""
     if model.cfg.mode != "encoder_decoder":
         raise ValueError(f"translate() needs an encoder_decoder model; this one is {model.cfg.mode}")
+    _check_special_ids(model, bos_id=bos_id, eos_id=eos_id)
     L = model.cfg.max_len
     src_BS, src_lengths_B = _padded(sources, "source", model, L)
     num_new = min(src_BS.shape[1] + settings.extra_len, L - 1)

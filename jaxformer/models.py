@@ -96,6 +96,9 @@ class TransformerStack(nnx.Module):
         Padding is `lengths` [B] (right-padded rows) or `segments` [B, T] (packed rows, 0 = padding).
         """
         cfg = self.cfg
+        if positions is None and cfg.position in ("sinusoidal", "learned") and ids_BT.shape[1] > cfg.max_len:
+            # The position table would be read past its end (JAX clamps, the logits go wrong): refuse.
+            raise ValueError(f"{ids_BT.shape[1]} positions exceed model.max_len={cfg.max_len}")
         positions_BT = default_positions(ids_BT) if positions is None else positions
         r_embed, r_layers = split_rng(dropout_rng, 2)
         x_BTD = self.positions(self.embed(ids_BT), positions_BT)

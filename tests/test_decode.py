@@ -176,6 +176,13 @@ def test_bad_input_is_rejected(model):
         run(model, [[4, 25]])
     with pytest.raises(ValueError, match=r"no (prompts|sources) given"):
         run(model, [])
+    with pytest.raises(ValueError, match=r"eos_id=20 is outside the vocabulary \[0, 20\)"):
+        decode.generate(model, [[4]], eos_id=V) if model.cfg.mode == "decoder_only" else decode.translate(
+            model, [[4]], bos_id=BOS, eos_id=V
+        )
+    if model.cfg.mode == "encoder_decoder":
+        with pytest.raises(ValueError, match="bos_id=-1 is outside"):
+            decode.translate(model, [[4]], bos_id=-1, eos_id=EOS)
 
     class Tok:
         unk_id, eos_id = 1, 2

@@ -205,6 +205,32 @@ def test_invalid_configs_name_the_field(changes, field):
         jf.paper_base(**changes)
 
 
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"b2": 1.5}, "train.b2"),
+        ({"b1": float("nan")}, "train.b1"),
+        ({"learning_rate": float("inf")}, "train.learning_rate"),
+        ({"eps": 0.0}, "train.eps"),
+        ({"peak_flops": -1.0}, "train.peak_flops"),
+    ],
+)
+def test_invalid_optimizer_settings_name_the_field(changes, field):
+    from jaxformer.config import TrainConfig
+
+    with pytest.raises(jf.ConfigError, match=field):
+        TrainConfig(**changes)
+
+
+@pytest.mark.parametrize("position", ["sinusoidal", "learned"])
+def test_input_longer_than_max_len_is_refused_not_nan(position):
+    """A table position past model.max_len would be clamped into wrong logits: refused at trace time."""
+    model = jf.build_model(jf.tiny("decoder_only", position=position, max_len=8))
+    with pytest.raises(ValueError, match=r"9 positions exceed model\.max_len=8"):
+        model(jnp.ones((1, 9), jnp.int32))
+    assert model(jnp.ones((1, 8), jnp.int32)).shape == (1, 8, V)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("impl", ["xla", "cudnn"])
 def test_fused_attention_equals_reference_in_every_mode(mode, impl, cudnn_checked):
