@@ -122,7 +122,7 @@ def cmd_plan(args) -> int:
     if args.devices and flag not in os.environ.get("XLA_FLAGS", ""):
         # JAX fixes its device count when it starts: plan in a process of its own with N CPU devices.
         env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip())
-        return subprocess.run([sys.executable, "-m", "jaxformer.cli", *sys.argv[1:]], env=env).returncode
+        return subprocess.run([sys.executable, "-m", "jaxformer.cli", *args.argv], env=env).returncode
     from jaxformer.plan import parse_bytes, plan
 
     cfg = _load_config(args)
@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--out", help="PNG path (default: WORKDIR/curves.png)")
     sub.add_parser("demo", help="a forward pass of each mode")
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # `plan --devices N` runs itself again with them
     from jaxformer.config import ConfigError
     from jaxformer.data import DataError
 

@@ -245,9 +245,12 @@ class Transformer(nnx.Module):
         self.decoder = Decoder(cfg, self.tgt_embed, cross=mode == "encoder_decoder", rngs=rngs)
         self.lm_head = LMHead(cfg, self.tgt_embed if cfg.tie_output else None, rngs=rngs)
 
-    def src_lengths(self, src_ids_BS: Array, src_lengths: Array | None) -> Array:
-        """[B] source lengths: as given, or the rows taken as right-padded with `pad_id`."""
-        return trailing_padding_lengths(src_ids_BS, self.cfg.pad_id) if src_lengths is None else src_lengths
+    def src_lengths(self, src_ids_BS: Array, src_lengths: Array | None, src_segments: Array | None = None):
+        """[B] source lengths: as given, or the rows taken as right-padded with `pad_id`; None for
+        packed rows (their segments say the padding)."""
+        if src_segments is not None or src_lengths is not None:
+            return src_lengths
+        return trailing_padding_lengths(src_ids_BS, self.cfg.pad_id)
 
     @in_precision
     def encode(
@@ -261,8 +264,7 @@ class Transformer(nnx.Module):
     ) -> Array:
         """Source ids [B, S] -> memory [B, S, D]. Padding: `src_lengths` [B] or `src_segments` [B, S]
         (packed rows); with neither, trailing `pad_id`s are padding."""
-        if src_segments is None:
-            src_lengths = self.src_lengths(src_ids_BS, src_lengths)
+        src_lengths = self.src_lengths(src_ids_BS, src_lengths, src_segments)
         return self.encoder(
             src_ids_BS, lengths=src_lengths, segments=src_segments, positions=src_positions, dropout_rng=dropout_rng
         )
@@ -290,9 +292,9 @@ class Transformer(nnx.Module):
         """
         cross_mask = None
         if memory_BSD is not None:
-            if src_segments is None:
-                src_lengths = self.src_lengths(src_ids_BS, src_lengths)
-            cross_mask = memory_mask(src_lengths, tgt_segments, src_segments)
+            cross_mask = memory_mask(
+                self.src_lengths(src_ids_BS, src_lengths, src_segments), tgt_segments, src_segments
+            )
         h_BTD = self.decoder(
             tgt_ids_BT,
             lengths=tgt_lengths,
@@ -401,8 +403,7 @@ class Transformer(nnx.Module):
                 None, None, ids, tgt_lengths=lengths, tgt_segments=segments, tgt_positions=positions,
                 dropout_rng=r_dec,
             )  # fmt: skip
-        if segments is None:
-            lengths = self.src_lengths(ids, lengths)
+        lengths = self.src_lengths(ids, lengths, segments)  # once, for the encoder and the cross-attention
         memory_BSD = self.encode(ids, src_lengths=lengths, src_segments=segments, src_positions=positions,
                                  dropout_rng=r_enc)  # fmt: skip
         return self.decode(
