@@ -2,7 +2,19 @@
 
 from jaxformer import functional
 from jaxformer.checkpoint import load_model
-from jaxformer.config import ConfigError, ModelConfig, bert_style, gpt2_style, paper_base, paper_big, tiny
+from jaxformer.config import (
+    ConfigError,
+    ModelConfig,
+    bart_base,
+    bert_base,
+    gpt2_small,
+    llama,
+    paper_base,
+    paper_big,
+    t5_small,
+    t5_v1_1_small,
+    tiny,
+)
 from jaxformer.layers import (
     DecoderLayer,
     Embed,
@@ -32,13 +44,17 @@ __all__ = [
     "PositionalEncoding",
     "Transformer",
     "TransformerStack",
-    "bert_style",
+    "bart_base",
+    "bert_base",
     "build_model",
     "count_params",
     "functional",
-    "gpt2_style",
+    "gpt2_small",
+    "llama",
     "load_model",
     "paper_base",
     "paper_big",
+    "t5_small",
+    "t5_v1_1_small",
     "tiny",
 ]

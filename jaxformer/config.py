@@ -90,16 +90,26 @@ class ModelConfig:
     max_len: int = 512  # longest sequence the positional encoding covers
     dropout_rate: float = 0.1  # residual and embedding dropout (paper P_drop)
     attention_dropout_rate: float = 0.0  # on attention weights (Annotated Transformer uses P_drop)
-    activation: Literal["relu", "gelu", "swiglu"] = "relu"
+    # gelu: tanh approximation (GPT-2); gelu_exact: with erf (BERT, BART); swiglu, geglu: gated (Llama, T5 v1.1)
+    activation: Literal["relu", "gelu", "gelu_exact", "swiglu", "geglu"] = "relu"
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     norm_position: Literal["post", "pre"] = "post"  # post: LayerNorm(x + Sublayer(x)) as in the paper
     norm_eps: float = 1e-6
-    position: Literal["sinusoidal", "learned", "rope", "none"] = "sinusoidal"
+    # relative: T5's bucketed relative-position bias on each stack's self-attention logits
+    position: Literal["sinusoidal", "learned", "rope", "relative", "none"] = "sinusoidal"
     rope_base: float = 10_000.0
+    position_offset: int = 0  # learned: position p reads table row p + offset (BART: 2; max_len + offset rows)
+    relative_buckets: int = 32  # relative: buckets of the bias table (T5: 32)
+    relative_max_distance: int = 128  # relative: distances beyond this share the last bucket (T5: 128)
+    embed_norm: bool = False  # a norm on the summed embeddings before the first layer (BERT, BART)
+    type_vocab_size: int = 0  # encoder: > 0 adds token-type (sentence A/B) embeddings (BERT: 2)
+    scale_attention: bool = True  # attention logits / sqrt(K); T5 folds the scale into its initialisation
     use_bias: bool = True  # biases in projections (the paper's linear layers have them)
     share_embeddings: bool = True  # encoder and decoder input embeddings are one matrix
     tie_output: bool = True  # output logits use the (decoder) input embedding, transposed
     scale_embeddings: bool = True  # multiply embeddings by sqrt(D), paper section 3.4
+    logits_bias: bool = False  # a bias on the decoder's vocabulary logits (BART's final_logits_bias)
+    scale_tied_logits: bool = False  # tied output: multiply the final states by D^-0.5 first (T5 v1.0)
     num_classes: int = 0  # encoder_only: > 0 adds a sequence classification head
     pooling: Literal["first", "mean"] = "first"  # classification pooling: [CLS] token or masked mean
     pad_id: int = 0
@@ -117,7 +127,7 @@ class ModelConfig:
         check_field_types(self, p)
         for name in ("vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
             require(getattr(self, name) > 0, f"{p}.{name}", f"must be positive, got {getattr(self, name)}")
-        for name in ("num_encoder_layers", "num_decoder_layers", "num_classes"):
+        for name in ("num_encoder_layers", "num_decoder_layers", "num_classes", "position_offset", "type_vocab_size"):
             require(getattr(self, name) >= 0, f"{p}.{name}", f"must be >= 0, got {getattr(self, name)}")
         if self.head_dim is None:
             require(
@@ -147,6 +157,33 @@ class ModelConfig:
             require(
                 self.dim_per_head % 2 == 0, f"{p}.head_dim", f"RoPE needs an even head dim, got {self.dim_per_head}"
             )
+        require(
+            self.position_offset == 0 or self.position == "learned",
+            f"{p}.position_offset",
+            f"an offset into the position table needs position='learned', not {self.position!r}",
+        )
+        if self.position == "relative":
+            require(self.relative_buckets >= 4, f"{p}.relative_buckets", f"must be >= 4, got {self.relative_buckets}")
+            require(
+                self.relative_max_distance > self.relative_buckets // 2,
+                f"{p}.relative_max_distance",
+                f"must exceed relative_buckets // 2 = {self.relative_buckets // 2}, got {self.relative_max_distance}",
+            )
+        require(
+            self.type_vocab_size == 0 or self.mode != "decoder_only",
+            f"{p}.type_vocab_size",
+            "token-type embeddings belong to an encoder; mode='decoder_only' has none",
+        )
+        require(
+            not self.logits_bias or self.mode != "encoder_only",
+            f"{p}.logits_bias",
+            "mode='encoder_only': the masked-LM head always has its bias",
+        )
+        require(
+            not self.scale_tied_logits or self.tie_output,
+            f"{p}.scale_tied_logits",
+            "rescales only tied output logits (tie_output=True)",
+        )
         if self.mode in ("encoder_only", "encoder_decoder"):
             require(self.num_encoder_layers > 0, f"{p}.num_encoder_layers", f"mode={self.mode} needs an encoder")
         if self.mode in ("decoder_only", "encoder_decoder"):
@@ -183,22 +220,71 @@ def paper_big(vocab_size: int = 37_000, **overrides) -> ModelConfig:
     return ModelConfig(vocab_size=vocab_size, **(kw | overrides))
 
 
-def bert_style(vocab_size: int = 30_522, **overrides) -> ModelConfig:
-    """BERT-base-like encoder: post-norm, learned positions, GELU, 12 layers of D=768."""
+# The published shapes of the families `jaxformer.interop.hf` reads; `vocab_size` and any field
+# can be overridden (a checkpoint's own config.json always wins when loading one).
+
+
+def bert_base(vocab_size: int = 30_522, **overrides) -> ModelConfig:
+    """BERT-base (Devlin et al. 2019): 12 post-norm layers of D=768, learned positions, token types,
+    a norm on the embeddings, exact GELU, masked-LM head tied to the embeddings; 110M params."""
     kw = dict(
         mode="encoder_only", d_model=768, num_heads=12, d_ff=3072, num_encoder_layers=12,
-        num_decoder_layers=0, position="learned", activation="gelu", norm_eps=1e-12,
-        scale_embeddings=False,
+        num_decoder_layers=0, max_len=512, position="learned", activation="gelu_exact", norm_eps=1e-12,
+        scale_embeddings=False, embed_norm=True, type_vocab_size=2, dropout_rate=0.1,
     )  # fmt: skip
     return ModelConfig(vocab_size=vocab_size, **(kw | overrides))
 
 
-def gpt2_style(vocab_size: int = 50_257, **overrides) -> ModelConfig:
-    """GPT-2-small-like decoder: pre-norm, learned positions, GELU, tied embeddings."""
+def gpt2_small(vocab_size: int = 50_257, **overrides) -> ModelConfig:
+    """GPT-2 small (Radford et al. 2019): 12 pre-norm layers of D=768, learned positions, tanh GELU,
+    tied embeddings; 124M params."""
     kw = dict(
         mode="decoder_only", d_model=768, num_heads=12, d_ff=3072, num_encoder_layers=0,
         num_decoder_layers=12, max_len=1024, position="learned", activation="gelu",
         norm_position="pre", norm_eps=1e-5, scale_embeddings=False,
+    )  # fmt: skip
+    return ModelConfig(vocab_size=vocab_size, **(kw | overrides))
+
+
+def bart_base(vocab_size: int = 50_265, **overrides) -> ModelConfig:
+    """BART-base (Lewis et al. 2020): 6+6 post-norm layers of D=768, learned positions at offset 2,
+    norms on the embeddings, exact GELU, shared tied embeddings, a final logits bias; 139M params."""
+    kw = dict(
+        d_model=768, num_heads=12, d_ff=3072, num_encoder_layers=6, num_decoder_layers=6, max_len=1024,
+        position="learned", position_offset=2, activation="gelu_exact", norm_eps=1e-5,
+        scale_embeddings=False, embed_norm=True, logits_bias=True, pad_id=1,
+    )  # fmt: skip
+    return ModelConfig(vocab_size=vocab_size, **(kw | overrides))
+
+
+def t5_small(vocab_size: int = 32_128, **overrides) -> ModelConfig:
+    """T5-small v1.0 (Raffel et al. 2020): 6+6 pre-RMSNorm layers of D=512, relative position
+    buckets, unscaled attention, no biases, ReLU, tied output scaled by D^-0.5; 60M params."""
+    kw = dict(
+        d_model=512, num_heads=8, head_dim=64, d_ff=2048, num_encoder_layers=6, num_decoder_layers=6,
+        position="relative", norm="rmsnorm", norm_position="pre", norm_eps=1e-6, use_bias=False,
+        scale_attention=False, scale_embeddings=False, scale_tied_logits=True,
+    )  # fmt: skip
+    return ModelConfig(vocab_size=vocab_size, **(kw | overrides))
+
+
+def t5_v1_1_small(vocab_size: int = 32_128, **overrides) -> ModelConfig:
+    """T5 v1.1 small: as T5 but gated GELU, D=512 F=1024 8+8 layers of 6 heads, untied output; 77M params."""
+    kw = dict(
+        num_heads=6, d_ff=1024, num_encoder_layers=8, num_decoder_layers=8, activation="geglu",
+        tie_output=False, scale_tied_logits=False,
+    )  # fmt: skip
+    return t5_small(vocab_size, **(kw | overrides))
+
+
+def llama(vocab_size: int = 32_000, **overrides) -> ModelConfig:
+    """Llama 2 7B (Touvron et al. 2023): 32 pre-RMSNorm layers of D=4096, RoPE, SwiGLU F=11008,
+    no biases, untied output; set num_kv_heads for grouped-query variants (Llama 3 8B: 8)."""
+    kw = dict(
+        mode="decoder_only", d_model=4096, num_heads=32, d_ff=11_008, num_encoder_layers=0,
+        num_decoder_layers=32, max_len=4096, position="rope", activation="swiglu", norm="rmsnorm",
+        norm_position="pre", norm_eps=1e-5, use_bias=False, tie_output=False, scale_embeddings=False,
+        dropout_rate=0.0,
     )  # fmt: skip
     return ModelConfig(vocab_size=vocab_size, **(kw | overrides))
 
@@ -216,8 +302,12 @@ def tiny(mode: str = "encoder_decoder", vocab_size: int = 32, **overrides) -> Mo
 PRESETS = {
     "paper_base": paper_base,
     "paper_big": paper_big,
-    "bert_style": bert_style,
-    "gpt2_style": gpt2_style,
+    "bert_base": bert_base,
+    "gpt2_small": gpt2_small,
+    "bart_base": bart_base,
+    "t5_small": t5_small,
+    "t5_v1_1_small": t5_v1_1_small,
+    "llama": llama,
     "tiny": tiny,
 }
 

@@ -155,7 +155,7 @@ def fused_attention_args(mask: Mask | Array | None, B: int, T: int, S: int) -> d
     return args
 
 
-def _fused(q_BTHK, k_BSGK, v_BSGK, mask, bias, backend: str) -> Array:
+def _fused(q_BTHK, k_BSGK, v_BSGK, mask, bias, scale, backend: str) -> Array:
     """`jax.nn.dot_product_attention` with `backend`, told the mask as structure; rows that see
     no key get zeros (JAX would give them the mean of v)."""
     B, T, H, _ = q_BTHK.shape
@@ -164,7 +164,11 @@ def _fused(q_BTHK, k_BSGK, v_BSGK, mask, bias, backend: str) -> Array:
     if backend == "cudnn" and "mask" in args:
         # cuDNN takes a dense mask only as a bias of the full [T, S]; a broadcast one is rejected.
         args["mask"] = jnp.broadcast_to(args["mask"], (args["mask"].shape[0], 1, T, S))
-    out_BTHK = jax.nn.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, bias=bias, implementation=backend, **args)
+    if bias is not None:
+        bias = bias.astype(q_BTHK.dtype)
+    out_BTHK = jax.nn.dot_product_attention(
+        q_BTHK, k_BSGK, v_BSGK, bias=bias, scale=scale, implementation=backend, **args
+    )
     if "mask" in args:  # a dense part: it decides which rows see a key
         dense = mask.dense(T, S) if isinstance(mask, Mask) else mask
         live_BT = jnp.any(jnp.broadcast_to(dense, (dense.shape[0], H, T, S)), axis=(1, 3))
@@ -203,12 +207,13 @@ def dot_product_attention(
     kv_layout: KVLayout = "BSGK",
     mask: Mask | Array | None = None,
     bias: Array | None = None,
+    scale: float | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: Array | None = None,
     return_weights: bool = False,
     implementation: AttentionImpl = "naive",
 ) -> Array | tuple[Array, Array]:
-    """softmax(Q K^T / sqrt(K) + bias, masked) V, with grouped-query support.
+    """softmax(Q K^T * scale + bias, masked) V, with grouped-query support; scale 1/sqrt(K) by default.
 
     Args:
       q_BTHK: queries. k_BSGK, v_BSGK: keys and values with G heads, H % G == 0
@@ -219,7 +224,8 @@ def dot_product_attention(
       mask: a `Mask` (structure: causal, lengths, segments), or a boolean array, True =
         attend, broadcastable to [B, H, T, S]. A query that sees no key gets a zero output
         (never NaN).
-      bias: additive logits bias broadcastable to [B, H, T, S] (e.g. ALiBi, T5).
+      bias: additive logits bias broadcastable to [B, H, T, S] (e.g. ALiBi, T5's relative positions).
+      scale: the logits' factor; None is 1/sqrt(K) (T5 uses 1: its initialisation holds the scale).
       dropout_rate, dropout_rng: attention-weight dropout; no dropout when the
         rate is 0 or the key is None (evaluation).
       return_weights: also return the attention weights [B, H, T, S] (float32).
@@ -246,11 +252,11 @@ def dot_product_attention(
             k_BSGK, v_BSGK = jnp.swapaxes(k_BSGK, 1, 2), jnp.swapaxes(v_BSGK, 1, 2)
         if backend == "cudnn" and implementation == "auto":
             try:  # cuDNN's limits (head dim, lengths with a bias, GPU generation) are checked as it traces
-                return _fused(q_BTHK, k_BSGK, v_BSGK, mask, bias, "cudnn")
+                return _fused(q_BTHK, k_BSGK, v_BSGK, mask, bias, scale, "cudnn")
             except (NotImplementedError, ValueError, RuntimeError) as e:
                 _log_fallback(f"cuDNN flash attention cannot serve this call ({e}): XLA's path runs")
                 backend = "xla"
-        return _fused(q_BTHK, k_BSGK, v_BSGK, mask, bias, backend)
+        return _fused(q_BTHK, k_BSGK, v_BSGK, mask, bias, scale, backend)
 
     S = k_BSGK.shape[2 if kv_layout == "BGSK" else 1]
     dense = mask.dense(T, S) if isinstance(mask, Mask) else mask
@@ -258,7 +264,7 @@ def dot_product_attention(
     q_BTGRK = q_BTHK.reshape(B, T, G, R, K)
     # Logits and softmax in float32 whatever the compute dtype: bfloat16 exp/sum lose too much.
     logits_BGRTS = jnp.einsum(f"BTGRK,{kv_layout}->BGRTS", q_BTGRK, k_BSGK, preferred_element_type=jnp.float32)
-    logits_BHTS = logits_BGRTS.reshape(B, H, T, -1) / math.sqrt(K)
+    logits_BHTS = logits_BGRTS.reshape(B, H, T, -1) * (1 / math.sqrt(K) if scale is None else scale)
     if bias is not None:
         logits_BHTS = logits_BHTS + bias.astype(jnp.float32)
     if dense is not None:
@@ -365,6 +371,37 @@ def apply_rope(x_BTHK: Array, positions_BT: Array, base: float = 10_000.0) -> Ar
     return rotated.astype(x_BTHK.dtype)
 
 
+def relative_position_buckets(relative_S: Array, *, bidirectional: bool, num_buckets: int, max_distance: int) -> Array:
+    """T5's buckets (Raffel et al. 2020) of relative positions key - query: exact below half the
+    buckets, logarithmic up to `max_distance`, the last bucket beyond. Bidirectional: half the
+    buckets for keys after the query; otherwise keys after the query share bucket 0."""
+    n = num_buckets
+    offset = 0
+    if bidirectional:
+        n //= 2
+        offset = jnp.where(relative_S > 0, n, 0)
+        distance = jnp.abs(relative_S)
+    else:
+        distance = jnp.maximum(-relative_S, 0)
+    exact = n // 2
+    # Past `exact`, distances share buckets logarithmically up to max_distance; clamp before the log.
+    far = exact + (
+        jnp.log(jnp.maximum(distance, exact).astype(jnp.float32) / exact) / math.log(max_distance / exact) * (n - exact)
+    ).astype(jnp.int32)
+    return offset + jnp.where(distance < exact, distance, jnp.minimum(far, n - 1))
+
+
+def relative_position_bias(
+    q_positions_BT: Array, kv_positions_BS: Array, table_NH: Array, *, bidirectional: bool, max_distance: int
+) -> Array:
+    """Attention logits bias [B, H, T, S] from a learned table [num_buckets, H] of relative positions."""
+    relative_BTS = kv_positions_BS[:, None, :] - q_positions_BT[:, :, None]
+    buckets_BTS = relative_position_buckets(
+        relative_BTS, bidirectional=bidirectional, num_buckets=table_NH.shape[0], max_distance=max_distance
+    )
+    return jnp.moveaxis(jnp.take(table_NH, buckets_BTS, axis=0), -1, 1)  # [B, T, S, H] -> [B, H, T, S]
+
+
 # ----------------------------------------------------------------------------- activations
 
 
@@ -374,8 +411,13 @@ def relu(x: Array) -> Array:
 
 
 def gelu(x: Array) -> Array:
-    """GELU, tanh approximation (BERT, GPT-2)."""
+    """GELU, tanh approximation (GPT-2's "gelu_new", T5 v1.1's gated GELU)."""
     return jax.nn.gelu(x, approximate=True)
+
+
+def gelu_exact(x: Array) -> Array:
+    """GELU as defined, x * Phi(x) with the erf (BERT, BART: Hugging Face's "gelu")."""
+    return jax.nn.gelu(x, approximate=False)
 
 
 def swiglu(gate: Array, up: Array) -> Array:
@@ -383,8 +425,13 @@ def swiglu(gate: Array, up: Array) -> Array:
     return jax.nn.silu(gate) * up
 
 
-ACTIVATIONS = {"relu": relu, "gelu": gelu}  # gated activations take two inputs: see swiglu
-GATED_ACTIVATIONS = {"swiglu": swiglu}
+def geglu(gate: Array, up: Array) -> Array:
+    """GEGLU (Shazeer 2020): gelu(x W_gate) * (x W_up), tanh GELU as in T5 v1.1."""
+    return gelu(gate) * up
+
+
+ACTIVATIONS = {"relu": relu, "gelu": gelu, "gelu_exact": gelu_exact}  # gated ones take two inputs
+GATED_ACTIVATIONS = {"swiglu": swiglu, "geglu": geglu}
 
 
 # ----------------------------------------------------------------------------- norms

@@ -133,22 +133,41 @@ class Embed(nnx.Module):
 
 
 class PositionalEncoding(nnx.Module):
-    """Adds absolute positions: `sinusoidal` (paper), `learned`; `rope` and `none` add nothing."""
+    """Adds absolute positions: `sinusoidal` (paper), `learned` (position p at table row
+    p + `position_offset`); `rope`, `relative` and `none` act inside attention and add nothing."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         if cfg.position == "learned":
-            self.table = param(rngs, init.normal(0.02), (cfg.max_len, cfg.d_model), (None, "embed"))
+            rows = cfg.max_len + cfg.position_offset
+            self.table = param(rngs, init.normal(0.02), (rows, cfg.d_model), (None, "embed"))
 
     def __call__(self, x_BTD: Array, positions_BT: Array) -> Array:
         cfg = self.cfg
         if cfg.position == "sinusoidal":
             table_TD = F.sinusoidal_positions(cfg.max_len, cfg.d_model)
         elif cfg.position == "learned":
-            table_TD = self.table[...]
+            table_TD, positions_BT = self.table[...], positions_BT + cfg.position_offset
         else:
             return x_BTD
         return x_BTD + jnp.take(table_TD, positions_BT, axis=0).astype(x_BTD.dtype)
+
+
+class RelativePositionBias(nnx.Module):
+    """T5's attention logits bias: a learned [buckets, H] table read at bucketed key - query distances."""
+
+    def __init__(self, cfg: ModelConfig, *, bidirectional: bool, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.bidirectional = bidirectional
+        self.table = param(rngs, init.normal(0.02), (cfg.relative_buckets, cfg.num_heads), (None, "heads"))
+
+    def __call__(self, q_positions_BT: Array, kv_positions_BS: Array) -> Array:
+        """[B, H, T, S] in float32."""
+        bias_BHTS = F.relative_position_bias(
+            q_positions_BT, kv_positions_BS, self.table[...],
+            bidirectional=self.bidirectional, max_distance=self.cfg.relative_max_distance,
+        )  # fmt: skip
+        return constrain(bias_BHTS, ("batch", "heads", None, None))
 
 
 # ----------------------------------------------------------------------------- sublayers
@@ -216,6 +235,7 @@ class MultiHeadAttention(nnx.Module):
         positions_BT: Array | None = None,
         kv_positions_BS: Array | None = None,
         memory_kv: tuple[Array, Array] | None = None,
+        bias: Array | None = None,
         dropout_rng: Array | None = None,
         return_weights: bool = False,
     ):
@@ -223,13 +243,14 @@ class MultiHeadAttention(nnx.Module):
 
         `memory_kv` gives cross-attention keys and values already projected, heads-major
         [B, G, S, K] (`memory_cache` of the memory), as decoding does once per source.
+        `bias` [B, H, T, S] is added to the logits (T5's relative positions).
         """
         if memory_kv is not None:
-            return self._attend(x_BTD, *memory_kv, "BGSK", mask, positions_BT, dropout_rng, return_weights)
+            return self._attend(x_BTD, *memory_kv, "BGSK", mask, bias, positions_BT, dropout_rng, return_weights)
         kv_BSD = x_BTD if memory_BSD is None else memory_BSD
         kv_positions_BS = positions_BT if kv_positions_BS is None else kv_positions_BS
         k_BSGK, v_BSGK = self.project_kv(kv_BSD, kv_positions_BS)
-        return self._attend(x_BTD, k_BSGK, v_BSGK, "BSGK", mask, positions_BT, dropout_rng, return_weights)
+        return self._attend(x_BTD, k_BSGK, v_BSGK, "BSGK", mask, bias, positions_BT, dropout_rng, return_weights)
 
     # Decoding caches hold keys and values heads-major, [B, G, S, K]: the attention products read
     # them in place, where [B, S, G, K] would be transposed in full at every step.
@@ -243,7 +264,9 @@ class MultiHeadAttention(nnx.Module):
         """Cross-attention keys and values of the memory, once per source: {"k", "v"}: [B, G, S, K]."""
         return dict(zip("kv", (jnp.swapaxes(a, 1, 2) for a in self.project_kv(memory_BSD)), strict=True))
 
-    def extend(self, x_BTD: Array, cache: dict, *, mask: F.Mask, positions_BT: Array) -> tuple[Array, dict]:
+    def extend(
+        self, x_BTD: Array, cache: dict, *, mask: F.Mask, positions_BT: Array, bias: Array | None = None
+    ) -> tuple[Array, dict]:
         """Self-attention of new positions over a KV cache.
 
         x holds T new positions per row, starting at `positions_BT[:, 0]` (per row); their
@@ -258,9 +281,9 @@ class MultiHeadAttention(nnx.Module):
                             ("batch", "heads", None, None))
             for name in "kv"
         }  # fmt: skip
-        return self._attend(x_BTD, cache["k"], cache["v"], "BGSK", mask, positions_BT, None, False), cache
+        return self._attend(x_BTD, cache["k"], cache["v"], "BGSK", mask, bias, positions_BT, None, False), cache
 
-    def _attend(self, x_BTD, k, v, kv_layout, mask, positions_BT, dropout_rng, return_weights):
+    def _attend(self, x_BTD, k, v, kv_layout, mask, bias, positions_BT, dropout_rng, return_weights):
         cfg = self.cfg
         q_BTHK = self._project(x_BTD, "q")
         if self.use_rope:
@@ -269,6 +292,8 @@ class MultiHeadAttention(nnx.Module):
             q_BTHK, k, v,
             kv_layout=kv_layout,
             mask=mask,
+            bias=bias,
+            scale=None if cfg.scale_attention else 1.0,
             dropout_rate=cfg.attention_dropout_rate,
             dropout_rng=dropout_rng,
             return_weights=return_weights,
@@ -360,12 +385,19 @@ class EncoderLayer(nnx.Module):
         self.ffn_res = Residual(cfg, rngs=rngs)
 
     def __call__(
-        self, x_BTD: Array, *, mask: F.Mask | Array | None, positions_BT: Array, dropout_rng: Array | None = None
+        self,
+        x_BTD: Array,
+        *,
+        mask: F.Mask | Array | None,
+        positions_BT: Array,
+        position_bias: Array | None = None,
+        dropout_rng: Array | None = None,
     ):
+        """`position_bias` [B, H, T, T]: added to the self-attention logits (T5)."""
         r_attn, r_attn_res, r_ffn = split_rng(dropout_rng, 3)
 
         def attend(h_BTD):
-            return self.self_attn(h_BTD, mask=mask, positions_BT=positions_BT, dropout_rng=r_attn)
+            return self.self_attn(h_BTD, mask=mask, positions_BT=positions_BT, bias=position_bias, dropout_rng=r_attn)
 
         x_BTD = self.self_attn_res(x_BTD, attend, r_attn_res)
         return self.ffn_res(x_BTD, self.ffn, r_ffn)
@@ -392,18 +424,21 @@ class DecoderLayer(nnx.Module):
         positions_BT: Array,
         memory_BSD: Array | None = None,
         memory_mask: F.Mask | Array | None = None,
+        position_bias: Array | None = None,
         dropout_rng: Array | None = None,
         cache: dict | None = None,
     ):
         """Returns [B, T, D]. Decoding passes `cache`: {"self": this layer's KV cache, "memory":
         the memory's projected keys and values}; x then holds only the new positions and the
-        result is (x, the updated self-attention cache)."""
+        result is (x, the updated self-attention cache). `position_bias` [B, H, T, S]: added to
+        the self-attention logits (T5)."""
         r_self, r_self_res, r_cross, r_cross_res, r_ffn = split_rng(dropout_rng, 5)
+        kw = dict(mask=mask, positions_BT=positions_BT, bias=position_bias)
 
         def attend(h_BTD):
             if cache is None:
-                return self.self_attn(h_BTD, mask=mask, positions_BT=positions_BT, dropout_rng=r_self), None
-            return self.self_attn.extend(h_BTD, cache["self"], mask=mask, positions_BT=positions_BT)
+                return self.self_attn(h_BTD, dropout_rng=r_self, **kw), None
+            return self.self_attn.extend(h_BTD, cache["self"], **kw)
 
         x_BTD, self_cache = self.self_attn_res(x_BTD, attend, r_self_res, has_aux=True)
         if self.cross:

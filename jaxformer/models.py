@@ -27,6 +27,7 @@ from jaxformer.layers import (
     LayerStack,
     Norm,
     PositionalEncoding,
+    RelativePositionBias,
     param,
     split_rng,
 )
@@ -67,7 +68,8 @@ def memory_mask(src_lengths_B: Array | None, tgt_segments_BT: Array | None, src_
 
 
 class TransformerStack(nnx.Module):
-    """Embedding + positions + dropout, a LayerStack, and a final norm if pre-norm.
+    """Embeddings (token, position, token type; a norm if `embed_norm`) + dropout, a LayerStack,
+    and a final norm if pre-norm. T5's relative-position bias is computed once here for every layer.
 
     The encoder and the decoder are this with their own layer and mask (see `Encoder`, `Decoder`).
     """
@@ -77,9 +79,31 @@ class TransformerStack(nnx.Module):
         self.causal = causal
         self.embed = embed
         self.positions = PositionalEncoding(cfg, rngs=rngs)
+        if cfg.type_vocab_size and not causal:
+            self.token_types = param(rngs, init.normal(0.02), (cfg.type_vocab_size, cfg.d_model), (None, "embed"))
+        if cfg.embed_norm:
+            self.embed_norm = Norm(cfg, rngs=rngs)
+        if cfg.position == "relative":
+            self.relative_bias = RelativePositionBias(cfg, bidirectional=not causal, rngs=rngs)
         self.stack = LayerStack(cfg, make_layer, num_layers, rngs=rngs)
         if cfg.norm_position == "pre":
             self.final_norm = Norm(cfg, rngs=rngs)
+
+    def embed_inputs(self, ids_BT: Array, positions_BT: Array, token_types_BT: Array | None) -> Array:
+        """Token embeddings + absolute positions + token types, normed if `embed_norm`: [B, T, D]."""
+        x_BTD = self.positions(self.embed(ids_BT), positions_BT)
+        if hasattr(self, "token_types"):
+            types_BT = jnp.zeros_like(ids_BT) if token_types_BT is None else token_types_BT
+            x_BTD = x_BTD + jnp.take(self.token_types[...], types_BT, axis=0).astype(x_BTD.dtype)
+        elif token_types_BT is not None:
+            raise ValueError("token types given, but the model has none (model.type_vocab_size=0)")
+        return self.embed_norm(x_BTD) if self.cfg.embed_norm else x_BTD
+
+    def position_bias(self, q_positions_BT: Array, kv_positions_BS: Array) -> dict:
+        """The layers' `position_bias` keyword: T5's relative bias [B, H, T, S], or nothing."""
+        if self.cfg.position != "relative":
+            return {}
+        return {"position_bias": self.relative_bias(q_positions_BT, kv_positions_BS)}
 
     def __call__(
         self,
@@ -88,12 +112,14 @@ class TransformerStack(nnx.Module):
         lengths: Array | None = None,
         segments: Array | None = None,
         positions: Array | None = None,
+        token_types: Array | None = None,
         dropout_rng: Array | None = None,
         **layer_inputs,
     ) -> Array:
         """Ids [B, T] -> hidden states [B, T, D]; `layer_inputs` (the decoder's memory) go to every layer.
 
         Padding is `lengths` [B] (right-padded rows) or `segments` [B, T] (packed rows, 0 = padding).
+        `token_types` [B, T] (0 where not given) need `type_vocab_size` > 0.
         """
         cfg = self.cfg
         if positions is None and cfg.position in ("sinusoidal", "learned") and ids_BT.shape[1] > cfg.max_len:
@@ -101,9 +127,9 @@ class TransformerStack(nnx.Module):
             raise ValueError(f"{ids_BT.shape[1]} positions exceed model.max_len={cfg.max_len}")
         positions_BT = default_positions(ids_BT) if positions is None else positions
         r_embed, r_layers = split_rng(dropout_rng, 2)
-        x_BTD = self.positions(self.embed(ids_BT), positions_BT)
-        x_BTD = F.dropout(x_BTD, cfg.dropout_rate, r_embed)
+        x_BTD = F.dropout(self.embed_inputs(ids_BT, positions_BT, token_types), cfg.dropout_rate, r_embed)
         mask = self_attention_mask(lengths, segments, causal=self.causal)
+        layer_inputs |= self.position_bias(positions_BT, positions_BT)
         x_BTD = self.stack(x_BTD, mask=mask, positions_BT=positions_BT, dropout_rng=r_layers, **layer_inputs)
         return self.final_norm(x_BTD) if cfg.norm_position == "pre" else x_BTD
 
@@ -116,7 +142,10 @@ class TransformerStack(nnx.Module):
         """
         mask = F.causal_cache_mask(positions_BT)
         positions_BT = default_positions(ids_BT) if positions_BT is None else positions_BT
-        x_BTD = self.positions(self.embed(ids_BT), positions_BT)
+        x_BTD = self.embed_inputs(ids_BT, positions_BT, None)
+        B, S = ids_BT.shape[0], cache[0]["self"]["k"].shape[2]
+        slots_BS = jnp.broadcast_to(jnp.arange(S), (B, S))
+        layer_inputs |= self.position_bias(positions_BT, slots_BS)  # slot s holds position s
         x_BTD, cache = self.stack.extend(x_BTD, cache, mask=mask, positions_BT=positions_BT, **layer_inputs)
         return (self.final_norm(x_BTD) if self.cfg.norm_position == "pre" else x_BTD), cache
 
@@ -139,26 +168,33 @@ def Decoder(cfg: ModelConfig, embed: Embed, *, cross: bool, rngs: nnx.Rngs) -> T
 
 
 class LMHead(nnx.Module):
-    """Vocabulary logits [B, T, V]: tied to an embedding (x E^T) or an untied kernel."""
+    """Vocabulary logits [B, T, V]: tied to an embedding (x E^T, times D^-0.5 first with
+    `scale_tied_logits`) or an untied kernel; plus a bias with `logits_bias`."""
 
-    def __init__(self, cfg: ModelConfig, tied_to: Embed | None, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, tied_to: Embed | None, *, bias: bool = False, rngs: nnx.Rngs):
         self.cfg = cfg
         self.tied_to = tied_to
         if tied_to is None:
             self.kernel = param(rngs, init.xavier_uniform(), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+        if bias:
+            self.bias = param(rngs, init.zeros, (cfg.vocab_size,), ("vocab",))
 
     def __call__(self, x_BTD: Array, log_softmax: bool = False) -> Array:
+        dt = self.cfg.dtype
         if self.tied_to is not None:
-            logits_BTV = self.tied_to.attend(x_BTD)
+            logits_BTV = self.tied_to.attend(x_BTD * self.cfg.d_model**-0.5 if self.cfg.scale_tied_logits else x_BTD)
         else:
-            logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, self.kernel[...].astype(self.cfg.dtype))
+            logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, self.kernel[...].astype(dt))
             logits_BTV = constrain(logits_BTV, ("batch", None, "vocab"))
+        if hasattr(self, "bias"):
+            logits_BTV = logits_BTV + F.lift(self.bias[...].astype(dt), logits_BTV)
         # The paper's Generator: log-softmax, in float32.
         return jax.nn.log_softmax(logits_BTV.astype(jnp.float32)) if log_softmax else logits_BTV
 
 
 class MaskedLMHead(nnx.Module):
-    """BERT's masked-LM head: dense D->D, GELU, norm, then vocabulary logits plus a bias."""
+    """BERT's masked-LM head: dense D->D, GELU (exact if the model's is), norm, then vocabulary
+    logits plus a bias."""
 
     def __init__(self, cfg: ModelConfig, tied_to: Embed | None, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -170,8 +206,9 @@ class MaskedLMHead(nnx.Module):
 
     def __call__(self, x_BTD: Array) -> Array:
         dt = self.cfg.dtype
+        act = F.gelu_exact if self.cfg.activation == "gelu_exact" else F.gelu
         h_BTD = jnp.einsum("BTD,DE->BTE", x_BTD, self.transform[...].astype(dt))
-        h_BTD = self.norm(F.gelu(h_BTD + F.lift(self.transform_bias[...].astype(dt), h_BTD)))
+        h_BTD = self.norm(act(h_BTD + F.lift(self.transform_bias[...].astype(dt), h_BTD)))
         logits_BTV = self.decoder(h_BTD)
         return logits_BTV + F.lift(self.bias[...].astype(dt), logits_BTV)
 
@@ -243,7 +280,7 @@ class Transformer(nnx.Module):
         else:
             self.tgt_embed = Embed(cfg, rngs=rngs)
         self.decoder = Decoder(cfg, self.tgt_embed, cross=mode == "encoder_decoder", rngs=rngs)
-        self.lm_head = LMHead(cfg, self.tgt_embed if cfg.tie_output else None, rngs=rngs)
+        self.lm_head = LMHead(cfg, self.tgt_embed if cfg.tie_output else None, bias=cfg.logits_bias, rngs=rngs)
 
     def src_lengths(self, src_ids_BS: Array, src_lengths: Array | None, src_segments: Array | None = None):
         """[B] source lengths: as given, or the rows taken as right-padded with `pad_id`; None for
@@ -260,14 +297,17 @@ class Transformer(nnx.Module):
         src_lengths: Array | None = None,
         src_segments: Array | None = None,
         src_positions: Array | None = None,
+        src_token_types: Array | None = None,
         dropout_rng: Array | None = None,
     ) -> Array:
         """Source ids [B, S] -> memory [B, S, D]. Padding: `src_lengths` [B] or `src_segments` [B, S]
-        (packed rows); with neither, trailing `pad_id`s are padding."""
+        (packed rows); with neither, trailing `pad_id`s are padding. `src_token_types` [B, S]: BERT's
+        sentence A/B ids (type_vocab_size > 0; zeros when not given)."""
         src_lengths = self.src_lengths(src_ids_BS, src_lengths, src_segments)
         return self.encoder(
-            src_ids_BS, lengths=src_lengths, segments=src_segments, positions=src_positions, dropout_rng=dropout_rng
-        )
+            src_ids_BS, lengths=src_lengths, segments=src_segments, positions=src_positions,
+            token_types=src_token_types, dropout_rng=dropout_rng,
+        )  # fmt: skip
 
     @in_precision
     def decode(
@@ -355,6 +395,7 @@ class Transformer(nnx.Module):
         src_lengths: Array | None = None,
         src_segments: Array | None = None,
         src_positions: Array | None = None,
+        src_token_types: Array | None = None,
         dropout_rng: Array | None = None,
     ) -> Array:
         """encoder_only with num_classes > 0: class logits [B, C]."""
@@ -364,7 +405,7 @@ class Transformer(nnx.Module):
         src_lengths = self.src_lengths(src_ids_BS, src_lengths)
         x_BSD = self.encode(
             src_ids_BS, src_lengths=src_lengths, src_segments=src_segments, src_positions=src_positions,
-            dropout_rng=r_enc,
+            src_token_types=src_token_types, dropout_rng=r_enc,
         )  # fmt: skip
         return self.classifier(x_BSD, src_lengths, dropout_rng=r_head)
 
@@ -377,6 +418,7 @@ class Transformer(nnx.Module):
         lengths: Array | None = None,
         segments: Array | None = None,
         positions: Array | None = None,
+        token_types: Array | None = None,
         tgt_lengths: Array | None = None,
         tgt_segments: Array | None = None,
         tgt_positions: Array | None = None,
@@ -386,7 +428,10 @@ class Transformer(nnx.Module):
 
         `lengths` [B] (or `segments`) say which of `ids` are padding: the source's in encoder
         modes, where they default to trailing `pad_id`s; a decoder-only model needs none.
+        `token_types` [B, S]: the source's token types (encoder modes with type_vocab_size > 0).
         """
+        if token_types is not None and self.cfg.mode == "decoder_only":
+            raise ValueError("mode='decoder_only' takes no token types")
         mode = self.cfg.mode
         if (mode == "encoder_decoder") != (tgt_ids is not None):
             raise ValueError(
@@ -395,8 +440,9 @@ class Transformer(nnx.Module):
         r_enc, r_dec = split_rng(dropout_rng, 2)
         if mode == "encoder_only":
             x_BSD = self.encode(
-                ids, src_lengths=lengths, src_segments=segments, src_positions=positions, dropout_rng=r_enc
-            )
+                ids, src_lengths=lengths, src_segments=segments, src_positions=positions,
+                src_token_types=token_types, dropout_rng=r_enc,
+            )  # fmt: skip
             return self.mlm_head(x_BSD)
         if mode == "decoder_only":
             return self.decode(
@@ -405,7 +451,7 @@ class Transformer(nnx.Module):
             )  # fmt: skip
         lengths = self.src_lengths(ids, lengths, segments)  # once, for the encoder and the cross-attention
         memory_BSD = self.encode(ids, src_lengths=lengths, src_segments=segments, src_positions=positions,
-                                 dropout_rng=r_enc)  # fmt: skip
+                                 src_token_types=token_types, dropout_rng=r_enc)  # fmt: skip
         return self.decode(
             memory_BSD,
             ids,

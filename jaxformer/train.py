@@ -223,7 +223,7 @@ def flops_per_example(cfg: ModelConfig, objective: str, src_len: int, tgt_len: i
     """
     D, H, G, K, Fw, V = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head, cfg.d_ff, cfg.vocab_size
     proj = 2 * D * (2 * H * K + 2 * G * K)
-    ffn = 2 * D * Fw * (3 if cfg.activation == "swiglu" else 2)
+    ffn = 2 * D * Fw * (3 if cfg.activation in F.GATED_ACTIVATIONS else 2)
     attn = lambda ctx: 4 * H * K * ctx
     enc_len = src_len if objective in ("seq2seq", "classify", "mlm") else 0
     total = cfg.num_encoder_layers * enc_len * (proj + ffn + attn(enc_len)) if enc_len else 0.0

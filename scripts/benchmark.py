@@ -359,7 +359,7 @@ def gpt2_vs_torch(args) -> None:
     print(f"{'impl':28s} {'B':>3s} {'tokens/s':>9s} {'MFU':>5s} {'memory GB':>9s}")
     rows = {}
     for B in (int(b) for b in args.batches.split(",")):
-        model = C.gpt2_style(
+        model = C.gpt2_small(
             vocab_size=V, d_model=D, num_heads=H, d_ff=4 * D, num_decoder_layers=L, max_len=T, dropout_rate=0.0,
             dtype="bfloat16", attention_impl=args.attention, scan_layers=args.scan, remat=args.remat,
             check_token_ids=False,

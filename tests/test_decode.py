@@ -30,16 +30,23 @@ def run(model, rows, **settings):
 
 @pytest.mark.parametrize("mode", ["decoder_only", "encoder_decoder"])
 @pytest.mark.parametrize(
-    "dtype, atol, scan", [("float32", 2e-5, False), ("bfloat16", 0.05, False), ("float32", 2e-5, True)]
+    "dtype, atol, scan, position",
+    [
+        ("float32", 2e-5, False, "rope"),
+        ("bfloat16", 0.05, False, "rope"),
+        ("float32", 2e-5, True, "rope"),
+        ("float32", 2e-5, False, "relative"),
+    ],
 )
-def test_cached_logits_equal_recomputation_at_every_step(mode, dtype, atol, scan):
+def test_cached_logits_equal_recomputation_at_every_step(mode, dtype, atol, scan, position):
     """Prefill of 5 positions, then one position per step: logits == the full forward pass,
-    with the layers unrolled or scanned (sliced out of their stacked parameters to decode).
+    with the layers unrolled or scanned (sliced out of their stacked parameters to decode),
+    with rotary positions or T5's relative-position bias (read at the cache's slots).
 
     Measured: float32 within 1e-6; bfloat16 within 0.03 for logits up to |3.2|, about two
     bfloat16 ulps, as the two paths round their partial sums differently.
     """
-    cfg = jf.tiny(mode, vocab_size=V, max_len=32, dtype=dtype, position="rope", scan_layers=scan)
+    cfg = jf.tiny(mode, vocab_size=V, max_len=32, dtype=dtype, position=position, scan_layers=scan)
     model = jf.build_model(cfg, seed=2)
     tgt = jax.random.randint(jax.random.key(0), (2, 12), 3, V)
     src = jax.random.randint(jax.random.key(1), (2, 9), 3, V).at[1, 6:].set(0)  # row 1 has padding

@@ -1,5 +1,7 @@
 """The pure maths against NumPy transcriptions of the formulas and library references."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -338,3 +340,54 @@ def test_auto_picks_cudnn_on_gpu_and_falls_back_once(cudnn_checked, monkeypatch,
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 3, said
     assert "bfloat16 or float16" in said[0] and "head dim must be" in said[1] and "dropout" in said[2]
+
+
+def test_exact_gelu_is_x_times_the_normal_cdf():
+    x = np.linspace(-6, 6, 101)
+    expected = [v * 0.5 * (1 + math.erf(v / math.sqrt(2))) for v in x]
+    np.testing.assert_allclose(F.gelu_exact(jnp.asarray(x, jnp.float32)), expected, atol=1e-6)
+    assert float(jnp.abs(F.gelu(jnp.float32(1.0)) - F.gelu_exact(jnp.float32(1.0)))) > 1e-4  # tanh differs
+
+
+def t5_bucket(relative: int, bidirectional: bool, num_buckets: int, max_distance: int) -> int:
+    """T5's bucket of one relative position (key - query), written from the paper's description."""
+    bucket = 0
+    if bidirectional:
+        num_buckets //= 2
+        if relative > 0:
+            bucket += num_buckets
+        distance = abs(relative)
+    else:
+        distance = max(-relative, 0)
+    exact = num_buckets // 2
+    if distance < exact:
+        return bucket + distance
+    scaled = math.log(distance / exact) / math.log(max_distance / exact) * (num_buckets - exact)
+    return bucket + min(exact + int(scaled), num_buckets - 1)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_relative_position_buckets_match_t5(bidirectional):
+    relative = np.arange(-300, 301)
+    got = F.relative_position_buckets(
+        jnp.asarray(relative), bidirectional=bidirectional, num_buckets=32, max_distance=128
+    )
+    expected = [t5_bucket(int(r), bidirectional, 32, 128) for r in relative]
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_relative_position_bias_reads_the_table_per_head():
+    table_NH = jax.random.normal(jax.random.key(0), (8, 3))
+    q_BT, kv_BS = jnp.array([[0, 1, 2]]), jnp.array([[0, 1, 2, 3]])
+    bias_BHTS = F.relative_position_bias(q_BT, kv_BS, table_NH, bidirectional=True, max_distance=16)
+    assert bias_BHTS.shape == (1, 3, 3, 4)
+    for t in range(3):
+        for s in range(4):
+            np.testing.assert_array_equal(bias_BHTS[0, :, t, s], table_NH[t5_bucket(s - t, True, 8, 16)])
+
+
+@pytest.mark.parametrize("impl", ["naive", "xla"])
+def test_attention_scale_replaces_one_over_sqrt_k(impl):
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 5, 4, 8)) for i in range(3))
+    unscaled = F.dot_product_attention(q, k, v, scale=1.0, implementation=impl)
+    np.testing.assert_allclose(unscaled, F.dot_product_attention(q * math.sqrt(8), k, v), atol=1e-5)

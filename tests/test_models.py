@@ -171,11 +171,21 @@ def test_paper_parameter_counts(preset, dims, approx):
     assert abs(n - approx) / approx < 0.003
 
 
-def test_presets_build():
-    for preset in (jf.bert_style, jf.gpt2_style):
-        cfg = preset()
-        abstract = nnx.eval_shape(lambda cfg=cfg: jf.Transformer(cfg, rngs=nnx.Rngs(0)))
-        assert jf.count_params(abstract) > 80e6
+@pytest.mark.parametrize(
+    "preset, published",  # parameter counts of the published checkpoints (Hugging Face's model cards)
+    [
+        (jf.bert_base, 109.5e6),  # bert-base-uncased without its NSP head and pooler
+        (jf.gpt2_small, 124.4e6),
+        (jf.bart_base, 139.4e6),
+        (jf.t5_small, 60.5e6),
+        (jf.t5_v1_1_small, 76.9e6),
+        (jf.llama, 6.74e9),
+    ],
+)
+def test_presets_have_the_published_sizes(preset, published):
+    cfg = preset()
+    abstract = nnx.eval_shape(lambda: jf.Transformer(cfg, rngs=nnx.Rngs(0)))
+    assert abs(jf.count_params(abstract) - published) / published < 0.01
 
 
 def test_logical_axis_names_on_every_parameter():
@@ -198,6 +208,14 @@ def test_logical_axis_names_on_every_parameter():
         (dict(num_layers=4), "num_layers"),
         (dict(vocab_size="100"), "model.vocab_size"),
         (dict(num_classes=3), "model.num_classes"),
+        (dict(activation="gelu_new"), "model.activation"),
+        (dict(position_offset=2), "model.position_offset"),  # needs learned positions
+        (dict(position="learned", position_offset=-1), "model.position_offset"),
+        (dict(position="relative", relative_buckets=2), "model.relative_buckets"),
+        (dict(position="relative", relative_max_distance=8), "model.relative_max_distance"),
+        (dict(mode="decoder_only", num_encoder_layers=0, type_vocab_size=2), "model.type_vocab_size"),
+        (dict(mode="encoder_only", num_decoder_layers=0, logits_bias=True), "model.logits_bias"),
+        (dict(tie_output=False, scale_tied_logits=True), "model.scale_tied_logits"),
     ],
 )
 def test_invalid_configs_name_the_field(changes, field):
@@ -231,19 +249,24 @@ def test_input_longer_than_max_len_is_refused_not_nan(position):
     assert model(jnp.ones((1, 8), jnp.int32)).shape == (1, 8, V)
 
 
+T5_ARCH = dict(position="relative", scale_attention=False, norm="rmsnorm", norm_position="pre", use_bias=False)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("impl", ["xla", "cudnn"])
-def test_fused_attention_equals_reference_in_every_mode(mode, impl, cudnn_checked):
+@pytest.mark.parametrize("arch", [{}, T5_ARCH], ids=["paper", "t5"])
+def test_fused_attention_equals_reference_in_every_mode(mode, impl, arch, cudnn_checked):
     """The fused paths, told padding (lengths) or packing (segments) as structure, give the reference's
-    logits and gradients in every mode. "cudnn" runs on CPU through JAX's own cuDNN argument checks
-    (conftest's `cudnn_checked`), so a mask cuDNN would reject fails here."""
+    logits and gradients in every mode, also with T5's relative-position bias and unscaled logits.
+    "cudnn" runs on CPU through JAX's own cuDNN argument checks (conftest's `cudnn_checked`), so a
+    mask or bias cuDNN would reject fails here."""
     lengths = jnp.array([T, 5])
     segs = jnp.array([[1, 1, 1, 2, 2, 3, 3, 3], [1, 1, 2, 2, 2, 0, 0, 0]])
     src, tgt = jnp.where(segs > 0, ids(0), 0), jnp.where(segs > 0, ids(1), 0)
     weights = jax.random.normal(jax.random.key(5), (B, T, V))
 
     def loss_and_grads(impl):
-        model = jf.build_model(jf.tiny(mode, vocab_size=V, attention_impl=impl), seed=3)
+        model = jf.build_model(jf.tiny(mode, vocab_size=V, attention_impl=impl, **arch), seed=3)
 
         def loss(model, kw):
             logits = forward(model, src, tgt, **kw)
