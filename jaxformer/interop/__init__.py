@@ -1,0 +1,1 @@
+"""Other frameworks' checkpoints in and out of jaxformer (see `jaxformer.interop.hf`)."""

@@ -1,0 +1,724 @@
+"""Hugging Face checkpoints in and out: GPT-2, Llama, BERT, BART and T5.
+
+A Hugging Face model directory holds `config.json` and the weights in the hub's PyTorch naming,
+in `model.safetensors` or in shards listed by `model.safetensors.index.json`:
+
+    model = load_hf("gpt2/")                        # a Transformer, parameters float32
+    model = load_hf("llama/", mesh=mesh)            # each tensor sharded onto the mesh as it is read
+    model = load_hf("t5/", scan_layers=True)        # any ModelConfig field can be overridden
+    save_hf(model, "out/")                          # config.json + model.safetensors, readable by transformers
+
+Each family is a table (`FAMILIES`): how its `config.json` reads as a `ModelConfig` and back, and
+one `Rule` per checkpoint tensor naming the jaxformer parameter(s) it is and how the layout
+changes. jaxformer's parameter paths are those of `nnx.to_flat_state(nnx.state(model))` for
+unrolled layers (README: "Parameter tree"); scanned stacks hold the same tensors stacked on a
+leading layer axis. Tensors are read one at a time from memory-mapped files, converted on the
+host and placed on their devices before the next is read, so the host never holds the whole
+model. A checkpoint option jaxformer cannot express fails with the field named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import pathlib
+import re
+from collections.abc import Callable, Iterator
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxformer.config import ModelConfig
+from jaxformer.models import Transformer
+
+log = logging.getLogger("jaxformer.interop")
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+# Parameters a checkpoint may lack (a new task head): they keep their fresh initialisation.
+HEADS = ("lm_head.", "mlm_head.", "classifier.")
+
+
+class UnsupportedCheckpoint(ValueError):
+    """The checkpoint (or the model to save) uses something jaxformer cannot express; the message names it."""
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One checkpoint tensor and the jaxformer parameter(s) it holds.
+
+    theirs: the checkpoint's name; "{i}" stands for the layer index.
+    ours:   jaxformer parameter paths (unrolled); several split the tensor in equal parts along
+            its output features (GPT-2's fused QKV).
+    layout: "same" (identical shape), "vector" (a flat vector of ours), "row" ([1, N]),
+            "linear" (torch Linear [out, in]), "conv1d" (GPT-2's Conv1D [in, out]).
+    inputs: linear/conv1d: how many leading axes of ours are input features (2 for an
+            attention output [H, K, D]).
+    """
+
+    theirs: str
+    ours: tuple[str, ...]
+    layout: Literal["same", "vector", "row", "linear", "conv1d"] = "same"
+    inputs: int = 1
+
+
+def same(theirs: str, ours: str) -> Rule:
+    return Rule(theirs, (ours,))
+
+
+def dense(theirs: str, ours: str, *, bias: bool, inputs: int = 1, layout: str = "linear") -> list[Rule]:
+    """A projection: `theirs.weight` -> ours, `theirs.bias` -> ours_bias."""
+    rules = [Rule(f"{theirs}.weight", (ours,), layout, inputs)]
+    return [*rules, Rule(f"{theirs}.bias", (f"{ours}_bias",), "vector")] if bias else rules
+
+
+def norm(theirs: str, ours: str, *, bias: bool, names: tuple[str, str] = ("weight", "bias")) -> list[Rule]:
+    rules = [same(f"{theirs}.{names[0]}", f"{ours}.scale")]
+    return [*rules, same(f"{theirs}.{names[1]}", f"{ours}.bias")] if bias else rules
+
+
+def attention(theirs: str, ours: str, names: tuple[str, str, str, str], *, bias: bool) -> list[Rule]:
+    """Separate q, k, v, output projections named `names` under `theirs`."""
+    out = []
+    for name, mine in zip(names, "qkvo", strict=True):
+        out += dense(f"{theirs}.{name}", f"{ours}.{mine}", bias=bias, inputs=2 if mine == "o" else 1)
+    return out
+
+
+def to_ours(tensor: np.ndarray, rule: Rule, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+    """The checkpoint tensor as our parameters of `shapes`."""
+    if rule.layout in ("linear", "conv1d"):
+        in_out = tensor.T if rule.layout == "linear" else tensor
+        parts = np.split(in_out, len(shapes), axis=1)
+    else:
+        parts = np.split(tensor.reshape(-1), len(shapes)) if len(shapes) > 1 else [tensor]
+    out = []
+    for part, shape in zip(parts, shapes, strict=True):
+        if part.size != math.prod(shape):
+            raise UnsupportedCheckpoint(
+                f"{rule.theirs}: shape {tensor.shape} does not fit {', '.join(rule.ours)} of shape(s) {shapes}"
+            )
+        out.append(np.ascontiguousarray(part.reshape(shape)))
+    return out
+
+
+def to_theirs(arrays: list[np.ndarray], rule: Rule) -> np.ndarray:
+    """Our parameters as the checkpoint's tensor (the inverse of `to_ours`)."""
+    if rule.layout in ("linear", "conv1d"):
+        in_out = np.concatenate([a.reshape(math.prod(a.shape[: rule.inputs]), -1) for a in arrays], axis=1)
+        return np.ascontiguousarray(in_out.T if rule.layout == "linear" else in_out)
+    if rule.layout == "vector" or len(arrays) > 1:
+        return np.concatenate([a.reshape(-1) for a in arrays])
+    return arrays[0].reshape(1, -1) if rule.layout == "row" else arrays[0]
+
+
+# ----------------------------------------------------------------------------- config fields
+
+
+def _get(hf: dict, key: str, default=None):
+    value = hf.get(key, default)
+    return default if value is None else value
+
+
+def _require(hf: dict, key: str, allowed, default=None):
+    """hf[key] (or its default), which must be one of `allowed`."""
+    value = hf.get(key, default)
+    if value not in allowed:
+        raise UnsupportedCheckpoint(f"config.json: {key}={value!r} is not supported (jaxformer reads {allowed})")
+    return value
+
+
+# HF activation names -> ours ("gelu" in Hugging Face is the exact erf form; ours is the tanh one).
+ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu"}
+ACTIVATION_NAMES = {"gelu_exact": "gelu", "gelu": "gelu_new", "relu": "relu"}
+
+
+def _activation(hf: dict, key: str) -> str:
+    return ACTIVATIONS[_require(hf, key, tuple(ACTIVATIONS), "gelu")]
+
+
+def _same_on_both_sides(hf: dict, encoder_key: str, decoder_key: str):
+    if hf[encoder_key] != hf[decoder_key]:
+        raise UnsupportedCheckpoint(
+            f"config.json: {encoder_key}={hf[encoder_key]} != {decoder_key}={hf[decoder_key]}; "
+            "jaxformer's encoder and decoder share one width"
+        )
+    return hf[encoder_key]
+
+
+# ----------------------------------------------------------------------------- families
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family: its config.json both ways and its tensor rules."""
+
+    model_type: str
+    prefix: str  # the base model's prefix, which bare-model checkpoints leave out ("transformer.", "bert.")
+    to_config: Callable[[dict], dict]  # config.json -> ModelConfig fields
+    from_config: Callable[[ModelConfig], dict]  # ModelConfig -> config.json fields
+    rules: Callable[[ModelConfig], list[Rule]]
+    ignore: tuple[str, ...] = ()  # regexes of tensors with no place in jaxformer (buffers, unused heads)
+
+
+def _gpt2_config(hf: dict) -> dict:
+    if hf.get("add_cross_attention") or hf.get("scale_attn_by_inverse_layer_idx"):
+        raise UnsupportedCheckpoint("config.json: GPT-2 cross-attention / per-layer attention scaling is not supported")
+    D = hf["n_embd"]
+    return dict(
+        mode="decoder_only", vocab_size=hf["vocab_size"], d_model=D, num_heads=hf["n_head"],
+        d_ff=_get(hf, "n_inner", 4 * D), num_encoder_layers=0, num_decoder_layers=hf["n_layer"],
+        max_len=hf["n_positions"], activation=_activation(hf, "activation_function"),
+        norm_eps=_get(hf, "layer_norm_epsilon", 1e-5), dropout_rate=_get(hf, "resid_pdrop", 0.1),
+        attention_dropout_rate=_get(hf, "attn_pdrop", 0.1), position="learned", norm_position="pre",
+        scale_embeddings=False, tie_output=_get(hf, "tie_word_embeddings", True), pad_id=_get(hf, "pad_token_id", 0),
+    )  # fmt: skip
+
+
+def _gpt2_hf(cfg: ModelConfig) -> dict:
+    return dict(
+        architectures=["GPT2LMHeadModel"], vocab_size=cfg.vocab_size, n_embd=cfg.d_model, n_head=cfg.num_heads,
+        n_inner=cfg.d_ff, n_layer=cfg.num_decoder_layers, n_positions=cfg.max_len,
+        activation_function=ACTIVATION_NAMES[cfg.activation], layer_norm_epsilon=cfg.norm_eps,
+        resid_pdrop=cfg.dropout_rate, embd_pdrop=cfg.dropout_rate, attn_pdrop=cfg.attention_dropout_rate,
+        tie_word_embeddings=cfg.tie_output, **_pad_token(cfg),
+    )  # fmt: skip
+
+
+def _pad_token(cfg: ModelConfig) -> dict:
+    """A decoder-only model's pad id, written only when not 0: its padding is structure (lengths), and
+    transformers would take every id-0 token of a prompt for padding."""
+    return {"pad_token_id": cfg.pad_id} if cfg.pad_id else {}
+
+
+def _gpt2_rules(cfg: ModelConfig) -> list[Rule]:
+    h, L = "transformer.h.{i}", "decoder.stack.layers.{i}"
+    rules = [same("transformer.wte.weight", "decoder.embed.embedding"),
+             same("transformer.wpe.weight", "decoder.positions.table")]  # fmt: skip
+    rules += norm(f"{h}.ln_1", f"{L}.self_attn_res.norm", bias=True)
+    rules += [Rule(f"{h}.attn.c_attn.weight", tuple(f"{L}.self_attn.{n}" for n in "qkv"), "conv1d"),
+              Rule(f"{h}.attn.c_attn.bias", tuple(f"{L}.self_attn.{n}_bias" for n in "qkv"), "vector")]  # fmt: skip
+    rules += dense(f"{h}.attn.c_proj", f"{L}.self_attn.o", bias=True, inputs=2, layout="conv1d")
+    rules += norm(f"{h}.ln_2", f"{L}.ffn_res.norm", bias=True)
+    rules += dense(f"{h}.mlp.c_fc", f"{L}.ffn.wi", bias=True, layout="conv1d")
+    rules += dense(f"{h}.mlp.c_proj", f"{L}.ffn.wo", bias=True, layout="conv1d")
+    rules += norm("transformer.ln_f", "decoder.final_norm", bias=True)
+    return rules + ([] if cfg.tie_output else [Rule("lm_head.weight", ("lm_head.kernel",), "linear")])
+
+
+def _llama_config(hf: dict) -> dict:
+    _require(hf, "hidden_act", ("silu",), "silu")
+    _require(hf, "rope_scaling", (None,))
+    _require(hf, "attention_bias", (False,), False)
+    _require(hf, "mlp_bias", (False,), False)
+    D, H = hf["hidden_size"], hf["num_attention_heads"]
+    return dict(
+        mode="decoder_only", vocab_size=hf["vocab_size"], d_model=D, num_heads=H,
+        num_kv_heads=_get(hf, "num_key_value_heads", H), head_dim=_get(hf, "head_dim", D // H),
+        d_ff=hf["intermediate_size"], num_encoder_layers=0, num_decoder_layers=hf["num_hidden_layers"],
+        max_len=_get(hf, "max_position_embeddings", 2048), norm_eps=_get(hf, "rms_norm_eps", 1e-6),
+        rope_base=float(_get(hf, "rope_theta", 10_000.0)), dropout_rate=0.0,
+        attention_dropout_rate=_get(hf, "attention_dropout", 0.0), position="rope", activation="swiglu",
+        norm="rmsnorm", norm_position="pre", use_bias=False, scale_embeddings=False,
+        tie_output=_get(hf, "tie_word_embeddings", False), pad_id=_get(hf, "pad_token_id", 0),
+    )  # fmt: skip
+
+
+def _llama_hf(cfg: ModelConfig) -> dict:
+    return dict(
+        architectures=["LlamaForCausalLM"], vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.dim_per_head,
+        intermediate_size=cfg.d_ff, num_hidden_layers=cfg.num_decoder_layers, max_position_embeddings=cfg.max_len,
+        rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_base, hidden_act="silu", attention_bias=False,
+        mlp_bias=False, attention_dropout=cfg.attention_dropout_rate, tie_word_embeddings=cfg.tie_output,
+        **_pad_token(cfg),
+    )  # fmt: skip
+
+
+def _llama_rules(cfg: ModelConfig) -> list[Rule]:
+    h, L = "model.layers.{i}", "decoder.stack.layers.{i}"
+    rules = [same("model.embed_tokens.weight", "decoder.embed.embedding")]
+    rules += norm(f"{h}.input_layernorm", f"{L}.self_attn_res.norm", bias=False)
+    rules += attention(f"{h}.self_attn", f"{L}.self_attn", ("q_proj", "k_proj", "v_proj", "o_proj"), bias=False)
+    rules += norm(f"{h}.post_attention_layernorm", f"{L}.ffn_res.norm", bias=False)
+    for theirs, ours in (("gate_proj", "wi_gate"), ("up_proj", "wi"), ("down_proj", "wo")):
+        rules += dense(f"{h}.mlp.{theirs}", f"{L}.ffn.{ours}", bias=False)
+    rules += norm("model.norm", "decoder.final_norm", bias=False)
+    return rules + ([] if cfg.tie_output else [Rule("lm_head.weight", ("lm_head.kernel",), "linear")])
+
+
+def _bert_config(hf: dict) -> dict:
+    _require(hf, "position_embedding_type", ("absolute",), "absolute")
+    classifier = any("SequenceClassification" in a for a in hf.get("architectures") or [])
+    classes = len(hf.get("id2label") or {}) if classifier else 0
+    return dict(
+        mode="encoder_only", vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
+        num_heads=hf["num_attention_heads"], d_ff=hf["intermediate_size"],
+        num_encoder_layers=hf["num_hidden_layers"], num_decoder_layers=0,
+        max_len=hf["max_position_embeddings"], type_vocab_size=hf["type_vocab_size"],
+        norm_eps=_get(hf, "layer_norm_eps", 1e-12), activation=_activation(hf, "hidden_act"),
+        dropout_rate=_get(hf, "hidden_dropout_prob", 0.1),
+        attention_dropout_rate=_get(hf, "attention_probs_dropout_prob", 0.1), position="learned",
+        embed_norm=True, scale_embeddings=False, tie_output=_get(hf, "tie_word_embeddings", True),
+        pad_id=_get(hf, "pad_token_id", 0), num_classes=classes, pooling="first",
+    )  # fmt: skip
+
+
+def _bert_hf(cfg: ModelConfig) -> dict:
+    if cfg.pooling != "first":
+        raise UnsupportedCheckpoint("model.pooling='mean': BERT's pooler reads the first token")
+    out = dict(
+        architectures=["BertForSequenceClassification" if cfg.num_classes else "BertForMaskedLM"],
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_attention_heads=cfg.num_heads,
+        intermediate_size=cfg.d_ff, num_hidden_layers=cfg.num_encoder_layers, max_position_embeddings=cfg.max_len,
+        type_vocab_size=cfg.type_vocab_size, layer_norm_eps=cfg.norm_eps, hidden_act=ACTIVATION_NAMES[cfg.activation],
+        hidden_dropout_prob=cfg.dropout_rate, attention_probs_dropout_prob=cfg.attention_dropout_rate,
+        position_embedding_type="absolute", tie_word_embeddings=cfg.tie_output, pad_token_id=cfg.pad_id,
+    )  # fmt: skip
+    if cfg.num_classes:
+        out["id2label"] = {str(c): f"LABEL_{c}" for c in range(cfg.num_classes)}
+        out["label2id"] = {f"LABEL_{c}": c for c in range(cfg.num_classes)}
+    return out
+
+
+def _bert_rules(cfg: ModelConfig) -> list[Rule]:
+    e, h, L = "bert.embeddings", "bert.encoder.layer.{i}", "encoder.stack.layers.{i}"
+    rules = [same(f"{e}.word_embeddings.weight", "encoder.embed.embedding"),
+             same(f"{e}.position_embeddings.weight", "encoder.positions.table"),
+             same(f"{e}.token_type_embeddings.weight", "encoder.token_types")]  # fmt: skip
+    rules += norm(f"{e}.LayerNorm", "encoder.embed_norm", bias=True)
+    rules += attention(f"{h}.attention", f"{L}.self_attn", ("self.query", "self.key", "self.value", "output.dense"),
+                       bias=True)  # fmt: skip
+    rules += norm(f"{h}.attention.output.LayerNorm", f"{L}.self_attn_res.norm", bias=True)
+    rules += dense(f"{h}.intermediate.dense", f"{L}.ffn.wi", bias=True)
+    rules += dense(f"{h}.output.dense", f"{L}.ffn.wo", bias=True)
+    rules += norm(f"{h}.output.LayerNorm", f"{L}.ffn_res.norm", bias=True)
+    p = "cls.predictions"
+    rules += [Rule(f"{p}.transform.dense.weight", ("mlm_head.transform",), "linear"),
+              same(f"{p}.transform.dense.bias", "mlm_head.transform_bias"),
+              same(f"{p}.bias", "mlm_head.bias")]  # fmt: skip
+    rules += norm(f"{p}.transform.LayerNorm", "mlm_head.norm", bias=True)
+    if not cfg.tie_output:
+        rules.append(Rule(f"{p}.decoder.weight", ("mlm_head.decoder.kernel",), "linear"))
+    if cfg.num_classes:
+        rules += [Rule("bert.pooler.dense.weight", ("classifier.pooler",), "linear"),
+                  same("bert.pooler.dense.bias", "classifier.pooler_bias"),
+                  Rule("classifier.weight", ("classifier.out",), "linear"),
+                  same("classifier.bias", "classifier.out_bias")]  # fmt: skip
+    return rules
+
+
+def _bart_config(hf: dict) -> dict:
+    for key in ("add_bias_logits", "normalize_before", "add_final_layer_norm"):
+        _require(hf, key, (False, None))
+    return dict(
+        mode="encoder_decoder", vocab_size=hf["vocab_size"], d_model=hf["d_model"],
+        num_heads=_same_on_both_sides(hf, "encoder_attention_heads", "decoder_attention_heads"),
+        d_ff=_same_on_both_sides(hf, "encoder_ffn_dim", "decoder_ffn_dim"),
+        num_encoder_layers=hf["encoder_layers"], num_decoder_layers=hf["decoder_layers"],
+        max_len=hf["max_position_embeddings"], position="learned", position_offset=2, embed_norm=True,
+        activation=_activation(hf, "activation_function"), norm_eps=1e-5, dropout_rate=_get(hf, "dropout", 0.1),
+        attention_dropout_rate=_get(hf, "attention_dropout", 0.0),
+        scale_embeddings=bool(_get(hf, "scale_embedding", False)), logits_bias=True,
+        tie_output=_get(hf, "tie_word_embeddings", True), pad_id=_get(hf, "pad_token_id", 1),
+    )  # fmt: skip
+
+
+def _bart_hf(cfg: ModelConfig) -> dict:
+    return dict(
+        architectures=["BartForConditionalGeneration"], vocab_size=cfg.vocab_size, d_model=cfg.d_model,
+        encoder_attention_heads=cfg.num_heads, decoder_attention_heads=cfg.num_heads,
+        encoder_ffn_dim=cfg.d_ff, decoder_ffn_dim=cfg.d_ff, encoder_layers=cfg.num_encoder_layers,
+        decoder_layers=cfg.num_decoder_layers, max_position_embeddings=cfg.max_len,
+        activation_function=ACTIVATION_NAMES[cfg.activation], dropout=cfg.dropout_rate,
+        attention_dropout=cfg.attention_dropout_rate, scale_embedding=cfg.scale_embeddings,
+        tie_word_embeddings=cfg.tie_output, pad_token_id=cfg.pad_id,
+    )  # fmt: skip
+
+
+def _bart_rules(cfg: ModelConfig) -> list[Rule]:
+    rules = [same("model.shared.weight", "decoder.embed.embedding")]
+    rules += [Rule("final_logits_bias", ("lm_head.bias",), "row")]
+    for side in ("encoder", "decoder"):
+        h, L = f"model.{side}.layers.{{i}}", f"{side}.stack.layers.{{i}}"
+        rules += [same(f"model.{side}.embed_positions.weight", f"{side}.positions.table")]
+        rules += norm(f"model.{side}.layernorm_embedding", f"{side}.embed_norm", bias=True)
+        attentions = [("self_attn", "self_attn")] + ([("encoder_attn", "cross_attn")] if side == "decoder" else [])
+        for theirs, ours in attentions:
+            rules += attention(f"{h}.{theirs}", f"{L}.{ours}", ("q_proj", "k_proj", "v_proj", "out_proj"), bias=True)
+            rules += norm(f"{h}.{theirs}_layer_norm", f"{L}.{ours}_res.norm", bias=True)
+        rules += dense(f"{h}.fc1", f"{L}.ffn.wi", bias=True) + dense(f"{h}.fc2", f"{L}.ffn.wo", bias=True)
+        rules += norm(f"{h}.final_layer_norm", f"{L}.ffn_res.norm", bias=True)
+    return rules + ([] if cfg.tie_output else [Rule("lm_head.weight", ("lm_head.kernel",), "linear")])
+
+
+T5_FFN = {"relu": "relu", "gated-gelu": "geglu"}
+
+
+def _t5_config(hf: dict) -> dict:
+    tied = _get(hf, "tie_word_embeddings", True)
+    return dict(
+        mode="encoder_decoder", vocab_size=hf["vocab_size"], d_model=hf["d_model"], num_heads=hf["num_heads"],
+        head_dim=hf["d_kv"], d_ff=hf["d_ff"], num_encoder_layers=hf["num_layers"],
+        num_decoder_layers=_get(hf, "num_decoder_layers", hf["num_layers"]), max_len=_get(hf, "n_positions", 512),
+        position="relative", relative_buckets=_get(hf, "relative_attention_num_buckets", 32),
+        relative_max_distance=_get(hf, "relative_attention_max_distance", 128),
+        activation=T5_FFN[_require(hf, "feed_forward_proj", tuple(T5_FFN), "relu")], norm="rmsnorm",
+        norm_position="pre", norm_eps=_get(hf, "layer_norm_epsilon", 1e-6), dropout_rate=_get(hf, "dropout_rate", 0.1),
+        use_bias=False, scale_attention=False, scale_embeddings=False, tie_output=tied, scale_tied_logits=tied,
+        pad_id=_get(hf, "pad_token_id", 0),
+    )  # fmt: skip
+
+
+def _t5_hf(cfg: ModelConfig) -> dict:
+    return dict(
+        architectures=["T5ForConditionalGeneration"], vocab_size=cfg.vocab_size, d_model=cfg.d_model,
+        num_heads=cfg.num_heads, d_kv=cfg.dim_per_head, d_ff=cfg.d_ff, num_layers=cfg.num_encoder_layers,
+        num_decoder_layers=cfg.num_decoder_layers, n_positions=cfg.max_len,
+        relative_attention_num_buckets=cfg.relative_buckets, relative_attention_max_distance=cfg.relative_max_distance,
+        feed_forward_proj={v: k for k, v in T5_FFN.items()}[cfg.activation], layer_norm_epsilon=cfg.norm_eps,
+        dropout_rate=cfg.dropout_rate, tie_word_embeddings=cfg.tie_output, pad_token_id=cfg.pad_id,
+        decoder_start_token_id=cfg.pad_id, is_encoder_decoder=True,
+    )  # fmt: skip
+
+
+def _t5_rules(cfg: ModelConfig) -> list[Rule]:
+    rules = [same("shared.weight", "decoder.embed.embedding")]
+    qkvo = ("q", "k", "v", "o")
+    for side in ("encoder", "decoder"):
+        h, L = f"{side}.block.{{i}}.layer", f"{side}.stack.layers.{{i}}"
+        sublayers = [("SelfAttention", "self_attn")]
+        if side == "decoder":
+            sublayers.append(("EncDecAttention", "cross_attn"))
+        rules.append(
+            same(f"{side}.block.0.layer.0.SelfAttention.relative_attention_bias.weight", f"{side}.relative_bias.table")
+        )
+        for n, (theirs, ours) in enumerate(sublayers):
+            rules += attention(f"{h}.{n}.{theirs}", f"{L}.{ours}", qkvo, bias=False)
+            rules += norm(f"{h}.{n}.layer_norm", f"{L}.{ours}_res.norm", bias=False)
+        f = f"{h}.{len(sublayers)}"
+        if cfg.activation == "geglu":
+            rules += dense(f"{f}.DenseReluDense.wi_0", f"{L}.ffn.wi_gate", bias=False)
+            rules += dense(f"{f}.DenseReluDense.wi_1", f"{L}.ffn.wi", bias=False)
+        else:
+            rules += dense(f"{f}.DenseReluDense.wi", f"{L}.ffn.wi", bias=False)
+        rules += dense(f"{f}.DenseReluDense.wo", f"{L}.ffn.wo", bias=False)
+        rules += norm(f"{f}.layer_norm", f"{L}.ffn_res.norm", bias=False)
+        rules += norm(f"{side}.final_layer_norm", f"{side}.final_norm", bias=False)
+    return rules + ([] if cfg.tie_output else [Rule("lm_head.weight", ("lm_head.kernel",), "linear")])
+
+
+TIED_COPIES = (r"^(model\.)?(encoder|decoder)\.embed_tokens\.weight$", r"^lm_head\.weight$")
+FAMILIES = {
+    "gpt2": Family("gpt2", "transformer.", _gpt2_config, _gpt2_hf, _gpt2_rules,
+                   ignore=(r"\.attn\.(masked_)?bias$", r"^lm_head\.weight$")),
+    "llama": Family("llama", "model.", _llama_config, _llama_hf, _llama_rules,
+                    ignore=(r"rotary_emb\.inv_freq$", r"^lm_head\.weight$")),
+    "bert": Family("bert", "bert.", _bert_config, _bert_hf, _bert_rules,
+                   ignore=(r"position_ids$", r"^cls\.seq_relationship\.", r"^cls\.predictions\.decoder\.",
+                           r"^bert\.pooler\.")),
+    "bart": Family("bart", "model.", _bart_config, _bart_hf, _bart_rules, ignore=TIED_COPIES),
+    "t5": Family("t5", "", _t5_config, _t5_hf, _t5_rules, ignore=TIED_COPIES),
+}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def read_hf_config(directory: str | pathlib.Path) -> dict:
+    """The directory's config.json, checked to name a family jaxformer reads."""
+    path = pathlib.Path(directory) / CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: is {directory} a Hugging Face model directory?")
+    hf = json.loads(path.read_text())
+    if hf.get("model_type") not in FAMILIES:
+        raise UnsupportedCheckpoint(
+            f"{path}: model_type={hf.get('model_type')!r} is not supported (jaxformer reads {sorted(FAMILIES)})"
+        )
+    return hf
+
+
+def config_from_hf(hf: dict, **overrides) -> ModelConfig:
+    """A ModelConfig from a config.json's contents; `overrides` replace fields (dtype, scan_layers, ...)."""
+    try:
+        return ModelConfig(**(FAMILIES[hf["model_type"]].to_config(hf) | overrides))
+    except KeyError as e:
+        raise UnsupportedCheckpoint(f"config.json lacks {e}") from None
+
+
+def config_to_hf(cfg: ModelConfig, family: str | None = None) -> dict:
+    """config.json contents for `cfg`, in `family` or the one family that expresses it exactly."""
+    family = family or family_of(cfg)
+    hf = FAMILIES[family].from_config(cfg) | {"model_type": family}
+    if not _expresses(family, cfg):
+        raise UnsupportedCheckpoint(f"{family} cannot express this model: {_differences(family, cfg)}")
+    return hf
+
+
+RUNTIME_FIELDS = ("dtype", "attention_impl", "matmul_precision", "scan_layers", "remat", "check_token_ids")
+
+
+def _explicit(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with head_dim and num_kv_heads spelled out, as config.json holds them."""
+    return cfg.replace(head_dim=cfg.dim_per_head, num_kv_heads=cfg.kv_heads)
+
+
+def _round_trip(family: str, cfg: ModelConfig) -> ModelConfig:
+    hf = FAMILIES[family].from_config(cfg) | {"model_type": family}
+    return _explicit(config_from_hf(hf, **{f: getattr(cfg, f) for f in RUNTIME_FIELDS}))
+
+
+def _differences(family: str, cfg: ModelConfig) -> str:
+    try:
+        back = _round_trip(family, cfg)
+    except (ValueError, KeyError) as e:
+        return str(e)
+    cfg = _explicit(cfg)
+    diff = [f"{f.name}={getattr(cfg, f.name)!r} (would be {getattr(back, f.name)!r})"
+            for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(back, f.name)]  # fmt: skip
+    return ", ".join(diff) or "nothing"
+
+
+def _expresses(family: str, cfg: ModelConfig) -> bool:
+    try:
+        return _round_trip(family, cfg) == _explicit(cfg)
+    except (ValueError, KeyError):
+        return False
+
+
+def family_of(cfg: ModelConfig) -> str:
+    """The family whose config.json says exactly `cfg` (round trip equal); else an error listing the
+    fields each family would change."""
+    for name in FAMILIES:
+        if _expresses(name, cfg):
+            return name
+    reasons = "; ".join(f"{name}: {_differences(name, cfg)}" for name in FAMILIES)
+    raise UnsupportedCheckpoint(f"no Hugging Face family expresses this model ({reasons})")
+
+
+# ----------------------------------------------------------------------------- reading tensors
+
+
+class SafetensorsReader:
+    """The tensors of a directory's `model.safetensors` or of the shards its index lists, each read
+    on demand from a memory-mapped file (never the whole checkpoint in memory)."""
+
+    def __init__(self, directory: str | pathlib.Path):
+        from safetensors import safe_open
+
+        directory = pathlib.Path(directory)
+        if (directory / INDEX).is_file():
+            weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif (directory / WEIGHTS).is_file():
+            files, weight_map = [WEIGHTS], None
+        else:
+            raise FileNotFoundError(f"{directory} holds neither {WEIGHTS} nor {INDEX}")
+        self.handles = {}
+        for name in files:
+            if not (directory / name).is_file():
+                raise FileNotFoundError(f"{directory / name}, listed in {INDEX}, does not exist")
+            self.handles[name] = safe_open(directory / name, framework="numpy")
+        self.where = {k: f for f, h in self.handles.items() for k in h.keys()}  # noqa: SIM118 (not a dict)
+        if weight_map is not None:
+            missing = sorted(set(weight_map) - set(self.where))
+            if missing:
+                raise UnsupportedCheckpoint(f"{INDEX} lists tensors its shards lack: {missing[:5]}")
+
+    def names(self) -> list[str]:
+        return sorted(self.where)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.handles[self.where[name]].get_tensor(name)
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def _expand(rules: list[Rule], cfg: ModelConfig) -> Iterator[tuple[Rule, int | None]]:
+    """(rule with the layer index filled in, that index or None) for every layer of its stack."""
+    for rule in rules:
+        if "{i}" not in rule.theirs:
+            yield rule, None
+            continue
+        side = rule.ours[0].split(".")[0]
+        layers = cfg.num_encoder_layers if side == "encoder" else cfg.num_decoder_layers
+        for i in range(layers):
+            yield Rule(rule.theirs.format(i=i), tuple(o.format(i=i) for o in rule.ours), rule.layout, rule.inputs), i
+
+
+def _stacked_path(path: str) -> tuple[str, int | None]:
+    """An unrolled path in a scanned model: ("encoder.stack.layers.q", 3) for "encoder.stack.layers.3.q"."""
+    match = re.match(r"^(.*\.layers)\.(\d+)\.(.*)$", path)
+    return (f"{match[1]}.{match[3]}", int(match[2])) if match else (path, None)
+
+
+def load_hf(directory: str | pathlib.Path, *, mesh: jax.sharding.Mesh | None = None, **overrides) -> Transformer:
+    """A Transformer holding the Hugging Face checkpoint in `directory` (parameters float32).
+
+    `overrides` replace ModelConfig fields that do not change the weights (`scan_layers`, `dtype`,
+    `attention_impl`, `dropout_rate`, `num_classes` for a new classification head, ...). With a
+    `mesh` (and the logical-axis rules in effect, `jaxformer.sharding.use`; the default rules
+    otherwise), each tensor goes straight to its shards. Parameters of a task head the checkpoint
+    lacks keep a fresh initialisation, with a warning; any other missing or unplaced tensor is an error.
+    """
+    from jaxformer import sharding
+
+    hf = read_hf_config(directory)
+    family = FAMILIES[hf["model_type"]]
+    cfg = config_from_hf(hf, **overrides)
+    reader = SafetensorsReader(directory)
+    with _rules_in_effect(mesh):
+        abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+        graphdef, abstract_params = nnx.split(abstract, nnx.Param)
+        shardings = sharding.state_shardings(abstract_params, mesh) if mesh is not None else None
+    flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(abstract_params)}
+    placement = dict(zip(flat, jax.tree.leaves(shardings), strict=True)) if shardings is not None else {}
+    names = {_canonical(n, family): n for n in reader.names()}
+    filled, used = {}, set()
+    pending: dict[str, tuple[np.ndarray, set]] = {}  # scanned stacks being filled: (array, layers so far)
+    for rule, _ in _expand(family.rules(cfg), cfg):
+        if rule.theirs not in names:
+            continue  # reported below as missing parameters
+        used.add(rule.theirs)
+        targets = [_stacked_path(o) for o in rule.ours] if cfg.scan_layers else [(o, None) for o in rule.ours]
+        shapes = [flat[p].shape[1:] if i is not None else flat[p].shape for p, i in targets]
+        for (path, index), array in zip(targets, to_ours(reader[names[rule.theirs]], rule, shapes), strict=True):
+            if index is None:
+                filled[path] = _place(array, placement.get(path))
+                continue
+            stack, done = pending.setdefault(path, (np.empty(flat[path].shape, np.float32), set()))
+            stack[index] = array
+            done.add(index)
+            if len(done) == stack.shape[0]:  # every layer read: place the stack
+                filled[path] = _place(pending.pop(path)[0], placement.get(path))
+    unused = sorted(n for c, n in names.items() if c not in used and not any(re.search(p, c) for p in family.ignore))
+    if unused:
+        raise UnsupportedCheckpoint(f"{directory}: tensors with no place in jaxformer's {cfg.mode} model: {unused[:8]}")
+    missing = sorted(set(flat) - set(filled))
+    lacking = [m for m in missing if not m.startswith(HEADS)]
+    if lacking:
+        raise UnsupportedCheckpoint(f"{directory}: the checkpoint lacks tensors for {lacking[:8]}")
+    if missing:
+        log.warning("%s lacks %s: freshly initialised (a new head to train)", directory, ", ".join(missing))
+        fresh = _fresh_params(cfg, shardings, mesh)
+        filled |= {p: fresh[p] for p in missing}
+    params = nnx.from_flat_state([(tuple(_key(k) for k in p.split(".")), flat[p].replace(filled[p])) for p in flat])
+    return nnx.merge(graphdef, params)
+
+
+def _key(part: str):
+    return int(part) if part.isdigit() else part
+
+
+def _canonical(name: str, family: Family) -> str:
+    """A checkpoint name as the family's rules spell it: old BERT names (gamma/beta) renamed, and
+    the base model's prefix added where a bare-model checkpoint leaves it out."""
+    name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", name))
+    heads = ("lm_head.", "cls.", "classifier.", "final_logits_bias")
+    if family.prefix and not name.startswith(family.prefix) and not name.startswith(heads):
+        return family.prefix + name
+    return name
+
+
+def _place(array: np.ndarray, sharding) -> jax.Array:
+    array = array.astype(np.float32)  # parameters are float32 (compute runs in ModelConfig.dtype)
+    return jax.device_put(array, sharding) if sharding is not None else jnp.asarray(array)
+
+
+def _fresh_params(cfg: ModelConfig, shardings, mesh) -> dict:
+    """Freshly initialised parameters by path (for heads a checkpoint lacks)."""
+    create = lambda: nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    with _rules_in_effect(mesh):
+        state = jax.jit(create, out_shardings=shardings)() if mesh is not None else create()
+    return {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(state)}
+
+
+def _rules_in_effect(mesh):
+    """The mesh and rules context for sharded loading (the caller's rules if set, else the default)."""
+    import contextlib
+
+    import flax.linen as nn
+
+    from jaxformer import sharding
+    from jaxformer.config import MeshConfig
+
+    if mesh is None or nn.get_logical_axis_rules():
+        return contextlib.nullcontext()
+    return sharding.use(mesh, sharding.rules_for(MeshConfig()))
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def save_hf(
+    model: Transformer,
+    directory: str | pathlib.Path,
+    *,
+    family: str | None = None,
+    extra_config: dict | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> pathlib.Path:
+    """Write `model` as a Hugging Face model directory: config.json (+ `extra_config`, e.g. special
+    token ids) and safetensors in the hub's PyTorch naming, float32, in shards of at most
+    `max_shard_bytes` with an index when it is larger. Scanned or unrolled, any sharding: one
+    tensor at a time is gathered to the host."""
+    from safetensors.numpy import save_file
+
+    cfg = model.cfg
+    family = family or family_of(cfg)
+    hf = config_to_hf(cfg, family) | {"torch_dtype": "float32"} | (extra_config or {})
+    flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    rules = list(_expand(FAMILIES[family].rules(cfg), cfg))
+    nbytes = [4 * sum(math.prod(_param_shape(flat, o, cfg)) for o in r.ours) for r, _ in rules]
+    shards: list[list[int]] = [[]]
+    size = 0
+    for k, n in enumerate(nbytes):
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(k)
+        size += n
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    n = len(shards)
+    files = [WEIGHTS] if n == 1 else [f"model-{s + 1:05d}-of-{n:05d}.safetensors" for s in range(n)]
+    weight_map = {}
+    for file, members in zip(files, shards, strict=True):
+        tensors = {}
+        for k in members:
+            rule, _ = rules[k]
+            tensors[rule.theirs] = to_theirs([_host_param(flat, o, cfg) for o in rule.ours], rule)
+            weight_map[rule.theirs] = file
+        save_file(tensors, directory / file, metadata={"format": "pt"})
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(nbytes)}, "weight_map": dict(sorted(weight_map.items()))}
+        (directory / INDEX).write_text(json.dumps(index, indent=2))
+    (directory / CONFIG).write_text(json.dumps(hf, indent=2, sort_keys=True))
+    return directory
+
+
+def _param_shape(flat: dict, path: str, cfg: ModelConfig) -> tuple[int, ...]:
+    if cfg.scan_layers:
+        stacked, index = _stacked_path(path)
+        if index is not None:
+            return flat[stacked].shape[1:]
+    return flat[path].shape
+
+
+def _host_param(flat: dict, path: str, cfg: ModelConfig) -> np.ndarray:
+    """One parameter (one layer's slice of a scanned stack) gathered to the host as float32."""
+    if cfg.scan_layers:
+        stacked, index = _stacked_path(path)
+        if index is not None:
+            return np.asarray(jax.device_get(flat[stacked][...][index]), np.float32)
+    return np.asarray(jax.device_get(flat[path][...]), np.float32)
