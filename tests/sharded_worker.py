@@ -4,6 +4,7 @@
     python tests/sharded_worker.py multihost PID PORT      # one of two processes, 4 devices each
     python tests/sharded_worker.py singlehost              # the same run in one process, 8 devices
     python tests/sharded_worker.py remesh DIR              # save under FSDP=8, restore on DP=4 and on 1
+    python tests/sharded_worker.py hf DIR                  # a Hugging Face checkpoint loaded onto FSDP=4 x TP=2
 
 Prints one JSON line of results for tests/test_sharding.py to check.
 """
@@ -212,6 +213,31 @@ def remesh(directory: str) -> dict:
     return out
 
 
+def hf_sharded(directory: str) -> dict:
+    """A (sharded) Hugging Face checkpoint loaded straight onto an FSDP=4 x TP=2 mesh: its logits
+    against the same checkpoint loaded onto one device, and where its parameters landed."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxformer import sharding
+    from jaxformer.config import MeshConfig
+    from jaxformer.interop.hf import load_hf
+
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (8, 12)), jnp.int32)
+    reference = load_hf(directory)(ids)
+    mesh_cfg = MeshConfig(data=1, fsdp=4, tensor=2)
+    mesh = sharding.make_mesh(mesh_cfg)
+    with sharding.use(mesh, sharding.rules_for(mesh_cfg)):
+        model = load_hf(directory, mesh=mesh)
+        logits = nnx.jit(lambda model, ids: model(ids))(model, ids)
+    params = {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return {
+        "max_abs_diff": float(jnp.abs(logits - reference).max()),
+        "specs": {k: str(tuple(v.sharding.spec)) for k, v in params.items()},
+        "devices": sorted({d.id for v in params.values() for d in v.sharding.device_set}),
+    }
+
+
 def main() -> None:
     task = sys.argv[1]
     if task == "strategies":
@@ -226,6 +252,8 @@ def main() -> None:
         if pid == 0:
             print(json.dumps({"losses": losses, "checksum": float(sum(np.abs(v).sum() for v in params.values()))}))
         jax.distributed.shutdown()
+    elif task == "hf":
+        print(json.dumps(hf_sharded(sys.argv[2])))
     elif task == "remesh":
         print(json.dumps(remesh(sys.argv[2])))
     elif task == "singlehost":

@@ -123,3 +123,20 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path):
     r = result(worker("remesh", tmp_path))
     assert r["dp4"]["equal"] and r["dp4"]["shardings_as_requested"] and r["dp4"]["devices"] == [0, 1, 2, 3]
     assert r["one"]["equal"] and r["one"]["shardings_as_requested"] and r["one"]["devices"] == [0]
+
+
+def test_hf_checkpoint_loads_onto_a_mesh(tmp_path):
+    """A checkpoint in several safetensors shards with an index, loaded onto FSDP=4 x TP=2 over
+    8 devices tensor by tensor: the logits of one device, parameters split as the rules say."""
+    import jaxformer as jf
+    from jaxformer.interop import hf
+
+    cfg = jf.llama(vocab_size=64, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, max_len=32, num_decoder_layers=2)
+    directory = hf.save_hf(jf.build_model(cfg), tmp_path, max_shard_bytes=8_000)
+    index = json.loads((directory / hf.INDEX).read_text())
+    assert len(set(index["weight_map"].values())) > 3 and not (directory / hf.WEIGHTS).exists()
+    r = result(worker("hf", directory))
+    assert r["max_abs_diff"] < 1e-5
+    assert r["devices"] == list(range(8))
+    assert r["specs"]["decoder.stack.layers.0.self_attn.q"] == "('fsdp', 'tensor')"  # [D, H, K]: K whole
+    assert r["specs"]["decoder.stack.layers.0.ffn.wo"] == "('tensor', 'fsdp')"  # [F, D]

@@ -449,6 +449,7 @@ def read_hf_config(directory: str | pathlib.Path) -> dict:
 
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     """A ModelConfig from a config.json's contents; `overrides` replace fields (dtype, scan_layers, ...)."""
+    hf = {key: value for key, value in hf.items() if value is not None}  # null = absent
     try:
         return ModelConfig(**(FAMILIES[hf["model_type"]].to_config(hf) | overrides))
     except KeyError as e:

@@ -1,0 +1,252 @@
+"""Hugging Face checkpoints: `load_hf` / `save_hf` against transformers' own Flax models.
+
+Each family's tiny model is given random weights (biases and norm scales too, so a misplaced one
+shows), written with `save_hf` in the hub's PyTorch naming, and loaded both by transformers'
+Flax classes and by `load_hf`: logits must agree to 1e-5 (float32) and greedy generations token
+for token. transformers reading our files checks the names and layouts; its own implementation
+of each architecture checks the options that express it. Skipped where transformers is absent
+(the test extras install it; torch is never needed).
+"""
+
+import json
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxformer as jf
+from jaxformer import decode
+from jaxformer.config import DecodeConfig
+from jaxformer.interop import hf
+
+transformers = pytest.importorskip("transformers", reason="the parity tests need transformers' Flax models")
+
+V = 64
+SMALL = dict(vocab_size=V, d_model=16, num_heads=2, d_ff=32, max_len=32, dropout_rate=0.0, attention_dropout_rate=0.0)
+ENC_DEC = dict(num_encoder_layers=2, num_decoder_layers=2)
+FAMILIES = {  # name: (jaxformer config, transformers' Flax class)
+    "gpt2": (jf.gpt2_small(**SMALL, num_decoder_layers=2), "FlaxGPT2LMHeadModel"),
+    "llama": (
+        jf.llama(**SMALL | dict(num_heads=4, num_kv_heads=2, d_ff=40), num_decoder_layers=2),
+        "FlaxLlamaForCausalLM",
+    ),
+    "bert": (jf.bert_base(**SMALL, num_encoder_layers=2), "FlaxBertForMaskedLM"),
+    "bert_classifier": (
+        jf.bert_base(**SMALL, num_encoder_layers=2, num_classes=3),
+        "FlaxBertForSequenceClassification",
+    ),
+    "bart": (jf.bart_base(**SMALL, **ENC_DEC), "FlaxBartForConditionalGeneration"),
+    "t5": (jf.t5_small(**SMALL | dict(head_dim=8), **ENC_DEC), "FlaxT5ForConditionalGeneration"),
+    "t5_v1_1": (jf.t5_v1_1_small(**SMALL | dict(head_dim=8), **ENC_DEC), "FlaxT5ForConditionalGeneration"),
+}
+SPECIAL = {"bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1}
+LENGTHS = np.array([10, 6])  # row 1 is padded
+THEIRS = jax.numpy_rank_promotion("allow")  # transformers' Flax code relies on implicit rank promotion
+
+
+class _Jnp:
+    """jax.numpy with the `a_min`/`a_max` keywords of `clip` that recent JAX dropped (Flax T5 uses them)."""
+
+    def __getattr__(self, name):
+        return getattr(jnp, name)
+
+    @staticmethod
+    def clip(x, a_min=None, a_max=None):
+        return jnp.clip(x, min=a_min, max=a_max)
+
+
+@pytest.fixture(autouse=True)
+def transformers_logs(monkeypatch, caplog):
+    """transformers' warnings reach caplog; its Flax T5 gets a JAX it can call."""
+    from transformers.models.t5 import modeling_flax_t5
+
+    monkeypatch.setattr(modeling_flax_t5, "jnp", _Jnp())
+    transformers.logging.enable_propagation()
+    transformers.logging.set_verbosity_warning()
+    caplog.set_level(logging.WARNING)
+    yield caplog
+    transformers.logging.disable_propagation()
+
+
+def randomized(cfg, seed: int = 0) -> jf.Transformer:
+    """A model of `cfg` whose every parameter (biases and norm scales included) is random."""
+    model = jf.build_model(cfg, seed)
+    leaves, tree = jax.tree.flatten(nnx.state(model, nnx.Param))
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    nnx.update(
+        model,
+        jax.tree.unflatten(tree, [0.3 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves, strict=True)]),
+    )
+    return model
+
+
+def ids(shape, seed):
+    return np.asarray(jax.random.randint(jax.random.key(seed), shape, 0, V), np.int32)
+
+
+def logits_of(model, src, tgt=None):
+    """jaxformer's logits (class logits for a classifier), `src` right-padded to LENGTHS."""
+    lengths = jnp.asarray(LENGTHS)
+    if model.cfg.num_classes:
+        return model.classify(jnp.asarray(src), src_lengths=lengths)
+    return model(jnp.asarray(src), None if tgt is None else jnp.asarray(tgt), lengths=lengths)
+
+
+def attention_mask(src):
+    return (np.arange(src.shape[1])[None] < LENGTHS[:, None]).astype(np.int32)
+
+
+def hf_logits_of(theirs, src, tgt=None):
+    """transformers' logits (class logits for a classifier) for the same inputs."""
+    with THEIRS:
+        if tgt is not None:
+            return theirs(input_ids=src, attention_mask=attention_mask(src), decoder_input_ids=tgt).logits
+        return theirs(input_ids=src, attention_mask=attention_mask(src)).logits
+
+
+def real(logits, cfg):
+    """Logits where the reference is defined: all target positions, or the inputs' real positions."""
+    if cfg.mode == "encoder_decoder" or cfg.num_classes:
+        return np.asarray(logits)
+    return np.where((np.arange(logits.shape[1]) < LENGTHS[:, None])[..., None], np.asarray(logits), 0)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(name, cfg, our random model, its save_hf directory, transformers' model of that directory)."""
+    name = request.param
+    cfg, cls = FAMILIES[name]
+    model = randomized(cfg)
+    directory = hf.save_hf(model, tmp_path_factory.mktemp(name), extra_config=SPECIAL)
+    from transformers.models.t5 import modeling_flax_t5
+
+    modeling_flax_t5.jnp = _Jnp()  # (module scope: the autouse fixture is per test)
+    with THEIRS:
+        theirs = getattr(transformers, cls).from_pretrained(directory)
+    return name, cfg, model, directory, theirs
+
+
+def test_logits_equal_transformers(family, transformers_logs):
+    """save_hf -> transformers and save_hf -> load_hf both give the logits of the model saved."""
+    _, cfg, model, directory, theirs = family
+    src = ids((2, 10), 1)
+    tgt = ids((2, 7), 2) if cfg.mode == "encoder_decoder" else None
+    with jax.default_matmul_precision("highest"):
+        ours = logits_of(model, src, tgt)
+        loaded = logits_of(hf.load_hf(directory), src, tgt)
+        reference = hf_logits_of(theirs, src, tgt)
+    np.testing.assert_array_equal(real(loaded, cfg), real(ours, cfg))
+    np.testing.assert_allclose(real(ours, cfg), real(reference, cfg), atol=1e-5)
+    assert np.abs(real(ours, cfg)).max() > 0.2  # the comparison is not of near-zero logits (T5 scales by D^-0.5)
+    assert not [r.message for r in transformers_logs.records if "were not" in r.message], "names transformers ignored"
+
+
+def test_greedy_generation_equals_transformers(family):
+    _, cfg, model, _, theirs = family
+    if cfg.mode == "encoder_only":
+        pytest.skip("an encoder does not generate")
+    eos, new = SPECIAL["eos_token_id"], 8
+    if cfg.mode == "decoder_only":
+        prompts = ids((2, 5), 3)
+        ours = decode.generate(model, prompts.tolist(), DecodeConfig(max_new_tokens=new), eos_id=eos).tokens[:, 0]
+        with THEIRS:
+            out = theirs.generate(prompts, max_new_tokens=new, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        reference = np.asarray(out.sequences)[:, prompts.shape[1] :]
+    else:
+        src = ids((2, 10), 4)
+        rows = [list(r[:n]) for r, n in zip(src.tolist(), LENGTHS, strict=True)]
+        start = SPECIAL["decoder_start_token_id"]
+        ours = decode.translate(model, rows, DecodeConfig(extra_len=new), bos_id=start, eos_id=eos).tokens[:, 0]
+        with THEIRS:
+            out = theirs.generate(
+                src, attention_mask=attention_mask(src), max_new_tokens=new, do_sample=False, eos_token_id=eos,
+                pad_token_id=cfg.pad_id, decoder_start_token_id=start, forced_bos_token_id=None,
+                forced_eos_token_id=None,
+            )  # fmt: skip
+        reference = np.asarray(out.sequences)[:, 1:]  # after the start token
+    for mine, theirs_row in zip(ours, reference, strict=True):
+        assert decode.strip_after_eos(mine[:new], eos) == decode.strip_after_eos(theirs_row[:new], eos)
+
+
+def test_scanned_load_and_save_equal_unrolled(tmp_path):
+    cfg = FAMILIES["t5_v1_1"][0]
+    model = randomized(cfg)
+    unrolled_dir = hf.save_hf(model, tmp_path / "unrolled")
+    scanned = hf.load_hf(unrolled_dir, scan_layers=True)
+    assert scanned.cfg.scan_layers
+    src, tgt = ids((2, 10), 1), ids((2, 7), 2)
+    np.testing.assert_allclose(logits_of(scanned, src, tgt), logits_of(model, src, tgt), atol=1e-6)
+    scanned_dir = hf.save_hf(scanned, tmp_path / "scanned")
+    from safetensors.numpy import load_file
+
+    a, b = load_file(unrolled_dir / hf.WEIGHTS), load_file(scanned_dir / hf.WEIGHTS)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    config_of = lambda d: json.loads((d / "config.json").read_text())
+    assert config_of(unrolled_dir) == config_of(scanned_dir)
+
+
+def test_a_new_head_is_initialised_with_a_warning(tmp_path, caplog):
+    """A masked-LM checkpoint fine-tuned as a classifier: the encoder comes from the checkpoint, the
+    classification head (absent from it) is fresh, and the log says so."""
+    mlm = randomized(FAMILIES["bert"][0])
+    directory = hf.save_hf(mlm, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="jaxformer.interop"):
+        classifier = hf.load_hf(directory, num_classes=3)
+    assert "classifier.out" in caplog.text and "freshly initialised" in caplog.text
+    np.testing.assert_array_equal(classifier.encoder.embed.embedding[...], mlm.encoder.embed.embedding[...])
+    assert classifier.classify(jnp.asarray(ids((2, 10), 1))).shape == (2, 3)
+
+
+def _edit_config(directory, **changes):
+    path = directory / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+
+
+def _edit_weights(directory, edit):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(directory / hf.WEIGHTS)
+    edit(tensors)
+    save_file(tensors, directory / hf.WEIGHTS, metadata={"format": "pt"})
+
+
+def _add(name, shape):
+    return lambda d: _edit_weights(d, lambda t: t.update({name: np.zeros(shape, np.float32)}))
+
+
+@pytest.mark.parametrize(
+    "family_name, damage, error, message",
+    [
+        ("gpt2", lambda d: (d / "config.json").unlink(), FileNotFoundError, "config.json does not exist"),
+        ("gpt2", lambda d: _edit_config(d, model_type="gpt_neox"), hf.UnsupportedCheckpoint, "model_type='gpt_neox'"),
+        ("llama", lambda d: _edit_config(d, rope_scaling={"type": "linear", "factor": 2.0}), hf.UnsupportedCheckpoint,
+         "rope_scaling"),
+        ("bert", lambda d: _edit_config(d, position_embedding_type="relative_key"), hf.UnsupportedCheckpoint,
+         "position_embedding_type"),
+        ("t5", lambda d: _edit_config(d, feed_forward_proj="gated-silu"), hf.UnsupportedCheckpoint,
+         "feed_forward_proj"),
+        ("gpt2", lambda d: _edit_config(d, n_layer=None), hf.UnsupportedCheckpoint, "n_layer"),
+        ("gpt2", lambda d: (d / hf.WEIGHTS).unlink(), FileNotFoundError, "model.safetensors"),
+        ("gpt2", lambda d: _edit_weights(d, lambda t: t.pop("transformer.h.1.mlp.c_fc.weight")),
+         hf.UnsupportedCheckpoint, "lacks tensors for .*decoder.stack.layers.1.ffn.wi"),
+        ("gpt2", _add("transformer.h.0.adapter.weight", 3), hf.UnsupportedCheckpoint,
+         "no place .*transformer.h.0.adapter.weight"),
+        ("gpt2", _add("transformer.wpe.weight", (3, 3)), hf.UnsupportedCheckpoint,
+         r"transformer.wpe.weight: shape \(3, 3\) does not fit"),
+    ],
+)  # fmt: skip
+def test_what_cannot_load_is_named(tmp_path, family_name, damage, error, message):
+    directory = hf.save_hf(randomized(FAMILIES[family_name][0]), tmp_path)
+    damage(directory)
+    with pytest.raises(error, match=message):
+        hf.load_hf(directory)
+
+
+def test_a_model_no_family_expresses_is_refused_with_the_fields():
+    with pytest.raises(hf.UnsupportedCheckpoint, match=r"no Hugging Face family .*position='sinusoidal'"):
+        hf.save_hf(jf.build_model(jf.tiny("decoder_only")), "unused")
