@@ -366,9 +366,11 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
         loss = float(prev["loss"])
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {prev_step}: lower train.learning_rate or check the data")
+        if prev_step % tcfg.log_every:  # logged steps do not depend on where the run (re)started
+            return
         if prev_step == start:  # the step that compiled: its time is logged above, it has no rate
             writer.write(prev_step, "train", prev)
-        elif prev_step % tcfg.log_every == 0:
+        else:
             elapsed = time.perf_counter() - window["start"]
             if window["flops"] / elapsed > peak:  # only a probe's peak can be beaten: it was an underestimate
                 peak = window["flops"] / elapsed
