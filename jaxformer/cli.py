@@ -227,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # outside the training loop (which saves and stops on Ctrl-C): nothing to save
+        print(f"\ninterrupted: {args.command} stopped", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -259,32 +259,38 @@ def batch_cost(cfg: Config, batch: dict) -> tuple[float, float]:
 
 
 class _Preemption:
-    """Whether to stop after this step: SIGTERM on one process, or, on several, the step
-    all processes agreed on through JAX's preemption sync (orbax `reached_preemption`).
+    """Whether to stop after this step: SIGTERM or Ctrl-C (SIGINT) on one process, or, on several,
+    the step all processes agreed on through JAX's preemption sync (orbax `reached_preemption`).
 
     A Python SIGTERM handler would replace the notifier that sync relies on, and hosts
     stopping at different steps would hang in the save, so it is installed on one process only.
+    A second Ctrl-C interrupts at once, without saving.
     """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self, manager):
         self.manager = manager
         self.local = jax.process_count() == 1
-        self.requested = False
+        self.requested = None  # the name of the signal received
 
     def __enter__(self):
         if self.local:
-            self.previous = signal.signal(signal.SIGTERM, self._handle)
+            self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         return self
 
     def _handle(self, signum, frame):
-        self.requested = True
+        self.requested = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def reached(self, step: int) -> bool:
-        return self.requested if self.local else self.manager.reached_preemption(step)
+        return self.requested is not None if self.local else self.manager.reached_preemption(step)
 
     def __exit__(self, *exc):
         if self.local:
-            signal.signal(signal.SIGTERM, self.previous)
+            for s, handler in self.previous.items():
+                signal.signal(s, handler)
 
 
 def fit(
@@ -414,8 +420,9 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
             if done % cfg.checkpoint.every == 0 or done == tcfg.steps or preempted or stopped:
                 flush()  # the log holds every step the checkpoint holds
                 ckpt.save(state, metrics=result if evaluated else None)
-            if preempted:
-                log(f"SIGTERM: saved step {done} to {ckpt.directory}; rerun the same command to resume")
+            if preempted and lead:  # shown even with --quiet: it says how to go on
+                why = preemption.requested or "preemption"
+                print(f"{why}: saved step {done} to {ckpt.directory}; rerun the same command to resume")
             if preempted or stopped:
                 break
     profiler.stop()

@@ -111,3 +111,35 @@ def test_fallback_to_training_from_scratch_logs_exactly_the_uninterrupted_run(tm
         "corrupt-40",
     ]
     assert metrics(workdir) == metrics(uninterrupted)
+
+
+def start_and_signal(workdir, sig) -> tuple[subprocess.Popen, str]:
+    """Start training, wait for its first complete checkpoint, send `sig`; (process, its output)."""
+    proc = subprocess.Popen(train_command(workdir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while not saved_steps(workdir):
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            assert time.time() < deadline, "no checkpoint within 300 s"
+            time.sleep(0.01)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc, out
+
+
+def test_ctrl_c_saves_says_how_to_resume_and_resumes_exactly(tmp_path, uninterrupted):
+    from jaxformer.checkpoint import EXIT_PREEMPTED
+
+    proc, out = start_and_signal(tmp_path, signal.SIGINT)
+    assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    last = saved_steps(tmp_path)[-1]
+    assert f"SIGINT: saved step {last} to {tmp_path / 'checkpoints'}; rerun the same command to resume" in out
+    assert 10 <= last < 40
+    result = run(tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert metrics(tmp_path) == metrics(uninterrupted)
