@@ -308,7 +308,8 @@ def fit(
     A..B-1 with `jax.profiler` into workdir/profile.
 
     Returns the final state, the last evaluation under "eval", and under "preempted" / "stopped"
-    whether SIGTERM / `on_eval` stopped the run (after saving) before `train.steps`.
+    whether SIGTERM or Ctrl-C / `on_eval` stopped the run (after saving) before `train.steps`;
+    "complete" when the workdir had already reached `train.steps` (nothing is trained or evaluated).
     """
     from jaxformer import sharding
 
@@ -337,6 +338,12 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
         state, start = restored, int(restored.step)
         log(f"resumed from {ckpt.directory / str(start)}")
     lead = jax.process_index() == 0
+    if start >= tcfg.steps:  # a finished run: nothing to train, evaluate or log again
+        ckpt.close()
+        return {
+            "eval": {}, "state": state, "graphdef": graphdef, "data": None, "eval_step": None, "fetch_test": None,
+            "preempted": False, "stopped": False, "complete": True,
+        }  # fmt: skip
     env = observe.environment(mesh)
     if lead:
         (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
@@ -433,5 +440,5 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
     return {
         "eval": result, "state": state, "graphdef": graphdef, "data": data, "eval_step": eval_step,
         "fetch_test": fetch(data.test), "preempted": preempted and done < tcfg.steps,
-        "stopped": stopped and done < tcfg.steps,
+        "stopped": stopped and done < tcfg.steps, "complete": False,
     }  # fmt: skip

@@ -143,3 +143,112 @@ def test_ctrl_c_saves_says_how_to_resume_and_resumes_exactly(tmp_path, uninterru
     result = run(tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert metrics(tmp_path) == metrics(uninterrupted)
+
+
+def copy_of(uninterrupted, tmp_path) -> pathlib.Path:
+    workdir = tmp_path / "run"
+    shutil.copytree(uninterrupted, workdir)
+    return workdir
+
+
+def write_meta(workdir, step: int, meta) -> None:
+    (pathlib.Path(workdir) / "checkpoints" / str(step) / "meta" / "metadata").write_text(json.dumps(meta))
+
+
+def good_meta(workdir, step: int) -> dict:
+    return json.loads((pathlib.Path(workdir) / "checkpoints" / str(step) / "meta" / "metadata").read_text())
+
+
+def wrong_type(meta: dict) -> dict:
+    meta["config"]["model"]["d_model"] = "64"
+    return meta
+
+
+def wrong_step(meta: dict) -> dict:
+    meta["data"]["step"] = "forty"
+    return meta
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [lambda m: {}, lambda m: [], lambda m: {"config": None, "data": m["data"]}, wrong_type, wrong_step],
+    ids=["empty", "list", "no_config", "field_of_wrong_type", "data_step_of_wrong_type"],
+)
+def test_metadata_that_parses_but_is_wrong_falls_back_to_the_previous_checkpoint(
+    tmp_path, uninterrupted, capsys, damage
+):
+    from jaxformer.checkpoint import Checkpointer
+    from jaxformer.config import from_dict
+    from jaxformer.train import init_state
+
+    workdir = copy_of(uninterrupted, tmp_path)
+    write_meta(workdir, 40, damage(good_meta(workdir, 40)))
+    cfg = from_dict(json.loads((workdir / "config.json").read_text()))
+    ckpt = Checkpointer(workdir, cfg)
+    state = ckpt.restore_latest(init_state(cfg)[1])
+    ckpt.close()
+    assert int(state.step) == 30, "fell back to the previous checkpoint, as for damaged state files"
+    out = capsys.readouterr().out
+    assert f"checkpoint {workdir / 'checkpoints' / '40'} cannot be restored (ValueError: its metadata" in out
+    assert checkpoint_names(workdir) == ["20", "30", "corrupt-40"], "set aside, not deleted"
+
+
+def tree(workdir) -> dict:
+    """Every path under a workdir with its size and modification time."""
+    return {str(p.relative_to(workdir)): (p.stat().st_size, p.stat().st_mtime_ns) for p in workdir.rglob("*")}
+
+
+def test_read_only_commands_change_nothing_in_the_workdir(tmp_path, uninterrupted, capsys):
+    from jaxformer import cli
+
+    workdir = copy_of(uninterrupted, tmp_path)
+    (workdir / "eval-40.json").unlink()
+    write_meta(workdir, 40, {})  # damaged: a trainer would set it aside, a reader must only skip it
+    before = tree(workdir)
+    w = str(workdir)
+    commands = [
+        ["eval", "--workdir", w],
+        ["translate", "--workdir", w, "--src", "2 3 4 5"],
+        ["export", "--workdir", w, "--out", str(tmp_path / "exported")],
+        ["plot", "--workdir", w, "--out", str(tmp_path / "curves.png")],
+    ]
+    for command in commands:
+        assert cli.main(command) == 0, command
+        out = capsys.readouterr().out
+        if command[0] != "plot":
+            assert f"checkpoint {workdir / 'checkpoints' / '40'} cannot be restored" in out, command
+            assert "skipped, trying the previous one" in out
+    after = tree(workdir)
+    assert set(after) - set(before) == {"eval-30.json"}, "eval writes its results and nothing else"
+    del after["eval-30.json"]
+    assert after == before
+    report = json.loads((workdir / "eval-30.json").read_text())
+    assert report["step"] == 30 and 0 <= report["report"]["sequence_accuracy"] <= 1
+
+
+def test_generate_in_a_workdir_that_is_not_one_advises_train_and_creates_nothing(tmp_path):
+    from jaxformer import cli
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--workdir", str(empty), "--prompt", "To be"])
+    message = str(e.value)
+    assert "is not a training workdir" in message and "jaxformer train --config" in message
+    assert "pass --config" not in message, "generate has no --config option"
+    assert list(empty.iterdir()) == []
+
+
+def test_training_saves_held_out_results_and_a_rerun_says_already_complete(tmp_path, uninterrupted, capsys):
+    from jaxformer import cli
+
+    saved = json.loads((uninterrupted / "eval-40.json").read_text())
+    assert saved["step"] == 40 and {"test_loss", "bleu", "sequence_accuracy"} <= saved["report"].keys()
+    workdir = copy_of(uninterrupted, tmp_path)
+    before = tree(workdir)
+    args = ["train", "--config", "experiments/copy_task.py", "--workdir", str(workdir), "--quiet"]
+    assert cli.main([*args, *[x for o in OVERRIDES for x in ("--set", o)]]) == 0
+    out = capsys.readouterr().out
+    assert f"{workdir} is already complete at step 40 (train.steps=40): nothing to train" in out
+    assert f"  bleu                   {saved['report']['bleu']:.4f}" in out, "the saved report, not a new one"
+    assert tree(workdir) == before, "nothing trained, logged or saved again"
