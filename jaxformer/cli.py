@@ -257,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:  # a non-finite loss (train.on_nonfinite=stop): the message says what to try
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # outside the training loop (which saves and stops on Ctrl-C): nothing to save
         print(f"\ninterrupted: {args.command} stopped", file=sys.stderr)
         return 130

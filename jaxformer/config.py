@@ -38,6 +38,9 @@ def check_field_types(cfg, prefix: str) -> None:
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         value, hint = getattr(cfg, f.name), hints[f.name]
+        if typing.get_origin(hint) is Literal and value not in typing.get_args(hint):
+            choices = ", ".join(repr(c) for c in typing.get_args(hint))
+            raise ConfigError(f"{prefix}.{f.name}: {value!r} is not one of the choices: {choices}")
         if not _matches(value, hint):
             raise ConfigError(
                 f"{prefix}.{f.name}: {value!r} ({type(value).__name__}) is not of type {_type_name(hint)}"
@@ -251,6 +254,9 @@ class TrainConfig:
     eval_batches: int = 16
     num_samples: int = 3  # samples (decoded as `decode` says) printed at each evaluation
     peak_flops: float = 0.0  # one device's peak FLOP/s for MFU; 0 = jaxformer.chips' table, or a matmul probe
+    # A step whose loss or gradient is NaN/inf: "stop" the run (the last good checkpoint is kept) or "skip" it
+    # (parameters and optimizer state unchanged, counted as skipped_steps in the metrics) and go on.
+    on_nonfinite: Literal["stop", "skip"] = "stop"
 
     def __post_init__(self):
         p = "train"

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
 import pytest
 
 # Tiny and fast; log_every divides neither the checkpoint steps nor the evaluation steps, so a resume
@@ -252,3 +254,28 @@ def test_training_saves_held_out_results_and_a_rerun_says_already_complete(tmp_p
     assert f"{workdir} is already complete at step 40 (train.steps=40): nothing to train" in out
     assert f"  bleu                   {saved['report']['bleu']:.4f}" in out, "the saved report, not a new one"
     assert tree(workdir) == before, "nothing trained, logged or saved again"
+
+
+def test_a_non_finite_loss_stops_naming_the_step_and_causes_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+    from jaxformer import cli
+    from jaxformer.checkpoint import Checkpointer
+    from jaxformer.config import from_dict
+    from jaxformer.train import init_state
+
+    # A learning rate of 1e30 after warmup's first step: finite parameters of ~1e29, then overflow.
+    sets = [*OVERRIDES, "checkpoint.every=2", "train.learning_rate=1e30", "train.warmup_steps=10"]
+    args = ["train", "--config", "experiments/copy_task.py", "--workdir", str(tmp_path), "--quiet"]
+    assert cli.main([*args, *[x for o in sets for x in ("--set", o)]]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("error: training stopped at step ")
+    step = int(err.removeprefix("error: training stopped at step ").split(":")[0])
+    assert "train.learning_rate too high" in err and "train.on_nonfinite=skip" in err
+    kept = saved_steps(tmp_path)
+    assert kept and kept[-1] <= step, "no checkpoint holds the non-finite step's update"
+    assert err.endswith(f"{tmp_path / 'checkpoints' / str(kept[-1])} is the last good checkpoint")
+    cfg = from_dict(json.loads((tmp_path / "config.json").read_text()))
+    ckpt = Checkpointer(tmp_path, cfg, read_only=True)
+    state = ckpt.restore_latest(init_state(cfg)[1])
+    ckpt.close()
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
