@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import pathlib
+import tempfile
 
 import jax
 import orbax.checkpoint as ocp
@@ -67,8 +68,10 @@ class Checkpointer:
         )
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+            with tempfile.TemporaryFile(dir=self.directory):  # fail now, not at the first save after training
+                pass
         except OSError as e:
-            raise OSError(f"cannot use checkpoint directory {self.directory}: {e}") from e
+            raise OSError(f"cannot write checkpoints to {self.directory}: {e.strerror or e}") from None
 
     def save(self, state, *, metrics: dict | None = None) -> None:
         """Start saving `state` (asynchronously unless configured otherwise)."""

@@ -276,7 +276,12 @@ class TrainConfig:
         require(0 <= self.label_smoothing < 1, f"{p}.label_smoothing", "must be in [0, 1)")
         require(0 < self.mlm_probability < 1, f"{p}.mlm_probability", "must be in (0, 1)")
         require(self.clip_norm >= 0 and self.weight_decay >= 0, f"{p}.clip_norm", "clip_norm and weight_decay >= 0")
-        require(self.eval_batches >= 0 and self.num_samples >= 0, f"{p}.eval_batches", "must be >= 0")
+        require(
+            self.eval_batches > 0,
+            f"{p}.eval_batches",
+            f"must be positive (batches per evaluation), got {self.eval_batches}",
+        )
+        require(self.num_samples >= 0, f"{p}.num_samples", f"must be >= 0, got {self.num_samples}")
         require(self.peak_flops >= 0, f"{p}.peak_flops", f"must be >= 0 (0 = chip table), got {self.peak_flops}")
 
 
@@ -474,9 +479,14 @@ def call_file(path: str, function: str, what: str):
     file = pathlib.Path(path)
     if not file.is_file():
         raise ConfigError(f"{what} file {path} does not exist")
+    if file.suffix != ".py":
+        raise ConfigError(f"{what} file {path} is not a Python file (an {what} is a .py file defining {function}())")
     spec = importlib.util.spec_from_file_location(f"jaxformer_{what}_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise ConfigError(f"{what} file {path}, line {e.lineno}: {e.msg}") from None
     if not hasattr(module, function):
         raise ConfigError(f"{path} defines no {function}()")
     return getattr(module, function)()

@@ -4,6 +4,7 @@ interrupts, unwritable directories, non-finite losses; and read-only commands th
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -279,3 +280,69 @@ def test_a_non_finite_loss_stops_naming_the_step_and_causes_and_keeps_the_last_g
     state = ckpt.restore_latest(init_state(cfg)[1])
     ckpt.close()
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
+
+
+def make_unwritable(directory: pathlib.Path) -> bool:
+    """Make a directory unwritable (chmod, or for root the immutable flag); False if neither works here."""
+    directory.chmod(0o555)
+    probe = directory / "probe"
+    try:
+        probe.touch()
+    except PermissionError:
+        return True
+    probe.unlink()  # root ignores modes
+    return subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode == 0
+
+
+def test_a_run_that_cannot_write_its_checkpoints_fails_before_its_first_step(tmp_path, capsys):
+    from jaxformer import cli
+
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    if not make_unwritable(checkpoints):
+        pytest.skip("cannot make a directory unwritable here (root without chattr)")
+    try:
+        args = ["train", "--config", "experiments/copy_task.py", "--workdir", str(tmp_path), "--quiet"]
+        assert cli.main([*args, *[x for o in OVERRIDES for x in ("--set", o)]]) == 2
+    finally:
+        subprocess.run(["chattr", "-i", str(checkpoints)], capture_output=True)
+        checkpoints.chmod(0o755)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: cannot write checkpoints to {checkpoints}: ") and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "metrics.jsonl").exists(), "no step ran"
+    assert list(checkpoints.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.eval_batches=0", r"train\.eval_batches: must be positive \(batches per evaluation\), got 0"),
+        ("model.mode=gpt", r"model\.mode: 'gpt' is not one of the choices: 'encoder_only', 'decoder_only'"),
+        ("train.on_nonfinite=ignore", r"train\.on_nonfinite: 'ignore' is not one of the choices: 'stop', 'skip'"),
+    ],
+)
+def test_bad_overrides_are_one_line_errors_naming_the_field(tmp_path, capsys, override, message):
+    from jaxformer import cli
+
+    args = ["train", "--config", "experiments/copy_task.py", "--workdir", str(tmp_path / "run"), "--set", override]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.fullmatch("error: " + message + ".*", err), err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("README.md", "# jaxformer\n", r"experiment file {path} is not a Python file"),
+        ("broken.py", "def get_config(:\n", r"experiment file {path}, line 1: "),
+    ],
+)
+def test_a_config_that_is_not_an_experiment_is_a_one_line_error(tmp_path, capsys, name, text, message):
+    from jaxformer import cli
+
+    path = tmp_path / name
+    path.write_text(text)
+    assert cli.main(["train", "--config", str(path), "--workdir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.match("error: " + message.format(path=re.escape(str(path))), err), err
