@@ -145,15 +145,23 @@ def saved_config(meta, step: int) -> Config:
         raise ValueError(f"its metadata's config is invalid: {e}") from None
 
 
+def optimizer_layout(train) -> dict:
+    """The train fields that shape the optimizer state (a different one cannot restore)."""
+    return {"optimizer": train.optimizer, "on_nonfinite": train.on_nonfinite, "clip_norm > 0": train.clip_norm > 0}
+
+
 def check_compatible(saved: Config, current: Config, where) -> None:
-    """Refuse to resume when the model's shapes differ from the checkpoint's, listing the fields."""
+    """Refuse to resume when the model's shapes or the optimizer state's layout differ from the
+    checkpoint's, listing the fields (rather than set the checkpoint aside as unreadable)."""
     a, b = dataclasses.asdict(saved.model), dataclasses.asdict(current.model)
     diff = [
         f"model.{k}: checkpoint {a[k]!r}, config {b[k]!r}" for k in a if k not in RUNTIME_MODEL_FIELDS and a[k] != b[k]
     ]
+    a, b = optimizer_layout(saved.train), optimizer_layout(current.train)
+    diff += [f"train.{k}: checkpoint {a[k]!r}, config {b[k]!r}" for k in a if a[k] != b[k]]
     if diff:
         raise ConfigError(
-            f"cannot resume from {where}: the model differs from the checkpoint's:\n  " + "\n  ".join(diff)
+            f"cannot resume from {where}: the model or optimizer differs from the checkpoint's:\n  " + "\n  ".join(diff)
         )
 
 

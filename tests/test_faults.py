@@ -346,3 +346,28 @@ def test_a_config_that_is_not_an_experiment_is_a_one_line_error(tmp_path, capsys
     assert cli.main(["train", "--config", str(path), "--workdir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and re.match("error: " + message.format(path=re.escape(str(path))), err), err
+
+
+@pytest.mark.parametrize(
+    "name, value, field",
+    [
+        ("on_nonfinite", "skip", "train.on_nonfinite: checkpoint 'stop', config 'skip'"),
+        ("optimizer", "adam", "train.optimizer: checkpoint 'adamw', config 'adam'"),
+        ("clip_norm", 0.0, "train.clip_norm > 0: checkpoint True, config False"),
+    ],
+)
+def test_resuming_with_another_optimizer_layout_is_refused_not_set_aside(tmp_path, uninterrupted, name, value, field):
+    import dataclasses
+
+    from jaxformer.checkpoint import Checkpointer
+    from jaxformer.config import ConfigError, from_dict
+    from jaxformer.train import init_state
+
+    workdir = copy_of(uninterrupted, tmp_path)
+    cfg = from_dict(json.loads((workdir / "config.json").read_text()))
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **{name: value}))
+    ckpt = Checkpointer(workdir, cfg)
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        ckpt.restore_latest(init_state(cfg)[1])
+    ckpt.close()
+    assert checkpoint_names(workdir) == ["20", "30", "40"], "nothing set aside"
