@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import pathlib
+import tempfile
 
 import jax
 import orbax.checkpoint as ocp
@@ -33,11 +34,22 @@ RUNTIME_MODEL_FIELDS = {"dtype", "attention_impl", "remat", "check_token_ids", "
 
 class Checkpointer:
     """The run's CheckpointManager: save every `checkpoint.every` steps, keep the last
-    `checkpoint.keep` (and the best by `checkpoint.best_metric` when set)."""
+    `checkpoint.keep` (and the best by `checkpoint.best_metric` when set).
 
-    def __init__(self, workdir: str | pathlib.Path, cfg: Config):
+    `read_only=True` (eval, generate, translate, export) changes nothing on disk: no directory
+    is created and a damaged checkpoint is skipped, not set aside.
+    """
+
+    def __init__(self, workdir: str | pathlib.Path, cfg: Config, *, read_only: bool = False):
         self.cfg = cfg
+        self.read_only = read_only
         self.directory = (pathlib.Path(workdir) / "checkpoints").absolute()
+        if read_only:
+            if not self.directory.is_dir():
+                raise FileNotFoundError(f"{self.directory} holds no checkpoint: train first")
+            options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+            return
         c = cfg.checkpoint
         policies = [ocp.checkpoint_managers.LatestN(n=c.keep)]
         if c.best_metric:
@@ -56,8 +68,10 @@ class Checkpointer:
         )
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+            with tempfile.TemporaryFile(dir=self.directory):  # fail now, not at the first save after training
+                pass
         except OSError as e:
-            raise OSError(f"cannot use checkpoint directory {self.directory}: {e}") from e
+            raise OSError(f"cannot write checkpoints to {self.directory}: {e.strerror or e}") from None
 
     def save(self, state, *, metrics: dict | None = None) -> None:
         """Start saving `state` (asynchronously unless configured otherwise)."""
@@ -89,10 +103,11 @@ class Checkpointer:
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
                 meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-            except Exception as e:  # unreadable metadata: a damaged checkpoint
+                saved = saved_config(meta, step)
+            except Exception as e:  # unreadable or malformed metadata: a damaged checkpoint
                 self._set_aside(step, e)
                 continue
-            check_compatible(from_dict(meta["config"]), self.cfg, self.directory / str(step))
+            check_compatible(saved, self.cfg, self.directory / str(step))
             try:
                 restored = self.manager.restore(
                     step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
@@ -105,22 +120,48 @@ class Checkpointer:
 
     def _set_aside(self, step: int, error: Exception) -> None:
         src = self.directory / str(step)
+        reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+        if self.read_only:  # a reader never moves what a training run may be writing beside it
+            log.warning("checkpoint %s cannot be restored (%s); trying the previous one", src, error)
+            print(f"warning: checkpoint {src} cannot be restored ({reason}); skipped, trying the previous one")
+            return
         dst = self.directory / f"corrupt-{step}"
         log.warning("checkpoint %s cannot be restored (%s); moved to %s, trying the previous one", src, error, dst)
-        print(f"warning: checkpoint {src} cannot be restored ({type(error).__name__}); moved to {dst}")
+        print(f"warning: checkpoint {src} cannot be restored ({reason}); moved to {dst}")
         src.rename(dst)
         self.manager.reload()
 
 
+def saved_config(meta, step: int) -> Config:
+    """The config in a checkpoint's metadata; ValueError if the metadata is not what `save` writes."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+        raise ValueError("its metadata holds no config")
+    data = meta.get("data")
+    if not isinstance(data, dict) or data.get("step") != step or not isinstance(data.get("seed"), int):
+        raise ValueError(f"its metadata's data position is {data!r}, not that of step {step}")
+    try:
+        return from_dict(meta["config"])
+    except (ValueError, TypeError, AttributeError) as e:  # ConfigError is a ValueError
+        raise ValueError(f"its metadata's config is invalid: {e}") from None
+
+
+def optimizer_layout(train) -> dict:
+    """The train fields that shape the optimizer state (a different one cannot restore)."""
+    return {"optimizer": train.optimizer, "on_nonfinite": train.on_nonfinite, "clip_norm > 0": train.clip_norm > 0}
+
+
 def check_compatible(saved: Config, current: Config, where) -> None:
-    """Refuse to resume when the model's shapes differ from the checkpoint's, listing the fields."""
+    """Refuse to resume when the model's shapes or the optimizer state's layout differ from the
+    checkpoint's, listing the fields (rather than set the checkpoint aside as unreadable)."""
     a, b = dataclasses.asdict(saved.model), dataclasses.asdict(current.model)
     diff = [
         f"model.{k}: checkpoint {a[k]!r}, config {b[k]!r}" for k in a if k not in RUNTIME_MODEL_FIELDS and a[k] != b[k]
     ]
+    a, b = optimizer_layout(saved.train), optimizer_layout(current.train)
+    diff += [f"train.{k}: checkpoint {a[k]!r}, config {b[k]!r}" for k in a if a[k] != b[k]]
     if diff:
         raise ConfigError(
-            f"cannot resume from {where}: the model differs from the checkpoint's:\n  " + "\n  ".join(diff)
+            f"cannot resume from {where}: the model or optimizer differs from the checkpoint's:\n  " + "\n  ".join(diff)
         )
 
 
@@ -132,7 +173,7 @@ def restore_workdir(cfg, workdir: str | pathlib.Path):
     from jaxformer.train import init_state
 
     graphdef, state, optimizer = init_state(cfg)
-    ckpt = Checkpointer(workdir, cfg)
+    ckpt = Checkpointer(workdir, cfg, read_only=True)  # a training run may be writing there
     state = ckpt.restore_latest(state)
     ckpt.close()
     if state is None:

@@ -17,7 +17,10 @@ def _load_config(args):
     else:
         saved = pathlib.Path(args.workdir) / "config.json"
         if not saved.is_file():
-            raise SystemExit(f"error: {saved} does not exist; pass --config experiments/NAME.py")
+            raise SystemExit(
+                f"error: {saved} does not exist: {args.workdir} is not a training workdir "
+                f"(train there first: jaxformer train --config experiments/NAME.py --workdir {args.workdir})"
+            )
         cfg = from_dict(json.loads(saved.read_text()))
     return apply_overrides(cfg, args.set or [])
 
@@ -41,11 +44,23 @@ def cmd_train(args) -> int:
         return EXIT_PREEMPTED
     if jax.process_count() > 1:
         return 0  # the held-out report decodes on one host: run `jaxformer eval` after training
+    step = int(result["state"].step)
+    if result["complete"]:
+        saved = _report_path(args.workdir, step)
+        print(f"{args.workdir} is already complete at step {step} (train.steps={cfg.train.steps}): nothing to train")
+        if saved.is_file():
+            _print_report(json.loads(saved.read_text())["report"])
+            print(f"\n(from {saved}; raise train.steps to train on)")
+        else:
+            print(f"evaluate it with: jaxformer eval --workdir {args.workdir}; raise train.steps to train on")
+        return 0
     report = evaluate_model(
         cfg, result["graphdef"], result["state"].params, result["data"], result["eval_step"], result["state"]
     )
     _print_report(report)
-    print(f"\nlogs: {args.workdir}/metrics.jsonl, TensorBoard: tensorboard --logdir {args.workdir}/tensorboard")
+    saved = _save_report(args.workdir, step, cfg, report)
+    print(f"\nlogs: {args.workdir}/metrics.jsonl, held-out results: {saved}")
+    print(f"TensorBoard: tensorboard --logdir {args.workdir}/tensorboard")
     return 0
 
 
@@ -58,11 +73,14 @@ def cmd_eval(args) -> int:
     from jaxformer.train import make_steps
 
     cfg = _load_config(args)
-    data = build_dataset(cfg, args.workdir)
     graphdef, state, optimizer = restore_workdir(cfg, args.workdir)
-    print(f"evaluating the checkpoint of step {int(state.step)}")
+    data = build_dataset(cfg, args.workdir)
+    step = int(state.step)
+    print(f"evaluating the checkpoint of step {step} on held-out data")
     _, eval_step = make_steps(graphdef, cfg, optimizer)
-    _print_report(evaluate_model(cfg, graphdef, state.params, data, jax.jit(eval_step), state))
+    report = evaluate_model(cfg, graphdef, state.params, data, jax.jit(eval_step), state)
+    _print_report(report)
+    print(f"\nsaved to {_save_report(args.workdir, step, cfg, report)}")
     return 0
 
 
@@ -153,6 +171,18 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _report_path(workdir, step: int) -> pathlib.Path:
+    return pathlib.Path(workdir) / f"eval-{step}.json"
+
+
+def _save_report(workdir, step: int, cfg, report: dict) -> pathlib.Path:
+    """The held-out report of the checkpoint of `step` as WORKDIR/eval-STEP.json (the only file `eval` writes)."""
+    path = _report_path(workdir, step)
+    record = {"step": step, "decode": dataclasses.asdict(cfg.decode), "report": report}
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
 def _print_report(report: dict) -> None:
     print("\nheld-out evaluation:")
     for k, v in report.items():
@@ -227,6 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:  # a non-finite loss (train.on_nonfinite=stop): the message says what to try
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # outside the training loop (which saves and stops on Ctrl-C): nothing to save
+        print(f"\ninterrupted: {args.command} stopped", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -38,6 +38,9 @@ def check_field_types(cfg, prefix: str) -> None:
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         value, hint = getattr(cfg, f.name), hints[f.name]
+        if typing.get_origin(hint) is Literal and value not in typing.get_args(hint):
+            choices = ", ".join(repr(c) for c in typing.get_args(hint))
+            raise ConfigError(f"{prefix}.{f.name}: {value!r} is not one of the choices: {choices}")
         if not _matches(value, hint):
             raise ConfigError(
                 f"{prefix}.{f.name}: {value!r} ({type(value).__name__}) is not of type {_type_name(hint)}"
@@ -341,6 +344,9 @@ class TrainConfig:
     eval_batches: int = 16
     num_samples: int = 3  # samples (decoded as `decode` says) printed at each evaluation
     peak_flops: float = 0.0  # one device's peak FLOP/s for MFU; 0 = jaxformer.chips' table, or a matmul probe
+    # A step whose loss or gradient is NaN/inf: "stop" the run (the last good checkpoint is kept) or "skip" it
+    # (parameters and optimizer state unchanged, counted as skipped_steps in the metrics) and go on.
+    on_nonfinite: Literal["stop", "skip"] = "stop"
 
     def __post_init__(self):
         p = "train"
@@ -360,7 +366,12 @@ class TrainConfig:
         require(0 <= self.label_smoothing < 1, f"{p}.label_smoothing", "must be in [0, 1)")
         require(0 < self.mlm_probability < 1, f"{p}.mlm_probability", "must be in (0, 1)")
         require(self.clip_norm >= 0 and self.weight_decay >= 0, f"{p}.clip_norm", "clip_norm and weight_decay >= 0")
-        require(self.eval_batches >= 0 and self.num_samples >= 0, f"{p}.eval_batches", "must be >= 0")
+        require(
+            self.eval_batches > 0,
+            f"{p}.eval_batches",
+            f"must be positive (batches per evaluation), got {self.eval_batches}",
+        )
+        require(self.num_samples >= 0, f"{p}.num_samples", f"must be >= 0, got {self.num_samples}")
         require(self.peak_flops >= 0, f"{p}.peak_flops", f"must be >= 0 (0 = chip table), got {self.peak_flops}")
 
 
@@ -558,9 +569,14 @@ def call_file(path: str, function: str, what: str):
     file = pathlib.Path(path)
     if not file.is_file():
         raise ConfigError(f"{what} file {path} does not exist")
+    if file.suffix != ".py":
+        raise ConfigError(f"{what} file {path} is not a Python file (an {what} is a .py file defining {function}())")
     spec = importlib.util.spec_from_file_location(f"jaxformer_{what}_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise ConfigError(f"{what} file {path}, line {e.lineno}: {e.msg}") from None
     if not hasattr(module, function):
         raise ConfigError(f"{path} defines no {function}()")
     return getattr(module, function)()

@@ -25,24 +25,25 @@ PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy")
 class MetricWriter:
     """Metrics to a JSONL file and TensorBoard event files in the workdir.
 
-    On resume from step N, records of steps the checkpoint does not contain (train
-    steps >= N, evaluations after N) are dropped first, so the log of a resumed run
-    equals that of an uninterrupted one.
+    A run starting at step N (N = 0 for a fresh start, including a fallback to training from
+    scratch) first drops the records the checkpoint does not contain (train steps >= N,
+    evaluations after N), so the log of a resumed run equals that of an uninterrupted one.
     """
 
     def __init__(self, workdir: pathlib.Path, resume_step: int = 0):
         from tensorboardX import SummaryWriter
 
         path = workdir / "metrics.jsonl"
-        if resume_step and path.is_file():
+        existed = path.is_file()
+        if existed:
             kept = [
                 line
-                for line in path.read_text().splitlines()
-                if (r := json.loads(line))["step"] < resume_step or (r["split"] == "eval" and r["step"] == resume_step)
+                for line, r in _records(path)
+                if r["step"] < resume_step or (r["split"] == "eval" and r["step"] == resume_step)
             ]
             path.write_text("".join(line + "\n" for line in kept))
         self.jsonl = path.open("a")
-        self.tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=resume_step or None)
+        self.tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=resume_step if existed else None)
 
     def write(self, step: int, split: str, metrics: dict) -> None:
         values = {k: float(v) for k, v in metrics.items()}
@@ -128,11 +129,30 @@ class Profiler:
             self.active = False
 
 
+def _records(path: pathlib.Path) -> list[tuple[str, dict]]:
+    """(line, record) of each line of a metrics.jsonl. A partial last line (a crash mid-write) is
+    dropped with a notice; an unreadable line elsewhere is an error naming it."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not {"step", "split"} <= record.keys():
+                raise ValueError("not a metrics record")
+        except ValueError as e:
+            if i < len(lines) - 1:
+                raise OSError(f"{path}, line {i + 1}: {e}; fix or remove that line") from None
+            print(f"warning: dropped the partial last line of {path} (a run stopped while writing it)")
+            continue
+        out.append((line, record))
+    return out
+
+
 def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
     path = pathlib.Path(workdir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {workdir} a training workdir?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for _, r in _records(path)]
 
 
 def curve(records: list[dict], split: str, metric: str) -> tuple[list[int], list[float]]:

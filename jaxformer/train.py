@@ -73,7 +73,10 @@ def make_optimizer(cfg: TrainConfig, d_model: int) -> optax.GradientTransformati
         opt = optax.adam(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
     else:
         opt = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), opt) if cfg.clip_norm else opt
+    opt = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), opt) if cfg.clip_norm else opt
+    if cfg.on_nonfinite == "skip":  # a non-finite update is dropped; the count lives in the (checkpointed) state
+        opt = optax.apply_if_finite(opt, max_consecutive_errors=jnp.iinfo(jnp.int32).max)
+    return opt
 
 
 # ----------------------------------------------------------------------------- losses
@@ -140,10 +143,13 @@ def make_steps(graphdef: nnx.GraphDef, cfg: Config, optimizer: optax.GradientTra
             )
             (grads, sums), _ = jax.lax.scan(body, zeros, (jnp.arange(k), micro))
         count = jnp.maximum(sums["count"], 1.0)
-        grads = jax.tree.map(lambda g: g / count, grads)
+        finite_loss = jnp.isfinite(sums["loss"])  # a non-finite loss makes the step non-finite, whatever its grads
+        grads = jax.tree.map(lambda g: jnp.where(finite_loss, g / count, jnp.nan), grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = summarize(sums) | {"grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step)}
+        if tcfg.on_nonfinite == "skip":  # optax.apply_if_finite kept params and optimizer state on such a step
+            metrics["skipped_steps"] = opt_state.total_notfinite
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     def eval_step(state: TrainState, batch: dict) -> dict:
@@ -258,33 +264,43 @@ def batch_cost(cfg: Config, batch: dict) -> tuple[float, float]:
     return tokens, flops_per_example(cfg.model, objective, src_len, tgt_len) * B
 
 
+class NonFiniteLoss(FloatingPointError):
+    """A step's loss or gradient norm is NaN or inf and `train.on_nonfinite` is "stop"."""
+
+
 class _Preemption:
-    """Whether to stop after this step: SIGTERM on one process, or, on several, the step
-    all processes agreed on through JAX's preemption sync (orbax `reached_preemption`).
+    """Whether to stop after this step: SIGTERM or Ctrl-C (SIGINT) on one process, or, on several,
+    the step all processes agreed on through JAX's preemption sync (orbax `reached_preemption`).
 
     A Python SIGTERM handler would replace the notifier that sync relies on, and hosts
     stopping at different steps would hang in the save, so it is installed on one process only.
+    A second Ctrl-C interrupts at once, without saving.
     """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self, manager):
         self.manager = manager
         self.local = jax.process_count() == 1
-        self.requested = False
+        self.requested = None  # the name of the signal received
 
     def __enter__(self):
         if self.local:
-            self.previous = signal.signal(signal.SIGTERM, self._handle)
+            self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         return self
 
     def _handle(self, signum, frame):
-        self.requested = True
+        self.requested = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def reached(self, step: int) -> bool:
-        return self.requested if self.local else self.manager.reached_preemption(step)
+        return self.requested is not None if self.local else self.manager.reached_preemption(step)
 
     def __exit__(self, *exc):
         if self.local:
-            signal.signal(signal.SIGTERM, self.previous)
+            for s, handler in self.previous.items():
+                signal.signal(s, handler)
 
 
 def fit(
@@ -302,7 +318,8 @@ def fit(
     A..B-1 with `jax.profiler` into workdir/profile.
 
     Returns the final state, the last evaluation under "eval", and under "preempted" / "stopped"
-    whether SIGTERM / `on_eval` stopped the run (after saving) before `train.steps`.
+    whether SIGTERM or Ctrl-C / `on_eval` stopped the run (after saving) before `train.steps`;
+    "complete" when the workdir had already reached `train.steps` (nothing is trained or evaluated).
     """
     from jaxformer import sharding
 
@@ -331,6 +348,12 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
         state, start = restored, int(restored.step)
         log(f"resumed from {ckpt.directory / str(start)}")
     lead = jax.process_index() == 0
+    if start >= tcfg.steps:  # a finished run: nothing to train, evaluate or log again
+        ckpt.close()
+        return {
+            "eval": {}, "state": state, "graphdef": graphdef, "data": None, "eval_step": None, "fetch_test": None,
+            "preempted": False, "stopped": False, "complete": True,
+        }  # fmt: skip
     env = observe.environment(mesh)
     if lead:
         (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
@@ -363,12 +386,21 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
             return
         prev_step, prev = pending
         pending = None
-        loss = float(prev["loss"])
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {prev_step}: lower train.learning_rate or check the data")
+        loss, grad_norm = float(prev["loss"]), float(prev["grad_norm"])
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            if tcfg.on_nonfinite == "stop":  # checked before each save: no checkpoint holds this step's update
+                raise NonFiniteLoss(
+                    f"training stopped at step {prev_step}: loss {loss}, gradient norm {grad_norm}; likely causes: "
+                    "train.learning_rate too high (or train.warmup_steps too short), bad data (token ids, "
+                    "sequences longer than the model was built for), bfloat16 overflow; "
+                    "train.on_nonfinite=skip skips such steps and goes on"
+                )
+            log(f"step {prev_step}: loss {loss}, gradient norm {grad_norm}: skipped (train.on_nonfinite=skip)")
+        if prev_step % tcfg.log_every:  # logged steps do not depend on where the run (re)started
+            return
         if prev_step == start:  # the step that compiled: its time is logged above, it has no rate
             writer.write(prev_step, "train", prev)
-        elif prev_step % tcfg.log_every == 0:
+        else:
             elapsed = time.perf_counter() - window["start"]
             if window["flops"] / elapsed > peak:  # only a probe's peak can be beaten: it was an underestimate
                 peak = window["flops"] / elapsed
@@ -382,47 +414,58 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
                 tok_s, mfu = rates["tokens_per_s"], rates["mfu"]
                 log(f"step {prev_step}: loss {loss:.4f}, {tok_s:.0f} tok/s, MFU {mfu:.2f}, ETA {eta:.0f}s")
 
-    with _Preemption(ckpt.manager) as preemption:
-        for step in bar:
-            local = check_batch_ids(data.train.get(step, rows), cfg.model)
-            profiler.before(step)
-            state, metrics = train_step(state, sharding.global_batch(local, mesh, tcfg.batch_size))
-            profiler.after(step, metrics)
-            tokens, flops = batch_cost(cfg, local)  # this process's share; all shares are alike
-            window["tokens"] += tokens * jax.process_count()
-            window["flops"] += flops * jax.process_count()
-            if step == start:
-                jax.block_until_ready(metrics)
-                log(f"step {step} compiled and ran in {time.perf_counter() - window['start']:.1f}s")
-                window = {"tokens": 0.0, "flops": 0.0, "start": time.perf_counter()}
-            flush()
-            pending = (step, metrics)
-            done = step + 1
-            evaluated = done % tcfg.eval_every == 0 or done == tcfg.steps
-            if evaluated:
-                result = evaluate(eval_step, state, fetch(data.val), min(tcfg.eval_batches, len(data.val)))
-                writer.write(done, "eval", result)
-                log(f"step {done}: eval " + " ".join(f"{k}={v:.4g}" for k, v in result.items()))
-                if samples:
-                    model = nnx.merge(graphdef, state.params)
-                    for src, out in zip(*decode.sample_texts(model, cfg, data), strict=True):
-                        log(f"  > {src!r}\n  = {out!r}")
-                stopped = on_eval is not None and bool(on_eval(done, result))
-            preempted = preemption.reached(done)
-            if done % cfg.checkpoint.every == 0 or done == tcfg.steps or preempted or stopped:
-                flush()  # the log holds every step the checkpoint holds
-                ckpt.save(state, metrics=result if evaluated else None)
-            if preempted:
-                log(f"SIGTERM: saved step {done} to {ckpt.directory}; rerun the same command to resume")
-            if preempted or stopped:
-                break
-    profiler.stop()
-    flush()
+    try:
+        with _Preemption(ckpt.manager) as preemption:
+            for step in bar:
+                local = check_batch_ids(data.train.get(step, rows), cfg.model)
+                profiler.before(step)
+                state, metrics = train_step(state, sharding.global_batch(local, mesh, tcfg.batch_size))
+                profiler.after(step, metrics)
+                tokens, flops = batch_cost(cfg, local)  # this process's share; all shares are alike
+                window["tokens"] += tokens * jax.process_count()
+                window["flops"] += flops * jax.process_count()
+                if step == start:
+                    jax.block_until_ready(metrics)
+                    log(f"step {step} compiled and ran in {time.perf_counter() - window['start']:.1f}s")
+                    window = {"tokens": 0.0, "flops": 0.0, "start": time.perf_counter()}
+                flush()
+                pending = (step, metrics)
+                done = step + 1
+                evaluated = done % tcfg.eval_every == 0 or done == tcfg.steps
+                if evaluated:
+                    flush()  # a non-finite step stops the run before it is evaluated
+                    result = evaluate(eval_step, state, fetch(data.val), min(tcfg.eval_batches, len(data.val)))
+                    writer.write(done, "eval", result)
+                    log(f"step {done}: eval " + " ".join(f"{k}={v:.4g}" for k, v in result.items()))
+                    if samples:
+                        model = nnx.merge(graphdef, state.params)
+                        for src, out in zip(*decode.sample_texts(model, cfg, data), strict=True):
+                            log(f"  > {src!r}\n  = {out!r}")
+                    stopped = on_eval is not None and bool(on_eval(done, result))
+                preempted = preemption.reached(done)
+                if done % cfg.checkpoint.every == 0 or done == tcfg.steps or preempted or stopped:
+                    flush()  # the log holds every step the checkpoint holds
+                    ckpt.save(state, metrics=result if evaluated else None)
+                if preempted and lead:  # shown even with --quiet: it says how to go on
+                    why = preemption.requested or "preemption"
+                    print(f"{why}: saved step {done} to {ckpt.directory}; rerun the same command to resume")
+                if preempted or stopped:
+                    break
+        profiler.stop()
+        flush()
+    except NonFiniteLoss as e:  # saves already started finish; none holds the non-finite step
+        ckpt.wait()
+        kept = ckpt.manager.latest_step()
+        ckpt.close()
+        where = f"{ckpt.directory / str(kept)} is the last good checkpoint" if kept is not None else "no checkpoint"
+        raise NonFiniteLoss(f"{e}; {where}") from None
+    finally:
+        profiler.stop()
+        writer.close()
     ckpt.wait()
     ckpt.close()
-    writer.close()
     return {
         "eval": result, "state": state, "graphdef": graphdef, "data": data, "eval_step": eval_step,
         "fetch_test": fetch(data.test), "preempted": preempted and done < tcfg.steps,
-        "stopped": stopped and done < tcfg.steps,
+        "stopped": stopped and done < tcfg.steps, "complete": False,
     }  # fmt: skip

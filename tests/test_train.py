@@ -164,3 +164,30 @@ def test_objectives_train_steps(objective, mode):
         state, metrics = step(state, data.train.get(i))
         assert np.isfinite(float(metrics["loss"]))
     assert int(state.step) == 3
+
+
+def test_skip_mode_leaves_state_unchanged_on_a_non_finite_step_and_counts_it():
+    cfg = run_config(on_nonfinite="skip")
+    graphdef, state, optimizer = init_state(cfg)
+    train_step = jax.jit(make_steps(graphdef, cfg, optimizer)[0])
+    bad = lm_batch(seed=1)
+    bad["weights"] = bad["weights"] * np.float32(np.nan)  # a NaN loss, and so NaN gradients
+    skipped, m = train_step(state, bad)
+    assert not np.isfinite(float(m["loss"])) and int(m["skipped_steps"]) == 1
+    assert int(skipped.step) == 1, "the step counts (the data moves on)"
+    jax.tree.map(np.testing.assert_array_equal, skipped.params, state.params)
+    jax.tree.map(np.testing.assert_array_equal, skipped.opt_state.inner_state, state.opt_state.inner_state)
+    # The next finite step is applied as if the skipped batch had never been seen.
+    after, m = train_step(skipped, lm_batch(seed=2))
+    assert np.isfinite(float(m["loss"])) and int(m["skipped_steps"]) == 1
+    stop_cfg = run_config()
+    g2, plain, opt2 = init_state(stop_cfg)
+    want, _ = jax.jit(make_steps(g2, stop_cfg, opt2)[0])(plain.replace(step=plain.step + 1), lm_batch(seed=2))
+    jax.tree.map(np.testing.assert_array_equal, after.params, want.params)
+
+
+def test_on_nonfinite_is_validated_and_lists_its_choices():
+    with pytest.raises(C.ConfigError, match=r"train\.on_nonfinite: 'maybe' is not one of the choices: 'stop', 'skip'"):
+        C.TrainConfig(on_nonfinite="maybe")
+    with pytest.raises(C.ConfigError, match=r"model\.mode: 'gpt' is not one of the choices: 'encoder_only'"):
+        C.apply_overrides(C.load_experiment("experiments/copy_task.py"), ["model.mode=gpt"])

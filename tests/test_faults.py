@@ -1,0 +1,373 @@
+"""Faults a run must survive with an exact log: a kill during a save, damaged checkpoints and logs,
+interrupts, unwritable directories, non-finite losses; and read-only commands that change nothing."""
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+# Tiny and fast; log_every divides neither the checkpoint steps nor the evaluation steps, so a resume
+# at a checkpoint is never at a logged step (the case where a resumed log used to gain a row).
+OVERRIDES = [
+    "train.steps=40",
+    "train.batch_size=16",
+    "checkpoint.every=10",
+    "train.log_every=3",
+    "train.eval_every=15",
+    "train.num_samples=0",
+]
+TIMING = {"tokens_per_s", "mfu", "step_time"}  # differ from run to run
+
+
+def train_command(workdir, *extra):
+    sets = [x for o in [*OVERRIDES, *extra] for x in ("--set", o)]
+    train = ["train", "--config", "experiments/copy_task.py", "--workdir", str(workdir), "--quiet"]
+    return [sys.executable, "-m", "jaxformer.cli", *train, *sets]
+
+
+def run(workdir, *extra):
+    return subprocess.run(train_command(workdir, *extra), capture_output=True, text=True, timeout=600)
+
+
+def metrics(workdir) -> list[dict]:
+    """metrics.jsonl line by line, timings aside."""
+    lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
+
+
+def checkpoint_names(workdir) -> list[str]:
+    d = pathlib.Path(workdir) / "checkpoints"
+    return sorted(os.listdir(d)) if d.is_dir() else []
+
+
+def saved_steps(workdir) -> list[int]:
+    return sorted(int(n) for n in checkpoint_names(workdir) if n.isdigit())
+
+
+def damage_state(checkpoint: pathlib.Path) -> None:
+    """Cut the array data of a checkpoint short, as a full disk does."""
+    files = [p for p in (checkpoint / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert files
+    for path in files:
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size // 3)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    result = run(workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return workdir
+
+
+def test_uninterrupted_log_is_what_the_resume_tests_compare_against(uninterrupted):
+    rows = [(r["step"], r["split"]) for r in metrics(uninterrupted)]
+    assert [s for s, split in rows if split == "train"] == list(range(0, 40, 3))
+    assert [s for s, split in rows if split == "eval"] == [15, 30, 40]
+
+
+def test_sigkill_during_a_save_then_resume_logs_exactly_the_uninterrupted_run(tmp_path, uninterrupted):
+    proc = subprocess.Popen(train_command(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        # A save in progress after a complete one: orbax writes into "<step>.orbax-checkpoint-tmp".
+        while not (saved_steps(tmp_path) and any("tmp" in n for n in checkpoint_names(tmp_path))):
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.time() < deadline, "no second save within 300 s"
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert 10 <= saved_steps(tmp_path)[-1] < 40
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # and a crash in the middle of writing a record
+        f.write('{"step": 99, "split": "tra')
+    result = run(tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "dropped the partial last line" in result.stdout
+    assert metrics(tmp_path) == metrics(uninterrupted)
+
+
+def test_fallback_to_training_from_scratch_logs_exactly_the_uninterrupted_run(tmp_path, uninterrupted):
+    workdir = tmp_path / "run"
+    shutil.copytree(uninterrupted, workdir)
+    for step in saved_steps(workdir):
+        damage_state(workdir / "checkpoints" / str(step))
+    result = run(workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(n for n in checkpoint_names(workdir) if n.startswith("corrupt-")) == [
+        "corrupt-20",
+        "corrupt-30",
+        "corrupt-40",
+    ]
+    assert metrics(workdir) == metrics(uninterrupted)
+
+
+def start_and_signal(workdir, sig) -> tuple[subprocess.Popen, str]:
+    """Start training, wait for its first complete checkpoint, send `sig`; (process, its output)."""
+    proc = subprocess.Popen(train_command(workdir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while not saved_steps(workdir):
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            assert time.time() < deadline, "no checkpoint within 300 s"
+            time.sleep(0.01)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc, out
+
+
+def test_ctrl_c_saves_says_how_to_resume_and_resumes_exactly(tmp_path, uninterrupted):
+    from jaxformer.checkpoint import EXIT_PREEMPTED
+
+    proc, out = start_and_signal(tmp_path, signal.SIGINT)
+    assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    last = saved_steps(tmp_path)[-1]
+    assert f"SIGINT: saved step {last} to {tmp_path / 'checkpoints'}; rerun the same command to resume" in out
+    assert 10 <= last < 40
+    result = run(tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert metrics(tmp_path) == metrics(uninterrupted)
+
+
+def copy_of(uninterrupted, tmp_path) -> pathlib.Path:
+    workdir = tmp_path / "run"
+    shutil.copytree(uninterrupted, workdir)
+    return workdir
+
+
+def write_meta(workdir, step: int, meta) -> None:
+    (pathlib.Path(workdir) / "checkpoints" / str(step) / "meta" / "metadata").write_text(json.dumps(meta))
+
+
+def good_meta(workdir, step: int) -> dict:
+    return json.loads((pathlib.Path(workdir) / "checkpoints" / str(step) / "meta" / "metadata").read_text())
+
+
+def wrong_type(meta: dict) -> dict:
+    meta["config"]["model"]["d_model"] = "64"
+    return meta
+
+
+def wrong_step(meta: dict) -> dict:
+    meta["data"]["step"] = "forty"
+    return meta
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [lambda m: {}, lambda m: [], lambda m: {"config": None, "data": m["data"]}, wrong_type, wrong_step],
+    ids=["empty", "list", "no_config", "field_of_wrong_type", "data_step_of_wrong_type"],
+)
+def test_metadata_that_parses_but_is_wrong_falls_back_to_the_previous_checkpoint(
+    tmp_path, uninterrupted, capsys, damage
+):
+    from jaxformer.checkpoint import Checkpointer
+    from jaxformer.config import from_dict
+    from jaxformer.train import init_state
+
+    workdir = copy_of(uninterrupted, tmp_path)
+    write_meta(workdir, 40, damage(good_meta(workdir, 40)))
+    cfg = from_dict(json.loads((workdir / "config.json").read_text()))
+    ckpt = Checkpointer(workdir, cfg)
+    state = ckpt.restore_latest(init_state(cfg)[1])
+    ckpt.close()
+    assert int(state.step) == 30, "fell back to the previous checkpoint, as for damaged state files"
+    out = capsys.readouterr().out
+    assert f"checkpoint {workdir / 'checkpoints' / '40'} cannot be restored (ValueError: its metadata" in out
+    assert checkpoint_names(workdir) == ["20", "30", "corrupt-40"], "set aside, not deleted"
+
+
+def tree(workdir) -> dict:
+    """Every path under a workdir with its size and modification time."""
+    return {str(p.relative_to(workdir)): (p.stat().st_size, p.stat().st_mtime_ns) for p in workdir.rglob("*")}
+
+
+def test_read_only_commands_change_nothing_in_the_workdir(tmp_path, uninterrupted, capsys):
+    from jaxformer import cli
+
+    workdir = copy_of(uninterrupted, tmp_path)
+    (workdir / "eval-40.json").unlink()
+    write_meta(workdir, 40, {})  # damaged: a trainer would set it aside, a reader must only skip it
+    before = tree(workdir)
+    w = str(workdir)
+    commands = [
+        ["eval", "--workdir", w],
+        ["translate", "--workdir", w, "--src", "2 3 4 5"],
+        ["export", "--workdir", w, "--out", str(tmp_path / "exported")],
+        ["plot", "--workdir", w, "--out", str(tmp_path / "curves.png")],
+    ]
+    for command in commands:
+        assert cli.main(command) == 0, command
+        out = capsys.readouterr().out
+        if command[0] != "plot":
+            assert f"checkpoint {workdir / 'checkpoints' / '40'} cannot be restored" in out, command
+            assert "skipped, trying the previous one" in out
+    after = tree(workdir)
+    assert set(after) - set(before) == {"eval-30.json"}, "eval writes its results and nothing else"
+    del after["eval-30.json"]
+    assert after == before
+    report = json.loads((workdir / "eval-30.json").read_text())
+    assert report["step"] == 30 and 0 <= report["report"]["sequence_accuracy"] <= 1
+
+
+def test_generate_in_a_workdir_that_is_not_one_advises_train_and_creates_nothing(tmp_path):
+    from jaxformer import cli
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--workdir", str(empty), "--prompt", "To be"])
+    message = str(e.value)
+    assert "is not a training workdir" in message and "jaxformer train --config" in message
+    assert "pass --config" not in message, "generate has no --config option"
+    assert list(empty.iterdir()) == []
+
+
+def test_training_saves_held_out_results_and_a_rerun_says_already_complete(tmp_path, uninterrupted, capsys):
+    from jaxformer import cli
+
+    saved = json.loads((uninterrupted / "eval-40.json").read_text())
+    assert saved["step"] == 40 and {"test_loss", "bleu", "sequence_accuracy"} <= saved["report"].keys()
+    workdir = copy_of(uninterrupted, tmp_path)
+    before = tree(workdir)
+    args = ["train", "--config", "experiments/copy_task.py", "--workdir", str(workdir), "--quiet"]
+    assert cli.main([*args, *[x for o in OVERRIDES for x in ("--set", o)]]) == 0
+    out = capsys.readouterr().out
+    assert f"{workdir} is already complete at step 40 (train.steps=40): nothing to train" in out
+    assert f"  bleu                   {saved['report']['bleu']:.4f}" in out, "the saved report, not a new one"
+    assert tree(workdir) == before, "nothing trained, logged or saved again"
+
+
+def test_a_non_finite_loss_stops_naming_the_step_and_causes_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+    from jaxformer import cli
+    from jaxformer.checkpoint import Checkpointer
+    from jaxformer.config import from_dict
+    from jaxformer.train import init_state
+
+    # A learning rate of 1e30 after warmup's first step: finite parameters of ~1e29, then overflow.
+    sets = [*OVERRIDES, "checkpoint.every=2", "train.learning_rate=1e30", "train.warmup_steps=10"]
+    args = ["train", "--config", "experiments/copy_task.py", "--workdir", str(tmp_path), "--quiet"]
+    assert cli.main([*args, *[x for o in sets for x in ("--set", o)]]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("error: training stopped at step ")
+    step = int(err.removeprefix("error: training stopped at step ").split(":")[0])
+    assert "train.learning_rate too high" in err and "train.on_nonfinite=skip" in err
+    kept = saved_steps(tmp_path)
+    assert kept and kept[-1] <= step, "no checkpoint holds the non-finite step's update"
+    assert err.endswith(f"{tmp_path / 'checkpoints' / str(kept[-1])} is the last good checkpoint")
+    cfg = from_dict(json.loads((tmp_path / "config.json").read_text()))
+    ckpt = Checkpointer(tmp_path, cfg, read_only=True)
+    state = ckpt.restore_latest(init_state(cfg)[1])
+    ckpt.close()
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
+
+
+def make_unwritable(directory: pathlib.Path) -> bool:
+    """Make a directory unwritable (chmod, or for root the immutable flag); False if neither works here."""
+    directory.chmod(0o555)
+    probe = directory / "probe"
+    try:
+        probe.touch()
+    except PermissionError:
+        return True
+    probe.unlink()  # root ignores modes
+    return subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode == 0
+
+
+def test_a_run_that_cannot_write_its_checkpoints_fails_before_its_first_step(tmp_path, capsys):
+    from jaxformer import cli
+
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    if not make_unwritable(checkpoints):
+        pytest.skip("cannot make a directory unwritable here (root without chattr)")
+    try:
+        args = ["train", "--config", "experiments/copy_task.py", "--workdir", str(tmp_path), "--quiet"]
+        assert cli.main([*args, *[x for o in OVERRIDES for x in ("--set", o)]]) == 2
+    finally:
+        subprocess.run(["chattr", "-i", str(checkpoints)], capture_output=True)
+        checkpoints.chmod(0o755)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: cannot write checkpoints to {checkpoints}: ") and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "metrics.jsonl").exists(), "no step ran"
+    assert list(checkpoints.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.eval_batches=0", r"train\.eval_batches: must be positive \(batches per evaluation\), got 0"),
+        ("model.mode=gpt", r"model\.mode: 'gpt' is not one of the choices: 'encoder_only', 'decoder_only'"),
+        ("train.on_nonfinite=ignore", r"train\.on_nonfinite: 'ignore' is not one of the choices: 'stop', 'skip'"),
+    ],
+)
+def test_bad_overrides_are_one_line_errors_naming_the_field(tmp_path, capsys, override, message):
+    from jaxformer import cli
+
+    args = ["train", "--config", "experiments/copy_task.py", "--workdir", str(tmp_path / "run"), "--set", override]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.fullmatch("error: " + message + ".*", err), err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("README.md", "# jaxformer\n", r"experiment file {path} is not a Python file"),
+        ("broken.py", "def get_config(:\n", r"experiment file {path}, line 1: "),
+    ],
+)
+def test_a_config_that_is_not_an_experiment_is_a_one_line_error(tmp_path, capsys, name, text, message):
+    from jaxformer import cli
+
+    path = tmp_path / name
+    path.write_text(text)
+    assert cli.main(["train", "--config", str(path), "--workdir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.match("error: " + message.format(path=re.escape(str(path))), err), err
+
+
+@pytest.mark.parametrize(
+    "name, value, field",
+    [
+        ("on_nonfinite", "skip", "train.on_nonfinite: checkpoint 'stop', config 'skip'"),
+        ("optimizer", "adam", "train.optimizer: checkpoint 'adamw', config 'adam'"),
+        ("clip_norm", 0.0, "train.clip_norm > 0: checkpoint True, config False"),
+    ],
+)
+def test_resuming_with_another_optimizer_layout_is_refused_not_set_aside(tmp_path, uninterrupted, name, value, field):
+    import dataclasses
+
+    from jaxformer.checkpoint import Checkpointer
+    from jaxformer.config import ConfigError, from_dict
+    from jaxformer.train import init_state
+
+    workdir = copy_of(uninterrupted, tmp_path)
+    cfg = from_dict(json.loads((workdir / "config.json").read_text()))
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **{name: value}))
+    ckpt = Checkpointer(workdir, cfg)
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        ckpt.restore_latest(init_state(cfg)[1])
+    ckpt.close()
+    assert checkpoint_names(workdir) == ["20", "30", "40"], "nothing set aside"
