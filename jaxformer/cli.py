@@ -128,6 +128,9 @@ def cmd_export(args) -> int:
 def cmd_sweep(args) -> int:
     from jaxformer import sweep
 
+    if args.status:
+        sweep.status(args.file, args.workdir, storage=args.storage)
+        return 0
     sweep.run(args.file, args.workdir, workers=args.workers, storage=args.storage, worker=args.worker)
     return 0
 
@@ -223,8 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     sw = sub.add_parser("sweep", help="run (or continue) a hyperparameter sweep on Optuna")
     sw.add_argument("file", help="experiments/sweeps/NAME.py")
     sw.add_argument("--workdir", required=True, help="the sweep's directory: storage, trials, results")
-    sw.add_argument("--workers", type=int, default=1, help="worker processes on this machine")
+    sw.add_argument(
+        "--workers",
+        type=lambda v: v if v == "auto" else int(v),
+        default=1,
+        help="worker processes on this machine; auto: one per accelerator (Sweep.devices each), pinned to it",
+    )
     sw.add_argument("--storage", help="Optuna storage URL (default: sqlite in the workdir), e.g. postgresql://...")
+    sw.add_argument("--status", action="store_true", help="print trials done/running/pruned/failed, best, ETA")
     sw.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # one worker of a --workers N sweep
     pn = sub.add_parser("plan", help="compile the training step for the mesh ahead of time: per-device memory, fit")
     pn.add_argument("--config", required=True, help="experiments/NAME.py")

@@ -9,15 +9,27 @@ A sweep file (`experiments/sweeps/NAME.py`) defines `get_sweep() -> Sweep`:
         strategy="tpe", trials=12, metric="loss",            # eval loss, minimised
     )
 
-    jaxformer sweep experiments/sweeps/NAME.py --workdir sweeps/NAME [--workers N] [--storage URL]
+    jaxformer sweep experiments/sweeps/NAME.py --workdir sweeps/NAME [--workers N|auto] [--storage URL]
+    jaxformer sweep experiments/sweeps/NAME.py --workdir sweeps/NAME [--storage URL] --status
 
 Optuna's storage holds the sweep: by default a SQLite file, workdir/sweep.db (embedded,
 nothing to start), shared by the `--workers` processes of one machine; with a database URL
 (`postgresql://user:password@host/db`) the same command on many machines works on one sweep.
+`--workers auto` runs one worker per accelerator of the machine (`Sweep.devices` per trial),
+each pinned to its own devices.
+
+The sweep's `trials` are created once, as a queue, by whichever command creates the study:
+grid points and random draws fixed up front from `Sweep.seed` (TPE's random start too; TPE's
+later trials sample when they start). Workers take trials from the queue (one worker per trial,
+atomically in the database) until it is empty and nothing runs, so any number of workers on
+any number of machines run exactly the same trials as one worker would, and stop together.
 Each trial trains in workdir/trial-NNN and reports its evaluations, so the pruner (median rule)
-stops hopeless trials early. Re-running the command continues the sweep: finished trials are
-kept, and a trial whose worker died is retried with its parameters in its own workdir, which
-resumes from the trial's last checkpoint (Optuna's heartbeat notices the dead worker).
+stops hopeless trials early. A trial whose worker died (Optuna's heartbeat: silent for
+3 × `Sweep.heartbeat` seconds) is queued again with its parameters and workdir, so the worker
+that takes it resumes from the trial's last checkpoint (the workdir must be shared by the
+machines for that; otherwise the retry starts the trial afresh). Re-running the command
+continues the sweep. A worker rides out a lost database connection for `Sweep.patience`
+seconds, then stops with a message naming the database.
 
 Results: workdir/results.csv and a table (best first), workdir/objective.png (objective against
 each parameter) and workdir/loss_curves.png (the trials' eval loss against step).
@@ -25,13 +37,18 @@ each parameter) and workdir/loss_curves.png (the trials' eval loss against step)
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
+import functools
+import itertools
 import math
 import os
 import pathlib
+import random
 import subprocess
 import sys
+import threading
 import time
 import typing
 import warnings
@@ -74,6 +91,8 @@ class Sweep:
     prune: bool = True  # median pruner over the evaluations reported during training
     seed: int = 0
     heartbeat: int = 10  # seconds; a trial whose worker has been silent 3 heartbeats is retried
+    patience: int = 120  # seconds a worker waits for a lost database to come back before it stops
+    devices: int = 1  # accelerators per trial: `--workers auto` runs one worker per `devices` of them
 
     @property
     def goal(self) -> str:
@@ -91,6 +110,8 @@ def check(sweep: Sweep, base: Config) -> None:
     require(sweep.space, "space", "is empty: name at least one field to search over")
     require(sweep.trials >= 1, "trials", f"must be >= 1, got {sweep.trials}")
     require(sweep.heartbeat >= 1, "heartbeat", f"must be >= 1 second, got {sweep.heartbeat}")
+    require(sweep.patience >= 0, "patience", f"must be >= 0 seconds, got {sweep.patience}")
+    require(sweep.devices >= 1, "devices", f"must be >= 1 per trial, got {sweep.devices}")
     require(sweep.strategy in ("grid", "random", "tpe"), "strategy", f"{sweep.strategy!r} is not grid, random or tpe")
     require(
         sweep.metric in EVAL_METRICS,
@@ -147,92 +168,337 @@ def storage_url(workdir: pathlib.Path, storage: str | None) -> str:
     return storage or f"sqlite:///{workdir.resolve() / 'sweep.db'}"
 
 
+def _shown(url: str) -> str:
+    """The URL without its password, for messages."""
+    import sqlalchemy
+
+    return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
+
+
+def _lost_connection(error: BaseException | None) -> BaseException | None:
+    """The database driver's error if `error` (or what caused it) means the database went away."""
+    import sqlalchemy.exc
+
+    while error is not None:
+        if isinstance(error, (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError)) or getattr(
+            error, "connection_invalidated", False
+        ):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _patiently(call, url: str, patience: float, lost=_lost_connection, failed="did not answer"):
+    """call(), retried while the database is away, for at most `patience` seconds; then a
+    ConnectionError naming the database (the command line prints it as `error: ...`)."""
+    deadline = None
+    while True:
+        try:
+            result = call()
+        except Exception as e:
+            cause = lost(e)
+            if cause is None:
+                raise
+            reason = str(getattr(cause, "orig", None) or cause).strip().splitlines()[0]
+            if deadline is None:
+                deadline = time.monotonic() + patience
+                print(f"database {_shown(url)} {failed} ({reason}): retrying for up to {patience} s", flush=True)
+            if time.monotonic() >= deadline:
+                raise ConnectionError(
+                    f"the database {_shown(url)} stayed away for {patience} s ({reason}); "
+                    "this worker stops: rerun the command when it is back to continue the sweep"
+                ) from e
+            time.sleep(0.5)
+        else:
+            if deadline is not None:
+                print(f"database {_shown(url)} is back", flush=True)
+            return result
+
+
+_outermost = threading.local()
+
+
+def _retried(method):
+    """A storage method retried by `_patiently` (only at the outermost call: the methods call each other)."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if getattr(_outermost, "inside", False):
+            return method(self, *args, **kwargs)
+        _outermost.inside = True
+        try:
+            return _patiently(lambda: method(self, *args, **kwargs), self.url, self.patience)
+        finally:
+            _outermost.inside = False
+
+    return call
+
+
+@functools.cache
+def _patient_storage():
+    """Optuna's RDBStorage whose every database call rides out a lost connection for `patience` seconds."""
+    import inspect
+
+    import optuna
+
+    class PatientStorage(optuna.storages.RDBStorage):
+        patience: float = 0.0
+
+    for name, method in vars(optuna.storages.RDBStorage).items():
+        if inspect.isfunction(method) and not name.startswith("__"):
+            setattr(PatientStorage, name, _retried(method))
+    return PatientStorage
+
+
+def _storage(url: str, sweep: Sweep):
+    import optuna
+    import sqlalchemy.exc
+
+    kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
+
+    def connect():
+        storage = _patient_storage()(
+            url,
+            engine_kwargs=kwargs,
+            heartbeat_interval=sweep.heartbeat,
+            grace_period=3 * sweep.heartbeat,
+            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=3),
+        )
+        storage.patience = sweep.patience
+        return storage
+
+    # Any database error while connecting is retried: workers starting together on an empty
+    # database race to create Optuna's tables, and all but one see the others' half-made schema.
+    any_error = lambda e: e if isinstance(e, sqlalchemy.exc.SQLAlchemyError) else _lost_connection(e)
+    return _patiently(connect, url, sweep.patience, lost=any_error, failed="could not be set up")
+
+
+def _startup(sweep: Sweep) -> int:
+    """TPE's random trials before it models the results."""
+    return min(sweep.trials, max(2, min(10, sweep.trials // 3)))
+
+
+def planned_trials(sweep: Sweep) -> list[dict]:
+    """The sweep's trials as Optuna stores their parameters (choices by index), fixed up front
+    from `sweep.seed`: the grid's points in a shuffled order, or random draws; TPE's trials after
+    its random start are `{}`, sampled when they start, from the results then known."""
+    import optuna
+
+    if sweep.strategy == "grid":
+        points = list(itertools.product(*(range(len(d.values)) for d in sweep.space.values())))
+        random.Random(sweep.seed).shuffle(points)
+        return [dict(zip(sweep.space, p, strict=True)) for p in points[: sweep.trials]]
+    drawn = sweep.trials if sweep.strategy == "random" else _startup(sweep)
+    scratch = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=sweep.seed))
+    plan = []
+    for _ in range(drawn):
+        trial = scratch.ask()
+        for name, dist in sweep.space.items():
+            _suggest(trial, name, dist)
+        plan.append(trial.params)
+    return plan + [{}] * (sweep.trials - drawn)
+
+
 def open_study(sweep: Sweep, name: str, url: str, create: bool = False, worker: tuple = ()):
-    """The sweep's Optuna study, created if new. Each worker and each resumption samples with its
-    own seed, drawn from (sweep.seed, trials so far, `worker`): workers started together, or a
-    sweep started again, would otherwise propose the same parameters."""
+    """The sweep's Optuna study. With `create`, a new one is made with its planned trials queued
+    (the one command that wins the race to create it queues them; the others wait for the queue).
+    TPE samples with a seed drawn from (sweep.seed, trials so far, `worker`): workers started
+    together, or a sweep started again, would otherwise propose the same parameters."""
     import numpy as np
     import optuna
 
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # the heartbeat
-    storage = optuna.storages.RDBStorage(
-        url,
-        engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None,
-        heartbeat_interval=sweep.heartbeat,
-        grace_period=3 * sweep.heartbeat,
-        heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=3),
-    )
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = _storage(url, sweep)
     pruner = optuna.pruners.MedianPruner(n_startup_trials=2) if sweep.prune else optuna.pruners.NopPruner()
-    study = optuna.create_study(
-        storage=storage, study_name=name, pruner=pruner, direction=sweep.goal, load_if_exists=True
-    )
+    described = repr({k: sweep.space[k] for k in sorted(sweep.space)}) + repr(sorted(sweep.fixed.items()))
+    described += repr((sweep.strategy, sweep.trials, sweep.seed))
+    study = None
+    if create:
+        try:  # the database's unique study name elects one creator among commands started together
+            study = optuna.create_study(storage=storage, study_name=name, pruner=pruner, direction=sweep.goal)
+        except optuna.exceptions.DuplicatedStudyError:
+            pass
+        else:
+            study.set_user_attr("definition", described)
+            for params in planned_trials(sweep):
+                study.enqueue_trial(params)
+            study.set_user_attr("trials", sweep.trials)  # the queue is complete
+    if study is None:
+        try:
+            study = optuna.load_study(study_name=name, storage=storage, pruner=pruner)
+        except KeyError:
+            raise ConfigError(f"{_shown(url)} holds no sweep {name!r} yet: start it first") from None
+        deadline = time.monotonic() + 60
+        while "trials" not in study.user_attrs:  # its creator is still queuing the trials
+            if time.monotonic() > deadline:
+                raise ConfigError(f"{_shown(url)}: sweep {name!r} has no trial queue: use a new --workdir")
+            time.sleep(0.5)
+        if create and study.user_attrs.get("definition") != described:
+            raise ConfigError(f"{_shown(url)} holds sweep {name!r} with another definition: use a new --workdir")
     so_far = len(study.get_trials(deepcopy=False))
     seed = int(np.random.SeedSequence([sweep.seed, so_far, *worker]).generate_state(1)[0])
-    if sweep.strategy == "grid":
-        grid = {k: list(range(len(d.values))) for k, d in sweep.space.items()}
-        study.sampler = optuna.samplers.GridSampler(grid, seed=seed)
-    elif sweep.strategy == "random":
+    if sweep.strategy == "tpe":  # constant liar: trials running elsewhere count, so workers spread out
+        study.sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=_startup(sweep), constant_liar=True)
+    else:  # every parameter is fixed in the queue
         study.sampler = optuna.samplers.RandomSampler(seed=seed)
-    else:
-        startup = max(2, min(10, sweep.trials // 3))  # random trials before TPE models the results
-        study.sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup)
-    described = repr({k: sweep.space[k] for k in sorted(sweep.space)}) + repr(sorted(sweep.fixed.items()))
-    if create:
-        if study.user_attrs.get("definition", described) != described:
-            raise ConfigError(f"{url} holds sweep {name!r} with another space or fixed values: use a new --workdir")
-        study.set_user_attr("definition", described)
     return study
 
 
+@contextlib.contextmanager
+def _heartbeat(study, trial_id: int, interval: float):
+    """Record the trial's heartbeat every `interval` seconds while the block runs."""
+    stop = threading.Event()
+
+    def beat():
+        while True:
+            try:
+                study._storage.record_heartbeat(trial_id)
+            except ConnectionError:
+                return  # the trial's next report meets the lost database too, and stops the worker
+            if stop.wait(interval):
+                return
+
+    thread = threading.Thread(target=beat, name=f"heartbeat-{trial_id}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def work(sweep: Sweep, base: Config, workdir: pathlib.Path, url: str, name: str, worker: int = 0, shared=False):
-    """Run trials until the sweep has its `trials` finished (complete or pruned) ones. `worker`
-    numbers this machine's processes; a `shared` storage may have workers on other machines too."""
+    """Take trials from the sweep's queue and train them until the queue is empty and no trial
+    runs anywhere (a dead worker's trial comes back to the queue). `worker` numbers this machine's
+    processes; a `shared` storage may have workers on other machines too."""
     import optuna
 
     from jaxformer.observe import curve, read_metrics
     from jaxformer.train import fit
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = open_study(sweep, name, url, worker=(worker, os.getpid()) if shared else (worker,))
     tag = f"[worker {worker}] " if worker else ""
-    finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    RUNNING = optuna.trial.TrialState.RUNNING
 
-    def objective(trial) -> float:
+    def train(trial) -> tuple[optuna.trial.TrialState | None, float | None]:
         values = {k: _suggest(trial, k, d) for k, d in sweep.space.items()}
         # A retried trial inherits the user attributes, so it trains on in the dead trial's workdir.
         trial_dir = workdir / trial.user_attrs.get("workdir", f"trial-{trial.number:03d}")
         trial.set_user_attr("workdir", trial_dir.name)
         shown = ", ".join(f"{k}={v}" for k, v in values.items())
         print(f"{tag}trial {trial.number} ({trial_dir.name}): {shown}", flush=True)
+        given_up = []
 
         def on_eval(step: int, metrics: dict) -> bool:
-            trial.report(metrics[sweep.metric], step)
+            try:
+                trial.report(metrics[sweep.metric], step)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                given_up.append(step)  # failed as dead while the database was away: its retry trains it
+                return True
             return trial.should_prune()
 
-        result = fit(with_values(base, values), trial_dir, quiet=True, on_eval=on_eval)
+        try:
+            result = fit(with_values(base, values), trial_dir, quiet=True, on_eval=on_eval)
+        except FloatingPointError as e:
+            print(f"{tag}trial {trial.number}: failed ({e})", flush=True)
+            return optuna.trial.TrialState.FAIL, None
+        if given_up:
+            print(f"{tag}trial {trial.number}: failed as dead while the database was away; its retry goes on")
+            return None, None
+        if result.get("preempted"):  # SIGTERM: saved; left running, so the heartbeat hands it on
+            print(f"{tag}trial {trial.number}: preempted after saving; a worker resumes it from its checkpoint")
+            raise SystemExit(0)
         value = result["eval"].get(sweep.metric)
         if value is None:  # its worker died after the last step: the log holds the last evaluation
             value = curve(read_metrics(trial_dir), "eval", sweep.metric)[1][-1]
         if result["stopped"]:
             print(f"{tag}trial {trial.number}: pruned ({sweep.metric} {value:.4g})", flush=True)
-            raise optuna.TrialPruned()
+            return optuna.trial.TrialState.PRUNED, None
         print(f"{tag}trial {trial.number}: {sweep.metric} {value:.4g}", flush=True)
-        return value
+        return optuna.trial.TrialState.COMPLETE, value
 
-    def enough(study, _trial) -> None:  # finished plus running elsewhere: no new trial past the budget
-        states = (*finished, optuna.trial.TrialState.RUNNING)
-        if len(study.get_trials(deepcopy=False, states=states)) >= sweep.trials:
-            study.stop()
+    waiting_said = False
+    while True:
+        optuna.storages.fail_stale_trials(study)  # a dead worker's trial: failed, and queued again
+        # Taking a queued trial is one guarded update in the database: no two workers get the same.
+        trial_id = study._pop_waiting_trial_id()
+        if trial_id is None:
+            running = study.get_trials(deepcopy=False, states=(RUNNING,))
+            if not running:
+                return
+            if not waiting_said:
+                print(f"{tag}{len(running)} trial(s) running: waiting for them (a dead worker's trial "
+                      f"is retried within {3 * sweep.heartbeat} s)", flush=True)  # fmt: skip
+                waiting_said = True
+            time.sleep(min(sweep.heartbeat, 5))
+            continue
+        waiting_said = False
+        trial = optuna.Trial(study, trial_id)
+        with _heartbeat(study, trial_id, sweep.heartbeat):
+            try:
+                state, value = train(trial)
+            except SystemExit:
+                raise
+            except BaseException:
+                study.tell(trial, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+                raise
+        if state is not None:
+            study.tell(trial, value, state=state, skip_if_finished=True)
 
-    if len(study.get_trials(deepcopy=False, states=finished)) < sweep.trials:
-        study.optimize(objective, n_trials=sweep.trials, callbacks=[enough], catch=(FloatingPointError,))
+
+def local_devices() -> tuple[str, list[str]]:
+    """This machine's accelerator platform and device (GPU) or chip (TPU) ids as the pinning
+    variables name them, asked of JAX in a child process (so this one holds no accelerator)."""
+    probe = (
+        "import jax; ds = jax.local_devices(); chips = {tuple(getattr(d, 'coords', None) or (d.id,)) for d in ds}; "
+        "print(ds[0].platform, len(chips) if ds[0].platform == 'tpu' else len(ds))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    platform, n = out[-2], int(out[-1])
+    visible = {"gpu": "CUDA_VISIBLE_DEVICES", "tpu": "TPU_VISIBLE_CHIPS"}.get(platform)
+    already = os.environ.get(visible or "", "")  # already narrowed: pin within what this process may use
+    ids = already.split(",")[:n] if already else [str(i) for i in range(n)]
+    return platform, ids
 
 
-def run(path: str, workdir: str, workers: int = 1, storage: str | None = None, worker: int | None = None) -> list:
-    """`jaxformer sweep`: check the sweep, run it with `workers` processes, report the results.
-    (`worker=i`: be worker i of a multi-process sweep: run trials, report nothing.)"""
-    if workers < 1:
-        raise ConfigError(f"--workers: must be >= 1, got {workers}")
+TPU_CHIP_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1"}  # chips of one worker, as a TPU host lays them out
+
+
+def pin(platform: str, ids: list[str], per_trial: int) -> list[dict[str, str]]:
+    """The environment of each worker of one machine: one worker per `per_trial` devices, each
+    seeing only its own (devices left over are idle). CPU: one worker, nothing pinned."""
+    if platform == "cpu":
+        return [{}]
+    require(
+        per_trial <= len(ids), "devices", f"a trial asks for {per_trial}, this machine has {len(ids)} {platform}(s)"
+    )
+    groups = [ids[i : i + per_trial] for i in range(0, len(ids) - per_trial + 1, per_trial)]
+    if platform == "gpu":
+        return [{"CUDA_VISIBLE_DEVICES": ",".join(g)} for g in groups]
+    if platform == "tpu":
+        if len(groups) == 1 and per_trial == len(ids):
+            return [{}]  # the whole host: nothing to narrow
+        require(per_trial in TPU_CHIP_BOUNDS, "devices", f"{per_trial} TPU chips per trial: use 1, 2, 4 or all")
+        envs = []
+        for i, g in enumerate(groups):  # a TPU runtime per worker, each with its own port
+            port = str(8476 + i)
+            envs.append({
+                "TPU_VISIBLE_CHIPS": ",".join(g), "TPU_VISIBLE_DEVICES": ",".join(g),
+                "TPU_CHIPS_PER_PROCESS_BOUNDS": TPU_CHIP_BOUNDS[per_trial], "TPU_PROCESS_BOUNDS": "1,1,1",
+                "TPU_PROCESS_PORT": port, "TPU_PROCESS_ADDRESSES": f"localhost:{port}",
+                "TPU_MESH_CONTROLLER_ADDRESS": f"localhost:{port}", "TPU_MESH_CONTROLLER_PORT": port,
+            })  # fmt: skip
+        return envs
+    raise ConfigError(f"--workers auto: no pinning known for platform {platform!r}")
+
+
+def run(path: str, workdir: str, workers: int | str = 1, storage: str | None = None, worker: int | None = None) -> list:
+    """`jaxformer sweep`: check the sweep, run it with `workers` processes (`auto`: one per
+    accelerator group), report the results. (`worker=i`: be worker i of a multi-process sweep:
+    run trials, report nothing.)"""
+    if workers != "auto" and workers < 1:
+        raise ConfigError(f"--workers: must be >= 1 or auto, got {workers}")
     sweep, base = load(path)
     root = pathlib.Path(workdir)
     root.mkdir(parents=True, exist_ok=True)
@@ -240,14 +506,19 @@ def run(path: str, workdir: str, workers: int = 1, storage: str | None = None, w
     if worker is not None:
         work(sweep, base, root, url, name, worker, shared=True)
         return []
-    study = open_study(sweep, name, url, create=True)  # created once, before workers race to
-    retry_dead_trials(study, sweep)
+    envs = pin(*local_devices(), sweep.devices) if workers == "auto" else [{}] * workers
+    open_study(sweep, name, url, create=True)  # created, and its trials queued, before workers race to them
     start = time.perf_counter()
-    if workers == 1:
+    if envs == [{}]:
         work(sweep, base, root, url, name, shared=storage is not None)
     else:
         cmd = [sys.executable, "-m", "jaxformer.cli", "sweep", str(path), "--workdir", str(root), "--storage", url]
-        procs = [subprocess.Popen([*cmd, "--worker", str(i)]) for i in range(1, workers + 1)]
+        for i, env in enumerate(envs, 1):
+            if env:
+                print(f"worker {i}: " + " ".join(f"{k}={v}" for k, v in env.items()))
+        procs = [
+            subprocess.Popen([*cmd, "--worker", str(i)], env={**os.environ, **env}) for i, env in enumerate(envs, 1)
+        ]
         codes = [p.wait() for p in procs]
         if any(codes):
             raise SystemExit(f"error: sweep workers exited with {codes}; rerun the command to continue")
@@ -258,20 +529,58 @@ def run(path: str, workdir: str, workers: int = 1, storage: str | None = None, w
     return rows
 
 
-def retry_dead_trials(study, sweep: Sweep) -> None:
-    """Trials left running by an interrupted sweep: wait (at most the grace period) until Optuna's
-    heartbeat tells dead ones, whose workers stopped beating, from live ones on other machines;
-    the dead ones are failed and queued again with their parameters (and their workdirs)."""
+def status(path: str, workdir: str, storage: str | None = None) -> dict:
+    """`jaxformer sweep --status`: trials done / running / pruned / failed, the best so far and
+    an ETA, read from the storage (starts nothing). Returns the counts printed."""
+    import datetime
+
     import optuna
 
-    running = lambda: study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
-    if not running():
-        return
-    print(f"{len(running())} trial(s) marked running: waiting up to {3 * sweep.heartbeat} s to retry dead ones")
-    deadline = time.monotonic() + 3 * sweep.heartbeat + 2
-    while running() and time.monotonic() < deadline:
-        time.sleep(1)
-        optuna.storages.fail_stale_trials(study)
+    sweep, _ = load(path)
+    url, name = storage_url(pathlib.Path(workdir), storage), pathlib.Path(path).stem
+    if storage is None and not (pathlib.Path(workdir) / "sweep.db").is_file():
+        raise ConfigError(f"{workdir}: no sweep here yet (no sweep.db): start it first")
+    study = open_study(sweep, name, url)
+    trials = study.get_trials(deepcopy=False)
+    by = {s: [t for t in trials if t.state == s] for s in optuna.trial.TrialState}
+    S = optuna.trial.TrialState
+    retried = {t.system_attrs.get("failed_trial") for t in trials} - {None}
+    failed = [t for t in by[S.FAIL] if t.number not in retried]  # given up for good
+    counts = {
+        "trials": int(study.user_attrs.get("trials", sweep.trials)), "complete": len(by[S.COMPLETE]),
+        "pruned": len(by[S.PRUNED]), "running": len(by[S.RUNNING]), "waiting": len(by[S.WAITING]),
+        "failed": len(failed), "retried": len(by[S.FAIL]) - len(failed),
+    }  # fmt: skip
+    done = counts["complete"] + counts["pruned"] + counts["failed"]  # a retried failure is not done
+    print(f"sweep {name} ({_shown(url)}): {counts['trials']} trials")
+    print(
+        f"  done {done} (complete {counts['complete']}, pruned {counts['pruned']}, failed {counts['failed']}), "
+        f"running {counts['running']}, waiting {counts['waiting']}"
+        + (f"; {counts['retried']} failed as dead and retried" if counts["retried"] else "")
+    )
+    if by[S.COMPLETE]:
+        best = study.best_trial
+        shown = ", ".join(f"{k}={v}" for k, v in _values(sweep, best.params).items())
+        print(f"  best so far: trial {best.number}, {sweep.metric} {best.value:.4g} ({shown})")
+    else:
+        print("  best so far: none complete yet")
+    left = counts["running"] + counts["waiting"]
+    starts = [t.datetime_start for t in trials if t.datetime_start]
+    if left == 0:
+        print("  finished")
+    elif done and starts:
+        elapsed = (datetime.datetime.now() - min(starts)).total_seconds()
+        eta = left * elapsed / done
+        print(f"  ETA: {left} trial(s) left at {60 * done / elapsed:.2g} trials/min: ~{_duration(eta)}")
+    else:
+        print(f"  ETA: {left} trial(s) left; known once a trial is done")
+    return counts
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 def results(sweep: Sweep, name: str, url: str, root: pathlib.Path) -> list[dict]:
@@ -292,12 +601,24 @@ def results(sweep: Sweep, name: str, url: str, root: pathlib.Path) -> list[dict]
     key = lambda r: (rank[r["state"]], sign * r[sweep.metric] if r[sweep.metric] is not None else math.inf)
     rows.sort(key=key)
     columns = ["trial", "state", sweep.metric, *sweep.space, "steps", "seconds", "workdir"]
-    with (root / "results.csv").open("w", newline="") as f:
+    with _replacing(root / "results.csv") as tmp, tmp.open("w", newline="") as f:
         writer = csv.DictWriter(f, columns)
         writer.writeheader()
         writer.writerows(rows)
     plot(rows, sweep, root)
     return rows
+
+
+@contextlib.contextmanager
+def _replacing(path: pathlib.Path):
+    """A temporary path that replaces `path` at once when the block ends: the commands of a sweep
+    on several machines all write the results when it ends, and none may read a half-written file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def print_table(rows: list[dict], sweep: Sweep) -> None:
@@ -333,9 +654,11 @@ def plot(rows: list[dict], sweep: Sweep, root: pathlib.Path) -> None:
         if isinstance(dist, Range) and dist.log:
             ax.set_xscale("log")
         ax.set(xlabel=name, ylabel=f"eval {sweep.metric}")
-        ax.legend()
+        if ax.collections:
+            ax.legend()
     fig.tight_layout()
-    fig.savefig(root / "objective.png", dpi=100)
+    with _replacing(root / "objective.png") as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -347,5 +670,6 @@ def plot(rows: list[dict], sweep: Sweep, root: pathlib.Path) -> None:
     if ax.lines:
         ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(root / "loss_curves.png", dpi=100)
+    with _replacing(root / "loss_curves.png") as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)

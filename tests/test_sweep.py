@@ -1,11 +1,16 @@
-"""Sweeps on Optuna: two worker processes on one SQLite storage, resumption after a killed worker,
-results that agree with the trials' own logs, and bad sweep files rejected before any trial."""
+"""Sweeps on Optuna: two worker processes on one SQLite storage, four commands (as on four machines)
+on one PostgreSQL that run exactly what one worker runs, a worker killed mid-trial whose trial another
+worker resumes, a database that goes away and comes back (or not), one worker per accelerator,
+results that agree with the trials' own logs, and bad sweep files rejected before any trial.
+
+PostgreSQL is a real server started for the session (tests/conftest.py: `postgres`)."""
 
 import csv
 import json
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,7 +19,7 @@ import pytest
 
 from jaxformer import cli
 from jaxformer.config import ConfigError
-from jaxformer.sweep import load
+from jaxformer.sweep import load, pin
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # The copy task at its smallest (one layer per stack): a trial is 20-30 steps and 2-3 evaluations.
@@ -28,15 +33,49 @@ def get_sweep():
         fixed={{"train.steps": {steps}, "train.eval_every": 10, "train.log_every": 10, "train.batch_size": 16,
                "train.num_samples": 0, "train.eval_batches": 2, "model.d_model": 32, "model.num_encoder_layers": 1,
                "model.num_decoder_layers": 1, "checkpoint.every": 10, "train.peak_flops": 1e11}},
-        strategy="random", trials={trials}, metric="loss", prune=False, heartbeat=1,
+        strategy="random", trials={trials}, metric="loss", prune=False, heartbeat={heartbeat}, patience={patience},
     )
 """
 
 
-def sweep_file(directory: pathlib.Path, name: str, trials: int, steps: int = 20) -> pathlib.Path:
+def sweep_file(
+    directory: pathlib.Path, name: str, trials: int, steps: int = 20, heartbeat: int = 1, patience: int = 120
+) -> pathlib.Path:
     path = directory / f"{name}.py"
-    path.write_text(SWEEP.format(base=str(REPO / "experiments/copy_task.py"), trials=trials, steps=steps))
+    base = str(REPO / "experiments/copy_task.py")
+    path.write_text(SWEEP.format(base=base, trials=trials, steps=steps, heartbeat=heartbeat, patience=patience))
     return path
+
+
+def command(file: pathlib.Path, workdir: pathlib.Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "jaxformer.cli", "sweep", str(file), "--workdir", str(workdir), *args]
+
+
+def start(cmd: list[str], log: pathlib.Path) -> subprocess.Popen:
+    """A sweep command in its own process, its output to `log` (read while it runs)."""
+    with log.open("w") as out:
+        return subprocess.Popen(
+            cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, JAX_PLATFORMS="cpu")
+        )
+
+
+def wait_for(condition, procs, seconds=300) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        assert all(p.poll() is None for p in procs), [p.returncode for p in procs]
+        time.sleep(0.2)
+
+
+def eval_steps(trial_dir: pathlib.Path) -> list[int]:
+    records = [json.loads(line) for line in (trial_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in records if r["split"] == "eval"]
+
+
+def trial_table(table: list[dict]) -> list[tuple]:
+    """What two runs of one sweep must agree on: each trial's number, state, parameters and loss."""
+    return sorted((int(r["trial"]), r["state"], r["train.learning_rate"], r["train.warmup_steps"], float(r["loss"]))
+                  for r in table)  # fmt: skip
 
 
 def rows(workdir: pathlib.Path) -> list[dict]:
@@ -89,12 +128,11 @@ def test_a_killed_sweep_continues_and_retries_the_dead_trial_in_its_workdir(tmp_
         proc.wait()
     study = optuna.load_study(study_name="killed", storage=url)
     before = {t.number: t.state.name for t in study.trials}
-    assert before == {0: "COMPLETE", 1: "RUNNING"}, before
+    assert before == {0: "COMPLETE", 1: "RUNNING", 2: "WAITING"}, before  # trial 2: planned, queued
     trial0 = last_eval_loss(workdir / "trial-000")
 
     assert cli.main(["sweep", str(file), "--workdir", str(workdir)]) == 0
-    out = capfd.readouterr().out
-    assert "waiting up to 3 s to retry dead ones" in out
+    capfd.readouterr()
     table = {int(r["trial"]): r for r in rows(workdir)}
     assert table[0]["state"] == "COMPLETE" and float(table[0]["loss"]) == pytest.approx(trial0, rel=1e-6)
     assert table[1]["state"] == "FAIL"
@@ -102,7 +140,7 @@ def test_a_killed_sweep_continues_and_retries_the_dead_trial_in_its_workdir(tmp_
     assert len(retries) == 1 and retries[0]["state"] == "COMPLETE"
     assert retries[0]["train.learning_rate"] == table[1]["train.learning_rate"]
     assert sum(r["state"] == "COMPLETE" for r in table.values()) == 3
-    assert table[3]["train.learning_rate"] != table[0]["train.learning_rate"]  # a resumed sweep samples anew
+    assert len({table[n]["train.learning_rate"] for n in (0, 1, 2)}) == 3  # the planned trials differ
     # The retry resumed from trial 1's checkpoint (a fresh start would append a second step 0).
     steps = [json.loads(line)["step"] for line in (workdir / "trial-001" / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(steps) and steps[-1] == 30
@@ -146,11 +184,18 @@ def test_shipped_sweeps_validate():
         assert base.train.steps == sweep.fixed["train.steps"], path
 
 
-def test_the_median_pruner_stops_trials_behind_the_median_at_their_first_evaluation(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("storage, workers", [("sqlite", 1), ("postgresql", "auto")])
+def test_the_median_pruner_stops_trials_behind_the_median_at_their_first_evaluation(
+    tmp_path, monkeypatch, capsys, request, storage, workers
+):
     """Training is replaced by a stand-in that reports eval loss 1.0 (trials 0 and 1) or 5.0 (later
     trials) at steps 10, 20 and 30 and stops when `on_eval` says so, as `fit` does (tested in
-    test_observe). After the pruner's two startup trials, each later one is pruned at step 10."""
+    test_observe). After the pruner's two startup trials, each later one is pruned at step 10.
+    On PostgreSQL with `--workers auto`: on this CPU machine auto is one worker in this process, as
+    `--workers 1` (the stand-in would not reach a worker process)."""
     from jaxformer import sweep, train
+
+    url = request.getfixturevalue("postgres_url") if storage == "postgresql" else None
 
     def stand_in(cfg, workdir, *, quiet, on_eval):
         loss = 1.0 if pathlib.Path(workdir).name in ("trial-000", "trial-001") else 5.0
@@ -162,8 +207,160 @@ def test_the_median_pruner_stops_trials_behind_the_median_at_their_first_evaluat
     monkeypatch.setattr(train, "fit", stand_in)
     path = sweep_file(tmp_path, "pruned", trials=4, steps=30)
     path.write_text(path.read_text().replace("prune=False", "prune=True"))
-    table = sweep.run(str(path), str(tmp_path / "w"))
+    table = sweep.run(str(path), str(tmp_path / "w"), workers=workers, storage=url)
     assert [(r["trial"], r["state"], r["steps"]) for r in table] == [
         (0, "COMPLETE", 30), (1, "COMPLETE", 30), (2, "PRUNED", 10), (3, "PRUNED", 10)
     ]  # fmt: skip
     assert "trial 2: pruned (loss 5)" in capsys.readouterr().out
+
+
+def test_four_commands_on_one_postgres_run_the_trials_one_worker_runs_even_when_one_dies(
+    tmp_path, postgres_url, capsys
+):
+    """Four `jaxformer sweep --storage postgresql://...` commands started together, as on four
+    machines, against one worker on SQLite with the same sweep file; one of the four is SIGKILLed
+    once its trial has saved a checkpoint. The trials are planned from the sweep's seed when the
+    study is created, so "the same" can mean the same table: each trial's number, parameters and
+    loss (training and resuming are deterministic on CPU). The dead trial is taken over by another
+    worker after its heartbeat lapses and resumed from its checkpoint (its eval log never goes
+    back to step 10); no trial ran twice otherwise, and the three others stop at the budget."""
+    import optuna
+
+    file = sweep_file(tmp_path, "four", trials=4, steps=30)
+    assert cli.main(["sweep", str(file), "--workdir", str(tmp_path / "one")]) == 0
+    one = trial_table(rows(tmp_path / "one"))
+
+    workdir = tmp_path / "four"
+    logs = [tmp_path / f"machine-{i}.log" for i in range(4)]
+    procs = [start(command(file, workdir, "--storage", postgres_url), log) for log in logs]
+    victim = []
+
+    def a_trial_has_a_checkpoint():  # and which command runs it
+        for i, log in enumerate(logs):
+            started = [line.split()[1] for line in log.read_text().splitlines() if line.startswith("trial ")]
+            if started and (workdir / f"trial-{int(started[-1]):03d}" / "checkpoints" / "10").is_dir():
+                victim.append((i, int(started[-1])))
+                return True
+        return False
+
+    try:
+        wait_for(a_trial_has_a_checkpoint, procs)
+        killed, dead = victim[0]
+        procs[killed].send_signal(signal.SIGKILL)
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    outputs = [log.read_text() for log in logs]
+    assert codes == [-signal.SIGKILL if i == killed else 0 for i in range(4)], "\n".join(outputs)
+
+    trials = optuna.load_study(study_name="four", storage=postgres_url).trials
+    assert [t.state.name for t in trials] == ["FAIL" if n == dead else "COMPLETE" for n in range(4)] + ["COMPLETE"]
+    retry = trials[4]
+    assert retry.params == trials[dead].params and retry.user_attrs["workdir"] == f"trial-{dead:03d}"
+    # The planned trials' outcomes, whichever attempt finished them, are one worker's.
+    finished = {int(t.user_attrs["workdir"][-3:]): t for t in trials if t.state.name == "COMPLETE"}
+    four = [(n, "COMPLETE", *next(r for r in one if r[0] == n)[2:4], finished[n].value) for n in range(4)]
+    for a, b in zip(four, one, strict=True):
+        assert a[:4] == b[:4] and a[4] == pytest.approx(b[4], rel=1e-5), (a, b)
+    for n in range(4):
+        attempts = sum(out.count(f"(trial-{n:03d}): ") for out in outputs)
+        assert attempts == (2 if n == dead else 1), n  # started once, anywhere (the dead one twice)
+        steps = eval_steps(workdir / f"trial-{n:03d}")
+        assert steps.count(10) == 1 and sorted(set(steps)) == [10, 20, 30], (n, steps)
+    assert all("5 trials in" in out for i, out in enumerate(outputs) if i != killed)  # the same end, together
+
+    capsys.readouterr()
+    assert cli.main(["sweep", str(file), "--workdir", str(workdir), "--storage", postgres_url, "--status"]) == 0
+    status = capsys.readouterr().out
+    best = min(four, key=lambda r: r[4])
+    assert "done 4 (complete 4, pruned 0, failed 0), running 0, waiting 0; 1 failed as dead and retried" in status
+    assert f"best so far: trial {best[0] if best[0] != dead else 4}, loss {best[4]:.4g}" in status
+    assert "finished" in status
+
+
+def test_a_sweep_rides_out_a_brief_database_outage(tmp_path, postgres, postgres_url):
+    """The PostgreSQL server is stopped for 3 s while a trial trains and started again: the worker
+    says so, retries, and the sweep finishes with every trial complete and none retried."""
+    file, workdir = sweep_file(tmp_path, "outage", trials=2, steps=30, heartbeat=2), tmp_path / "sweep"
+    log = tmp_path / "worker.log"
+    proc = start(command(file, workdir, "--storage", postgres_url), log)
+    try:
+        wait_for(lambda: (workdir / "trial-000" / "checkpoints" / "10").is_dir(), [proc])
+        postgres.stop()
+        time.sleep(3)
+        postgres.start()
+        assert proc.wait(timeout=300) == 0, log.read_text()
+    finally:
+        proc.kill()
+    out = log.read_text()
+    assert f"database {postgres_url} did not answer" in out and f"database {postgres_url} is back" in out
+    assert [(r["trial"], r["state"]) for r in sorted(rows(workdir), key=lambda r: r["trial"])] == [
+        ("0", "COMPLETE"), ("1", "COMPLETE")
+    ]  # fmt: skip
+    assert eval_steps(workdir / "trial-000") == [10, 20, 30]
+
+
+def test_a_database_that_stays_away_stops_the_sweep_with_a_clear_message(tmp_path, capsys):
+    pytest.importorskip("psycopg")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"postgresql://jax:secret@127.0.0.1:{port}/sweeps"
+    file = sweep_file(tmp_path, "away", trials=1, patience=1)
+    started = time.monotonic()
+    assert cli.main(["sweep", str(file), "--workdir", str(tmp_path / "w"), "--storage", url]) == 2
+    err = capsys.readouterr().err
+    shown = f"postgresql://jax:***@127.0.0.1:{port}/sweeps"
+    assert (
+        f"error: the database {shown} stayed away for 1 s (connection failed: " in err and "Connection refused" in err
+    )
+    assert "this worker stops: rerun the command when it is back to continue the sweep" in err
+    assert "secret" not in err and time.monotonic() - started < 30
+
+
+def test_workers_are_pinned_one_per_accelerator_group():
+    """`--workers auto`: the environment each worker gets, for fake device lists."""
+    gpus = [str(i) for i in range(8)]
+    assert pin("gpu", gpus, 1) == [{"CUDA_VISIBLE_DEVICES": g} for g in gpus]
+    assert pin("gpu", gpus, 2) == [{"CUDA_VISIBLE_DEVICES": g} for g in ("0,1", "2,3", "4,5", "6,7")]
+    assert pin("gpu", gpus[:3], 2) == [{"CUDA_VISIBLE_DEVICES": "0,1"}]  # the third GPU idles
+    assert pin("gpu", ["2", "5"], 1) == [{"CUDA_VISIBLE_DEVICES": "2"}, {"CUDA_VISIBLE_DEVICES": "5"}]
+    assert pin("cpu", ["0"], 1) == [{}]  # as `--workers 1`
+    with pytest.raises(ConfigError, match=r"devices: a trial asks for 4, this machine has 2 gpu\(s\)"):
+        pin("gpu", gpus[:2], 4)
+
+    tpu = pin("tpu", ["0", "1", "2", "3"], 1)
+    assert [e["TPU_VISIBLE_CHIPS"] for e in tpu] == ["0", "1", "2", "3"]
+    assert {e["TPU_CHIPS_PER_PROCESS_BOUNDS"] for e in tpu} == {"1,1,1"} and {e["TPU_PROCESS_BOUNDS"] for e in tpu} == {
+        "1,1,1"
+    }
+    assert len({e["TPU_PROCESS_PORT"] for e in tpu}) == 4  # a TPU runtime each, on its own port
+    assert [e["TPU_VISIBLE_CHIPS"] for e in pin("tpu", ["0", "1", "2", "3"], 2)] == ["0,1", "2,3"]
+    assert pin("tpu", ["0", "1", "2", "3"], 4) == [{}]  # the whole host: nothing to narrow
+    with pytest.raises(ConfigError, match="3 TPU chips per trial: use 1, 2, 4 or all"):
+        pin("tpu", [str(i) for i in range(8)], 3)
+
+
+def test_workers_auto_starts_one_pinned_worker_per_gpu(tmp_path, monkeypatch):
+    """`run(workers="auto")` on a machine that says it has two GPUs: two worker processes, each
+    started with its own CUDA_VISIBLE_DEVICES (the processes are recorded, not run)."""
+    from jaxformer import sweep
+
+    started = []
+
+    class Recorded:
+        def __init__(self, cmd, env):
+            started.append((cmd[cmd.index("--worker") + 1], env["CUDA_VISIBLE_DEVICES"]))
+
+        def wait(self):
+            return 0
+
+    import jax
+
+    assert sweep.local_devices()[0] == jax.local_devices()[0].platform  # this machine, asked for real
+    monkeypatch.setattr(sweep, "local_devices", lambda: ("gpu", ["0", "1"]))
+    monkeypatch.setattr(sweep.subprocess, "Popen", Recorded)
+    table = sweep.run(str(sweep_file(tmp_path, "gpus", trials=2)), str(tmp_path / "w"), workers="auto")
+    assert started == [("1", "0"), ("2", "1")]
+    assert [r["state"] for r in table] == ["WAITING", "WAITING"]  # queued for the (recorded) workers
