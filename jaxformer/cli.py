@@ -1,4 +1,4 @@
-"""`jaxformer train | eval | generate | translate | export | plan | sweep | plot | demo`: the command line."""
+"""`jaxformer train | eval | generate | translate | export | import-hf | export-hf | plan | sweep | plot | demo`."""
 
 from __future__ import annotations
 
@@ -92,23 +92,36 @@ def cmd_generate(args) -> int:
     from jaxformer.checkpoint import restore_workdir
     from jaxformer.data import load_tokenizer
 
-    cfg = _load_config(args)
     texts = list(args.text or [])
     if args.file:
         texts += pathlib.Path(args.file).read_text(encoding="utf-8").splitlines()
     if not texts:
         raise SystemExit(f"error: give --{args.what} TEXT or --{args.what}-file FILE")
     needed = "decoder_only" if args.command == "generate" else "encoder_decoder"
-    if cfg.model.mode != needed:
-        raise SystemExit(f"error: `{args.command}` needs a {needed} model; {args.workdir} holds {cfg.model.mode}")
-    tok = load_tokenizer(cfg, args.workdir)
-    graphdef, state, _ = restore_workdir(cfg, args.workdir)
-    model = nnx.merge(graphdef, state.params)
+    if args.hf:  # a Hugging Face model directory: its weights and tokenizer, decoding as --set says
+        from jaxformer.config import Config, DataConfig, TrainConfig, apply_overrides
+        from jaxformer.data import HFTokenizer
+        from jaxformer.interop.hf import load_hf
+
+        model, tok, where = load_hf(args.hf), HFTokenizer(args.hf), args.hf
+        objective = {"decoder_only": "lm", "encoder_decoder": "seq2seq"}.get(model.cfg.mode, "mlm")
+        cfg = Config(model.cfg, TrainConfig(objective=objective), DataConfig(max_len=model.cfg.max_len))
+        decoding = apply_overrides(cfg, args.set or []).decode
+    else:
+        cfg = _load_config(args)
+        decoding, where = cfg.decode, args.workdir
+        tok = load_tokenizer(cfg, args.workdir)
+    mode = model.cfg.mode if args.hf else cfg.model.mode
+    if mode != needed:
+        raise SystemExit(f"error: `{args.command}` needs a {needed} model; {where} holds {mode}")
+    if not args.hf:
+        graphdef, state, _ = restore_workdir(cfg, args.workdir)
+        model = nnx.merge(graphdef, state.params)
     try:
         if args.command == "generate":
-            outs = decode.continue_texts(model, tok, texts, cfg.decode, stop_at_eos=args.stop_at_eos)
+            outs = decode.continue_texts(model, tok, texts, decoding, stop_at_eos=args.stop_at_eos)
         else:
-            outs = decode.translate_texts(model, tok, texts, cfg.decode)
+            outs = decode.translate_texts(model, tok, texts, decoding)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     for text, out in zip(texts, outs, strict=True):
@@ -122,6 +135,25 @@ def cmd_export(args) -> int:
 
     out = export(args.workdir, args.out)
     print(f"exported parameters and config to {out}; load with jaxformer.load_model({str(out)!r})")
+    return 0
+
+
+def cmd_import_hf(args) -> int:
+    from jaxformer.interop.hf_workdir import import_hf
+
+    cfg = import_hf(args.dir, args.workdir, args.config, args.set or [])
+    print(
+        f"{args.workdir}: step 0 of a {cfg.model.mode} model from {args.dir}, tokenizer and config in "
+        f"{args.workdir}/hf\nfine-tune: jaxformer train --workdir {args.workdir} [--set train.steps=N]\n"
+        f"back to Hugging Face: jaxformer export-hf --workdir {args.workdir} OUT"
+    )
+    return 0
+
+
+def cmd_export_hf(args) -> int:
+    from jaxformer.interop.hf_workdir import export_hf
+
+    print(f"wrote a Hugging Face model directory: {export_hf(args.workdir, args.out)}")
     return 0
 
 
@@ -200,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxformer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train an experiment in a workdir")
-    train.add_argument("--config", required=True, help="experiments/NAME.py")
+    train.add_argument("--config", help="experiments/NAME.py (default: the workdir's own config.json)")
     train.add_argument("--workdir", required=True)
     train.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")
     train.add_argument("--quiet", action="store_true", help="no progress output (the final report still prints)")
@@ -211,12 +243,22 @@ def main(argv: list[str] | None = None) -> int:
     exp = sub.add_parser("export", help="write the latest parameters and config for jaxformer.load_model")
     exp.add_argument("--workdir", required=True)
     exp.add_argument("--out", required=True)
+    imp = sub.add_parser("import-hf", help="make a workdir at step 0 from a Hugging Face model directory")
+    imp.add_argument("dir", help="config.json + model.safetensors (or a sharded index) + tokenizer.json")
+    imp.add_argument("--workdir", required=True)
+    imp.add_argument("--config", help="experiments/NAME.py: data and training settings (default: by the mode)")
+    imp.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")
+    exh = sub.add_parser("export-hf", help="write a workdir's latest checkpoint as a Hugging Face model directory")
+    exh.add_argument("--workdir", required=True)
+    exh.add_argument("out", help="the directory to write")
     for name, what, help_text in (
         ("generate", "prompt", "continue prompts with a decoder_only model (settings: --set decode.FIELD=...)"),
         ("translate", "src", "translate sources with an encoder_decoder model (default: the experiment's decoding)"),
     ):
         gen = sub.add_parser(name, help=help_text)
-        gen.add_argument("--workdir", required=True)
+        source = gen.add_mutually_exclusive_group(required=True)
+        source.add_argument("--workdir", help="a training workdir")
+        source.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (with its tokenizer.json)")
         gen.add_argument(f"--{what}", dest="text", action="append", help="a text (repeat for a batch)")
         gen.add_argument(f"--{what}-file", dest="file", help="one text per line")
         gen.add_argument("--set", action="append", metavar="decode.FIELD=VALUE", help="e.g. decode.strategy=beam")
@@ -255,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             "train": cmd_train,
             "eval": cmd_eval,
             "export": cmd_export,
+            "import-hf": cmd_import_hf,
+            "export-hf": cmd_export_hf,
             "demo": cmd_demo,
             "generate": cmd_generate,
             "translate": cmd_generate,

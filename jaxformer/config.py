@@ -381,7 +381,7 @@ class DataConfig:
 
     source: Literal["shakespeare", "en_de", "en_es", "lohelp_apps", "copy", "reverse"] = "shakespeare"
     path: str | None = None  # a corpus file instead of the shipped one
-    tokenizer: Literal["byte", "sentencepiece", "symbols"] = "byte"
+    tokenizer: Literal["byte", "sentencepiece", "symbols", "hf"] = "byte"  # hf: WORKDIR/hf/tokenizer.json
     spm_vocab_size: int = 2000  # sentencepiece vocabulary (trained on the training split)
     spm_model_type: Literal["bpe", "unigram"] = "bpe"
     max_len: int = 128  # tokens per sequence (LM window; source/target cap for pairs)

@@ -179,12 +179,16 @@ def state_factory(cfg: Config):
 
     def create() -> TrainState:
         model = Transformer(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))
-        params = nnx.state(model, nnx.Param)
-        rng = jax.random.key_data(jax.random.key(cfg.train.seed))
-        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), rng)
+        return start_state(cfg, nnx.state(model, nnx.Param), optimizer)
 
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))), nnx.Param)
     return graphdef, create, optimizer
+
+
+def start_state(cfg: Config, params: nnx.State, optimizer: optax.GradientTransformation) -> TrainState:
+    """Step 0 from `params` (random, or pretrained ones being fine-tuned): a fresh optimizer state."""
+    rng = jax.random.key_data(jax.random.key(cfg.train.seed))
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), rng)
 
 
 def init_state(cfg: Config, mesh: jax.sharding.Mesh | None = None):

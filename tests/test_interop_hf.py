@@ -250,3 +250,106 @@ def test_what_cannot_load_is_named(tmp_path, family_name, damage, error, message
 def test_a_model_no_family_expresses_is_refused_with_the_fields():
     with pytest.raises(hf.UnsupportedCheckpoint, match=r"no Hugging Face family .*position='sinusoidal'"):
         hf.save_hf(jf.build_model(jf.tiny("decoder_only")), "unused")
+
+
+# ----------------------------------------------------------------------------- tokenizer and workdir
+
+
+def bpe_tokenizer(vocab_size: int = 300):
+    """A byte-level BPE tokenizer (GPT-2's kind) trained on the shipped Shakespeare, `<|endoftext|>` = 0."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from jaxformer.data import sources
+
+    texts = [r[1] for r in sources.paragraphs(sources.SHIPPED["shakespeare"])[:2000]]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet, show_progress=False
+    )
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def test_hf_tokenizer_encodes_as_transformers_and_finds_its_special_ids(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from jaxformer.data import HFTokenizer
+
+    bpe_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    ours = HFTokenizer(tmp_path)
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    text = "KING HENRY: Now, lords, for France! — déjà vu"
+    assert ours.encode(text) == theirs(text, add_special_tokens=False)["input_ids"]
+    assert ours.decode(ours.encode(text)) == text
+    assert ours.vocab_size == 300 and (ours.bos_id, ours.eos_id, ours.pad_id) == (0, 0, 0)  # GPT-2: no pad, eos
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 5, "eos_token_id": [7, 8], "pad_token_id": 9}))
+    assert (HFTokenizer(tmp_path).bos_id, HFTokenizer(tmp_path).eos_id, HFTokenizer(tmp_path).pad_id) == (5, 7, 9)
+    (tmp_path / "config.json").write_text(json.dumps({"is_encoder_decoder": True, "decoder_start_token_id": 3}))
+    assert HFTokenizer(tmp_path).bos_id == 3  # the decoder starts from it
+
+    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    wordpiece.train_from_iterator(["to be or not to be"], trainers.WordPieceTrainer(special_tokens=specials))
+    bert_dir = tmp_path / "bert"
+    bert_dir.mkdir()
+    wordpiece.save(str(bert_dir / "tokenizer.json"))
+    bert = HFTokenizer(bert_dir)
+    assert (bert.pad_id, bert.unk_id, bert.bos_id, bert.eos_id, bert.mask_id) == (0, 1, 2, 3, 4)
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
+        HFTokenizer(tmp_path / "nowhere")
+
+
+def test_import_hf_train_export_hf(tmp_path, capsys):
+    """`import-hf` -> `train` (fine-tuning on the shipped Shakespeare with the checkpoint's own
+    tokenizer) -> `export-hf`: step 0 holds the checkpoint's weights, the export holds the trained
+    ones (transformers reads them with the same logits), its config and tokenizer carry over."""
+    from jaxformer import cli
+    from jaxformer.checkpoint import restore_workdir
+    from jaxformer.config import from_dict
+    from jaxformer.data import build_dataset
+
+    source, workdir, out = tmp_path / "gpt2", tmp_path / "run", tmp_path / "exported"
+    tok = bpe_tokenizer()
+    cfg = jf.gpt2_small(vocab_size=300, d_model=32, num_heads=2, d_ff=64, max_len=64, num_decoder_layers=2)
+    hf.save_hf(randomized(cfg), source, extra_config={"bos_token_id": 0, "eos_token_id": 0})
+    tok.save(str(source / "tokenizer.json"))
+    settings = [
+        "train.steps=3", "train.batch_size=8", "train.log_every=1", "train.eval_every=3", "train.eval_batches=1",
+        "train.num_samples=0", "checkpoint.every=3", "data.max_examples=2000",
+    ]  # fmt: skip
+    sets = [a for s in settings for a in ("--set", s)]
+    assert cli.main(["import-hf", str(source), "--workdir", str(workdir), *sets]) == 0
+
+    run_cfg = from_dict(json.loads((workdir / "config.json").read_text()))
+    assert run_cfg.data.tokenizer == "hf" and run_cfg.model == hf.config_from_hf(hf.read_hf_config(source))
+    graphdef, state, _ = restore_workdir(run_cfg, workdir)
+    x = jnp.asarray(ids((2, 10), 1))
+    pretrained = hf.load_hf(source)(x)
+    assert int(state.step) == 0
+    np.testing.assert_array_equal(nnx.merge(graphdef, state.params)(x), pretrained)
+    batch = build_dataset(run_cfg, workdir).train.get(0)
+    assert (batch["targets"] == 0).any() and batch["weights"].all()  # <|endoftext|> is pad and eos: it counts
+
+    assert cli.main(["train", "--workdir", str(workdir), "--quiet"]) == 0
+    assert cli.main(["export-hf", "--workdir", str(workdir), str(out)]) == 0
+    graphdef, state, _ = restore_workdir(run_cfg, workdir)
+    trained = nnx.merge(graphdef, state.params)
+    assert int(state.step) == 3 and not np.allclose(trained(x), pretrained)
+    np.testing.assert_array_equal(hf.load_hf(out)(x), trained(x))
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 0
+    assert (out / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+    with THEIRS:
+        reference = transformers.FlaxGPT2LMHeadModel.from_pretrained(out)(input_ids=np.asarray(x)).logits
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(trained(x), reference, atol=1e-5)
+
+    capsys.readouterr()
+    prompt = ["--prompt", "KING HENRY:", "--set", "decode.strategy=greedy", "--set", "decode.max_new_tokens=5"]
+    assert cli.main(["generate", "--hf", str(out), *prompt]) == 0
+    assert cli.main(["generate", "--workdir", str(workdir), *prompt]) == 0
+    from_hf, from_workdir = capsys.readouterr().out.split("KING HENRY:\n=> ")[1:]
+    assert from_hf.strip() == from_workdir.strip() != ""

@@ -1,14 +1,16 @@
 """Data: tokenizers, shipped corpora and synthetic tasks, deterministic step-indexed batches."""
 
-from jaxformer.data.pipeline import Batches, Dataset, build_dataset, load_tokenizer
+from jaxformer.data.pipeline import HF_DIR, Batches, Dataset, build_dataset, load_tokenizer
 from jaxformer.data.sources import DataError
-from jaxformer.data.tokenizers import ByteTokenizer, SentencePieceTokenizer, SymbolTokenizer
+from jaxformer.data.tokenizers import ByteTokenizer, HFTokenizer, SentencePieceTokenizer, SymbolTokenizer
 
 __all__ = [
+    "HF_DIR",
     "Batches",
     "ByteTokenizer",
     "DataError",
     "Dataset",
+    "HFTokenizer",
     "SentencePieceTokenizer",
     "SymbolTokenizer",
     "build_dataset",

@@ -23,7 +23,10 @@ import numpy as np
 from jaxformer.config import Config
 from jaxformer.data import sources
 from jaxformer.data.sources import DataError
-from jaxformer.data.tokenizers import ByteTokenizer, SentencePieceTokenizer, SymbolTokenizer
+from jaxformer.data.tokenizers import ByteTokenizer, HFTokenizer, SentencePieceTokenizer, SymbolTokenizer
+
+# A workdir made by `jaxformer import-hf` keeps the pretrained model's tokenizer and config.json here.
+HF_DIR = "hf"
 
 
 @dataclasses.dataclass
@@ -159,6 +162,8 @@ def load_tokenizer(cfg: Config, workdir: str | pathlib.Path):
         return ByteTokenizer()
     if cfg.data.tokenizer == "symbols":
         return SymbolTokenizer(cfg.data.synthetic_vocab)
+    if cfg.data.tokenizer == "hf":
+        return HFTokenizer(pathlib.Path(workdir) / HF_DIR)
     model_file = pathlib.Path(workdir) / "tokenizer.model"
     if not model_file.is_file():
         raise DataError(f"{model_file} does not exist: train in this workdir first")
@@ -170,6 +175,8 @@ def _tokenizer(cfg: Config, train_texts: list[str], workdir):
         return ByteTokenizer()
     if cfg.data.tokenizer == "symbols":
         raise DataError(f"data.tokenizer='symbols' is for the copy/reverse tasks, not {cfg.data.source}")
+    if cfg.data.tokenizer == "hf":  # a pretrained model's own, put there by `jaxformer import-hf`
+        return HFTokenizer(pathlib.Path(workdir or ".") / HF_DIR)
     model_file = pathlib.Path(workdir or ".") / "tokenizer.model"
     if model_file.is_file():  # a resumed run keeps the tokenizer it was trained with
         return SentencePieceTokenizer(model_file)
@@ -210,8 +217,8 @@ def _encode(cfg: Config, tok, records, path) -> dict[str, np.ndarray]:
         windows = np.asarray(stream[: n * width], np.int32).reshape(n, width)
         if objective == "mlm":
             return {"tokens": windows}
-        targets = windows[:, 1:]
-        return {"inputs": windows[:, :-1], "targets": targets, "weights": (targets != tok.pad_id).astype(np.float32)}
+        # Every position of a window is text: a real token that shares the pad id still counts.
+        return {"inputs": windows[:, :-1], "targets": windows[:, 1:], "weights": np.ones((n, L), np.float32)}
     if objective == "classify":
         rows = [fit_length([tok.bos_id, *tok.encode(r[1])], L, d.too_long, f"{path}:{r[0]}") for r in records]
         labels = np.asarray([r[2] for r in records], np.int32)
@@ -226,13 +233,14 @@ def _encode(cfg: Config, tok, records, path) -> dict[str, np.ndarray]:
 def _seq2seq_arrays(srcs, tgts, L, tok) -> dict[str, np.ndarray]:
     targets = pad_to(tgts, L, tok.pad_id)
     inputs = np.concatenate([np.full((len(tgts), 1), tok.bos_id, np.int32), targets[:, :-1]], axis=1)
-    inputs = np.where(inputs == tok.eos_id, tok.pad_id, inputs) if tok.eos_id is not None else inputs
+    tgt_lengths = np.asarray([len(t) for t in tgts], np.int32)
+    real = np.arange(L)[None] < tgt_lengths[:, None]  # [B, L]: padding is said, not read off an id
     return {
         "src": pad_to(srcs, L, tok.pad_id),
-        "src_lengths": np.asarray([len(s) for s in srcs], np.int32),  # padding is said, not read off an id
-        "inputs": inputs,
+        "src_lengths": np.asarray([len(s) for s in srcs], np.int32),
+        "inputs": np.where(real, inputs, tok.pad_id).astype(np.int32),
         "targets": targets,
-        "weights": (targets != tok.pad_id).astype(np.float32),
+        "weights": real.astype(np.float32),
     }
 
 
@@ -240,13 +248,12 @@ def _mlm_masking(cfg: Config, tok):
     """BERT masking, drawn from the step's generator: p of the tokens are chosen;
     of those 80% become [MASK], 10% a random token, 10% stay; loss on the chosen only."""
     p = cfg.train.mlm_probability
-    first_real = tok.eos_id + 1 if isinstance(tok, SentencePieceTokenizer) else ByteTokenizer.offset
 
     def transform(batch, rng):
         tokens = batch["tokens"]
         chosen = (rng.random(tokens.shape) < p) & (tokens != tok.pad_id)
         action = rng.random(tokens.shape)
-        random_ids = rng.integers(first_real, tok.vocab_size, tokens.shape, dtype=np.int32)
+        random_ids = rng.integers(tok.first_real, tok.vocab_size, tokens.shape, dtype=np.int32)
         inputs = np.where(chosen & (action < 0.8), tok.mask_id, tokens)
         inputs = np.where(chosen & (action >= 0.8) & (action < 0.9), random_ids, inputs)
         return {"inputs": inputs.astype(np.int32), "targets": tokens, "weights": chosen.astype(np.float32)}

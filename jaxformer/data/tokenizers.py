@@ -1,10 +1,13 @@
-"""Tokenizers: byte-level (no training), SentencePiece (trained on the training split), symbols (synthetic tasks).
+"""Tokenizers: byte-level (no training), SentencePiece (trained on the training split), symbols (synthetic
+tasks), and a pretrained model's own Hugging Face tokenizer (`tokenizer.json`).
 
-All share the special ids pad=0 and bos, eos (and mask where the objective needs it).
+Each has pad, bos and eos ids (and mask where the objective needs it), and `first_real`: the first id
+that is an ordinary token (MLM's random replacements are drawn from there up).
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
 from collections.abc import Iterable, Sequence
 
@@ -13,7 +16,7 @@ class ByteTokenizer:
     """UTF-8 bytes shifted past four special ids: V = 260, nothing to train or save."""
 
     pad_id, bos_id, eos_id, mask_id = 0, 1, 2, 3
-    offset = 4
+    offset = first_real = 4
     vocab_size = 256 + offset
 
     def encode(self, text: str) -> list[int]:
@@ -27,7 +30,7 @@ class ByteTokenizer:
 class SymbolTokenizer:
     """Synthetic tasks (copy, reverse): pad 0, bos 1, symbols 2..V-1 written as numbers."""
 
-    pad_id, bos_id = 0, 1
+    pad_id, bos_id, first_real = 0, 1, 2
     eos_id = mask_id = None
 
     def __init__(self, vocab_size: int):
@@ -44,6 +47,7 @@ class SentencePieceTokenizer:
     """A SentencePiece model (BPE or unigram) with pad 0, unk 1, bos 2, eos 3 and a [MASK] piece."""
 
     pad_id, unk_id, bos_id, eos_id = 0, 1, 2, 3
+    first_real = 4
 
     def __init__(self, model_file: str | pathlib.Path):
         import sentencepiece as spm
@@ -84,3 +88,64 @@ class SentencePieceTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.sp.decode([int(i) for i in ids if int(i) > self.eos_id or int(i) == 1])
+
+
+# A Hugging Face tokenizer's usual spellings of its special tokens, tried in order where config.json names no id.
+HF_SPECIAL_TOKENS = {
+    "bos": ("<s>", "[CLS]", "<|begin_of_text|>", "<|endoftext|>"),
+    "eos": ("</s>", "[SEP]", "<|end_of_text|>", "<|endoftext|>"),
+    "pad": ("<pad>", "[PAD]"),
+    "mask": ("<mask>", "[MASK]"),
+    "unk": ("<unk>", "[UNK]"),
+}
+
+
+class HFTokenizer:
+    """A Hugging Face fast tokenizer: `tokenizer.json` in a model directory, read by the `tokenizers`
+    library, so a pretrained model is fed the ids it was trained on.
+
+    Special ids come from the directory's `config.json` (`bos_token_id`, `eos_token_id`,
+    `pad_token_id`; an encoder-decoder's `decoder_start_token_id` is its bos, the token the decoder
+    starts from) and, for those it does not name, from the tokenizer's own special tokens. A model
+    without a padding token (GPT-2, Llama) pads with eos: which positions are padding is always
+    said by lengths, never read off an id. Texts are encoded without the tokenizer's template
+    ([CLS] ... [SEP], </s>): the data pipeline adds bos/eos as for every tokenizer.
+    """
+
+    first_real = 0  # BERT's random replacements come from the whole vocabulary
+
+    def __init__(self, directory: str | pathlib.Path):
+        from tokenizers import Tokenizer
+
+        directory = pathlib.Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} does not exist: jaxformer reads a Hugging Face tokenizer as its tokenizer.json "
+                "(save one with `AutoTokenizer.from_pretrained(...).save_pretrained(DIR)`)"
+            )
+        self.tokenizer = Tokenizer.from_file(str(path))
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        config_file = directory / "config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        if config.get("is_encoder_decoder") and config.get("decoder_start_token_id") is not None:
+            config = config | {"bos_token_id": config["decoder_start_token_id"]}
+
+        def special(name: str) -> int | None:
+            given = config.get(f"{name}_token_id")
+            if isinstance(given, list):  # Llama 3 lists several eos ids: the first ends a text
+                given = given[0] if given else None
+            if given is not None:
+                return int(given)
+            found = (self.tokenizer.token_to_id(t) for t in HF_SPECIAL_TOKENS[name])
+            return next((i for i in found if i is not None), None)
+
+        self.bos_id, self.eos_id, self.mask_id, self.unk_id = (special(n) for n in ("bos", "eos", "mask", "unk"))
+        pad = special("pad")
+        self.pad_id = pad if pad is not None else self.eos_id if self.eos_id is not None else 0
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxformer.config import ModelConfig
+from jaxformer.config import ConfigError, ModelConfig
 from jaxformer.models import Transformer
 
 log = logging.getLogger("jaxformer.interop")
@@ -45,7 +45,7 @@ INDEX = "model.safetensors.index.json"
 HEADS = ("lm_head.", "mlm_head.", "classifier.")
 
 
-class UnsupportedCheckpoint(ValueError):
+class UnsupportedCheckpoint(ConfigError):
     """The checkpoint (or the model to save) uses something jaxformer cannot express; the message names it."""
 
 

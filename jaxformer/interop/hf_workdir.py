@@ -1,0 +1,110 @@
+"""A Hugging Face model directory as a training workdir, and back: `jaxformer import-hf` / `export-hf`.
+
+    jaxformer import-hf DIR --workdir W [--config experiments/NAME.py] [--set ...]
+    jaxformer train --workdir W --set train.steps=...        # fine-tune it
+    jaxformer generate --workdir W --prompt "..."            # or eval, translate
+    jaxformer export-hf --workdir W OUT                      # a Hugging Face directory again
+
+`import-hf` writes W/config.json (the checkpoint's model; data, training and decoding from the
+experiment, with the checkpoint's own tokenizer: `data.tokenizer="hf"`), W/hf/ (the directory's
+config.json and tokenizer files, no weights) and a step-0 checkpoint holding the pretrained
+parameters, loaded onto the run's mesh tensor by tensor. Training resumes from it like any run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import shutil
+
+import jax
+from flax import nnx
+
+from jaxformer.config import Config, ConfigError, apply_overrides, from_dict, load_experiment
+from jaxformer.data import HF_DIR
+from jaxformer.interop import hf
+
+# The experiment whose data and training settings a checkpoint is fine-tuned with, by mode.
+EXPERIMENTS = pathlib.Path(__file__).resolve().parents[2] / "experiments"
+DEFAULT_EXPERIMENT = {
+    "decoder_only": "lm_shakespeare.py",
+    "encoder_decoder": "translate_en_de.py",
+    "encoder_only": "mlm_shakespeare.py",
+}
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".ckpt")
+
+
+def _files_beside_weights(directory: pathlib.Path) -> list[pathlib.Path]:
+    """The directory's config and tokenizer files: everything but weights and their index."""
+    return [
+        p
+        for p in sorted(directory.iterdir())
+        if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES) and not p.name.endswith(".index.json")
+    ]
+
+
+def import_hf(source, workdir, experiment: str | None = None, overrides: list[str] = ()) -> Config:
+    """Make `workdir` a training workdir at step 0 holding the checkpoint in `source`; returns its Config."""
+    from jaxformer import sharding
+    from jaxformer.checkpoint import Checkpointer
+    from jaxformer.train import start_state, state_factory
+
+    source, workdir = pathlib.Path(source), pathlib.Path(workdir)
+    theirs = hf.read_hf_config(source)
+    imported = hf.config_from_hf(theirs)
+    if experiment is None:
+        experiment = str(EXPERIMENTS / DEFAULT_EXPERIMENT[imported.mode])
+        if not pathlib.Path(experiment).is_file():
+            raise ConfigError(f"--config: name an experiment to train with ({experiment} is absent)")
+    base = load_experiment(experiment)
+    runtime = {k: getattr(base.model, k) for k in hf.RUNTIME_FIELDS}  # dtype, attention, scan, remat: the run's
+    data = dataclasses.replace(base.data, tokenizer="hf", max_len=min(base.data.max_len, imported.max_len))
+    cfg = apply_overrides(dataclasses.replace(base, model=imported.replace(**runtime), data=data), list(overrides))
+    if (workdir / "checkpoints").is_dir() and any((workdir / "checkpoints").iterdir()):
+        raise ConfigError(f"{workdir} already holds checkpoints: import into a new workdir")
+    # Fields the overrides changed (a new head, say) load as overrides: what the checkpoint lacks is initialised.
+    changed = {k: v for k, v in dataclasses.asdict(cfg.model).items() if v != getattr(imported, k)}
+
+    hf_dir = workdir / HF_DIR
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    for f in _files_beside_weights(source):
+        shutil.copyfile(f, hf_dir / f.name)
+    mesh = sharding.make_mesh(cfg.mesh)
+    with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
+        model = hf.load_hf(source, mesh=mesh, **changed)
+        _, create, optimizer = state_factory(cfg)
+        shardings = sharding.state_shardings(jax.eval_shape(create), mesh)
+        state = jax.jit(lambda p: start_state(cfg, p, optimizer), out_shardings=shardings)(nnx.state(model, nnx.Param))
+        del model
+        ckpt = Checkpointer(workdir, cfg)
+        ckpt.save(state)
+        ckpt.wait()
+        ckpt.close()
+    (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    return cfg
+
+
+def export_hf(workdir, out) -> pathlib.Path:
+    """The latest checkpoint of `workdir` as a Hugging Face directory `out`: weights and config.json
+    (with the imported config's other fields, such as special token ids, kept), and the tokenizer."""
+    from jaxformer.checkpoint import restore_workdir
+
+    workdir, out = pathlib.Path(workdir), pathlib.Path(out)
+    config_file = workdir / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} does not exist: is {workdir} a training workdir?")
+    cfg = from_dict(json.loads(config_file.read_text()))
+    graphdef, state, _ = restore_workdir(cfg, workdir)
+    model = nnx.merge(graphdef, state.params)
+    hf_dir = workdir / HF_DIR
+    original = json.loads((hf_dir / hf.CONFIG).read_text()) if (hf_dir / hf.CONFIG).is_file() else {}
+    family = original.get("model_type") if original.get("model_type") in hf.FAMILIES else None
+    ours = hf.config_to_hf(cfg.model, family)  # raises, naming the fields, if no family expresses the model
+    extra = {k: v for k, v in original.items() if k not in ours and k not in ("torch_dtype", "dtype")}
+    hf.save_hf(model, out, family=family, extra_config=extra)
+    if hf_dir.is_dir():
+        for f in _files_beside_weights(hf_dir):
+            if f.name != hf.CONFIG:
+                shutil.copyfile(f, out / f.name)
+    return out
