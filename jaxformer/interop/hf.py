@@ -511,11 +511,13 @@ def family_of(cfg: ModelConfig) -> str:
 
 class SafetensorsReader:
     """The tensors of a directory's `model.safetensors` or of the shards its index lists, each read
-    on demand from a memory-mapped file (never the whole checkpoint in memory)."""
+    on demand (never the whole checkpoint in memory).
+
+    A shard is memory-mapped only while one of its tensors is copied out: the pages of a mapping
+    that stays open count in the process's resident memory until it closes, so shards kept open
+    for the whole load would hold every byte read so far (the whole checkpoint by the end)."""
 
     def __init__(self, directory: str | pathlib.Path):
-        from safetensors import safe_open
-
         directory = pathlib.Path(directory)
         if (directory / INDEX).is_file():
             weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
@@ -524,12 +526,12 @@ class SafetensorsReader:
             files, weight_map = [WEIGHTS], None
         else:
             raise FileNotFoundError(f"{directory} holds neither {WEIGHTS} nor {INDEX}")
-        self.handles = {}
+        self.where = {}  # tensor name -> its shard's path
         for name in files:
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"{directory / name}, listed in {INDEX}, does not exist")
-            self.handles[name] = safe_open(directory / name, framework="numpy")
-        self.where = {k: f for f, h in self.handles.items() for k in h.keys()}  # noqa: SIM118 (not a dict)
+            with _open(directory / name) as shard:
+                self.where |= dict.fromkeys(shard.keys(), directory / name)
         if weight_map is not None:
             missing = sorted(set(weight_map) - set(self.where))
             if missing:
@@ -539,7 +541,14 @@ class SafetensorsReader:
         return sorted(self.where)
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return self.handles[self.where[name]].get_tensor(name)
+        with _open(self.where[name]) as shard:
+            return shard.get_tensor(name)  # a copy: valid once the mapping is closed
+
+
+def _open(path: pathlib.Path):
+    from safetensors import safe_open
+
+    return safe_open(path, framework="numpy")
 
 
 # ----------------------------------------------------------------------------- load
@@ -593,15 +602,9 @@ def load_hf(directory: str | pathlib.Path, *, mesh: jax.sharding.Mesh | None = N
         used.add(rule.theirs)
         targets = [_stacked_path(o) for o in rule.ours] if cfg.scan_layers else [(o, None) for o in rule.ours]
         shapes = [flat[p].shape[1:] if i is not None else flat[p].shape for p, i in targets]
-        for (path, index), array in zip(targets, to_ours(reader[names[rule.theirs]], rule, shapes), strict=True):
-            if index is None:
-                filled[path] = _place(array, placement.get(path))
-                continue
-            stack, done = pending.setdefault(path, (np.empty(flat[path].shape, np.float32), set()))
-            stack[index] = array
-            done.add(index)
-            if len(done) == stack.shape[0]:  # every layer read: place the stack
-                filled[path] = _place(pending.pop(path)[0], placement.get(path))
+        arrays = to_ours(reader[names[rule.theirs]], rule, shapes)
+        filled |= _fill(arrays, targets, pending, flat, placement)
+        del arrays  # before the next tensor is read
     unused = sorted(n for c, n in names.items() if c not in used and not any(re.search(p, c) for p in family.ignore))
     if unused:
         raise UnsupportedCheckpoint(f"{directory}: tensors with no place in jaxformer's {cfg.mode} model: {unused[:8]}")
@@ -615,6 +618,26 @@ def load_hf(directory: str | pathlib.Path, *, mesh: jax.sharding.Mesh | None = N
         filled |= {p: fresh[p] for p in missing}
     params = nnx.from_flat_state([(tuple(_key(k) for k in p.split(".")), flat[p].replace(filled[p])) for p in flat])
     return nnx.merge(graphdef, params)
+
+
+def _fill(arrays: list[np.ndarray], targets: list, pending: dict, flat: dict, placement: dict) -> dict:
+    """Place a checkpoint tensor's parameter arrays (by path), or write them into their scanned
+    stacks in `pending`, a stack placed once its every layer is in. A function of its own so that
+    no host array outlives this tensor: a loop variable would keep the last one (or a whole stack)
+    alive while the next tensor is read."""
+    placed = {}
+    for (path, index), array in zip(targets, arrays, strict=True):
+        if index is None:
+            placed[path] = _place(array, placement.get(path))
+            continue
+        if path not in pending:
+            pending[path] = (np.empty(flat[path].shape, np.float32), set())
+        stack, done = pending[path]
+        stack[index] = array
+        done.add(index)
+        if len(done) == stack.shape[0]:  # every layer read: place the stack
+            placed[path] = _place(pending.pop(path)[0], placement.get(path))
+    return placed
 
 
 def _key(part: str):
@@ -632,7 +655,8 @@ def _canonical(name: str, family: Family) -> str:
 
 
 def _place(array: np.ndarray, sharding) -> jax.Array:
-    array = array.astype(np.float32)  # parameters are float32 (compute runs in ModelConfig.dtype)
+    # Parameters are float32 (compute runs in ModelConfig.dtype); a float32 tensor is not copied again.
+    array = array.astype(np.float32, copy=False)
     return jax.device_put(array, sharding) if sharding is not None else jnp.asarray(array)
 
 
