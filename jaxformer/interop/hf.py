@@ -12,14 +12,16 @@ Each family is a table (`FAMILIES`): how its `config.json` reads as a `ModelConf
 one `Rule` per checkpoint tensor naming the jaxformer parameter(s) it is and how the layout
 changes. jaxformer's parameter paths are those of `nnx.to_flat_state(nnx.state(model))` for
 unrolled layers (README: "Parameter tree"); scanned stacks hold the same tensors stacked on a
-leading layer axis. Tensors are read one at a time from memory-mapped files, converted on the
-host and placed on their devices before the next is read, so the host never holds the whole
-model. A checkpoint option jaxformer cannot express fails with the field named.
+leading layer axis. Tensors are read one at a time, converted on the host and placed on their
+devices before the next is read (a scanned stack filled there layer by layer), so the host holds
+one tensor at a time, never the whole model. A checkpoint option jaxformer cannot express fails
+with the field named.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -595,7 +597,7 @@ def load_hf(directory: str | pathlib.Path, *, mesh: jax.sharding.Mesh | None = N
     placement = dict(zip(flat, jax.tree.leaves(shardings), strict=True)) if shardings is not None else {}
     names = {_canonical(n, family): n for n in reader.names()}
     filled, used = {}, set()
-    pending: dict[str, tuple[np.ndarray, set]] = {}  # scanned stacks being filled: (array, layers so far)
+    pending: dict[str, tuple[jax.Array, set]] = {}  # scanned stacks being filled: (stack, layers in so far)
     for rule, _ in _expand(family.rules(cfg), cfg):
         if rule.theirs not in names:
             continue  # reported below as missing parameters
@@ -621,23 +623,43 @@ def load_hf(directory: str | pathlib.Path, *, mesh: jax.sharding.Mesh | None = N
 
 
 def _fill(arrays: list[np.ndarray], targets: list, pending: dict, flat: dict, placement: dict) -> dict:
-    """Place a checkpoint tensor's parameter arrays (by path), or write them into their scanned
-    stacks in `pending`, a stack placed once its every layer is in. A function of its own so that
-    no host array outlives this tensor: a loop variable would keep the last one (or a whole stack)
-    alive while the next tensor is read."""
+    """Place a checkpoint tensor's parameter arrays (by path); a scanned layer's goes into its
+    stack in `pending`, on the stack's devices, and a stack with every layer in is done.
+
+    A function of its own so that no host array outlives this tensor: a loop variable would keep
+    the last one alive while the next tensor is read.
+    """
     placed = {}
     for (path, index), array in zip(targets, arrays, strict=True):
+        sharding = placement.get(path)
         if index is None:
-            placed[path] = _place(array, placement.get(path))
+            placed[path] = _place(array, sharding)
             continue
-        if path not in pending:
-            pending[path] = (np.empty(flat[path].shape, np.float32), set())
-        stack, done = pending[path]
-        stack[index] = array
+        if path not in pending:  # its first layer: the stack, zeros, straight on its devices
+            pending[path] = (jnp.zeros(flat[path].shape, jnp.float32, device=sharding), set())
+        stack, done = pending.pop(path)
+        stack = _set_layer(stack, _place(array, _layer_sharding(sharding)), index, sharding)
         done.add(index)
-        if len(done) == stack.shape[0]:  # every layer read: place the stack
-            placed[path] = _place(pending.pop(path)[0], placement.get(path))
+        if len(done) == stack.shape[0]:
+            placed[path] = stack
+        else:
+            pending[path] = (stack, done)
     return placed
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
+def _set_layer(stack: jax.Array, layer: jax.Array, index, sharding) -> jax.Array:
+    """stack[index] = layer, written in place (the stack is donated), laid out as `sharding`: a
+    scanned stack filled layer by layer on its devices, never whole on the host."""
+    stack = jax.lax.dynamic_update_index_in_dim(stack, layer, index, 0)
+    return stack if sharding is None else jax.lax.with_sharding_constraint(stack, sharding)
+
+
+def _layer_sharding(stacked):
+    """The sharding of one layer of a stack sharded as `stacked` (its leading axis dropped)."""
+    if stacked is None:
+        return None
+    return jax.sharding.NamedSharding(stacked.mesh, jax.sharding.PartitionSpec(*stacked.spec[1:]))
 
 
 def _key(part: str):
