@@ -11,7 +11,7 @@ in `model.safetensors` or in shards listed by `model.safetensors.index.json`:
 Each family is a table (`FAMILIES`): how its `config.json` reads as a `ModelConfig` and back, and
 one `Rule` per checkpoint tensor naming the jaxformer parameter(s) it is and how the layout
 changes. jaxformer's parameter paths are those of `nnx.to_flat_state(nnx.state(model))` for
-unrolled layers (README: "Parameter tree"); scanned stacks hold the same tensors stacked on a
+unrolled layers (docs/parameters.md); scanned stacks hold the same tensors stacked on a
 leading layer axis. Tensors are read one at a time, converted on the host and placed on their
 devices before the next is read (a scanned stack filled there layer by layer), so the host holds
 one tensor at a time, never the whole model. A checkpoint option jaxformer cannot express fails
