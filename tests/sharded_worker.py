@@ -214,8 +214,9 @@ def remesh(directory: str) -> dict:
 
 
 def hf_sharded(directory: str) -> dict:
-    """A (sharded) Hugging Face checkpoint loaded straight onto an FSDP=4 x TP=2 mesh: its logits
-    against the same checkpoint loaded onto one device, and where its parameters landed."""
+    """A (sharded) Hugging Face checkpoint loaded straight onto an FSDP=4 x TP=2 mesh, unrolled and
+    scanned: its logits against the same checkpoint loaded onto one device, and where its
+    parameters landed."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -227,15 +228,18 @@ def hf_sharded(directory: str) -> dict:
     reference = load_hf(directory)(ids)
     mesh_cfg = MeshConfig(data=1, fsdp=4, tensor=2)
     mesh = sharding.make_mesh(mesh_cfg)
-    with sharding.use(mesh, sharding.rules_for(mesh_cfg)):
-        model = load_hf(directory, mesh=mesh)
-        logits = nnx.jit(lambda model, ids: model(ids))(model, ids)
-    params = {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    return {
-        "max_abs_diff": float(jnp.abs(logits - reference).max()),
-        "specs": {k: str(tuple(v.sharding.spec)) for k, v in params.items()},
-        "devices": sorted({d.id for v in params.values() for d in v.sharding.device_set}),
-    }
+    out = {}
+    for name, scan in (("unrolled", False), ("scanned", True)):  # scanned: stacks filled layer by layer on the mesh
+        with sharding.use(mesh, sharding.rules_for(mesh_cfg)):
+            model = load_hf(directory, mesh=mesh, scan_layers=scan)
+            logits = nnx.jit(lambda model, ids: model(ids))(model, ids)
+        params = {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+        out[name] = {
+            "max_abs_diff": float(jnp.abs(logits - reference).max()),
+            "specs": {k: str(tuple(v.sharding.spec)) for k, v in params.items()},
+            "devices": sorted({d.id for v in params.values() for d in v.sharding.device_set}),
+        }
+    return out
 
 
 def main() -> None:

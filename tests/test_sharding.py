@@ -127,7 +127,8 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path):
 
 def test_hf_checkpoint_loads_onto_a_mesh(tmp_path):
     """A checkpoint in several safetensors shards with an index, loaded onto FSDP=4 x TP=2 over
-    8 devices tensor by tensor: the logits of one device, parameters split as the rules say."""
+    8 devices tensor by tensor, unrolled and scanned (each stack filled layer by layer on the
+    mesh): the logits of one device, parameters split as the rules say."""
     import jaxformer as jf
     from jaxformer.interop import hf
 
@@ -136,7 +137,10 @@ def test_hf_checkpoint_loads_onto_a_mesh(tmp_path):
     index = json.loads((directory / hf.INDEX).read_text())
     assert len(set(index["weight_map"].values())) > 3 and not (directory / hf.WEIGHTS).exists()
     r = result(worker("hf", directory))
-    assert r["max_abs_diff"] < 1e-5
-    assert r["devices"] == list(range(8))
-    assert r["specs"]["decoder.stack.layers.0.self_attn.q"] == "('fsdp', 'tensor')"  # [D, H, K]: K whole
-    assert r["specs"]["decoder.stack.layers.0.ffn.wo"] == "('tensor', 'fsdp')"  # [F, D]
+    unrolled, scanned = r["unrolled"], r["scanned"]
+    assert unrolled["max_abs_diff"] < 1e-5 and scanned["max_abs_diff"] < 1e-5
+    assert unrolled["devices"] == scanned["devices"] == list(range(8))
+    assert unrolled["specs"]["decoder.stack.layers.0.self_attn.q"] == "('fsdp', 'tensor')"  # [D, H, K]: K whole
+    assert unrolled["specs"]["decoder.stack.layers.0.ffn.wo"] == "('tensor', 'fsdp')"  # [F, D]
+    assert scanned["specs"]["decoder.stack.layers.self_attn.q"] == "(None, 'fsdp', 'tensor')"  # [L, D, H, K]
+    assert scanned["specs"]["decoder.stack.layers.ffn.wo"] == "(None, 'tensor', 'fsdp')"  # [L, F, D]

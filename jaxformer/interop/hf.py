@@ -11,15 +11,17 @@ in `model.safetensors` or in shards listed by `model.safetensors.index.json`:
 Each family is a table (`FAMILIES`): how its `config.json` reads as a `ModelConfig` and back, and
 one `Rule` per checkpoint tensor naming the jaxformer parameter(s) it is and how the layout
 changes. jaxformer's parameter paths are those of `nnx.to_flat_state(nnx.state(model))` for
-unrolled layers (README: "Parameter tree"); scanned stacks hold the same tensors stacked on a
-leading layer axis. Tensors are read one at a time from memory-mapped files, converted on the
-host and placed on their devices before the next is read, so the host never holds the whole
-model. A checkpoint option jaxformer cannot express fails with the field named.
+unrolled layers (docs/parameters.md); scanned stacks hold the same tensors stacked on a
+leading layer axis. Tensors are read one at a time, converted on the host and placed on their
+devices before the next is read (a scanned stack filled there layer by layer), so the host holds
+one tensor at a time, never the whole model. A checkpoint option jaxformer cannot express fails
+with the field named.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -511,11 +513,13 @@ def family_of(cfg: ModelConfig) -> str:
 
 class SafetensorsReader:
     """The tensors of a directory's `model.safetensors` or of the shards its index lists, each read
-    on demand from a memory-mapped file (never the whole checkpoint in memory)."""
+    on demand (never the whole checkpoint in memory).
+
+    A shard is memory-mapped only while one of its tensors is copied out: the pages of a mapping
+    that stays open count in the process's resident memory until it closes, so shards kept open
+    for the whole load would hold every byte read so far (the whole checkpoint by the end)."""
 
     def __init__(self, directory: str | pathlib.Path):
-        from safetensors import safe_open
-
         directory = pathlib.Path(directory)
         if (directory / INDEX).is_file():
             weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
@@ -524,12 +528,12 @@ class SafetensorsReader:
             files, weight_map = [WEIGHTS], None
         else:
             raise FileNotFoundError(f"{directory} holds neither {WEIGHTS} nor {INDEX}")
-        self.handles = {}
+        self.where = {}  # tensor name -> its shard's path
         for name in files:
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"{directory / name}, listed in {INDEX}, does not exist")
-            self.handles[name] = safe_open(directory / name, framework="numpy")
-        self.where = {k: f for f, h in self.handles.items() for k in h.keys()}  # noqa: SIM118 (not a dict)
+            with _open(directory / name) as shard:
+                self.where |= dict.fromkeys(shard.keys(), directory / name)
         if weight_map is not None:
             missing = sorted(set(weight_map) - set(self.where))
             if missing:
@@ -539,7 +543,14 @@ class SafetensorsReader:
         return sorted(self.where)
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return self.handles[self.where[name]].get_tensor(name)
+        with _open(self.where[name]) as shard:
+            return shard.get_tensor(name)  # a copy: valid once the mapping is closed
+
+
+def _open(path: pathlib.Path):
+    from safetensors import safe_open
+
+    return safe_open(path, framework="numpy")
 
 
 # ----------------------------------------------------------------------------- load
@@ -586,22 +597,16 @@ def load_hf(directory: str | pathlib.Path, *, mesh: jax.sharding.Mesh | None = N
     placement = dict(zip(flat, jax.tree.leaves(shardings), strict=True)) if shardings is not None else {}
     names = {_canonical(n, family): n for n in reader.names()}
     filled, used = {}, set()
-    pending: dict[str, tuple[np.ndarray, set]] = {}  # scanned stacks being filled: (array, layers so far)
+    pending: dict[str, tuple[jax.Array, set]] = {}  # scanned stacks being filled: (stack, layers in so far)
     for rule, _ in _expand(family.rules(cfg), cfg):
         if rule.theirs not in names:
             continue  # reported below as missing parameters
         used.add(rule.theirs)
         targets = [_stacked_path(o) for o in rule.ours] if cfg.scan_layers else [(o, None) for o in rule.ours]
         shapes = [flat[p].shape[1:] if i is not None else flat[p].shape for p, i in targets]
-        for (path, index), array in zip(targets, to_ours(reader[names[rule.theirs]], rule, shapes), strict=True):
-            if index is None:
-                filled[path] = _place(array, placement.get(path))
-                continue
-            stack, done = pending.setdefault(path, (np.empty(flat[path].shape, np.float32), set()))
-            stack[index] = array
-            done.add(index)
-            if len(done) == stack.shape[0]:  # every layer read: place the stack
-                filled[path] = _place(pending.pop(path)[0], placement.get(path))
+        arrays = to_ours(reader[names[rule.theirs]], rule, shapes)
+        filled |= _fill(arrays, targets, pending, flat, placement)
+        del arrays  # before the next tensor is read
     unused = sorted(n for c, n in names.items() if c not in used and not any(re.search(p, c) for p in family.ignore))
     if unused:
         raise UnsupportedCheckpoint(f"{directory}: tensors with no place in jaxformer's {cfg.mode} model: {unused[:8]}")
@@ -615,6 +620,46 @@ def load_hf(directory: str | pathlib.Path, *, mesh: jax.sharding.Mesh | None = N
         filled |= {p: fresh[p] for p in missing}
     params = nnx.from_flat_state([(tuple(_key(k) for k in p.split(".")), flat[p].replace(filled[p])) for p in flat])
     return nnx.merge(graphdef, params)
+
+
+def _fill(arrays: list[np.ndarray], targets: list, pending: dict, flat: dict, placement: dict) -> dict:
+    """Place a checkpoint tensor's parameter arrays (by path); a scanned layer's goes into its
+    stack in `pending`, on the stack's devices, and a stack with every layer in is done.
+
+    A function of its own so that no host array outlives this tensor: a loop variable would keep
+    the last one alive while the next tensor is read.
+    """
+    placed = {}
+    for (path, index), array in zip(targets, arrays, strict=True):
+        sharding = placement.get(path)
+        if index is None:
+            placed[path] = _place(array, sharding)
+            continue
+        if path not in pending:  # its first layer: the stack, zeros, straight on its devices
+            pending[path] = (jnp.zeros(flat[path].shape, jnp.float32, device=sharding), set())
+        stack, done = pending.pop(path)
+        stack = _set_layer(stack, _place(array, _layer_sharding(sharding)), index, sharding)
+        done.add(index)
+        if len(done) == stack.shape[0]:
+            placed[path] = stack
+        else:
+            pending[path] = (stack, done)
+    return placed
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
+def _set_layer(stack: jax.Array, layer: jax.Array, index, sharding) -> jax.Array:
+    """stack[index] = layer, written in place (the stack is donated), laid out as `sharding`: a
+    scanned stack filled layer by layer on its devices, never whole on the host."""
+    stack = jax.lax.dynamic_update_index_in_dim(stack, layer, index, 0)
+    return stack if sharding is None else jax.lax.with_sharding_constraint(stack, sharding)
+
+
+def _layer_sharding(stacked):
+    """The sharding of one layer of a stack sharded as `stacked` (its leading axis dropped)."""
+    if stacked is None:
+        return None
+    return jax.sharding.NamedSharding(stacked.mesh, jax.sharding.PartitionSpec(*stacked.spec[1:]))
 
 
 def _key(part: str):
@@ -632,7 +677,8 @@ def _canonical(name: str, family: Family) -> str:
 
 
 def _place(array: np.ndarray, sharding) -> jax.Array:
-    array = array.astype(np.float32)  # parameters are float32 (compute runs in ModelConfig.dtype)
+    # Parameters are float32 (compute runs in ModelConfig.dtype); a float32 tensor is not copied again.
+    array = array.astype(np.float32, copy=False)
     return jax.device_put(array, sharding) if sharding is not None else jnp.asarray(array)
 
 
