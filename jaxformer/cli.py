@@ -98,25 +98,27 @@ def cmd_generate(args) -> int:
     if not texts:
         raise SystemExit(f"error: give --{args.what} TEXT or --{args.what}-file FILE")
     needed = "decoder_only" if args.command == "generate" else "encoder_decoder"
+
+    def check_mode(mode: str, where: str) -> None:
+        if mode != needed:
+            raise SystemExit(f"error: `{args.command}` needs a {needed} model; {where} holds {mode}")
+
     if args.hf:  # a Hugging Face model directory: its weights and tokenizer, decoding as --set says
         from jaxformer.config import Config, DataConfig, TrainConfig, apply_overrides
         from jaxformer.data import HFTokenizer
         from jaxformer.interop.hf import load_hf
 
-        model, tok, where = load_hf(args.hf), HFTokenizer(args.hf), args.hf
-        objective = {"decoder_only": "lm", "encoder_decoder": "seq2seq"}.get(model.cfg.mode, "mlm")
+        model, tok = load_hf(args.hf), HFTokenizer(args.hf)
+        check_mode(model.cfg.mode, args.hf)
+        objective = {"decoder_only": "lm", "encoder_decoder": "seq2seq"}[needed]
         cfg = Config(model.cfg, TrainConfig(objective=objective), DataConfig(max_len=model.cfg.max_len))
         decoding = apply_overrides(cfg, args.set or []).decode
     else:
         cfg = _load_config(args)
-        decoding, where = cfg.decode, args.workdir
+        check_mode(cfg.model.mode, args.workdir)
         tok = load_tokenizer(cfg, args.workdir)
-    mode = model.cfg.mode if args.hf else cfg.model.mode
-    if mode != needed:
-        raise SystemExit(f"error: `{args.command}` needs a {needed} model; {where} holds {mode}")
-    if not args.hf:
         graphdef, state, _ = restore_workdir(cfg, args.workdir)
-        model = nnx.merge(graphdef, state.params)
+        model, decoding = nnx.merge(graphdef, state.params), cfg.decode
     try:
         if args.command == "generate":
             outs = decode.continue_texts(model, tok, texts, decoding, stop_at_eos=args.stop_at_eos)
