@@ -45,5 +45,6 @@ def get_config() -> Config:
             log_every=50,
         ),
         # Samples: temperature 0.8 and nucleus 0.95; greedy decoding of a small byte model loops.
-        decode=DecodeConfig(strategy="sample", temperature=0.8, top_p=0.95, max_new_tokens=256),
+        # max_new_tokens: model.max_len=128 holds the prompt and its continuation.
+        decode=DecodeConfig(strategy="sample", temperature=0.8, top_p=0.95, max_new_tokens=112),
     )

@@ -38,7 +38,16 @@ def cmd_train(args) -> int:
         profile_steps = parse_steps(args.profile_steps)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    print(json.dumps(cfg.to_dict(), indent=2))
+    if not args.quiet:  # the whole resolved config is saved as WORKDIR/config.json
+        m, t = cfg.model, cfg.train
+        layers = {"encoder_only": m.num_encoder_layers, "decoder_only": m.num_decoder_layers}.get(
+            m.mode, f"{m.num_encoder_layers}+{m.num_decoder_layers}"
+        )
+        print(
+            f"{m.mode} model (d_model={m.d_model}, layers={layers}, heads={m.num_heads}, vocab={m.vocab_size}), "
+            f"{t.objective} on {cfg.data.source}: {t.steps} steps of {t.batch_size}; "
+            f"full config: {pathlib.Path(args.workdir) / 'config.json'}"
+        )
     result = fit(cfg, args.workdir, quiet=args.quiet, profile_steps=profile_steps)
     if result["preempted"]:
         return EXIT_PREEMPTED
@@ -119,6 +128,14 @@ def cmd_generate(args) -> int:
         tok = load_tokenizer(cfg, args.workdir)
         graphdef, state, _ = restore_workdir(cfg, args.workdir)
         model, decoding = nnx.merge(graphdef, state.params), cfg.decode
+    if args.command == "generate":  # prompt and continuation share the model's max_len positions
+        longest, L = max(len(tok.encode(t)) for t in texts), model.cfg.max_len
+        if decoding.max_new_tokens > L - longest:
+            print(
+                f"note: at most {max(L - longest, 0)} new tokens (decode.max_new_tokens={decoding.max_new_tokens}): "
+                f"model.max_len={L} holds the longest prompt ({longest} tokens) and its continuation",
+                file=sys.stderr,
+            )
     try:
         if args.command == "generate":
             outs = decode.continue_texts(model, tok, texts, decoding, stop_at_eos=args.stop_at_eos)

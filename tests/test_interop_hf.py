@@ -334,7 +334,9 @@ def test_import_hf_train_export_hf(tmp_path, capsys):
     batch = build_dataset(run_cfg, workdir).train.get(0)
     assert (batch["targets"] == 0).any() and batch["weights"].all()  # <|endoftext|> is pad and eos: it counts
 
+    capsys.readouterr()
     assert cli.main(["train", "--workdir", str(workdir), "--quiet"]) == 0
+    assert '"vocab_size"' not in capsys.readouterr().out, "--quiet prints no config (it is in WORKDIR/config.json)"
     assert cli.main(["export-hf", "--workdir", str(workdir), str(out)]) == 0
     graphdef, state, _ = restore_workdir(run_cfg, workdir)
     trained = nnx.merge(graphdef, state.params)
@@ -353,3 +355,6 @@ def test_import_hf_train_export_hf(tmp_path, capsys):
     assert cli.main(["generate", "--workdir", str(workdir), *prompt]) == 0
     from_hf, from_workdir = capsys.readouterr().out.split("KING HENRY:\n=> ")[1:]
     assert from_hf.strip() == from_workdir.strip() != ""
+    assert cli.main(["generate", "--hf", str(out), *prompt, "--set", "decode.max_new_tokens=500"]) == 0
+    room = 64 - len(tok.encode("KING HENRY:").ids)
+    assert f"note: at most {room} new tokens (decode.max_new_tokens=500): model.max_len=64" in capsys.readouterr().err
