@@ -1,5 +1,8 @@
-"""Faults a run must survive with an exact log: a kill during a save, damaged checkpoints and logs,
-interrupts, unwritable directories, non-finite losses; and read-only commands that change nothing."""
+"""Faults a run must survive: a kill during a save, SIGTERM and Ctrl-C, damaged checkpoints and logs,
+unwritable directories, non-finite losses, a changed model. A resumed run ends bitwise-identical to an
+uninterrupted one (parameters, optimizer state) with the same log; read-only commands change nothing.
+
+One uninterrupted run (a subprocess, like every run a test kills) is the reference for the module."""
 
 import json
 import os
@@ -70,6 +73,27 @@ def uninterrupted(tmp_path_factory):
     return workdir
 
 
+def final_state(workdir):
+    from jaxformer.checkpoint import Checkpointer
+    from jaxformer.config import from_dict
+    from jaxformer.train import init_state
+
+    cfg = from_dict(json.loads((pathlib.Path(workdir) / "config.json").read_text()))
+    ckpt = Checkpointer(workdir, cfg)
+    state = ckpt.restore_latest(init_state(cfg)[1])
+    ckpt.close()
+    return state
+
+
+def assert_same_run(workdir, uninterrupted):
+    """The resumed run's final state is bitwise the uninterrupted one's (on CPU), and so is its log."""
+    resumed, state = final_state(workdir), final_state(uninterrupted)
+    assert int(resumed.step) == int(state.step) == 40
+    jax.tree.map(np.testing.assert_array_equal, resumed.params, state.params)
+    jax.tree.map(np.testing.assert_array_equal, resumed.opt_state, state.opt_state)
+    assert metrics(workdir) == metrics(uninterrupted)
+
+
 def test_uninterrupted_log_is_what_the_resume_tests_compare_against(uninterrupted):
     rows = [(r["step"], r["split"]) for r in metrics(uninterrupted)]
     assert [s for s, split in rows if split == "train"] == list(range(0, 40, 3))
@@ -98,7 +122,7 @@ def test_sigkill_during_a_save_then_resume_logs_exactly_the_uninterrupted_run(tm
     result = run(tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "dropped the partial last line" in result.stdout
-    assert metrics(tmp_path) == metrics(uninterrupted)
+    assert_same_run(tmp_path, uninterrupted)
 
 
 def test_fallback_to_training_from_scratch_logs_exactly_the_uninterrupted_run(tmp_path, uninterrupted):
@@ -134,18 +158,22 @@ def start_and_signal(workdir, sig) -> tuple[subprocess.Popen, str]:
     return proc, out
 
 
-def test_ctrl_c_saves_says_how_to_resume_and_resumes_exactly(tmp_path, uninterrupted):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_a_signal_saves_says_how_to_resume_and_resumes_exactly(tmp_path, uninterrupted, sig):
+    """Preemption (SIGTERM) and Ctrl-C (SIGINT): the step finishes, a checkpoint is saved, exit 3."""
     from jaxformer.checkpoint import EXIT_PREEMPTED
 
-    proc, out = start_and_signal(tmp_path, signal.SIGINT)
+    proc, out = start_and_signal(tmp_path, sig)
     assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
     assert "Traceback" not in out and "KeyboardInterrupt" not in out
     last = saved_steps(tmp_path)[-1]
-    assert f"SIGINT: saved step {last} to {tmp_path / 'checkpoints'}; rerun the same command to resume" in out
+    assert f"{sig.name}: saved step {last} to {tmp_path / 'checkpoints'}; rerun the same command to resume" in out
     assert 10 <= last < 40
+    logged = [r["step"] for r in metrics(tmp_path) if r["split"] == "train"]
+    assert logged == list(range(0, last, 3)), "the log and the checkpoint agree on where the run stopped"
     result = run(tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert metrics(tmp_path) == metrics(uninterrupted)
+    assert_same_run(tmp_path, uninterrupted)
 
 
 def copy_of(uninterrupted, tmp_path) -> pathlib.Path:
@@ -194,6 +222,43 @@ def test_metadata_that_parses_but_is_wrong_falls_back_to_the_previous_checkpoint
     out = capsys.readouterr().out
     assert f"checkpoint {workdir / 'checkpoints' / '40'} cannot be restored (ValueError: its metadata" in out
     assert checkpoint_names(workdir) == ["20", "30", "corrupt-40"], "set aside, not deleted"
+
+
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_and_is_kept(tmp_path, uninterrupted, capsys):
+    workdir = copy_of(uninterrupted, tmp_path)
+    damage_state(workdir / "checkpoints" / "40")
+    assert int(final_state(workdir).step) == 30, "fell back to the previous complete checkpoint"
+    assert "checkpoints/40 cannot be restored" in capsys.readouterr().out
+    assert checkpoint_names(workdir) == ["20", "30", "corrupt-40"], "set aside, not deleted"
+
+
+def test_resuming_with_another_model_fails_naming_the_field_and_overwrites_nothing(tmp_path, uninterrupted, capsys):
+    from jaxformer import cli
+
+    workdir = copy_of(uninterrupted, tmp_path)
+    before = tree(workdir)
+    args = ["train", "--config", "experiments/copy_task.py", "--workdir", str(workdir), "--quiet"]
+    assert cli.main([*args, "--set", "model.num_encoder_layers=3", "--set", "train.steps=200"]) == 2
+    assert "model.num_encoder_layers: checkpoint 2, config 3" in capsys.readouterr().err
+    assert tree(workdir) == before, "nothing was overwritten"
+
+
+def test_export_and_load_model_give_identical_logits(tmp_path, uninterrupted):
+    from flax import nnx
+
+    from jaxformer import cli
+    from jaxformer.checkpoint import load_model
+    from jaxformer.config import from_dict
+    from jaxformer.train import init_state
+
+    assert cli.main(["export", "--workdir", str(uninterrupted), "--out", str(tmp_path / "exported")]) == 0
+    model = load_model(tmp_path / "exported")
+    graphdef = init_state(from_dict(json.loads((uninterrupted / "config.json").read_text())))[0]
+    original = nnx.merge(graphdef, final_state(uninterrupted).params)
+    src = np.random.default_rng(0).integers(2, 11, (4, 10)).astype(np.int32)
+    tgt = np.concatenate([np.ones((4, 1), np.int32), src[:, :-1]], axis=1)
+    np.testing.assert_array_equal(model(src, tgt), original(src, tgt))
+    assert not list((tmp_path / "exported").rglob("*opt_state*"))
 
 
 def tree(workdir) -> dict:
