@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import pathlib
+import shutil
 import tempfile
 
 import jax
@@ -22,6 +23,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxformer.config import Config, ConfigError, from_dict
+from jaxformer.data import HF_DIR
 
 log = logging.getLogger("jaxformer.checkpoint")
 
@@ -196,6 +198,8 @@ def export(workdir: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path
     for extra in ("tokenizer.model", "tokenizer.vocab"):
         if (workdir / extra).is_file():
             (out / extra).write_bytes((workdir / extra).read_bytes())
+    if (workdir / HF_DIR).is_dir():  # an imported model's tokenizer (data.tokenizer="hf")
+        shutil.copytree(workdir / HF_DIR, out / HF_DIR, dirs_exist_ok=True)
     return out
 
 

@@ -9,13 +9,16 @@ import pathlib
 import sys
 
 
-def _load_config(args):
+def _load_config(args, exported: str | None = None):
+    """The experiment of --config, or the config.json of the workdir (or of an `exported` directory)."""
     from jaxformer.config import apply_overrides, from_dict, load_experiment
 
     if getattr(args, "config", None):
         cfg = load_experiment(args.config)
     else:
-        saved = pathlib.Path(args.workdir) / "config.json"
+        saved = pathlib.Path(exported or args.workdir) / "config.json"
+        if exported and not saved.is_file():
+            raise SystemExit(f"error: {saved} does not exist: write one with jaxformer export --workdir W --out DIR")
         if not saved.is_file():
             raise SystemExit(
                 f"error: {saved} does not exist: {args.workdir} is not a training workdir "
@@ -122,6 +125,12 @@ def cmd_generate(args) -> int:
         objective = {"decoder_only": "lm", "encoder_decoder": "seq2seq"}[needed]
         cfg = Config(model.cfg, TrainConfig(objective=objective), DataConfig(max_len=model.cfg.max_len))
         decoding = apply_overrides(cfg, args.set or []).decode
+    elif args.exported:  # a directory `jaxformer export` wrote: parameters, config, tokenizer
+        from jaxformer.checkpoint import load_model
+
+        cfg = _load_config(args, exported=args.exported)
+        check_mode(cfg.model.mode, args.exported)
+        model, tok, decoding = load_model(args.exported), load_tokenizer(cfg, args.exported), cfg.decode
     else:
         cfg = _load_config(args)
         check_mode(cfg.model.mode, args.workdir)
@@ -277,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         gen = sub.add_parser(name, help=help_text)
         source = gen.add_mutually_exclusive_group(required=True)
         source.add_argument("--workdir", help="a training workdir")
+        source.add_argument("--exported", metavar="DIR", help="a model written by `jaxformer export`")
         source.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (with its tokenizer.json)")
         gen.add_argument(f"--{what}", dest="text", action="append", help="a text (repeat for a batch)")
         gen.add_argument(f"--{what}-file", dest="file", help="one text per line")

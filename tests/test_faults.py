@@ -243,7 +243,7 @@ def test_resuming_with_another_model_fails_naming_the_field_and_overwrites_nothi
     assert tree(workdir) == before, "nothing was overwritten"
 
 
-def test_export_and_load_model_give_identical_logits(tmp_path, uninterrupted):
+def test_export_and_load_model_give_identical_logits(tmp_path, uninterrupted, capsys):
     from flax import nnx
 
     from jaxformer import cli
@@ -259,6 +259,11 @@ def test_export_and_load_model_give_identical_logits(tmp_path, uninterrupted):
     tgt = np.concatenate([np.ones((4, 1), np.int32), src[:, :-1]], axis=1)
     np.testing.assert_array_equal(model(src, tgt), original(src, tgt))
     assert not list((tmp_path / "exported").rglob("*opt_state*"))
+    capsys.readouterr()
+    for source in (["--exported", str(tmp_path / "exported")], ["--workdir", str(uninterrupted)]):
+        assert cli.main(["translate", *source, "--src", "2 3 4 5 6"]) == 0
+    from_export, from_workdir = capsys.readouterr().out.split("2 3 4 5 6\n=> ")[1:]
+    assert from_export.strip() == from_workdir.strip() != "", "the exported model translates as the run's"
 
 
 def tree(workdir) -> dict:
