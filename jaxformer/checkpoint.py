@@ -27,6 +27,17 @@ from jaxformer.data import HF_DIR
 
 log = logging.getLogger("jaxformer.checkpoint")
 
+
+class _ReadOnlyIsExpected(logging.Filter):
+    """orbax warns about every read-only manager it opens; eval, generate and export open one on
+    purpose (a training run may be writing beside them), so the warning is noise to them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("Given directory is read only", "CheckpointManagerOptions.read_only"))
+
+
+logging.getLogger("absl").addFilter(_ReadOnlyIsExpected())  # orbax logs through absl's logger
+
 # Exit code of a run that saved a checkpoint on SIGTERM and stopped: rerun the same command to resume.
 EXIT_PREEMPTED = 3
 

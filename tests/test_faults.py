@@ -5,6 +5,7 @@ uninterrupted one (parameters, optimizer state) with the same log; read-only com
 One uninterrupted run (a subprocess, like every run a test kills) is the reference for the module."""
 
 import json
+import logging
 import os
 import pathlib
 import re
@@ -271,8 +272,10 @@ def tree(workdir) -> dict:
     return {str(p.relative_to(workdir)): (p.stat().st_size, p.stat().st_mtime_ns) for p in workdir.rglob("*")}
 
 
-def test_read_only_commands_change_nothing_in_the_workdir(tmp_path, uninterrupted, capsys):
+def test_read_only_commands_change_nothing_in_the_workdir(tmp_path, uninterrupted, capsys, caplog):
     from jaxformer import cli
+
+    caplog.set_level(logging.WARNING)
 
     workdir = copy_of(uninterrupted, tmp_path)
     (workdir / "eval-40.json").unlink()
@@ -297,6 +300,10 @@ def test_read_only_commands_change_nothing_in_the_workdir(tmp_path, uninterrupte
     assert after == before
     report = json.loads((workdir / "eval-30.json").read_text())
     assert report["step"] == 30 and 0 <= report["report"]["sequence_accuracy"] <= 1
+    orbax_noise = ("Given directory is read only", "CheckpointManagerOptions.read_only")
+    assert not [r for r in caplog.records if r.getMessage().startswith(orbax_noise)], (
+        "orbax's warning about the read-only managers readers open on purpose is not shown"
+    )
 
 
 def test_generate_in_a_workdir_that_is_not_one_advises_train_and_creates_nothing(tmp_path):
