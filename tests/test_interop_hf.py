@@ -199,6 +199,9 @@ def test_a_new_head_is_initialised_with_a_warning(tmp_path, caplog):
         classifier = hf.load_hf(directory, num_classes=3)
     assert "classifier.out" in caplog.text and "freshly initialised" in caplog.text
     np.testing.assert_array_equal(classifier.encoder.embed.embedding[...], mlm.encoder.embed.embedding[...])
+    fresh = jf.Transformer(classifier.cfg, rngs=nnx.Rngs(0))  # the head as the model initialises it
+    for name in ("pooler", "out"):
+        np.testing.assert_array_equal(getattr(classifier.classifier, name)[...], getattr(fresh.classifier, name)[...])
     assert classifier.classify(jnp.asarray(ids((2, 10), 1))).shape == (2, 3)
 
 

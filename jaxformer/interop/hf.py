@@ -616,8 +616,7 @@ def load_hf(directory: str | pathlib.Path, *, mesh: jax.sharding.Mesh | None = N
         raise UnsupportedCheckpoint(f"{directory}: the checkpoint lacks tensors for {lacking[:8]}")
     if missing:
         log.warning("%s lacks %s: freshly initialised (a new head to train)", directory, ", ".join(missing))
-        fresh = _fresh_params(cfg, shardings, mesh)
-        filled |= {p: fresh[p] for p in missing}
+        filled |= _fresh_params(cfg, missing, placement, mesh)
     params = nnx.from_flat_state([(tuple(_key(k) for k in p.split(".")), flat[p].replace(filled[p])) for p in flat])
     return nnx.merge(graphdef, params)
 
@@ -682,12 +681,18 @@ def _place(array: np.ndarray, sharding) -> jax.Array:
     return jax.device_put(array, sharding) if sharding is not None else jnp.asarray(array)
 
 
-def _fresh_params(cfg: ModelConfig, shardings, mesh) -> dict:
-    """Freshly initialised parameters by path (for heads a checkpoint lacks)."""
-    create = lambda: nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+def _fresh_params(cfg: ModelConfig, paths: list[str], placement: dict, mesh) -> dict:
+    """Freshly initialised parameters at `paths` (the heads a checkpoint lacks), by path. Under jit
+    only they are computed and placed: the rest of the initialisation is dead code XLA drops, so a
+    new head on a large checkpoint never initialises the whole model again."""
+
+    def create() -> dict:
+        state = nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+        every = {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(state)}
+        return {p: every[p] for p in paths}
+
     with _rules_in_effect(mesh):
-        state = jax.jit(create, out_shardings=shardings)() if mesh is not None else create()
-    return {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(state)}
+        return jax.jit(create, out_shardings={p: placement[p] for p in paths} if placement else None)()
 
 
 def _rules_in_effect(mesh):
