@@ -171,16 +171,14 @@ def load_tokenizer(cfg: Config, workdir: str | pathlib.Path):
 
 
 def _tokenizer(cfg: Config, train_texts: list[str], workdir):
-    if cfg.data.tokenizer == "byte":
-        return ByteTokenizer()
+    """The run's tokenizer: SentencePiece is trained on `train_texts` the first time (a resumed run
+    keeps the one it was trained with); the others are loaded as `load_tokenizer` does."""
     if cfg.data.tokenizer == "symbols":
         raise DataError(f"data.tokenizer='symbols' is for the copy/reverse tasks, not {cfg.data.source}")
-    if cfg.data.tokenizer == "hf":  # a pretrained model's own, put there by `jaxformer import-hf`
-        return HFTokenizer(pathlib.Path(workdir or ".") / HF_DIR)
     model_file = pathlib.Path(workdir or ".") / "tokenizer.model"
-    if model_file.is_file():  # a resumed run keeps the tokenizer it was trained with
-        return SentencePieceTokenizer(model_file)
-    return SentencePieceTokenizer.train(train_texts, model_file, cfg.data.spm_vocab_size, cfg.data.spm_model_type)
+    if cfg.data.tokenizer == "sentencepiece" and not model_file.is_file():
+        return SentencePieceTokenizer.train(train_texts, model_file, cfg.data.spm_vocab_size, cfg.data.spm_model_type)
+    return load_tokenizer(cfg, workdir or ".")
 
 
 def bucket_widths(max_len: int, n: int) -> tuple[int, ...]:
