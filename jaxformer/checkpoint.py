@@ -22,7 +22,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxformer.config import Config, ConfigError, from_dict
+from jaxformer.config import Config, ConfigError, from_dict, read_config
 from jaxformer.data import HF_DIR
 
 log = logging.getLogger("jaxformer.checkpoint")
@@ -200,7 +200,7 @@ def export(workdir: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path
     config_file = workdir / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} does not exist: is {workdir} a training workdir?")
-    cfg = from_dict(json.loads(config_file.read_text()))
+    cfg = read_config(config_file)
     _, restored, _ = restore_workdir(cfg, workdir)
     out.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
@@ -219,7 +219,16 @@ def load_model(directory: str | pathlib.Path):
     from jaxformer.models import Transformer
 
     directory = pathlib.Path(directory).absolute()
-    cfg = from_dict(json.loads((directory / "config.json").read_text()))
+    if (directory / "checkpoints").is_dir():
+        raise FileNotFoundError(
+            f"{directory} is a training workdir: export it first (jaxformer export --workdir {directory} --out DIR)"
+        )
+    written_by_export = "load_model reads what `jaxformer export` wrote"
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"{directory / 'config.json'} does not exist: {written_by_export}")
+    cfg = read_config(directory / "config.json")
+    if not (directory / "params").is_dir():
+        raise FileNotFoundError(f"{directory / 'params'} does not exist: {written_by_export}")
     abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract, nnx.Param)
     with ocp.StandardCheckpointer() as ckptr:

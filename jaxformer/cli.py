@@ -1,4 +1,4 @@
-"""`jaxformer train | eval | generate | translate | export | import-hf | export-hf | plan | sweep | plot | demo`."""
+"""`jaxformer train | eval | generate | translate | export | import-hf | export-hf | plan | sweep | plot | check`."""
 
 from __future__ import annotations
 
@@ -9,22 +9,26 @@ import pathlib
 import sys
 
 
+class CommandError(Exception):
+    """A command that cannot be carried out as given: `main` prints `error: MESSAGE` and exits with 2."""
+
+
 def _load_config(args, exported: str | None = None):
     """The experiment of --config, or the config.json of the workdir (or of an `exported` directory)."""
-    from jaxformer.config import apply_overrides, from_dict, load_experiment
+    from jaxformer.config import apply_overrides, load_experiment, read_config
 
     if getattr(args, "config", None):
         cfg = load_experiment(args.config)
     else:
         saved = pathlib.Path(exported or args.workdir) / "config.json"
         if exported and not saved.is_file():
-            raise SystemExit(f"error: {saved} does not exist: write one with jaxformer export --workdir W --out DIR")
+            raise CommandError(f"{saved} does not exist: write one with jaxformer export --workdir W --out DIR")
         if not saved.is_file():
-            raise SystemExit(
-                f"error: {saved} does not exist: {args.workdir} is not a training workdir "
+            raise CommandError(
+                f"{saved} does not exist: {args.workdir} is not a training workdir "
                 f"(train there first: jaxformer train --config experiments/NAME.py --workdir {args.workdir})"
             )
-        cfg = from_dict(json.loads(saved.read_text()))
+        cfg = read_config(saved)
     return apply_overrides(cfg, args.set or [])
 
 
@@ -36,11 +40,13 @@ def cmd_train(args) -> int:
     from jaxformer.observe import parse_steps
     from jaxformer.train import fit
 
+    if pathlib.Path(args.workdir).exists() and not pathlib.Path(args.workdir).is_dir():
+        raise CommandError(f"--workdir {args.workdir} is not a directory")
     cfg = _load_config(args)
     try:
         profile_steps = parse_steps(args.profile_steps)
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise CommandError(str(e)) from None
     if not args.quiet:  # the whole resolved config is saved as WORKDIR/config.json
         m, t = cfg.model, cfg.train
         layers = {"encoder_only": m.num_encoder_layers, "decoder_only": m.num_decoder_layers}.get(
@@ -103,17 +109,20 @@ def cmd_generate(args) -> int:
     from jaxformer import decode
     from jaxformer.checkpoint import restore_workdir
     from jaxformer.data import load_tokenizer
+    from jaxformer.data.sources import read_lines
 
-    texts = list(args.text or [])
-    if args.file:
-        texts += pathlib.Path(args.file).read_text(encoding="utf-8").splitlines()
+    others = [s for s in args.set or [] if not s.strip().startswith("decode.")]
+    if others:
+        raise CommandError(f"--set {others[0]}: `{args.command}` --set changes decoding only (decode.FIELD=VALUE)")
+    texts = list(args.text or []) + (read_lines(args.file) if args.file else [])
     if not texts:
-        raise SystemExit(f"error: give --{args.what} TEXT or --{args.what}-file FILE")
+        raise CommandError(f"give --{args.what} TEXT or --{args.what}-file FILE")
     needed = "decoder_only" if args.command == "generate" else "encoder_decoder"
 
     def check_mode(mode: str, where: str) -> None:
         if mode != needed:
-            raise SystemExit(f"error: `{args.command}` needs a {needed} model; {where} holds {mode}")
+            article = "an" if needed[0] in "aeiou" else "a"
+            raise CommandError(f"`{args.command}` needs {article} {needed} model; {where} holds {mode}")
 
     if args.hf:  # a Hugging Face model directory: its weights and tokenizer, decoding as --set says
         from jaxformer.config import Config, DataConfig, TrainConfig, apply_overrides
@@ -139,9 +148,9 @@ def cmd_generate(args) -> int:
         model, decoding = nnx.merge(graphdef, state.params), cfg.decode
     if args.command == "generate":  # prompt and continuation share the model's max_len positions
         longest, L = max(len(tok.encode(t)) for t in texts), model.cfg.max_len
-        if decoding.max_new_tokens > L - longest:
+        if longest < L and decoding.max_new_tokens > L - longest:  # (a longer prompt is refused below)
             print(
-                f"note: at most {max(L - longest, 0)} new tokens (decode.max_new_tokens={decoding.max_new_tokens}): "
+                f"note: at most {L - longest} new tokens (decode.max_new_tokens={decoding.max_new_tokens}): "
                 f"model.max_len={L} holds the longest prompt ({longest} tokens) and its continuation",
                 file=sys.stderr,
             )
@@ -151,7 +160,7 @@ def cmd_generate(args) -> int:
         else:
             outs = decode.translate_texts(model, tok, texts, decoding)
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise CommandError(str(e)) from None
     for text, out in zip(texts, outs, strict=True):
         for i, o in enumerate([out] if isinstance(out, str) else out):
             print(f"{text}\n=> {o}\n" if i == 0 else f"{i + 1:d}> {o}\n")
@@ -199,6 +208,8 @@ def cmd_plan(args) -> int:
     import os
     import subprocess
 
+    if args.devices is not None and args.devices < 1:
+        raise CommandError(f"--devices: must be positive, got {args.devices}")
     flag = f"--xla_force_host_platform_device_count={args.devices}"
     if args.devices and flag not in os.environ.get("XLA_FLAGS", ""):
         # JAX fixes its device count when it starts: plan in a process of its own with N CPU devices.
@@ -220,12 +231,15 @@ def cmd_plot(args) -> int:
     return 0
 
 
-def cmd_demo(args) -> int:
-    """A forward pass of each mode: parameter counts and output shapes."""
+def cmd_check(args) -> int:
+    """The install works on this machine: its devices, then a forward pass of each mode (parameters, logits)."""
+    import jax
     import jax.numpy as jnp
 
     import jaxformer as jf
 
+    devices = jax.devices()
+    print(f"jax {jax.__version__}: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()})")
     for mode in ("encoder_only", "decoder_only", "encoder_decoder"):
         model = jf.build_model(jf.tiny(mode, vocab_size=100, d_model=64, num_heads=4, d_ff=256))
         ids = jnp.ones((2, 16), jnp.int32)
@@ -315,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     pl = sub.add_parser("plot", help="draw a run's loss and eval curves to a PNG")
     pl.add_argument("--workdir", required=True)
     pl.add_argument("--out", help="PNG path (default: WORKDIR/curves.png)")
-    sub.add_parser("demo", help="a forward pass of each mode")
+    sub.add_parser("check", help="check the install: this machine's devices and a forward pass of each mode")
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)  # `plan --devices N` runs itself again with them
     from jaxformer.config import ConfigError
@@ -328,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             "export": cmd_export,
             "import-hf": cmd_import_hf,
             "export-hf": cmd_export_hf,
-            "demo": cmd_demo,
+            "check": cmd_check,
             "generate": cmd_generate,
             "translate": cmd_generate,
             "sweep": cmd_sweep,
@@ -336,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             "plan": cmd_plan,
         }
         return commands[args.command](args)
-    except (ConfigError, DataError, OSError) as e:
+    except (CommandError, ConfigError, DataError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except FloatingPointError as e:  # a non-finite loss (train.on_nonfinite=stop): the message says what to try

@@ -7,7 +7,9 @@ wrong value fails with the field named before anything is built or compiled.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import pathlib
 import types
 import typing
 from typing import Literal
@@ -353,6 +355,7 @@ class TrainConfig:
         check_field_types(self, p)
         for name in ("steps", "batch_size", "grad_accum", "log_every", "eval_every"):
             require(getattr(self, name) > 0, f"{p}.{name}", f"must be positive, got {getattr(self, name)}")
+        require(self.steps < 2**31, f"{p}.steps", f"must be below 2**31 (the step counter is int32), got {self.steps}")
         require(
             self.batch_size % self.grad_accum == 0,
             f"{p}.grad_accum",
@@ -408,6 +411,7 @@ class DataConfig:
             "val_fraction and test_fraction must be in (0, 1) and sum below 1",
         )
         require(self.synthetic_vocab > 3, f"{p}.synthetic_vocab", "must be > 3")
+        require(self.synthetic_len > 0, f"{p}.synthetic_len", f"must be positive, got {self.synthetic_len}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -553,9 +557,26 @@ def from_dict(d: dict) -> Config:
     return Config(**{name: _section(name, d.get(name, {})) for name in SECTIONS})
 
 
+def read_config(path) -> Config:
+    """A saved config.json (a workdir's, an export's) as a Config; ConfigError naming the file if it is not one."""
+    path = pathlib.Path(path)
+    try:
+        values = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f"line {e.lineno}, column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else e.reason
+        raise ConfigError(f"{path} is not a jaxformer config (JSON, {where})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path} is not a jaxformer config (JSON object of sections)")
+    try:
+        return from_dict(values)
+    except (ConfigError, TypeError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
 def _section(name: str, values: dict):
     cls = SECTIONS[name]
     known = {f.name for f in dataclasses.fields(cls)}
+    require(isinstance(values, dict), name, f"a section is an object of fields, got {type(values).__name__}")
     for key in values:
         require(key in known, f"{name}.{key}", f"unknown field (known: {', '.join(sorted(known))})")
     return cls(**values)
@@ -564,7 +585,6 @@ def _section(name: str, values: dict):
 def call_file(path: str, function: str, what: str):
     """Run the Python file at `path` and return its `function()`; ConfigError if either is missing."""
     import importlib.util
-    import pathlib
 
     file = pathlib.Path(path)
     if not file.is_file():

@@ -271,6 +271,8 @@ def _padded(rows: Sequence[Sequence[int]], what: str, model, max_tokens: int) ->
     Rejects an empty batch or row, a row over `max_tokens` ids, and ids outside [0, V).
     """
     cfg = model.cfg
+    if isinstance(rows, (str, bytes)) or any(isinstance(r, (str, bytes)) for r in rows):
+        raise TypeError(f"{what}s are lists of token ids, not text (for text: continue_texts, translate_texts)")
     if len(rows) == 0:
         raise ValueError(f"no {what}s given")
     lengths = np.asarray([len(r) for r in rows], np.int32)
@@ -287,6 +289,11 @@ def _padded(rows: Sequence[Sequence[int]], what: str, model, max_tokens: int) ->
         if bad:
             raise ValueError(f"{what} {i}: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
     return ids, lengths
+
+
+def _check_settings(settings) -> None:
+    if not isinstance(settings, DecodeConfig):
+        raise TypeError(f"settings: a jaxformer.config.DecodeConfig, got {type(settings).__name__}")
 
 
 def _check_special_ids(model, **ids) -> None:
@@ -316,6 +323,7 @@ def generate(model, prompts: Sequence[Sequence[int]], settings: DecodeConfig = D
     """
     if model.cfg.mode != "decoder_only":
         raise ValueError(f"generate() continues prompts of a decoder_only model; this one is {model.cfg.mode}")
+    _check_settings(settings)
     _check_special_ids(model, eos_id=eos_id)
     L = model.cfg.max_len
     prompt_BP, lengths_B = _padded(prompts, "prompt", model, L - 1)  # room for one new token
@@ -329,6 +337,7 @@ def translate(model, sources: Sequence[Sequence[int]], settings: DecodeConfig = 
     tokens (the paper's limit with extra_len=50) and the model's maximum length."""
     if model.cfg.mode != "encoder_decoder":
         raise ValueError(f"translate() needs an encoder_decoder model; this one is {model.cfg.mode}")
+    _check_settings(settings)
     _check_special_ids(model, bos_id=bos_id, eos_id=eos_id)
     L = model.cfg.max_len
     src_BS, src_lengths_B = _padded(sources, "source", model, L)
@@ -351,7 +360,10 @@ def encode_texts(tok, texts: Sequence[str], what: str, eos: bool = False) -> lis
     """Texts -> id lists (with EOS appended if asked); rejects text the tokenizer cannot represent."""
     rows = []
     for i, text in enumerate(texts):
-        ids = tok.encode(text)
+        try:
+            ids = tok.encode(text)
+        except ValueError as e:
+            raise ValueError(f"{what} {i}: {e}") from None
         unk = getattr(tok, "unk_id", None)
         if unk is not None and unk in ids:
             raise ValueError(f"{what} {i} ({text!r}) has pieces outside the tokenizer's vocabulary")

@@ -73,6 +73,18 @@ def _raise_if_out_of_range(ids, vocab_size: int, name: str = "") -> None:
         )
 
 
+def as_token_ids(ids, name: str = "ids") -> Array:
+    """`ids` as an integer array [B, T] (a list becomes a NumPy array): a TypeError for floats or
+    text, a ValueError for another rank, rather than an indexing error deep inside the model."""
+    if not isinstance(ids, (jax.Array, np.ndarray)):
+        ids = np.asarray(ids)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"{name}: token ids must be integers, got {ids.dtype}")
+    if ids.ndim != 2:
+        raise ValueError(f"{name}: token ids are [B, T], got shape {tuple(ids.shape)}")
+    return ids
+
+
 def check_batch_ids(batch: dict, cfg: ModelConfig) -> dict:
     """The host batch, once no token array (`src`, `inputs`, `targets`) holds an id outside [0, V);
     otherwise a ValueError naming the key. Nothing is checked with `cfg.check_token_ids` off.

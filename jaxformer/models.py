@@ -28,6 +28,7 @@ from jaxformer.layers import (
     Norm,
     PositionalEncoding,
     RelativePositionBias,
+    as_token_ids,
     param,
     split_rng,
 )
@@ -121,7 +122,7 @@ class TransformerStack(nnx.Module):
         Padding is `lengths` [B] (right-padded rows) or `segments` [B, T] (packed rows, 0 = padding).
         `token_types` [B, T] (0 where not given) need `type_vocab_size` > 0.
         """
-        cfg = self.cfg
+        cfg, ids_BT = self.cfg, as_token_ids(ids_BT)
         if positions is None and cfg.position in ("sinusoidal", "learned") and ids_BT.shape[1] > cfg.max_len:
             # The position table would be read past its end (JAX clamps, the logits go wrong): refuse.
             raise ValueError(f"{ids_BT.shape[1]} positions exceed model.max_len={cfg.max_len}")
@@ -287,7 +288,7 @@ class Transformer(nnx.Module):
         packed rows (their segments say the padding)."""
         if src_segments is not None or src_lengths is not None:
             return src_lengths
-        return trailing_padding_lengths(src_ids_BS, self.cfg.pad_id)
+        return trailing_padding_lengths(as_token_ids(src_ids_BS, "src_ids"), self.cfg.pad_id)
 
     @in_precision
     def encode(
@@ -437,6 +438,10 @@ class Transformer(nnx.Module):
             raise ValueError(
                 f"mode={mode} takes {'(src_ids, tgt_ids)' if mode == 'encoder_decoder' else 'one id array'}"
             )
+        if tgt_ids is not None:
+            ids, tgt_ids = as_token_ids(ids, "src_ids"), as_token_ids(tgt_ids, "tgt_ids")
+            if ids.shape[0] != tgt_ids.shape[0]:
+                raise ValueError(f"batch sizes differ: src_ids has {ids.shape[0]} rows, tgt_ids {tgt_ids.shape[0]}")
         r_enc, r_dec = split_rng(dropout_rng, 2)
         if mode == "encoder_only":
             x_BSD = self.encode(
@@ -488,6 +493,8 @@ def unrolled(model: Transformer) -> Transformer:
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
     """A freshly initialised Transformer for `cfg` (parameters on the default device)."""
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"build_model takes a ModelConfig (e.g. jaxformer.tiny()), got {type(cfg).__name__}")
     return Transformer(cfg, rngs=nnx.Rngs(params=seed))
 
 

@@ -85,7 +85,7 @@ def write_xz(path, text):
 
 
 def test_bad_data_errors_name_file_and_line(tmp_path):
-    with pytest.raises(DataError, match=r"missing\.tsv\.xz: no such data file"):
+    with pytest.raises(DataError, match=r"missing\.tsv\.xz does not exist"):
         build_dataset(cfg_for("en_de", "seq2seq", "encoder_decoder", path=str(tmp_path / "missing.tsv.xz")))
     bad = tmp_path / "bad.tsv.xz"
     write_xz(bad, "id\ten\tde\ntext/a/b#1\tone two three\tein zwei drei\ntext/a/b#2\tonly two columns\n")

@@ -306,14 +306,13 @@ def test_read_only_commands_change_nothing_in_the_workdir(tmp_path, uninterrupte
     )
 
 
-def test_generate_in_a_workdir_that_is_not_one_advises_train_and_creates_nothing(tmp_path):
+def test_generate_in_a_workdir_that_is_not_one_advises_train_and_creates_nothing(tmp_path, capsys):
     from jaxformer import cli
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(SystemExit) as e:
-        cli.main(["generate", "--workdir", str(empty), "--prompt", "To be"])
-    message = str(e.value)
+    assert cli.main(["generate", "--workdir", str(empty), "--prompt", "To be"]) == 2
+    message = capsys.readouterr().err
     assert "is not a training workdir" in message and "jaxformer train --config" in message
     assert "pass --config" not in message, "generate has no --config option"
     assert list(empty.iterdir()) == []
@@ -388,41 +387,6 @@ def test_a_run_that_cannot_write_its_checkpoints_fails_before_its_first_step(tmp
     assert err.startswith(f"error: cannot write checkpoints to {checkpoints}: ") and len(err.splitlines()) == 1, err
     assert not (tmp_path / "metrics.jsonl").exists(), "no step ran"
     assert list(checkpoints.iterdir()) == []
-
-
-@pytest.mark.parametrize(
-    "override, message",
-    [
-        ("train.eval_batches=0", r"train\.eval_batches: must be positive \(batches per evaluation\), got 0"),
-        ("model.mode=gpt", r"model\.mode: 'gpt' is not one of the choices: 'encoder_only', 'decoder_only'"),
-        ("train.on_nonfinite=ignore", r"train\.on_nonfinite: 'ignore' is not one of the choices: 'stop', 'skip'"),
-    ],
-)
-def test_bad_overrides_are_one_line_errors_naming_the_field(tmp_path, capsys, override, message):
-    from jaxformer import cli
-
-    args = ["train", "--config", "experiments/copy_task.py", "--workdir", str(tmp_path / "run"), "--set", override]
-    assert cli.main(args) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and re.fullmatch("error: " + message + ".*", err), err
-    assert not (tmp_path / "run").exists()
-
-
-@pytest.mark.parametrize(
-    "name, text, message",
-    [
-        ("README.md", "# jaxformer\n", r"experiment file {path} is not a Python file"),
-        ("broken.py", "def get_config(:\n", r"experiment file {path}, line 1: "),
-    ],
-)
-def test_a_config_that_is_not_an_experiment_is_a_one_line_error(tmp_path, capsys, name, text, message):
-    from jaxformer import cli
-
-    path = tmp_path / name
-    path.write_text(text)
-    assert cli.main(["train", "--config", str(path), "--workdir", str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and re.match("error: " + message.format(path=re.escape(str(path))), err), err
 
 
 @pytest.mark.parametrize(

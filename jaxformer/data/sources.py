@@ -25,13 +25,16 @@ def read_lines(path: str | pathlib.Path) -> list[str]:
     """Lines of a UTF-8 text file, xz-compressed if it ends in .xz."""
     path = pathlib.Path(path)
     if not path.is_file():
-        raise DataError(f"{path}: no such data file")
-    opener = lzma.open if path.suffix == ".xz" else open
+        raise DataError(f"{path} does not exist")
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            return f.read().splitlines()
-    except (lzma.LZMAError, UnicodeDecodeError, EOFError) as e:
-        raise DataError(f"{path}: cannot be read as UTF-8 text ({e})") from e
+        data = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
+    except (lzma.LZMAError, EOFError) as e:
+        raise DataError(f"{path}: cannot be decompressed ({e})") from e
+    try:
+        return data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}, line {line}: not UTF-8 (byte {data[e.start]:#04x})") from None
 
 
 def read_tsv(path: str | pathlib.Path, columns: tuple[str, ...]) -> list[tuple[int, tuple[str, ...]]]:

@@ -37,7 +37,11 @@ class SymbolTokenizer:
         self.vocab_size = vocab_size
 
     def encode(self, text: str) -> list[int]:
-        return [int(t) for t in text.split()]
+        symbols = text.split()
+        for s in symbols:
+            if not s.isdecimal():
+                raise ValueError(f"{s!r} is not a symbol: this task's tokens are numbers separated by spaces")
+        return [int(s) for s in symbols]
 
     def decode(self, ids: Iterable[int]) -> str:
         return " ".join(str(int(i)) for i in ids if i > self.bos_id)

@@ -441,11 +441,14 @@ def read_hf_config(directory: str | pathlib.Path) -> dict:
     path = pathlib.Path(directory) / CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {directory} a Hugging Face model directory?")
-    hf = json.loads(path.read_text())
-    if hf.get("model_type") not in FAMILIES:
-        raise UnsupportedCheckpoint(
-            f"{path}: model_type={hf.get('model_type')!r} is not supported (jaxformer reads {sorted(FAMILIES)})"
-        )
+    try:
+        hf = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UnsupportedCheckpoint(f"{path} is not JSON ({e})") from None
+    family = hf.get("model_type") if isinstance(hf, dict) else None
+    if family not in FAMILIES:
+        supported = sorted(FAMILIES)
+        raise UnsupportedCheckpoint(f"{path}: model_type={family!r} is not supported (jaxformer reads {supported})")
     return hf
 
 

@@ -21,7 +21,7 @@ import shutil
 import jax
 from flax import nnx
 
-from jaxformer.config import Config, ConfigError, apply_overrides, from_dict, load_experiment
+from jaxformer.config import Config, ConfigError, apply_overrides, load_experiment, read_config
 from jaxformer.data import HF_DIR
 from jaxformer.interop import hf
 
@@ -63,6 +63,7 @@ def import_hf(source, workdir, experiment: str | None = None, overrides: list[st
     cfg = apply_overrides(dataclasses.replace(base, model=imported.replace(**runtime), data=data), list(overrides))
     if (workdir / "checkpoints").is_dir() and any((workdir / "checkpoints").iterdir()):
         raise ConfigError(f"{workdir} already holds checkpoints: import into a new workdir")
+    hf.SafetensorsReader(source)  # the weights are there (headers read) before anything is written
     # Fields the overrides changed (a new head, say) load as overrides: what the checkpoint lacks is initialised.
     changed = {k: v for k, v in dataclasses.asdict(cfg.model).items() if v != getattr(imported, k)}
 
@@ -94,7 +95,7 @@ def export_hf(workdir, out) -> pathlib.Path:
     config_file = workdir / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} does not exist: is {workdir} a training workdir?")
-    cfg = from_dict(json.loads(config_file.read_text()))
+    cfg = read_config(config_file)
     graphdef, state, _ = restore_workdir(cfg, workdir)
     model = nnx.merge(graphdef, state.params)
     hf_dir = workdir / HF_DIR

@@ -1,0 +1,411 @@
+"""Bad input over the public surface, one row a case: what is given, and what must come back.
+
+From the command line: exit code 2 and one line `error: ...` saying what is wrong and where (argparse's
+usage errors: its usage line, then the error), never a traceback from inside JAX or orbax, and a
+workdir that a refused command leaves as it found it. From Python: the exception class and message.
+Nothing here trains: the workdirs are written at step 0, once for the module.
+"""
+
+import contextlib
+import dataclasses
+import json
+import pathlib
+import re
+import shlex
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxformer as jf
+from jaxformer import cli, decode
+from jaxformer.config import ConfigError, DecodeConfig, TrainConfig, apply_overrides, from_dict, load_experiment
+
+SMALL = {  # each experiment's model made small: the cases are about input, not capacity
+    "lm": ["model.d_model=32", "model.d_ff=64", "model.num_decoder_layers=1"],
+    "copy": ["model.num_encoder_layers=1", "model.num_decoder_layers=1"],
+    "mlm": ["model.d_model=32", "model.d_ff=64", "model.num_encoder_layers=1"],
+}
+EXPERIMENT = {"lm": "lm_shakespeare", "copy": "copy_task", "mlm": "mlm_shakespeare"}
+
+
+def write_workdir(path, name):
+    """A training workdir at step 0 (config.json and one checkpoint), as `train` leaves it."""
+    from jaxformer.checkpoint import Checkpointer
+    from jaxformer.train import state_factory
+
+    cfg = apply_overrides(load_experiment(f"experiments/{EXPERIMENT[name]}.py"), SMALL[name])
+    state = jax.jit(state_factory(cfg)[1])()
+    ckpt = Checkpointer(path, cfg)
+    ckpt.save(state)
+    ckpt.wait()
+    ckpt.close()
+    (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    return path
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory):
+    """Paths the cases name as {lm}, {copy}, {mlm} (step-0 workdirs), {tmp}, and the files below."""
+    root = tmp_path_factory.mktemp("bad-inputs")
+    paths = {name: write_workdir(root / name, name) for name in EXPERIMENT}
+    files = {
+        "empty": None,  # a directory with nothing in it
+        "garbage": {"config.json": "{not json"},
+        "unknown_section": {"config.json": json.dumps({"modle": {}})},
+        "config_only": {"config.json": (paths["lm"] / "config.json").read_text()},
+        "not_utf8": {"prompts.txt": b"KING:\n\xff\xfe oh\n"},
+        "blank": {"prompts.txt": "KING:\n\n"},
+        "readme": {"README.md": "# jaxformer\n"},
+        "broken": {"broken.py": "def get_config(:\n"},
+        "no_function": {"exp.py": "x = 1\n"},
+        "returns_dict": {"exp.py": "def get_config():\n    return {'model': {}}\n"},
+        "invalid_inside": {
+            "exp.py": "from jaxformer.config import TrainConfig\ndef get_config():\n    return TrainConfig(steps=0)\n"
+        },
+        "unknown_family": {"config.json": json.dumps({"model_type": "mamba", "vocab_size": 8})},
+        "no_weights": {
+            "config.json": json.dumps(
+                {"model_type": "gpt2", "vocab_size": 16, "n_embd": 8, "n_head": 2, "n_layer": 1, "n_positions": 16}
+            )
+        },
+        "sweep_without_function": {"sweep.py": "x = 1\n"},
+        "metrics_missing": {"config.json": "{}"},
+    }
+    for name, content in files.items():
+        directory = root / name
+        directory.mkdir()
+        for file, text in (content or {}).items():
+            (directory / file).write_bytes(text if isinstance(text, bytes) else text.encode())
+    (root / "a_file").write_text("not a directory\n")
+    return {**{k: str(v) for k, v in paths.items()}, "tmp": str(root), **{k: str(root / k) for k in files}}
+
+
+def cli_case(argv: str, message: str, rc: int = 2):
+    return pytest.param(argv, message, rc, id=argv.replace(TRAIN, "train --set ")[:60])
+
+
+TRAIN = "train --config experiments/copy_task.py --workdir {tmp}/never --set "
+CLI_CASES = [
+    # Config fields, refused before anything is read, built or written (the workdir is never created).
+    cli_case(TRAIN + "model.mode=gpt", r"model\.mode: 'gpt' is not one of the choices: 'encoder_only', 'decoder_only'"),
+    cli_case(TRAIN + "model.d_model=0", r"model\.d_model: "),
+    cli_case(TRAIN + "model.d_model=abc", r"model\.d_model: cannot parse 'abc' as int"),
+    cli_case(TRAIN + "model.d_model=1.5", r"model\.d_model: cannot parse '1\.5' as int"),
+    cli_case(TRAIN + "model.num_heads=3", r"model\.num_heads: num_heads=3 does not divide d_model=64"),
+    cli_case(TRAIN + "model.vocab_size=-1", r"model\.vocab_size: "),
+    cli_case(TRAIN + "model.max_len=0", r"model\.max_len: "),
+    cli_case(TRAIN + "model.dropout_rate=1.5", r"model\.dropout_rate: "),
+    cli_case(TRAIN + "model.position=rotary", r"model\.position: 'rotary' is not one of the choices"),
+    cli_case(TRAIN + "model.activation=swish", r"model\.activation: 'swish' is not one of the choices"),
+    cli_case(TRAIN + "model.norm_position=middle", r"model\.norm_position: 'middle' is not one of the choices"),
+    cli_case(TRAIN + "model.dtype=float8", r"model\.dtype: 'float8' is not one of the choices"),
+    cli_case(TRAIN + "model.attention_impl=flash", r"model\.attention_impl: 'flash' is not one of the choices"),
+    cli_case(TRAIN + "model.matmul_precision=max", r"model\.matmul_precision: 'max' is not one of the choices"),
+    cli_case(TRAIN + "model.num_kv_heads=3", r"model\.num_kv_heads: "),
+    cli_case(TRAIN + "model.num_encoder_layers=0", r"model\.num_encoder_layers: "),
+    cli_case(TRAIN + "model.num_classes=3", r"model\.num_classes: "),
+    cli_case(TRAIN + "model.width=1", r"model\.width: unknown field \(known: "),
+    cli_case(TRAIN + "modle.d_model=1", r"modle\.d_model: a field is section\.field"),
+    cli_case(TRAIN + "model.d_model", r"model\.d_model: an override is section\.field=value"),
+    cli_case(TRAIN + "train.steps=0", r"train\.steps: must be positive, got 0"),
+    cli_case(TRAIN + "train.steps=3e9", r"train\.steps: "),
+    cli_case(TRAIN + "train.batch_size=0", r"train\.batch_size: must be positive, got 0"),
+    cli_case(TRAIN + "train.grad_accum=3", r"train\.grad_accum: grad_accum=3 does not divide batch_size=64"),
+    cli_case(TRAIN + "train.learning_rate=-1", r"train\.learning_rate: must be positive, got -1"),
+    cli_case(TRAIN + "train.learning_rate=inf", r"train\.learning_rate: must be positive, got inf"),
+    cli_case(TRAIN + "train.learning_rate=nan", r"train\.learning_rate: must be positive, got nan"),
+    cli_case(TRAIN + "train.b1=nan", r"train\.b1: must be in \[0, 1\), got nan"),
+    cli_case(TRAIN + "train.b2=1.5", r"train\.b2: must be in \[0, 1\), got 1\.5"),
+    cli_case(TRAIN + "train.eps=0", r"train\.eps: must be positive, got 0"),
+    cli_case(TRAIN + "train.warmup_steps=-1", r"train\.warmup_steps: must be >= 0"),
+    cli_case(TRAIN + "train.label_smoothing=1", r"train\.label_smoothing: must be in \[0, 1\)"),
+    cli_case(TRAIN + "train.mlm_probability=0", r"train\.mlm_probability: must be in \(0, 1\)"),
+    cli_case(TRAIN + "train.clip_norm=-1", r"train\.clip_norm: "),
+    cli_case(TRAIN + "train.weight_decay=-0.1", r"train\.clip_norm: clip_norm and weight_decay >= 0"),
+    cli_case(TRAIN + "train.eval_batches=0", r"train\.eval_batches: must be positive \(batches per evaluation\)"),
+    cli_case(TRAIN + "train.num_samples=-1", r"train\.num_samples: must be >= 0, got -1"),
+    cli_case(TRAIN + "train.peak_flops=-1", r"train\.peak_flops: must be >= 0"),
+    cli_case(TRAIN + "train.optimizer=sgd", r"train\.optimizer: 'sgd' is not one of the choices: 'adamw', 'adam'"),
+    cli_case(TRAIN + "train.schedule=linear", r"train\.schedule: 'linear' is not one of the choices"),
+    cli_case(TRAIN + "train.objective=lm", r"train\.objective: objective='lm' needs model\.mode='decoder_only'"),
+    cli_case(TRAIN + "train.on_nonfinite=ignore", r"train\.on_nonfinite: 'ignore' is not one of the choices"),
+    cli_case(TRAIN + "train.log_every=0", r"train\.log_every: must be positive, got 0"),
+    cli_case(TRAIN + "train.eval_every=0", r"train\.eval_every: must be positive, got 0"),
+    cli_case(TRAIN + "data.max_len=1", r"data\.max_len: must be > 1, got 1"),
+    cli_case(TRAIN + "data.max_len=100", r"data\.max_len: data\.max_len=100 exceeds model\.max_len=16"),
+    cli_case(TRAIN + "data.source=wikipedia", r"data\.source: 'wikipedia' is not one of the choices"),
+    cli_case(TRAIN + "data.tokenizer=wordpiece", r"data\.tokenizer: 'wordpiece' is not one of the choices"),
+    cli_case(TRAIN + "data.too_long=drop", r"data\.too_long: 'drop' is not one of the choices"),
+    cli_case(TRAIN + "data.length_buckets=0", r"data\.length_buckets: must be positive"),
+    cli_case(TRAIN + "data.max_examples=-1", r"data\.max_examples: must be >= 0"),
+    cli_case(TRAIN + "data.val_fraction=1", r"data\.val_fraction: val_fraction and test_fraction must be in"),
+    cli_case(TRAIN + "data.synthetic_vocab=2", r"data\.synthetic_vocab: must be > 3"),
+    cli_case(TRAIN + "data.synthetic_len=0", r"data\.synthetic_len: "),
+    cli_case(TRAIN + "data.spm_vocab_size=4", r"data\.spm_vocab_size: must be > 8"),
+    cli_case(TRAIN + "checkpoint.every=0", r"checkpoint\.every: must be positive, got 0"),
+    cli_case(TRAIN + "checkpoint.keep=0", r"checkpoint\.keep: must be positive, got 0"),
+    cli_case(TRAIN + "checkpoint.best_metric=bleu", r"checkpoint\.best_metric: 'bleu' is not an eval metric"),
+    cli_case(TRAIN + "checkpoint.best_mode=median", r"checkpoint\.best_mode: 'median' is not one of the choices"),
+    cli_case(TRAIN + "checkpoint.async_save=maybe", r"checkpoint\.async_save: cannot parse 'maybe' as bool"),
+    cli_case(TRAIN + "mesh.data=0", r"mesh\.data: must be positive or -1 \(fill\), got 0"),
+    cli_case(TRAIN + "mesh.fsdp=-2", r"mesh\.fsdp: must be positive or -1 \(fill\), got -2"),
+    cli_case(TRAIN + "mesh.data=3", r"mesh: data=3, fsdp=1, tensor=1 makes 3 devices, but 1 are available"),
+    cli_case(TRAIN + "mesh.rules=zero3", r"mesh\.rules: 'zero3' is not one of the choices"),
+    cli_case(TRAIN + "mesh.dcn_data=0", r"mesh\.dcn_data: must be positive"),
+    cli_case(TRAIN + "decode.strategy=nucleus", r"decode\.strategy: 'nucleus' is not one of the choices"),
+    cli_case(TRAIN + "decode.temperature=0", r"decode\.temperature: must be > 0, got 0"),
+    cli_case(TRAIN + "decode.top_p=0", r"decode\.top_p: must be in \(0, 1\], got 0"),
+    cli_case(TRAIN + "decode.top_p=1.5", r"decode\.top_p: must be in \(0, 1\], got 1\.5"),
+    cli_case(TRAIN + "decode.top_k=-1", r"decode\.top_k: must be >= 0 \(0 = off\), got -1"),
+    cli_case(TRAIN + "decode.beam_size=0", r"decode\.beam_size: must be >= 1, got 0"),
+    cli_case(TRAIN + "decode.num_return=5", r"decode\.num_return: must be in \[1, beam_size=4\] for beam search"),
+    cli_case(TRAIN + "decode.max_new_tokens=0", r"decode\.max_new_tokens: must be positive, got 0"),
+    cli_case(TRAIN + "decode.extra_len=-1", r"decode\.extra_len: must be >= 0, got -1"),
+    # Experiment files and workdirs.
+    cli_case("train --config {tmp}/missing.py --workdir {tmp}/never", r"experiment file \S+missing\.py does not exist"),
+    cli_case("train --config {readme}/README.md --workdir {tmp}/never", r"experiment file \S+ is not a Python file"),
+    cli_case("train --config {broken}/broken.py --workdir {tmp}/never", r"experiment file \S+broken\.py, line 1: "),
+    cli_case("train --config {no_function}/exp.py --workdir {tmp}/never", r"\S+exp\.py defines no get_config\(\)"),
+    cli_case(
+        "train --config {returns_dict}/exp.py --workdir {tmp}/never",
+        r"\S+exp\.py: get_config\(\) returned dict, not jaxformer\.config\.Config",
+    ),
+    cli_case("train --config {invalid_inside}/exp.py --workdir {tmp}/never", r"train\.steps: must be positive, got 0"),
+    cli_case("train --workdir {empty}", r"\S+config\.json does not exist: \S+ is not a training workdir"),
+    cli_case("train --workdir {garbage}", r"\S+config\.json is not a jaxformer config \(JSON, line 1, column 2: "),
+    cli_case("train --workdir {unknown_section}", r"\S+config\.json: modle: unknown config section"),
+    cli_case(
+        "train --workdir {tmp}/a_file --config experiments/copy_task.py", r"--workdir \S+a_file is not a directory"
+    ),
+    cli_case("train --workdir {lm} --profile-steps 5", r"--profile-steps "),
+    cli_case("train --workdir {lm} --profile-steps 5:3", r"--profile-steps "),
+    cli_case("train --config experiments/copy_task.py", r"the following arguments are required: --workdir"),
+    cli_case("frobnicate", r"argument command: invalid choice: 'frobnicate'"),
+    # Read-only commands.
+    cli_case("eval --workdir {empty}", r"\S+config\.json does not exist: \S+ is not a training workdir"),
+    cli_case("eval --workdir {config_only}", r"\S+checkpoints holds no checkpoint: train first"),
+    cli_case("export --workdir {empty} --out {tmp}/out", r"\S+config\.json does not exist"),
+    cli_case("export --workdir {config_only} --out {tmp}/out", r"\S+checkpoints holds no checkpoint: train first"),
+    cli_case("export-hf --workdir {empty} {tmp}/out", r"\S+config\.json does not exist"),
+    cli_case("export-hf --workdir {copy} {tmp}/out", r"no Hugging Face family expresses this model"),
+    cli_case("plot --workdir {empty}", r"\S+metrics\.jsonl does not exist"),
+    cli_case(
+        "generate --workdir {mlm} --prompt KING", r"`generate` needs a decoder_only model; \S+mlm holds encoder_only"
+    ),
+    cli_case(
+        "translate --workdir {lm} --src KING", r"`translate` needs an encoder_decoder model; \S+lm holds decoder_only"
+    ),
+    cli_case("generate --workdir {lm}", r"give --prompt TEXT or --prompt-file FILE"),
+    cli_case("generate --workdir {lm} --prompt-file {tmp}/missing.txt", r"\S+missing\.txt does not exist"),
+    cli_case(
+        "generate --workdir {lm} --prompt-file {not_utf8}/prompts.txt",
+        r"\S+prompts\.txt, line 2: not UTF-8 \(byte 0xff\)",
+    ),
+    cli_case("generate --workdir {lm} --prompt-file {blank}/prompts.txt", r"prompt 1 is empty"),
+    cli_case("generate --workdir {lm} --prompt ''", r"prompt 0 is empty"),
+    cli_case(
+        "generate --workdir {lm} --prompt " + "x" * 200,
+        r"prompt 0 has 200 tokens; with model\.max_len=128 at most 127 fit",
+    ),
+    cli_case("generate --workdir {lm} --prompt KING --set decode.temperature=0", r"decode\.temperature: must be > 0"),
+    cli_case(
+        "generate --workdir {lm} --prompt KING --set model.d_model=8",
+        r"--set model\.d_model=8: `generate` --set changes decoding only \(decode\.FIELD=VALUE\)",
+    ),
+    cli_case("generate --workdir {lm} --prompt KING --set decode.num_return=9", r"decode\.num_return: must be in"),
+    cli_case(
+        "translate --workdir {copy} --src hello",
+        r"source 0: 'hello' is not a symbol: this task's tokens are numbers separated by spaces",
+    ),
+    cli_case("translate --workdir {copy} --src '2 3 99'", r"source 0: token id 99 is outside the vocabulary \[0, 11\)"),
+    cli_case("generate --exported {empty} --prompt KING", r"\S+config\.json does not exist: write one with"),
+    cli_case("generate --hf {empty} --prompt KING", r"\S+config\.json does not exist"),
+    cli_case("generate --workdir {lm} --hf {empty} --prompt KING", r"argument --hf: not allowed with argument"),
+    cli_case("import-hf {empty} --workdir {tmp}/never", r"\S+config\.json does not exist"),
+    cli_case(
+        "import-hf {unknown_family} --workdir {tmp}/never",
+        r"\S+config\.json: model_type='mamba' is not supported \(jaxformer reads \['bart', 'bert', 'gpt2', ",
+    ),
+    cli_case(
+        "import-hf {no_weights} --workdir {tmp}/never",
+        r"\S+no_weights holds neither model\.safetensors nor model\.safetensors\.index\.json",
+    ),
+    cli_case("import-hf {garbage} --workdir {tmp}/never", r"\S+config\.json is not JSON \(Expecting property name"),
+    cli_case("plan --config experiments/copy_task.py --devices 0", r"--devices: must be positive, got 0"),
+    cli_case("plan --config experiments/copy_task.py --device-memory lots", r"--device-memory: cannot read 'lots'"),
+    cli_case("plan --config {tmp}/missing.py", r"experiment file \S+missing\.py does not exist"),
+    cli_case("sweep {tmp}/missing.py --workdir {tmp}/never", r"sweep file \S+missing\.py does not exist"),
+    cli_case("sweep {sweep_without_function}/sweep.py --workdir {tmp}/never", r"\S+sweep\.py defines no get_sweep"),
+    cli_case("sweep experiments/sweeps/copy_task.py --workdir {tmp}/never --workers 0", r"--workers: must be"),
+    cli_case("sweep experiments/sweeps/copy_task.py --workdir {tmp}/never --workers many", r"argument --workers: "),
+]
+
+
+@contextlib.contextmanager
+def refused_within(seconds: int):
+    """A refusal comes before any training: a command still running after `seconds` was not refused."""
+
+    def expire(*_):
+        raise TimeoutError(f"still running after {seconds} s: the input was not refused up front")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("argv, message, rc", CLI_CASES)
+def test_cli_refuses_with_one_line(places, capsys, argv, message, rc):
+    before = sorted(str(p) for p in pathlib.Path(places["tmp"]).rglob("*"))
+    try:
+        with refused_within(60):
+            code = cli.main(shlex.split(argv.format(**places)))
+    except SystemExit as e:  # argparse
+        code = e.code
+    err = capsys.readouterr().err.strip()
+    assert code == rc, err
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    last = lines[-1]
+    if not last.startswith("jaxformer"):  # ours: one line; argparse's: usage, then "jaxformer ...: error: ..."
+        assert len(lines) == 1, err
+    assert re.search("error: " + message, last), last
+    after = sorted(str(p) for p in pathlib.Path(places["tmp"]).rglob("*"))
+    assert after == before, "a refused command changed the files"
+
+
+V = 32
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {
+        mode: jf.build_model(jf.tiny(mode, vocab_size=V, max_len=16)) for mode in ("decoder_only", "encoder_decoder")
+    }
+
+
+def ids(*shape, high=V, dtype=jnp.int32):
+    return jnp.asarray(np.arange(np.prod(shape)).reshape(shape) % high, dtype)
+
+
+def api_case(name, call, error, message):
+    return pytest.param(call, error, message, id=name)
+
+
+LM, S2S = "decoder_only", "encoder_decoder"
+API_CASES = [
+    # Models: token ids that are not ids, shapes that are not [B, T].
+    api_case(
+        "float ids",
+        lambda m, p: m[LM](ids(2, 4, dtype=jnp.float32)),
+        TypeError,
+        r"ids: token ids must be integers, got float32",
+    ),
+    api_case("id = vocab", lambda m, p: m[LM](ids(1, 4).at[0, 2].set(V)), ValueError, r"outside the vocabulary"),
+    api_case("negative id", lambda m, p: m[LM](ids(1, 4).at[0, 0].set(-1)), ValueError, r"outside the vocabulary"),
+    api_case(
+        "id = vocab under nnx.jit",
+        lambda m, p: nnx.jit(lambda model, x: model(x))(m[LM], ids(1, 4).at[0, 1].set(V + 5)),
+        (ValueError, jax.errors.JaxRuntimeError),  # inside a user's jit, XLA's error carries our message
+        r"token id 37 .*outside the vocabulary \[0, 32\)",
+    ),
+    api_case("ids [T]", lambda m, p: m[LM](ids(4)), ValueError, r"ids: token ids are \[B, T\], got shape \(4,\)"),
+    api_case("ids [B, T, 1]", lambda m, p: m[LM](ids(1, 4, 1)), ValueError, r"got shape \(1, 4, 1\)"),
+    api_case("too long", lambda m, p: m[LM](ids(1, 17)), ValueError, r"17 positions exceed model\.max_len=16"),
+    api_case(
+        "too long under nnx.jit",
+        lambda m, p: nnx.jit(lambda model, x: model(x))(m[LM], ids(1, 20)),
+        ValueError,
+        r"20 positions exceed model\.max_len=16",
+    ),
+    api_case("int64 ids past int32", lambda m, p: m[LM](np.full((1, 2), 2**40)), ValueError, r"outside the vocabulary"),
+    api_case("string ids", lambda m, p: m[LM]([["a", "b"]]), TypeError, r"token ids must be integers, got <U1"),
+    api_case(
+        "encoder-decoder without target", lambda m, p: m[S2S](ids(1, 4)), ValueError, r"takes \(src_ids, tgt_ids\)"
+    ),
+    api_case("decoder-only given two", lambda m, p: m[LM](ids(1, 4), ids(1, 4)), ValueError, r"takes one id array"),
+    api_case(
+        "batch sizes differ",
+        lambda m, p: m[S2S](ids(2, 4), ids(3, 4)),
+        ValueError,
+        r"batch sizes differ: src_ids has 2 rows, tgt_ids 3",
+    ),
+    # Decoding.
+    api_case(
+        "generate with an encoder-decoder",
+        lambda m, p: decode.generate(m[S2S], [[3, 4]], eos_id=None),
+        ValueError,
+        r"generate\(\) continues prompts of a decoder_only model; this one is encoder_decoder",
+    ),
+    api_case(
+        "translate with a decoder",
+        lambda m, p: decode.translate(m[LM], [[3, 4]], bos_id=1, eos_id=2),
+        ValueError,
+        r"translate\(\) needs an encoder_decoder model; this one is decoder_only",
+    ),
+    api_case(
+        "prompts as a string",
+        lambda m, p: decode.generate(m[LM], "KING", eos_id=None),
+        TypeError,
+        r"prompts are lists of token ids, not text",
+    ),
+    api_case("empty prompt", lambda m, p: decode.generate(m[LM], [[3], []], eos_id=None), ValueError, r"1 is empty"),
+    api_case(
+        "prompt too long", lambda m, p: decode.generate(m[LM], [[3] * 16], eos_id=None), ValueError, r"has 16 tokens"
+    ),
+    api_case(
+        "prompt id = vocab", lambda m, p: decode.generate(m[LM], [[V]], eos_id=None), ValueError, r"outside the vocab"
+    ),
+    api_case("eos outside", lambda m, p: decode.generate(m[LM], [[3]], eos_id=V), ValueError, r"eos_id=32 is outside"),
+    api_case(
+        "settings not DecodeConfig",
+        lambda m, p: decode.generate(m[LM], [[3]], {"strategy": "beam"}, eos_id=None),
+        TypeError,
+        r"settings: a jaxformer\.config\.DecodeConfig, got dict",
+    ),
+    # Configs in Python.
+    api_case(
+        "build_model of a name", lambda m, p: jf.build_model("tiny"), TypeError, r"build_model takes a ModelConfig"
+    ),
+    api_case("d_model a string", lambda m, p: jf.tiny(d_model="64"), ConfigError, r"model\.d_model: "),
+    api_case("unknown preset field", lambda m, p: jf.tiny(width=3), TypeError, r"width"),
+    api_case(
+        "objective and mode",
+        lambda m, p: dataclasses.replace(load_experiment("experiments/copy_task.py"), train=TrainConfig()),
+        ConfigError,
+        r"train\.objective: objective='lm' needs model\.mode='decoder_only'",
+    ),
+    api_case("unknown section", lambda m, p: from_dict({"modle": {}}), ConfigError, r"modle: unknown config section"),
+    api_case("unknown field", lambda m, p: from_dict({"model": {"w": 1}}), ConfigError, r"model\.w: unknown field"),
+    api_case("decode field type", lambda m, p: DecodeConfig(beam_size="4"), ConfigError, r"decode\.beam_size: "),
+    # Loading saved models.
+    api_case(
+        "load_model: no directory", lambda m, p: jf.load_model(p["tmp"] + "/nowhere"), FileNotFoundError, r"nowhere"
+    ),
+    api_case("load_model: empty", lambda m, p: jf.load_model(p["empty"]), FileNotFoundError, r"config\.json"),
+    api_case(
+        "load_model: garbage config",
+        lambda m, p: jf.load_model(p["garbage"]),
+        ConfigError,
+        r"config\.json is not a jaxformer config \(JSON, line 1",
+    ),
+    api_case(
+        "load_model: a workdir",
+        lambda m, p: jf.load_model(p["lm"]),
+        FileNotFoundError,
+        r"lm is a training workdir: export it first \(jaxformer export --workdir \S+ --out DIR\)",
+    ),
+]
+
+
+@pytest.mark.parametrize("call, error, message", API_CASES)
+def test_api_refuses_with_a_clear_error(models, places, call, error, message):
+    with pytest.raises(error, match=message):
+        call(models, places)
