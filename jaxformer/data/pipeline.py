@@ -103,6 +103,7 @@ class Dataset:
     test: Batches
     sample_sources: list[str]  # a few held-out inputs for greedy samples at evaluation
     sample_references: list[str]
+    labels: tuple[str, ...] = ()  # classification: the class names, by index
 
 
 def build_dataset(cfg: Config, workdir: str | pathlib.Path | None = None) -> Dataset:
@@ -110,16 +111,13 @@ def build_dataset(cfg: Config, workdir: str | pathlib.Path | None = None) -> Dat
     d, t = cfg.data, cfg.train
     if d.source in ("copy", "reverse"):
         return _synthetic(cfg)
-    path = pathlib.Path(d.path) if d.path else sources.SHIPPED[d.source]
-    if d.source == "shakespeare":
-        records = sources.paragraphs(path)
-        texts_of = lambda rs: [r[1] for r in rs]
-    elif d.source == "lohelp_apps":
-        records = sources.app_labels(path, d.min_words)
-        texts_of = lambda rs: [r[1] for r in rs]
-    else:
-        records = sources.translation_pairs(path, d.min_words)
-        texts_of = lambda rs: [x for r in rs for x in r[1:]]
+    src = source_of(cfg)
+    path = ", ".join(src.files)
+    records, labels = sources.read(src, labelled=t.objective == "classify")
+    if len(labels) > cfg.model.num_classes and t.objective == "classify":
+        named = ", ".join(labels)
+        raise DataError(f"{path}: {len(labels)} labels ({named}) but model.num_classes={cfg.model.num_classes}")
+    texts_of = lambda rs: [x for r in rs for x in r[1 : 3 if t.objective == "seq2seq" else 2]]
     if d.max_examples:
         records = records[: d.max_examples]
     train, val, test = sources.split(records, d.val_fraction, d.test_fraction, d.split_seed, path)
@@ -145,15 +143,31 @@ def build_dataset(cfg: Config, workdir: str | pathlib.Path | None = None) -> Dat
         if n < t.batch_size:
             raise DataError(f"{path}: the {name} split has {n} sequences, fewer than batch_size={t.batch_size}")
     samples = test[: max(t.num_samples, 1)]
-    if d.source == "en_de":
+    if t.objective == "seq2seq":
         src_texts, refs = [r[1] for r in samples], [r[2] for r in samples]
-    elif d.source == "lohelp_apps":
-        src_texts, refs = [r[1] for r in samples], [sources.APPS[r[2]] for r in samples]
+    elif t.objective == "classify":
+        src_texts, refs = [r[1] for r in samples], [labels[r[2]] for r in samples]
     else:
         src_texts, refs = [r[1][:80] for r in samples], [r[1][80:200] for r in samples]
-    return Dataset(
-        tok, mk(arrays[0], t.seed), mk(arrays[1], 1_000 + t.seed), mk(arrays[2], 2_000 + t.seed), src_texts, refs
-    )
+    splits = mk(arrays[0], t.seed), mk(arrays[1], 1_000 + t.seed), mk(arrays[2], 2_000 + t.seed)
+    return Dataset(tok, *splits, src_texts, refs, labels)
+
+
+def source_of(cfg: Config) -> sources.Source:
+    """The configured data as a `Source`: a shipped corpus (its file replaced by `data.path`) or the user's files."""
+    d, objective = cfg.data, cfg.train.objective
+    if d.source == "files":
+        fields = d.fields or sources.FIELDS[objective]
+        src = sources.Source(d.files, fields, d.format, d.text_unit, d.labels, min_words=d.min_words or 0)
+    else:
+        src = sources.SHIPPED[d.source]
+        if d.path:
+            src = dataclasses.replace(src, files=(d.path,))
+        if d.min_words is not None:
+            src = dataclasses.replace(src, min_words=d.min_words)
+        if d.fields:
+            src = dataclasses.replace(src, fields=d.fields)
+    return src
 
 
 def load_tokenizer(cfg: Config, workdir: str | pathlib.Path):
@@ -218,12 +232,12 @@ def _encode(cfg: Config, tok, records, path) -> dict[str, np.ndarray]:
         # Every position of a window is text: a real token that shares the pad id still counts.
         return {"inputs": windows[:, :-1], "targets": windows[:, 1:], "weights": np.ones((n, L), np.float32)}
     if objective == "classify":
-        rows = [fit_length([tok.bos_id, *tok.encode(r[1])], L, d.too_long, f"{path}:{r[0]}") for r in records]
+        rows = [fit_length([tok.bos_id, *tok.encode(r[1])], L, d.too_long, r[0]) for r in records]
         labels = np.asarray([r[2] for r in records], np.int32)
         lengths = np.asarray([len(r) for r in rows], np.int32)
         return {"src": pad_to(rows, L, tok.pad_id), "src_lengths": lengths, "label": labels, "lengths": lengths}
-    srcs = [fit_length([*tok.encode(r[1]), tok.eos_id], L, d.too_long, f"{path}:{r[0]}") for r in records]
-    tgts = [fit_length([*tok.encode(r[2]), tok.eos_id], L, d.too_long, f"{path}:{r[0]}") for r in records]
+    srcs = [fit_length([*tok.encode(r[1]), tok.eos_id], L, d.too_long, r[0]) for r in records]
+    tgts = [fit_length([*tok.encode(r[2]), tok.eos_id], L, d.too_long, r[0]) for r in records]
     lengths = np.asarray([max(len(a), len(b)) for a, b in zip(srcs, tgts, strict=True)])
     return _seq2seq_arrays(srcs, tgts, L, tok) | {"lengths": lengths}
 

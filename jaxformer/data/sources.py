@@ -1,82 +1,237 @@
-"""Readers for the shipped corpora, with errors that name the file and line, and deterministic splits."""
+"""The user's files as records: plain text, JSONL, TSV and Parquet, read by one `Source` description.
+
+A record is `(where, field, ...)`: `where` is "file:line" (Parquet: "file:row N"), the fields are the
+strings an objective reads, in its order (lm/mlm: text; seq2seq: source, target; classify: text,
+label, the label turned into its index in the label set). Every error names the file and the line,
+and is raised while reading, before any training. The shipped corpora are `Source`s like any other.
+"""
 
 from __future__ import annotations
 
+import bz2
+import dataclasses
+import glob
+import gzip
+import json
 import lzma
 import pathlib
+import re
+from collections.abc import Iterator
 
 import numpy as np
 
 CORPORA = pathlib.Path(__file__).parent / "corpora"
-SHIPPED = {
-    "shakespeare": CORPORA / "shakespeare.txt.xz",
-    "en_de": CORPORA / "en_de_lohelp.tsv.xz",
-    "lohelp_apps": CORPORA / "en_de_lohelp.tsv.xz",
-}
 # lohelp_apps labels: the LibreOffice application of each help page ("shared" is not one and is dropped).
 APPS = ("scalc", "sbasic", "swriter", "simpress", "sdatabase", "smath", "schart", "sdraw")
+FORMATS = ("text", "jsonl", "tsv", "parquet")
+# The fields each objective reads, and their default names in the user's files.
+FIELDS = {"lm": ("text",), "mlm": ("text",), "seq2seq": ("source", "target"), "classify": ("text", "label")}
 
 
 class DataError(ValueError):
     """Bad input data; the message names the file (and line) at fault."""
 
 
-def read_lines(path: str | pathlib.Path) -> list[str]:
-    """Lines of a UTF-8 text file, xz-compressed if it ends in .xz."""
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where records come from and how they are read.
+
+    files: paths or glob patterns (each must match a file), read in sorted order.
+    format: one of FORMATS, or "auto" from the file name (.txt, .jsonl/.json, .tsv, .parquet;
+        a trailing .xz, .gz or .bz2 is decompressed).
+    fields: the names of the fields the objective reads (JSONL keys, TSV header columns, Parquet
+        columns); plain text has one field, the document.
+    unit: plain text only: a document is a "line" or a blank-line separated "paragraph".
+    labels: the label set (classification); empty: the sorted labels found in the files.
+    label_pattern: a regular expression whose first group is the label, searched in the label field.
+    other_labels: "error" (a label outside `labels` stops the run) or "drop" (the record is skipped).
+    min_words: records whose first field has fewer words are skipped; so is a record with an empty field.
+    """
+
+    files: tuple[str, ...]
+    fields: tuple[str, ...]
+    format: str = "auto"
+    unit: str = "line"
+    labels: tuple[str, ...] = ()
+    label_pattern: str | None = None
+    other_labels: str = "error"
+    min_words: int = 0
+
+
+SHIPPED = {
+    "shakespeare": Source((str(CORPORA / "shakespeare.txt.xz"),), ("text",), unit="paragraph"),
+    "en_de": Source((str(CORPORA / "en_de_lohelp.tsv.xz"),), ("en", "de"), min_words=3),  # drop UI labels
+    # The label is the application in the page id `text/<app>/<page>`; pages of no application are dropped.
+    "lohelp_apps": Source(
+        (str(CORPORA / "en_de_lohelp.tsv.xz"),), ("en", "id"), labels=APPS, label_pattern=r"^text/([^/]+)/.",
+        other_labels="drop", min_words=3,
+    ),
+}  # fmt: skip
+
+
+def expand(patterns: tuple[str, ...]) -> list[pathlib.Path]:
+    """The files named by paths or glob patterns, each pattern's matches sorted; one that matches none fails."""
+    out = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+        files = [pathlib.Path(m) for m in matches if pathlib.Path(m).is_file()]
+        if not files:
+            raise DataError(f"{pattern}: no such data file" if matches == [pattern] else f"{pattern}: matches no file")
+        out += files
+    return out
+
+
+def format_of(path: pathlib.Path, given: str) -> str:
+    if given != "auto":
+        return given
+    suffixes = [s for s in path.suffixes if s not in (".xz", ".gz", ".bz2")]
+    ext = suffixes[-1] if suffixes else ""
+    found = {".txt": "text", ".text": "text", ".jsonl": "jsonl", ".json": "jsonl", ".tsv": "tsv", ".parquet": "parquet"}
+    if ext not in found:
+        raise DataError(f"{path}: cannot tell the format from the name; set data.format to one of {', '.join(FORMATS)}")
+    return found[ext]
+
+
+def read_lines(path: str | pathlib.Path) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a UTF-8 text file, decompressed by its suffix; a line that is not UTF-8 fails."""
     path = pathlib.Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such data file")
-    opener = lzma.open if path.suffix == ".xz" else open
+    opener = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}.get(path.suffix, open)
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            return f.read().splitlines()
-    except (lzma.LZMAError, UnicodeDecodeError, EOFError) as e:
-        raise DataError(f"{path}: cannot be read as UTF-8 text ({e})") from e
+        with opener(path, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                try:
+                    yield lineno, raw.decode("utf-8").rstrip("\r\n")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start})") from None
+    except (lzma.LZMAError, EOFError, OSError, gzip.BadGzipFile) as e:
+        raise DataError(f"{path}: cannot be read ({e})") from e
 
 
-def read_tsv(path: str | pathlib.Path, columns: tuple[str, ...]) -> list[tuple[int, tuple[str, ...]]]:
-    """Rows of a TSV whose header names `columns`, each as (line number, fields)."""
-    lines = read_lines(path)
-    if not lines or tuple(lines[0].split("\t")) != columns:
-        raise DataError(f"{path}:1: expected the header {'<TAB>'.join(columns)}")
-    rows = []
-    for lineno, line in enumerate(lines[1:], start=2):
-        fields = tuple(line.split("\t"))
-        if len(fields) != len(columns):
-            raise DataError(f"{path}:{lineno}: expected {len(columns)} tab-separated columns, got {len(fields)}")
-        rows.append((lineno, fields))
-    return rows
-
-
-def paragraphs(path: str | pathlib.Path) -> list[tuple[int, str]]:
-    """Blank-line separated paragraphs of a text, each with its first line number."""
-    out, current, start = [], [], 0
-    for lineno, line in enumerate([*read_lines(path), ""], start=1):
+def _text(path: pathlib.Path, src: Source) -> Iterator[tuple[str, dict]]:
+    name = src.fields[0]
+    if src.unit == "line":
+        for lineno, line in read_lines(path):
+            if line.strip():
+                yield f"{path}:{lineno}", {name: line}
+        return
+    current, start = [], 0
+    for lineno, line in [*read_lines(path), (0, "")]:
         if line.strip():
             start = start or lineno
             current.append(line)
         elif current:
-            out.append((start, "\n".join(current)))
+            yield f"{path}:{start}", {name: "\n".join(current)}
             current, start = [], 0
-    return out
 
 
-def translation_pairs(path, min_words: int) -> list[tuple[int, str, str]]:
-    """(line, english, german) pairs, dropping UI labels with fewer than `min_words` English words."""
-    rows = read_tsv(path, ("id", "en", "de"))
-    return [(n, en, de) for n, (_, en, de) in rows if len(en.split()) >= min_words and de.strip()]
+def _jsonl(path: pathlib.Path, src: Source) -> Iterator[tuple[str, dict]]:
+    for lineno, line in read_lines(path):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{lineno}: a JSON object is expected, got {type(row).__name__}")
+        yield f"{path}:{lineno}", row
 
 
-def app_labels(path, min_words: int) -> list[tuple[int, str, int]]:
-    """(line, english paragraph, application index in APPS) from the help page ids."""
+def _tsv(path: pathlib.Path, src: Source) -> Iterator[tuple[str, dict]]:
+    lines = read_lines(path)
+    _, header = next(lines, (1, ""))
+    columns = header.split("\t")
+    missing = [f for f in src.fields if f not in columns]
+    if header and missing:
+        raise DataError(f"{path}:1: the header has no column {missing[0]!r} (it has {', '.join(columns)})")
+    for lineno, line in lines:
+        if not line.strip():
+            continue
+        values = line.split("\t")
+        if len(values) != len(columns):
+            raise DataError(f"{path}:{lineno}: expected {len(columns)} tab-separated columns, got {len(values)}")
+        yield f"{path}:{lineno}", dict(zip(columns, values, strict=True))
+
+
+def _parquet(path: pathlib.Path, src: Source) -> Iterator[tuple[str, dict]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        file = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: cannot be read as Parquet ({e})") from e
+    missing = [f for f in src.fields if f not in file.schema_arrow.names]
+    if missing:
+        raise DataError(f"{path}: no column {missing[0]!r} (it has {', '.join(file.schema_arrow.names)})")
+    row = 0
+    for batch in file.iter_batches(columns=list(src.fields)):
+        for values in zip(*(batch.column(f).to_pylist() for f in src.fields), strict=True):
+            row += 1
+            fields = {}
+            for name, v in zip(src.fields, values, strict=True):
+                if isinstance(v, bytes):
+                    try:
+                        v = v.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        raise DataError(f"{path}:row {row}: column {name!r} is not UTF-8 ({e.reason})") from None
+                fields[name] = v
+            yield f"{path}:row {row}", fields
+
+
+READERS = {"text": _text, "jsonl": _jsonl, "tsv": _tsv, "parquet": _parquet}
+
+
+def read(src: Source, labelled: bool = False) -> tuple[list[tuple], tuple[str, ...]]:
+    """All records of `src`, and with `labelled` (the last field is a label) the label set.
+
+    A missing field, an empty file, a line that is not UTF-8 and a label outside the label set
+    fail here with the file and line named.
+    """
+    pattern = re.compile(src.label_pattern) if src.label_pattern else None
+    records: list[tuple] = []
+    for path in expand(src.files):
+        fmt = format_of(path, src.format)
+        if fmt == "text" and len(src.fields) != 1:
+            raise DataError(f"{path}: plain text holds one field per document, but {len(src.fields)} are needed "
+                            f"({', '.join(src.fields)}): use JSONL, TSV or Parquet")  # fmt: skip
+        count = 0
+        for where, row in READERS[fmt](path, src):
+            count += 1
+            values = []
+            for name in src.fields:
+                if name not in row or row[name] is None:
+                    raise DataError(f"{where}: no field {name!r}")
+                v = row[name]
+                values.append(v if isinstance(v, str) else json.dumps(v) if not isinstance(v, int) else str(v))
+            if src.min_words and len(values[0].split()) < src.min_words:
+                continue
+            if not all(v.strip() for v in values):
+                continue
+            if pattern is not None:
+                m = pattern.search(values[-1])
+                if m is None:
+                    raise DataError(f"{where}: {src.fields[-1]} {values[-1]!r} does not match {src.label_pattern!r}")
+                values[-1] = m.group(1)
+            records.append((where, *values))
+        if count == 0:
+            raise DataError(f"{path}: empty file (no records)")
+    if not records:
+        raise DataError(f"{', '.join(src.files)}: no records left (data.min_words={src.min_words})")
+    return _labelled(records, src) if labelled else (records, ())
+
+
+def _labelled(records: list[tuple], src: Source) -> tuple[list[tuple], tuple[str, ...]]:
+    """Labels (the last field) as indices into the label set."""
+    labels = src.labels or tuple(sorted({r[-1] for r in records}))
+    index = {name: i for i, name in enumerate(labels)}
     out = []
-    for n, (pid, en, _) in read_tsv(path, ("id", "en", "de")):
-        parts = pid.split("/")
-        if len(parts) < 3 or parts[0] != "text":
-            raise DataError(f"{path}:{n}: id {pid!r} is not text/<app>/<page>")
-        if parts[1] in APPS and len(en.split()) >= min_words:
-            out.append((n, en, APPS.index(parts[1])))
-    return out
+    for r in records:
+        if r[-1] in index:
+            out.append((*r[:-1], index[r[-1]]))
+        elif src.other_labels == "error":
+            raise DataError(f"{r[0]}: label {r[-1]!r} is not in the label set ({', '.join(labels)})")
+    return out, labels
 
 
 def split(records: list, val_fraction: float, test_fraction: float, seed: int, path) -> tuple[list, list, list]:
