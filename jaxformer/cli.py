@@ -1,4 +1,5 @@
-"""`jaxformer train | eval | generate | translate | export | import-hf | export-hf | plan | sweep | plot | demo`."""
+"""`jaxformer train | prepare | eval | generate | translate | export | import-hf | export-hf | plan | sweep | plot |
+demo`."""
 
 from __future__ import annotations
 
@@ -73,6 +74,23 @@ def cmd_train(args) -> int:
     saved = _save_report(args.workdir, step, cfg, report)
     print(f"\nlogs: {args.workdir}/metrics.jsonl, held-out results: {saved}")
     print(f"TensorBoard: tensorboard --logdir {args.workdir}/tensorboard")
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    """Tokenize the experiment's corpus into WORKDIR/data (or data.cache_dir), once: `train` reuses it."""
+    import time
+
+    from jaxformer.data.prepare import prepare
+
+    cfg = _load_config(args)
+    if cfg.data.source in ("copy", "reverse"):
+        print(f"data.source={cfg.data.source} is generated at each step: nothing to prepare")
+        return 0
+    start = time.perf_counter()
+    prepared = prepare(cfg, args.workdir, progress=not args.quiet)
+    counts = ", ".join(f"{k} {v:,d}" for k, v in prepared.manifest["documents"].items())
+    print(f"{prepared.directory}: {counts} documents ({time.perf_counter() - start:.1f}s)")
     return 0
 
 
@@ -265,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")
     train.add_argument("--quiet", action="store_true", help="no progress output (the final report still prints)")
     train.add_argument("--profile-steps", metavar="A:B", help="trace steps A..B-1 into WORKDIR/profile")
+    prep = sub.add_parser("prepare", help="tokenize an experiment's corpus once, into shards on disk (train reuses it)")
+    prep.add_argument("--config", help="experiments/NAME.py (default: the workdir's own config.json)")
+    prep.add_argument("--workdir", required=True, help="the training workdir (the tokenizer and WORKDIR/data)")
+    prep.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")
+    prep.add_argument("--quiet", action="store_true", help="no progress bar")
     ev = sub.add_parser("eval", help="evaluate the model saved in a workdir on held-out data")
     ev.add_argument("--workdir", required=True)
     ev.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE")
@@ -324,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {
             "train": cmd_train,
+            "prepare": cmd_prepare,
             "eval": cmd_eval,
             "export": cmd_export,
             "import-hf": cmd_import_hf,

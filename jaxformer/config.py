@@ -389,6 +389,9 @@ class DataConfig:
     # source,target (seq2seq), text,label (classify).
     fields: tuple[str, ...] = ()
     labels: tuple[str, ...] = ()  # classify: the label set (index = class); () = the sorted labels found
+    # Prepared (tokenized) corpora are kept here; None: WORKDIR/data. A shared directory lets runs reuse them.
+    cache_dir: str | None = None
+    prepare_workers: int = 0  # processes that tokenize (0 = one per core)
     tokenizer: Literal["byte", "sentencepiece", "symbols", "hf"] = "byte"  # hf: WORKDIR/hf/tokenizer.json
     spm_vocab_size: int = 2000  # sentencepiece vocabulary (trained on the training split)
     spm_model_type: Literal["bpe", "unigram"] = "bpe"
@@ -414,6 +417,7 @@ class DataConfig:
         require(self.source != "files" or bool(self.files), f"{p}.files", "source='files' needs data.files")
         require(not self.files or self.source == "files", f"{p}.files", f"needs source='files', not {self.source}")
         require(self.min_words is None or self.min_words >= 0, f"{p}.min_words", "must be >= 0")
+        require(self.prepare_workers >= 0, f"{p}.prepare_workers", "must be >= 0")
         require(self.max_len > 1, f"{p}.max_len", f"must be > 1, got {self.max_len}")
         require(self.spm_vocab_size > 8, f"{p}.spm_vocab_size", "must be > 8")
         require(self.max_examples >= 0, f"{p}.max_examples", "must be >= 0")

@@ -362,7 +362,7 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
     if lead:
         (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         (workdir / "environment.json").write_text(json.dumps(env, indent=2))
-    data = build_dataset(cfg, workdir)
+    data = build_dataset(cfg, workdir, progress=not quiet)
     train_step, eval_step = jit_steps(*make_steps(graphdef, cfg, optimizer), state, mesh)
 
     def fetch(batches):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -31,68 +31,150 @@ HF_DIR = "hf"
 
 @dataclasses.dataclass
 class Batches:
-    """Fixed-shape examples, or a generator for synthetic tasks, served by step.
+    """Examples (memory-mapped from a prepared corpus), or a generator for synthetic tasks, served by step.
 
-    With `lengths` and `buckets`, each epoch's batches group examples of similar length
-    (sorted within shuffled chunks of 32 batches), and each batch is cut to the smallest
-    bucket width that holds its longest example: few shapes to compile, little padding.
+    The order of an epoch is grain's lazy global shuffle of the example indices (`MapDataset.shuffle`,
+    reseeded each epoch by `repeat`): nothing of size N is held, so memory stays flat as the corpus
+    grows. Step s takes positions s*B .. s*B+B-1 of that order. With `buckets`, the order is cut
+    into chunks of 32 batches whose examples are sorted by length, and each batch is cut to the
+    smallest bucket width that holds its longest example: few shapes to compile, little padding.
     """
 
-    arrays: dict[str, np.ndarray] | None
+    examples: Examples | None
     batch_size: int
     seed: int
     generate: Callable[[np.random.Generator, int], dict[str, np.ndarray]] | None = None
     transform: Callable[[dict, np.random.Generator], dict] | None = None
-    lengths: np.ndarray | None = None  # [N] tokens of each example's longest sequence
     buckets: tuple[int, ...] = ()  # widths a batch's sequences are cut to (ascending)
-    _epoch: tuple[int, list] | None = dataclasses.field(default=None, repr=False)
+    _chunk: tuple[int, list] | None = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.examples is not None:
+            import grain
+
+            self.order = grain.MapDataset.range(len(self.examples)).shuffle(seed=self.seed).repeat()
 
     @property
     def num_examples(self) -> int:
-        return 0 if self.arrays is None else len(next(iter(self.arrays.values())))
+        return 0 if self.examples is None else len(self.examples)
 
     def __len__(self) -> int:
         """Batches per epoch (what does not fill a batch is dropped)."""
-        if self.arrays is None:
-            return 1 << 62
-        chunk = 32 * self.batch_size
-        full, rest = divmod(self.num_examples, chunk)
-        return full * 32 + rest // self.batch_size
+        return 1 << 62 if self.examples is None else self.num_examples // self.batch_size
 
-    def _batches_of_epoch(self, epoch: int) -> list[np.ndarray]:
-        if self._epoch is None or self._epoch[0] != epoch:
-            rng = np.random.default_rng([self.seed, epoch, 1 << 20])
-            order = rng.permutation(self.num_examples)
-            B, batches = self.batch_size, []
-            for start in range(0, self.num_examples, 32 * B):
-                idx = order[start : start + 32 * B]
-                if self.lengths is not None:
-                    idx = idx[np.argsort(self.lengths[idx], kind="stable")]
-                batches += [np.sort(idx[i : i + B]) for i in range(0, len(idx) - B + 1, B)]
-            self._epoch = (epoch, [batches[i] for i in rng.permutation(len(batches))])
-        return self._epoch[1]
+    def rows(self, step: int) -> np.ndarray:
+        """[B] the example indices of the batch of `step` (sorted)."""
+        B = self.batch_size
+        if not self.buckets:
+            return np.sort([self.order[p] for p in range(step * B, step * B + B)])
+        chunk, slot = divmod(step, 32)
+        if self._chunk is None or self._chunk[0] != chunk:
+            idx = np.asarray([self.order[p] for p in range(chunk * 32 * B, (chunk + 1) * 32 * B)])
+            idx = idx[np.argsort(self.examples.lengths(idx), kind="stable")]
+            batches = [np.sort(idx[i : i + B]) for i in range(0, len(idx), B)]
+            perm = np.random.default_rng([self.seed, chunk, 1 << 20]).permutation(len(batches))
+            self._chunk = (chunk, [batches[i] for i in perm])
+        return self._chunk[1][slot]
 
     def get(self, step: int, part: slice | None = None) -> dict[str, np.ndarray]:
         """The batch of `step`, or only its rows `part` (a process's share of the global batch).
 
         The part is cut after the batch-wide choices (bucket width, random masking), so the
-        shares of all processes put together equal the whole batch.
+        shares of all processes put together equal the whole batch; only the part's rows are read.
         """
         rng = np.random.default_rng([self.seed, step])
-        if self.arrays is None:
+        if self.examples is None:
             batch = self.generate(rng, self.batch_size)
         else:
-            epoch, index = divmod(step, len(self))
-            rows = self._batches_of_epoch(epoch)[index]
+            rows = self.rows(step)
             width = None
             if self.buckets:
-                longest = int(self.lengths[rows].max())
+                longest = int(self.examples.lengths(rows).max())
                 width = next((w for w in self.buckets if w >= longest), self.buckets[-1])
             if part is not None and self.transform is None:
                 rows, part = rows[part], None  # read only this share
-            batch = {k: v[rows, :width] if v.ndim == 2 else v[rows] for k, v in self.arrays.items()}
+            batch = self.examples.take(rows, width)
         batch = self.transform(batch, rng) if self.transform else batch
         return batch if part is None else {k: v[part] for k, v in batch.items()}
+
+
+class Documents:
+    """One field of one split of a prepared corpus: document i is tokens[offsets[i]:offsets[i + 1]]."""
+
+    def __init__(self, tokens: np.ndarray, offsets: np.ndarray):
+        self.tokens, self.offsets = tokens, offsets
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def lengths(self, rows: np.ndarray) -> np.ndarray:
+        return (self.offsets[rows + 1] - self.offsets[rows]).astype(np.int32)
+
+    def padded(self, rows: np.ndarray, width: int, pad_id: int) -> np.ndarray:
+        """[len(rows), width] the documents of `rows`, right-padded with pad_id."""
+        out = np.full((len(rows), width), pad_id, np.int32)
+        for i, r in enumerate(rows):
+            doc = self.tokens[self.offsets[r] : self.offsets[r + 1]]
+            out[i, : len(doc)] = doc
+        return out
+
+
+class Windows:
+    """lm / mlm: the split's documents (each ending in EOS) as one stream cut into windows of
+    `width` tokens: no padding, and the last window's remainder is dropped."""
+
+    def __init__(self, docs: Documents, width: int, objective: str):
+        self.tokens, self.width, self.objective = docs.tokens, width, objective
+
+    def __len__(self) -> int:
+        return len(self.tokens) // self.width
+
+    def take(self, rows: np.ndarray, width: int | None = None) -> dict[str, np.ndarray]:
+        windows = self.tokens[rows[:, None] * self.width + np.arange(self.width)].astype(np.int32)
+        if self.objective == "mlm":
+            return {"tokens": windows}
+        # Every position of a window is text: a real token that shares the pad id still counts.
+        ones = np.ones(windows[:, 1:].shape, np.float32)
+        return {"inputs": windows[:, :-1], "targets": windows[:, 1:], "weights": ones}
+
+
+class Pairs:
+    """seq2seq: (source, target) documents, each ending in EOS and at most L tokens."""
+
+    def __init__(self, src: Documents, tgt: Documents, L: int, tok):
+        self.src, self.tgt, self.L, self.tok = src, tgt, L, tok
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def lengths(self, rows: np.ndarray) -> np.ndarray:
+        return np.maximum(self.src.lengths(rows), self.tgt.lengths(rows))
+
+    def take(self, rows: np.ndarray, width: int | None = None) -> dict[str, np.ndarray]:
+        pad, L = self.tok.pad_id, self.L
+        src, tgt = self.src.padded(rows, L, pad), self.tgt.padded(rows, L, pad)
+        arrays = _seq2seq_arrays(src, self.src.lengths(rows), tgt, self.tgt.lengths(rows), self.tok.bos_id, pad)
+        return {k: v[:, :width] if v.ndim == 2 else v for k, v in arrays.items()}
+
+
+class Labelled:
+    """classify: BOS + text (at most L tokens) and the class index."""
+
+    def __init__(self, docs: Documents, labels: np.ndarray, L: int, pad_id: int):
+        self.docs, self.labels, self.L, self.pad_id = docs, labels, L, pad_id
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def lengths(self, rows: np.ndarray) -> np.ndarray:
+        return self.docs.lengths(rows)
+
+    def take(self, rows: np.ndarray, width: int | None = None) -> dict[str, np.ndarray]:
+        src = self.docs.padded(rows, self.L, self.pad_id)[:, :width]
+        return {"src": src, "src_lengths": self.docs.lengths(rows), "label": np.asarray(self.labels[rows], np.int32)}
+
+
+Examples = Windows | Pairs | Labelled
 
 
 @dataclasses.dataclass
@@ -106,51 +188,41 @@ class Dataset:
     labels: tuple[str, ...] = ()  # classification: the class names, by index
 
 
-def build_dataset(cfg: Config, workdir: str | pathlib.Path | None = None) -> Dataset:
-    """Read, split, tokenize and batch the configured source; trains/loads SentencePiece in workdir."""
+def build_dataset(cfg: Config, workdir: str | pathlib.Path | None = None, progress: bool = False) -> Dataset:
+    """The configured data, batched by step: prepared on disk the first time (`prepare.prepare`:
+    read, checked, split, tokenized; SentencePiece trained in workdir), then memory-mapped."""
+    from jaxformer.data.prepare import check_vocab, prepare
+
     d, t = cfg.data, cfg.train
     if d.source in ("copy", "reverse"):
         return _synthetic(cfg)
-    src = source_of(cfg)
-    path = ", ".join(src.files)
-    records, labels = sources.read(src, labelled=t.objective == "classify")
-    if len(labels) > cfg.model.num_classes and t.objective == "classify":
-        named = ", ".join(labels)
-        raise DataError(f"{path}: {len(labels)} labels ({named}) but model.num_classes={cfg.model.num_classes}")
-    texts_of = lambda rs: [x for r in rs for x in r[1 : 3 if t.objective == "seq2seq" else 2]]
-    if d.max_examples:
-        records = records[: d.max_examples]
-    train, val, test = sources.split(records, d.val_fraction, d.test_fraction, d.split_seed, path)
-    tok = _tokenizer(cfg, texts_of(train), workdir)
-    if tok.vocab_size > cfg.model.vocab_size:
-        raise DataError(
-            f"{path}: the {d.tokenizer} tokenizer has {tok.vocab_size} ids but model.vocab_size={cfg.model.vocab_size}"
-        )
-
-    def encode(split_records):
-        return _encode(cfg, tok, split_records, path)
-
+    if d.tokenizer == "symbols":
+        raise DataError(f"data.tokenizer='symbols' is for the copy/reverse tasks, not {d.source}")
+    prepared = prepare(cfg, workdir, progress=progress)
+    tok = load_tokenizer(cfg, workdir or ".")
+    check_vocab(cfg, tok, source_of(cfg))  # a cache found again was prepared for another model perhaps
+    where = ", ".join(source_of(cfg).files)
     transform = _mlm_masking(cfg, tok) if t.objective == "mlm" else None
     buckets = bucket_widths(d.max_len, d.length_buckets) if t.objective in ("seq2seq", "classify") else ()
 
-    def mk(arrays, seed):
-        lengths = arrays.pop("lengths", None)
-        return Batches(arrays, t.batch_size, seed, transform=transform, lengths=lengths, buckets=buckets)
+    def examples(split: str) -> Examples:
+        if t.objective in ("lm", "mlm"):
+            docs = Documents(*prepared.documents(split, "text"))
+            return Windows(docs, d.max_len + 1 if t.objective == "lm" else d.max_len, t.objective)
+        if t.objective == "seq2seq":
+            src, tgt = (Documents(*prepared.documents(split, f)) for f in ("source", "target"))
+            return Pairs(src, tgt, d.max_len, tok)
+        return Labelled(Documents(*prepared.documents(split, "text")), prepared.labels(split), d.max_len, tok.pad_id)
 
-    arrays = [encode(s) for s in (train, val, test)]
-    for name, a in zip(("train", "validation", "test"), arrays, strict=True):
-        n = len(next(iter(a.values())))
-        if n < t.batch_size:
-            raise DataError(f"{path}: the {name} split has {n} sequences, fewer than batch_size={t.batch_size}")
-    samples = test[: max(t.num_samples, 1)]
-    if t.objective == "seq2seq":
-        src_texts, refs = [r[1] for r in samples], [r[2] for r in samples]
-    elif t.objective == "classify":
-        src_texts, refs = [r[1] for r in samples], [labels[r[2]] for r in samples]
-    else:
-        src_texts, refs = [r[1][:80] for r in samples], [r[1][80:200] for r in samples]
-    splits = mk(arrays[0], t.seed), mk(arrays[1], 1_000 + t.seed), mk(arrays[2], 2_000 + t.seed)
-    return Dataset(tok, *splits, src_texts, refs, labels)
+    splits = []
+    for name, seed in zip(("train", "validation", "test"), (t.seed, 1_000 + t.seed, 2_000 + t.seed), strict=True):
+        ex = examples(name)
+        if len(ex) < t.batch_size:
+            what = "too little text" if t.objective in ("lm", "mlm") else "too few sequences"
+            raise DataError(f"{where}: {what}: the {name} split has {len(ex)} sequences, fewer than "
+                            f"batch_size={t.batch_size}")  # fmt: skip
+        splits.append(Batches(ex, t.batch_size, seed, transform=transform, buckets=buckets))
+    return Dataset(tok, *splits, *prepared.samples(), prepared.label_names)
 
 
 def source_of(cfg: Config) -> sources.Source:
@@ -158,15 +230,14 @@ def source_of(cfg: Config) -> sources.Source:
     d, objective = cfg.data, cfg.train.objective
     if d.source == "files":
         fields = d.fields or sources.FIELDS[objective]
-        src = sources.Source(d.files, fields, d.format, d.text_unit, d.labels, min_words=d.min_words or 0)
-    else:
-        src = sources.SHIPPED[d.source]
-        if d.path:
-            src = dataclasses.replace(src, files=(d.path,))
-        if d.min_words is not None:
-            src = dataclasses.replace(src, min_words=d.min_words)
-        if d.fields:
-            src = dataclasses.replace(src, fields=d.fields)
+        return sources.Source(d.files, fields, d.format, d.text_unit, d.labels, min_words=d.min_words or 0)
+    src = sources.SHIPPED[d.source]
+    if d.path:
+        src = dataclasses.replace(src, files=(d.path,))
+    if d.min_words is not None:
+        src = dataclasses.replace(src, min_words=d.min_words)
+    if d.fields:
+        src = dataclasses.replace(src, fields=d.fields)
     return src
 
 
@@ -184,15 +255,12 @@ def load_tokenizer(cfg: Config, workdir: str | pathlib.Path):
     return SentencePieceTokenizer(model_file)
 
 
-def _tokenizer(cfg: Config, train_texts: list[str], workdir):
-    """The run's tokenizer: SentencePiece is trained on `train_texts` the first time (a resumed run
-    keeps the one it was trained with); the others are loaded as `load_tokenizer` does."""
-    if cfg.data.tokenizer == "symbols":
-        raise DataError(f"data.tokenizer='symbols' is for the copy/reverse tasks, not {cfg.data.source}")
+def train_tokenizer(cfg: Config, train_texts: Iterable[str], workdir) -> None:
+    """SentencePiece, trained on the training split's texts into WORKDIR/tokenizer.model (once: a
+    resumed run keeps the tokenizer it was trained with)."""
     model_file = pathlib.Path(workdir or ".") / "tokenizer.model"
     if cfg.data.tokenizer == "sentencepiece" and not model_file.is_file():
-        return SentencePieceTokenizer.train(train_texts, model_file, cfg.data.spm_vocab_size, cfg.data.spm_model_type)
-    return load_tokenizer(cfg, workdir or ".")
+        SentencePieceTokenizer.train(train_texts, model_file, cfg.data.spm_vocab_size, cfg.data.spm_model_type)
 
 
 def bucket_widths(max_len: int, n: int) -> tuple[int, ...]:
@@ -200,58 +268,16 @@ def bucket_widths(max_len: int, n: int) -> tuple[int, ...]:
     return tuple(sorted({min(max_len, -(-max_len * (i + 1) // n // 8) * 8) for i in range(n)}))
 
 
-def fit_length(ids: list[int], max_len: int, policy: str, where: str) -> list[int]:
-    """Truncate or reject a sequence longer than max_len, by config."""
-    if len(ids) <= max_len:
-        return ids
-    if policy == "reject":
-        raise DataError(f"{where}: sequence of {len(ids)} tokens exceeds data.max_len={max_len} (data.too_long=reject)")
-    return ids[:max_len]
-
-
-def pad_to(rows: list[list[int]], length: int, pad_id: int) -> np.ndarray:
-    out = np.full((len(rows), length), pad_id, np.int32)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return out
-
-
-def _encode(cfg: Config, tok, records, path) -> dict[str, np.ndarray]:
-    d, objective = cfg.data, cfg.train.objective
-    L = d.max_len
-    if objective in ("lm", "mlm"):
-        # One token stream (EOS between paragraphs), cut into windows: packing without padding.
-        stream = [i for r in records for i in [*tok.encode(r[1]), tok.eos_id]]
-        width = L + 1 if objective == "lm" else L
-        n = len(stream) // width
-        if n == 0:
-            raise DataError(f"{path}: too little text for one window of {width} tokens")
-        windows = np.asarray(stream[: n * width], np.int32).reshape(n, width)
-        if objective == "mlm":
-            return {"tokens": windows}
-        # Every position of a window is text: a real token that shares the pad id still counts.
-        return {"inputs": windows[:, :-1], "targets": windows[:, 1:], "weights": np.ones((n, L), np.float32)}
-    if objective == "classify":
-        rows = [fit_length([tok.bos_id, *tok.encode(r[1])], L, d.too_long, r[0]) for r in records]
-        labels = np.asarray([r[2] for r in records], np.int32)
-        lengths = np.asarray([len(r) for r in rows], np.int32)
-        return {"src": pad_to(rows, L, tok.pad_id), "src_lengths": lengths, "label": labels, "lengths": lengths}
-    srcs = [fit_length([*tok.encode(r[1]), tok.eos_id], L, d.too_long, r[0]) for r in records]
-    tgts = [fit_length([*tok.encode(r[2]), tok.eos_id], L, d.too_long, r[0]) for r in records]
-    lengths = np.asarray([max(len(a), len(b)) for a, b in zip(srcs, tgts, strict=True)])
-    return _seq2seq_arrays(srcs, tgts, L, tok) | {"lengths": lengths}
-
-
-def _seq2seq_arrays(srcs, tgts, L, tok) -> dict[str, np.ndarray]:
-    targets = pad_to(tgts, L, tok.pad_id)
-    inputs = np.concatenate([np.full((len(tgts), 1), tok.bos_id, np.int32), targets[:, :-1]], axis=1)
-    tgt_lengths = np.asarray([len(t) for t in tgts], np.int32)
-    real = np.arange(L)[None] < tgt_lengths[:, None]  # [B, L]: padding is said, not read off an id
+def _seq2seq_arrays(src_BS, src_lengths_B, targets_BT, tgt_lengths_B, bos_id: int, pad_id: int) -> dict:
+    """A translation batch from right-padded sources and targets with their lengths."""
+    B, T = targets_BT.shape
+    inputs = np.concatenate([np.full((B, 1), bos_id, np.int32), targets_BT[:, :-1]], axis=1)
+    real = np.arange(T)[None] < tgt_lengths_B[:, None]  # [B, T]: padding is said, not read off an id
     return {
-        "src": pad_to(srcs, L, tok.pad_id),
-        "src_lengths": np.asarray([len(s) for s in srcs], np.int32),
-        "inputs": np.where(real, inputs, tok.pad_id).astype(np.int32),
-        "targets": targets,
+        "src": src_BS.astype(np.int32),
+        "src_lengths": src_lengths_B.astype(np.int32),
+        "inputs": np.where(real, inputs, pad_id).astype(np.int32),
+        "targets": targets_BT.astype(np.int32),
         "weights": real.astype(np.float32),
     }
 
@@ -283,7 +309,8 @@ def _synthetic(cfg: Config) -> Dataset:
     def generate(rng, n):
         src = rng.integers(2, d.synthetic_vocab, (n, d.synthetic_len), dtype=np.int32)
         tgt = src[:, ::-1] if d.source == "reverse" else src
-        return _seq2seq_arrays(list(src), list(tgt), d.synthetic_len, tok)
+        lengths = np.full(n, d.synthetic_len, np.int32)
+        return _seq2seq_arrays(src, lengths, np.ascontiguousarray(tgt), lengths, tok.bos_id, tok.pad_id)
 
     held_out = generate(np.random.default_rng([d.split_seed, 99]), max(t.num_samples, 1))
     samples = [tok.decode(s) for s in held_out["src"]]

@@ -182,14 +182,16 @@ def _parquet(path: pathlib.Path, src: Source) -> Iterator[tuple[str, dict]]:
 READERS = {"text": _text, "jsonl": _jsonl, "tsv": _tsv, "parquet": _parquet}
 
 
-def read(src: Source, labelled: bool = False) -> tuple[list[tuple], tuple[str, ...]]:
-    """All records of `src`, and with `labelled` (the last field is a label) the label set.
+def iter_records(src: Source, labels: tuple[str, ...] | None = None) -> Iterator[tuple]:
+    """The records of `src` one by one, in file order (memory flat whatever the corpus' size).
 
-    A missing field, an empty file, a line that is not UTF-8 and a label outside the label set
-    fail here with the file and line named.
+    With `labels` (classification) the last field becomes its index in `labels`; a label outside
+    them fails or drops the record as `src.other_labels` says. A missing field, an empty file or a
+    line that is not UTF-8 fails with the file and line named.
     """
     pattern = re.compile(src.label_pattern) if src.label_pattern else None
-    records: list[tuple] = []
+    index = None if labels is None else {name: i for i, name in enumerate(labels)}
+    kept = 0
     for path in expand(src.files):
         fmt = format_of(path, src.format)
         if fmt == "text" and len(src.fields) != 1:
@@ -203,7 +205,7 @@ def read(src: Source, labelled: bool = False) -> tuple[list[tuple], tuple[str, .
                 if name not in row or row[name] is None:
                     raise DataError(f"{where}: no field {name!r}")
                 v = row[name]
-                values.append(v if isinstance(v, str) else json.dumps(v) if not isinstance(v, int) else str(v))
+                values.append(v if isinstance(v, str) else str(v) if isinstance(v, int) else json.dumps(v))
             if src.min_words and len(values[0].split()) < src.min_words:
                 continue
             if not all(v.strip() for v in values):
@@ -213,25 +215,29 @@ def read(src: Source, labelled: bool = False) -> tuple[list[tuple], tuple[str, .
                 if m is None:
                     raise DataError(f"{where}: {src.fields[-1]} {values[-1]!r} does not match {src.label_pattern!r}")
                 values[-1] = m.group(1)
-            records.append((where, *values))
+            if index is not None:
+                if values[-1] not in index:
+                    if src.other_labels == "drop":
+                        continue
+                    raise DataError(f"{where}: label {values[-1]!r} is not in the label set ({', '.join(labels)})")
+                values[-1] = index[values[-1]]
+            kept += 1
+            yield (where, *values)
         if count == 0:
             raise DataError(f"{path}: empty file (no records)")
-    if not records:
+    if not kept:
         raise DataError(f"{', '.join(src.files)}: no records left (data.min_words={src.min_words})")
-    return _labelled(records, src) if labelled else (records, ())
 
 
-def _labelled(records: list[tuple], src: Source) -> tuple[list[tuple], tuple[str, ...]]:
-    """Labels (the last field) as indices into the label set."""
-    labels = src.labels or tuple(sorted({r[-1] for r in records}))
-    index = {name: i for i, name in enumerate(labels)}
-    out = []
-    for r in records:
-        if r[-1] in index:
-            out.append((*r[:-1], index[r[-1]]))
-        elif src.other_labels == "error":
-            raise DataError(f"{r[0]}: label {r[-1]!r} is not in the label set ({', '.join(labels)})")
-    return out, labels
+def label_set(src: Source) -> tuple[str, ...]:
+    """The declared labels, or the sorted labels found in the files (one pass over them)."""
+    return src.labels or tuple(sorted({r[-1] for r in iter_records(src)}))
+
+
+def read(src: Source, labelled: bool = False) -> tuple[list[tuple], tuple[str, ...]]:
+    """All records of `src` in a list, and with `labelled` (the last field is a label) the label set."""
+    labels = label_set(src) if labelled else None
+    return list(iter_records(src, labels)), labels or ()
 
 
 def split(records: list, val_fraction: float, test_fraction: float, seed: int, path) -> tuple[list, list, list]:

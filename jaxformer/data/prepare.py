@@ -1,0 +1,311 @@
+"""Tokenize once: the configured corpus becomes token arrays on disk, reused while nothing changed.
+
+A prepared corpus is a directory `CACHE/<key>/` holding, per split (train, validation, test) and
+per field the objective reads (text; source, target):
+  {split}.{field}.bin       the documents' token ids, one after the other (uint16, or int32 for V > 65535)
+  {split}.{field}.offsets.npy  [N + 1] int64: document i is bin[offsets[i]:offsets[i + 1]]
+  {split}.label.npy         [N] int32 class indices (classification)
+and `manifest.json`: the sources (path, size, sha256), the tokenizer, the settings and the counts.
+
+Documents are stored as the objective feeds them: lm/mlm text + EOS; seq2seq source + EOS and
+target + EOS, cut to data.max_len; classification BOS + text, cut to data.max_len.
+
+The key hashes everything the contents depend on, so an unchanged corpus is found again and a
+changed file, tokenizer or setting makes a new one. A cache is written in a temporary directory
+and renamed into place once complete: a killed run leaves nothing that is ever read, and the next
+run builds the cache again from the start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import pathlib
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import numpy as np
+
+from jaxformer.config import Config
+from jaxformer.data import sources
+from jaxformer.data.sources import DataError
+
+SPLITS = ("train", "validation", "test")
+VERSION = 1  # of the layout above; bump it when it changes
+CHUNK = 2048  # documents a worker tokenizes at a time
+# Below this many bytes of sources, tokenizing in this process beats starting worker processes.
+PARALLEL_ABOVE = 32 << 20
+# Settings that do not change the prepared tokens.
+NOT_IN_KEY = ("length_buckets", "cache_dir", "prepare_workers", "pack", "synthetic_vocab", "synthetic_len")
+
+
+def fields_of(objective: str) -> tuple[str, ...]:
+    """The stored fields of an objective (the last field of classification is its label)."""
+    return {"seq2seq": ("source", "target"), "classify": ("text",)}.get(objective, ("text",))
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A prepared corpus, memory-mapped: the documents of each split and field, and the labels."""
+
+    directory: pathlib.Path
+    manifest: dict
+
+    def documents(self, split: str, field: str) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens [total], offsets [N + 1]) of one split's field, memory-mapped (nothing is read yet)."""
+        dtype = np.dtype(self.manifest["dtype"])
+        path = self.directory / f"{split}.{field}.bin"
+        tokens = np.memmap(path, dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype)
+        return tokens, np.load(self.directory / f"{split}.{field}.offsets.npy", mmap_mode="r")
+
+    def labels(self, split: str) -> np.ndarray:
+        return np.load(self.directory / f"{split}.label.npy", mmap_mode="r")
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        return tuple(self.manifest["labels"])
+
+    def samples(self) -> tuple[list[str], list]:
+        return self.manifest["sample_sources"], self.manifest["sample_references"]
+
+
+def sha256(path: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def cache_root(cfg: Config, workdir) -> pathlib.Path:
+    """data.cache_dir, else WORKDIR/data, else a directory under the system's temporary one."""
+    if cfg.data.cache_dir:
+        return pathlib.Path(cfg.data.cache_dir)
+    if workdir is not None:
+        return pathlib.Path(workdir) / "data"
+    return pathlib.Path(tempfile.gettempdir()) / "jaxformer-data"
+
+
+def tokenizer_identity(cfg: Config, workdir) -> str | None:
+    """What identifies the tokenizer's ids: its kind, and the hash of its file (None: not trained yet)."""
+    kind = cfg.data.tokenizer
+    if kind in ("byte", "symbols"):
+        return kind
+    path = pathlib.Path(workdir or ".") / ("tokenizer.model" if kind == "sentencepiece" else "hf/tokenizer.json")
+    return f"{kind}:{sha256(path)}" if path.is_file() else None
+
+
+def prepare(cfg: Config, workdir=None, progress: bool = True) -> Prepared:
+    """The prepared corpus of `cfg`: found in the cache when nothing changed, else built (and the
+    SentencePiece tokenizer trained on the training split the first time)."""
+    from jaxformer.data.pipeline import source_of
+
+    d, objective = cfg.data, cfg.train.objective
+    src = source_of(cfg)
+    files = sources.expand(src.files)
+    settings = {k: v for k, v in dataclasses.asdict(d).items() if k not in NOT_IN_KEY} | {"objective": objective}
+    fingerprint = [{"path": str(p.resolve()), "size": p.stat().st_size, "sha256": sha256(p)} for p in files]
+    root = cache_root(cfg, workdir)
+
+    def key_of(tokenizer: str) -> str:
+        described = {"version": VERSION, "settings": settings, "sources": fingerprint, "tokenizer": tokenizer}
+        return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
+
+    tokenizer = tokenizer_identity(cfg, workdir)
+    if tokenizer is not None and (root / key_of(tokenizer) / "manifest.json").is_file():
+        return _open(root / key_of(tokenizer))
+    labels = sources.label_set(src) if objective == "classify" else None
+    # Pass 1: every record is read and checked before anything is written or trained.
+    count = sum(1 for _ in _records(src, labels, d.max_examples))
+    assign = split_assignment(count, d.val_fraction, d.test_fraction, d.split_seed, ", ".join(src.files))
+    if tokenizer is None:  # SentencePiece, trained on the training split only
+        from jaxformer.data.pipeline import train_tokenizer
+
+        n_text = 2 if objective == "seq2seq" else 1
+        records = enumerate(_records(src, labels, d.max_examples))
+        texts = (x for i, r in records if assign[i] == 0 for x in r[1 : 1 + n_text])
+        train_tokenizer(cfg, texts, workdir)
+        tokenizer = tokenizer_identity(cfg, workdir)
+    final = root / key_of(tokenizer)
+    if (final / "manifest.json").is_file():
+        return _open(final)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(f"{final.name}.tmp-*"):  # a build that was killed: started again from nothing
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f"{final.name}.tmp-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        manifest = _build(cfg, workdir, src, labels, assign, tmp, progress)
+        manifest |= {"version": VERSION, "settings": settings, "sources": fingerprint, "tokenizer": tokenizer}
+        manifest["labels"] = list(labels or ())
+        _write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1))
+        try:
+            os.rename(tmp, final)  # atomic: the cache appears whole or not at all
+        except OSError:  # another process finished the same cache first: the same contents
+            if not (final / "manifest.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _open(final)
+
+
+def check_vocab(cfg: Config, tok, src: sources.Source) -> None:
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise DataError(
+            f"{', '.join(src.files)}: the {cfg.data.tokenizer} tokenizer has {tok.vocab_size} ids "
+            f"but model.vocab_size={cfg.model.vocab_size}"
+        )
+
+
+def _open(directory: pathlib.Path) -> Prepared:
+    return Prepared(directory, json.loads((directory / "manifest.json").read_text()))
+
+
+def _write_atomic(path: pathlib.Path, text: str) -> None:
+    part = path.with_name(path.name + ".part")
+    part.write_text(text)
+    os.replace(part, path)
+
+
+def _records(src: sources.Source, labels, max_examples: int) -> Iterator[tuple]:
+    records = sources.iter_records(src, labels)
+    return itertools.islice(records, max_examples) if max_examples else records
+
+
+def split_assignment(n: int, val_fraction: float, test_fraction: float, seed: int, where) -> np.ndarray:
+    """[n] int8: the split (0 train, 1 validation, 2 test) of each record, by a seeded permutation
+    (the same split as `sources.split` makes of a list)."""
+    order = np.random.default_rng(seed).permutation(n)
+    n_val, n_test = int(n * val_fraction), int(n * test_fraction)
+    assign = np.zeros(n, np.int8)
+    assign[order[:n_val]], assign[order[n_val : n_val + n_test]] = 1, 2
+    for i, name in enumerate(SPLITS):
+        if not (assign == i).any():
+            raise DataError(f"{where}: the {name} split is empty ({n} records in all)")
+    return assign
+
+
+# ----------------------------------------------------------------------------- tokenizing (in workers)
+
+_WORKER: dict = {}
+
+
+def _init_worker(cfg: Config, workdir) -> None:
+    from jaxformer.data.pipeline import load_tokenizer
+
+    _WORKER.update(tok=load_tokenizer(cfg, workdir or "."), objective=cfg.train.objective, max_len=cfg.data.max_len)
+
+
+def encode_many(tok, texts: list[str]) -> list[list[int]]:
+    """Token ids of many texts, in one call where the tokenizer has a batch form."""
+    if hasattr(tok, "sp"):
+        return tok.sp.encode(texts)
+    if hasattr(tok, "tokenizer"):
+        return [e.ids for e in tok.tokenizer.encode_batch(texts, add_special_tokens=False)]
+    return [tok.encode(t) for t in texts]
+
+
+def _encode_chunk(fields: list[list[str]]) -> list[tuple[np.ndarray, np.ndarray, tuple | None]]:
+    """Per field: (tokens of the chunk's documents, their lengths, (index, length) of the first one cut)."""
+    tok, objective, L = _WORKER["tok"], _WORKER["objective"], _WORKER["max_len"]
+    out = []
+    for texts in fields:
+        ids = encode_many(tok, texts)
+        if objective in ("lm", "mlm"):
+            docs = [[*x, tok.eos_id] for x in ids]
+        elif objective == "classify":
+            docs = [[tok.bos_id, *x] for x in ids]
+        else:
+            docs = [[*x, tok.eos_id] for x in ids]
+        lengths = np.fromiter((len(x) for x in docs), np.int64, len(docs))
+        too_long = np.flatnonzero(lengths > L) if objective in ("seq2seq", "classify") else np.zeros(0, np.int64)
+        first = (int(too_long[0]), int(lengths[too_long[0]])) if len(too_long) else None
+        if first:
+            docs = [x[:L] for x in docs]
+            lengths = np.minimum(lengths, L)
+        tokens = np.fromiter(itertools.chain.from_iterable(docs), np.int64, int(lengths.sum()))
+        out.append((tokens, lengths, first))
+    return out
+
+
+def _build(cfg: Config, workdir, src, labels, assign: np.ndarray, out: pathlib.Path, progress: bool) -> dict:
+    from tqdm.auto import tqdm
+
+    from jaxformer.data.pipeline import load_tokenizer
+
+    d, objective = cfg.data, cfg.train.objective
+    tok = load_tokenizer(cfg, workdir or ".")
+    check_vocab(cfg, tok, src)
+    dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.int32
+    names = fields_of(objective)
+    n_text = len(names)
+    bins = {(s, f): open(out / f"{s}.{f}.bin", "wb") for s in SPLITS for f in names}  # noqa: SIM115
+    lengths = {(s, f): [np.zeros(1, np.int64)] for s in SPLITS for f in names}
+    label_parts = {s: [] for s in SPLITS}
+    samples: list[tuple] = []
+    total_bytes = sum(p.stat().st_size for p in sources.expand(src.files))
+    workers = d.prepare_workers or os.cpu_count() or 1
+    pool = None
+    if workers > 1 and total_bytes > PARALLEL_ABOVE:
+        # spawn: this process runs JAX's threads, which a fork would copy in an unknown state.
+        pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (cfg, workdir))
+    else:
+        _init_worker(cfg, workdir)
+    records = _records(src, labels, d.max_examples)
+    bar = tqdm(total=len(assign), unit="doc", desc="tokenizing", disable=not progress, mininterval=1.0)
+    index = 0
+    try:
+        while wave := [c for c in (list(itertools.islice(records, CHUNK)) for _ in range(4 * workers)) if c]:
+            # A wave of chunks at a time: memory stays bounded, and the order of documents is kept.
+            texts = [[[r[1 + j] for r in chunk] for j in range(n_text)] for chunk in wave]
+            encoded = pool.map(_encode_chunk, texts, chunksize=1) if pool else [_encode_chunk(t) for t in texts]
+            for chunk, fields in zip(wave, encoded, strict=True):
+                split_of = assign[index : index + len(chunk)]
+                for j, (tokens, lens, cut) in enumerate(fields):
+                    if cut and d.too_long == "reject":
+                        raise DataError(
+                            f"{chunk[cut[0]][0]}: sequence of {cut[1]} tokens exceeds "
+                            f"data.max_len={d.max_len} (data.too_long=reject)"
+                        )
+                    for s, name in enumerate(SPLITS):
+                        mine = split_of == s
+                        bins[name, names[j]].write(tokens[np.repeat(mine, lens)].astype(dtype).tobytes())
+                        lengths[name, names[j]].append(lens[mine])
+                if objective == "classify":
+                    for s, name in enumerate(SPLITS):
+                        label_parts[name].append(np.asarray([r[-1] for r, a in zip(chunk, split_of, strict=True)
+                                                             if a == s], np.int32))  # fmt: skip
+                for r, a in zip(chunk, split_of, strict=True):
+                    if a == 2 and len(samples) < max(cfg.train.num_samples, 1):
+                        samples.append(r)
+                index += len(chunk)
+                bar.update(len(chunk))
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()
+        for f in bins.values():
+            f.close()
+    counts = {}
+    for (split, name), parts in lengths.items():
+        offsets = np.cumsum(np.concatenate(parts))
+        np.save(out / f"{split}.{name}.offsets.npy", offsets)
+        counts[split] = len(offsets) - 1
+    if objective == "classify":
+        for split in SPLITS:
+            np.save(out / f"{split}.label.npy", np.concatenate(label_parts[split]))
+    if objective == "seq2seq":
+        shown = [(r[1], r[2]) for r in samples]
+    elif objective == "classify":
+        shown = [(r[1], labels[r[2]]) for r in samples]
+    else:
+        shown = [(r[1][:80], r[1][80:200]) for r in samples]
+    return {
+        "dtype": np.dtype(dtype).name, "documents": counts,
+        "sample_sources": [a for a, _ in shown], "sample_references": [b for _, b in shown],
+    }  # fmt: skip
