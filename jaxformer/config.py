@@ -392,6 +392,7 @@ class DataConfig:
     # Prepared (tokenized) corpora are kept here; None: WORKDIR/data. A shared directory lets runs reuse them.
     cache_dir: str | None = None
     prepare_workers: int = 0  # processes that tokenize (0 = one per core)
+    prefetch: int = 2  # grain threads that read training batches ahead of the step (0: read in the loop)
     tokenizer: Literal["byte", "sentencepiece", "symbols", "hf"] = "byte"  # hf: WORKDIR/hf/tokenizer.json
     spm_vocab_size: int = 2000  # sentencepiece vocabulary (trained on the training split)
     spm_model_type: Literal["bpe", "unigram"] = "bpe"
@@ -418,6 +419,7 @@ class DataConfig:
         require(not self.files or self.source == "files", f"{p}.files", f"needs source='files', not {self.source}")
         require(self.min_words is None or self.min_words >= 0, f"{p}.min_words", "must be >= 0")
         require(self.prepare_workers >= 0, f"{p}.prepare_workers", "must be >= 0")
+        require(self.prefetch >= 0, f"{p}.prefetch", "must be >= 0")
         require(self.max_len > 1, f"{p}.max_len", f"must be > 1, got {self.max_len}")
         require(self.spm_vocab_size > 8, f"{p}.spm_vocab_size", "must be > 8")
         require(self.max_examples >= 0, f"{p}.max_examples", "must be >= 0")

@@ -242,3 +242,60 @@ def test_files_config_errors_name_the_field():
         files_cfg(["x.jsonl"], "seq2seq", "encoder_decoder", fields=("text",))
     cfg = C.apply_overrides(files_cfg(["x.jsonl"]), ["data.files=a.jsonl, b/*.jsonl"])
     assert cfg.data.files == ("a.jsonl", "b/*.jsonl")
+
+
+# ----------------------------------------------------------------------------- order, resume, shares
+
+
+@pytest.fixture(scope="module")
+def datasets():
+    """A small dataset per objective (bucketed for pairs and classification)."""
+    return {
+        "lm": build_dataset(cfg_for(max_examples=300)),
+        "mlm": build_dataset(cfg_for(objective="mlm", mode="encoder_only", max_examples=300)),
+        "seq2seq": build_dataset(cfg_for("en_de", "seq2seq", "encoder_decoder", max_examples=1500)),
+        "classify": build_dataset(cfg_for("lohelp_apps", "classify", "encoder_only", max_examples=3000)),
+    }
+
+
+def assert_batches_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+
+
+@pytest.mark.parametrize("objective", ["lm", "seq2seq"])
+def test_an_epoch_serves_each_example_once_and_the_next_reshuffles(datasets, objective):
+    train = datasets[objective].train
+    epoch = [train.rows(s) for s in range(len(train))]
+    seen = np.concatenate(epoch)
+    assert len(seen) == len(set(seen.tolist())) == len(train) * train.batch_size
+    assert (seen < train.num_examples).all() and len(seen) > train.num_examples - train.batch_size * 32
+    assert not np.array_equal(train.rows(len(train)), epoch[0])
+
+
+@pytest.mark.parametrize("objective", ["lm", "mlm", "seq2seq", "classify"])
+def test_a_stream_resumed_at_any_step_is_the_uninterrupted_one(datasets, objective):
+    train = datasets[objective].train
+    stop = 40  # past a chunk of 32 bucketed batches
+    uninterrupted = list(train.stream(0, stop, prefetch=2))
+    resumed = list(train.stream(33, stop))  # a fresh start in the middle, read in the loop
+    assert len(uninterrupted) == stop
+    for a, b in zip(uninterrupted[33:], resumed, strict=True):
+        assert_batches_equal(a, b)
+    fresh = build_dataset(cfg_for(max_examples=300)) if objective == "lm" else None  # another process
+    if fresh is not None:
+        assert_batches_equal(fresh.train.get(37), uninterrupted[37])
+
+
+@pytest.mark.parametrize("objective", ["lm", "mlm", "seq2seq", "classify"])
+def test_process_shares_read_disjoint_rows_that_make_the_global_batch(datasets, objective):
+    train, B = datasets[objective].train, 4
+    for step in (0, 5, 33):
+        shares = [slice(0, 2), slice(2, 4)]  # two processes' rows, as sharding.process_rows gives them
+        rows = [train.rows(step)[s] for s in shares]
+        assert not set(rows[0].tolist()) & set(rows[1].tolist())
+        parts = [train.get(step, s) for s in shares]
+        whole = train.get(step)
+        assert_batches_equal({k: np.concatenate([p[k] for p in parts]) for k in whole}, whole)
+        assert len(next(iter(whole.values()))) == B

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -35,16 +35,17 @@ class Batches:
 
     The order of an epoch is grain's lazy global shuffle of the example indices (`MapDataset.shuffle`,
     reseeded each epoch by `repeat`): nothing of size N is held, so memory stays flat as the corpus
-    grows. Step s takes positions s*B .. s*B+B-1 of that order. With `buckets`, the order is cut
-    into chunks of 32 batches whose examples are sorted by length, and each batch is cut to the
-    smallest bucket width that holds its longest example: few shapes to compile, little padding.
+    grows. Batch i of an epoch takes positions i*B .. i*B+B-1 of that epoch's order. With `buckets`,
+    an epoch's order is cut into chunks of 32 batches whose examples are sorted by length, and each
+    batch is cut to the smallest bucket width that holds its longest example: few shapes to
+    compile, little padding.
     """
 
     examples: Examples | None
     batch_size: int
     seed: int
     generate: Callable[[np.random.Generator, int], dict[str, np.ndarray]] | None = None
-    transform: Callable[[dict, np.random.Generator], dict] | None = None
+    transform: Callable[[dict, list[np.random.Generator]], dict] | None = None  # per row generators
     buckets: tuple[int, ...] = ()  # widths a batch's sequences are cut to (ascending)
     _chunk: tuple[int, list] | None = dataclasses.field(default=None, repr=False)
 
@@ -63,39 +64,58 @@ class Batches:
         return 1 << 62 if self.examples is None else self.num_examples // self.batch_size
 
     def rows(self, step: int) -> np.ndarray:
-        """[B] the example indices of the batch of `step` (sorted)."""
-        B = self.batch_size
+        """[B] the example indices of the batch of `step` (sorted); the batches of an epoch never
+        repeat an example, and what does not fill a batch at an epoch's end is left out."""
+        B, N = self.batch_size, self.num_examples
+        epoch, index = divmod(step, len(self))
+        first = epoch * N  # grain's repeat reshuffles from each multiple of N on
         if not self.buckets:
-            return np.sort([self.order[p] for p in range(step * B, step * B + B)])
-        chunk, slot = divmod(step, 32)
-        if self._chunk is None or self._chunk[0] != chunk:
-            idx = np.asarray([self.order[p] for p in range(chunk * 32 * B, (chunk + 1) * 32 * B)])
+            return np.sort([self.order[p] for p in range(first + index * B, first + index * B + B)])
+        chunk, slot = divmod(index, 32)
+        cached = self._chunk  # one read: grain threads may replace it meanwhile
+        if cached is None or cached[0] != (epoch, chunk):
+            positions = range(first + chunk * 32 * B, first + min((chunk + 1) * 32 * B, N))
+            idx = np.asarray([self.order[p] for p in positions])
             idx = idx[np.argsort(self.examples.lengths(idx), kind="stable")]
-            batches = [np.sort(idx[i : i + B]) for i in range(0, len(idx), B)]
-            perm = np.random.default_rng([self.seed, chunk, 1 << 20]).permutation(len(batches))
-            self._chunk = (chunk, [batches[i] for i in perm])
-        return self._chunk[1][slot]
+            batches = [np.sort(idx[i : i + B]) for i in range(0, len(idx) - B + 1, B)]
+            perm = np.random.default_rng([self.seed, epoch, chunk, 1 << 20]).permutation(len(batches))
+            cached = self._chunk = ((epoch, chunk), [batches[i] for i in perm])
+        return cached[1][slot]
 
     def get(self, step: int, part: slice | None = None) -> dict[str, np.ndarray]:
         """The batch of `step`, or only its rows `part` (a process's share of the global batch).
 
-        The part is cut after the batch-wide choices (bucket width, random masking), so the
-        shares of all processes put together equal the whole batch; only the part's rows are read.
+        Batch-wide choices (the bucket width) are made before the part is cut, and random masking
+        draws each row from its own generator (seed, step, row), so a process reads only its rows
+        and the shares of all processes put together equal the whole batch.
         """
-        rng = np.random.default_rng([self.seed, step])
         if self.examples is None:
-            batch = self.generate(rng, self.batch_size)
-        else:
-            rows = self.rows(step)
-            width = None
-            if self.buckets:
-                longest = int(self.examples.lengths(rows).max())
-                width = next((w for w in self.buckets if w >= longest), self.buckets[-1])
-            if part is not None and self.transform is None:
-                rows, part = rows[part], None  # read only this share
-            batch = self.examples.take(rows, width)
-        batch = self.transform(batch, rng) if self.transform else batch
-        return batch if part is None else {k: v[part] for k, v in batch.items()}
+            batch = self.generate(np.random.default_rng([self.seed, step]), self.batch_size)
+            return batch if part is None else {k: v[part] for k, v in batch.items()}
+        rows = self.rows(step)
+        width = None
+        if self.buckets:
+            longest = int(self.examples.lengths(rows).max())
+            width = next((w for w in self.buckets if w >= longest), self.buckets[-1])
+        index = np.arange(self.batch_size)[part if part is not None else slice(None)]
+        batch = self.examples.take(rows[index], width)
+        if self.transform is not None:
+            batch = self.transform(batch, [np.random.default_rng([self.seed, step, j]) for j in index])
+        return batch
+
+    def stream(self, start: int, stop: int, part: slice | None = None, prefetch: int = 0) -> Iterator[dict]:
+        """The batches of steps start..stop-1 (rows `part`), read ahead by `prefetch` grain threads.
+
+        A grain `MapDataset` over the step numbers: batch s is `get(s, part)` whichever thread
+        reads it and in whichever order, so a stream resumed at any step is the uninterrupted one.
+        """
+        import grain
+
+        steps = grain.MapDataset.range(start, stop).map(lambda s: self.get(s, part))
+        if not prefetch:
+            return (steps[i] for i in range(len(steps)))
+        options = grain.ReadOptions(num_threads=prefetch, prefetch_buffer_size=2 * prefetch)
+        return iter(steps.to_iter_dataset(options))
 
 
 class Documents:
@@ -283,15 +303,17 @@ def _seq2seq_arrays(src_BS, src_lengths_B, targets_BT, tgt_lengths_B, bos_id: in
 
 
 def _mlm_masking(cfg: Config, tok):
-    """BERT masking, drawn from the step's generator: p of the tokens are chosen;
+    """BERT masking, each row drawn from its own generator: p of the tokens are chosen;
     of those 80% become [MASK], 10% a random token, 10% stay; loss on the chosen only."""
     p = cfg.train.mlm_probability
 
-    def transform(batch, rng):
-        tokens = batch["tokens"]
-        chosen = (rng.random(tokens.shape) < p) & (tokens != tok.pad_id)
-        action = rng.random(tokens.shape)
-        random_ids = rng.integers(tok.first_real, tok.vocab_size, tokens.shape, dtype=np.int32)
+    def transform(batch, rngs):
+        tokens = batch["tokens"]  # [B, T]
+        T = tokens.shape[1]
+        draws = np.stack([np.stack([g.random(T), g.random(T), g.integers(tok.first_real, tok.vocab_size, T)])
+                          for g in rngs])  # fmt: skip  # [B, 3, T]
+        chosen = (draws[:, 0] < p) & (tokens != tok.pad_id)
+        action, random_ids = draws[:, 1], draws[:, 2].astype(np.int32)
         inputs = np.where(chosen & (action < 0.8), tok.mask_id, tokens)
         inputs = np.where(chosen & (action >= 0.8) & (action < 0.9), random_ids, inputs)
         return {"inputs": inputs.astype(np.int32), "targets": tokens, "weights": chosen.astype(np.float32)}

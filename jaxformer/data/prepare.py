@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import pathlib
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 
@@ -41,7 +42,7 @@ CHUNK = 2048  # documents a worker tokenizes at a time
 # Below this many bytes of sources, tokenizing in this process beats starting worker processes.
 PARALLEL_ABOVE = 32 << 20
 # Settings that do not change the prepared tokens.
-NOT_IN_KEY = ("length_buckets", "cache_dir", "prepare_workers", "pack", "synthetic_vocab", "synthetic_len")
+NOT_IN_KEY = ("length_buckets", "cache_dir", "prepare_workers", "prefetch", "pack", "synthetic_vocab", "synthetic_len")
 
 
 def fields_of(objective: str) -> tuple[str, ...]:
@@ -135,9 +136,11 @@ def prepare(cfg: Config, workdir=None, progress: bool = True) -> Prepared:
     if (final / "manifest.json").is_file():
         return _open(final)
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(f"{final.name}.tmp-*"):  # a build that was killed: started again from nothing
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f"{final.name}.tmp-{os.getpid()}"
+    host = socket.gethostname()
+    for stale in root.glob(f"{final.name}.tmp-{host}-*"):  # builds killed on this host (not running ones)
+        if not _alive(int(stale.name.rsplit("-", 1)[1])):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f"{final.name}.tmp-{host}-{os.getpid()}"
     tmp.mkdir()
     try:
         manifest = _build(cfg, workdir, src, labels, assign, tmp, progress)
@@ -152,6 +155,16 @@ def prepare(cfg: Config, workdir=None, progress: bool = True) -> Prepared:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return _open(final)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def check_vocab(cfg: Config, tok, src: sources.Source) -> None:
