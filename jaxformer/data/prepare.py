@@ -35,6 +35,7 @@ import numpy as np
 from jaxformer.config import Config
 from jaxformer.data import sources
 from jaxformer.data.sources import DataError
+from jaxformer.data.tokenizers import ByteTokenizer
 
 SPLITS = ("train", "validation", "test")
 VERSION = 1  # of the layout above; bump it when it changes
@@ -214,13 +215,33 @@ def _init_worker(cfg: Config, workdir) -> None:
     _WORKER.update(tok=load_tokenizer(cfg, workdir or "."), objective=cfg.train.objective, max_len=cfg.data.max_len)
 
 
-def encode_many(tok, texts: list[str]) -> list[list[int]]:
-    """Token ids of many texts, in one call where the tokenizer has a batch form."""
+def encode_flat(tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids of all `texts` one after the other [total] int32, the length of each [N] int64),
+    in one call where the tokenizer has a batch form (bytes: straight from the UTF-8 encoding)."""
+    if isinstance(tok, ByteTokenizer):
+        data = [t.encode("utf-8") for t in texts]
+        flat = np.frombuffer(b"".join(data), np.uint8).astype(np.int32) + tok.offset
+        return flat, np.fromiter(map(len, data), np.int64, len(data))
     if hasattr(tok, "sp"):
-        return tok.sp.encode(texts)
-    if hasattr(tok, "tokenizer"):
-        return [e.ids for e in tok.tokenizer.encode_batch(texts, add_special_tokens=False)]
-    return [tok.encode(t) for t in texts]
+        ids = tok.sp.encode(texts)
+    elif hasattr(tok, "tokenizer"):
+        ids = [e.ids for e in tok.tokenizer.encode_batch(texts, add_special_tokens=False)]
+    else:
+        ids = [tok.encode(t) for t in texts]
+    lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+    return np.fromiter(itertools.chain.from_iterable(ids), np.int32, int(lengths.sum())), lengths
+
+
+def add_special(flat: np.ndarray, lengths: np.ndarray, token: int, at_end: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each document with `token` appended (EOS) or prepended (BOS)."""
+    lengths = lengths + 1
+    ends = np.cumsum(lengths)
+    where = ends - 1 if at_end else ends - lengths
+    out = np.empty(int(ends[-1]) if len(ends) else 0, np.int32)
+    special = np.zeros(len(out), bool)
+    special[where] = True
+    out[where], out[~special] = token, flat
+    return out, lengths
 
 
 def _encode_chunk(fields: list[list[str]]) -> list[tuple[np.ndarray, np.ndarray, tuple | None]]:
@@ -228,21 +249,17 @@ def _encode_chunk(fields: list[list[str]]) -> list[tuple[np.ndarray, np.ndarray,
     tok, objective, L = _WORKER["tok"], _WORKER["objective"], _WORKER["max_len"]
     out = []
     for texts in fields:
-        ids = encode_many(tok, texts)
-        if objective in ("lm", "mlm"):
-            docs = [[*x, tok.eos_id] for x in ids]
-        elif objective == "classify":
-            docs = [[tok.bos_id, *x] for x in ids]
+        flat, lengths = encode_flat(tok, texts)
+        if objective == "classify":
+            flat, lengths = add_special(flat, lengths, tok.bos_id, at_end=False)
         else:
-            docs = [[*x, tok.eos_id] for x in ids]
-        lengths = np.fromiter((len(x) for x in docs), np.int64, len(docs))
+            flat, lengths = add_special(flat, lengths, tok.eos_id, at_end=True)
         too_long = np.flatnonzero(lengths > L) if objective in ("seq2seq", "classify") else np.zeros(0, np.int64)
         first = (int(too_long[0]), int(lengths[too_long[0]])) if len(too_long) else None
-        if first:
-            docs = [x[:L] for x in docs]
-            lengths = np.minimum(lengths, L)
-        tokens = np.fromiter(itertools.chain.from_iterable(docs), np.int64, int(lengths.sum()))
-        out.append((tokens, lengths, first))
+        if first:  # cut to L tokens (data.too_long=reject fails on it in the parent, which knows the line)
+            position = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            flat, lengths = flat[position < L], np.minimum(lengths, L)
+        out.append((flat, lengths, first))
     return out
 
 
