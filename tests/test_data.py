@@ -299,3 +299,17 @@ def test_process_shares_read_disjoint_rows_that_make_the_global_batch(datasets, 
         whole = train.get(step)
         assert_batches_equal({k: np.concatenate([p[k] for p in parts]) for k in whole}, whole)
         assert len(next(iter(whole.values()))) == B
+
+
+@pytest.mark.parametrize("block", [1, 3, 1 << 24])
+def test_lines_read_by_blocks_are_the_lines_of_the_file(tmp_path, block):
+    from jaxformer.data.sources import read_lines
+
+    for raw in [b"", b"a", b"a\n", b"a\r\nb\r\n\n\nc", b"\n\n", "\u00fc\n\u00df\u4e2d\n".encode()]:
+        (tmp_path / "t.txt").write_bytes(raw)
+        expected = raw.decode().split("\n")[: -1 if raw.endswith(b"\n") else None] if raw else []
+        got = list(read_lines(tmp_path / "t.txt", block))
+        assert got == [(i + 1, line.removesuffix("\r")) for i, line in enumerate(expected)]
+    (tmp_path / "t.txt").write_bytes(b"ok\nfine\nbad \xff\n")
+    with pytest.raises(DataError, match=r"t\.txt:3: not UTF-8 \(invalid start byte at byte 4\)"):
+        list(read_lines(tmp_path / "t.txt", block))
