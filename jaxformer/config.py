@@ -392,6 +392,9 @@ class DataConfig:
     # Prepared (tokenized) corpora are kept here; None: WORKDIR/data. A shared directory lets runs reuse them.
     cache_dir: str | None = None
     prepare_workers: int = 0  # processes that tokenize (0 = one per core)
+    # Training rows hold several examples (segment ids, per-segment positions; no attention across
+    # them): lm/mlm documents in their windows, translation pairs placed first-fit. Not classification.
+    pack: bool = False
     prefetch: int = 2  # grain threads that read training batches ahead of the step (0: read in the loop)
     tokenizer: Literal["byte", "sentencepiece", "symbols", "hf"] = "byte"  # hf: WORKDIR/hf/tokenizer.json
     spm_vocab_size: int = 2000  # sentencepiece vocabulary (trained on the training split)
@@ -550,6 +553,7 @@ class Config:
             n = len(self.data.labels)
             classes = self.model.num_classes
             require(n <= classes, "data.labels", f"{n} labels but model.num_classes={classes}")
+        require(not (self.data.pack and objective == "classify"), "data.pack", "classification is not packed")
         needs = {"lm": 1, "mlm": 1, "seq2seq": 2, "classify": 2}.get(objective)
         require(
             not self.data.fields or needs is None or len(self.data.fields) == needs,

@@ -88,8 +88,15 @@ def forward(model: Transformer, objective: str, batch: dict, dropout_rng: Array 
     if objective == "classify":
         return model.classify(batch["src"], src_lengths=src_lengths, dropout_rng=dropout_rng)
     if objective == "seq2seq":
-        return model(batch["src"], batch["inputs"], lengths=src_lengths, dropout_rng=dropout_rng)
-    return model(batch["inputs"], dropout_rng=dropout_rng)
+        return model(
+            batch["src"], batch["inputs"], lengths=src_lengths, segments=batch.get("src_segments"),
+            positions=batch.get("src_positions"), tgt_segments=batch.get("tgt_segments"),
+            tgt_positions=batch.get("tgt_positions"), dropout_rng=dropout_rng,
+        )  # fmt: skip
+    # Packed rows: several documents, each its own segment with its own positions.
+    return model(
+        batch["inputs"], segments=batch.get("segments"), positions=batch.get("positions"), dropout_rng=dropout_rng
+    )
 
 
 def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Array | None) -> tuple[Array, dict]:
@@ -259,9 +266,12 @@ def evaluate(eval_step, state, fetch, num_batches: int) -> dict:
 
 def real_fraction(batch: dict) -> tuple[float, float]:
     """(real tokens, token slots) of a host batch: how much of what the step computes is not padding."""
-    if "weights" in batch and "src_lengths" not in batch:  # lm, mlm: every window position is text
+    if "weights" in batch and "src" not in batch:  # lm, mlm: every window position is text
         ids = batch["inputs"]
         return float(ids.size if "segments" not in batch else (batch["segments"] > 0).sum()), float(ids.size)
+    if "src_segments" in batch:  # packed pairs
+        real = (batch["src_segments"] > 0).sum() + batch["weights"].sum()
+        return float(real), float(batch["src"].size + batch["inputs"].size)
     if "inputs" in batch:  # seq2seq: source and target
         real = batch["src_lengths"].sum() + batch["weights"].sum()
         return float(real), float(batch["src"].size + batch["inputs"].size)

@@ -60,20 +60,32 @@ class Batches:
         return 0 if self.examples is None else len(self.examples)
 
     def __len__(self) -> int:
-        """Batches per epoch (what does not fill a batch is dropped)."""
-        return 1 << 62 if self.examples is None else self.num_examples // self.batch_size
+        """Batches per epoch (what does not fill a batch, or a packed chunk, is dropped)."""
+        if self.examples is None:
+            return 1 << 62
+        if isinstance(self.examples, PackedPairs):
+            return self.num_examples // self.examples.per_chunk * PackedPairs.CHUNK
+        return self.num_examples // self.batch_size
 
-    def rows(self, step: int) -> np.ndarray:
-        """[B] the example indices of the batch of `step` (sorted); the batches of an epoch never
-        repeat an example, and what does not fill a batch at an epoch's end is left out."""
+    def rows(self, step: int) -> np.ndarray | list[np.ndarray]:
+        """[B] the example indices of the batch of `step` (sorted), or for packed pairs the B rows'
+        lists of examples; the batches of an epoch never repeat an example, and what does not fill
+        a batch at an epoch's end is left out."""
         B, N = self.batch_size, self.num_examples
         epoch, index = divmod(step, len(self))
         first = epoch * N  # grain's repeat reshuffles from each multiple of N on
-        if not self.buckets:
+        if not self.buckets and not isinstance(self.examples, PackedPairs):
             return np.sort([self.order[p] for p in range(first + index * B, first + index * B + B)])
-        chunk, slot = divmod(index, 32)
+        chunk, slot = divmod(index, PackedPairs.CHUNK if isinstance(self.examples, PackedPairs) else 32)
         cached = self._chunk  # one read: grain threads may replace it meanwhile
-        if cached is None or cached[0] != (epoch, chunk):
+        if isinstance(self.examples, PackedPairs) and (cached is None or cached[0] != (epoch, chunk)):
+            P = self.examples.per_chunk
+            idx = np.asarray([self.order[p] for p in range(first + chunk * P, first + (chunk + 1) * P)])
+            packed = self.examples.plan(idx, PackedPairs.CHUNK * B)
+            perm = np.random.default_rng([self.seed, epoch, chunk, 1 << 20]).permutation(len(packed))
+            batches = [[packed[r] for r in perm[i : i + B]] for i in range(0, len(packed), B)]
+            cached = self._chunk = ((epoch, chunk), batches)
+        elif cached is None or cached[0] != (epoch, chunk):
             positions = range(first + chunk * 32 * B, first + min((chunk + 1) * 32 * B, N))
             idx = np.asarray([self.order[p] for p in positions])
             idx = idx[np.argsort(self.examples.lengths(idx), kind="stable")]
@@ -93,6 +105,8 @@ class Batches:
             batch = self.generate(np.random.default_rng([self.seed, step]), self.batch_size)
             return batch if part is None else {k: v[part] for k, v in batch.items()}
         rows = self.rows(step)
+        if isinstance(self.examples, PackedPairs):  # B lists of examples, one per packed row
+            return self.examples.take(rows[part] if part is not None else rows)
         width = None
         if self.buckets:
             longest = int(self.examples.lengths(rows).max())
@@ -130,6 +144,9 @@ class Documents:
     def lengths(self, rows: np.ndarray) -> np.ndarray:
         return (self.offsets[rows + 1] - self.offsets[rows]).astype(np.int32)
 
+    def document(self, i: int) -> np.ndarray:
+        return np.asarray(self.tokens[self.offsets[i] : self.offsets[i + 1]], np.int32)
+
     def padded(self, rows: np.ndarray, width: int, pad_id: int) -> np.ndarray:
         """[len(rows), width] the documents of `rows`, right-padded with pad_id."""
         out = np.full((len(rows), width), pad_id, np.int32)
@@ -141,21 +158,36 @@ class Documents:
 
 class Windows:
     """lm / mlm: the split's documents (each ending in EOS) as one stream cut into windows of
-    `width` tokens: no padding, and the last window's remainder is dropped."""
+    `width` tokens: no padding, and the last window's remainder is dropped.
 
-    def __init__(self, docs: Documents, width: int, objective: str):
-        self.tokens, self.width, self.objective = docs.tokens, width, objective
+    Packed (`segments`): each document in a window is its own segment, with positions from 0 at
+    its first token in the window, so attention never crosses documents (the document boundaries
+    come from the offsets index, not from token ids); an LM predicts no token of the next document.
+    """
+
+    def __init__(self, docs: Documents, width: int, objective: str, segments: bool = False):
+        self.docs, self.width, self.objective, self.segments = docs, width, objective, segments
 
     def __len__(self) -> int:
-        return len(self.tokens) // self.width
+        return len(self.docs.tokens) // self.width
 
     def take(self, rows: np.ndarray, width: int | None = None) -> dict[str, np.ndarray]:
-        windows = self.tokens[rows[:, None] * self.width + np.arange(self.width)].astype(np.int32)
+        at_BW = rows[:, None] * self.width + np.arange(self.width)  # stream index of each slot
+        windows = self.docs.tokens[at_BW].astype(np.int32)
+        out = {}
+        if self.segments:
+            offsets = self.docs.offsets
+            doc_BW = np.searchsorted(offsets, at_BW, side="right") - 1
+            start_BW = np.maximum(np.asarray(offsets[doc_BW]), at_BW[:, :1])  # the document's first slot here
+            out = {"segments": (doc_BW - doc_BW[:, :1] + 1).astype(np.int32), "positions": (at_BW - start_BW)}
         if self.objective == "mlm":
-            return {"tokens": windows}
+            return {"tokens": windows} | {k: v.astype(np.int32) for k, v in out.items()}
         # Every position of a window is text: a real token that shares the pad id still counts.
-        ones = np.ones(windows[:, 1:].shape, np.float32)
-        return {"inputs": windows[:, :-1], "targets": windows[:, 1:], "weights": ones}
+        weights = np.ones(windows[:, 1:].shape, np.float32)
+        if self.segments:  # the last token of a document does not predict the next document's first
+            weights = (doc_BW[:, 1:] == doc_BW[:, :-1]).astype(np.float32)
+            out = {k: v[:, :-1].astype(np.int32) for k, v in out.items()}
+        return {"inputs": windows[:, :-1], "targets": windows[:, 1:], "weights": weights} | out
 
 
 class Pairs:
@@ -177,6 +209,59 @@ class Pairs:
         return {k: v[:, :width] if v.ndim == 2 else v for k, v in arrays.items()}
 
 
+class PackedPairs:
+    """seq2seq, packed: the examples of a chunk of CHUNK batches are placed first-fit (longest first)
+    into CHUNK * B rows of L source and L target slots, source and target of an example in the same
+    row under the same segment id, positions from 0 in each; an example that fits no row is left
+    out of this epoch. `per_chunk` examples per chunk, from the corpus' mean lengths, fill the rows."""
+
+    CHUNK = 8  # batches packed together: a larger chunk packs tighter, and leaves more of an epoch's tail out
+
+    def __init__(self, pairs: Pairs, batch_size: int, fill: float = 1.0):
+        self.pairs, self.L = pairs, pairs.L
+        N, rows = len(pairs), self.CHUNK * batch_size
+        mean = max(pairs.src.tokens.size, pairs.tgt.tokens.size) / max(N, 1)  # tokens per example, the longer side
+        self.per_chunk = int(min(N, max(rows, rows * self.L * fill / max(mean, 1.0))))
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def plan(self, idx: np.ndarray, rows: int) -> list[np.ndarray]:
+        """The examples `idx` placed into `rows` rows: [rows] arrays of example indices."""
+        ls, lt = self.pairs.src.lengths(idx), self.pairs.tgt.lengths(idx)
+        free_s, free_t = np.full(rows, self.L), np.full(rows, self.L)
+        placed: list[list[int]] = [[] for _ in range(rows)]
+        for i in np.argsort(-np.maximum(ls, lt), kind="stable"):
+            fits = (free_s >= ls[i]) & (free_t >= lt[i])
+            r = int(fits.argmax())
+            if fits[r]:
+                free_s[r] -= ls[i]
+                free_t[r] -= lt[i]
+                placed[r].append(int(idx[i]))
+        return [np.asarray(sorted(p), np.int64) for p in placed]
+
+    def take(self, rows: list[np.ndarray]) -> dict[str, np.ndarray]:
+        B, L, tok = len(rows), self.L, self.pairs.tok
+        out = {k: np.zeros((B, L), np.int32) for k in ("src", "src_segments", "src_positions", "inputs", "targets",
+                                                       "tgt_segments", "tgt_positions")}  # fmt: skip
+        out["src"][:], out["inputs"][:], out["targets"][:] = tok.pad_id, tok.pad_id, tok.pad_id
+        weights = np.zeros((B, L), np.float32)
+        for b, examples in enumerate(rows):
+            s = t = 0
+            for seg, i in enumerate(examples, start=1):
+                src, tgt = self.pairs.src.document(i), self.pairs.tgt.document(i)
+                out["src"][b, s : s + len(src)] = src
+                out["src_segments"][b, s : s + len(src)] = seg
+                out["src_positions"][b, s : s + len(src)] = np.arange(len(src))
+                out["targets"][b, t : t + len(tgt)] = tgt
+                out["inputs"][b, t : t + len(tgt)] = [tok.bos_id, *tgt[:-1]]
+                out["tgt_segments"][b, t : t + len(tgt)] = seg
+                out["tgt_positions"][b, t : t + len(tgt)] = np.arange(len(tgt))
+                weights[b, t : t + len(tgt)] = 1.0
+                s, t = s + len(src), t + len(tgt)
+        return out | {"weights": weights}
+
+
 class Labelled:
     """classify: BOS + text (at most L tokens) and the class index."""
 
@@ -194,7 +279,7 @@ class Labelled:
         return {"src": src, "src_lengths": self.docs.lengths(rows), "label": np.asarray(self.labels[rows], np.int32)}
 
 
-Examples = Windows | Pairs | Labelled
+Examples = Windows | Pairs | PackedPairs | Labelled
 
 
 @dataclasses.dataclass
@@ -226,12 +311,15 @@ def build_dataset(cfg: Config, workdir: str | pathlib.Path | None = None, progre
     buckets = bucket_widths(d.max_len, d.length_buckets) if t.objective in ("seq2seq", "classify") else ()
 
     def examples(split: str) -> Examples:
+        pack = d.pack and split == "train"  # held-out batches stay one example per row (BLEU, samples)
         if t.objective in ("lm", "mlm"):
             docs = Documents(*prepared.documents(split, "text"))
-            return Windows(docs, d.max_len + 1 if t.objective == "lm" else d.max_len, t.objective)
+            return Windows(docs, d.max_len + 1 if t.objective == "lm" else d.max_len, t.objective, segments=pack)
         if t.objective == "seq2seq":
             src, tgt = (Documents(*prepared.documents(split, f)) for f in ("source", "target"))
-            return Pairs(src, tgt, d.max_len, tok)
+            return (
+                PackedPairs(Pairs(src, tgt, d.max_len, tok), t.batch_size) if pack else Pairs(src, tgt, d.max_len, tok)
+            )
         return Labelled(Documents(*prepared.documents(split, "text")), prepared.labels(split), d.max_len, tok.pad_id)
 
     splits = []
@@ -241,7 +329,8 @@ def build_dataset(cfg: Config, workdir: str | pathlib.Path | None = None, progre
             what = "too little text" if t.objective in ("lm", "mlm") else "too few sequences"
             raise DataError(f"{where}: {what}: the {name} split has {len(ex)} sequences, fewer than "
                             f"batch_size={t.batch_size}")  # fmt: skip
-        splits.append(Batches(ex, t.batch_size, seed, transform=transform, buckets=buckets))
+        bucketed = buckets if not (d.pack and name == "train") else ()
+        splits.append(Batches(ex, t.batch_size, seed, transform=transform, buckets=bucketed))
     return Dataset(tok, *splits, *prepared.samples(), prepared.label_names)
 
 
@@ -316,7 +405,8 @@ def _mlm_masking(cfg: Config, tok):
         action, random_ids = draws[:, 1], draws[:, 2].astype(np.int32)
         inputs = np.where(chosen & (action < 0.8), tok.mask_id, tokens)
         inputs = np.where(chosen & (action >= 0.8) & (action < 0.9), random_ids, inputs)
-        return {"inputs": inputs.astype(np.int32), "targets": tokens, "weights": chosen.astype(np.float32)}
+        rest = {k: v for k, v in batch.items() if k != "tokens"}  # packed: segments, positions
+        return {"inputs": inputs.astype(np.int32), "targets": tokens, "weights": chosen.astype(np.float32)} | rest
 
     return transform
 
