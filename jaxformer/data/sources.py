@@ -12,6 +12,7 @@ import bz2
 import dataclasses
 import glob
 import gzip
+import itertools
 import json
 import lzma
 import pathlib
@@ -138,7 +139,7 @@ def _text(path: pathlib.Path, src: Source) -> Iterator[tuple[str, dict]]:
                 yield f"{path}:{lineno}", {name: line}
         return
     current, start = [], 0
-    for lineno, line in [*read_lines(path), (0, "")]:
+    for lineno, line in itertools.chain(read_lines(path), [(0, "")]):  # streamed: never the whole file
         if line.strip():
             start = start or lineno
             current.append(line)
