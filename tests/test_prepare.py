@@ -103,7 +103,7 @@ def test_a_killed_prepare_is_never_read_and_a_rerun_finishes(tmp_path):
     write_corpus(corpus, n=2000)
     proc = subprocess.Popen([sys.executable, "-c", KILLED, str(corpus), str(cache)])
     deadline = time.time() + 60
-    while not any(p.stat().st_size for p in cache.glob("*.tmp-*/train.text.bin")):
+    while not any(p.stat().st_size for p in cache.glob("*.tmp-*/*.bin")):
         assert time.time() < deadline and proc.poll() is None, "the build never started writing"
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)  # mid-build: shards half-written
@@ -120,24 +120,32 @@ def test_a_killed_prepare_is_never_read_and_a_rerun_finishes(tmp_path):
         np.testing.assert_array_equal(offsets, contents(clean)[split][1])
 
 
-def test_parallel_prepare_equals_one_process(tmp_path, monkeypatch):
+def test_parallel_prepare_of_file_parts_equals_one_process(tmp_path, monkeypatch):
     from jaxformer.data import prepare as P
 
-    write_corpus(tmp_path / "c.jsonl", n=3000)
-    monkeypatch.setattr(P, "PARALLEL_ABOVE", 0)
-    monkeypatch.setattr(P, "CHUNK", 256)
-    cfg = cfg_for([tmp_path / "c.jsonl"], tmp_path / "one", prepare_workers=1)
-    one = contents(prepare(cfg, progress=False))
-    two = contents(
-        prepare(
-            dataclasses.replace(
-                cfg, data=dataclasses.replace(cfg.data, prepare_workers=2, cache_dir=str(tmp_path / "two"))
-            )
-        )
-    )
+    texts = [f"document {i}: " + "word " * (i % 17) for i in range(1500)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    # Paragraphs of one to three lines, and a TSV whose header only the first part holds.
+    (tmp_path / "d.txt").write_text("".join(t + "\n" + "more\n" * (i % 3) + "\n" for i, t in enumerate(texts)))
+    (tmp_path / "e.tsv").write_text("id\ttext\n" + "".join(f"{i}\t{t}\n" for i, t in enumerate(texts)))
+    monkeypatch.setattr(P, "PARALLEL_ABOVE", 0)  # worker processes, each file cut into parts of ~4 KB
+    monkeypatch.setattr(P, "PART_BYTES", 4096)
+    files = [tmp_path / n for n in ("c.jsonl", "d.txt", "e.tsv")]
+    cfg = cfg_for(files, tmp_path / "one", prepare_workers=1, max_examples=4400, text_unit="paragraph")
+    one = prepare(cfg, progress=False)
+    data = dataclasses.replace(cfg.data, prepare_workers=2, cache_dir=str(tmp_path / "two"))
+    two = prepare(dataclasses.replace(cfg, data=data), progress=False)
+    assert len(sources.parts(sources.Source(tuple(map(str, files)), ("text",), unit="paragraph"), 4096)) > 20
+    assert one.manifest["documents"]["train"] > 3500 and one.samples() == two.samples()
     for split in SPLITS:
-        for a, b in zip(one[split], two[split], strict=True):
+        for a, b in zip(contents(one)[split], contents(two)[split], strict=True):
             np.testing.assert_array_equal(a, b)
+    reference, _ = sources.read(sources.Source(tuple(map(str, files)), ("text",), unit="paragraph"))
+    assert len(reference) == 4500  # read whole, serially: the same records
+    with open(tmp_path / "e.tsv", "a") as f:  # line numbers run on across parts
+        f.write("x\ty\tz\n")
+    with pytest.raises(sources.DataError, match=r"e\.tsv:1502: expected 2 tab-separated columns, got 3"):
+        prepare(cfg, progress=False)
 
 
 def test_a_bad_line_fails_before_anything_is_written(tmp_path):

@@ -121,21 +121,35 @@ def prepare(cfg: Config, workdir=None, progress: bool = True) -> Prepared:
     tokenizer = tokenizer_identity(cfg, workdir)
     if tokenizer is not None and (root / key_of(tokenizer) / "manifest.json").is_file():
         return _open(root / key_of(tokenizer))
-    labels = sources.label_set(src) if objective == "classify" else None
-    # Pass 1: every record is read and checked before anything is written or trained.
-    count = sum(1 for _ in _records(src, labels, d.max_examples))
-    assign = split_assignment(count, d.val_fraction, d.test_fraction, d.split_seed, ", ".join(src.files))
-    if tokenizer is None:  # SentencePiece, trained on the training split only
-        from jaxformer.data.pipeline import train_tokenizer
+    workers = d.prepare_workers or os.cpu_count() or 1
+    parallel = workers > 1 and sum(p.stat().st_size for p in files) > PARALLEL_ABOVE
+    with _Runner(workers if parallel else 0, cfg, workdir) as run:
+        plan = _plan(src, run)
+        labels = None
+        if objective == "classify":
+            labels = src.labels or tuple(sorted(set().union(*run(_part_labels, [(src, p) for p in plan]))))
+        # Pass 1: every record is read and checked before anything is written or trained.
+        counts = run(_count_part, [(src, labels, p) for p in plan])
+        limits = _limits(counts, d.max_examples)
+        assign = split_assignment(sum(limits), d.val_fraction, d.test_fraction, d.split_seed, ", ".join(src.files))
+        if tokenizer is None:  # SentencePiece, trained on the training split only
+            from jaxformer.data.pipeline import train_tokenizer
 
-        n_text = 2 if objective == "seq2seq" else 1
-        records = enumerate(_records(src, labels, d.max_examples))
-        texts = (x for i, r in records if assign[i] == 0 for x in r[1 : 1 + n_text])
-        train_tokenizer(cfg, texts, workdir)
-        tokenizer = tokenizer_identity(cfg, workdir)
-    final = root / key_of(tokenizer)
-    if (final / "manifest.json").is_file():
-        return _open(final)
+            n_text = 2 if objective == "seq2seq" else 1
+            records = enumerate(_records(src, labels, d.max_examples))
+            texts = (x for i, r in records if assign[i] == 0 for x in r[1 : 1 + n_text])
+            train_tokenizer(cfg, texts, workdir)
+            tokenizer = tokenizer_identity(cfg, workdir)
+        final = root / key_of(tokenizer)
+        if not (final / "manifest.json").is_file():
+            described = {"version": VERSION, "settings": settings, "sources": fingerprint, "tokenizer": tokenizer}
+            _build_into(final, described, cfg, workdir, src, labels, plan, limits, assign, run, progress)
+    return _open(final)
+
+
+def _build_into(final, described, cfg, workdir, src, labels, plan, limits, assign, run, progress) -> None:
+    """Build the cache `final` in a temporary directory and rename it into place."""
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     host = socket.gethostname()
     for stale in root.glob(f"{final.name}.tmp-{host}-*"):  # builds killed on this host (not running ones)
@@ -144,9 +158,8 @@ def prepare(cfg: Config, workdir=None, progress: bool = True) -> Prepared:
     tmp = root / f"{final.name}.tmp-{host}-{os.getpid()}"
     tmp.mkdir()
     try:
-        manifest = _build(cfg, workdir, src, labels, assign, tmp, progress)
-        manifest |= {"version": VERSION, "settings": settings, "sources": fingerprint, "tokenizer": tokenizer}
-        manifest["labels"] = list(labels or ())
+        manifest = _build(cfg, workdir, src, labels, plan, limits, assign, tmp, run, progress)
+        manifest |= described | {"labels": list(labels or ())}
         _write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1))
         try:
             os.rename(tmp, final)  # atomic: the cache appears whole or not at all
@@ -155,7 +168,6 @@ def prepare(cfg: Config, workdir=None, progress: bool = True) -> Prepared:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return _open(final)
 
 
 def _alive(pid: int) -> bool:
@@ -204,15 +216,84 @@ def split_assignment(n: int, val_fraction: float, test_fraction: float, seed: in
     return assign
 
 
-# ----------------------------------------------------------------------------- tokenizing (in workers)
+# ----------------------------------------------------------------------------- parts, in parallel
 
+PART_BYTES = 32 << 20  # a worker's share of a file: read, checked and tokenized alone
 _WORKER: dict = {}
 
 
-def _init_worker(cfg: Config, workdir) -> None:
-    from jaxformer.data.pipeline import load_tokenizer
+class _Runner:
+    """`run(fn, tasks)` -> [fn(task) ...] in order: in `workers` spawned processes, or here (0)."""
 
-    _WORKER.update(tok=load_tokenizer(cfg, workdir or "."), objective=cfg.train.objective, max_len=cfg.data.max_len)
+    def __init__(self, workers: int, cfg: Config, workdir):
+        self.workers, self.cfg, self.workdir, self.pool = workers, cfg, workdir, None
+
+    def __enter__(self):
+        if self.workers:
+            # spawn: this process runs JAX's threads, which a fork would copy in an unknown state.
+            ctx = multiprocessing.get_context("spawn")
+            self.pool = ctx.Pool(self.workers, _init_worker, (self.cfg, self.workdir))
+        else:
+            _init_worker(self.cfg, self.workdir)
+        return self
+
+    def __call__(self, fn, tasks: list) -> list:
+        return self.pool.map(fn, tasks, chunksize=1) if self.pool else [fn(t) for t in tasks]
+
+    def each(self, fn, tasks: list) -> Iterator:
+        """Results in order as they come (the next parts are worked on meanwhile)."""
+        return self.pool.imap(fn, tasks, chunksize=1) if self.pool else (fn(t) for t in tasks)
+
+    def __exit__(self, *exc):
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+
+def _init_worker(cfg: Config, workdir) -> None:
+    _WORKER.clear()
+    _WORKER.update(cfg=cfg, workdir=workdir)
+
+
+def _tokenizer():
+    """The worker's tokenizer, loaded once (it may be trained after the worker started)."""
+    if "tok" not in _WORKER:
+        from jaxformer.data.pipeline import load_tokenizer
+
+        _WORKER["tok"] = load_tokenizer(_WORKER["cfg"], _WORKER["workdir"] or ".")
+    return _WORKER["tok"]
+
+
+def _plan(src: sources.Source, run: _Runner) -> list[sources.Part]:
+    """The files cut into parts, each with the number of its first line."""
+    plan = sources.parts(src, PART_BYTES)
+    lines = run(sources.count_lines, [p for p in plan])
+    out, before = [], {}
+    for part, n in zip(plan, lines, strict=True):
+        out.append(dataclasses.replace(part, first_line=before.get(part.path, 0) + 1))
+        before[part.path] = before.get(part.path, 0) + n
+    return out
+
+
+def _part_labels(task) -> set:
+    src, part = task
+    return {r[-1] for r in sources.iter_records(src, part=part)}
+
+
+def _count_part(task) -> int:
+    src, labels, part = task
+    return sum(1 for _ in sources.iter_records(src, labels, part=part))
+
+
+def _limits(counts: list[int], max_examples: int) -> list[int]:
+    """Records taken from each part: all, up to data.max_examples in all (0: no cap)."""
+    if not max_examples:
+        return list(counts)
+    left, out = max_examples, []
+    for n in counts:
+        out.append(min(n, left))
+        left -= out[-1]
+    return out
 
 
 def encode_flat(tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -263,62 +344,90 @@ def _encode_chunk(fields: list[list[str]]) -> list[tuple[np.ndarray, np.ndarray,
     return out
 
 
-def _build(cfg: Config, workdir, src, labels, assign: np.ndarray, out: pathlib.Path, progress: bool) -> dict:
+def _encode_part(task) -> dict:
+    """Tokenize the records of one part into files `out/p{index}.{split}.{field}.bin` (+ `.len.npy`,
+    and `.label.npy` for classification). Returns the first test records (for samples)."""
+    index, src, labels, part, limit, assign, out, dtype, num_samples = task
+    cfg = _WORKER["cfg"]
+    tok, objective, names = _tokenizer(), cfg.train.objective, fields_of(cfg.train.objective)
+    _WORKER.update(tok=tok, objective=objective, max_len=cfg.data.max_len)
+    records = itertools.islice(sources.iter_records(src, labels, part=part), limit)
+    bins = {(s, f): open(out / f"p{index}.{s}.{f}.bin", "wb") for s in SPLITS for f in names}  # noqa: SIM115
+    lengths = {key: [np.zeros(0, np.int64)] for key in bins}
+    label_parts = {s: [np.zeros(0, np.int32)] for s in SPLITS}
+    samples, done = [], 0
+    try:
+        while chunk := list(itertools.islice(records, CHUNK)):
+            split_of = assign[done : done + len(chunk)]
+            encoded = _encode_chunk([[r[1 + j] for r in chunk] for j in range(len(names))])
+            for j, (tokens, lens, cut) in enumerate(encoded):
+                if cut and cfg.data.too_long == "reject":
+                    raise DataError(
+                        f"{chunk[cut[0]][0]}: sequence of {cut[1]} tokens exceeds "
+                        f"data.max_len={cfg.data.max_len} (data.too_long=reject)"
+                    )
+                for s, split in enumerate(SPLITS):
+                    mine = split_of == s
+                    bins[split, names[j]].write(tokens[np.repeat(mine, lens)].astype(dtype).tobytes())
+                    lengths[split, names[j]].append(lens[mine])
+            if objective == "classify":
+                classes = np.asarray([r[-1] for r in chunk], np.int32)
+                for s, split in enumerate(SPLITS):
+                    label_parts[split].append(classes[split_of == s])
+            test = np.flatnonzero(split_of == 2)[: max(num_samples - len(samples), 0)]
+            samples += [chunk[i] for i in test]
+            done += len(chunk)
+    finally:
+        for f in bins.values():
+            f.close()
+    for (split, name), parts in lengths.items():
+        np.save(out / f"p{index}.{split}.{name}.len.npy", np.concatenate(parts))
+    if objective == "classify":
+        for split in SPLITS:
+            np.save(out / f"p{index}.{split}.label.npy", np.concatenate(label_parts[split]))
+    return {"records": done, "samples": samples}
+
+
+def _build(cfg: Config, workdir, src, labels, plan, limits, assign, out: pathlib.Path, run, progress) -> dict:
     from tqdm.auto import tqdm
 
     from jaxformer.data.pipeline import load_tokenizer
 
-    d, objective = cfg.data, cfg.train.objective
+    objective = cfg.train.objective
     tok = load_tokenizer(cfg, workdir or ".")
     check_vocab(cfg, tok, src)
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.int32
     names = fields_of(objective)
-    n_text = len(names)
+    k = max(cfg.train.num_samples, 1)
+    starts = np.cumsum([0, *limits])
+    tasks = [
+        (i, src, labels, part, limit, assign[starts[i] : starts[i + 1]], out, dtype, k)
+        for i, (part, limit) in enumerate(zip(plan, limits, strict=True))
+        if limit
+    ]
     bins = {(s, f): open(out / f"{s}.{f}.bin", "wb") for s in SPLITS for f in names}  # noqa: SIM115
-    lengths = {(s, f): [np.zeros(1, np.int64)] for s in SPLITS for f in names}
-    label_parts = {s: [] for s in SPLITS}
+    lengths = {key: [np.zeros(1, np.int64)] for key in bins}
+    label_parts = {s: [np.zeros(0, np.int32)] for s in SPLITS}
     samples: list[tuple] = []
-    total_bytes = sum(p.stat().st_size for p in sources.expand(src.files))
-    workers = d.prepare_workers or os.cpu_count() or 1
-    pool = None
-    if workers > 1 and total_bytes > PARALLEL_ABOVE:
-        # spawn: this process runs JAX's threads, which a fork would copy in an unknown state.
-        pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (cfg, workdir))
-    else:
-        _init_worker(cfg, workdir)
-    records = _records(src, labels, d.max_examples)
     bar = tqdm(total=len(assign), unit="doc", desc="tokenizing", disable=not progress, mininterval=1.0)
-    index = 0
     try:
-        while wave := [c for c in (list(itertools.islice(records, CHUNK)) for _ in range(4 * workers)) if c]:
-            # A wave of chunks at a time: memory stays bounded, and the order of documents is kept.
-            texts = [[[r[1 + j] for r in chunk] for j in range(n_text)] for chunk in wave]
-            encoded = pool.map(_encode_chunk, texts, chunksize=1) if pool else [_encode_chunk(t) for t in texts]
-            for chunk, fields in zip(wave, encoded, strict=True):
-                split_of = assign[index : index + len(chunk)]
-                for j, (tokens, lens, cut) in enumerate(fields):
-                    if cut and d.too_long == "reject":
-                        raise DataError(
-                            f"{chunk[cut[0]][0]}: sequence of {cut[1]} tokens exceeds "
-                            f"data.max_len={d.max_len} (data.too_long=reject)"
-                        )
-                    for s, name in enumerate(SPLITS):
-                        mine = split_of == s
-                        bins[name, names[j]].write(tokens[np.repeat(mine, lens)].astype(dtype).tobytes())
-                        lengths[name, names[j]].append(lens[mine])
-                if objective == "classify":
-                    for s, name in enumerate(SPLITS):
-                        label_parts[name].append(np.asarray([r[-1] for r, a in zip(chunk, split_of, strict=True)
-                                                             if a == s], np.int32))  # fmt: skip
-                for r, a in zip(chunk, split_of, strict=True):
-                    if a == 2 and len(samples) < max(cfg.train.num_samples, 1):
-                        samples.append(r)
-                index += len(chunk)
-                bar.update(len(chunk))
+        for task, result in zip(tasks, run.each(_encode_part, tasks), strict=True):
+            i = task[0]
+            for (split, name), f in bins.items():  # appended in order of the parts: the corpus' order
+                piece = out / f"p{i}.{split}.{name}.bin"
+                with open(piece, "rb") as part_file:
+                    shutil.copyfileobj(part_file, f, 1 << 24)
+                piece.unlink()
+                lengths[split, name].append(np.load(out / f"p{i}.{split}.{name}.len.npy"))
+                (out / f"p{i}.{split}.{name}.len.npy").unlink()
+            if objective == "classify":
+                for split in SPLITS:
+                    label_parts[split].append(np.load(out / f"p{i}.{split}.label.npy"))
+                    (out / f"p{i}.{split}.label.npy").unlink()
+            samples += result["samples"][: k - len(samples)]
+            bar.update(result["records"])
     finally:
         bar.close()
-        if pool is not None:
-            pool.terminate()
         for f in bins.values():
             f.close()
     counts = {}

@@ -93,18 +93,24 @@ def format_of(path: pathlib.Path, given: str) -> str:
     return found[ext]
 
 
-def read_lines(path: str | pathlib.Path, block: int = 1 << 24) -> Iterator[tuple[int, str]]:
+def read_lines(path: str | pathlib.Path, block: int = 1 << 24, part: Part | None = None) -> Iterator[tuple[int, str]]:
     """(line number, line) of a UTF-8 text file, decompressed by its suffix; a line that is not UTF-8 fails.
 
     Read and decoded a block of whole lines at a time: per-line reads dominate the time otherwise.
+    `part`: only the bytes start..stop of an uncompressed file, whose first line is number first_line.
     """
     path = pathlib.Path(path)
     opener = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}.get(path.suffix, open)
-    lineno, rest = 0, b""
+    start, stop, first_line = (0, None, 1) if part is None else (part.start, part.stop, part.first_line)
+    lineno, rest = first_line - 1, b""
     try:
         with opener(path, "rb") as f:
+            if start:
+                f.seek(start)
+            left = float("inf") if stop is None else stop - start
             while True:
-                data = f.read(block)
+                data = f.read(int(min(block, left)))
+                left -= len(data)
                 chunk = rest + data
                 cut = len(chunk) if not data else chunk.rfind(b"\n") + 1
                 if not data and not chunk:
@@ -131,15 +137,15 @@ def read_lines(path: str | pathlib.Path, block: int = 1 << 24) -> Iterator[tuple
         raise DataError(f"{path}: cannot be read ({e})") from e
 
 
-def _text(path: pathlib.Path, src: Source) -> Iterator[tuple[str, dict]]:
+def _text(path: pathlib.Path, src: Source, part: Part | None) -> Iterator[tuple[str, dict]]:
     name = src.fields[0]
     if src.unit == "line":
-        for lineno, line in read_lines(path):
+        for lineno, line in read_lines(path, part=part):
             if line.strip():
                 yield f"{path}:{lineno}", {name: line}
         return
     current, start = [], 0
-    for lineno, line in itertools.chain(read_lines(path), [(0, "")]):  # streamed: never the whole file
+    for lineno, line in itertools.chain(read_lines(path, part=part), [(0, "")]):  # streamed, never the whole file
         if line.strip():
             start = start or lineno
             current.append(line)
@@ -148,8 +154,8 @@ def _text(path: pathlib.Path, src: Source) -> Iterator[tuple[str, dict]]:
             current, start = [], 0
 
 
-def _jsonl(path: pathlib.Path, src: Source) -> Iterator[tuple[str, dict]]:
-    for lineno, line in read_lines(path):
+def _jsonl(path: pathlib.Path, src: Source, part: Part | None) -> Iterator[tuple[str, dict]]:
+    for lineno, line in read_lines(path, part=part):
         if not line.strip():
             continue
         try:
@@ -161,9 +167,11 @@ def _jsonl(path: pathlib.Path, src: Source) -> Iterator[tuple[str, dict]]:
         yield f"{path}:{lineno}", row
 
 
-def _tsv(path: pathlib.Path, src: Source) -> Iterator[tuple[str, dict]]:
-    lines = read_lines(path)
-    _, header = next(lines, (1, ""))
+def _tsv(path: pathlib.Path, src: Source, part: Part | None) -> Iterator[tuple[str, dict]]:
+    _, header = next(read_lines(path, block=1 << 16), (1, ""))  # every part reads the file's header
+    lines = read_lines(path, part=part)
+    if part is None or part.start == 0:
+        next(lines, None)
     columns = header.split("\t")
     missing = [f for f in src.fields if f not in columns]
     if header and missing:
@@ -177,7 +185,7 @@ def _tsv(path: pathlib.Path, src: Source) -> Iterator[tuple[str, dict]]:
         yield f"{path}:{lineno}", dict(zip(columns, values, strict=True))
 
 
-def _parquet(path: pathlib.Path, src: Source) -> Iterator[tuple[str, dict]]:
+def _parquet(path: pathlib.Path, src: Source, part: Part | None) -> Iterator[tuple[str, dict]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -206,7 +214,55 @@ def _parquet(path: pathlib.Path, src: Source) -> Iterator[tuple[str, dict]]:
 READERS = {"text": _text, "jsonl": _jsonl, "tsv": _tsv, "parquet": _parquet}
 
 
-def iter_records(src: Source, labels: tuple[str, ...] | None = None) -> Iterator[tuple]:
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """Bytes start..stop (None: to the end) of one file, cut at a record boundary; its first line's number."""
+
+    path: str
+    start: int = 0
+    stop: int | None = None
+    first_line: int = 1
+
+
+def parts(src: Source, size: int) -> list[Part]:
+    """The files of `src` cut into parts of about `size` bytes at record boundaries (a line end; a
+    blank line for paragraphs), for readers in parallel; compressed and Parquet files stay whole.
+    first_line is left at 1: `count_lines` gives each part its own."""
+    out = []
+    for path in expand(src.files):
+        total = path.stat().st_size
+        if path.suffix in (".xz", ".gz", ".bz2") or format_of(path, src.format) == "parquet" or total <= size:
+            out.append(Part(str(path)))
+            continue
+        mark = b"\n\n" if format_of(path, src.format) == "text" and src.unit == "paragraph" else b"\n"
+        cuts = [0]
+        with open(path, "rb") as f:
+            while cuts[-1] + size < total:
+                f.seek(cuts[-1] + size)
+                window, at = b"", -1
+                while at < 0 and (more := f.read(1 << 16)):
+                    window += more
+                    at = window.find(mark)
+                if at < 0:
+                    break
+                cuts.append(cuts[-1] + size + at + len(mark))
+        out += [Part(str(path), a, b) for a, b in zip(cuts, [*cuts[1:], None], strict=True)]
+    return out
+
+
+def count_lines(part: Part) -> int:
+    """Line ends in a part (the next part of its file starts that many lines further)."""
+    count = 0
+    with open(part.path, "rb") as f:
+        f.seek(part.start)
+        left = float("inf") if part.stop is None else part.stop - part.start
+        while left > 0 and (data := f.read(int(min(1 << 24, left)))):
+            count += data.count(b"\n")
+            left -= len(data)
+    return count
+
+
+def iter_records(src: Source, labels: tuple[str, ...] | None = None, part: Part | None = None) -> Iterator[tuple]:
     """The records of `src` one by one, in file order (memory flat whatever the corpus' size).
 
     With `labels` (classification) the last field becomes its index in `labels`; a label outside
@@ -216,13 +272,13 @@ def iter_records(src: Source, labels: tuple[str, ...] | None = None) -> Iterator
     pattern = re.compile(src.label_pattern) if src.label_pattern else None
     index = None if labels is None else {name: i for i, name in enumerate(labels)}
     kept = 0
-    for path in expand(src.files):
+    for path in expand(src.files) if part is None else [pathlib.Path(part.path)]:
         fmt = format_of(path, src.format)
         if fmt == "text" and len(src.fields) != 1:
             raise DataError(f"{path}: plain text holds one field per document, but {len(src.fields)} are needed "
                             f"({', '.join(src.fields)}): use JSONL, TSV or Parquet")  # fmt: skip
         count = 0
-        for where, row in READERS[fmt](path, src):
+        for where, row in READERS[fmt](path, src, part):
             count += 1
             values = []
             for name in src.fields:
@@ -247,9 +303,9 @@ def iter_records(src: Source, labels: tuple[str, ...] | None = None) -> Iterator
                 values[-1] = index[values[-1]]
             kept += 1
             yield (where, *values)
-        if count == 0:
+        if count == 0 and (part is None or (part.stop is None and part.start == 0)):
             raise DataError(f"{path}: empty file (no records)")
-    if not kept:
+    if not kept and part is None:
         raise DataError(f"{', '.join(src.files)}: no records left (data.min_words={src.min_words})")
 
 
