@@ -110,7 +110,8 @@ def bench_loader(args) -> dict:
 
 
 def bench_padding(args) -> dict:
-    """Real-token fraction of translation batches (source and target slots) over one epoch."""
+    """Real-token fraction of translation batches (source and target slots) over one epoch, and for
+    packing the share of the training pairs an epoch holds."""
     from jaxformer.config import load_experiment
     from jaxformer.data import build_dataset
     from jaxformer.train import real_fraction
@@ -118,14 +119,18 @@ def bench_padding(args) -> dict:
     out = {"what": "padding"}
     base = load_experiment("experiments/translate_en_de.py")
     workdir = args.dir / "translate"
-    for name, buckets in (("padded to max_len", 1), ("length buckets", base.data.length_buckets)):
-        cfg = dataclasses.replace(base, data=dataclasses.replace(base.data, length_buckets=buckets))
+    cases = (("padded to max_len", 1, False), ("length buckets", base.data.length_buckets, False), ("packed", 1, True))
+    for name, buckets, pack in cases:
+        cfg = dataclasses.replace(base, data=dataclasses.replace(base.data, length_buckets=buckets, pack=pack))
         train = build_dataset(cfg, workdir).train
         real = slots = 0.0
         for step in range(len(train)):
             r, s = real_fraction(train.get(step))
             real, slots = real + r, slots + s
         out[name] = real / slots
+        if pack:
+            used = sum(len(r) for s in range(len(train)) for r in train.rows(s))
+            out["packed: pairs in an epoch"] = used / train.num_examples
     return out
 
 

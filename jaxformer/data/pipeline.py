@@ -135,8 +135,8 @@ class Batches:
 class Documents:
     """One field of one split of a prepared corpus: document i is tokens[offsets[i]:offsets[i + 1]]."""
 
-    def __init__(self, tokens: np.ndarray, offsets: np.ndarray):
-        self.tokens, self.offsets = tokens, offsets
+    def __init__(self, tokens, offsets: np.ndarray):
+        self.tokens, self.offsets = tokens, offsets  # a prepare.TokenFile, [N + 1] int64
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -145,13 +145,13 @@ class Documents:
         return (self.offsets[rows + 1] - self.offsets[rows]).astype(np.int32)
 
     def document(self, i: int) -> np.ndarray:
-        return np.asarray(self.tokens[self.offsets[i] : self.offsets[i + 1]], np.int32)
+        return self.tokens.read(self.offsets[i], self.offsets[i + 1])
 
     def padded(self, rows: np.ndarray, width: int, pad_id: int) -> np.ndarray:
         """[len(rows), width] the documents of `rows`, right-padded with pad_id."""
         out = np.full((len(rows), width), pad_id, np.int32)
         for i, r in enumerate(rows):
-            doc = self.tokens[self.offsets[r] : self.offsets[r + 1]]
+            doc = self.tokens.read(self.offsets[r], self.offsets[r + 1])
             out[i, : len(doc)] = doc
         return out
 
@@ -173,7 +173,7 @@ class Windows:
 
     def take(self, rows: np.ndarray, width: int | None = None) -> dict[str, np.ndarray]:
         at_BW = rows[:, None] * self.width + np.arange(self.width)  # stream index of each slot
-        windows = self.docs.tokens[at_BW].astype(np.int32)
+        windows = self.docs.tokens.rows(rows * self.width, self.width)
         out = {}
         if self.segments:
             offsets = self.docs.offsets
@@ -220,7 +220,7 @@ class PackedPairs:
     def __init__(self, pairs: Pairs, batch_size: int, fill: float = 1.0):
         self.pairs, self.L = pairs, pairs.L
         N, rows = len(pairs), self.CHUNK * batch_size
-        mean = max(pairs.src.tokens.size, pairs.tgt.tokens.size) / max(N, 1)  # tokens per example, the longer side
+        mean = max(len(pairs.src.tokens), len(pairs.tgt.tokens)) / max(N, 1)  # tokens per example, the longer side
         self.per_chunk = int(min(N, max(rows, rows * self.L * fill / max(mean, 1.0))))
 
     def __len__(self) -> int:

@@ -51,6 +51,46 @@ def fields_of(objective: str) -> tuple[str, ...]:
     return {"seq2seq": ("source", "target"), "classify": ("text",)}.get(objective, ("text",))
 
 
+class TokenFile:
+    """A prepared token array on disk, read by `os.pread` (positionless: safe from many threads).
+
+    Not memory-mapped: pages of a mapping that batches touch count in the process' resident
+    memory, so a long run over a large corpus would look as if it held the corpus; reads leave
+    them in the kernel's page cache only.
+    """
+
+    def __init__(self, path: pathlib.Path, dtype: np.dtype):
+        self.path, self.dtype = path, np.dtype(dtype)
+        self.size = path.stat().st_size // self.dtype.itemsize
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __del__(self):
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens start..stop-1 as int32."""
+        n = self.dtype.itemsize
+        data = os.pread(self.fd, (int(stop) - int(start)) * n, int(start) * n)
+        return np.frombuffer(data, self.dtype).astype(np.int32)
+
+    def __getitem__(self, index):  # a slice, or an array of positions (tests, small reads)
+        if isinstance(index, slice):
+            return self.read(index.start or 0, self.size if index.stop is None else index.stop)
+        index = np.asarray(index)
+        return np.stack([self.read(i, i + 1)[0] for i in index.ravel()]).reshape(index.shape) if index.size else index
+
+    def __array__(self, dtype=None, copy=None):
+        return self.read(0, self.size) if dtype is None else self.read(0, self.size).astype(dtype)
+
+    def rows(self, starts: np.ndarray, width: int) -> np.ndarray:
+        """[len(starts), width]: tokens start..start+width-1 of each start."""
+        return np.stack([self.read(a, a + width) for a in starts]) if len(starts) else np.zeros((0, width), np.int32)
+
+
 @dataclasses.dataclass
 class Prepared:
     """A prepared corpus, memory-mapped: the documents of each split and field, and the labels."""
@@ -58,11 +98,9 @@ class Prepared:
     directory: pathlib.Path
     manifest: dict
 
-    def documents(self, split: str, field: str) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens [total], offsets [N + 1]) of one split's field, memory-mapped (nothing is read yet)."""
-        dtype = np.dtype(self.manifest["dtype"])
-        path = self.directory / f"{split}.{field}.bin"
-        tokens = np.memmap(path, dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype)
+    def documents(self, split: str, field: str) -> tuple[TokenFile, np.ndarray]:
+        """(tokens [total], offsets [N + 1]) of one split's field: nothing is read yet."""
+        tokens = TokenFile(self.directory / f"{split}.{field}.bin", np.dtype(self.manifest["dtype"]))
         return tokens, np.load(self.directory / f"{split}.{field}.offsets.npy", mmap_mode="r")
 
     def labels(self, split: str) -> np.ndarray:
