@@ -1,15 +1,17 @@
 """From a DataConfig to deterministic, step-indexed batches of numpy arrays.
 
-A split is a set of fixed-shape arrays; `Batches.get(step)` returns the batch of a
-step as a pure function of (seed, step): epoch e uses the permutation seeded by
-(seed, e). So the iterator's whole position is the step number, which makes exact
-resume trivial, and any process can compute its slice of any step.
+A split is the prepared corpus' documents on disk (`prepare.py`); `Batches.get(step)` returns the
+batch of a step as a pure function of (seed, step): epoch e takes grain's lazy shuffle of the
+examples reseeded for e. So the iterator's whole position is the step number, which makes exact
+resume trivial, and any process can read its rows of any step alone.
 
 Batch keys by objective (all int32 unless noted; weights float32):
   lm        inputs [B, T], targets [B, T], weights [B, T]
   seq2seq   src [B, S], src_lengths [B], inputs [B, T] (BOS + target[:-1]), targets [B, T], weights [B, T]
   mlm       inputs [B, T] (masked), targets [B, T], weights [B, T] (1 on masked positions)
   classify  src [B, S], src_lengths [B], label [B]
+Packed (data.pack, training only): lm/mlm add segments [B, T] and positions [B, T]; seq2seq has
+src_segments, src_positions [B, S] and tgt_segments, tgt_positions [B, T] instead of src_lengths.
 """
 
 from __future__ import annotations
