@@ -450,10 +450,10 @@ def test_resuming_with_another_optimizer_layout_is_refused_not_set_aside(tmp_pat
     assert checkpoint_names(workdir) == ["20", "30", "40"], "nothing set aside"
 
 
-def corpus_command(workdir, corpus):
-    """A tiny LM on a user's JSONL corpus, packed: 24 steps of 8 windows, an epoch is longer."""
+def corpus_command(workdir, corpus, pack):
+    """A tiny LM on a user's JSONL corpus: 24 steps of 8 windows, an epoch is longer."""
     sets = [
-        "data.source=files", f"data.files={corpus}", "data.pack=true", "data.max_examples=0", "data.max_len=32",
+        "data.source=files", f"data.files={corpus}", f"data.pack={pack}", "data.max_examples=0", "data.max_len=32",
         "model.max_len=32", "model.d_model=32", "model.num_heads=2", "model.d_ff=64", "model.num_decoder_layers=1",
         "train.steps=24", "train.batch_size=8", "checkpoint.every=8", "train.log_every=1", "train.eval_every=24",
         "train.eval_batches=2", "train.num_samples=0", "train.warmup_steps=2",
@@ -462,18 +462,20 @@ def corpus_command(workdir, corpus):
     return [sys.executable, "-m", "jaxformer.cli", *args, *(x for s in sets for x in ("--set", s))]
 
 
-def test_sigkill_mid_epoch_on_a_packed_user_corpus_resumes_to_the_same_batches_and_state(tmp_path):
+@pytest.mark.parametrize("pack", [False, True], ids=["unpacked", "packed"])
+def test_sigkill_mid_epoch_on_a_user_corpus_resumes_to_the_same_batches_and_state(tmp_path, pack):
     corpus = tmp_path / "corpus.jsonl"
     rng = np.random.default_rng(0)
     words = ["to", "be", "or", "not", "that", "is", "the", "question"]
     corpus.write_text(
         "".join(json.dumps({"text": " ".join(rng.choice(words, n))}) + "\n" for n in rng.integers(2, 12, 800))
     )
-    whole = subprocess.run(corpus_command(tmp_path / "whole", corpus), capture_output=True, text=True, timeout=600)
+    command = corpus_command(tmp_path / "whole", corpus, pack)
+    whole = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert whole.returncode == 0, whole.stderr[-3000:]
     workdir = tmp_path / "killed"
     proc = subprocess.Popen(
-        corpus_command(workdir, corpus), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        corpus_command(workdir, corpus, pack), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
     try:
         deadline = time.time() + 300
@@ -488,7 +490,7 @@ def test_sigkill_mid_epoch_on_a_packed_user_corpus_resumes_to_the_same_batches_a
             proc.kill()
             proc.wait()
     assert saved_steps(workdir)[-1] < 24
-    resumed = subprocess.run(corpus_command(workdir, corpus), capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(corpus_command(workdir, corpus, pack), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     train = lambda w: [r for r in metrics(w) if r["split"] == "train"]
     assert [r["step"] for r in train(workdir)] == list(range(24))
