@@ -83,10 +83,10 @@ KILLED = """
 import sys, time
 from jaxformer.data import prepare as P
 from jaxformer import config as C
-P.CHUNK = 8
+P.CHUNK, P.PART_BYTES = 8, 2048
 encode = P._encode_chunk
 def slow(fields):
-    time.sleep(0.05)
+    time.sleep(0.02)
     return encode(fields)
 P._encode_chunk = slow
 cfg = C.Config(
@@ -98,23 +98,31 @@ P.prepare(cfg, progress=False)
 """
 
 
-def test_a_killed_prepare_is_never_read_and_a_rerun_finishes(tmp_path):
+def test_a_killed_prepare_is_never_read_and_a_rerun_finishes_its_parts(tmp_path, monkeypatch):
+    from jaxformer.data import prepare as P
+
     corpus, cache = tmp_path / "c.jsonl", tmp_path / "cache"
-    write_corpus(corpus, n=2000)
+    write_corpus(corpus, n=1500)
     proc = subprocess.Popen([sys.executable, "-c", KILLED, str(corpus), str(cache)])
     deadline = time.time() + 60
-    while not any(p.stat().st_size for p in cache.glob("*.tmp-*/*.bin")):
-        assert time.time() < deadline and proc.poll() is None, "the build never started writing"
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)  # mid-build: shards half-written
+    while len(list(cache.glob("*.tmp-*/p[0-9]*.json"))) < 2:  # two parts finished, others half-written
+        assert time.time() < deadline and proc.poll() is None, "the build never finished a part"
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not list(cache.glob("*/manifest.json")), "a killed build left a cache that would be read"
+    finished = len(list(cache.glob("*.tmp-*/p[0-9]*.json")))
+    monkeypatch.setattr(P, "PART_BYTES", 2048)  # the same parts as the killed build
+    calls = []
+    encode = P._encode_chunk
+    monkeypatch.setattr(P, "_encode_chunk", lambda fields: calls.append(1) or encode(fields))
     cfg = cfg_for([corpus], cache)
-    prepared = prepare(cfg, progress=False)  # the rerun builds it whole
+    prepared = prepare(cfg, progress=False)  # the rerun does the parts the killed build had not finished
     assert not list(cache.glob("*.tmp-*"))
-    clean = prepare(
-        dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, cache_dir=str(tmp_path / "clean"))), progress=False
-    )
+    redone = len(calls)
+    calls.clear()
+    clean = prepare(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, cache_dir=str(tmp_path / "clean"))))
+    assert finished >= 2 and redone <= len(calls) - finished
     for split, (tokens, offsets) in contents(prepared).items():
         np.testing.assert_array_equal(tokens, contents(clean)[split][0])
         np.testing.assert_array_equal(offsets, contents(clean)[split][1])

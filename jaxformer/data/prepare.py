@@ -12,12 +12,14 @@ target + EOS, cut to data.max_len; classification BOS + text, cut to data.max_le
 
 The key hashes everything the contents depend on, so an unchanged corpus is found again and a
 changed file, tokenizer or setting makes a new one. A cache is written in a temporary directory
-and renamed into place once complete: a killed run leaves nothing that is ever read, and the next
-run builds the cache again from the start.
+and renamed into place once complete: a killed run leaves nothing that is ever read. The files
+are cut into parts, each tokenized into its own files with a marker written last; a rerun takes
+the killed build's directory over and does only the parts that have no marker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -190,21 +192,29 @@ def _build_into(final, described, cfg, workdir, src, labels, plan, limits, assig
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     host = socket.gethostname()
-    for stale in root.glob(f"{final.name}.tmp-{host}-*"):  # builds killed on this host (not running ones)
-        if not _alive(int(stale.name.rsplit("-", 1)[1])):
-            shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f"{final.name}.tmp-{host}-{os.getpid()}"
-    tmp.mkdir()
+    for stale in root.glob(f"{final.name}.tmp-{host}-*"):  # builds killed on this host (not running ones)
+        if _alive(int(stale.name.rsplit("-", 1)[1])):
+            continue
+        if tmp.exists():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:  # the first one found is taken over: its finished parts are not done again
+            with contextlib.suppress(OSError):  # another process took it over first
+                stale.rename(tmp)
+    # Parts are numbered in this plan: a directory taken over from another plan starts again.
+    described_plan = json.dumps([[p.path, p.start, p.stop, n] for p, n in zip(plan, limits, strict=True)])
+    if tmp.exists() and (not (tmp / "plan.json").is_file() or (tmp / "plan.json").read_text() != described_plan):
+        shutil.rmtree(tmp)
+    tmp.mkdir(exist_ok=True)
+    _write_atomic(tmp / "plan.json", described_plan)
+    manifest = _build(cfg, workdir, src, labels, plan, limits, assign, tmp, run, progress)
+    manifest |= described | {"labels": list(labels or ())}
+    _write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1))
     try:
-        manifest = _build(cfg, workdir, src, labels, plan, limits, assign, tmp, run, progress)
-        manifest |= described | {"labels": list(labels or ())}
-        _write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1))
-        try:
-            os.rename(tmp, final)  # atomic: the cache appears whole or not at all
-        except OSError:  # another process finished the same cache first: the same contents
-            if not (final / "manifest.json").is_file():
-                raise
-    finally:
+        os.rename(tmp, final)  # atomic: the cache appears whole or not at all
+    except OSError:  # another process finished the same cache first: the same contents
+        if not (final / "manifest.json").is_file():
+            raise
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -386,6 +396,8 @@ def _encode_part(task) -> dict:
     """Tokenize the records of one part into files `out/p{index}.{split}.{field}.bin` (+ `.len.npy`,
     and `.label.npy` for classification). Returns the first test records (for samples)."""
     index, src, labels, part, limit, assign, out, dtype, num_samples = task
+    if (out / f"p{index}.json").is_file():  # finished by a build that was killed later
+        return json.loads((out / f"p{index}.json").read_text())
     cfg = _WORKER["cfg"]
     tok, objective, names = _tokenizer(), cfg.train.objective, fields_of(cfg.train.objective)
     _WORKER.update(tok=tok, objective=objective, max_len=cfg.data.max_len)
@@ -423,7 +435,9 @@ def _encode_part(task) -> dict:
     if objective == "classify":
         for split in SPLITS:
             np.save(out / f"p{index}.{split}.label.npy", np.concatenate(label_parts[split]))
-    return {"records": done, "samples": samples}
+    result = {"records": done, "samples": samples}
+    _write_atomic(out / f"p{index}.json", json.dumps(result))  # last: the part is whole
+    return result
 
 
 def _build(cfg: Config, workdir, src, labels, plan, limits, assign, out: pathlib.Path, run, progress) -> dict:
@@ -449,7 +463,10 @@ def _build(cfg: Config, workdir, src, labels, plan, limits, assign, out: pathlib
     samples: list[tuple] = []
     bar = tqdm(total=len(assign), unit="doc", desc="tokenizing", disable=not progress, mininterval=1.0)
     try:
-        for task, result in zip(tasks, run.each(_encode_part, tasks), strict=True):
+        for result in run.each(_encode_part, tasks):  # each part into its own files, kept until all are done
+            samples += result["samples"][: k - len(samples)]
+            bar.update(result["records"])
+        for task in tasks:
             i = task[0]
             for (split, name), f in bins.items():  # appended in order of the parts: the corpus' order
                 piece = out / f"p{i}.{split}.{name}.bin"
@@ -462,8 +479,7 @@ def _build(cfg: Config, workdir, src, labels, plan, limits, assign, out: pathlib
                 for split in SPLITS:
                     label_parts[split].append(np.load(out / f"p{i}.{split}.label.npy"))
                     (out / f"p{i}.{split}.label.npy").unlink()
-            samples += result["samples"][: k - len(samples)]
-            bar.update(result["records"])
+            (out / f"p{i}.json").unlink()
     finally:
         bar.close()
         for f in bins.values():
