@@ -1,4 +1,5 @@
-"""`jaxformer train | eval | generate | translate | export | import-hf | export-hf | plan | sweep | plot | check`."""
+"""`jaxformer train | prepare | eval | generate | translate | export | import-hf | export-hf | plan | sweep | plot |
+check`."""
 
 from __future__ import annotations
 
@@ -82,6 +83,23 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_prepare(args) -> int:
+    """Tokenize the experiment's corpus into WORKDIR/data (or data.cache_dir), once: `train` reuses it."""
+    import time
+
+    from jaxformer.data.prepare import prepare
+
+    cfg = _load_config(args)
+    if cfg.data.source in ("copy", "reverse"):
+        print(f"data.source={cfg.data.source} is generated at each step: nothing to prepare")
+        return 0
+    start = time.perf_counter()
+    prepared = prepare(cfg, args.workdir, progress=not args.quiet)
+    counts = ", ".join(f"{k} {v:,d}" for k, v in prepared.manifest["documents"].items())
+    print(f"{prepared.directory}: {counts} documents ({time.perf_counter() - start:.1f}s)")
+    return 0
+
+
 def cmd_eval(args) -> int:
     import jax
 
@@ -109,12 +127,12 @@ def cmd_generate(args) -> int:
     from jaxformer import decode
     from jaxformer.checkpoint import restore_workdir
     from jaxformer.data import load_tokenizer
-    from jaxformer.data.sources import read_lines
+    from jaxformer.data.sources import expand, read_lines
 
     others = [s for s in args.set or [] if not s.strip().startswith("decode.")]
     if others:
         raise CommandError(f"--set {others[0]}: `{args.command}` --set changes decoding only (decode.FIELD=VALUE)")
-    texts = list(args.text or []) + (read_lines(args.file) if args.file else [])
+    texts = list(args.text or []) + ([line for _, line in read_lines(*expand([args.file]))] if args.file else [])
     if not texts:
         raise CommandError(f"give --{args.what} TEXT or --{args.what}-file FILE")
     needed = "decoder_only" if args.command == "generate" else "encoder_decoder"
@@ -279,6 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")
     train.add_argument("--quiet", action="store_true", help="no progress output (the final report still prints)")
     train.add_argument("--profile-steps", metavar="A:B", help="trace steps A..B-1 into WORKDIR/profile")
+    prep = sub.add_parser("prepare", help="tokenize an experiment's corpus once, into shards on disk (train reuses it)")
+    prep.add_argument("--config", help="experiments/NAME.py (default: the workdir's own config.json)")
+    prep.add_argument("--workdir", required=True, help="the training workdir (the tokenizer and WORKDIR/data)")
+    prep.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")
+    prep.add_argument("--quiet", action="store_true", help="no progress bar")
     ev = sub.add_parser("eval", help="evaluate the model saved in a workdir on held-out data")
     ev.add_argument("--workdir", required=True)
     ev.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE")
@@ -338,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {
             "train": cmd_train,
+            "prepare": cmd_prepare,
             "eval": cmd_eval,
             "export": cmd_export,
             "import-hf": cmd_import_hf,

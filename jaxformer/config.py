@@ -382,8 +382,23 @@ class TrainConfig:
 class DataConfig:
     """Where examples come from and how they become token batches."""
 
-    source: Literal["shakespeare", "en_de", "en_es", "lohelp_apps", "copy", "reverse"] = "shakespeare"
-    path: str | None = None  # a corpus file instead of the shipped one
+    # A shipped corpus, a synthetic task (copy, reverse), or "files": the user's own `files`.
+    source: Literal["shakespeare", "en_de", "lohelp_apps", "files", "copy", "reverse"] = "shakespeare"
+    path: str | None = None  # a shipped corpus read from this file instead (same format)
+    files: tuple[str, ...] = ()  # source="files": paths or glob patterns (`--set data.files=a.jsonl,b/*.jsonl`)
+    format: Literal["auto", "text", "jsonl", "tsv", "parquet"] = "auto"  # auto: by the file name's extension
+    text_unit: Literal["line", "paragraph"] = "line"  # plain text: one document per line or per paragraph
+    # The names of the fields the objective reads in JSONL / TSV / Parquet; () = text (lm, mlm),
+    # source,target (seq2seq), text,label (classify).
+    fields: tuple[str, ...] = ()
+    labels: tuple[str, ...] = ()  # classify: the label set (index = class); () = the sorted labels found
+    # Prepared (tokenized) corpora are kept here; None: WORKDIR/data. A shared directory lets runs reuse them.
+    cache_dir: str | None = None
+    prepare_workers: int = 0  # processes that tokenize (0 = one per core)
+    # Training rows hold several examples (segment ids, per-segment positions; no attention across
+    # them): lm/mlm documents in their windows, translation pairs placed first-fit. Not classification.
+    pack: bool = False
+    prefetch: int = 2  # grain threads that read training batches ahead of the step (0: read in the loop)
     tokenizer: Literal["byte", "sentencepiece", "symbols", "hf"] = "byte"  # hf: WORKDIR/hf/tokenizer.json
     spm_vocab_size: int = 2000  # sentencepiece vocabulary (trained on the training split)
     spm_model_type: Literal["bpe", "unigram"] = "bpe"
@@ -391,7 +406,7 @@ class DataConfig:
     too_long: Literal["truncate", "reject"] = "truncate"
     length_buckets: int = 4  # pairs/classification: batches cut to one of this many widths (1 = pad to max_len)
     max_examples: int = 0  # cap on records read (0 = all); keeps CPU runs small
-    min_words: int = 3  # en_de / lohelp: drop UI labels shorter than this
+    min_words: int | None = None  # drop records whose text has fewer words (None: en_de/lohelp 3, others 0)
     val_fraction: float = 0.05
     test_fraction: float = 0.05
     split_seed: int = 0  # splits are a fixed function of this seed
@@ -400,7 +415,17 @@ class DataConfig:
 
     def __post_init__(self):
         p = "data"
+        for name in ("files", "fields", "labels"):  # JSON gives lists
+            object.__setattr__(self, name, _as_tuples(getattr(self, name)))
         check_field_types(self, p)
+        for name in ("files", "fields", "labels"):
+            bad = [v for v in getattr(self, name) if not isinstance(v, str) or not v]
+            require(not bad, f"{p}.{name}", f"must be non-empty strings, got {bad[0]!r}" if bad else "")
+        require(self.source != "files" or bool(self.files), f"{p}.files", "source='files' needs data.files")
+        require(not self.files or self.source == "files", f"{p}.files", f"needs source='files', not {self.source}")
+        require(self.min_words is None or self.min_words >= 0, f"{p}.min_words", "must be >= 0")
+        require(self.prepare_workers >= 0, f"{p}.prepare_workers", "must be >= 0")
+        require(self.prefetch >= 0, f"{p}.prefetch", "must be >= 0")
         require(self.max_len > 1, f"{p}.max_len", f"must be > 1, got {self.max_len}")
         require(self.spm_vocab_size > 8, f"{p}.spm_vocab_size", "must be > 8")
         require(self.max_examples >= 0, f"{p}.max_examples", "must be >= 0")
@@ -529,6 +554,16 @@ class Config:
         )
         if objective == "classify":
             require(self.model.num_classes > 0, "model.num_classes", "classification needs num_classes > 0")
+            n = len(self.data.labels)
+            classes = self.model.num_classes
+            require(n <= classes, "data.labels", f"{n} labels but model.num_classes={classes}")
+        require(not (self.data.pack and objective == "classify"), "data.pack", "classification is not packed")
+        needs = {"lm": 1, "mlm": 1, "seq2seq": 2, "classify": 2}.get(objective)
+        require(
+            not self.data.fields or needs is None or len(self.data.fields) == needs,
+            "data.fields",
+            f"objective={objective!r} reads {needs} field(s), got {self.data.fields}",
+        )
         if self.model.position in ("sinusoidal", "learned"):
             require(
                 self.data.max_len <= self.model.max_len,
@@ -661,6 +696,8 @@ def _parse(raw: str, hint, field: str):
                 return h(float(raw)) if h is int and float(raw).is_integer() else h(raw)
             if h is str or typing.get_origin(h) is Literal:
                 return raw
+            if typing.get_origin(h) is tuple and typing.get_args(h)[:1] == (str,):
+                return tuple(v.strip() for v in raw.split(",") if v.strip())
         except ValueError:
             continue
     raise ConfigError(f"{field}: cannot parse {raw!r} as {_type_name(hint)}")

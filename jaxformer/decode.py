@@ -404,13 +404,11 @@ def sample_texts(model, cfg, data) -> tuple[list[str], list[str]]:
         prompts = [s[-L // 2 :] for s in sources]  # output runs to the model's maximum length
         return prompts, continue_texts(model, tok, prompts, cfg.decode)
     if objective == "classify":
-        from jaxformer.data.sources import APPS
-
         ids = np.zeros((len(sources), L), np.int32)
         for i, s in enumerate(sources):
             enc = [tok.bos_id, *tok.encode(s)][:L]
             ids[i, : len(enc)] = enc
-        return sources, [APPS[int(c)] for c in np.argmax(model.classify(jnp.asarray(ids)), -1)]
+        return sources, [data.labels[int(c)] for c in np.argmax(model.classify(jnp.asarray(ids)), -1)]
     outs = []  # mlm: every 7th token masked, then predicted
     for s in sources:
         ids = np.asarray(tok.encode(s)[:L], np.int32)

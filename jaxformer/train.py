@@ -88,8 +88,15 @@ def forward(model: Transformer, objective: str, batch: dict, dropout_rng: Array 
     if objective == "classify":
         return model.classify(batch["src"], src_lengths=src_lengths, dropout_rng=dropout_rng)
     if objective == "seq2seq":
-        return model(batch["src"], batch["inputs"], lengths=src_lengths, dropout_rng=dropout_rng)
-    return model(batch["inputs"], dropout_rng=dropout_rng)
+        return model(
+            batch["src"], batch["inputs"], lengths=src_lengths, segments=batch.get("src_segments"),
+            positions=batch.get("src_positions"), tgt_segments=batch.get("tgt_segments"),
+            tgt_positions=batch.get("tgt_positions"), dropout_rng=dropout_rng,
+        )  # fmt: skip
+    # Packed rows: several documents, each its own segment with its own positions.
+    return model(
+        batch["inputs"], segments=batch.get("segments"), positions=batch.get("positions"), dropout_rng=dropout_rng
+    )
 
 
 def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Array | None) -> tuple[Array, dict]:
@@ -257,6 +264,20 @@ def evaluate(eval_step, state, fetch, num_batches: int) -> dict:
     return {k: float(v) for k, v in summarize(totals).items()}
 
 
+def real_fraction(batch: dict) -> tuple[float, float]:
+    """(real tokens, token slots) of a host batch: how much of what the step computes is not padding."""
+    if "weights" in batch and "src" not in batch:  # lm, mlm: every window position is text
+        ids = batch["inputs"]
+        return float(ids.size if "segments" not in batch else (batch["segments"] > 0).sum()), float(ids.size)
+    if "src_segments" in batch:  # packed pairs
+        real = (batch["src_segments"] > 0).sum() + batch["weights"].sum()
+        return float(real), float(batch["src"].size + batch["inputs"].size)
+    if "inputs" in batch:  # seq2seq: source and target
+        real = batch["src_lengths"].sum() + batch["weights"].sum()
+        return float(real), float(batch["src"].size + batch["inputs"].size)
+    return float(batch["src_lengths"].sum()), float(batch["src"].size)
+
+
 def batch_cost(cfg: Config, batch: dict) -> tuple[float, float]:
     """(target tokens, model FLOPs) of a host batch, from its contents and actual shapes."""
     objective = cfg.train.objective
@@ -338,8 +359,10 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
 
     from jaxformer import chips, decode, observe, sharding
     from jaxformer.checkpoint import Checkpointer
-    from jaxformer.data import build_dataset
+    from jaxformer.data import build_dataset, sources
 
+    if cfg.data.source == "files":
+        sources.expand(cfg.data.files)  # a file that is not there fails before the workdir is made
     workdir.mkdir(parents=True, exist_ok=True)
     tcfg = cfg.train
     log = (lambda *a: None) if quiet else tqdm.write
@@ -362,8 +385,11 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
     if lead:
         (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         (workdir / "environment.json").write_text(json.dumps(env, indent=2))
-    data = build_dataset(cfg, workdir)
+    data = build_dataset(cfg, workdir, progress=not quiet)
     train_step, eval_step = jit_steps(*make_steps(graphdef, cfg, optimizer), state, mesh)
+
+    # grain threads read this process's rows of the coming steps while the accelerator runs.
+    train_batches = data.train.stream(start, tcfg.steps, rows, prefetch=cfg.data.prefetch)
 
     def fetch(batches):
         return lambda step: sharding.global_batch(
@@ -421,7 +447,7 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
     try:
         with _Preemption(ckpt.manager) as preemption:
             for step in bar:
-                local = check_batch_ids(data.train.get(step, rows), cfg.model)
+                local = check_batch_ids(next(train_batches), cfg.model)
                 profiler.before(step)
                 state, metrics = train_step(state, sharding.global_batch(local, mesh, tcfg.batch_size))
                 profiler.after(step, metrics)
@@ -433,7 +459,8 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
                     log(f"step {step} compiled and ran in {time.perf_counter() - window['start']:.1f}s")
                     window = {"tokens": 0.0, "flops": 0.0, "start": time.perf_counter()}
                 flush()
-                pending = (step, metrics)
+                real, slots = real_fraction(local)  # of this process's rows; all shares are alike
+                pending = (step, {**metrics, "real_fraction": real / max(slots, 1.0)})
                 done = step + 1
                 evaluated = done % tcfg.eval_every == 0 or done == tcfg.steps
                 if evaluated:

@@ -242,6 +242,33 @@ def hf_sharded(directory: str) -> dict:
     return out
 
 
+def data_shares(mesh_shape, cache_dir: str) -> dict:
+    """This process's rows of a few global batches of real data (pairs, bucketed; MLM, masked per
+    row), read through the loader as `fit` reads them: {objective: [[example index, ...], ...]} and
+    a checksum of the arrays read."""
+    from jaxformer import config as C
+    from jaxformer import sharding
+    from jaxformer.data import build_dataset
+
+    mesh = sharding.make_mesh(C.MeshConfig(data=mesh_shape[0], fsdp=mesh_shape[1], tensor=mesh_shape[2]))
+    rows = sharding.process_rows(B, mesh)
+    out = {}
+    for objective, mode, source in (("seq2seq", "encoder_decoder", "en_de"), ("mlm", "encoder_only", "shakespeare")):
+        cfg = C.Config(
+            model=C.tiny(mode, vocab_size=260, max_len=16),
+            data=C.DataConfig(source=source, max_len=16, max_examples=600, cache_dir=cache_dir),
+            train=C.TrainConfig(objective=objective, batch_size=B),
+        )
+        train = build_dataset(cfg).train  # both processes prepare the same cache at once: one rename wins
+        steps = (0, 3, 40)
+        batches = list(train.stream(0, 41, rows, prefetch=2))
+        out[objective] = {
+            "rows": [train.rows(s)[rows].tolist() for s in steps],
+            "arrays": {str(s): {k: v.tolist() for k, v in batches[s].items()} for s in steps},
+        }
+    return out
+
+
 def main() -> None:
     task = sys.argv[1]
     if task == "strategies":
@@ -253,8 +280,9 @@ def main() -> None:
         jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
         losses, state, _, _ = train(config("encoder_decoder", (2, 2, 2)))
         params = gathered(state.params)
-        if pid == 0:
-            print(json.dumps({"losses": losses, "checksum": float(sum(np.abs(v).sum() for v in params.values()))}))
+        shares = data_shares((2, 2, 2), sys.argv[4])
+        checksum = float(sum(np.abs(v).sum() for v in params.values()))
+        print(json.dumps({"losses": losses, "checksum": checksum, "data": shares}))
         jax.distributed.shutdown()
     elif task == "hf":
         print(json.dumps(hf_sharded(sys.argv[2])))
@@ -263,7 +291,8 @@ def main() -> None:
     elif task == "singlehost":
         losses, state, _, _ = train(config("encoder_decoder", (2, 2, 2)))
         params = gathered(state.params)
-        print(json.dumps({"losses": losses, "checksum": float(sum(np.abs(v).sum() for v in params.values()))}))
+        checksum = float(sum(np.abs(v).sum() for v in params.values()))
+        print(json.dumps({"losses": losses, "checksum": checksum, "data": data_shares((2, 2, 2), sys.argv[2])}))
 
 
 if __name__ == "__main__":

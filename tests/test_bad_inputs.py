@@ -12,6 +12,7 @@ import json
 import pathlib
 import re
 import shlex
+import shutil
 import signal
 
 import jax
@@ -84,8 +85,10 @@ def places(tmp_path_factory):
     return {**{k: str(v) for k, v in paths.items()}, "tmp": str(root), **{k: str(root / k) for k in files}}
 
 
-def cli_case(argv: str, message: str, rc: int = 2):
-    return pytest.param(argv, message, rc, id=argv.replace(TRAIN, "train --set ")[:60])
+def cli_case(argv: str, message: str, rc: int = 2, found_while_reading: bool = False):
+    """`found_while_reading`: bad content of the user's data, found while it is tokenized into WORKDIR/data:
+    the workdir then exists (its config.json), but no step ran and no checkpoint was written."""
+    return pytest.param(argv, message, rc, found_while_reading, id=argv.replace(TRAIN, "train --set ")[:60])
 
 
 TRAIN = "train --config experiments/copy_task.py --workdir {tmp}/never --set "
@@ -146,6 +149,24 @@ CLI_CASES = [
     cli_case(TRAIN + "data.synthetic_vocab=2", r"data\.synthetic_vocab: must be > 3"),
     cli_case(TRAIN + "data.synthetic_len=0", r"data\.synthetic_len: "),
     cli_case(TRAIN + "data.spm_vocab_size=4", r"data\.spm_vocab_size: must be > 8"),
+    cli_case(TRAIN + "data.source=files", r"data\.files: source='files' needs data\.files"),
+    cli_case(TRAIN + "data.files=a.jsonl", r"data\.files: needs source='files', not copy"),
+    cli_case(TRAIN + "data.format=xml", r"data\.format: 'xml' is not one of the choices"),
+    cli_case(TRAIN + "data.text_unit=page", r"data\.text_unit: 'page' is not one of the choices"),
+    cli_case(TRAIN + "data.prefetch=-1", r"data\.prefetch: must be >= 0"),
+    cli_case(TRAIN + "data.prepare_workers=-1", r"data\.prepare_workers: must be >= 0"),
+    cli_case(TRAIN + "data.min_words=-1", r"data\.min_words: must be >= 0"),
+    cli_case(
+        "train --config experiments/lm_shakespeare.py --workdir {tmp}/never --set data.source=files "
+        "--set data.files={tmp}/corpus-*.jsonl",
+        r"\S+corpus-\*\.jsonl: matches no file",
+    ),
+    cli_case(
+        "train --config experiments/lm_shakespeare.py --workdir {tmp}/never --set data.source=files "
+        "--set data.files={not_utf8}/prompts.txt",
+        r"\S+prompts\.txt:2: not UTF-8",
+        found_while_reading=True,
+    ),
     cli_case(TRAIN + "checkpoint.every=0", r"checkpoint\.every: must be positive, got 0"),
     cli_case(TRAIN + "checkpoint.keep=0", r"checkpoint\.keep: must be positive, got 0"),
     cli_case(TRAIN + "checkpoint.best_metric=bleu", r"checkpoint\.best_metric: 'bleu' is not an eval metric"),
@@ -200,10 +221,10 @@ CLI_CASES = [
         "translate --workdir {lm} --src KING", r"`translate` needs an encoder_decoder model; \S+lm holds decoder_only"
     ),
     cli_case("generate --workdir {lm}", r"give --prompt TEXT or --prompt-file FILE"),
-    cli_case("generate --workdir {lm} --prompt-file {tmp}/missing.txt", r"\S+missing\.txt does not exist"),
+    cli_case("generate --workdir {lm} --prompt-file {tmp}/missing.txt", r"\S+missing\.txt: no such data file"),
     cli_case(
         "generate --workdir {lm} --prompt-file {not_utf8}/prompts.txt",
-        r"\S+prompts\.txt, line 2: not UTF-8 \(byte 0xff\)",
+        r"\S+prompts\.txt:2: not UTF-8 \(invalid start byte at byte 0\)",
     ),
     cli_case("generate --workdir {lm} --prompt-file {blank}/prompts.txt", r"prompt 1 is empty"),
     cli_case("generate --workdir {lm} --prompt ''", r"prompt 0 is empty"),
@@ -261,8 +282,8 @@ def refused_within(seconds: int):
         signal.signal(signal.SIGALRM, previous)
 
 
-@pytest.mark.parametrize("argv, message, rc", CLI_CASES)
-def test_cli_refuses_with_one_line(places, capsys, argv, message, rc):
+@pytest.mark.parametrize("argv, message, rc, found_while_reading", CLI_CASES)
+def test_cli_refuses_with_one_line(places, capsys, argv, message, rc, found_while_reading):
     before = sorted(str(p) for p in pathlib.Path(places["tmp"]).rglob("*"))
     try:
         with refused_within(60):
@@ -278,7 +299,12 @@ def test_cli_refuses_with_one_line(places, capsys, argv, message, rc):
         assert len(lines) == 1, err
     assert re.search("error: " + message, last), last
     after = sorted(str(p) for p in pathlib.Path(places["tmp"]).rglob("*"))
-    assert after == before, "a refused command changed the files"
+    if found_while_reading:
+        made = pathlib.Path(places["tmp"]) / "never"
+        assert not list(made.glob("checkpoints/*")) and not (made / "metrics.jsonl").exists()
+        shutil.rmtree(made)
+    else:
+        assert after == before, "a refused command changed the files"
 
 
 V = 32

@@ -412,3 +412,62 @@ def test_resuming_with_another_optimizer_layout_is_refused_not_set_aside(tmp_pat
         ckpt.restore_latest(init_state(cfg)[1])
     ckpt.close()
     assert checkpoint_names(workdir) == ["20", "30", "40"], "nothing set aside"
+
+
+def corpus_command(workdir, corpus, pack):
+    """A tiny LM on a user's JSONL corpus: 24 steps of 8 windows, an epoch is longer."""
+    sets = [
+        "data.source=files", f"data.files={corpus}", f"data.pack={pack}", "data.max_examples=0", "data.max_len=32",
+        "model.max_len=32", "model.d_model=32", "model.num_heads=2", "model.d_ff=64", "model.num_decoder_layers=1",
+        "train.steps=24", "train.batch_size=8", "checkpoint.every=8", "train.log_every=1", "train.eval_every=24",
+        "train.eval_batches=2", "train.num_samples=0", "train.warmup_steps=2",
+    ]  # fmt: skip
+    args = ["train", "--config", "experiments/lm_shakespeare.py", "--workdir", str(workdir), "--quiet"]
+    return [sys.executable, "-m", "jaxformer.cli", *args, *(x for s in sets for x in ("--set", s))]
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["unpacked", "packed"])
+def test_sigkill_mid_epoch_on_a_user_corpus_resumes_to_the_same_batches_and_state(tmp_path, pack):
+    corpus = tmp_path / "corpus.jsonl"
+    rng = np.random.default_rng(0)
+    words = ["to", "be", "or", "not", "that", "is", "the", "question"]
+    corpus.write_text(
+        "".join(json.dumps({"text": " ".join(rng.choice(words, n))}) + "\n" for n in rng.integers(2, 12, 800))
+    )
+    command = corpus_command(tmp_path / "whole", corpus, pack)
+    whole = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    workdir = tmp_path / "killed"
+    proc = subprocess.Popen(
+        corpus_command(workdir, corpus, pack), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.time() + 300
+        while not saved_steps(workdir):  # a checkpoint, and training on past it: killed mid-epoch
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.time() < deadline, "no checkpoint within 300 s"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert saved_steps(workdir)[-1] < 24
+    resumed = subprocess.run(corpus_command(workdir, corpus, pack), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    train = lambda w: [r for r in metrics(w) if r["split"] == "train"]
+    assert [r["step"] for r in train(workdir)] == list(range(24))
+    assert train(workdir) == train(tmp_path / "whole")  # same batches: same losses, real_fraction, bitwise
+    a, b = final_state(workdir), final_state(tmp_path / "whole")
+    jax.tree.map(np.testing.assert_array_equal, a.params, b.params)
+    epoch = build_dataset_len(tmp_path / "whole")
+    assert epoch > 24, "the kill and the resume are inside the first epoch"
+
+
+def build_dataset_len(workdir) -> int:
+    from jaxformer.config import from_dict
+    from jaxformer.data import build_dataset
+
+    cfg = from_dict(json.loads((pathlib.Path(workdir) / "config.json").read_text()))
+    return len(build_dataset(cfg, workdir).train)

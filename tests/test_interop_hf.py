@@ -264,7 +264,7 @@ def bpe_tokenizer(vocab_size: int = 300):
 
     from jaxformer.data import sources
 
-    texts = [r[1] for r in sources.paragraphs(sources.SHIPPED["shakespeare"])[:2000]]
+    texts = [r[1] for r in sources.read(sources.SHIPPED["shakespeare"])[0][:2000]]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -101,22 +101,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_equal_one_process():
-    """Two real processes (4 CPU devices each, gloo), each feeding half of every batch."""
+def test_two_processes_equal_one_process(tmp_path):
+    """Two real processes (4 CPU devices each, gloo), each feeding half of every batch: the same
+    training, and through the data loader disjoint rows whose union is the one process's batch."""
     port = free_port()
-    procs = [worker("multihost", pid, port, devices=4) for pid in (0, 1)]
+    procs = [worker("multihost", pid, port, tmp_path / "cache", devices=4) for pid in (0, 1)]
     try:
         two = result(procs[0], timeout=300)
-        result(procs[1], timeout=60)
+        other = result(procs[1], timeout=60)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.communicate()
-    one = result(worker("singlehost"))
+    one = result(worker("singlehost", tmp_path / "cache1"))
     for a, b in zip(two["losses"], one["losses"], strict=True):
         assert a == pytest.approx(b, rel=LOSS_RTOL)
     assert two["checksum"] == pytest.approx(one["checksum"], rel=PARAM_RTOL)
+    for objective, whole in one["data"].items():
+        halves = two["data"][objective], other["data"][objective]
+        for i, rows in enumerate(whole["rows"]):
+            assert not set(halves[0]["rows"][i]) & set(halves[1]["rows"][i])
+            assert sorted(halves[0]["rows"][i] + halves[1]["rows"][i]) == sorted(rows)
+        for step, arrays in whole["arrays"].items():
+            for k, v in arrays.items():
+                assert halves[0]["arrays"][step][k] + halves[1]["arrays"][step][k] == v, (objective, step, k)
 
 
 def test_checkpoint_restores_onto_another_mesh(tmp_path):

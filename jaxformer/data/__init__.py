@@ -1,4 +1,5 @@
-"""Data: tokenizers, shipped corpora and synthetic tasks, deterministic step-indexed batches."""
+"""Data: the user's files and the shipped corpora (sources), tokenized once (prepare), batches by step read
+through grain (pipeline), tokenizers, synthetic tasks."""
 
 from jaxformer.data.pipeline import HF_DIR, Batches, Dataset, build_dataset, load_tokenizer
 from jaxformer.data.sources import DataError

@@ -1,22 +1,24 @@
 """From a DataConfig to deterministic, step-indexed batches of numpy arrays.
 
-A split is a set of fixed-shape arrays; `Batches.get(step)` returns the batch of a
-step as a pure function of (seed, step): epoch e uses the permutation seeded by
-(seed, e). So the iterator's whole position is the step number, which makes exact
-resume trivial, and any process can compute its slice of any step.
+A split is the prepared corpus' documents on disk (`prepare.py`); `Batches.get(step)` returns the
+batch of a step as a pure function of (seed, step): epoch e takes grain's lazy shuffle of the
+examples reseeded for e. So the iterator's whole position is the step number, which makes exact
+resume trivial, and any process can read its rows of any step alone.
 
 Batch keys by objective (all int32 unless noted; weights float32):
   lm        inputs [B, T], targets [B, T], weights [B, T]
   seq2seq   src [B, S], src_lengths [B], inputs [B, T] (BOS + target[:-1]), targets [B, T], weights [B, T]
   mlm       inputs [B, T] (masked), targets [B, T], weights [B, T] (1 on masked positions)
   classify  src [B, S], src_lengths [B], label [B]
+Packed (data.pack, training only): lm/mlm add segments [B, T] and positions [B, T]; seq2seq has
+src_segments, src_positions [B, S] and tgt_segments, tgt_positions [B, T] instead of src_lengths.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -31,68 +33,255 @@ HF_DIR = "hf"
 
 @dataclasses.dataclass
 class Batches:
-    """Fixed-shape examples, or a generator for synthetic tasks, served by step.
+    """Examples (memory-mapped from a prepared corpus), or a generator for synthetic tasks, served by step.
 
-    With `lengths` and `buckets`, each epoch's batches group examples of similar length
-    (sorted within shuffled chunks of 32 batches), and each batch is cut to the smallest
-    bucket width that holds its longest example: few shapes to compile, little padding.
+    The order of an epoch is grain's lazy global shuffle of the example indices (`MapDataset.shuffle`,
+    reseeded each epoch by `repeat`): nothing of size N is held, so memory stays flat as the corpus
+    grows. Batch i of an epoch takes positions i*B .. i*B+B-1 of that epoch's order. With `buckets`,
+    an epoch's order is cut into chunks of 32 batches whose examples are sorted by length, and each
+    batch is cut to the smallest bucket width that holds its longest example: few shapes to
+    compile, little padding.
     """
 
-    arrays: dict[str, np.ndarray] | None
+    examples: Examples | None
     batch_size: int
     seed: int
     generate: Callable[[np.random.Generator, int], dict[str, np.ndarray]] | None = None
-    transform: Callable[[dict, np.random.Generator], dict] | None = None
-    lengths: np.ndarray | None = None  # [N] tokens of each example's longest sequence
+    transform: Callable[[dict, list[np.random.Generator]], dict] | None = None  # per row generators
     buckets: tuple[int, ...] = ()  # widths a batch's sequences are cut to (ascending)
-    _epoch: tuple[int, list] | None = dataclasses.field(default=None, repr=False)
+    _chunk: tuple[int, list] | None = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.examples is not None:
+            import grain
+
+            self.order = grain.MapDataset.range(len(self.examples)).shuffle(seed=self.seed).repeat()
 
     @property
     def num_examples(self) -> int:
-        return 0 if self.arrays is None else len(next(iter(self.arrays.values())))
+        return 0 if self.examples is None else len(self.examples)
 
     def __len__(self) -> int:
-        """Batches per epoch (what does not fill a batch is dropped)."""
-        if self.arrays is None:
+        """Batches per epoch (what does not fill a batch, or a packed chunk, is dropped)."""
+        if self.examples is None:
             return 1 << 62
-        chunk = 32 * self.batch_size
-        full, rest = divmod(self.num_examples, chunk)
-        return full * 32 + rest // self.batch_size
+        if isinstance(self.examples, PackedPairs):
+            return self.num_examples // self.examples.per_chunk * PackedPairs.CHUNK
+        return self.num_examples // self.batch_size
 
-    def _batches_of_epoch(self, epoch: int) -> list[np.ndarray]:
-        if self._epoch is None or self._epoch[0] != epoch:
-            rng = np.random.default_rng([self.seed, epoch, 1 << 20])
-            order = rng.permutation(self.num_examples)
-            B, batches = self.batch_size, []
-            for start in range(0, self.num_examples, 32 * B):
-                idx = order[start : start + 32 * B]
-                if self.lengths is not None:
-                    idx = idx[np.argsort(self.lengths[idx], kind="stable")]
-                batches += [np.sort(idx[i : i + B]) for i in range(0, len(idx) - B + 1, B)]
-            self._epoch = (epoch, [batches[i] for i in rng.permutation(len(batches))])
-        return self._epoch[1]
+    def rows(self, step: int) -> np.ndarray | list[np.ndarray]:
+        """[B] the example indices of the batch of `step` (sorted), or for packed pairs the B rows'
+        lists of examples; the batches of an epoch never repeat an example, and what does not fill
+        a batch at an epoch's end is left out."""
+        B, N = self.batch_size, self.num_examples
+        epoch, index = divmod(step, len(self))
+        first = epoch * N  # grain's repeat reshuffles from each multiple of N on
+        if not self.buckets and not isinstance(self.examples, PackedPairs):
+            return np.sort([self.order[p] for p in range(first + index * B, first + index * B + B)])
+        chunk, slot = divmod(index, PackedPairs.CHUNK if isinstance(self.examples, PackedPairs) else 32)
+        cached = self._chunk  # one read: grain threads may replace it meanwhile
+        if isinstance(self.examples, PackedPairs) and (cached is None or cached[0] != (epoch, chunk)):
+            P = self.examples.per_chunk
+            idx = np.asarray([self.order[p] for p in range(first + chunk * P, first + (chunk + 1) * P)])
+            packed = self.examples.plan(idx, PackedPairs.CHUNK * B)
+            perm = np.random.default_rng([self.seed, epoch, chunk, 1 << 20]).permutation(len(packed))
+            batches = [[packed[r] for r in perm[i : i + B]] for i in range(0, len(packed), B)]
+            cached = self._chunk = ((epoch, chunk), batches)
+        elif cached is None or cached[0] != (epoch, chunk):
+            positions = range(first + chunk * 32 * B, first + min((chunk + 1) * 32 * B, N))
+            idx = np.asarray([self.order[p] for p in positions])
+            idx = idx[np.argsort(self.examples.lengths(idx), kind="stable")]
+            batches = [np.sort(idx[i : i + B]) for i in range(0, len(idx) - B + 1, B)]
+            perm = np.random.default_rng([self.seed, epoch, chunk, 1 << 20]).permutation(len(batches))
+            cached = self._chunk = ((epoch, chunk), [batches[i] for i in perm])
+        return cached[1][slot]
 
     def get(self, step: int, part: slice | None = None) -> dict[str, np.ndarray]:
         """The batch of `step`, or only its rows `part` (a process's share of the global batch).
 
-        The part is cut after the batch-wide choices (bucket width, random masking), so the
-        shares of all processes put together equal the whole batch.
+        Batch-wide choices (the bucket width) are made before the part is cut, and random masking
+        draws each row from its own generator (seed, step, row), so a process reads only its rows
+        and the shares of all processes put together equal the whole batch.
         """
-        rng = np.random.default_rng([self.seed, step])
-        if self.arrays is None:
-            batch = self.generate(rng, self.batch_size)
-        else:
-            epoch, index = divmod(step, len(self))
-            rows = self._batches_of_epoch(epoch)[index]
-            width = None
-            if self.buckets:
-                longest = int(self.lengths[rows].max())
-                width = next((w for w in self.buckets if w >= longest), self.buckets[-1])
-            if part is not None and self.transform is None:
-                rows, part = rows[part], None  # read only this share
-            batch = {k: v[rows, :width] if v.ndim == 2 else v[rows] for k, v in self.arrays.items()}
-        batch = self.transform(batch, rng) if self.transform else batch
-        return batch if part is None else {k: v[part] for k, v in batch.items()}
+        if self.examples is None:
+            batch = self.generate(np.random.default_rng([self.seed, step]), self.batch_size)
+            return batch if part is None else {k: v[part] for k, v in batch.items()}
+        rows = self.rows(step)
+        if isinstance(self.examples, PackedPairs):  # B lists of examples, one per packed row
+            return self.examples.take(rows[part] if part is not None else rows)
+        width = None
+        if self.buckets:
+            longest = int(self.examples.lengths(rows).max())
+            width = next((w for w in self.buckets if w >= longest), self.buckets[-1])
+        index = np.arange(self.batch_size)[part if part is not None else slice(None)]
+        batch = self.examples.take(rows[index], width)
+        if self.transform is not None:
+            batch = self.transform(batch, [np.random.default_rng([self.seed, step, j]) for j in index])
+        return batch
+
+    def stream(self, start: int, stop: int, part: slice | None = None, prefetch: int = 0) -> Iterator[dict]:
+        """The batches of steps start..stop-1 (rows `part`), read ahead by `prefetch` grain threads.
+
+        A grain `MapDataset` over the step numbers: batch s is `get(s, part)` whichever thread
+        reads it and in whichever order, so a stream resumed at any step is the uninterrupted one.
+        """
+        import grain
+
+        steps = grain.MapDataset.range(start, stop).map(lambda s: self.get(s, part))
+        if not prefetch:
+            return (steps[i] for i in range(len(steps)))
+        options = grain.ReadOptions(num_threads=prefetch, prefetch_buffer_size=2 * prefetch)
+        return iter(steps.to_iter_dataset(options))
+
+
+class Documents:
+    """One field of one split of a prepared corpus: document i is tokens[offsets[i]:offsets[i + 1]]."""
+
+    def __init__(self, tokens, offsets: np.ndarray):
+        self.tokens, self.offsets = tokens, offsets  # a prepare.TokenFile, [N + 1] int64
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def lengths(self, rows: np.ndarray) -> np.ndarray:
+        return (self.offsets[rows + 1] - self.offsets[rows]).astype(np.int32)
+
+    def document(self, i: int) -> np.ndarray:
+        return self.tokens.read(self.offsets[i], self.offsets[i + 1])
+
+    def padded(self, rows: np.ndarray, width: int, pad_id: int) -> np.ndarray:
+        """[len(rows), width] the documents of `rows`, right-padded with pad_id."""
+        out = np.full((len(rows), width), pad_id, np.int32)
+        for i, r in enumerate(rows):
+            doc = self.tokens.read(self.offsets[r], self.offsets[r + 1])
+            out[i, : len(doc)] = doc
+        return out
+
+
+class Windows:
+    """lm / mlm: the split's documents (each ending in EOS) as one stream cut into windows of
+    `width` tokens: no padding, and the last window's remainder is dropped.
+
+    Packed (`segments`): each document in a window is its own segment, with positions from 0 at
+    its first token in the window, so attention never crosses documents (the document boundaries
+    come from the offsets index, not from token ids); an LM predicts no token of the next document.
+    """
+
+    def __init__(self, docs: Documents, width: int, objective: str, segments: bool = False):
+        self.docs, self.width, self.objective, self.segments = docs, width, objective, segments
+
+    def __len__(self) -> int:
+        return len(self.docs.tokens) // self.width
+
+    def take(self, rows: np.ndarray, width: int | None = None) -> dict[str, np.ndarray]:
+        at_BW = rows[:, None] * self.width + np.arange(self.width)  # stream index of each slot
+        windows = self.docs.tokens.rows(rows * self.width, self.width)
+        out = {}
+        if self.segments:
+            offsets = self.docs.offsets
+            doc_BW = np.searchsorted(offsets, at_BW, side="right") - 1
+            start_BW = np.maximum(np.asarray(offsets[doc_BW]), at_BW[:, :1])  # the document's first slot here
+            out = {"segments": (doc_BW - doc_BW[:, :1] + 1).astype(np.int32), "positions": (at_BW - start_BW)}
+        if self.objective == "mlm":
+            return {"tokens": windows} | {k: v.astype(np.int32) for k, v in out.items()}
+        # Every position of a window is text: a real token that shares the pad id still counts.
+        weights = np.ones(windows[:, 1:].shape, np.float32)
+        if self.segments:  # the last token of a document does not predict the next document's first
+            weights = (doc_BW[:, 1:] == doc_BW[:, :-1]).astype(np.float32)
+            out = {k: v[:, :-1].astype(np.int32) for k, v in out.items()}
+        return {"inputs": windows[:, :-1], "targets": windows[:, 1:], "weights": weights} | out
+
+
+class Pairs:
+    """seq2seq: (source, target) documents, each ending in EOS and at most L tokens."""
+
+    def __init__(self, src: Documents, tgt: Documents, L: int, tok):
+        self.src, self.tgt, self.L, self.tok = src, tgt, L, tok
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def lengths(self, rows: np.ndarray) -> np.ndarray:
+        return np.maximum(self.src.lengths(rows), self.tgt.lengths(rows))
+
+    def take(self, rows: np.ndarray, width: int | None = None) -> dict[str, np.ndarray]:
+        pad, L = self.tok.pad_id, self.L
+        src, tgt = self.src.padded(rows, L, pad), self.tgt.padded(rows, L, pad)
+        arrays = _seq2seq_arrays(src, self.src.lengths(rows), tgt, self.tgt.lengths(rows), self.tok.bos_id, pad)
+        return {k: v[:, :width] if v.ndim == 2 else v for k, v in arrays.items()}
+
+
+class PackedPairs:
+    """seq2seq, packed: the examples of a chunk of CHUNK batches are placed first-fit (longest first)
+    into CHUNK * B rows of L source and L target slots, source and target of an example in the same
+    row under the same segment id, positions from 0 in each; an example that fits no row is left
+    out of this epoch. `per_chunk` examples per chunk, from the corpus' mean lengths, fill the rows."""
+
+    CHUNK = 8  # batches packed together: a larger chunk packs tighter, and leaves more of an epoch's tail out
+
+    def __init__(self, pairs: Pairs, batch_size: int, fill: float = 1.0):
+        self.pairs, self.L = pairs, pairs.L
+        N, rows = len(pairs), self.CHUNK * batch_size
+        mean = max(len(pairs.src.tokens), len(pairs.tgt.tokens)) / max(N, 1)  # tokens per example, the longer side
+        self.per_chunk = int(min(N, max(rows, rows * self.L * fill / max(mean, 1.0))))
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def plan(self, idx: np.ndarray, rows: int) -> list[np.ndarray]:
+        """The examples `idx` placed into `rows` rows: [rows] arrays of example indices."""
+        ls, lt = self.pairs.src.lengths(idx), self.pairs.tgt.lengths(idx)
+        free_s, free_t = np.full(rows, self.L), np.full(rows, self.L)
+        placed: list[list[int]] = [[] for _ in range(rows)]
+        for i in np.argsort(-np.maximum(ls, lt), kind="stable"):
+            fits = (free_s >= ls[i]) & (free_t >= lt[i])
+            r = int(fits.argmax())
+            if fits[r]:
+                free_s[r] -= ls[i]
+                free_t[r] -= lt[i]
+                placed[r].append(int(idx[i]))
+        return [np.asarray(sorted(p), np.int64) for p in placed]
+
+    def take(self, rows: list[np.ndarray]) -> dict[str, np.ndarray]:
+        B, L, tok = len(rows), self.L, self.pairs.tok
+        out = {k: np.zeros((B, L), np.int32) for k in ("src", "src_segments", "src_positions", "inputs", "targets",
+                                                       "tgt_segments", "tgt_positions")}  # fmt: skip
+        out["src"][:], out["inputs"][:], out["targets"][:] = tok.pad_id, tok.pad_id, tok.pad_id
+        weights = np.zeros((B, L), np.float32)
+        for b, examples in enumerate(rows):
+            s = t = 0
+            for seg, i in enumerate(examples, start=1):
+                src, tgt = self.pairs.src.document(i), self.pairs.tgt.document(i)
+                out["src"][b, s : s + len(src)] = src
+                out["src_segments"][b, s : s + len(src)] = seg
+                out["src_positions"][b, s : s + len(src)] = np.arange(len(src))
+                out["targets"][b, t : t + len(tgt)] = tgt
+                out["inputs"][b, t : t + len(tgt)] = [tok.bos_id, *tgt[:-1]]
+                out["tgt_segments"][b, t : t + len(tgt)] = seg
+                out["tgt_positions"][b, t : t + len(tgt)] = np.arange(len(tgt))
+                weights[b, t : t + len(tgt)] = 1.0
+                s, t = s + len(src), t + len(tgt)
+        return out | {"weights": weights}
+
+
+class Labelled:
+    """classify: BOS + text (at most L tokens) and the class index."""
+
+    def __init__(self, docs: Documents, labels: np.ndarray, L: int, pad_id: int):
+        self.docs, self.labels, self.L, self.pad_id = docs, labels, L, pad_id
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def lengths(self, rows: np.ndarray) -> np.ndarray:
+        return self.docs.lengths(rows)
+
+    def take(self, rows: np.ndarray, width: int | None = None) -> dict[str, np.ndarray]:
+        src = self.docs.padded(rows, self.L, self.pad_id)[:, :width]
+        return {"src": src, "src_lengths": self.docs.lengths(rows), "label": np.asarray(self.labels[rows], np.int32)}
+
+
+Examples = Windows | Pairs | PackedPairs | Labelled
 
 
 @dataclasses.dataclass
@@ -103,57 +292,64 @@ class Dataset:
     test: Batches
     sample_sources: list[str]  # a few held-out inputs for greedy samples at evaluation
     sample_references: list[str]
+    labels: tuple[str, ...] = ()  # classification: the class names, by index
 
 
-def build_dataset(cfg: Config, workdir: str | pathlib.Path | None = None) -> Dataset:
-    """Read, split, tokenize and batch the configured source; trains/loads SentencePiece in workdir."""
+def build_dataset(cfg: Config, workdir: str | pathlib.Path | None = None, progress: bool = False) -> Dataset:
+    """The configured data, batched by step: prepared on disk the first time (`prepare.prepare`:
+    read, checked, split, tokenized; SentencePiece trained in workdir), then memory-mapped."""
+    from jaxformer.data.prepare import check_vocab, prepare
+
     d, t = cfg.data, cfg.train
     if d.source in ("copy", "reverse"):
         return _synthetic(cfg)
-    path = pathlib.Path(d.path) if d.path else sources.SHIPPED[d.source]
-    if d.source == "shakespeare":
-        records = sources.paragraphs(path)
-        texts_of = lambda rs: [r[1] for r in rs]
-    elif d.source == "lohelp_apps":
-        records = sources.app_labels(path, d.min_words)
-        texts_of = lambda rs: [r[1] for r in rs]
-    else:
-        records = sources.translation_pairs(path, d.min_words)
-        texts_of = lambda rs: [x for r in rs for x in r[1:]]
-    if d.max_examples:
-        records = records[: d.max_examples]
-    train, val, test = sources.split(records, d.val_fraction, d.test_fraction, d.split_seed, path)
-    tok = _tokenizer(cfg, texts_of(train), workdir)
-    if tok.vocab_size > cfg.model.vocab_size:
-        raise DataError(
-            f"{path}: the {d.tokenizer} tokenizer has {tok.vocab_size} ids but model.vocab_size={cfg.model.vocab_size}"
-        )
-
-    def encode(split_records):
-        return _encode(cfg, tok, split_records, path)
-
+    if d.tokenizer == "symbols":
+        raise DataError(f"data.tokenizer='symbols' is for the copy/reverse tasks, not {d.source}")
+    prepared = prepare(cfg, workdir, progress=progress)
+    tok = load_tokenizer(cfg, workdir or ".")
+    check_vocab(cfg, tok, source_of(cfg))  # a cache found again was prepared for another model perhaps
+    where = ", ".join(source_of(cfg).files)
     transform = _mlm_masking(cfg, tok) if t.objective == "mlm" else None
     buckets = bucket_widths(d.max_len, d.length_buckets) if t.objective in ("seq2seq", "classify") else ()
 
-    def mk(arrays, seed):
-        lengths = arrays.pop("lengths", None)
-        return Batches(arrays, t.batch_size, seed, transform=transform, lengths=lengths, buckets=buckets)
+    def examples(split: str) -> Examples:
+        pack = d.pack and split == "train"  # held-out batches stay one example per row (BLEU, samples)
+        if t.objective in ("lm", "mlm"):
+            docs = Documents(*prepared.documents(split, "text"))
+            return Windows(docs, d.max_len + 1 if t.objective == "lm" else d.max_len, t.objective, segments=pack)
+        if t.objective == "seq2seq":
+            src, tgt = (Documents(*prepared.documents(split, f)) for f in ("source", "target"))
+            return (
+                PackedPairs(Pairs(src, tgt, d.max_len, tok), t.batch_size) if pack else Pairs(src, tgt, d.max_len, tok)
+            )
+        return Labelled(Documents(*prepared.documents(split, "text")), prepared.labels(split), d.max_len, tok.pad_id)
 
-    arrays = [encode(s) for s in (train, val, test)]
-    for name, a in zip(("train", "validation", "test"), arrays, strict=True):
-        n = len(next(iter(a.values())))
-        if n < t.batch_size:
-            raise DataError(f"{path}: the {name} split has {n} sequences, fewer than batch_size={t.batch_size}")
-    samples = test[: max(t.num_samples, 1)]
-    if d.source == "en_de":
-        src_texts, refs = [r[1] for r in samples], [r[2] for r in samples]
-    elif d.source == "lohelp_apps":
-        src_texts, refs = [r[1] for r in samples], [sources.APPS[r[2]] for r in samples]
-    else:
-        src_texts, refs = [r[1][:80] for r in samples], [r[1][80:200] for r in samples]
-    return Dataset(
-        tok, mk(arrays[0], t.seed), mk(arrays[1], 1_000 + t.seed), mk(arrays[2], 2_000 + t.seed), src_texts, refs
-    )
+    splits = []
+    for name, seed in zip(("train", "validation", "test"), (t.seed, 1_000 + t.seed, 2_000 + t.seed), strict=True):
+        ex = examples(name)
+        if len(ex) < t.batch_size:
+            what = "too little text" if t.objective in ("lm", "mlm") else "too few sequences"
+            raise DataError(f"{where}: {what}: the {name} split has {len(ex)} sequences, fewer than "
+                            f"batch_size={t.batch_size}")  # fmt: skip
+        bucketed = buckets if not (d.pack and name == "train") else ()
+        splits.append(Batches(ex, t.batch_size, seed, transform=transform, buckets=bucketed))
+    return Dataset(tok, *splits, *prepared.samples(), prepared.label_names)
+
+
+def source_of(cfg: Config) -> sources.Source:
+    """The configured data as a `Source`: a shipped corpus (its file replaced by `data.path`) or the user's files."""
+    d, objective = cfg.data, cfg.train.objective
+    if d.source == "files":
+        fields = d.fields or sources.FIELDS[objective]
+        return sources.Source(d.files, fields, d.format, d.text_unit, d.labels, min_words=d.min_words or 0)
+    src = sources.SHIPPED[d.source]
+    if d.path:
+        src = dataclasses.replace(src, files=(d.path,))
+    if d.min_words is not None:
+        src = dataclasses.replace(src, min_words=d.min_words)
+    if d.fields:
+        src = dataclasses.replace(src, fields=d.fields)
+    return src
 
 
 def load_tokenizer(cfg: Config, workdir: str | pathlib.Path):
@@ -170,15 +366,12 @@ def load_tokenizer(cfg: Config, workdir: str | pathlib.Path):
     return SentencePieceTokenizer(model_file)
 
 
-def _tokenizer(cfg: Config, train_texts: list[str], workdir):
-    """The run's tokenizer: SentencePiece is trained on `train_texts` the first time (a resumed run
-    keeps the one it was trained with); the others are loaded as `load_tokenizer` does."""
-    if cfg.data.tokenizer == "symbols":
-        raise DataError(f"data.tokenizer='symbols' is for the copy/reverse tasks, not {cfg.data.source}")
+def train_tokenizer(cfg: Config, train_texts: Iterable[str], workdir) -> None:
+    """SentencePiece, trained on the training split's texts into WORKDIR/tokenizer.model (once: a
+    resumed run keeps the tokenizer it was trained with)."""
     model_file = pathlib.Path(workdir or ".") / "tokenizer.model"
     if cfg.data.tokenizer == "sentencepiece" and not model_file.is_file():
-        return SentencePieceTokenizer.train(train_texts, model_file, cfg.data.spm_vocab_size, cfg.data.spm_model_type)
-    return load_tokenizer(cfg, workdir or ".")
+        SentencePieceTokenizer.train(train_texts, model_file, cfg.data.spm_vocab_size, cfg.data.spm_model_type)
 
 
 def bucket_widths(max_len: int, n: int) -> tuple[int, ...]:
@@ -186,75 +379,36 @@ def bucket_widths(max_len: int, n: int) -> tuple[int, ...]:
     return tuple(sorted({min(max_len, -(-max_len * (i + 1) // n // 8) * 8) for i in range(n)}))
 
 
-def fit_length(ids: list[int], max_len: int, policy: str, where: str) -> list[int]:
-    """Truncate or reject a sequence longer than max_len, by config."""
-    if len(ids) <= max_len:
-        return ids
-    if policy == "reject":
-        raise DataError(f"{where}: sequence of {len(ids)} tokens exceeds data.max_len={max_len} (data.too_long=reject)")
-    return ids[:max_len]
-
-
-def pad_to(rows: list[list[int]], length: int, pad_id: int) -> np.ndarray:
-    out = np.full((len(rows), length), pad_id, np.int32)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return out
-
-
-def _encode(cfg: Config, tok, records, path) -> dict[str, np.ndarray]:
-    d, objective = cfg.data, cfg.train.objective
-    L = d.max_len
-    if objective in ("lm", "mlm"):
-        # One token stream (EOS between paragraphs), cut into windows: packing without padding.
-        stream = [i for r in records for i in [*tok.encode(r[1]), tok.eos_id]]
-        width = L + 1 if objective == "lm" else L
-        n = len(stream) // width
-        if n == 0:
-            raise DataError(f"{path}: too little text for one window of {width} tokens")
-        windows = np.asarray(stream[: n * width], np.int32).reshape(n, width)
-        if objective == "mlm":
-            return {"tokens": windows}
-        # Every position of a window is text: a real token that shares the pad id still counts.
-        return {"inputs": windows[:, :-1], "targets": windows[:, 1:], "weights": np.ones((n, L), np.float32)}
-    if objective == "classify":
-        rows = [fit_length([tok.bos_id, *tok.encode(r[1])], L, d.too_long, f"{path}:{r[0]}") for r in records]
-        labels = np.asarray([r[2] for r in records], np.int32)
-        lengths = np.asarray([len(r) for r in rows], np.int32)
-        return {"src": pad_to(rows, L, tok.pad_id), "src_lengths": lengths, "label": labels, "lengths": lengths}
-    srcs = [fit_length([*tok.encode(r[1]), tok.eos_id], L, d.too_long, f"{path}:{r[0]}") for r in records]
-    tgts = [fit_length([*tok.encode(r[2]), tok.eos_id], L, d.too_long, f"{path}:{r[0]}") for r in records]
-    lengths = np.asarray([max(len(a), len(b)) for a, b in zip(srcs, tgts, strict=True)])
-    return _seq2seq_arrays(srcs, tgts, L, tok) | {"lengths": lengths}
-
-
-def _seq2seq_arrays(srcs, tgts, L, tok) -> dict[str, np.ndarray]:
-    targets = pad_to(tgts, L, tok.pad_id)
-    inputs = np.concatenate([np.full((len(tgts), 1), tok.bos_id, np.int32), targets[:, :-1]], axis=1)
-    tgt_lengths = np.asarray([len(t) for t in tgts], np.int32)
-    real = np.arange(L)[None] < tgt_lengths[:, None]  # [B, L]: padding is said, not read off an id
+def _seq2seq_arrays(src_BS, src_lengths_B, targets_BT, tgt_lengths_B, bos_id: int, pad_id: int) -> dict:
+    """A translation batch from right-padded sources and targets with their lengths."""
+    B, T = targets_BT.shape
+    inputs = np.concatenate([np.full((B, 1), bos_id, np.int32), targets_BT[:, :-1]], axis=1)
+    real = np.arange(T)[None] < tgt_lengths_B[:, None]  # [B, T]: padding is said, not read off an id
     return {
-        "src": pad_to(srcs, L, tok.pad_id),
-        "src_lengths": np.asarray([len(s) for s in srcs], np.int32),
-        "inputs": np.where(real, inputs, tok.pad_id).astype(np.int32),
-        "targets": targets,
+        "src": src_BS.astype(np.int32),
+        "src_lengths": src_lengths_B.astype(np.int32),
+        "inputs": np.where(real, inputs, pad_id).astype(np.int32),
+        "targets": targets_BT.astype(np.int32),
         "weights": real.astype(np.float32),
     }
 
 
 def _mlm_masking(cfg: Config, tok):
-    """BERT masking, drawn from the step's generator: p of the tokens are chosen;
+    """BERT masking, each row drawn from its own generator: p of the tokens are chosen;
     of those 80% become [MASK], 10% a random token, 10% stay; loss on the chosen only."""
     p = cfg.train.mlm_probability
 
-    def transform(batch, rng):
-        tokens = batch["tokens"]
-        chosen = (rng.random(tokens.shape) < p) & (tokens != tok.pad_id)
-        action = rng.random(tokens.shape)
-        random_ids = rng.integers(tok.first_real, tok.vocab_size, tokens.shape, dtype=np.int32)
+    def transform(batch, rngs):
+        tokens = batch["tokens"]  # [B, T]
+        T = tokens.shape[1]
+        draws = np.stack([np.stack([g.random(T), g.random(T), g.integers(tok.first_real, tok.vocab_size, T)])
+                          for g in rngs])  # fmt: skip  # [B, 3, T]
+        chosen = (draws[:, 0] < p) & (tokens != tok.pad_id)
+        action, random_ids = draws[:, 1], draws[:, 2].astype(np.int32)
         inputs = np.where(chosen & (action < 0.8), tok.mask_id, tokens)
         inputs = np.where(chosen & (action >= 0.8) & (action < 0.9), random_ids, inputs)
-        return {"inputs": inputs.astype(np.int32), "targets": tokens, "weights": chosen.astype(np.float32)}
+        rest = {k: v for k, v in batch.items() if k != "tokens"}  # packed: segments, positions
+        return {"inputs": inputs.astype(np.int32), "targets": tokens, "weights": chosen.astype(np.float32)} | rest
 
     return transform
 
@@ -269,7 +423,8 @@ def _synthetic(cfg: Config) -> Dataset:
     def generate(rng, n):
         src = rng.integers(2, d.synthetic_vocab, (n, d.synthetic_len), dtype=np.int32)
         tgt = src[:, ::-1] if d.source == "reverse" else src
-        return _seq2seq_arrays(list(src), list(tgt), d.synthetic_len, tok)
+        lengths = np.full(n, d.synthetic_len, np.int32)
+        return _seq2seq_arrays(src, lengths, np.ascontiguousarray(tgt), lengths, tok.bos_id, tok.pad_id)
 
     held_out = generate(np.random.default_rng([d.split_seed, 99]), max(t.num_samples, 1))
     samples = [tok.decode(s) for s in held_out["src"]]

@@ -1,85 +1,323 @@
-"""Readers for the shipped corpora, with errors that name the file and line, and deterministic splits."""
+"""The user's files as records: plain text, JSONL, TSV and Parquet, read by one `Source` description.
+
+A record is `(where, field, ...)`: `where` is "file:line" (Parquet: "file:row N"), the fields are the
+strings an objective reads, in its order (lm/mlm: text; seq2seq: source, target; classify: text,
+label, the label turned into its index in the label set). Every error names the file and the line,
+and is raised while reading, before any training. The shipped corpora are `Source`s like any other.
+"""
 
 from __future__ import annotations
 
+import bz2
+import dataclasses
+import glob
+import gzip
+import itertools
+import json
 import lzma
 import pathlib
+import re
+from collections.abc import Iterator
 
 import numpy as np
 
 CORPORA = pathlib.Path(__file__).parent / "corpora"
-SHIPPED = {
-    "shakespeare": CORPORA / "shakespeare.txt.xz",
-    "en_de": CORPORA / "en_de_lohelp.tsv.xz",
-    "lohelp_apps": CORPORA / "en_de_lohelp.tsv.xz",
-}
 # lohelp_apps labels: the LibreOffice application of each help page ("shared" is not one and is dropped).
 APPS = ("scalc", "sbasic", "swriter", "simpress", "sdatabase", "smath", "schart", "sdraw")
+FORMATS = ("text", "jsonl", "tsv", "parquet")
+# The fields each objective reads, and their default names in the user's files.
+FIELDS = {"lm": ("text",), "mlm": ("text",), "seq2seq": ("source", "target"), "classify": ("text", "label")}
 
 
 class DataError(ValueError):
     """Bad input data; the message names the file (and line) at fault."""
 
 
-def read_lines(path: str | pathlib.Path) -> list[str]:
-    """Lines of a UTF-8 text file, xz-compressed if it ends in .xz."""
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where records come from and how they are read.
+
+    files: paths or glob patterns (each must match a file), read in sorted order.
+    format: one of FORMATS, or "auto" from the file name (.txt, .jsonl/.json, .tsv, .parquet;
+        a trailing .xz, .gz or .bz2 is decompressed).
+    fields: the names of the fields the objective reads (JSONL keys, TSV header columns, Parquet
+        columns); plain text has one field, the document.
+    unit: plain text only: a document is a "line" or a blank-line separated "paragraph".
+    labels: the label set (classification); empty: the sorted labels found in the files.
+    label_pattern: a regular expression whose first group is the label, searched in the label field.
+    other_labels: "error" (a label outside `labels` stops the run) or "drop" (the record is skipped).
+    min_words: records whose first field has fewer words are skipped; so is a record with an empty field.
+    """
+
+    files: tuple[str, ...]
+    fields: tuple[str, ...]
+    format: str = "auto"
+    unit: str = "line"
+    labels: tuple[str, ...] = ()
+    label_pattern: str | None = None
+    other_labels: str = "error"
+    min_words: int = 0
+
+
+SHIPPED = {
+    "shakespeare": Source((str(CORPORA / "shakespeare.txt.xz"),), ("text",), unit="paragraph"),
+    "en_de": Source((str(CORPORA / "en_de_lohelp.tsv.xz"),), ("en", "de"), min_words=3),  # drop UI labels
+    # The label is the application in the page id `text/<app>/<page>`; pages of no application are dropped.
+    "lohelp_apps": Source(
+        (str(CORPORA / "en_de_lohelp.tsv.xz"),), ("en", "id"), labels=APPS, label_pattern=r"^text/([^/]+)/.",
+        other_labels="drop", min_words=3,
+    ),
+}  # fmt: skip
+
+
+def expand(patterns: tuple[str, ...]) -> list[pathlib.Path]:
+    """The files named by paths or glob patterns, each pattern's matches sorted; one that matches none fails."""
+    out = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+        files = [pathlib.Path(m) for m in matches if pathlib.Path(m).is_file()]
+        if not files:
+            raise DataError(f"{pattern}: no such data file" if matches == [pattern] else f"{pattern}: matches no file")
+        out += files
+    return out
+
+
+def format_of(path: pathlib.Path, given: str) -> str:
+    if given != "auto":
+        return given
+    suffixes = [s for s in path.suffixes if s not in (".xz", ".gz", ".bz2")]
+    ext = suffixes[-1] if suffixes else ""
+    found = {".txt": "text", ".text": "text", ".jsonl": "jsonl", ".json": "jsonl", ".tsv": "tsv", ".parquet": "parquet"}
+    if ext not in found:
+        raise DataError(f"{path}: cannot tell the format from the name; set data.format to one of {', '.join(FORMATS)}")
+    return found[ext]
+
+
+def read_lines(path: str | pathlib.Path, block: int = 1 << 24, part: Part | None = None) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a UTF-8 text file, decompressed by its suffix; a line that is not UTF-8 fails.
+
+    Read and decoded a block of whole lines at a time: per-line reads dominate the time otherwise.
+    `part`: only the bytes start..stop of an uncompressed file, whose first line is number first_line.
+    """
     path = pathlib.Path(path)
-    if not path.is_file():
-        raise DataError(f"{path} does not exist")
+    opener = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}.get(path.suffix, open)
+    start, stop, first_line = (0, None, 1) if part is None else (part.start, part.stop, part.first_line)
+    lineno, rest = first_line - 1, b""
     try:
-        data = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
-    except (lzma.LZMAError, EOFError) as e:
-        raise DataError(f"{path}: cannot be decompressed ({e})") from e
-    try:
-        return data.decode("utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise DataError(f"{path}, line {line}: not UTF-8 (byte {data[e.start]:#04x})") from None
+        with opener(path, "rb") as f:
+            if start:
+                f.seek(start)
+            left = float("inf") if stop is None else stop - start
+            while True:
+                data = f.read(int(min(block, left)))
+                left -= len(data)
+                chunk = rest + data
+                cut = len(chunk) if not data else chunk.rfind(b"\n") + 1
+                if not data and not chunk:
+                    break
+                if cut == 0:  # no line ends in this block yet
+                    rest = chunk
+                    continue
+                whole, rest = chunk[:cut], chunk[cut:]
+                try:
+                    text = whole.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    bad = lineno + whole.count(b"\n", 0, e.start) + 1
+                    column = e.start - whole.rfind(b"\n", 0, e.start) - 1
+                    raise DataError(f"{path}:{bad}: not UTF-8 ({e.reason} at byte {column})") from None
+                lines = text.split("\n")
+                if text.endswith("\n"):
+                    lines.pop()
+                for line in lines:
+                    lineno += 1
+                    yield lineno, line[:-1] if line.endswith("\r") else line
+                if not data:
+                    break
+    except (lzma.LZMAError, EOFError, OSError, gzip.BadGzipFile) as e:
+        raise DataError(f"{path}: cannot be read ({e})") from e
 
 
-def read_tsv(path: str | pathlib.Path, columns: tuple[str, ...]) -> list[tuple[int, tuple[str, ...]]]:
-    """Rows of a TSV whose header names `columns`, each as (line number, fields)."""
-    lines = read_lines(path)
-    if not lines or tuple(lines[0].split("\t")) != columns:
-        raise DataError(f"{path}:1: expected the header {'<TAB>'.join(columns)}")
-    rows = []
-    for lineno, line in enumerate(lines[1:], start=2):
-        fields = tuple(line.split("\t"))
-        if len(fields) != len(columns):
-            raise DataError(f"{path}:{lineno}: expected {len(columns)} tab-separated columns, got {len(fields)}")
-        rows.append((lineno, fields))
-    return rows
-
-
-def paragraphs(path: str | pathlib.Path) -> list[tuple[int, str]]:
-    """Blank-line separated paragraphs of a text, each with its first line number."""
-    out, current, start = [], [], 0
-    for lineno, line in enumerate([*read_lines(path), ""], start=1):
+def _text(path: pathlib.Path, src: Source, part: Part | None) -> Iterator[tuple[str, dict]]:
+    name = src.fields[0]
+    if src.unit == "line":
+        for lineno, line in read_lines(path, part=part):
+            if line.strip():
+                yield f"{path}:{lineno}", {name: line}
+        return
+    current, start = [], 0
+    for lineno, line in itertools.chain(read_lines(path, part=part), [(0, "")]):  # streamed, never the whole file
         if line.strip():
             start = start or lineno
             current.append(line)
         elif current:
-            out.append((start, "\n".join(current)))
+            yield f"{path}:{start}", {name: "\n".join(current)}
             current, start = [], 0
-    return out
 
 
-def translation_pairs(path, min_words: int) -> list[tuple[int, str, str]]:
-    """(line, english, german) pairs, dropping UI labels with fewer than `min_words` English words."""
-    rows = read_tsv(path, ("id", "en", "de"))
-    return [(n, en, de) for n, (_, en, de) in rows if len(en.split()) >= min_words and de.strip()]
+def _jsonl(path: pathlib.Path, src: Source, part: Part | None) -> Iterator[tuple[str, dict]]:
+    for lineno, line in read_lines(path, part=part):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{lineno}: a JSON object is expected, got {type(row).__name__}")
+        yield f"{path}:{lineno}", row
 
 
-def app_labels(path, min_words: int) -> list[tuple[int, str, int]]:
-    """(line, english paragraph, application index in APPS) from the help page ids."""
+def _tsv(path: pathlib.Path, src: Source, part: Part | None) -> Iterator[tuple[str, dict]]:
+    _, header = next(read_lines(path, block=1 << 16), (1, ""))  # every part reads the file's header
+    lines = read_lines(path, part=part)
+    if part is None or part.start == 0:
+        next(lines, None)
+    columns = header.split("\t")
+    missing = [f for f in src.fields if f not in columns]
+    if header and missing:
+        raise DataError(f"{path}:1: the header has no column {missing[0]!r} (it has {', '.join(columns)})")
+    for lineno, line in lines:
+        if not line.strip():
+            continue
+        values = line.split("\t")
+        if len(values) != len(columns):
+            raise DataError(f"{path}:{lineno}: expected {len(columns)} tab-separated columns, got {len(values)}")
+        yield f"{path}:{lineno}", dict(zip(columns, values, strict=True))
+
+
+def _parquet(path: pathlib.Path, src: Source, part: Part | None) -> Iterator[tuple[str, dict]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        file = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: cannot be read as Parquet ({e})") from e
+    missing = [f for f in src.fields if f not in file.schema_arrow.names]
+    if missing:
+        raise DataError(f"{path}: no column {missing[0]!r} (it has {', '.join(file.schema_arrow.names)})")
+    row = 0
+    for batch in file.iter_batches(columns=list(src.fields)):
+        for values in zip(*(batch.column(f).to_pylist() for f in src.fields), strict=True):
+            row += 1
+            fields = {}
+            for name, v in zip(src.fields, values, strict=True):
+                if isinstance(v, bytes):
+                    try:
+                        v = v.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        raise DataError(f"{path}:row {row}: column {name!r} is not UTF-8 ({e.reason})") from None
+                fields[name] = v
+            yield f"{path}:row {row}", fields
+
+
+READERS = {"text": _text, "jsonl": _jsonl, "tsv": _tsv, "parquet": _parquet}
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """Bytes start..stop (None: to the end) of one file, cut at a record boundary; its first line's number."""
+
+    path: str
+    start: int = 0
+    stop: int | None = None
+    first_line: int = 1
+
+
+def parts(src: Source, size: int) -> list[Part]:
+    """The files of `src` cut into parts of about `size` bytes at record boundaries (a line end; a
+    blank line for paragraphs), for readers in parallel; compressed and Parquet files stay whole.
+    first_line is left at 1: `count_lines` gives each part its own."""
     out = []
-    for n, (pid, en, _) in read_tsv(path, ("id", "en", "de")):
-        parts = pid.split("/")
-        if len(parts) < 3 or parts[0] != "text":
-            raise DataError(f"{path}:{n}: id {pid!r} is not text/<app>/<page>")
-        if parts[1] in APPS and len(en.split()) >= min_words:
-            out.append((n, en, APPS.index(parts[1])))
+    for path in expand(src.files):
+        total = path.stat().st_size
+        if path.suffix in (".xz", ".gz", ".bz2") or format_of(path, src.format) == "parquet" or total <= size:
+            out.append(Part(str(path)))
+            continue
+        mark = b"\n\n" if format_of(path, src.format) == "text" and src.unit == "paragraph" else b"\n"
+        cuts = [0]
+        with open(path, "rb") as f:
+            while cuts[-1] + size < total:
+                f.seek(cuts[-1] + size)
+                window, at = b"", -1
+                while at < 0 and (more := f.read(1 << 16)):
+                    window += more
+                    at = window.find(mark)
+                if at < 0:
+                    break
+                cuts.append(cuts[-1] + size + at + len(mark))
+        out += [Part(str(path), a, b) for a, b in zip(cuts, [*cuts[1:], None], strict=True)]
     return out
+
+
+def count_lines(part: Part) -> int:
+    """Line ends in a part (the next part of its file starts that many lines further)."""
+    count = 0
+    with open(part.path, "rb") as f:
+        f.seek(part.start)
+        left = float("inf") if part.stop is None else part.stop - part.start
+        while left > 0 and (data := f.read(int(min(1 << 24, left)))):
+            count += data.count(b"\n")
+            left -= len(data)
+    return count
+
+
+def iter_records(src: Source, labels: tuple[str, ...] | None = None, part: Part | None = None) -> Iterator[tuple]:
+    """The records of `src` one by one, in file order (memory flat whatever the corpus' size).
+
+    With `labels` (classification) the last field becomes its index in `labels`; a label outside
+    them fails or drops the record as `src.other_labels` says. A missing field, an empty file or a
+    line that is not UTF-8 fails with the file and line named.
+    """
+    pattern = re.compile(src.label_pattern) if src.label_pattern else None
+    index = None if labels is None else {name: i for i, name in enumerate(labels)}
+    kept = 0
+    for path in expand(src.files) if part is None else [pathlib.Path(part.path)]:
+        fmt = format_of(path, src.format)
+        if fmt == "text" and len(src.fields) != 1:
+            raise DataError(f"{path}: plain text holds one field per document, but {len(src.fields)} are needed "
+                            f"({', '.join(src.fields)}): use JSONL, TSV or Parquet")  # fmt: skip
+        count = 0
+        for where, row in READERS[fmt](path, src, part):
+            count += 1
+            values = []
+            for name in src.fields:
+                if name not in row or row[name] is None:
+                    raise DataError(f"{where}: no field {name!r}")
+                v = row[name]
+                values.append(v if isinstance(v, str) else str(v) if isinstance(v, int) else json.dumps(v))
+            if src.min_words and len(values[0].split()) < src.min_words:
+                continue
+            if not all(v.strip() for v in values):
+                continue
+            if pattern is not None:
+                m = pattern.search(values[-1])
+                if m is None:
+                    raise DataError(f"{where}: {src.fields[-1]} {values[-1]!r} does not match {src.label_pattern!r}")
+                values[-1] = m.group(1)
+            if index is not None:
+                if values[-1] not in index:
+                    if src.other_labels == "drop":
+                        continue
+                    raise DataError(f"{where}: label {values[-1]!r} is not in the label set ({', '.join(labels)})")
+                values[-1] = index[values[-1]]
+            kept += 1
+            yield (where, *values)
+        if count == 0 and (part is None or (part.stop is None and part.start == 0)):
+            raise DataError(f"{path}: empty file (no records)")
+    if not kept and part is None:
+        raise DataError(f"{', '.join(src.files)}: no records left (data.min_words={src.min_words})")
+
+
+def label_set(src: Source) -> tuple[str, ...]:
+    """The declared labels, or the sorted labels found in the files (one pass over them)."""
+    return src.labels or tuple(sorted({r[-1] for r in iter_records(src)}))
+
+
+def read(src: Source, labelled: bool = False) -> tuple[list[tuple], tuple[str, ...]]:
+    """All records of `src` in a list, and with `labelled` (the last field is a label) the label set."""
+    labels = label_set(src) if labelled else None
+    return list(iter_records(src, labels)), labels or ()
 
 
 def split(records: list, val_fraction: float, test_fraction: float, seed: int, path) -> tuple[list, list, list]:

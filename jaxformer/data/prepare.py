@@ -1,0 +1,504 @@
+"""Tokenize once: the configured corpus becomes token arrays on disk, reused while nothing changed.
+
+A prepared corpus is a directory `CACHE/<key>/` holding, per split (train, validation, test) and
+per field the objective reads (text; source, target):
+  {split}.{field}.bin       the documents' token ids, one after the other (uint16, or int32 for V > 65535)
+  {split}.{field}.offsets.npy  [N + 1] int64: document i is bin[offsets[i]:offsets[i + 1]]
+  {split}.label.npy         [N] int32 class indices (classification)
+and `manifest.json`: the sources (path, size, sha256), the tokenizer, the settings and the counts.
+
+Documents are stored as the objective feeds them: lm/mlm text + EOS; seq2seq source + EOS and
+target + EOS, cut to data.max_len; classification BOS + text, cut to data.max_len.
+
+The key hashes everything the contents depend on, so an unchanged corpus is found again and a
+changed file, tokenizer or setting makes a new one. A cache is written in a temporary directory
+and renamed into place once complete: a killed run leaves nothing that is ever read. The files
+are cut into parts, each tokenized into its own files with a marker written last; a rerun takes
+the killed build's directory over and does only the parts that have no marker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import pathlib
+import shutil
+import socket
+import tempfile
+from collections.abc import Iterator
+
+import numpy as np
+
+from jaxformer.config import Config
+from jaxformer.data import sources
+from jaxformer.data.sources import DataError
+from jaxformer.data.tokenizers import ByteTokenizer
+
+SPLITS = ("train", "validation", "test")
+VERSION = 1  # of the layout above; bump it when it changes
+CHUNK = 2048  # documents a worker tokenizes at a time
+# Below this many bytes of sources, tokenizing in this process beats starting worker processes.
+PARALLEL_ABOVE = 32 << 20
+# Settings that do not change the prepared tokens.
+NOT_IN_KEY = ("length_buckets", "cache_dir", "prepare_workers", "prefetch", "pack", "synthetic_vocab", "synthetic_len")
+
+
+def fields_of(objective: str) -> tuple[str, ...]:
+    """The stored fields of an objective (the last field of classification is its label)."""
+    return {"seq2seq": ("source", "target"), "classify": ("text",)}.get(objective, ("text",))
+
+
+class TokenFile:
+    """A prepared token array on disk, read by `os.pread` (positionless: safe from many threads).
+
+    Not memory-mapped: pages of a mapping that batches touch count in the process' resident
+    memory, so a long run over a large corpus would look as if it held the corpus; reads leave
+    them in the kernel's page cache only.
+    """
+
+    def __init__(self, path: pathlib.Path, dtype: np.dtype):
+        self.path, self.dtype = path, np.dtype(dtype)
+        self.size = path.stat().st_size // self.dtype.itemsize
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __del__(self):
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens start..stop-1 as int32."""
+        n = self.dtype.itemsize
+        data = os.pread(self.fd, (int(stop) - int(start)) * n, int(start) * n)
+        return np.frombuffer(data, self.dtype).astype(np.int32)
+
+    def __getitem__(self, index):  # a slice, or an array of positions (tests, small reads)
+        if isinstance(index, slice):
+            return self.read(index.start or 0, self.size if index.stop is None else index.stop)
+        index = np.asarray(index)
+        return np.stack([self.read(i, i + 1)[0] for i in index.ravel()]).reshape(index.shape) if index.size else index
+
+    def __array__(self, dtype=None, copy=None):
+        return self.read(0, self.size) if dtype is None else self.read(0, self.size).astype(dtype)
+
+    def rows(self, starts: np.ndarray, width: int) -> np.ndarray:
+        """[len(starts), width]: tokens start..start+width-1 of each start."""
+        return np.stack([self.read(a, a + width) for a in starts]) if len(starts) else np.zeros((0, width), np.int32)
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A prepared corpus, memory-mapped: the documents of each split and field, and the labels."""
+
+    directory: pathlib.Path
+    manifest: dict
+
+    def documents(self, split: str, field: str) -> tuple[TokenFile, np.ndarray]:
+        """(tokens [total], offsets [N + 1]) of one split's field: nothing is read yet."""
+        tokens = TokenFile(self.directory / f"{split}.{field}.bin", np.dtype(self.manifest["dtype"]))
+        return tokens, np.load(self.directory / f"{split}.{field}.offsets.npy", mmap_mode="r")
+
+    def labels(self, split: str) -> np.ndarray:
+        return np.load(self.directory / f"{split}.label.npy", mmap_mode="r")
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        return tuple(self.manifest["labels"])
+
+    def samples(self) -> tuple[list[str], list]:
+        return self.manifest["sample_sources"], self.manifest["sample_references"]
+
+
+def sha256(path: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def cache_root(cfg: Config, workdir) -> pathlib.Path:
+    """data.cache_dir, else WORKDIR/data, else a directory under the system's temporary one."""
+    if cfg.data.cache_dir:
+        return pathlib.Path(cfg.data.cache_dir)
+    if workdir is not None:
+        return pathlib.Path(workdir) / "data"
+    return pathlib.Path(tempfile.gettempdir()) / "jaxformer-data"
+
+
+def tokenizer_identity(cfg: Config, workdir) -> str | None:
+    """What identifies the tokenizer's ids: its kind, and the hash of its file (None: not trained yet)."""
+    kind = cfg.data.tokenizer
+    if kind in ("byte", "symbols"):
+        return kind
+    path = pathlib.Path(workdir or ".") / ("tokenizer.model" if kind == "sentencepiece" else "hf/tokenizer.json")
+    return f"{kind}:{sha256(path)}" if path.is_file() else None
+
+
+def prepare(cfg: Config, workdir=None, progress: bool = True) -> Prepared:
+    """The prepared corpus of `cfg`: found in the cache when nothing changed, else built (and the
+    SentencePiece tokenizer trained on the training split the first time)."""
+    from jaxformer.data.pipeline import source_of
+
+    d, objective = cfg.data, cfg.train.objective
+    src = source_of(cfg)
+    files = sources.expand(src.files)
+    settings = {k: v for k, v in dataclasses.asdict(d).items() if k not in NOT_IN_KEY} | {"objective": objective}
+    fingerprint = [{"path": str(p.resolve()), "size": p.stat().st_size, "sha256": sha256(p)} for p in files]
+    root = cache_root(cfg, workdir)
+
+    def key_of(tokenizer: str) -> str:
+        described = {"version": VERSION, "settings": settings, "sources": fingerprint, "tokenizer": tokenizer}
+        return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
+
+    tokenizer = tokenizer_identity(cfg, workdir)
+    if tokenizer is not None and (root / key_of(tokenizer) / "manifest.json").is_file():
+        return _open(root / key_of(tokenizer))
+    workers = d.prepare_workers or os.cpu_count() or 1
+    parallel = workers > 1 and sum(p.stat().st_size for p in files) > PARALLEL_ABOVE
+    with _Runner(workers if parallel else 0, cfg, workdir) as run:
+        plan = _plan(src, run)
+        labels = None
+        if objective == "classify":
+            labels = src.labels or tuple(sorted(set().union(*run(_part_labels, [(src, p) for p in plan]))))
+        # Pass 1: every record is read and checked before anything is written or trained.
+        counts = run(_count_part, [(src, labels, p) for p in plan])
+        limits = _limits(counts, d.max_examples)
+        assign = split_assignment(sum(limits), d.val_fraction, d.test_fraction, d.split_seed, ", ".join(src.files))
+        if tokenizer is None:  # SentencePiece, trained on the training split only
+            from jaxformer.data.pipeline import train_tokenizer
+
+            n_text = 2 if objective == "seq2seq" else 1
+            records = enumerate(_records(src, labels, d.max_examples))
+            texts = (x for i, r in records if assign[i] == 0 for x in r[1 : 1 + n_text])
+            train_tokenizer(cfg, texts, workdir)
+            tokenizer = tokenizer_identity(cfg, workdir)
+        final = root / key_of(tokenizer)
+        if not (final / "manifest.json").is_file():
+            described = {"version": VERSION, "settings": settings, "sources": fingerprint, "tokenizer": tokenizer}
+            _build_into(final, described, cfg, workdir, src, labels, plan, limits, assign, run, progress)
+    return _open(final)
+
+
+def _build_into(final, described, cfg, workdir, src, labels, plan, limits, assign, run, progress) -> None:
+    """Build the cache `final` in a temporary directory and rename it into place."""
+    root = final.parent
+    root.mkdir(parents=True, exist_ok=True)
+    host = socket.gethostname()
+    tmp = root / f"{final.name}.tmp-{host}-{os.getpid()}"
+    for stale in root.glob(f"{final.name}.tmp-{host}-*"):  # builds killed on this host (not running ones)
+        if _alive(int(stale.name.rsplit("-", 1)[1])):
+            continue
+        if tmp.exists():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:  # the first one found is taken over: its finished parts are not done again
+            with contextlib.suppress(OSError):  # another process took it over first
+                stale.rename(tmp)
+    # Parts are numbered in this plan: a directory taken over from another plan starts again.
+    described_plan = json.dumps([[p.path, p.start, p.stop, n] for p, n in zip(plan, limits, strict=True)])
+    if tmp.exists() and (not (tmp / "plan.json").is_file() or (tmp / "plan.json").read_text() != described_plan):
+        shutil.rmtree(tmp)
+    tmp.mkdir(exist_ok=True)
+    _write_atomic(tmp / "plan.json", described_plan)
+    manifest = _build(cfg, workdir, src, labels, plan, limits, assign, tmp, run, progress)
+    manifest |= described | {"labels": list(labels or ())}
+    _write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1))
+    try:
+        os.rename(tmp, final)  # atomic: the cache appears whole or not at all
+    except OSError:  # another process finished the same cache first: the same contents
+        if not (final / "manifest.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def check_vocab(cfg: Config, tok, src: sources.Source) -> None:
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise DataError(
+            f"{', '.join(src.files)}: the {cfg.data.tokenizer} tokenizer has {tok.vocab_size} ids "
+            f"but model.vocab_size={cfg.model.vocab_size}"
+        )
+
+
+def _open(directory: pathlib.Path) -> Prepared:
+    return Prepared(directory, json.loads((directory / "manifest.json").read_text()))
+
+
+def _write_atomic(path: pathlib.Path, text: str) -> None:
+    part = path.with_name(path.name + ".part")
+    part.write_text(text)
+    os.replace(part, path)
+
+
+def _records(src: sources.Source, labels, max_examples: int) -> Iterator[tuple]:
+    records = sources.iter_records(src, labels)
+    return itertools.islice(records, max_examples) if max_examples else records
+
+
+def split_assignment(n: int, val_fraction: float, test_fraction: float, seed: int, where) -> np.ndarray:
+    """[n] int8: the split (0 train, 1 validation, 2 test) of each record, by a seeded permutation
+    (the same split as `sources.split` makes of a list)."""
+    order = np.random.default_rng(seed).permutation(n)
+    n_val, n_test = int(n * val_fraction), int(n * test_fraction)
+    assign = np.zeros(n, np.int8)
+    assign[order[:n_val]], assign[order[n_val : n_val + n_test]] = 1, 2
+    for i, name in enumerate(SPLITS):
+        if not (assign == i).any():
+            raise DataError(f"{where}: the {name} split is empty ({n} records in all)")
+    return assign
+
+
+# ----------------------------------------------------------------------------- parts, in parallel
+
+PART_BYTES = 32 << 20  # a worker's share of a file: read, checked and tokenized alone
+_WORKER: dict = {}
+
+
+class _Runner:
+    """`run(fn, tasks)` -> [fn(task) ...] in order: in `workers` spawned processes, or here (0)."""
+
+    def __init__(self, workers: int, cfg: Config, workdir):
+        self.workers, self.cfg, self.workdir, self.pool = workers, cfg, workdir, None
+
+    def __enter__(self):
+        if self.workers:
+            # spawn: this process runs JAX's threads, which a fork would copy in an unknown state.
+            ctx = multiprocessing.get_context("spawn")
+            self.pool = ctx.Pool(self.workers, _init_worker, (self.cfg, self.workdir))
+        else:
+            _init_worker(self.cfg, self.workdir)
+        return self
+
+    def __call__(self, fn, tasks: list) -> list:
+        return self.pool.map(fn, tasks, chunksize=1) if self.pool else [fn(t) for t in tasks]
+
+    def each(self, fn, tasks: list) -> Iterator:
+        """Results in order as they come (the next parts are worked on meanwhile)."""
+        return self.pool.imap(fn, tasks, chunksize=1) if self.pool else (fn(t) for t in tasks)
+
+    def __exit__(self, *exc):
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+
+def _init_worker(cfg: Config, workdir) -> None:
+    _WORKER.clear()
+    _WORKER.update(cfg=cfg, workdir=workdir)
+
+
+def _tokenizer():
+    """The worker's tokenizer, loaded once (it may be trained after the worker started)."""
+    if "tok" not in _WORKER:
+        from jaxformer.data.pipeline import load_tokenizer
+
+        _WORKER["tok"] = load_tokenizer(_WORKER["cfg"], _WORKER["workdir"] or ".")
+    return _WORKER["tok"]
+
+
+def _plan(src: sources.Source, run: _Runner) -> list[sources.Part]:
+    """The files cut into parts, each with the number of its first line."""
+    plan = sources.parts(src, PART_BYTES)
+    lines = run(sources.count_lines, [p for p in plan])
+    out, before = [], {}
+    for part, n in zip(plan, lines, strict=True):
+        out.append(dataclasses.replace(part, first_line=before.get(part.path, 0) + 1))
+        before[part.path] = before.get(part.path, 0) + n
+    return out
+
+
+def _part_labels(task) -> set:
+    src, part = task
+    return {r[-1] for r in sources.iter_records(src, part=part)}
+
+
+def _count_part(task) -> int:
+    src, labels, part = task
+    return sum(1 for _ in sources.iter_records(src, labels, part=part))
+
+
+def _limits(counts: list[int], max_examples: int) -> list[int]:
+    """Records taken from each part: all, up to data.max_examples in all (0: no cap)."""
+    if not max_examples:
+        return list(counts)
+    left, out = max_examples, []
+    for n in counts:
+        out.append(min(n, left))
+        left -= out[-1]
+    return out
+
+
+def encode_flat(tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids of all `texts` one after the other [total] int32, the length of each [N] int64),
+    in one call where the tokenizer has a batch form (bytes: straight from the UTF-8 encoding)."""
+    if isinstance(tok, ByteTokenizer):
+        data = [t.encode("utf-8") for t in texts]
+        flat = np.frombuffer(b"".join(data), np.uint8).astype(np.int32) + tok.offset
+        return flat, np.fromiter(map(len, data), np.int64, len(data))
+    if hasattr(tok, "sp"):
+        ids = tok.sp.encode(texts)
+    elif hasattr(tok, "tokenizer"):
+        ids = [e.ids for e in tok.tokenizer.encode_batch(texts, add_special_tokens=False)]
+    else:
+        ids = [tok.encode(t) for t in texts]
+    lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+    return np.fromiter(itertools.chain.from_iterable(ids), np.int32, int(lengths.sum())), lengths
+
+
+def add_special(flat: np.ndarray, lengths: np.ndarray, token: int, at_end: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each document with `token` appended (EOS) or prepended (BOS)."""
+    lengths = lengths + 1
+    ends = np.cumsum(lengths)
+    where = ends - 1 if at_end else ends - lengths
+    out = np.empty(int(ends[-1]) if len(ends) else 0, np.int32)
+    special = np.zeros(len(out), bool)
+    special[where] = True
+    out[where], out[~special] = token, flat
+    return out, lengths
+
+
+def _encode_chunk(fields: list[list[str]]) -> list[tuple[np.ndarray, np.ndarray, tuple | None]]:
+    """Per field: (tokens of the chunk's documents, their lengths, (index, length) of the first one cut)."""
+    tok, objective, L = _WORKER["tok"], _WORKER["objective"], _WORKER["max_len"]
+    out = []
+    for texts in fields:
+        flat, lengths = encode_flat(tok, texts)
+        if objective == "classify":
+            flat, lengths = add_special(flat, lengths, tok.bos_id, at_end=False)
+        else:
+            flat, lengths = add_special(flat, lengths, tok.eos_id, at_end=True)
+        too_long = np.flatnonzero(lengths > L) if objective in ("seq2seq", "classify") else np.zeros(0, np.int64)
+        first = (int(too_long[0]), int(lengths[too_long[0]])) if len(too_long) else None
+        if first:  # cut to L tokens (data.too_long=reject fails on it in the parent, which knows the line)
+            position = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            flat, lengths = flat[position < L], np.minimum(lengths, L)
+        out.append((flat, lengths, first))
+    return out
+
+
+def _encode_part(task) -> dict:
+    """Tokenize the records of one part into files `out/p{index}.{split}.{field}.bin` (+ `.len.npy`,
+    and `.label.npy` for classification). Returns the first test records (for samples)."""
+    index, src, labels, part, limit, assign, out, dtype, num_samples = task
+    if (out / f"p{index}.json").is_file():  # finished by a build that was killed later
+        return json.loads((out / f"p{index}.json").read_text())
+    cfg = _WORKER["cfg"]
+    tok, objective, names = _tokenizer(), cfg.train.objective, fields_of(cfg.train.objective)
+    _WORKER.update(tok=tok, objective=objective, max_len=cfg.data.max_len)
+    records = itertools.islice(sources.iter_records(src, labels, part=part), limit)
+    bins = {(s, f): open(out / f"p{index}.{s}.{f}.bin", "wb") for s in SPLITS for f in names}  # noqa: SIM115
+    lengths = {key: [np.zeros(0, np.int64)] for key in bins}
+    label_parts = {s: [np.zeros(0, np.int32)] for s in SPLITS}
+    samples, done = [], 0
+    try:
+        while chunk := list(itertools.islice(records, CHUNK)):
+            split_of = assign[done : done + len(chunk)]
+            encoded = _encode_chunk([[r[1 + j] for r in chunk] for j in range(len(names))])
+            for j, (tokens, lens, cut) in enumerate(encoded):
+                if cut and cfg.data.too_long == "reject":
+                    raise DataError(
+                        f"{chunk[cut[0]][0]}: sequence of {cut[1]} tokens exceeds "
+                        f"data.max_len={cfg.data.max_len} (data.too_long=reject)"
+                    )
+                for s, split in enumerate(SPLITS):
+                    mine = split_of == s
+                    bins[split, names[j]].write(tokens[np.repeat(mine, lens)].astype(dtype).tobytes())
+                    lengths[split, names[j]].append(lens[mine])
+            if objective == "classify":
+                classes = np.asarray([r[-1] for r in chunk], np.int32)
+                for s, split in enumerate(SPLITS):
+                    label_parts[split].append(classes[split_of == s])
+            test = np.flatnonzero(split_of == 2)[: max(num_samples - len(samples), 0)]
+            samples += [chunk[i] for i in test]
+            done += len(chunk)
+    finally:
+        for f in bins.values():
+            f.close()
+    for (split, name), parts in lengths.items():
+        np.save(out / f"p{index}.{split}.{name}.len.npy", np.concatenate(parts))
+    if objective == "classify":
+        for split in SPLITS:
+            np.save(out / f"p{index}.{split}.label.npy", np.concatenate(label_parts[split]))
+    result = {"records": done, "samples": samples}
+    _write_atomic(out / f"p{index}.json", json.dumps(result))  # last: the part is whole
+    return result
+
+
+def _build(cfg: Config, workdir, src, labels, plan, limits, assign, out: pathlib.Path, run, progress) -> dict:
+    from tqdm.auto import tqdm
+
+    from jaxformer.data.pipeline import load_tokenizer
+
+    objective = cfg.train.objective
+    tok = load_tokenizer(cfg, workdir or ".")
+    check_vocab(cfg, tok, src)
+    dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.int32
+    names = fields_of(objective)
+    k = max(cfg.train.num_samples, 1)
+    starts = np.cumsum([0, *limits])
+    tasks = [
+        (i, src, labels, part, limit, assign[starts[i] : starts[i + 1]], out, dtype, k)
+        for i, (part, limit) in enumerate(zip(plan, limits, strict=True))
+        if limit
+    ]
+    bins = {(s, f): open(out / f"{s}.{f}.bin", "wb") for s in SPLITS for f in names}  # noqa: SIM115
+    lengths = {key: [np.zeros(1, np.int64)] for key in bins}
+    label_parts = {s: [np.zeros(0, np.int32)] for s in SPLITS}
+    samples: list[tuple] = []
+    bar = tqdm(total=len(assign), unit="doc", desc="tokenizing", disable=not progress, mininterval=1.0)
+    try:
+        for result in run.each(_encode_part, tasks):  # each part into its own files, kept until all are done
+            samples += result["samples"][: k - len(samples)]
+            bar.update(result["records"])
+        for task in tasks:
+            i = task[0]
+            for (split, name), f in bins.items():  # appended in order of the parts: the corpus' order
+                piece = out / f"p{i}.{split}.{name}.bin"
+                with open(piece, "rb") as part_file:
+                    shutil.copyfileobj(part_file, f, 1 << 24)
+                piece.unlink()
+                lengths[split, name].append(np.load(out / f"p{i}.{split}.{name}.len.npy"))
+                (out / f"p{i}.{split}.{name}.len.npy").unlink()
+            if objective == "classify":
+                for split in SPLITS:
+                    label_parts[split].append(np.load(out / f"p{i}.{split}.label.npy"))
+                    (out / f"p{i}.{split}.label.npy").unlink()
+            (out / f"p{i}.json").unlink()
+    finally:
+        bar.close()
+        for f in bins.values():
+            f.close()
+    counts = {}
+    for (split, name), parts in lengths.items():
+        offsets = np.cumsum(np.concatenate(parts))
+        np.save(out / f"{split}.{name}.offsets.npy", offsets)
+        counts[split] = len(offsets) - 1
+    if objective == "classify":
+        for split in SPLITS:
+            np.save(out / f"{split}.label.npy", np.concatenate(label_parts[split]))
+    if objective == "seq2seq":
+        shown = [(r[1], r[2]) for r in samples]
+    elif objective == "classify":
+        shown = [(r[1], labels[r[2]]) for r in samples]
+    else:
+        shown = [(r[1][:80], r[1][80:200]) for r in samples]
+    return {
+        "dtype": np.dtype(dtype).name, "documents": counts,
+        "sample_sources": [a for a, _ in shown], "sample_references": [b for _, b in shown],
+    }  # fmt: skip

@@ -1,0 +1,166 @@
+"""Tokenize once: prepared corpora hold the tokenized records, are found again while nothing changed,
+are built anew when something did, and a killed build is never read and is finished by a rerun."""
+
+import dataclasses
+import itertools
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from jaxformer import config as C
+from jaxformer.cli import main
+from jaxformer.data import ByteTokenizer, sources
+from jaxformer.data.prepare import SPLITS, prepare
+
+
+def write_corpus(path: pathlib.Path, n: int = 300, tag: str = "") -> None:
+    rows = [{"text": f"document {i}{tag}: " + "word " * (i % 17)} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def cfg_for(files, cache_dir, **data):
+    return C.Config(
+        model=C.tiny("decoder_only", vocab_size=260, max_len=16),
+        data=C.DataConfig(source="files", files=tuple(map(str, files)), max_len=16, cache_dir=str(cache_dir), **data),
+        train=C.TrainConfig(objective="lm", batch_size=2),
+    )
+
+
+def contents(prepared) -> dict:
+    out = {}
+    for split in SPLITS:
+        tokens, offsets = prepared.documents(split, "text")
+        out[split] = (np.asarray(tokens).copy(), np.asarray(offsets).copy())
+    return out
+
+
+def test_prepared_documents_are_the_records_tokenized(tmp_path):
+    write_corpus(tmp_path / "c.jsonl")
+    cfg = cfg_for([tmp_path / "c.jsonl"], tmp_path / "cache")
+    prepared = prepare(cfg, progress=False)
+    records, _ = sources.read(sources.Source((str(tmp_path / "c.jsonl"),), ("text",)))
+    tok = ByteTokenizer()
+    for split, part in zip(SPLITS, sources.split(records, 0.05, 0.05, 0, "c"), strict=True):
+        tokens, offsets = prepared.documents(split, "text")
+        docs = [tokens[a:b].tolist() for a, b in itertools.pairwise(offsets)]
+        assert docs == [[*tok.encode(r[1]), tok.eos_id] for r in part]  # each document ends in EOS
+    assert prepared.manifest["sources"][0]["sha256"] == sources_sha(tmp_path / "c.jsonl")
+
+
+def sources_sha(path):
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_an_unchanged_corpus_is_reused_and_a_changed_one_rebuilt(tmp_path, capsys):
+    corpus, cache = tmp_path / "c.jsonl", tmp_path / "cache"
+    write_corpus(corpus)
+    sets = ["--set", "data.source=files", "--set", f"data.files={corpus}", "--set", f"data.cache_dir={cache}"]
+    argv = ["prepare", "--config", "experiments/lm_shakespeare.py", "--workdir", str(tmp_path / "w"), "--quiet"]
+    assert main(argv + sets) == 0
+    first = capsys.readouterr().out.split(":")[0]
+    stamp = os.stat(pathlib.Path(first) / "train.text.bin").st_mtime_ns
+    assert main(argv + sets) == 0  # found again: nothing is written
+    assert capsys.readouterr().out.split(":")[0] == first
+    assert os.stat(pathlib.Path(first) / "train.text.bin").st_mtime_ns == stamp
+    write_corpus(corpus, tag="!")  # changed text: another cache
+    assert main(argv + sets) == 0
+    second = capsys.readouterr().out.split(":")[0]
+    assert main([*argv, *sets, "--set", "data.max_len=64"]) == 0  # changed settings: another cache
+    third = capsys.readouterr().out.split(":")[0]
+    assert len({first, second, third}) == 3
+
+
+KILLED = """
+import sys, time
+from jaxformer.data import prepare as P
+from jaxformer import config as C
+P.CHUNK, P.PART_BYTES = 8, 2048
+encode = P._encode_chunk
+def slow(fields):
+    time.sleep(0.02)
+    return encode(fields)
+P._encode_chunk = slow
+cfg = C.Config(
+    model=C.tiny("decoder_only", vocab_size=260, max_len=16),
+    data=C.DataConfig(source="files", files=(sys.argv[1],), max_len=16, cache_dir=sys.argv[2]),
+    train=C.TrainConfig(objective="lm", batch_size=2),
+)
+P.prepare(cfg, progress=False)
+"""
+
+
+def test_a_killed_prepare_is_never_read_and_a_rerun_finishes_its_parts(tmp_path, monkeypatch):
+    from jaxformer.data import prepare as P
+
+    corpus, cache = tmp_path / "c.jsonl", tmp_path / "cache"
+    write_corpus(corpus, n=1500)
+    proc = subprocess.Popen([sys.executable, "-c", KILLED, str(corpus), str(cache)])
+    deadline = time.time() + 60
+    while len(list(cache.glob("*.tmp-*/p[0-9]*.json"))) < 2:  # two parts finished, others half-written
+        assert time.time() < deadline and proc.poll() is None, "the build never finished a part"
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not list(cache.glob("*/manifest.json")), "a killed build left a cache that would be read"
+    finished = len(list(cache.glob("*.tmp-*/p[0-9]*.json")))
+    monkeypatch.setattr(P, "PART_BYTES", 2048)  # the same parts as the killed build
+    calls = []
+    encode = P._encode_chunk
+    monkeypatch.setattr(P, "_encode_chunk", lambda fields: calls.append(1) or encode(fields))
+    cfg = cfg_for([corpus], cache)
+    prepared = prepare(cfg, progress=False)  # the rerun does the parts the killed build had not finished
+    assert not list(cache.glob("*.tmp-*"))
+    redone = len(calls)
+    calls.clear()
+    clean = prepare(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, cache_dir=str(tmp_path / "clean"))))
+    assert finished >= 2 and redone <= len(calls) - finished
+    for split, (tokens, offsets) in contents(prepared).items():
+        np.testing.assert_array_equal(tokens, contents(clean)[split][0])
+        np.testing.assert_array_equal(offsets, contents(clean)[split][1])
+
+
+def test_parallel_prepare_of_file_parts_equals_one_process(tmp_path, monkeypatch):
+    from jaxformer.data import prepare as P
+
+    texts = [f"document {i}: " + "word " * (i % 17) for i in range(1500)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    # Paragraphs of one to three lines, and a TSV whose header only the first part holds.
+    (tmp_path / "d.txt").write_text("".join(t + "\n" + "more\n" * (i % 3) + "\n" for i, t in enumerate(texts)))
+    (tmp_path / "e.tsv").write_text("id\ttext\n" + "".join(f"{i}\t{t}\n" for i, t in enumerate(texts)))
+    monkeypatch.setattr(P, "PARALLEL_ABOVE", 0)  # worker processes, each file cut into parts of ~4 KB
+    monkeypatch.setattr(P, "PART_BYTES", 4096)
+    files = [tmp_path / n for n in ("c.jsonl", "d.txt", "e.tsv")]
+    cfg = cfg_for(files, tmp_path / "one", prepare_workers=1, max_examples=4400, text_unit="paragraph")
+    one = prepare(cfg, progress=False)
+    data = dataclasses.replace(cfg.data, prepare_workers=2, cache_dir=str(tmp_path / "two"))
+    two = prepare(dataclasses.replace(cfg, data=data), progress=False)
+    assert len(sources.parts(sources.Source(tuple(map(str, files)), ("text",), unit="paragraph"), 4096)) > 20
+    assert one.manifest["documents"]["train"] > 3500 and one.samples() == two.samples()
+    for split in SPLITS:
+        for a, b in zip(contents(one)[split], contents(two)[split], strict=True):
+            np.testing.assert_array_equal(a, b)
+    reference, _ = sources.read(sources.Source(tuple(map(str, files)), ("text",), unit="paragraph"))
+    assert len(reference) == 4500  # read whole, serially: the same records
+    with open(tmp_path / "e.tsv", "a") as f:  # line numbers run on across parts
+        f.write("x\ty\tz\n")
+    with pytest.raises(sources.DataError, match=r"e\.tsv:1502: expected 2 tab-separated columns, got 3"):
+        prepare(cfg, progress=False)
+
+
+def test_a_bad_line_fails_before_anything_is_written(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus)
+    with open(corpus, "a") as f:
+        f.write('{"body": "no text field"}\n')
+    with pytest.raises(sources.DataError, match=r"c\.jsonl:301: no field 'text'"):
+        prepare(cfg_for([corpus], tmp_path / "cache"), progress=False)
+    assert not (tmp_path / "cache").exists()
