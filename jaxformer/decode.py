@@ -99,11 +99,13 @@ class Stepper(NamedTuple):
     start(prompt_BP, lengths_B) -> (logits_BV, carry): after each row's last prompt token.
     step(carry, tokens_B, positions_B) -> (logits_BV, carry): after tokens placed at positions.
     reorder(carry, rows_B) -> carry: row i takes row rows_B[i]'s history (beam search).
+    length: the positions it holds, prompts and new tokens (a row's last position is length - 1).
     """
 
     start: Callable
     step: Callable
     reorder: Callable
+    length: int
 
 
 def _at(x_BT_, index_B: Array) -> Array:
@@ -123,7 +125,7 @@ def cached_stepper(model, length: int, memory_BSD: Array | None, src_lengths_B: 
         logits_B1V, cache = model.decode_step(cache, tokens_B[:, None], positions_B[:, None])
         return logits_B1V[:, 0], cache
 
-    return Stepper(start, step, model.reorder_cache)
+    return Stepper(start, step, model.reorder_cache, length)
 
 
 def recompute_stepper(model, length: int, memory_BSD: Array | None, src_lengths_B: Array | None) -> Stepper:
@@ -144,7 +146,7 @@ def recompute_stepper(model, length: int, memory_BSD: Array | None, src_lengths_
         buffer_BL = buffer_BL.at[jnp.arange(buffer_BL.shape[0]), positions_B].set(tokens_B)
         return logits_at(buffer_BL, positions_B + 1, positions_B), buffer_BL
 
-    return Stepper(start, step, lambda buffer_BL, rows_B: jnp.take(buffer_BL, rows_B, axis=0))
+    return Stepper(start, step, lambda buffer_BL, rows_B: jnp.take(buffer_BL, rows_B, axis=0), length)
 
 
 # ----------------------------------------------------------------------------- searches
@@ -157,7 +159,7 @@ def sample_search(stepper, prompt_BP, lengths_B, max_new_B, num_new: int, choose
     """
     B = prompt_BP.shape[0]
     logits_BV, carry = stepper.start(prompt_BP, lengths_B)
-    last_position = prompt_BP.shape[1] + num_new - 1
+    last_position = stepper.length - 1
 
     def cond(s):
         t, *_, done_B, _ = s
@@ -191,7 +193,7 @@ def beam_search(stepper, prompt_BP, lengths_B, max_new_B, num_new: int, W: int, 
     B = BW // W
     logits_BV, carry = stepper.start(prompt_BP, lengths_B)
     max_new_B_ = max_new_B.reshape(B, W)[:, 0]
-    last_position = prompt_BP.shape[1] + num_new - 1
+    last_position = stepper.length - 1
     take = lambda x, idx: jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
 
     def cond(s):
@@ -233,9 +235,12 @@ def beam_search(stepper, prompt_BP, lengths_B, max_new_B, num_new: int, W: int, 
     return fin_BWN, fin_score_BW
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "settings", "num_new", "eos_id", "pad_id"))
-def _generate(graphdef, params, prompt_BP, lengths_B, max_new_B, src, rng, *, settings, num_new, eos_id, pad_id):
-    """`src`: None (decoder_only), or the sources (ids [B, S], lengths [B]) to encode."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings", "num_new", "length", "eos_id", "pad_id"))
+def _generate(
+    graphdef, params, prompt_BP, lengths_B, max_new_B, src, rng, *, settings, num_new, length, eos_id, pad_id
+):
+    """Up to `num_new` steps (row b: max_new_B[b]) in a buffer of `length` positions, prompts included.
+    `src`: None (decoder_only), or the sources (ids [B, S], lengths [B]) to encode."""
     model = unrolled(without_id_checks(nnx.merge(graphdef, params)))  # inputs were checked on the host
     W = settings.beam_size if settings.strategy == "beam" else 1
     if W > 1:  # every beam is a row of its own: [B * W, ...]
@@ -247,7 +252,7 @@ def _generate(graphdef, params, prompt_BP, lengths_B, max_new_B, src, rng, *, se
         src_BS, src_lengths_B = src
         memory_BSD = model.encode(constrain(src_BS, ("batch", None)), src_lengths=src_lengths_B)
     make = cached_stepper if settings.use_cache else recompute_stepper
-    stepper = make(model, prompt_BP.shape[1] + num_new, memory_BSD, src_lengths_B)
+    stepper = make(model, length, memory_BSD, src_lengths_B)
     if settings.strategy == "beam":
         return beam_search(
             stepper, prompt_BP, lengths_B, max_new_B, num_new, W, settings.length_penalty, eos_id, pad_id
@@ -304,12 +309,12 @@ def _check_special_ids(model, **ids) -> None:
             raise ValueError(f"{name}={token} is outside the vocabulary [0, {V})")
 
 
-def _run(model, prompt_BP, lengths_B, max_new_B, src, settings: DecodeConfig, num_new, eos_id, rng):
+def _run(model, prompt_BP, lengths_B, max_new_B, src, settings: DecodeConfig, num_new, length, eos_id, rng):
     graphdef, params = nnx.split(model)
     rng = jax.random.key(settings.seed) if rng is None else rng
     tokens, scores = _generate(
-        graphdef, params, prompt_BP, lengths_B, max_new_B, src, rng,
-        settings=settings, num_new=num_new, eos_id=-1 if eos_id is None else eos_id, pad_id=model.cfg.pad_id,
+        graphdef, params, prompt_BP, lengths_B, max_new_B, src, rng, settings=settings, num_new=num_new,
+        length=length, eos_id=-1 if eos_id is None else eos_id, pad_id=model.cfg.pad_id,
     )  # fmt: skip
     n = settings.num_return
     return Generation(np.asarray(tokens)[:, :n], np.asarray(scores)[:, :n])
@@ -327,9 +332,12 @@ def generate(model, prompts: Sequence[Sequence[int]], settings: DecodeConfig = D
     _check_special_ids(model, eos_id=eos_id)
     L = model.cfg.max_len
     prompt_BP, lengths_B = _padded(prompts, "prompt", model, L - 1)  # room for one new token
+    # The buffer: prompts padded to a power of two, then the new tokens (shapes a few compilations cover).
+    # A row continues from its own length, so one shorter than the padded width runs more steps.
     length = min(prompt_BP.shape[1] + settings.max_new_tokens, L)
     max_new_B = np.minimum(settings.max_new_tokens, length - lengths_B).astype(np.int32)
-    return _run(model, prompt_BP, lengths_B, max_new_B, None, settings, length - prompt_BP.shape[1], eos_id, rng)
+    num_new = min(settings.max_new_tokens, length - 1)  # as many as a one-token prompt can take
+    return _run(model, prompt_BP, lengths_B, max_new_B, None, settings, num_new, length, eos_id, rng)
 
 
 def translate(model, sources: Sequence[Sequence[int]], settings: DecodeConfig = DEFAULTS, *, bos_id, eos_id):
@@ -345,7 +353,8 @@ def translate(model, sources: Sequence[Sequence[int]], settings: DecodeConfig = 
     max_new_B = np.minimum(src_lengths_B + settings.extra_len, num_new).astype(np.int32)
     prompt_B1 = np.full((len(sources), 1), bos_id, np.int32)
     src = (src_BS, src_lengths_B)
-    return _run(model, prompt_B1, np.ones(len(sources), np.int32), max_new_B, src, settings, num_new, eos_id, None)
+    lengths_B = np.ones(len(sources), np.int32)
+    return _run(model, prompt_B1, lengths_B, max_new_B, src, settings, num_new, 1 + num_new, eos_id, None)
 
 
 # ----------------------------------------------------------------------------- text

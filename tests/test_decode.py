@@ -104,6 +104,23 @@ def test_rows_do_not_depend_on_the_batch(model, strategy):
         np.testing.assert_allclose(alone.scores[0], together.scores[i], atol=1e-5)
 
 
+@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+def test_every_row_runs_to_max_len_whatever_the_padded_width(strategy):
+    """Near model.max_len a prompt shorter than the batch's padded width still gets all the tokens that
+    fit after it (no EOS: every row runs out), in beam search too: it used to return no hypothesis."""
+    model = jf.build_model(jf.tiny("decoder_only", vocab_size=V, max_len=16), seed=1)
+    rows = [[5, 9, 3, 4, 6], [7, 4, 11, 6, 8, 12, 3, 9, 10], [13]]  # padded to 16
+    settings = DecodeConfig(strategy=strategy, max_new_tokens=12)
+    together = decode.generate(model, rows, settings, eos_id=None)
+    for i, row in enumerate(rows):
+        alone = decode.generate(model, [row], settings, eos_id=None)  # padded to 8, 16 and 8
+        fits = min(12, 16 - len(row))
+        assert (together.tokens[i, 0, :fits] != 0).all() and (together.tokens[i, 0, fits:] == 0).all()
+        assert np.isfinite(together.scores[i, 0])
+        np.testing.assert_array_equal(alone.tokens[0, 0, :fits], together.tokens[i, 0, :fits])
+        np.testing.assert_allclose(alone.scores[0, 0], together.scores[i, 0], atol=1e-5)
+
+
 def test_a_sampled_row_does_not_depend_on_the_other_rows(model):
     """Each row draws with its own key: other prompts beside it (or none) leave its sample unchanged."""
     together = run(model, ROWS, strategy="sample", seed=5)
