@@ -119,7 +119,7 @@ def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
         ici = (shape[0] // cfg.dcn_data, shape[1], shape[2])
         grid = mesh_utils.create_hybrid_device_mesh(ici, (cfg.dcn_data, 1, 1), devices)
         return jax.sharding.Mesh(grid, MESH_AXES, axis_types=auto)
-    if len(devices) == jax.device_count():
+    if len(devices) == jax.device_count() or devices[0].platform == "tpu":  # TPUs: laid out by their topology
         return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
     return jax.sharding.Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
 
@@ -137,6 +137,14 @@ def use(mesh: jax.sharding.Mesh, rules: tuple):
 def logical_to_spec(names: tuple[str | None, ...]) -> PartitionSpec:
     """Logical names -> PartitionSpec under the rules in effect."""
     return nn.logical_to_mesh_axes(names)
+
+
+def activation_spec(names: tuple[str | None, ...]) -> PartitionSpec:
+    """The PartitionSpec of an activation with these logical names under the rules and mesh in
+    effect; empty outside them (kernels that run per shard take it, as `constrain` would split it)."""
+    if not nn.get_logical_axis_rules() or jax.sharding.get_abstract_mesh().empty:
+        return PartitionSpec()
+    return logical_to_spec(names)
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
