@@ -233,6 +233,30 @@ def _splash_unservable(mask, bias, B: int, T: int, S: int, H: int, G: int, spec_
     return None
 
 
+def _at_default_precision(f, n_ids: int):
+    """`f(q, k, v, *ids)` traced, forward and backward, at the default matmul precision: Mosaic
+    multiplies bfloat16 tiles only at their own precision, and a float32 request in context (a
+    config's "highest") on bfloat16 inputs fails to compile. The integer ids get no cotangent."""
+    default = lambda: jax.default_matmul_precision("default")
+
+    @jax.custom_vjp
+    def run(q, k, v, *ids):
+        with default():
+            return f(q, k, v, *ids)
+
+    def forward(q, k, v, *ids):
+        with default():
+            out, pullback = jax.vjp(lambda q, k, v: f(q, k, v, *ids), q, k, v)
+        return out, pullback
+
+    def backward(pullback, g):
+        with default():
+            return (*pullback(g), *(None,) * n_ids)
+
+    run.defvjp(forward, backward)
+    return run
+
+
 def _splash(q_BTHK, k_BSGK, v_BSGK, mask: Mask | None, scale: float | None, spec_BTHK) -> Array:
     """The Pallas splash-attention kernel (TPU), told the mask as structure: causal as its static
     mask, lengths and segments as segment ids. Mosaic kernels are not partitioned by the compiler,
@@ -266,12 +290,12 @@ def _splash(q_BTHK, k_BSGK, v_BSGK, mask: Mask | None, scale: float | None, spec
             splash.MultiHeadMask([one] * H_local), block_sizes=blocks, head_shards=1, q_seq_shards=1
         )
         q_BHTK, k_BGSK, v_BGSK = (jnp.swapaxes(x, 1, 2) for x in (q_BTHK, k_BSGK, v_BSGK))
-        if segments:
-            ids = splash.SegmentIds(*segments)
-            out_BHTK = jax.vmap(kernel)(q_BHTK, k_BGSK, v_BGSK, segment_ids=ids)
-        else:
-            out_BHTK = jax.vmap(kernel)(q_BHTK, k_BGSK, v_BGSK)
-        return jnp.swapaxes(out_BHTK, 1, 2)
+        run = lambda q, k, v, *ids: jax.vmap(kernel)(
+            q, k, v, **({"segment_ids": splash.SegmentIds(*ids)} if ids else {})
+        )
+        if q_BTHK.dtype in (jnp.bfloat16, jnp.float16):
+            run = _at_default_precision(run, len(segments))
+        return jnp.swapaxes(run(q_BHTK, k_BGSK, v_BGSK, *segments), 1, 2)
 
     args = (q_BTHK, k_BSGK, v_BSGK, *(segments or ()))
     if not jax.sharding.get_abstract_mesh().empty:
