@@ -173,6 +173,13 @@ def abstract_batch(cfg: Config, batch_size: int, mesh) -> dict:
     return batch | ({"src": ids, "src_lengths": per_row(np.int32)} if objective == "seq2seq" else {})
 
 
+def with_shardings(abstract, shardings):
+    """The abstract state (or parameters) with each leaf's sharding: what `jit(...).lower` compiles for."""
+    leaves, treedef = jax.tree.flatten(abstract)
+    shaped = zip(leaves, jax.tree.leaves(shardings), strict=True)
+    return treedef.unflatten([jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in shaped])
+
+
 def _shard_bytes(tree) -> int:
     """Bytes of this device's shard of every leaf (ShapeDtypeStructs with shardings)."""
     leaves = jax.tree.leaves(tree)
@@ -210,13 +217,7 @@ def plan(
         graphdef, create, optimizer = state_factory(cfg)
         abstract = jax.eval_shape(create)
         shardings = sharding.state_shardings(abstract, mesh)
-        leaves, treedef = jax.tree.flatten(abstract)
-        state = treedef.unflatten(
-            [
-                jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-                for a, s in zip(leaves, jax.tree.leaves(shardings), strict=True)
-            ]
-        )
+        state = with_shardings(abstract, shardings)
         train, evaluate = make_steps(graphdef, cfg, optimizer)
         train_step = jax.jit(train, out_shardings=(shardings, None), donate_argnums=0)
         shards = math.prod(mesh.shape[a] for a in sharding.BATCH)

@@ -54,7 +54,11 @@ def topology_devices(name: str) -> list:
     if not _tpu_chips_here():  # compiling only: no chip to guard, no pod to find
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # else one process at a time, by a lock file
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # else libtpu logs errors looking for workers
+    try:  # one device per chip, as JAX runs chips of two TensorCores (v4, v5p): "megacore"
+        return list(topologies.get_topology_desc(name, "tpu", chip_config_name="megacore").devices)
+    except Exception:  # chips of one core (v5e, v6e) have no megacore configuration
+        pass
     try:
-        return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
+        return list(topologies.get_topology_desc(name, "tpu").devices)
     except Exception as e:  # libtpu's own message says what it expected
         raise ConfigError(f"--target tpu-{name}: libtpu does not know this topology ({e})") from None
