@@ -18,7 +18,7 @@ usage: scripts/tpu_pod.sh --name NAME --zone ZONE --type TYPE --config experimen
   --zone       e.g. us-east5-a
   --type       accelerator type, e.g. v5p-128, v5litepod-256, v4-256, v6e-64
   --config     the experiment file, copied with this checkout
-  --workdir    checkpoints and metrics: a path every worker sees (gs://bucket/dir or a shared mount)
+  --workdir    checkpoints and metrics: a path every worker sees (a gcsfuse or NFS mount)
   --version    TPU VM runtime (default tpu-ubuntu2204-base)
   --spot       a spot (preemptible) slice; training resumes from the workdir when rerun
   --set        a config override, passed to `jaxformer train` (repeatable)

@@ -4,7 +4,7 @@ import subprocess
 
 ARGS = [
     "--name", "pod1", "--zone", "us-east5-a", "--type", "v5p-128", "--config", "experiments/gpt2_1p3b.py",
-    "--workdir", "gs://bucket/runs/gpt2", "--set", "train.steps=10",
+    "--workdir", "/mnt/shared/runs/gpt2", "--set", "train.steps=10",
 ]  # fmt: skip
 
 
