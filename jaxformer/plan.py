@@ -250,8 +250,9 @@ def plan(
 
         params, opt = _shard_bytes(state.params), _shard_bytes(state.opt_state)
         requested, over_memory = batch_size, None
-        fits = None if device_memory is None else peak_at(batch_size) <= device_memory
-        find = device_memory is not None and (largest or math.isinf(peak_at(batch_size)))
+        p_requested = peak_at(batch_size)
+        fits = None if device_memory is None else p_requested <= device_memory
+        find = device_memory is not None and (largest or isinstance(compiled[batch_size], str))
         largest = _largest_batch(peak_at, shards, device_memory, batch_size) if find else None
         if isinstance(compiled[batch_size], str):  # the compiler said no: show the largest batch that compiles
             over_memory = compiled[batch_size]
