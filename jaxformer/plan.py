@@ -106,7 +106,7 @@ class Plan:
     compile_seconds: float = 0.0  # all compiles of this plan (train, eval, the batches tried)
     requested_batch: int | None = None  # the configured batch; batch_size differs when it did not compile
     over_memory: str | None = None  # the TPU compiler's refusal of the configured batch
-    attention_kernels: int = 0  # Pallas (Mosaic) kernels in the compiled training step: splash attention on TPU
+    attention_kernels: int | None = 0  # Pallas (Mosaic) kernels in the compiled training step (splash on TPU)
 
     def table(self) -> str:
         gb = lambda b: f"{b / 1e9:9.3f} GB"
@@ -264,7 +264,7 @@ def plan(
         cost = step.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         peak = _peak(step)
-        kernels = step.as_text().count(f'custom_call_target="{KERNEL_CALL}"')
+        kernels = _kernel_calls(step)
         evaluated = compile_timed(jax.jit(evaluate), batch_size)
         eval_peak = None if isinstance(evaluated, str) else _peak(evaluated)
     T = cfg.data.max_len
@@ -299,6 +299,15 @@ def _peak(compiled) -> int:
     m = compiled.memory_analysis()
     return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
             + m.temp_size_in_bytes + m.generated_code_size_in_bytes)  # fmt: skip
+
+
+def _kernel_calls(compiled) -> int | None:
+    """Pallas (Mosaic) kernel calls in a compiled program; None where its text cannot be had (the
+    TPU compiler's text of some scanned programs fails a check of XLA's)."""
+    try:
+        return compiled.as_text().count(f'custom_call_target="{KERNEL_CALL}"')
+    except jax.errors.JaxRuntimeError:
+        return None
 
 
 def _refused_bytes(message: str) -> float:
