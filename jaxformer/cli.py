@@ -213,7 +213,9 @@ def cmd_plan(args) -> int:
         return subprocess.run([sys.executable, "-m", "jaxformer.cli", *args.argv], env=env).returncode
     cfg = _load_config(args)
     memory = parse_bytes(args.device_memory) if args.device_memory else None
-    result = plan(cfg, device_memory=memory, target=target, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    result = plan(
+        cfg, device_memory=memory, target=target, largest=args.largest, progress=lambda m: print(m, file=sys.stderr)
+    )
     print(json.dumps(dataclasses.asdict(result), indent=2) if args.json else result.table())
     return 0 if result.fits is not False else 1
 
@@ -322,6 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     pn.add_argument("--devices", type=int, help="plan on this many fake CPU devices (default: this machine's)")
     pn.add_argument(
         "--device-memory", help="memory of one device, e.g. 80GB (default: the target chip's): fit and largest batch"
+    )
+    pn.add_argument(
+        "--largest",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="search for the largest batch that fits (two or more compiles; --no-largest: the configured batch only)",
     )
     pn.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl = sub.add_parser("plot", help="draw a run's loss and eval curves to a PNG")

@@ -244,6 +244,9 @@ def plan(
         def peak_at(B: int) -> float:
             if B not in compiled:
                 compiled[B] = compile_timed(train_step, B)
+                if progress:
+                    said = compiled[B] if isinstance(compiled[B], str) else f"peak {_peak(compiled[B]) / 1e9:.3f} GB"
+                    progress(f"  batch {B}: {said}")
             if isinstance(compiled[B], str):  # refused: over memory, by the compiler's figure if it gives one
                 return max(_refused_bytes(compiled[B]), math.nextafter(device_memory or 0.0, math.inf))
             return _peak(compiled[B])
