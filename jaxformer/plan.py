@@ -142,8 +142,8 @@ class Plan:
         if self.device_memory is not None:
             verdict = "fits" if self.fits else "does NOT fit"
             lines.append(f"device memory {self.device_memory / 1e9:.3f} GB: batch {self.requested_batch} {verdict}")
-            largest = "none: even the smallest batch does not fit" if not self.largest_batch else self.largest_batch
-            lines.append(f"largest global batch that fits: {largest}")
+            largest = {None: "not searched (--no-largest)", 0: "none: even the smallest batch does not fit"}
+            lines.append(f"largest global batch that fits: {largest.get(self.largest_batch, self.largest_batch)}")
         lines.append(f"compiled in {self.compile_seconds:.1f} s")
         return "\n".join(lines)
 
