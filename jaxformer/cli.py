@@ -226,18 +226,25 @@ def cmd_plan(args) -> int:
     import os
     import subprocess
 
+    from jaxformer.plan import parse_bytes, parse_target, plan
+
     if args.devices is not None and args.devices < 1:
         raise CommandError(f"--devices: must be positive, got {args.devices}")
+    target = parse_target(args.target) if args.target else None
+    if target is not None and target.topology is None:  # a GPU: its count of fake CPU devices
+        if args.devices and args.devices != target.count:
+            raise CommandError(f"--devices {args.devices} contradicts --target {args.target}")
+        args.devices = target.count
     flag = f"--xla_force_host_platform_device_count={args.devices}"
     if args.devices and flag not in os.environ.get("XLA_FLAGS", ""):
         # JAX fixes its device count when it starts: plan in a process of its own with N CPU devices.
         env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip())
         return subprocess.run([sys.executable, "-m", "jaxformer.cli", *args.argv], env=env).returncode
-    from jaxformer.plan import parse_bytes, plan
-
     cfg = _load_config(args)
     memory = parse_bytes(args.device_memory) if args.device_memory else None
-    result = plan(cfg, device_memory=memory)
+    result = plan(
+        cfg, device_memory=memory, target=target, largest=args.largest, progress=lambda m: print(m, file=sys.stderr)
+    )
     print(json.dumps(dataclasses.asdict(result), indent=2) if args.json else result.table())
     return 0 if result.fits is not False else 1
 
@@ -346,8 +353,21 @@ def main(argv: list[str] | None = None) -> int:
     pn = sub.add_parser("plan", help="compile the training step for the mesh ahead of time: per-device memory, fit")
     pn.add_argument("--config", required=True, help="experiments/NAME.py")
     pn.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")
+    pn.add_argument(
+        "--target",
+        help="tpu-TOPOLOGY (tpu-v5p:4x4x4, tpu-v5e:16x16: the TPU compiler, needs jaxformer[tpu]) or gpu-CHIPxN "
+        "(gpu-h100x8: N fake CPU devices with the chip's memory and peak)",
+    )
     pn.add_argument("--devices", type=int, help="plan on this many fake CPU devices (default: this machine's)")
-    pn.add_argument("--device-memory", help="memory of one device, e.g. 80GB: says whether it fits, the largest batch")
+    pn.add_argument(
+        "--device-memory", help="memory of one device, e.g. 80GB (default: the target chip's): fit and largest batch"
+    )
+    pn.add_argument(
+        "--largest",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="search for the largest batch that fits (two or more compiles; --no-largest: the configured batch only)",
+    )
     pn.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl = sub.add_parser("plot", help="draw a run's loss and eval curves to a PNG")
     pl.add_argument("--workdir", required=True)
@@ -357,7 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = sys.argv[1:] if argv is None else list(argv)  # `plan --devices N` runs itself again with them
     from jaxformer.config import ConfigError
     from jaxformer.data import DataError
+    from jaxformer.tpu import compile_only_without_chips
 
+    compile_only_without_chips()  # libtpu installed for `plan --target tpu-...`, no chip: JAX on the CPU
     try:
         commands = {
             "train": cmd_train,

@@ -119,7 +119,8 @@ class ModelConfig:
     pooling: Literal["first", "mean"] = "first"  # classification pooling: [CLS] token or masked mean
     pad_id: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; parameters stay float32
-    attention_impl: Literal["naive", "auto", "xla", "cudnn"] = "naive"
+    # auto: cuDNN flash attention on GPU, splash attention on TPU, XLA's fused attention elsewhere
+    attention_impl: Literal["naive", "auto", "xla", "cudnn", "splash"] = "naive"
     # float32 matmuls: "default" leaves JAX's setting (GPUs then use TF32, ~1e-3 off float32; TPUs
     # bfloat16 passes); "high" / "highest" ask for more. bfloat16 compute is unaffected.
     matmul_precision: Literal["default", "high", "highest"] = "default"

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 Array = jax.Array
-AttentionImpl = Literal["naive", "auto", "xla", "cudnn"]
+AttentionImpl = Literal["naive", "auto", "xla", "cudnn", "splash"]
 KVLayout = Literal["BSGK", "BGSK"]
 
 
@@ -179,24 +179,135 @@ def _fused(q_BTHK, k_BSGK, v_BSGK, mask, bias, scale, backend: str) -> Array:
     return out_BTHK
 
 
+def _platform() -> str:
+    """The platform the code being traced will run on: the devices of the mesh in context (a TPU
+    slice compiled for from a CPU machine is "tpu"), else JAX's default backend."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return device.platform if device is not None else jax.default_backend()
+
+
 def _choose_backend(implementation: str, q_BTHK: Array, needs_reference: str | None) -> str:
-    """Which path runs: "naive", "xla" or "cudnn". "auto" takes cuDNN flash attention on GPU in
-    bfloat16/float16, XLA's fused attention elsewhere, and the reference where weights or dropout
-    on the probabilities are asked for; each fallback is logged once."""
+    """Which path runs: "naive", "xla", "cudnn" or "splash". "auto" takes cuDNN flash attention on
+    GPU in bfloat16/float16, splash attention on TPU, XLA's fused attention elsewhere, and the
+    reference where weights or dropout on the probabilities are asked for; each fallback is logged once."""
     if needs_reference:
-        if implementation in ("xla", "cudnn"):
+        if implementation in ("xla", "cudnn", "splash"):
             raise ValueError(f"implementation={implementation!r} cannot {needs_reference}; use 'naive' or 'auto'")
         if implementation == "auto":
             _log_fallback(f"the reference path runs, since no fused kernel can {needs_reference}")
         return "naive"
     if implementation != "auto":
         return implementation
-    if jax.default_backend() != "gpu":
+    platform = _platform()
+    if platform == "tpu":
+        return "splash"
+    if platform != "gpu":
         return "xla"
     if q_BTHK.dtype not in (jnp.bfloat16, jnp.float16):
         _log_fallback(f"cuDNN flash attention needs bfloat16 or float16, not {q_BTHK.dtype}: XLA's path runs")
         return "xla"
     return "cudnn"
+
+
+SPLASH_BLOCK = 128  # splash attention's tiles: query and key lengths must be multiples of it
+
+
+def _splash_unservable(mask, bias, B: int, T: int, S: int, H: int, G: int, spec_BTHK) -> str | None:
+    """Why the splash kernel cannot take this call (None: it can)."""
+    if bias is not None:
+        return "splash attention takes no logits bias"
+    if mask is not None and not isinstance(mask, Mask):
+        return "splash attention takes masks as structure, not a dense array"
+    if isinstance(mask, Mask) and mask.causal and mask.q_offset is not None:
+        return "splash attention's causal mask has no per-row offset (decoding several positions over a cache)"
+    if T % SPLASH_BLOCK or S % SPLASH_BLOCK:
+        return f"splash attention needs query and key lengths that are multiples of {SPLASH_BLOCK}, not {T} and {S}"
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+        ways = lambda axes: math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+        b_axes, t_axes, h_axes, k_axes = tuple(spec_BTHK) + (None,) * (4 - len(spec_BTHK))
+        if t_axes is not None or k_axes is not None:
+            return "splash attention runs per shard of batch and heads: the length or head dim is split"
+        if B % ways(b_axes) or H % ways(h_axes) or G % ways(h_axes):
+            return f"B={B}, H={H} or G={G} does not divide over the mesh axes {b_axes} and {h_axes}"
+    return None
+
+
+def _at_default_precision(f, n_ids: int):
+    """`f(q, k, v, *ids)` traced, forward and backward, at the default matmul precision: Mosaic
+    multiplies bfloat16 tiles only at their own precision, and a float32 request in context (a
+    config's "highest") on bfloat16 inputs fails to compile. The integer ids get no cotangent."""
+    default = lambda: jax.default_matmul_precision("default")
+
+    @jax.custom_vjp
+    def run(q, k, v, *ids):
+        with default():
+            return f(q, k, v, *ids)
+
+    def forward(q, k, v, *ids):
+        with default():
+            out, pullback = jax.vjp(lambda q, k, v: f(q, k, v, *ids), q, k, v)
+        return out, pullback
+
+    def backward(pullback, g):
+        with default():
+            return (*pullback(g), *(None,) * n_ids)
+
+    run.defvjp(forward, backward)
+    return run
+
+
+def _splash(q_BTHK, k_BSGK, v_BSGK, mask: Mask | None, scale: float | None, spec_BTHK) -> Array:
+    """The Pallas splash-attention kernel (TPU), told the mask as structure: causal as its static
+    mask, lengths and segments as segment ids. Mosaic kernels are not partitioned by the compiler,
+    so it runs under `shard_map`, once per shard of batch and heads of the mesh in context."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+    from jax.sharding import PartitionSpec as P
+
+    B, T, _, K = q_BTHK.shape
+    S = k_BSGK.shape[1]
+    q_BTHK = q_BTHK * jnp.asarray(1 / math.sqrt(K) if scale is None else scale, q_BTHK.dtype)  # the kernel takes none
+    # Segment ids say lengths and segments at once: a query sees keys of its own id. Keys past a
+    # row's length and segment 0 (padding) get id 0; queries that should see nothing get -1.
+    segments = None
+    if isinstance(mask, Mask) and any(
+        x is not None for x in (mask.q_lengths, mask.kv_lengths, mask.q_segments, mask.kv_segments)
+    ):
+        q_ids_BT = jnp.ones((B, T), jnp.int32) if mask.q_segments is None else mask.q_segments.astype(jnp.int32)
+        kv_ids_BS = jnp.ones((B, S), jnp.int32) if mask.kv_segments is None else mask.kv_segments.astype(jnp.int32)
+        if mask.kv_lengths is not None:
+            kv_ids_BS = jnp.where(jnp.arange(S)[None, :] < mask.kv_lengths[:, None], kv_ids_BS, 0)
+        if mask.q_lengths is not None:
+            q_ids_BT = jnp.where(jnp.arange(T)[None, :] < mask.q_lengths[:, None], q_ids_BT, 0)
+        segments = (jnp.where(q_ids_BT == 0, -1, q_ids_BT), kv_ids_BS)
+    causal = isinstance(mask, Mask) and mask.causal
+    blocks = splash.BlockSizes(*(SPLASH_BLOCK,) * 2, *(SPLASH_BLOCK,) * 6)
+
+    def attend(q_BTHK, k_BSGK, v_BSGK, *segments):  # one shard: its rows and heads
+        H_local = q_BTHK.shape[2]
+        one = splash.CausalMask((T, S)) if causal else splash.FullMask((T, S))
+        kernel = splash.make_splash_mha(
+            splash.MultiHeadMask([one] * H_local), block_sizes=blocks, head_shards=1, q_seq_shards=1
+        )
+        q_BHTK, k_BGSK, v_BGSK = (jnp.swapaxes(x, 1, 2) for x in (q_BTHK, k_BSGK, v_BSGK))
+        run = lambda q, k, v, *ids: jax.vmap(kernel)(
+            q, k, v, **({"segment_ids": splash.SegmentIds(*ids)} if ids else {})
+        )
+        if q_BTHK.dtype in (jnp.bfloat16, jnp.float16):
+            run = _at_default_precision(run, len(segments))
+        return jnp.swapaxes(run(q_BHTK, k_BGSK, v_BGSK, *segments), 1, 2)
+
+    args = (q_BTHK, k_BSGK, v_BSGK, *(segments or ()))
+    if not jax.sharding.get_abstract_mesh().empty:
+        b_axes, _, h_axes, _ = tuple(spec_BTHK) + (None,) * (4 - len(spec_BTHK))
+        x_spec, ids_spec = P(b_axes, None, h_axes, None), P(b_axes, None)
+        in_specs = (x_spec,) * 3 + (ids_spec,) * len(segments or ())
+        attend = jax.shard_map(attend, in_specs=in_specs, out_specs=x_spec, check_vma=False)
+    out_BTHK = attend(*args)
+    if segments is not None:  # rows that see no key get zeros (the kernel gives them the mean of v)
+        live_BT = jnp.any(mask.dense(T, S)[:, 0], axis=-1)
+        out_BTHK = jnp.where(live_BT[:, :, None, None], out_BTHK, jnp.zeros((), out_BTHK.dtype))
+    return out_BTHK
 
 
 def dot_product_attention(
@@ -212,6 +323,7 @@ def dot_product_attention(
     dropout_rng: Array | None = None,
     return_weights: bool = False,
     implementation: AttentionImpl = "naive",
+    spec_BTHK: tuple = (),
 ) -> Array | tuple[Array, Array]:
     """softmax(Q K^T * scale + bias, masked) V, with grouped-query support; scale 1/sqrt(K) by default.
 
@@ -231,8 +343,11 @@ def dot_product_attention(
       return_weights: also return the attention weights [B, H, T, S] (float32).
       implementation: "naive" is the einsum reference below; "xla"/"cudnn" call
         `jax.nn.dot_product_attention` with that backend, the mask given as structure
-        (cuDNN flash attention on GPU); "auto" picks cuDNN on GPU in bfloat16/float16,
-        XLA elsewhere, and the reference when weights or dropout are asked for.
+        (cuDNN flash attention on GPU); "splash" is the Pallas splash-attention kernel
+        (TPU); "auto" picks cuDNN on GPU in bfloat16/float16, splash on TPU, XLA
+        elsewhere, and the reference when weights or dropout are asked for.
+      spec_BTHK: how [B, T, H, K] activations are split over the mesh in context (a
+        PartitionSpec, as the sharding rules give it): splash runs once per shard of it.
 
     Returns:
       out_BTHK in the dtype of v (and the weights if requested).
@@ -250,6 +365,15 @@ def dot_product_attention(
     if backend != "naive":
         if kv_layout == "BGSK":
             k_BSGK, v_BSGK = jnp.swapaxes(k_BSGK, 1, 2), jnp.swapaxes(v_BSGK, 1, 2)
+        if backend == "splash":
+            G = k_BSGK.shape[2]
+            why = _splash_unservable(mask, bias, B, T, k_BSGK.shape[1], H, G, spec_BTHK)
+            if why is None:
+                return _splash(q_BTHK, k_BSGK, v_BSGK, mask, scale, spec_BTHK)
+            if implementation == "splash":
+                raise ValueError(f"implementation='splash' cannot serve this call: {why}")
+            _log_fallback(f"{why}: XLA's path runs")
+            backend = "xla"
         if backend == "cudnn" and implementation == "auto":
             try:  # cuDNN's limits (head dim, lengths with a bias, GPU generation) are checked as it traces
                 return _fused(q_BTHK, k_BSGK, v_BSGK, mask, bias, scale, "cudnn")

@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxformer import functional as F
 from jaxformer.config import ModelConfig
-from jaxformer.sharding import constrain
+from jaxformer.sharding import activation_spec, constrain
 
 Array = jax.Array
 init = nnx.initializers
@@ -310,6 +310,7 @@ class MultiHeadAttention(nnx.Module):
             dropout_rng=dropout_rng,
             return_weights=return_weights,
             implementation=cfg.attention_impl,
+            spec_BTHK=activation_spec(("batch", None, "heads", None)),  # splash runs per shard of it
         )  # fmt: skip
         out_BTHK, weights = result if return_weights else (result, None)
         y_BTD = jnp.einsum("BTHK,HKD->BTD", out_BTHK, self.o[...].astype(cfg.dtype))  # row-parallel under TP

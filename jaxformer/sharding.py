@@ -94,7 +94,8 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if num_devices % known:
-            raise ConfigError(f"mesh: {num_devices} devices are not divisible by the fixed axes' product {known}")
+            fixed = " x ".join(f"{n}={s}" for n, s in zip(MESH_AXES, sizes, strict=True) if s != -1)
+            raise ConfigError(f"mesh: {num_devices} devices are not divisible by the fixed axes' product {fixed}")
         sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
         names = ", ".join(f"{n}={s}" for n, s in zip(MESH_AXES, sizes, strict=True))
@@ -119,6 +120,11 @@ def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
         ici = (shape[0] // cfg.dcn_data, shape[1], shape[2])
         grid = mesh_utils.create_hybrid_device_mesh(ici, (cfg.dcn_data, 1, 1), devices)
         return jax.sharding.Mesh(grid, MESH_AXES, axis_types=auto)
+    if devices[0].platform == "tpu":  # laid out on the torus; an axis may take part of a physical one (8 of 4x4x4)
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        return jax.sharding.Mesh(grid, MESH_AXES, axis_types=auto)
     if len(devices) == jax.device_count():
         return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
     return jax.sharding.Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
@@ -137,6 +143,14 @@ def use(mesh: jax.sharding.Mesh, rules: tuple):
 def logical_to_spec(names: tuple[str | None, ...]) -> PartitionSpec:
     """Logical names -> PartitionSpec under the rules in effect."""
     return nn.logical_to_mesh_axes(names)
+
+
+def activation_spec(names: tuple[str | None, ...]) -> PartitionSpec:
+    """The PartitionSpec of an activation with these logical names under the rules and mesh in
+    effect; empty outside them (kernels that run per shard take it, as `constrain` would split it)."""
+    if not nn.get_logical_axis_rules() or jax.sharding.get_abstract_mesh().empty:
+        return PartitionSpec()
+    return logical_to_spec(names)
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:

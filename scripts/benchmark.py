@@ -414,7 +414,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--attention", default="naive", choices=["naive", "auto", "xla", "cudnn"])
+    p.add_argument("--attention", default="naive", choices=["naive", "auto", "xla", "cudnn", "splash"])
     p.add_argument("--remat", default="none", choices=["none", "full", "dots_saveable"])
     p.add_argument("--scan", action="store_true", help="scan over layers")
     p.add_argument("--steps", type=int, default=10)

@@ -28,7 +28,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxformer.tpu import compile_only_without_chips
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# libtpu (the `tpu` extra, for compiling to TPU slices) without a TPU chip here: JAX on the CPU, as
+# without libtpu, instead of trying the TPU runtime first in every process. Inherited by subprocesses.
+compile_only_without_chips()
 
 
 @pytest.fixture(scope="session", autouse=True)

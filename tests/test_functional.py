@@ -1,5 +1,6 @@
 """The pure maths against NumPy transcriptions of the formulas and library references."""
 
+import dataclasses
 import math
 
 import jax
@@ -340,6 +341,70 @@ def test_auto_picks_cudnn_on_gpu_and_falls_back_once(cudnn_checked, monkeypatch,
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 3, said
     assert "bfloat16 or float16" in said[0] and "head dim must be" in said[1] and "dropout" in said[2]
+
+
+@pytest.fixture
+def splash_interpreted(monkeypatch):
+    """The Pallas splash-attention kernel run by Pallas's interpreter on CPU (the very kernel TPUs
+    compile, its masks and segment ids included). Returns the list of kernels made."""
+    import functools
+
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    made, real = [], splash.make_splash_mha
+
+    def interpreted(*args, **kw):
+        made.append(args[0])
+        return functools.partial(real, interpret=True)(*args, **kw)
+
+    monkeypatch.setattr(splash, "make_splash_mha", interpreted)
+    return made
+
+
+def test_splash_given_structure_equals_the_reference(splash_interpreted):
+    """Causal packed rows with padding (segment 0), key lengths (one row sees no key) and query
+    lengths, as splash's causal mask and segment ids: output and query gradient equal the reference's."""
+    B, T, H, G, K = 2, 128, 2, 1, 32
+    kq, kk, kv = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(kq, (B, T, H, K))
+    k, v = jax.random.normal(kk, (B, T, G, K)), jax.random.normal(kv, (B, T, G, K))
+    segments = jnp.array([[1] * 50 + [2] * 60 + [0] * 18, [3] * 128])
+    mask = F.Mask(causal=True, q_segments=segments, kv_segments=segments, kv_lengths=jnp.array([100, 0]))
+    mask = dataclasses.replace(mask, q_lengths=jnp.array([120, 128]))
+
+    def loss(q, implementation):
+        out = F.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+        return jnp.sum(out * jnp.cos(jnp.arange(K))[None, None, None, :]), out
+
+    (_, out), grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(q, "splash")
+    (_, ref), ref_grad = jax.value_and_grad(loss, has_aux=True)(q, "naive")
+    assert len(splash_interpreted) == 1  # the kernel (its custom VJP serves the backward pass)
+    np.testing.assert_allclose(out, ref, atol=2e-5)
+    np.testing.assert_allclose(grad, ref_grad, atol=2e-5)
+    assert not np.any(out[1])  # the row that sees no key is zeros
+
+
+def test_auto_picks_splash_on_tpu_and_falls_back_once(monkeypatch, caplog):
+    """auto on a TPU: splash for lengths on its 128-wide tiles; XLA for a bias or short lengths, the
+    reference for dropout on probabilities; each fallback said once. splash itself refuses what it cannot do."""
+    made = []
+    monkeypatch.setattr(F, "_splash", lambda *a: made.append(a) or a[0])
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(F, "_fallbacks_logged", set())
+    q128, k128, v128 = (jnp.zeros((1, 128, 2, 8)) for _ in range(3))
+    q, k, v = qkv(jnp.float32)
+    with caplog.at_level("WARNING", logger="jaxformer"):
+        for _ in range(2):
+            F.dot_product_attention(q128, k128, v128, mask=F.Mask(causal=True), implementation="auto")
+            F.dot_product_attention(q128, k128, v128, bias=jnp.zeros((1, 2, 128, 128)), implementation="auto")
+            F.dot_product_attention(q, k, v, mask=F.Mask(causal=True), implementation="auto")
+            F.dot_product_attention(q, k, v, implementation="auto", dropout_rate=0.1, dropout_rng=jax.random.key(0))
+    assert len(made) == 2
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 3, said
+    assert "bias" in said[0] and "multiples of 128" in said[1] and "dropout" in said[2]
+    with pytest.raises(ValueError, match="multiples of 128"):
+        F.dot_product_attention(q, k, v, implementation="splash")
 
 
 def test_exact_gelu_is_x_times_the_normal_cdf():

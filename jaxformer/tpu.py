@@ -1,0 +1,64 @@
+"""TPU pod slices from any machine: libtpu's compiler for a named topology, and its runtime kept
+out of the way where there is no chip.
+
+`pip install jaxformer[tpu]` installs libtpu, Google's TPU runtime and compiler. On a machine
+without a TPU, `jax.experimental.topologies` still gives compile-only devices of any slice
+(`v4:4x4x8`, `v5p:4x4x4`, `v5e:16x16`, `v6e:8x8`): `jit(...).lower(...).compile()` then runs the
+real TPU compiler for them, which is what `jaxformer plan --target tpu-...` reports from.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+
+from jaxformer.config import ConfigError
+
+
+def has_libtpu() -> bool:
+    """Whether libtpu (the optional `tpu` extra) is installed."""
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def _tpu_chips_here() -> int:
+    from jax._src import hardware_utils  # what JAX itself asks: TPU chips on this machine's PCI bus
+
+    return hardware_utils.num_available_tpu_chips_and_device_id()[0]
+
+
+def compile_only_without_chips() -> None:
+    """With libtpu installed on a machine without TPU chips (and no GPU plugin), run JAX on the CPU.
+
+    Left alone, JAX tries the TPU runtime first on every start: libtpu prints several lines of
+    errors about unknown worker hostnames before JAX falls back to the CPU. Topologies for
+    compiling need only the compiler, which this leaves in place. JAX_PLATFORMS set by the
+    user wins; call before JAX starts a backend. Sets JAX_PLATFORMS too, for subprocesses.
+    """
+    if "JAX_PLATFORMS" in os.environ or not has_libtpu() or _tpu_chips_here():
+        return
+    if importlib.util.find_spec("jax_plugins") or importlib.metadata.entry_points(group="jax_plugins"):
+        return  # a GPU (or other) plugin: let JAX choose
+    import jax
+
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")
+
+
+def topology_devices(name: str) -> list:
+    """The compile-only TPU devices of a slice, e.g. "v5e:2x2" (4 chips) or "v5p:4x4x4" (64 chips)."""
+    if not has_libtpu():
+        raise ConfigError(f"--target tpu-{name}: the TPU compiler is not installed: pip install 'jaxformer[tpu]'")
+    from jax.experimental import topologies
+
+    if not _tpu_chips_here():  # compiling only: no chip to guard, no pod to find
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # else one process at a time, by a lock file
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # else libtpu logs errors looking for workers
+    try:  # one device per chip, as JAX runs chips of two TensorCores (v4, v5p): "megacore"
+        return list(topologies.get_topology_desc(name, "tpu", chip_config_name="megacore").devices)
+    except Exception:  # chips of one core (v5e, v6e) have no megacore configuration
+        pass
+    try:
+        return list(topologies.get_topology_desc(name, "tpu").devices)
+    except Exception as e:  # libtpu's own message says what it expected
+        raise ConfigError(f"--target tpu-{name}: libtpu does not know this topology ({e})") from None
