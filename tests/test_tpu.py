@@ -82,7 +82,7 @@ def test_cached_decoding_compiles_for_tpu(mode, target):
         settings = DecodeConfig(strategy="greedy", max_new_tokens=128)
         compiled = decode._generate.lower(
             graphdef, params, ids, per_row, per_row, src, rng,
-            settings=settings, num_new=128, eos_id=1, pad_id=0,
+            settings=settings, num_new=128, length=T + 128, eos_id=1, pad_id=0,
         ).compile()  # fmt: skip
     assert "tpu_custom_call" in compiled.as_text()  # the prefill's splash kernel
 
