@@ -101,21 +101,32 @@ def test_uninterrupted_log_is_what_the_resume_tests_compare_against(uninterrupte
     assert [s for s, split in rows if split == "eval"] == [15, 30, 40]
 
 
-def test_sigkill_during_a_save_then_resume_logs_exactly_the_uninterrupted_run(tmp_path, uninterrupted):
-    proc = subprocess.Popen(train_command(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def start(command) -> subprocess.Popen:
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def signal_when(proc: subprocess.Popen, ready, sig, what: str, poll: float = 0.01) -> str:
+    """Send `sig` to a started run once `ready()` holds (it must not exit first, nor take 300 s); its output."""
     try:
         deadline = time.time() + 300
-        # A save in progress after a complete one: orbax writes into "<step>.orbax-checkpoint-tmp".
-        while not (saved_steps(tmp_path) and any("tmp" in n for n in checkpoint_names(tmp_path))):
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            assert time.time() < deadline, "no second save within 300 s"
-            time.sleep(0.002)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
+        while not ready():
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            assert time.time() < deadline, f"no {what} within 300 s"
+            time.sleep(poll)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    return out
+
+
+def test_sigkill_during_a_save_then_resume_logs_exactly_the_uninterrupted_run(tmp_path, uninterrupted):
+    proc = start(train_command(tmp_path))
+    # A save in progress after a complete one: orbax writes into "<step>.orbax-checkpoint-tmp".
+    saving = lambda: saved_steps(tmp_path) and any("tmp" in n for n in checkpoint_names(tmp_path))
+    signal_when(proc, saving, signal.SIGKILL, "second save", poll=0.002)
     assert proc.returncode == -signal.SIGKILL
     assert 10 <= saved_steps(tmp_path)[-1] < 40
     with open(tmp_path / "metrics.jsonl", "a") as f:  # and a crash in the middle of writing a record
@@ -143,20 +154,8 @@ def test_fallback_to_training_from_scratch_logs_exactly_the_uninterrupted_run(tm
 
 def start_and_signal(workdir, sig) -> tuple[subprocess.Popen, str]:
     """Start training, wait for its first complete checkpoint, send `sig`; (process, its output)."""
-    proc = subprocess.Popen(train_command(workdir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.time() + 300
-        while not saved_steps(workdir):
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            assert time.time() < deadline, "no checkpoint within 300 s"
-            time.sleep(0.01)
-        proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return proc, out
+    proc = start(train_command(workdir))
+    return proc, signal_when(proc, lambda: saved_steps(workdir), sig, "checkpoint")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
@@ -438,21 +437,9 @@ def test_sigkill_mid_epoch_on_a_user_corpus_resumes_to_the_same_batches_and_stat
     whole = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert whole.returncode == 0, whole.stderr[-3000:]
     workdir = tmp_path / "killed"
-    proc = subprocess.Popen(
-        corpus_command(workdir, corpus, pack), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        deadline = time.time() + 300
-        while not saved_steps(workdir):  # a checkpoint, and training on past it: killed mid-epoch
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            assert time.time() < deadline, "no checkpoint within 300 s"
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    proc = start(corpus_command(workdir, corpus, pack))
+    # A checkpoint, and training on past it: killed mid-epoch.
+    signal_when(proc, lambda: saved_steps(workdir), signal.SIGKILL, "checkpoint")
     assert saved_steps(workdir)[-1] < 24
     resumed = subprocess.run(corpus_command(workdir, corpus, pack), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
