@@ -46,6 +46,10 @@ def compilation_cache(tmp_path_factory):
     path = str(root / "jax-compilation-cache")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = path  # inherited by subprocesses
     jax.config.update("jax_compilation_cache_dir", path)
+    # Every program, however quick to compile: the suite compiles thousands of small ones, many of
+    # them again in each training run it starts and in each test that builds its own jit.
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     yield path
 
 
