@@ -163,14 +163,15 @@ def parse_bytes(text: str) -> float:
 
 def abstract_batch(cfg: Config, batch_size: int, mesh) -> dict:
     """ShapeDtypeStructs of a global training batch of `cfg`'s objective, sharded over the batch axes."""
-    T, objective = cfg.data.max_len, cfg.train.objective
+    S, T, objective = cfg.data.src_len, cfg.data.max_len, cfg.train.objective
     rows = sharding.batch_sharding(mesh)
     ids = jax.ShapeDtypeStruct((batch_size, T), np.int32, sharding=rows)
+    src = jax.ShapeDtypeStruct((batch_size, S), np.int32, sharding=rows)  # the source has its own width
     per_row = lambda dtype: jax.ShapeDtypeStruct((batch_size,), dtype, sharding=rows)
     if objective == "classify":
-        return {"src": ids, "src_lengths": per_row(np.int32), "label": per_row(np.int32)}
+        return {"src": src, "src_lengths": per_row(np.int32), "label": per_row(np.int32)}
     batch = {"inputs": ids, "targets": ids, "weights": jax.ShapeDtypeStruct((batch_size, T), np.float32, sharding=rows)}
-    return batch | ({"src": ids, "src_lengths": per_row(np.int32)} if objective == "seq2seq" else {})
+    return batch | ({"src": src, "src_lengths": per_row(np.int32)} if objective == "seq2seq" else {})
 
 
 def with_shardings(abstract, shardings):

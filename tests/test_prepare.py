@@ -164,3 +164,30 @@ def test_a_bad_line_fails_before_anything_is_written(tmp_path):
     with pytest.raises(sources.DataError, match=r"c\.jsonl:301: no field 'text'"):
         prepare(cfg_for([corpus], tmp_path / "cache"), progress=False)
     assert not (tmp_path / "cache").exists()
+
+
+def test_sources_are_cut_to_their_own_width_and_an_unset_width_keeps_the_cache(tmp_path):
+    rows = [{"source": "s" * (i % 30), "target": "t" * (i % 20 + 1)} for i in range(1, 200)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def pairs_cfg(**data):
+        files, cache = (str(tmp_path / "p.jsonl"),), str(tmp_path / "cache")
+        return C.Config(
+            model=C.tiny("encoder_decoder", vocab_size=260, max_len=16),
+            data=C.DataConfig(source="files", files=files, max_len=16, cache_dir=cache, **data),
+            train=C.TrainConfig(objective="seq2seq", batch_size=2),
+        )
+
+    prepared = prepare(pairs_cfg(src_max_len=8), progress=False)
+    tok = ByteTokenizer()
+    records, _ = sources.read(sources.Source((str(tmp_path / "p.jsonl"),), ("source", "target")))
+    train, _, _ = sources.split(records, 0.05, 0.05, 0, "p")
+    for field, width, j in (("source", 8, 1), ("target", 16, 2)):
+        tokens, offsets = prepared.documents("train", field)
+        docs = [tokens[a:b].tolist() for a, b in itertools.pairwise(offsets)]
+        assert docs == [[*tok.encode(r[j]), tok.eos_id][:width] for r in train]  # cut to the field's width
+    # A width equal to max_len is the unset one: caches prepared before src_max_len existed are found again.
+    assert prepare(pairs_cfg(), progress=False).directory == prepare(pairs_cfg(src_max_len=16)).directory
+    assert prepare(pairs_cfg(), progress=False).directory != prepared.directory
+    with pytest.raises(sources.DataError, match=r"p\.jsonl:\d+: sequence of 9 tokens exceeds data\.src_max_len=8"):
+        prepare(pairs_cfg(src_max_len=8, too_long="reject"), progress=False)

@@ -7,8 +7,9 @@ per field the objective reads (text; source, target):
   {split}.label.npy         [N] int32 class indices (classification)
 and `manifest.json`: the sources (path, size, sha256), the tokenizer, the settings and the counts.
 
-Documents are stored as the objective feeds them: lm/mlm text + EOS; seq2seq source + EOS and
-target + EOS, cut to data.max_len; classification BOS + text, cut to data.max_len.
+Documents are stored as the objective feeds them: lm/mlm text + EOS; seq2seq source + EOS cut to
+the source width (data.src_max_len, else data.max_len) and target + EOS cut to data.max_len;
+classification BOS + text, cut to the source width.
 
 The key hashes everything the contents depend on, so an unchanged corpus is found again and a
 changed file, tokenizer or setting makes a new one. A cache is written in a temporary directory
@@ -45,12 +46,32 @@ CHUNK = 2048  # documents a worker tokenizes at a time
 # Below this many bytes of sources, tokenizing in this process beats starting worker processes.
 PARALLEL_ABOVE = 32 << 20
 # Settings that do not change the prepared tokens.
-NOT_IN_KEY = ("length_buckets", "cache_dir", "prepare_workers", "prefetch", "pack", "synthetic_vocab", "synthetic_len")
+NOT_IN_KEY = (
+    "length_buckets", "cache_dir", "prepare_workers", "prefetch", "pack", "max_segments", "synthetic_vocab",
+    "synthetic_len",
+)  # fmt: skip
 
 
 def fields_of(objective: str) -> tuple[str, ...]:
     """The stored fields of an objective (the last field of classification is its label)."""
     return {"seq2seq": ("source", "target"), "classify": ("text",)}.get(objective, ("text",))
+
+
+def widths_of(cfg: Config) -> tuple[tuple[int, str] | None, ...]:
+    """Per stored field, (the width its documents are cut to, the setting that says it); None: not cut."""
+    d, objective = cfg.data, cfg.train.objective
+    src = (d.src_len, "data.max_len" if d.src_max_len is None else "data.src_max_len")
+    return {"seq2seq": (src, (d.max_len, "data.max_len")), "classify": (src,)}.get(objective, (None,))
+
+
+def key_settings(cfg: Config) -> dict:
+    """The settings the prepared tokens depend on. An unset src_max_len is left out, so caches
+    prepared before it existed are found again; set to max_len, it is the same cache as unset."""
+    d = cfg.data
+    settings = {k: v for k, v in dataclasses.asdict(d).items() if k not in NOT_IN_KEY}
+    if d.src_max_len is None or d.src_max_len == d.max_len:
+        del settings["src_max_len"]
+    return settings | {"objective": cfg.train.objective}
 
 
 class TokenFile:
@@ -150,7 +171,7 @@ def prepare(cfg: Config, workdir=None, progress: bool = True) -> Prepared:
     d, objective = cfg.data, cfg.train.objective
     src = source_of(cfg)
     files = sources.expand(src.files)
-    settings = {k: v for k, v in dataclasses.asdict(d).items() if k not in NOT_IN_KEY} | {"objective": objective}
+    settings = key_settings(cfg)
     fingerprint = [{"path": str(p.resolve()), "size": p.stat().st_size, "sha256": sha256(p)} for p in files]
     root = cache_root(cfg, workdir)
 
@@ -375,15 +396,16 @@ def add_special(flat: np.ndarray, lengths: np.ndarray, token: int, at_end: bool)
 
 def _encode_chunk(fields: list[list[str]]) -> list[tuple[np.ndarray, np.ndarray, tuple | None]]:
     """Per field: (tokens of the chunk's documents, their lengths, (index, length) of the first one cut)."""
-    tok, objective, L = _WORKER["tok"], _WORKER["objective"], _WORKER["max_len"]
+    tok, objective = _WORKER["tok"], _WORKER["objective"]
     out = []
-    for texts in fields:
+    for texts, width in zip(fields, widths_of(_WORKER["cfg"]), strict=True):
         flat, lengths = encode_flat(tok, texts)
         if objective == "classify":
             flat, lengths = add_special(flat, lengths, tok.bos_id, at_end=False)
         else:
             flat, lengths = add_special(flat, lengths, tok.eos_id, at_end=True)
-        too_long = np.flatnonzero(lengths > L) if objective in ("seq2seq", "classify") else np.zeros(0, np.int64)
+        L = width[0] if width else 0
+        too_long = np.flatnonzero(lengths > L) if width else np.zeros(0, np.int64)
         first = (int(too_long[0]), int(lengths[too_long[0]])) if len(too_long) else None
         if first:  # cut to L tokens (data.too_long=reject fails on it in the parent, which knows the line)
             position = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
@@ -400,7 +422,7 @@ def _encode_part(task) -> dict:
         return json.loads((out / f"p{index}.json").read_text())
     cfg = _WORKER["cfg"]
     tok, objective, names = _tokenizer(), cfg.train.objective, fields_of(cfg.train.objective)
-    _WORKER.update(tok=tok, objective=objective, max_len=cfg.data.max_len)
+    _WORKER.update(tok=tok, objective=objective)
     records = itertools.islice(sources.iter_records(src, labels, part=part), limit)
     bins = {(s, f): open(out / f"p{index}.{s}.{f}.bin", "wb") for s in SPLITS for f in names}  # noqa: SIM115
     lengths = {key: [np.zeros(0, np.int64)] for key in bins}
@@ -412,9 +434,10 @@ def _encode_part(task) -> dict:
             encoded = _encode_chunk([[r[1 + j] for r in chunk] for j in range(len(names))])
             for j, (tokens, lens, cut) in enumerate(encoded):
                 if cut and cfg.data.too_long == "reject":
+                    width, setting = widths_of(cfg)[j]
                     raise DataError(
-                        f"{chunk[cut[0]][0]}: sequence of {cut[1]} tokens exceeds "
-                        f"data.max_len={cfg.data.max_len} (data.too_long=reject)"
+                        f"{chunk[cut[0]][0]}: sequence of {cut[1]} tokens exceeds {setting}={width} "
+                        "(data.too_long=reject)"
                     )
                 for s, split in enumerate(SPLITS):
                     mine = split_of == s
