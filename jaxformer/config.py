@@ -581,7 +581,6 @@ class Config:
             "data.src_max_len",
             f"objective={objective!r} reads no source (only seq2seq and classify do)",
         )
-        require(not (d.pack and objective == "classify"), "data.pack", "classification is not packed")
         require(
             not (d.pack and objective == "classify") or d.max_segments <= d.src_len,
             "data.max_segments",

@@ -12,7 +12,9 @@ Batch keys by objective (all int32 unless noted; weights float32), S the source 
   mlm       inputs [B, T] (masked), targets [B, T], weights [B, T] (1 on masked positions)
   classify  src [B, S], src_lengths [B], label [B]
 Packed (data.pack, training only): lm/mlm add segments [B, T] and positions [B, T]; seq2seq has
-src_segments, src_positions [B, S] and tgt_segments, tgt_positions [B, T] instead of src_lengths.
+src_segments, src_positions [B, S] and tgt_segments, tgt_positions [B, T] instead of src_lengths;
+classify has src_segments, src_positions [B, S] instead of src_lengths, and label [B, N] (segment
+n + 1's class) with weights [B, N] (1 where the row holds segment n + 1), N = data.max_segments.
 """
 
 from __future__ import annotations
@@ -265,26 +267,48 @@ class Labelled:
         src = self.docs.padded(rows, S, self.pad_id)
         return {"src": src, "src_lengths": self.docs.lengths(rows), "label": np.asarray(self.labels[rows], np.int32)}
 
+    def pack(self, rows: list[np.ndarray], N: int) -> dict[str, np.ndarray]:
+        """Packed rows of at most N texts: each text its segment (1, 2, ... in the row), positions
+        from 0 in each; label [B, N] the class of segment n + 1 and weights [B, N] 1 where the row
+        holds that segment."""
+        (S,) = self.widths
+        out = {k: np.zeros((len(rows), S), np.int32) for k in ("src", "src_segments", "src_positions")}
+        out["src"][:] = self.pad_id
+        labels, weights = np.zeros((len(rows), N), np.int32), np.zeros((len(rows), N), np.float32)
+        for b, examples in enumerate(rows):
+            s = 0
+            for n, i in enumerate(examples):
+                text = self.docs.document(i)
+                out["src"][b, s : s + len(text)] = text
+                out["src_segments"][b, s : s + len(text)] = n + 1
+                out["src_positions"][b, s : s + len(text)] = np.arange(len(text))
+                labels[b, n], weights[b, n] = self.labels[i], 1.0
+                s += len(text)
+        return out | {"label": labels, "weights": weights}
+
 
 class Packed:
-    """Packed training rows (seq2seq pairs): an epoch's order is cut into chunks of `per_chunk`
-    examples, each placed into CHUNK * B rows by first-fit decreasing (the fullest example first:
-    its longest side over that side's width) into the first row where every side fits; an example
-    that fits no row is left out of this epoch.
+    """Packed training rows (seq2seq pairs, classification texts): an epoch's order is cut into
+    chunks of `per_chunk` examples, each placed into CHUNK * B rows by first-fit decreasing (the
+    fullest example first: its longest side over that side's width) into the first row where every
+    side fits and that holds fewer than `max_segments` examples; an example that fits no row is
+    left out of this epoch.
 
     `per_chunk` is the number of examples whose tokens fill FILL of the rows' slots on the side
-    that fills first (from the corpus' mean lengths): a little slack, so that few are left out.
-    The epoch's last, partial chunk is packed into as many whole batches as its share of a chunk.
+    that fills first (from the corpus' mean lengths), or FILL of their segments: a little slack,
+    so that few are left out. The epoch's last, partial chunk is packed into as many whole
+    batches as its share of a chunk.
     """
 
     CHUNK = 8  # batches packed together: a larger chunk packs tighter (and costs more to plan)
     FILL = 0.98  # a chunk's tokens over its slots on the fuller side (1.0 leaves ~5% of pairs out)
 
-    def __init__(self, examples: Pairs, batch_size: int):
+    def __init__(self, examples: Pairs | Labelled, batch_size: int, max_segments: int | None = None):
         self.examples, self.widths, self.batch_size = examples, np.asarray(examples.widths), batch_size
+        self.max_segments = max_segments  # None: as many as fit (pairs); classification: its label width
         N, rows = len(examples), self.CHUNK * batch_size
         mean = np.asarray(examples.tokens()) / max(N, 1)  # [sides] tokens per example
-        fits = rows * self.FILL * (self.widths / np.maximum(mean, 1.0)).min()
+        fits = rows * self.FILL * min((self.widths / np.maximum(mean, 1.0)).min(), max_segments or np.inf)
         self.per_chunk = int(min(N, max(rows, fits)))
         full, tail = divmod(N, self.per_chunk)
         self.full_chunks, self.tail_batches = full, tail * self.CHUNK // self.per_chunk
@@ -306,17 +330,21 @@ class Packed:
         """The examples `idx` placed into `rows` rows: [rows] arrays of example indices (sorted)."""
         lengths = self.examples.side_lengths(idx)  # [sides, n]
         free = np.repeat(self.widths[:, None], rows, axis=1)  # [sides, rows]
+        room = np.full(rows, self.max_segments or len(idx))  # examples a row may still take
         placed: list[list[int]] = [[] for _ in range(rows)]
         for i in np.argsort(-fullness(self.examples, idx), kind="stable"):
-            fits = (free >= lengths[:, i : i + 1]).all(axis=0)
+            fits = (free >= lengths[:, i : i + 1]).all(axis=0) & (room > 0)
             r = int(fits.argmax())
             if fits[r]:
                 free[:, r] -= lengths[:, i]
+                room[r] -= 1
                 placed[r].append(int(idx[i]))
         return [np.asarray(sorted(p), np.int64) for p in placed]
 
     def take(self, rows: list[np.ndarray]) -> dict[str, np.ndarray]:
-        return self.examples.pack(rows)
+        if self.max_segments is None:
+            return self.examples.pack(rows)
+        return self.examples.pack(rows, self.max_segments)
 
 
 def fullness(examples: Pairs | Labelled, rows: np.ndarray) -> np.ndarray:
@@ -367,7 +395,8 @@ def build_dataset(cfg: Config, workdir: str | pathlib.Path | None = None, progre
             src, tgt = (Documents(*prepared.documents(split, f)) for f in ("source", "target"))
             pairs = Pairs(src, tgt, S, T, tok)
             return Packed(pairs, t.batch_size) if pack else pairs
-        return Labelled(Documents(*prepared.documents(split, "text")), prepared.labels(split), S, tok.pad_id)
+        texts = Labelled(Documents(*prepared.documents(split, "text")), prepared.labels(split), S, tok.pad_id)
+        return Packed(texts, t.batch_size, d.max_segments) if pack else texts
 
     splits = []
     for name, seed in zip(("train", "validation", "test"), (t.seed, 1_000 + t.seed, 2_000 + t.seed), strict=True):
