@@ -2,7 +2,7 @@
 
     python scripts/benchmark_data.py prepare --size 1GB     # build the corpus, prepare it: MB/s, peak RSS
     python scripts/benchmark_data.py loader --size 10MB     # tokens/s served and peak RSS (after prepare)
-    python scripts/benchmark_data.py padding                # real-token fraction of translation batches
+    python scripts/benchmark_data.py padding                # real-token fraction of translation, classification batches
     python scripts/benchmark_data.py all --sizes 10MB,1GB   # each of the above in its own process
 
 The corpus is the shipped Shakespeare, its paragraphs shuffled and repeated to the size asked
@@ -112,7 +112,8 @@ def bench_loader(args) -> dict:
 def bench_padding(args) -> dict:
     """Real-token fraction of translation batches (source and target slots) over one epoch, padded
     to the widths, in length buckets and packed, for each source width asked with the experiment's
-    target width; for packing also the share of the training pairs an epoch holds."""
+    target width, and of classification batches (`experiments/classify_lohelp.py`); for packing
+    also the share of the training examples an epoch holds."""
     from jaxformer.config import load_experiment
 
     base = load_experiment("experiments/translate_en_de.py")
@@ -120,6 +121,9 @@ def bench_padding(args) -> dict:
     for S in map(int, args.src_widths.split(",")):
         cfg = dataclasses.replace(base, data=dataclasses.replace(base.data, src_max_len=S))
         out[f"translation, source {S} / target {cfg.data.max_len} tokens"] = fractions(cfg, args.dir / "translate")
+    cfg = load_experiment("experiments/classify_lohelp.py")
+    name = f"classification, {cfg.data.src_len} tokens, up to {cfg.data.max_segments} texts a packed row"
+    out[name] = fractions(cfg, args.dir / "classify")
     return out
 
 
