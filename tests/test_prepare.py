@@ -1,6 +1,7 @@
 """Tokenize once: prepared corpora hold the tokenized records, are found again while nothing changed,
 are built anew when something did, and a killed build is never read and is finished by a rerun."""
 
+import collections
 import dataclasses
 import itertools
 import json
@@ -191,3 +192,35 @@ def test_sources_are_cut_to_their_own_width_and_an_unset_width_keeps_the_cache(t
     assert prepare(pairs_cfg(), progress=False).directory != prepared.directory
     with pytest.raises(sources.DataError, match=r"p\.jsonl:\d+: sequence of 9 tokens exceeds data\.src_max_len=8"):
         prepare(pairs_cfg(src_max_len=8, too_long="reject"), progress=False)
+
+
+def test_each_record_is_read_once_and_labels_found_by_parts_index_the_sorted_set(tmp_path, monkeypatch):
+    from jaxformer.data import prepare as P
+
+    # The first part holds only "pos": its own label index (0) is not the corpus' (2).
+    rows = [
+        {"text": f"text number {i}", "label": "pos" if i < 60 else ["neg", "pos", "mid"][i % 3]} for i in range(300)
+    ]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(P, "PART_BYTES", 2048)
+    reads, iter_records = [], sources.iter_records
+    monkeypatch.setattr(
+        sources, "iter_records", lambda *a, **k: (reads.append(r[0]) or r for r in iter_records(*a, **k))
+    )
+    cfg = C.Config(
+        model=C.tiny("encoder_only", vocab_size=260, max_len=16, num_classes=3),
+        data=C.DataConfig(source="files", files=(str(tmp_path / "c.jsonl"),), max_len=16, cache_dir=str(tmp_path)),
+        train=C.TrainConfig(objective="classify", batch_size=2),
+    )
+    prepared = prepare(cfg, progress=False)
+    line = lambda where: int(where.rsplit(":", 1)[1])
+    counted = collections.Counter(map(line, reads))
+    records, labels = sources.read(sources.Source((str(tmp_path / "c.jsonl"),), ("text", "label")), labelled=True)
+    splits = sources.split(records, 0.05, 0.05, 0, "c")
+    samples = splits[2][: cfg.train.num_samples]  # read again for the manifest, with the records before them
+    assert len(counted) == 300 and max(counted.values()) <= 2
+    assert max(n for n, c in counted.items() if c == 2) == max(line(r[0]) for r in samples)
+    assert prepared.label_names == labels == ("mid", "neg", "pos")
+    for split, part in zip(SPLITS, splits, strict=True):
+        assert prepared.labels(split).tolist() == [r[2] for r in part]
+    assert prepared.samples()[1] == [labels[r[2]] for r in samples]
