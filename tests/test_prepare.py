@@ -224,3 +224,36 @@ def test_each_record_is_read_once_and_labels_found_by_parts_index_the_sorted_set
     for split, part in zip(SPLITS, splits, strict=True):
         assert prepared.labels(split).tolist() == [r[2] for r in part]
     assert prepared.samples()[1] == [labels[r[2]] for r in samples]
+
+
+def test_a_replaced_cache_is_removed_unless_another_workdir_uses_it_and_clean_takes_the_rest(tmp_path, capsys):
+    from jaxformer.data import prepare as P
+
+    corpus, cache = tmp_path / "c.jsonl", tmp_path / "cache"
+    write_corpus(corpus, n=60)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    cfg = cfg_for([corpus], cache)
+    longer = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_len=12))  # a changed setting
+    first = prepare(cfg, tmp_path / "a", progress=False).directory
+    assert prepare(cfg, tmp_path / "b", progress=False).directory == first  # two workdirs use it
+    second = prepare(longer, tmp_path / "a", progress=False).directory
+    assert first.is_dir(), "b still uses it"
+    assert prepare(longer, tmp_path / "b", progress=False).directory == second
+    assert not first.exists() and second.is_dir(), "replaced, and no workdir uses it any more"
+    # A reader (eval) records nothing; what no workdir uses, and a killed build's leftovers, go on clean.
+    again = prepare(cfg, tmp_path / "a", progress=False, own=False).directory
+    assert again == first and prepare(cfg, tmp_path / "a", progress=False, own=False).directory.is_dir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = cache / f"{first.name}.tmp-{P.socket.gethostname()}-{int(dead.stdout)}"
+    building = cache / f"{first.name}.tmp-{P.socket.gethostname()}-{os.getpid()}"
+    killed.mkdir()
+    building.mkdir()
+    argv = ["prepare", "--config", "experiments/lm_shakespeare.py", "--workdir", str(tmp_path / "b"), "--quiet"]
+    sets = ["data.source=files", f"data.files={corpus}", f"data.cache_dir={cache}"]
+    assert main([*argv, "--clean", *(x for s in sets for x in ("--set", s))]) == 0  # b moves on to a third
+    said = capsys.readouterr().out
+    third = pathlib.Path(said.split(":")[0])
+    assert f"removed {first}" in said and f"removed {killed}" in said and "2 removed" in said
+    kept = [second.name, third.name, building.name, P.RECORDS]  # a's, b's, a build in progress
+    assert sorted(p.name for p in cache.iterdir()) == sorted(kept)

@@ -367,9 +367,12 @@ class Dataset:
     labels: tuple[str, ...] = ()  # classification: the class names, by index
 
 
-def build_dataset(cfg: Config, workdir: str | pathlib.Path | None = None, progress: bool = False) -> Dataset:
+def build_dataset(
+    cfg: Config, workdir: str | pathlib.Path | None = None, progress: bool = False, own: bool = True
+) -> Dataset:
     """The configured data, batched by step: prepared on disk the first time (`prepare.prepare`:
-    read, checked, split, tokenized; SentencePiece trained in workdir), then memory-mapped."""
+    read, checked, split, tokenized; SentencePiece trained in workdir), then memory-mapped.
+    `own`: the workdir's training (not a reader such as eval) records the cache it uses."""
     from jaxformer.data.prepare import check_vocab, prepare
 
     d, t = cfg.data, cfg.train
@@ -377,7 +380,7 @@ def build_dataset(cfg: Config, workdir: str | pathlib.Path | None = None, progre
         return _synthetic(cfg)
     if d.tokenizer == "symbols":
         raise DataError(f"data.tokenizer='symbols' is for the copy/reverse tasks, not {d.source}")
-    prepared = prepare(cfg, workdir, progress=progress)
+    prepared = prepare(cfg, workdir, progress=progress, own=own)
     tok = load_tokenizer(cfg, workdir or ".")
     check_vocab(cfg, tok, source_of(cfg))  # a cache found again was prepared for another model perhaps
     where = ", ".join(source_of(cfg).files)

@@ -166,9 +166,13 @@ def tokenizer_identity(cfg: Config, workdir) -> str | None:
     return f"{kind}:{sha256(path)}" if path.is_file() else None
 
 
-def prepare(cfg: Config, workdir=None, progress: bool = True) -> Prepared:
+def prepare(cfg: Config, workdir=None, progress: bool = True, own: bool = True) -> Prepared:
     """The prepared corpus of `cfg`: found in the cache when nothing changed, else built (and the
-    SentencePiece tokenizer trained on the training split the first time)."""
+    SentencePiece tokenizer trained on the training split the first time).
+
+    With a workdir and `own` (training, `jaxformer prepare`; not readers such as eval), the cache
+    is recorded as the workdir's, and the one it recorded before is removed once this one is
+    ready, unless another workdir's record names it (see `use`)."""
     from jaxformer.data.pipeline import source_of
 
     d = cfg.data
@@ -182,12 +186,13 @@ def prepare(cfg: Config, workdir=None, progress: bool = True) -> Prepared:
         described = {"version": VERSION, "settings": settings, "sources": fingerprint, "tokenizer": tokenizer}
         return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
 
+    owner = workdir if own else None
     tokenizer = tokenizer_identity(cfg, workdir)
     if tokenizer is not None and (root / key_of(tokenizer) / "manifest.json").is_file():
-        return _open(root / key_of(tokenizer))
+        return use(root, key_of(tokenizer), owner)
     workers = d.prepare_workers or os.cpu_count() or 1
     parallel = workers > 1 and sum(p.stat().st_size for p in files) > PARALLEL_ABOVE
-    made_root, final = not root.exists(), None
+    made_root, final, recorded = not root.exists(), None, None
     try:
         with _Runner(workers if parallel else 0, cfg, workdir) as run:
             plan = _plan(src, run)
@@ -195,16 +200,21 @@ def prepare(cfg: Config, workdir=None, progress: bool = True) -> Prepared:
                 tokenizer = _train_sentencepiece(cfg, workdir, src, plan, run)
             final = root / key_of(tokenizer)
             if not (final / "manifest.json").is_file():
+                if owner is not None:  # recorded before it exists: `clean` never takes a cache being built
+                    recorded = _record(root, owner, final.name)
                 described = {"version": VERSION, "settings": settings, "sources": fingerprint, "tokenizer": tokenizer}
                 _build_into(final, described, cfg, workdir, src, plan, run, progress)
     except DataError:  # bad data fails the same way every time: nothing of this build is kept
         if final is not None:  # removed once the workers have stopped writing into it
             shutil.rmtree(_tmp_of(final), ignore_errors=True)
+        if recorded is not None:
+            recorded.restore()
         if made_root:
-            with contextlib.suppress(OSError):
-                root.rmdir()
+            for directory in (root / RECORDS, root):
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
         raise
-    return _open(final)
+    return use(root, final.name, owner)
 
 
 def _train_sentencepiece(cfg: Config, workdir, src: sources.Source, plan: list, run) -> str:
@@ -259,6 +269,129 @@ def _build_into(final, described, cfg, workdir, src, plan, run, progress) -> Non
         if not (final / "manifest.json").is_file():
             raise
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- which caches are in use
+
+RECORDS = "workdirs"  # ROOT/workdirs/<hash of the workdir>.json: the cache a workdir's training uses
+
+
+@dataclasses.dataclass
+class _Record:
+    """What a workdir's record held before it was rewritten (to restore it if the build fails)."""
+
+    path: pathlib.Path
+    before: str | None
+
+    def restore(self) -> None:
+        if self.before is None:
+            self.path.unlink(missing_ok=True)
+        else:
+            _write_shared(self.path, self.before)
+
+
+def _record_path(root: pathlib.Path, workdir) -> pathlib.Path:
+    where = str(pathlib.Path(workdir).resolve())
+    return root / RECORDS / f"{hashlib.sha256(where.encode()).hexdigest()[:20]}.json"
+
+
+def _read_record(path: pathlib.Path) -> dict:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):  # none, or damaged: as if none
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _record(root: pathlib.Path, workdir, key: str) -> _Record | None:
+    """Record `key` as `workdir`'s cache; the caches it used before stay listed as `replaces` (and
+    so kept) until `use` removes them. Returns what to restore, or None if nothing changed."""
+    path = _record_path(root, workdir)
+    before = path.read_text() if path.is_file() else None
+    record = _read_record(path)
+    if record.get("key") == key:
+        return None
+    replaces = [k for k in [*record.get("replaces", []), record.get("key")] if k and k != key]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_shared(path, json.dumps({"workdir": str(pathlib.Path(workdir).resolve()), "key": key, "replaces": replaces}))
+    return _Record(path, before)
+
+
+def in_use(root: pathlib.Path, but=None) -> set[str]:
+    """The caches the records of existing workdirs (all but `but`'s) name, as in use or replaced."""
+    out = set()
+    mine = _record_path(root, but) if but is not None else None
+    for path in (root / RECORDS).glob("*.json"):
+        record = _read_record(path)
+        if path != mine and record and pathlib.Path(record.get("workdir", "")).is_dir():
+            out |= {record.get("key"), *record.get("replaces", [])}
+    return out - {None}
+
+
+def use(root: pathlib.Path, key: str, workdir=None) -> Prepared:
+    """Open the cache `key`. For a workdir: record it as the workdir's, and remove the caches its
+    record names as replaced, unless another existing workdir's record names them. A run that has
+    a removed cache open goes on reading it (its open files outlive their names)."""
+    prepared = _open(root / key)
+    if workdir is None:
+        return prepared
+    _record(root, workdir, key)
+    path = _record_path(root, workdir)
+    record = _read_record(path)
+    if record.get("replaces"):
+        others = in_use(root, but=workdir)
+        for old in record["replaces"]:
+            if old not in others:
+                _remove(root / old)
+        _write_shared(path, json.dumps({"workdir": record["workdir"], "key": key, "replaces": []}))
+    return prepared
+
+
+def _remove(cache: pathlib.Path) -> bool:
+    """Take a complete cache away whole: renamed first (a reader finds all of it or none), then deleted."""
+    if not (cache / "manifest.json").is_file():
+        return False
+    doomed = cache.with_name(f"{cache.name}.deleting-{socket.gethostname()}-{os.getpid()}")
+    try:
+        os.rename(cache, doomed)
+    except OSError:  # another process took it first
+        return False
+    shutil.rmtree(doomed, ignore_errors=True)
+    return True
+
+
+def clean(root: pathlib.Path) -> list[tuple[pathlib.Path, int]]:
+    """Remove what no run needs under a cache root: complete caches no existing workdir's record
+    names (as in use or being replaced), builds and removals killed on this host, and the records
+    of workdirs that no longer exist. Builds in progress, and anything of another host's running
+    processes, are left alone. Returns each removed directory with its size in bytes."""
+    if not root.is_dir():
+        return []
+    for path in (root / RECORDS).glob("*.json"):
+        if not pathlib.Path(_read_record(path).get("workdir", "")).is_dir():
+            path.unlink(missing_ok=True)
+    keep, host, removed = in_use(root), socket.gethostname(), []
+    size = lambda entry: sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+    for entry in sorted(root.iterdir()):
+        name = entry.name
+        if "." not in name and name != RECORDS and name not in keep and entry.is_dir():
+            bytes_ = size(entry)
+            if _remove(entry):
+                removed.append((entry, bytes_))
+            continue
+        for what in (".tmp-", ".deleting-"):  # <key><what><host>-<pid>
+            by, _, pid = (name.split(what, 1)[1] if what in name else "").rpartition("-")
+            if by == host and pid.isdigit() and not _alive(int(pid)):
+                removed.append((entry, size(entry)))
+                shutil.rmtree(entry, ignore_errors=True)
+    return removed
+
+
+def _write_shared(path: pathlib.Path, text: str) -> None:
+    """Write atomically a file other processes may write at the same time (a name of its own to write to)."""
+    part = path.with_name(f"{path.name}.part-{socket.gethostname()}-{os.getpid()}")
+    part.write_text(text)
+    os.replace(part, path)
 
 
 def _alive(pid: int) -> bool:
