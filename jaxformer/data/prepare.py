@@ -651,12 +651,19 @@ def _build(cfg: Config, workdir, src, plan, out: pathlib.Path, run, progress) ->
     given = src.labels if objective == "classify" and src.labels else None  # else found in the data
     tasks = [(i, src, given, part, d.max_examples or None, out, dtype) for i, part in enumerate(plan)]
     sizes = [(part.stop or pathlib.Path(part.path).stat().st_size) - part.start for part in plan]
-    bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="tokenizing", disable=not progress, mininterval=1.0)
+    # Shown after a second: bad data found at once (records are checked as they are tokenized)
+    # says only its error; a bar shown before the error is taken away again.
+    bar = tqdm(
+        total=sum(sizes), unit="B", unit_scale=True, desc="tokenizing", disable=not progress, mininterval=1.0, delay=1
+    )
     results = []
     try:
         for result, size in zip(run.each(_encode_part, tasks), sizes, strict=True):
             results.append(result)
             bar.update(size)
+    except BaseException:
+        bar.leave = False
+        raise
     finally:
         bar.close()
     labels = given
