@@ -312,6 +312,7 @@ def _record(root: pathlib.Path, workdir, key: str) -> _Record | None:
     if record.get("key") == key:
         return None
     replaces = [k for k in [*record.get("replaces", []), record.get("key")] if k and k != key]
+    pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)  # the record counts while its workdir exists
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_shared(path, json.dumps({"workdir": str(pathlib.Path(workdir).resolve()), "key": key, "replaces": replaces}))
     return _Record(path, before)
@@ -332,10 +333,10 @@ def use(root: pathlib.Path, key: str, workdir=None) -> Prepared:
     """Open the cache `key`. For a workdir: record it as the workdir's, and remove the caches its
     record names as replaced, unless another existing workdir's record names them. A run that has
     a removed cache open goes on reading it (its open files outlive their names)."""
-    prepared = _open(root / key)
     if workdir is None:
-        return prepared
-    _record(root, workdir, key)
+        return _open(root / key)
+    _record(root, workdir, key)  # first: from now on no other workdir's run removes it
+    prepared = _open(root / key)
     path = _record_path(root, workdir)
     record = _read_record(path)
     if record.get("replaces"):
