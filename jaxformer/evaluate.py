@@ -49,7 +49,9 @@ def evaluate_model(cfg, graphdef, params, data, eval_step, state, num_batches: i
     if objective in ("lm", "mlm"):
         out["unigram_perplexity"] = unigram_perplexity(data.train, test, cfg.model.vocab_size)
     if objective == "classify":
-        train_labels = np.concatenate([data.train.get(i)["label"] for i in range(min(len(data.train), 200))])
+        batches = [data.train.get(i) for i in range(min(len(data.train), 200))]
+        # Packed training rows: labels [B, N], of which the segments a row holds (weight 1) are real.
+        train_labels = np.concatenate([b["label"][b["weights"] > 0] if "weights" in b else b["label"] for b in batches])
         majority = np.bincount(train_labels).argmax()
         out["majority_accuracy"] = float((test["label"] == majority).mean())
     if objective == "seq2seq":
