@@ -87,7 +87,7 @@ def cmd_prepare(args) -> int:
     """Tokenize the experiment's corpus into WORKDIR/data (or data.cache_dir), once: `train` reuses it."""
     import time
 
-    from jaxformer.data.prepare import prepare
+    from jaxformer.data.prepare import clean, prepare
 
     cfg = _load_config(args)
     if cfg.data.source in ("copy", "reverse"):
@@ -97,6 +97,11 @@ def cmd_prepare(args) -> int:
     prepared = prepare(cfg, args.workdir, progress=not args.quiet)
     counts = ", ".join(f"{k} {v:,d}" for k, v in prepared.manifest["documents"].items())
     print(f"{prepared.directory}: {counts} documents ({time.perf_counter() - start:.1f}s)")
+    if args.clean:
+        removed = clean(prepared.directory.parent)
+        for path, size in removed:
+            print(f"removed {path} ({size / 2**20:.1f} MB)")
+        print(f"{len(removed)} removed from {prepared.directory.parent}: no workdir's record names them")
     return 0
 
 
@@ -110,7 +115,7 @@ def cmd_eval(args) -> int:
 
     cfg = _load_config(args)
     graphdef, state, optimizer = restore_workdir(cfg, args.workdir)
-    data = build_dataset(cfg, args.workdir)
+    data = build_dataset(cfg, args.workdir, own=False)  # a reader: the training's record of its cache stays
     step = int(state.step)
     print(f"evaluating the checkpoint of step {step} on held-out data")
     _, eval_step = make_steps(graphdef, cfg, optimizer)
@@ -309,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--workdir", required=True, help="the training workdir (the tokenizer and WORKDIR/data)")
     prep.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")
     prep.add_argument("--quiet", action="store_true", help="no progress bar")
+    prep.add_argument(
+        "--clean", action="store_true",
+        help="then remove the caches beside it that no existing workdir uses (and killed builds' leftovers)",
+    )  # fmt: skip
     ev = sub.add_parser("eval", help="evaluate the model saved in a workdir on held-out data")
     ev.add_argument("--workdir", required=True)
     ev.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE")

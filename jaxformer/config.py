@@ -397,13 +397,21 @@ class DataConfig:
     cache_dir: str | None = None
     prepare_workers: int = 0  # processes that tokenize (0 = one per core)
     # Training rows hold several examples (segment ids, per-segment positions; no attention across
-    # them): lm/mlm documents in their windows, translation pairs placed first-fit. Not classification.
+    # them): lm/mlm documents in their windows, translation pairs and classification texts placed
+    # first-fit per chunk of batches.
     pack: bool = False
+    # Packed classification: at most this many texts share a row; labels are [B, max_segments]. Rows
+    # close at this count, so it bounds how short texts fill a row (8 x 16 tokens fill 128).
+    max_segments: int = 8
     prefetch: int = 2  # grain threads that read training batches ahead of the step (0: read in the loop)
     tokenizer: Literal["byte", "sentencepiece", "symbols", "hf"] = "byte"  # hf: WORKDIR/hf/tokenizer.json
     spm_vocab_size: int = 2000  # sentencepiece vocabulary (trained on the training split)
     spm_model_type: Literal["bpe", "unigram"] = "bpe"
     max_len: int = 128  # tokens per sequence (LM window; source/target cap for pairs)
+    # seq2seq / classification: the source (encoder input) width, None = max_len. Separate widths
+    # (t5x's feature lengths) let a source width matched to the languages' ratio pack as tightly as
+    # the target's; sources are cut to it when prepared.
+    src_max_len: int | None = None
     too_long: Literal["truncate", "reject"] = "truncate"
     length_buckets: int = 4  # pairs/classification: batches cut to one of this many widths (1 = pad to max_len)
     max_examples: int = 0  # cap on records read (0 = all); keeps CPU runs small
@@ -428,6 +436,10 @@ class DataConfig:
         require(self.prepare_workers >= 0, f"{p}.prepare_workers", "must be >= 0")
         require(self.prefetch >= 0, f"{p}.prefetch", "must be >= 0")
         require(self.max_len > 1, f"{p}.max_len", f"must be > 1, got {self.max_len}")
+        require(
+            self.src_max_len is None or self.src_max_len > 1, f"{p}.src_max_len", f"must be > 1, got {self.src_max_len}"
+        )
+        require(self.max_segments > 0, f"{p}.max_segments", f"must be positive, got {self.max_segments}")
         require(self.spm_vocab_size > 8, f"{p}.spm_vocab_size", "must be > 8")
         require(self.max_examples >= 0, f"{p}.max_examples", "must be >= 0")
         require(self.length_buckets > 0, f"{p}.length_buckets", "must be positive")
@@ -438,6 +450,11 @@ class DataConfig:
         )
         require(self.synthetic_vocab > 3, f"{p}.synthetic_vocab", "must be > 3")
         require(self.synthetic_len > 0, f"{p}.synthetic_len", f"must be positive, got {self.synthetic_len}")
+
+    @property
+    def src_len(self) -> int:
+        """The source width: src_max_len, or max_len when it is not set."""
+        return self.max_len if self.src_max_len is None else self.src_max_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -558,7 +575,17 @@ class Config:
             n = len(self.data.labels)
             classes = self.model.num_classes
             require(n <= classes, "data.labels", f"{n} labels but model.num_classes={classes}")
-        require(not (self.data.pack and objective == "classify"), "data.pack", "classification is not packed")
+        d = self.data
+        require(
+            d.src_max_len is None or objective in ("seq2seq", "classify"),
+            "data.src_max_len",
+            f"objective={objective!r} reads no source (only seq2seq and classify do)",
+        )
+        require(
+            not (d.pack and objective == "classify") or d.max_segments <= d.src_len,
+            "data.max_segments",
+            f"{d.max_segments} texts cannot share a row of {d.src_len} tokens",
+        )
         needs = {"lm": 1, "mlm": 1, "seq2seq": 2, "classify": 2}.get(objective)
         require(
             not self.data.fields or needs is None or len(self.data.fields) == needs,
@@ -570,6 +597,11 @@ class Config:
                 self.data.max_len <= self.model.max_len,
                 "data.max_len",
                 f"data.max_len={self.data.max_len} exceeds model.max_len={self.model.max_len}",
+            )
+            require(
+                d.src_len <= self.model.max_len,
+                "data.src_max_len",
+                f"data.src_max_len={d.src_len} exceeds model.max_len={self.model.max_len}",
             )
 
     def to_dict(self) -> dict:

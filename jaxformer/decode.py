@@ -413,6 +413,7 @@ def sample_texts(model, cfg, data) -> tuple[list[str], list[str]]:
         prompts = [s[-L // 2 :] for s in sources]  # output runs to the model's maximum length
         return prompts, continue_texts(model, tok, prompts, cfg.decode)
     if objective == "classify":
+        L = cfg.data.src_len
         ids = np.zeros((len(sources), L), np.int32)
         for i, s in enumerate(sources):
             enc = [tok.bos_id, *tok.encode(s)][:L]

@@ -17,11 +17,12 @@ from jaxformer.data.pipeline import Batches
 
 
 def _arrays(batches: Batches, num_batches: int) -> dict[str, np.ndarray]:
-    """The first batches joined; length-bucketed ones are padded to one width (pad id 0, weight 0)."""
+    """The first batches joined; length-bucketed ones are padded to one width per key (pad id 0,
+    weight 0): sources and targets may have widths of their own."""
     parts = [batches.get(i) for i in range(min(num_batches, len(batches)))]
-    width = max(v.shape[1] for p in parts for v in p.values() if v.ndim == 2)
-    widen = lambda v: np.pad(v, ((0, 0), (0, width - v.shape[1]))) if v.ndim == 2 else v
-    return {k: np.concatenate([widen(p[k]) for p in parts]) for k in parts[0]}
+    widths = {k: max(p[k].shape[1] for p in parts) for k, v in parts[0].items() if v.ndim == 2}
+    widen = lambda k, v: np.pad(v, ((0, 0), (0, widths[k] - v.shape[1]))) if v.ndim == 2 else v
+    return {k: np.concatenate([widen(k, p[k]) for p in parts]) for k in parts[0]}
 
 
 def unigram_perplexity(train: Batches, test: dict, vocab_size: int) -> float:
@@ -48,7 +49,9 @@ def evaluate_model(cfg, graphdef, params, data, eval_step, state, num_batches: i
     if objective in ("lm", "mlm"):
         out["unigram_perplexity"] = unigram_perplexity(data.train, test, cfg.model.vocab_size)
     if objective == "classify":
-        train_labels = np.concatenate([data.train.get(i)["label"] for i in range(min(len(data.train), 200))])
+        batches = [data.train.get(i) for i in range(min(len(data.train), 200))]
+        # Packed training rows: labels [B, N], of which the segments a row holds (weight 1) are real.
+        train_labels = np.concatenate([b["label"][b["weights"] > 0] if "weights" in b else b["label"] for b in batches])
         majority = np.bincount(train_labels).argmax()
         out["majority_accuracy"] = float((test["label"] == majority).mean())
     if objective == "seq2seq":

@@ -6,7 +6,7 @@ can be called from any JAX code.
 Dimension legend (used in names and shape comments across jaxformer):
   B batch, T target/query length, S source/key length, D model width, H query heads,
   G key/value heads (H = G * R for grouped-query attention), K head dim,
-  F feed-forward width, V vocabulary, L layers, C classes.
+  F feed-forward width, V vocabulary, L layers, C classes, N segments (examples) of a packed row.
 
 Masks are structure (`Mask`: causal, lengths, segments), which fused kernels take; the
 reference path turns them into boolean arrays, True = may attend, broadcast to [B, H, T, S].
@@ -581,6 +581,28 @@ def rms_norm(x: Array, scale: Array | None, eps: float = 1e-6) -> Array:
     if scale is not None:
         y = y * lift(scale.astype(jnp.float32), y)
     return y.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- pooling
+
+
+def segment_pool(x_BSD: Array, segments_BS: Array, num_segments: int, how: Literal["first", "mean"]) -> Array:
+    """[B, N, D] one vector per segment of packed rows: segment n + 1's first token ("first", BERT's
+    [CLS]) or the mean of its tokens ("mean"), in float32; zeros for a segment a row does not hold.
+
+    N = num_segments; segment ids are 1..N, 0 is padding.
+    """
+    ids_N = jnp.arange(1, num_segments + 1)
+    member_BNS = segments_BS[:, None, :] == ids_N[None, :, None]
+    x_BSD = x_BSD.astype(jnp.float32)
+    if how == "first":  # a gather, not a one-hot matmul: exact whatever the matmul precision
+        first_BN = jnp.argmax(member_BNS, axis=-1)
+        pooled_BND = jnp.take_along_axis(x_BSD, first_BN[..., None], axis=1)
+        return jnp.where(member_BNS.any(-1)[..., None], pooled_BND, 0.0)
+    count_BN1 = jnp.maximum(member_BNS.sum(-1, keepdims=True), 1).astype(jnp.float32)
+    # HIGHEST: a bfloat16 pass of the matmul would round the sums the unpacked mean keeps in float32.
+    total_BND = jnp.einsum("BNS,BSD->BND", member_BNS.astype(jnp.float32), x_BSD, precision=jax.lax.Precision.HIGHEST)
+    return total_BND / count_BN1
 
 
 # ----------------------------------------------------------------------------- losses

@@ -215,7 +215,8 @@ class MaskedLMHead(nnx.Module):
 
 
 class ClassificationHead(nnx.Module):
-    """Sequence classification: pool ([CLS] token or masked mean), dense + tanh, dropout, logits [B, C]."""
+    """Sequence classification: pool ([CLS] token or masked mean), dense + tanh, dropout, logits [B, C];
+    packed rows (`segments_BS`) pool each segment: logits [B, N, C]."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -224,9 +225,18 @@ class ClassificationHead(nnx.Module):
         self.out = param(rngs, init.xavier_uniform(), (cfg.d_model, cfg.num_classes), ("embed", None))
         self.out_bias = param(rngs, init.zeros, (cfg.num_classes,), (None,))
 
-    def __call__(self, x_BSD: Array, lengths_B: Array, dropout_rng: Array | None = None) -> Array:
+    def __call__(
+        self,
+        x_BSD: Array,
+        lengths_B: Array | None,
+        dropout_rng: Array | None = None,
+        segments_BS: Array | None = None,
+        num_segments: int = 0,
+    ) -> Array:
         cfg, dt = self.cfg, self.cfg.dtype
-        if cfg.pooling == "first":
+        if segments_BS is not None:
+            pooled_BD = F.segment_pool(x_BSD, segments_BS, num_segments, cfg.pooling).astype(dt)  # [B, N, D]
+        elif cfg.pooling == "first":
             pooled_BD = x_BSD[:, 0]
         else:
             live_BS1 = (default_positions(x_BSD[..., 0]) < lengths_B[:, None])[..., None].astype(jnp.float32)
@@ -260,6 +270,8 @@ class Transformer(nnx.Module):
 
     Call forms (all return logits in the compute dtype):
       encoder_only:    model(src_ids) -> masked-LM logits [B, S, V];  model.classify(src_ids) -> [B, C]
+                       (packed rows: model.classify(src_ids, src_segments=, src_positions=, num_segments=N)
+                       -> [B, N, C])
       decoder_only:    model(tgt_ids) -> next-token logits [B, T, V]
       encoder_decoder: model(src_ids, tgt_ids) -> logits [B, T, V];
                        or memory = model.encode(src_ids); model.decode(memory, src_ids, tgt_ids)
@@ -397,18 +409,25 @@ class Transformer(nnx.Module):
         src_segments: Array | None = None,
         src_positions: Array | None = None,
         src_token_types: Array | None = None,
+        num_segments: int | None = None,
         dropout_rng: Array | None = None,
     ) -> Array:
-        """encoder_only with num_classes > 0: class logits [B, C]."""
+        """encoder_only with num_classes > 0: class logits [B, C]; for packed rows (`src_segments`,
+        ids 1..N, with `src_positions` from 0 in each) the logits of each segment [B, N, C],
+        N = `num_segments`; a segment a row does not hold is pooled as zeros (give its label no weight)."""
         if self.cfg.num_classes == 0:
             raise ValueError("classify() needs model.num_classes > 0 (mode='encoder_only')")
+        if (src_segments is None) != (num_segments is None):
+            raise ValueError("classify() of packed rows takes src_segments and num_segments together")
         r_enc, r_head = split_rng(dropout_rng, 2)
-        src_lengths = self.src_lengths(src_ids_BS, src_lengths)
+        src_lengths = self.src_lengths(src_ids_BS, src_lengths, src_segments)
         x_BSD = self.encode(
             src_ids_BS, src_lengths=src_lengths, src_segments=src_segments, src_positions=src_positions,
             src_token_types=src_token_types, dropout_rng=r_enc,
         )  # fmt: skip
-        return self.classifier(x_BSD, src_lengths, dropout_rng=r_head)
+        return self.classifier(
+            x_BSD, src_lengths, dropout_rng=r_head, segments_BS=src_segments, num_segments=num_segments or 0
+        )
 
     @in_precision
     def __call__(

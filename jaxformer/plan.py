@@ -163,14 +163,20 @@ def parse_bytes(text: str) -> float:
 
 def abstract_batch(cfg: Config, batch_size: int, mesh) -> dict:
     """ShapeDtypeStructs of a global training batch of `cfg`'s objective, sharded over the batch axes."""
-    T, objective = cfg.data.max_len, cfg.train.objective
+    d, objective = cfg.data, cfg.train.objective
     rows = sharding.batch_sharding(mesh)
-    ids = jax.ShapeDtypeStruct((batch_size, T), np.int32, sharding=rows)
-    per_row = lambda dtype: jax.ShapeDtypeStruct((batch_size,), dtype, sharding=rows)
+    shaped = lambda *shape, dtype=np.int32: jax.ShapeDtypeStruct((batch_size, *shape), dtype, sharding=rows)
+    S, T, N = d.src_len, d.max_len, d.max_segments  # the source has its own width
+    # Packed rows say their padding by segments (and positions) where unpacked ones give lengths.
+    source = {"src_segments": shaped(S), "src_positions": shaped(S)} if d.pack else {"src_lengths": shaped()}
     if objective == "classify":
-        return {"src": ids, "src_lengths": per_row(np.int32), "label": per_row(np.int32)}
-    batch = {"inputs": ids, "targets": ids, "weights": jax.ShapeDtypeStruct((batch_size, T), np.float32, sharding=rows)}
-    return batch | ({"src": ids, "src_lengths": per_row(np.int32)} if objective == "seq2seq" else {})
+        labels = {"label": shaped(N), "weights": shaped(N, dtype=np.float32)} if d.pack else {"label": shaped()}
+        return {"src": shaped(S)} | source | labels
+    batch = {"inputs": shaped(T), "targets": shaped(T), "weights": shaped(T, dtype=np.float32)}
+    if objective == "seq2seq":
+        target = {"tgt_segments": shaped(T), "tgt_positions": shaped(T)} if d.pack else {}
+        return batch | {"src": shaped(S)} | source | target
+    return batch | ({"segments": shaped(T), "positions": shaped(T)} if d.pack else {})
 
 
 def with_shardings(abstract, shardings):

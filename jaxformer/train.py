@@ -83,10 +83,16 @@ def make_optimizer(cfg: TrainConfig, d_model: int) -> optax.GradientTransformati
 
 
 def forward(model: Transformer, objective: str, batch: dict, dropout_rng: Array | None) -> Array:
-    """Logits of the objective: [B, T, V] for token objectives, [B, C] for classification."""
+    """Logits of the objective: [B, T, V] for token objectives, [B, C] for classification ([B, N, C]
+    for packed rows, one per segment)."""
     src_lengths = batch.get("src_lengths")  # padding is said by the data, never read off a token id
     if objective == "classify":
-        return model.classify(batch["src"], src_lengths=src_lengths, dropout_rng=dropout_rng)
+        packed = "src_segments" in batch  # labels [B, N]: N, the segments a row may hold, is static
+        return model.classify(
+            batch["src"], src_lengths=src_lengths, src_segments=batch.get("src_segments"),
+            src_positions=batch.get("src_positions"), num_segments=batch["label"].shape[1] if packed else None,
+            dropout_rng=dropout_rng,
+        )  # fmt: skip
     if objective == "seq2seq":
         return model(
             batch["src"], batch["inputs"], lengths=src_lengths, segments=batch.get("src_segments"),
@@ -102,8 +108,9 @@ def forward(model: Transformer, objective: str, batch: dict, dropout_rng: Array 
 def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Array | None) -> tuple[Array, dict]:
     """Summed loss (to be divided by the token count) and summed metrics of one (micro-)batch."""
     logits = forward(model, cfg.objective, batch, dropout_rng)
-    if cfg.objective == "classify":
-        labels, weights = batch["label"], jnp.ones(batch["label"].shape, jnp.float32)
+    if cfg.objective == "classify":  # packed: labels [B, N], weights 1 for the segments a row holds
+        labels = batch["label"]
+        weights = batch["weights"] if "weights" in batch else jnp.ones(labels.shape, jnp.float32)
     else:
         labels, weights = batch["targets"], batch["weights"]
     loss, w = F.cross_entropy(logits, labels, weights, label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss)
@@ -266,16 +273,13 @@ def evaluate(eval_step, state, fetch, num_batches: int) -> dict:
 
 def real_fraction(batch: dict) -> tuple[float, float]:
     """(real tokens, token slots) of a host batch: how much of what the step computes is not padding."""
-    if "weights" in batch and "src" not in batch:  # lm, mlm: every window position is text
+    if "src" not in batch:  # lm, mlm: every window position is text
         ids = batch["inputs"]
         return float(ids.size if "segments" not in batch else (batch["segments"] > 0).sum()), float(ids.size)
-    if "src_segments" in batch:  # packed pairs
-        real = (batch["src_segments"] > 0).sum() + batch["weights"].sum()
-        return float(real), float(batch["src"].size + batch["inputs"].size)
+    src_real = (batch["src_segments"] > 0).sum() if "src_segments" in batch else batch["src_lengths"].sum()
     if "inputs" in batch:  # seq2seq: source and target
-        real = batch["src_lengths"].sum() + batch["weights"].sum()
-        return float(real), float(batch["src"].size + batch["inputs"].size)
-    return float(batch["src_lengths"].sum()), float(batch["src"].size)
+        return float(src_real + batch["weights"].sum()), float(batch["src"].size + batch["inputs"].size)
+    return float(src_real), float(batch["src"].size)  # classification
 
 
 def batch_cost(cfg: Config, batch: dict) -> tuple[float, float]:
@@ -285,7 +289,7 @@ def batch_cost(cfg: Config, batch: dict) -> tuple[float, float]:
     tgt_len = batch["inputs"].shape[1] if "inputs" in batch else 0
     B = len(next(iter(batch.values())))
     # Tokens that carry a target; for classification, the input tokens read.
-    tokens = float(batch["weights"].sum()) if "weights" in batch else float(batch["src_lengths"].sum())
+    tokens = real_fraction(batch)[0] if objective == "classify" else float(batch["weights"].sum())
     return tokens, flops_per_example(cfg.model, objective, src_len, tgt_len) * B
 
 

@@ -2,7 +2,7 @@
 
     python scripts/benchmark_data.py prepare --size 1GB     # build the corpus, prepare it: MB/s, peak RSS
     python scripts/benchmark_data.py loader --size 10MB     # tokens/s served and peak RSS (after prepare)
-    python scripts/benchmark_data.py padding                # real-token fraction of translation batches
+    python scripts/benchmark_data.py padding                # real-token fraction of translation, classification batches
     python scripts/benchmark_data.py all --sizes 10MB,1GB   # each of the above in its own process
 
 The corpus is the shipped Shakespeare, its paragraphs shuffled and repeated to the size asked
@@ -110,27 +110,42 @@ def bench_loader(args) -> dict:
 
 
 def bench_padding(args) -> dict:
-    """Real-token fraction of translation batches (source and target slots) over one epoch, and for
-    packing the share of the training pairs an epoch holds."""
+    """Real-token fraction of translation batches (source and target slots) over one epoch, padded
+    to the widths, in length buckets and packed, for each source width asked with the experiment's
+    target width, and of classification batches (`experiments/classify_lohelp.py`); for packing
+    also the share of the training examples an epoch holds."""
     from jaxformer.config import load_experiment
+
+    base = load_experiment("experiments/translate_en_de.py")
+    out = {"what": "padding"}
+    for S in map(int, args.src_widths.split(",")):
+        cfg = dataclasses.replace(base, data=dataclasses.replace(base.data, src_max_len=S))
+        out[f"translation, source {S} / target {cfg.data.max_len} tokens"] = fractions(cfg, args.dir / "translate")
+    cfg = load_experiment("experiments/classify_lohelp.py")
+    name = f"classification, {cfg.data.src_len} tokens, up to {cfg.data.max_segments} texts a packed row"
+    out[name] = fractions(cfg, args.dir / "classify")
+    return out
+
+
+def fractions(cfg, workdir: pathlib.Path) -> dict:
+    """{case: real-token fraction of one training epoch} padded, bucketed and packed, and the share
+    of the training examples a packed epoch holds."""
     from jaxformer.data import build_dataset
     from jaxformer.train import real_fraction
 
-    out = {"what": "padding"}
-    base = load_experiment("experiments/translate_en_de.py")
-    workdir = args.dir / "translate"
-    cases = (("padded to max_len", 1, False), ("length buckets", base.data.length_buckets, False), ("packed", 1, True))
+    out = {}
+    cases = (("padded", 1, False), ("length buckets", cfg.data.length_buckets, False), ("packed", 1, True))
     for name, buckets, pack in cases:
-        cfg = dataclasses.replace(base, data=dataclasses.replace(base.data, length_buckets=buckets, pack=pack))
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, length_buckets=buckets, pack=pack))
         train = build_dataset(cfg, workdir).train
         real = slots = 0.0
         for step in range(len(train)):
             r, s = real_fraction(train.get(step))
             real, slots = real + r, slots + s
-        out[name] = real / slots
+        out[name] = round(real / slots, 4)
         if pack:
             used = sum(len(r) for s in range(len(train)) for r in train.rows(s))
-            out["packed: pairs in an epoch"] = used / train.num_examples
+            out["packed: examples in an epoch"] = round(used / train.num_examples, 4)
     return out
 
 
@@ -144,6 +159,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--prefetch", type=int, default=2, help="loader: grain threads")
+    p.add_argument("--src-widths", default="64,56", help="padding: translation source widths (data.src_max_len)")
     p.add_argument("--seconds", type=float, default=10.0, help="loader: how long batches are read")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args()
@@ -152,7 +168,15 @@ def main() -> None:
         return
     common = ["--dir", str(args.dir), "--workers", str(args.workers), "--batch", str(args.batch)]
     common += ["--seq", str(args.seq)]
-    common += ["--prefetch", str(args.prefetch), "--seconds", str(args.seconds), "--quiet"]
+    common += [
+        "--prefetch",
+        str(args.prefetch),
+        "--seconds",
+        str(args.seconds),
+        "--src-widths",
+        args.src_widths,
+        "--quiet",
+    ]
     runs = [["padding"]] + [[what, "--size", size] for size in args.sizes.split(",") for what in ("prepare", "loader")]
     for run in runs:
         out = subprocess.run([sys.executable, __file__, *run, *common], capture_output=True, text=True, check=True)

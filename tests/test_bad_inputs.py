@@ -140,6 +140,13 @@ CLI_CASES = [
     cli_case(TRAIN + "train.eval_every=0", r"train\.eval_every: must be positive, got 0"),
     cli_case(TRAIN + "data.max_len=1", r"data\.max_len: must be > 1, got 1"),
     cli_case(TRAIN + "data.max_len=100", r"data\.max_len: data\.max_len=100 exceeds model\.max_len=16"),
+    cli_case(TRAIN + "data.src_max_len=1", r"data\.src_max_len: must be > 1, got 1"),
+    cli_case(TRAIN + "data.src_max_len=100", r"data\.src_max_len: data\.src_max_len=100 exceeds model\.max_len=16"),
+    cli_case(
+        "train --config experiments/lm_shakespeare.py --workdir {tmp}/never --set data.src_max_len=16",
+        r"data\.src_max_len: objective='lm' reads no source \(only seq2seq and classify do\)",
+    ),
+    cli_case(TRAIN + "data.max_segments=0", r"data\.max_segments: must be positive, got 0"),
     cli_case(TRAIN + "data.source=wikipedia", r"data\.source: 'wikipedia' is not one of the choices"),
     cli_case(TRAIN + "data.tokenizer=wordpiece", r"data\.tokenizer: 'wordpiece' is not one of the choices"),
     cli_case(TRAIN + "data.too_long=drop", r"data\.too_long: 'drop' is not one of the choices"),

@@ -1,6 +1,7 @@
 """Tokenize once: prepared corpora hold the tokenized records, are found again while nothing changed,
 are built anew when something did, and a killed build is never read and is finished by a rerun."""
 
+import collections
 import dataclasses
 import itertools
 import json
@@ -164,3 +165,95 @@ def test_a_bad_line_fails_before_anything_is_written(tmp_path):
     with pytest.raises(sources.DataError, match=r"c\.jsonl:301: no field 'text'"):
         prepare(cfg_for([corpus], tmp_path / "cache"), progress=False)
     assert not (tmp_path / "cache").exists()
+
+
+def test_sources_are_cut_to_their_own_width_and_an_unset_width_keeps_the_cache(tmp_path):
+    rows = [{"source": "s" * (i % 30), "target": "t" * (i % 20 + 1)} for i in range(1, 200)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def pairs_cfg(**data):
+        files, cache = (str(tmp_path / "p.jsonl"),), str(tmp_path / "cache")
+        return C.Config(
+            model=C.tiny("encoder_decoder", vocab_size=260, max_len=16),
+            data=C.DataConfig(source="files", files=files, max_len=16, cache_dir=cache, **data),
+            train=C.TrainConfig(objective="seq2seq", batch_size=2),
+        )
+
+    prepared = prepare(pairs_cfg(src_max_len=8), progress=False)
+    tok = ByteTokenizer()
+    records, _ = sources.read(sources.Source((str(tmp_path / "p.jsonl"),), ("source", "target")))
+    train, _, _ = sources.split(records, 0.05, 0.05, 0, "p")
+    for field, width, j in (("source", 8, 1), ("target", 16, 2)):
+        tokens, offsets = prepared.documents("train", field)
+        docs = [tokens[a:b].tolist() for a, b in itertools.pairwise(offsets)]
+        assert docs == [[*tok.encode(r[j]), tok.eos_id][:width] for r in train]  # cut to the field's width
+    # A width equal to max_len is the unset one: caches prepared before src_max_len existed are found again.
+    assert prepare(pairs_cfg(), progress=False).directory == prepare(pairs_cfg(src_max_len=16)).directory
+    assert prepare(pairs_cfg(), progress=False).directory != prepared.directory
+    with pytest.raises(sources.DataError, match=r"p\.jsonl:\d+: sequence of 9 tokens exceeds data\.src_max_len=8"):
+        prepare(pairs_cfg(src_max_len=8, too_long="reject"), progress=False)
+
+
+def test_each_record_is_read_once_and_labels_found_by_parts_index_the_sorted_set(tmp_path, monkeypatch):
+    from jaxformer.data import prepare as P
+
+    # The first part holds only "pos": its own label index (0) is not the corpus' (2).
+    rows = [
+        {"text": f"text number {i}", "label": "pos" if i < 60 else ["neg", "pos", "mid"][i % 3]} for i in range(300)
+    ]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(P, "PART_BYTES", 2048)
+    reads, iter_records = [], sources.iter_records
+    monkeypatch.setattr(
+        sources, "iter_records", lambda *a, **k: (reads.append(r[0]) or r for r in iter_records(*a, **k))
+    )
+    cfg = C.Config(
+        model=C.tiny("encoder_only", vocab_size=260, max_len=16, num_classes=3),
+        data=C.DataConfig(source="files", files=(str(tmp_path / "c.jsonl"),), max_len=16, cache_dir=str(tmp_path)),
+        train=C.TrainConfig(objective="classify", batch_size=2),
+    )
+    prepared = prepare(cfg, progress=False)
+    line = lambda where: int(where.rsplit(":", 1)[1])
+    counted = collections.Counter(map(line, reads))
+    records, labels = sources.read(sources.Source((str(tmp_path / "c.jsonl"),), ("text", "label")), labelled=True)
+    splits = sources.split(records, 0.05, 0.05, 0, "c")
+    samples = splits[2][: cfg.train.num_samples]  # read again for the manifest, with the records before them
+    assert len(counted) == 300 and max(counted.values()) <= 2
+    assert max(n for n, c in counted.items() if c == 2) == max(line(r[0]) for r in samples)
+    assert prepared.label_names == labels == ("mid", "neg", "pos")
+    for split, part in zip(SPLITS, splits, strict=True):
+        assert prepared.labels(split).tolist() == [r[2] for r in part]
+    assert prepared.samples()[1] == [labels[r[2]] for r in samples]
+
+
+def test_a_replaced_cache_is_removed_unless_another_workdir_uses_it_and_clean_takes_the_rest(tmp_path, capsys):
+    from jaxformer.data import prepare as P
+
+    corpus, cache = tmp_path / "c.jsonl", tmp_path / "cache"
+    write_corpus(corpus, n=60)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    cfg = cfg_for([corpus], cache)
+    longer = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_len=12))  # a changed setting
+    first = prepare(cfg, tmp_path / "a", progress=False).directory
+    assert prepare(cfg, tmp_path / "b", progress=False).directory == first  # two workdirs use it
+    second = prepare(longer, tmp_path / "a", progress=False).directory
+    assert first.is_dir(), "b still uses it"
+    assert prepare(longer, tmp_path / "b", progress=False).directory == second
+    assert not first.exists() and second.is_dir(), "replaced, and no workdir uses it any more"
+    # A reader (eval) records nothing; what no workdir uses, and a killed build's leftovers, go on clean.
+    again = prepare(cfg, tmp_path / "a", progress=False, own=False).directory
+    assert again == first and prepare(cfg, tmp_path / "a", progress=False, own=False).directory.is_dir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = cache / f"{first.name}.tmp-{P.socket.gethostname()}-{int(dead.stdout)}"
+    building = cache / f"{first.name}.tmp-{P.socket.gethostname()}-{os.getpid()}"
+    killed.mkdir()
+    building.mkdir()
+    argv = ["prepare", "--config", "experiments/lm_shakespeare.py", "--workdir", str(tmp_path / "b"), "--quiet"]
+    sets = ["data.source=files", f"data.files={corpus}", f"data.cache_dir={cache}"]
+    assert main([*argv, "--clean", *(x for s in sets for x in ("--set", s))]) == 0  # b moves on to a third
+    said = capsys.readouterr().out
+    third = pathlib.Path(said.split(":")[0])
+    assert f"removed {first}" in said and f"removed {killed}" in said and "2 removed" in said
+    kept = [second.name, third.name, building.name, P.RECORDS]  # a's, b's, a build in progress
+    assert sorted(p.name for p in cache.iterdir()) == sorted(kept)

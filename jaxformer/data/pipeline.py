@@ -5,13 +5,16 @@ batch of a step as a pure function of (seed, step): epoch e takes grain's lazy s
 examples reseeded for e. So the iterator's whole position is the step number, which makes exact
 resume trivial, and any process can read its rows of any step alone.
 
-Batch keys by objective (all int32 unless noted; weights float32):
+Batch keys by objective (all int32 unless noted; weights float32), S the source width
+(data.src_max_len, else data.max_len) and T data.max_len, or smaller bucket widths:
   lm        inputs [B, T], targets [B, T], weights [B, T]
   seq2seq   src [B, S], src_lengths [B], inputs [B, T] (BOS + target[:-1]), targets [B, T], weights [B, T]
   mlm       inputs [B, T] (masked), targets [B, T], weights [B, T] (1 on masked positions)
   classify  src [B, S], src_lengths [B], label [B]
 Packed (data.pack, training only): lm/mlm add segments [B, T] and positions [B, T]; seq2seq has
-src_segments, src_positions [B, S] and tgt_segments, tgt_positions [B, T] instead of src_lengths.
+src_segments, src_positions [B, S] and tgt_segments, tgt_positions [B, T] instead of src_lengths;
+classify has src_segments, src_positions [B, S] instead of src_lengths, and label [B, N] (segment
+n + 1's class) with weights [B, N] (1 where the row holds segment n + 1), N = data.max_segments.
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ class Batches:
     The order of an epoch is grain's lazy global shuffle of the example indices (`MapDataset.shuffle`,
     reseeded each epoch by `repeat`): nothing of size N is held, so memory stays flat as the corpus
     grows. Batch i of an epoch takes positions i*B .. i*B+B-1 of that epoch's order. With `buckets`,
-    an epoch's order is cut into chunks of 32 batches whose examples are sorted by length, and each
-    batch is cut to the smallest bucket width that holds its longest example: few shapes to
-    compile, little padding.
+    an epoch's order is cut into chunks of 32 batches whose examples are sorted by the first bucket
+    that holds them (then by how full they make it: the longest side over its width), and each
+    batch is cut to the first bucket whose widths hold its longest source and target: few shapes
+    to compile, little padding.
     """
 
     examples: Examples | None
@@ -48,7 +52,7 @@ class Batches:
     seed: int
     generate: Callable[[np.random.Generator, int], dict[str, np.ndarray]] | None = None
     transform: Callable[[dict, list[np.random.Generator]], dict] | None = None  # per row generators
-    buckets: tuple[int, ...] = ()  # widths a batch's sequences are cut to (ascending)
+    buckets: tuple[tuple[int, ...], ...] = ()  # widths (one per side) a batch is cut to, ascending
     _chunk: tuple[int, list] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
@@ -62,35 +66,38 @@ class Batches:
         return 0 if self.examples is None else len(self.examples)
 
     def __len__(self) -> int:
-        """Batches per epoch (what does not fill a batch, or a packed chunk, is dropped)."""
+        """Batches per epoch (what does not fill a batch, or a packed chunk's batches, is dropped)."""
         if self.examples is None:
             return 1 << 62
-        if isinstance(self.examples, PackedPairs):
-            return self.num_examples // self.examples.per_chunk * PackedPairs.CHUNK
+        if isinstance(self.examples, Packed):
+            return self.examples.batches_per_epoch
         return self.num_examples // self.batch_size
 
     def rows(self, step: int) -> np.ndarray | list[np.ndarray]:
-        """[B] the example indices of the batch of `step` (sorted), or for packed pairs the B rows'
+        """[B] the example indices of the batch of `step` (sorted), or for packed examples the B rows'
         lists of examples; the batches of an epoch never repeat an example, and what does not fill
         a batch at an epoch's end is left out."""
         B, N = self.batch_size, self.num_examples
         epoch, index = divmod(step, len(self))
         first = epoch * N  # grain's repeat reshuffles from each multiple of N on
-        if not self.buckets and not isinstance(self.examples, PackedPairs):
+        packed = isinstance(self.examples, Packed)
+        if not self.buckets and not packed:
             return np.sort([self.order[p] for p in range(first + index * B, first + index * B + B)])
-        chunk, slot = divmod(index, PackedPairs.CHUNK if isinstance(self.examples, PackedPairs) else 32)
+        chunk, slot = divmod(index, Packed.CHUNK if packed else 32)
         cached = self._chunk  # one read: grain threads may replace it meanwhile
-        if isinstance(self.examples, PackedPairs) and (cached is None or cached[0] != (epoch, chunk)):
-            P = self.examples.per_chunk
-            idx = np.asarray([self.order[p] for p in range(first + chunk * P, first + (chunk + 1) * P)])
-            packed = self.examples.plan(idx, PackedPairs.CHUNK * B)
-            perm = np.random.default_rng([self.seed, epoch, chunk, 1 << 20]).permutation(len(packed))
-            batches = [[packed[r] for r in perm[i : i + B]] for i in range(0, len(packed), B)]
+        if packed and (cached is None or cached[0] != (epoch, chunk)):
+            start, stop, rows = self.examples.chunk(chunk)
+            idx = np.asarray([self.order[p] for p in range(first + start, first + stop)])
+            placed = self.examples.plan(idx, rows)
+            perm = np.random.default_rng([self.seed, epoch, chunk, 1 << 20]).permutation(len(placed))
+            batches = [[placed[r] for r in perm[i : i + B]] for i in range(0, len(placed), B)]
             cached = self._chunk = ((epoch, chunk), batches)
         elif cached is None or cached[0] != (epoch, chunk):
             positions = range(first + chunk * 32 * B, first + min((chunk + 1) * 32 * B, N))
             idx = np.asarray([self.order[p] for p in positions])
-            idx = idx[np.argsort(self.examples.lengths(idx), kind="stable")]
+            lengths = self.examples.side_lengths(idx)  # [sides, n]
+            fits = (np.asarray(self.buckets)[:, :, None] >= lengths[None]).all(axis=1)  # [buckets, n]
+            idx = idx[np.lexsort((fullness(self.examples, idx), fits.argmax(axis=0)))]  # by bucket, then fullness
             batches = [np.sort(idx[i : i + B]) for i in range(0, len(idx) - B + 1, B)]
             perm = np.random.default_rng([self.seed, epoch, chunk, 1 << 20]).permutation(len(batches))
             cached = self._chunk = ((epoch, chunk), [batches[i] for i in perm])
@@ -107,14 +114,14 @@ class Batches:
             batch = self.generate(np.random.default_rng([self.seed, step]), self.batch_size)
             return batch if part is None else {k: v[part] for k, v in batch.items()}
         rows = self.rows(step)
-        if isinstance(self.examples, PackedPairs):  # B lists of examples, one per packed row
+        if isinstance(self.examples, Packed):  # B lists of examples, one per packed row
             return self.examples.take(rows[part] if part is not None else rows)
-        width = None
+        widths = None
         if self.buckets:
-            longest = int(self.examples.lengths(rows).max())
-            width = next((w for w in self.buckets if w >= longest), self.buckets[-1])
+            longest = self.examples.side_lengths(rows).max(axis=1)  # [sides]
+            widths = next((w for w in self.buckets if (np.asarray(w) >= longest).all()), self.buckets[-1])
         index = np.arange(self.batch_size)[part if part is not None else slice(None)]
-        batch = self.examples.take(rows[index], width)
+        batch = self.examples.take(rows[index], widths)
         if self.transform is not None:
             batch = self.transform(batch, [np.random.default_rng([self.seed, step, j]) for j in index])
         return batch
@@ -193,65 +200,40 @@ class Windows:
 
 
 class Pairs:
-    """seq2seq: (source, target) documents, each ending in EOS and at most L tokens."""
+    """seq2seq: (source, target) documents, each ending in EOS, at most S and T tokens."""
 
-    def __init__(self, src: Documents, tgt: Documents, L: int, tok):
-        self.src, self.tgt, self.L, self.tok = src, tgt, L, tok
+    def __init__(self, src: Documents, tgt: Documents, S: int, T: int, tok):
+        self.src, self.tgt, self.tok = src, tgt, tok
+        self.widths = (S, T)
 
     def __len__(self) -> int:
         return len(self.src)
 
-    def lengths(self, rows: np.ndarray) -> np.ndarray:
-        return np.maximum(self.src.lengths(rows), self.tgt.lengths(rows))
+    def side_lengths(self, rows: np.ndarray) -> np.ndarray:
+        """[2, len(rows)] source and target lengths."""
+        return np.stack([self.src.lengths(rows), self.tgt.lengths(rows)])
 
-    def take(self, rows: np.ndarray, width: int | None = None) -> dict[str, np.ndarray]:
-        pad, L = self.tok.pad_id, self.L
-        src, tgt = self.src.padded(rows, L, pad), self.tgt.padded(rows, L, pad)
-        arrays = _seq2seq_arrays(src, self.src.lengths(rows), tgt, self.tgt.lengths(rows), self.tok.bos_id, pad)
-        return {k: v[:, :width] if v.ndim == 2 else v for k, v in arrays.items()}
+    def tokens(self) -> tuple[int, ...]:
+        """Tokens of each side in all (the packer's mean lengths)."""
+        return len(self.src.tokens), len(self.tgt.tokens)
 
+    def take(self, rows: np.ndarray, widths: tuple[int, ...] | None = None) -> dict[str, np.ndarray]:
+        pad, (S, T) = self.tok.pad_id, widths or self.widths
+        src, tgt = self.src.padded(rows, S, pad), self.tgt.padded(rows, T, pad)
+        return _seq2seq_arrays(src, self.src.lengths(rows), tgt, self.tgt.lengths(rows), self.tok.bos_id, pad)
 
-class PackedPairs:
-    """seq2seq, packed: the examples of a chunk of CHUNK batches are placed first-fit (longest first)
-    into CHUNK * B rows of L source and L target slots, source and target of an example in the same
-    row under the same segment id, positions from 0 in each; an example that fits no row is left
-    out of this epoch. `per_chunk` examples per chunk, from the corpus' mean lengths, fill the rows."""
-
-    CHUNK = 8  # batches packed together: a larger chunk packs tighter, and leaves more of an epoch's tail out
-
-    def __init__(self, pairs: Pairs, batch_size: int, fill: float = 1.0):
-        self.pairs, self.L = pairs, pairs.L
-        N, rows = len(pairs), self.CHUNK * batch_size
-        mean = max(len(pairs.src.tokens), len(pairs.tgt.tokens)) / max(N, 1)  # tokens per example, the longer side
-        self.per_chunk = int(min(N, max(rows, rows * self.L * fill / max(mean, 1.0))))
-
-    def __len__(self) -> int:
-        return len(self.pairs)
-
-    def plan(self, idx: np.ndarray, rows: int) -> list[np.ndarray]:
-        """The examples `idx` placed into `rows` rows: [rows] arrays of example indices."""
-        ls, lt = self.pairs.src.lengths(idx), self.pairs.tgt.lengths(idx)
-        free_s, free_t = np.full(rows, self.L), np.full(rows, self.L)
-        placed: list[list[int]] = [[] for _ in range(rows)]
-        for i in np.argsort(-np.maximum(ls, lt), kind="stable"):
-            fits = (free_s >= ls[i]) & (free_t >= lt[i])
-            r = int(fits.argmax())
-            if fits[r]:
-                free_s[r] -= ls[i]
-                free_t[r] -= lt[i]
-                placed[r].append(int(idx[i]))
-        return [np.asarray(sorted(p), np.int64) for p in placed]
-
-    def take(self, rows: list[np.ndarray]) -> dict[str, np.ndarray]:
-        B, L, tok = len(rows), self.L, self.pairs.tok
-        out = {k: np.zeros((B, L), np.int32) for k in ("src", "src_segments", "src_positions", "inputs", "targets",
-                                                       "tgt_segments", "tgt_positions")}  # fmt: skip
+    def pack(self, rows: list[np.ndarray]) -> dict[str, np.ndarray]:
+        """Packed rows: each row's pairs one after the other, source and target of a pair under the
+        same segment id (1, 2, ... in the row), positions from 0 in each."""
+        B, (S, T), tok = len(rows), self.widths, self.tok
+        out = {k: np.zeros((B, S), np.int32) for k in ("src", "src_segments", "src_positions")}
+        out |= {k: np.zeros((B, T), np.int32) for k in ("inputs", "targets", "tgt_segments", "tgt_positions")}
         out["src"][:], out["inputs"][:], out["targets"][:] = tok.pad_id, tok.pad_id, tok.pad_id
-        weights = np.zeros((B, L), np.float32)
+        weights = np.zeros((B, T), np.float32)
         for b, examples in enumerate(rows):
             s = t = 0
             for seg, i in enumerate(examples, start=1):
-                src, tgt = self.pairs.src.document(i), self.pairs.tgt.document(i)
+                src, tgt = self.src.document(i), self.tgt.document(i)
                 out["src"][b, s : s + len(src)] = src
                 out["src_segments"][b, s : s + len(src)] = seg
                 out["src_positions"][b, s : s + len(src)] = np.arange(len(src))
@@ -265,23 +247,113 @@ class PackedPairs:
 
 
 class Labelled:
-    """classify: BOS + text (at most L tokens) and the class index."""
+    """classify: BOS + text (at most S tokens) and the class index."""
 
-    def __init__(self, docs: Documents, labels: np.ndarray, L: int, pad_id: int):
-        self.docs, self.labels, self.L, self.pad_id = docs, labels, L, pad_id
+    def __init__(self, docs: Documents, labels: np.ndarray, S: int, pad_id: int):
+        self.docs, self.labels, self.pad_id = docs, labels, pad_id
+        self.widths = (S,)
 
     def __len__(self) -> int:
         return len(self.docs)
 
-    def lengths(self, rows: np.ndarray) -> np.ndarray:
-        return self.docs.lengths(rows)
+    def side_lengths(self, rows: np.ndarray) -> np.ndarray:
+        return self.docs.lengths(rows)[None]
 
-    def take(self, rows: np.ndarray, width: int | None = None) -> dict[str, np.ndarray]:
-        src = self.docs.padded(rows, self.L, self.pad_id)[:, :width]
+    def tokens(self) -> tuple[int, ...]:
+        return (len(self.docs.tokens),)
+
+    def take(self, rows: np.ndarray, widths: tuple[int, ...] | None = None) -> dict[str, np.ndarray]:
+        (S,) = widths or self.widths
+        src = self.docs.padded(rows, S, self.pad_id)
         return {"src": src, "src_lengths": self.docs.lengths(rows), "label": np.asarray(self.labels[rows], np.int32)}
 
+    def pack(self, rows: list[np.ndarray], N: int) -> dict[str, np.ndarray]:
+        """Packed rows of at most N texts: each text its segment (1, 2, ... in the row), positions
+        from 0 in each; label [B, N] the class of segment n + 1 and weights [B, N] 1 where the row
+        holds that segment."""
+        (S,) = self.widths
+        out = {k: np.zeros((len(rows), S), np.int32) for k in ("src", "src_segments", "src_positions")}
+        out["src"][:] = self.pad_id
+        labels, weights = np.zeros((len(rows), N), np.int32), np.zeros((len(rows), N), np.float32)
+        for b, examples in enumerate(rows):
+            s = 0
+            for n, i in enumerate(examples):
+                text = self.docs.document(i)
+                out["src"][b, s : s + len(text)] = text
+                out["src_segments"][b, s : s + len(text)] = n + 1
+                out["src_positions"][b, s : s + len(text)] = np.arange(len(text))
+                labels[b, n], weights[b, n] = self.labels[i], 1.0
+                s += len(text)
+        return out | {"label": labels, "weights": weights}
 
-Examples = Windows | Pairs | PackedPairs | Labelled
+
+class Packed:
+    """Packed training rows (seq2seq pairs, classification texts): an epoch's order is cut into
+    chunks of `per_chunk` examples, each placed into CHUNK * B rows by first-fit decreasing (the
+    fullest example first: its longest side over that side's width) into the first row where every
+    side fits and that holds fewer than `max_segments` examples; an example that fits no row is
+    left out of this epoch.
+
+    `per_chunk` is the number of examples whose tokens fill FILL of the rows' slots on the side
+    that fills first (from the corpus' mean lengths), or FILL of their segments: a little slack,
+    so that few are left out. The epoch's last, partial chunk is packed into as many whole
+    batches as its share of a chunk.
+    """
+
+    CHUNK = 8  # batches packed together: a larger chunk packs tighter (and costs more to plan)
+    FILL = 0.98  # a chunk's tokens over its slots on the fuller side (1.0 leaves ~5% of pairs out)
+
+    def __init__(self, examples: Pairs | Labelled, batch_size: int, max_segments: int | None = None):
+        self.examples, self.widths, self.batch_size = examples, np.asarray(examples.widths), batch_size
+        self.max_segments = max_segments  # None: as many as fit (pairs); classification: its label width
+        N, rows = len(examples), self.CHUNK * batch_size
+        mean = np.asarray(examples.tokens()) / max(N, 1)  # [sides] tokens per example
+        fits = rows * self.FILL * min((self.widths / np.maximum(mean, 1.0)).min(), max_segments or np.inf)
+        self.per_chunk = int(min(N, max(rows, fits)))
+        full, tail = divmod(N, self.per_chunk)
+        self.full_chunks, self.tail_batches = full, tail * self.CHUNK // self.per_chunk
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.full_chunks * self.CHUNK + self.tail_batches
+
+    def chunk(self, c: int) -> tuple[int, int, int]:
+        """(start, stop, rows) of chunk c: its positions in the epoch's order and the rows they fill."""
+        if c < self.full_chunks:
+            return c * self.per_chunk, (c + 1) * self.per_chunk, self.CHUNK * self.batch_size
+        return c * self.per_chunk, len(self), self.tail_batches * self.batch_size
+
+    def plan(self, idx: np.ndarray, rows: int) -> list[np.ndarray]:
+        """The examples `idx` placed into `rows` rows: [rows] arrays of example indices (sorted)."""
+        lengths = self.examples.side_lengths(idx)  # [sides, n]
+        free = np.repeat(self.widths[:, None], rows, axis=1)  # [sides, rows]
+        room = np.full(rows, self.max_segments or len(idx))  # examples a row may still take
+        placed: list[list[int]] = [[] for _ in range(rows)]
+        for i in np.argsort(-fullness(self.examples, idx), kind="stable"):
+            fits = (free >= lengths[:, i : i + 1]).all(axis=0) & (room > 0)
+            r = int(fits.argmax())
+            if fits[r]:
+                free[:, r] -= lengths[:, i]
+                room[r] -= 1
+                placed[r].append(int(idx[i]))
+        return [np.asarray(sorted(p), np.int64) for p in placed]
+
+    def take(self, rows: list[np.ndarray]) -> dict[str, np.ndarray]:
+        if self.max_segments is None:
+            return self.examples.pack(rows)
+        return self.examples.pack(rows, self.max_segments)
+
+
+def fullness(examples: Pairs | Labelled, rows: np.ndarray) -> np.ndarray:
+    """[len(rows)] how full each example makes a row: its longest side over that side's width."""
+    widths = np.asarray(examples.widths, np.float64)[:, None]
+    return (examples.side_lengths(rows) / widths).max(axis=0)
+
+
+Examples = Windows | Pairs | Packed | Labelled
 
 
 @dataclasses.dataclass
@@ -295,9 +367,12 @@ class Dataset:
     labels: tuple[str, ...] = ()  # classification: the class names, by index
 
 
-def build_dataset(cfg: Config, workdir: str | pathlib.Path | None = None, progress: bool = False) -> Dataset:
+def build_dataset(
+    cfg: Config, workdir: str | pathlib.Path | None = None, progress: bool = False, own: bool = True
+) -> Dataset:
     """The configured data, batched by step: prepared on disk the first time (`prepare.prepare`:
-    read, checked, split, tokenized; SentencePiece trained in workdir), then memory-mapped."""
+    read, checked, split, tokenized; SentencePiece trained in workdir), then memory-mapped.
+    `own`: the workdir's training (not a reader such as eval) records the cache it uses."""
     from jaxformer.data.prepare import check_vocab, prepare
 
     d, t = cfg.data, cfg.train
@@ -305,12 +380,14 @@ def build_dataset(cfg: Config, workdir: str | pathlib.Path | None = None, progre
         return _synthetic(cfg)
     if d.tokenizer == "symbols":
         raise DataError(f"data.tokenizer='symbols' is for the copy/reverse tasks, not {d.source}")
-    prepared = prepare(cfg, workdir, progress=progress)
+    prepared = prepare(cfg, workdir, progress=progress, own=own)
     tok = load_tokenizer(cfg, workdir or ".")
     check_vocab(cfg, tok, source_of(cfg))  # a cache found again was prepared for another model perhaps
     where = ", ".join(source_of(cfg).files)
     transform = _mlm_masking(cfg, tok) if t.objective == "mlm" else None
-    buckets = bucket_widths(d.max_len, d.length_buckets) if t.objective in ("seq2seq", "classify") else ()
+    S, T = d.src_len, d.max_len
+    widths = {"seq2seq": (S, T), "classify": (S,)}.get(t.objective)
+    buckets = bucket_widths(widths, d.length_buckets) if widths else ()
 
     def examples(split: str) -> Examples:
         pack = d.pack and split == "train"  # held-out batches stay one example per row (BLEU, samples)
@@ -319,10 +396,10 @@ def build_dataset(cfg: Config, workdir: str | pathlib.Path | None = None, progre
             return Windows(docs, d.max_len + 1 if t.objective == "lm" else d.max_len, t.objective, segments=pack)
         if t.objective == "seq2seq":
             src, tgt = (Documents(*prepared.documents(split, f)) for f in ("source", "target"))
-            return (
-                PackedPairs(Pairs(src, tgt, d.max_len, tok), t.batch_size) if pack else Pairs(src, tgt, d.max_len, tok)
-            )
-        return Labelled(Documents(*prepared.documents(split, "text")), prepared.labels(split), d.max_len, tok.pad_id)
+            pairs = Pairs(src, tgt, S, T, tok)
+            return Packed(pairs, t.batch_size) if pack else pairs
+        texts = Labelled(Documents(*prepared.documents(split, "text")), prepared.labels(split), S, tok.pad_id)
+        return Packed(texts, t.batch_size, d.max_segments) if pack else texts
 
     splits = []
     for name, seed in zip(("train", "validation", "test"), (t.seed, 1_000 + t.seed, 2_000 + t.seed), strict=True):
@@ -374,9 +451,11 @@ def train_tokenizer(cfg: Config, train_texts: Iterable[str], workdir) -> None:
         SentencePieceTokenizer.train(train_texts, model_file, cfg.data.spm_vocab_size, cfg.data.spm_model_type)
 
 
-def bucket_widths(max_len: int, n: int) -> tuple[int, ...]:
-    """n widths up to max_len, evenly spaced and rounded up to multiples of 8."""
-    return tuple(sorted({min(max_len, -(-max_len * (i + 1) // n // 8) * 8) for i in range(n)}))
+def bucket_widths(widths: tuple[int, ...], n: int) -> tuple[tuple[int, ...], ...]:
+    """n buckets: bucket i holds each side's width (i + 1) / n of its full width, rounded up to a
+    multiple of 8 (repeats dropped); the last is the full widths."""
+    cut = lambda L, i: min(L, -(-L * (i + 1) // n // 8) * 8)
+    return tuple(sorted({tuple(cut(L, i) for L in widths) for i in range(n)}))
 
 
 def _seq2seq_arrays(src_BS, src_lengths_B, targets_BT, tgt_lengths_B, bos_id: int, pad_id: int) -> dict:

@@ -7,14 +7,18 @@ per field the objective reads (text; source, target):
   {split}.label.npy         [N] int32 class indices (classification)
 and `manifest.json`: the sources (path, size, sha256), the tokenizer, the settings and the counts.
 
-Documents are stored as the objective feeds them: lm/mlm text + EOS; seq2seq source + EOS and
-target + EOS, cut to data.max_len; classification BOS + text, cut to data.max_len.
+Documents are stored as the objective feeds them: lm/mlm text + EOS; seq2seq source + EOS cut to
+the source width (data.src_max_len, else data.max_len) and target + EOS cut to data.max_len;
+classification BOS + text, cut to the source width.
 
 The key hashes everything the contents depend on, so an unchanged corpus is found again and a
 changed file, tokenizer or setting makes a new one. A cache is written in a temporary directory
 and renamed into place once complete: a killed run leaves nothing that is ever read. The files
-are cut into parts, each tokenized into its own files with a marker written last; a rerun takes
-the killed build's directory over and does only the parts that have no marker.
+are cut into parts, each read, checked and tokenized once into its own files (all its records, in
+order) with a marker written last; a rerun takes the killed build's directory over and does only
+the parts that have no marker. Once every part is done the records are counted, split, and each
+part's documents routed to their split's files. Bad data (a record that fails its checks) leaves
+nothing behind. Only the first SentencePiece training counts the records in a pass of its own.
 """
 
 from __future__ import annotations
@@ -45,12 +49,32 @@ CHUNK = 2048  # documents a worker tokenizes at a time
 # Below this many bytes of sources, tokenizing in this process beats starting worker processes.
 PARALLEL_ABOVE = 32 << 20
 # Settings that do not change the prepared tokens.
-NOT_IN_KEY = ("length_buckets", "cache_dir", "prepare_workers", "prefetch", "pack", "synthetic_vocab", "synthetic_len")
+NOT_IN_KEY = (
+    "length_buckets", "cache_dir", "prepare_workers", "prefetch", "pack", "max_segments", "synthetic_vocab",
+    "synthetic_len",
+)  # fmt: skip
 
 
 def fields_of(objective: str) -> tuple[str, ...]:
     """The stored fields of an objective (the last field of classification is its label)."""
     return {"seq2seq": ("source", "target"), "classify": ("text",)}.get(objective, ("text",))
+
+
+def widths_of(cfg: Config) -> tuple[tuple[int, str] | None, ...]:
+    """Per stored field, (the width its documents are cut to, the setting that says it); None: not cut."""
+    d, objective = cfg.data, cfg.train.objective
+    src = (d.src_len, "data.max_len" if d.src_max_len is None else "data.src_max_len")
+    return {"seq2seq": (src, (d.max_len, "data.max_len")), "classify": (src,)}.get(objective, (None,))
+
+
+def key_settings(cfg: Config) -> dict:
+    """The settings the prepared tokens depend on. An unset src_max_len is left out, so caches
+    prepared before it existed are found again; set to max_len, it is the same cache as unset."""
+    d = cfg.data
+    settings = {k: v for k, v in dataclasses.asdict(d).items() if k not in NOT_IN_KEY}
+    if d.src_max_len is None or d.src_max_len == d.max_len:
+        del settings["src_max_len"]
+    return settings | {"objective": cfg.train.objective}
 
 
 class TokenFile:
@@ -142,15 +166,19 @@ def tokenizer_identity(cfg: Config, workdir) -> str | None:
     return f"{kind}:{sha256(path)}" if path.is_file() else None
 
 
-def prepare(cfg: Config, workdir=None, progress: bool = True) -> Prepared:
+def prepare(cfg: Config, workdir=None, progress: bool = True, own: bool = True) -> Prepared:
     """The prepared corpus of `cfg`: found in the cache when nothing changed, else built (and the
-    SentencePiece tokenizer trained on the training split the first time)."""
+    SentencePiece tokenizer trained on the training split the first time).
+
+    With a workdir and `own` (training, `jaxformer prepare`; not readers such as eval), the cache
+    is recorded as the workdir's, and the one it recorded before is removed once this one is
+    ready, unless another workdir's record names it (see `use`)."""
     from jaxformer.data.pipeline import source_of
 
-    d, objective = cfg.data, cfg.train.objective
+    d = cfg.data
     src = source_of(cfg)
     files = sources.expand(src.files)
-    settings = {k: v for k, v in dataclasses.asdict(d).items() if k not in NOT_IN_KEY} | {"objective": objective}
+    settings = key_settings(cfg)
     fingerprint = [{"path": str(p.resolve()), "size": p.stat().st_size, "sha256": sha256(p)} for p in files]
     root = cache_root(cfg, workdir)
 
@@ -158,41 +186,66 @@ def prepare(cfg: Config, workdir=None, progress: bool = True) -> Prepared:
         described = {"version": VERSION, "settings": settings, "sources": fingerprint, "tokenizer": tokenizer}
         return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
 
+    owner = workdir if own else None
     tokenizer = tokenizer_identity(cfg, workdir)
     if tokenizer is not None and (root / key_of(tokenizer) / "manifest.json").is_file():
-        return _open(root / key_of(tokenizer))
+        return use(root, key_of(tokenizer), owner)
     workers = d.prepare_workers or os.cpu_count() or 1
     parallel = workers > 1 and sum(p.stat().st_size for p in files) > PARALLEL_ABOVE
-    with _Runner(workers if parallel else 0, cfg, workdir) as run:
-        plan = _plan(src, run)
-        labels = None
-        if objective == "classify":
-            labels = src.labels or tuple(sorted(set().union(*run(_part_labels, [(src, p) for p in plan]))))
-        # Pass 1: every record is read and checked before anything is written or trained.
-        counts = run(_count_part, [(src, labels, p) for p in plan])
-        limits = _limits(counts, d.max_examples)
-        assign = split_assignment(sum(limits), d.val_fraction, d.test_fraction, d.split_seed, ", ".join(src.files))
-        if tokenizer is None:  # SentencePiece, trained on the training split only
-            from jaxformer.data.pipeline import train_tokenizer
+    made_root, final, recorded = not root.exists(), None, None
+    try:
+        with _Runner(workers if parallel else 0, cfg, workdir) as run:
+            plan = _plan(src, run)
+            if tokenizer is None:  # SentencePiece, trained on the training split (the first time only)
+                tokenizer = _train_sentencepiece(cfg, workdir, src, plan, run)
+            final = root / key_of(tokenizer)
+            if not (final / "manifest.json").is_file():
+                if owner is not None:  # recorded before it exists: `clean` never takes a cache being built
+                    recorded = _record(root, owner, final.name)
+                described = {"version": VERSION, "settings": settings, "sources": fingerprint, "tokenizer": tokenizer}
+                _build_into(final, described, cfg, workdir, src, plan, run, progress)
+    except DataError:  # bad data fails the same way every time: nothing of this build is kept
+        if final is not None:  # removed once the workers have stopped writing into it
+            shutil.rmtree(_tmp_of(final), ignore_errors=True)
+        if recorded is not None:
+            recorded.restore()
+        if made_root:
+            for directory in (root / RECORDS, root):
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+        raise
+    return use(root, final.name, owner)
 
-            n_text = 2 if objective == "seq2seq" else 1
-            records = enumerate(_records(src, labels, d.max_examples))
-            texts = (x for i, r in records if assign[i] == 0 for x in r[1 : 1 + n_text])
-            train_tokenizer(cfg, texts, workdir)
-            tokenizer = tokenizer_identity(cfg, workdir)
-        final = root / key_of(tokenizer)
-        if not (final / "manifest.json").is_file():
-            described = {"version": VERSION, "settings": settings, "sources": fingerprint, "tokenizer": tokenizer}
-            _build_into(final, described, cfg, workdir, src, labels, plan, limits, assign, run, progress)
-    return _open(final)
+
+def _train_sentencepiece(cfg: Config, workdir, src: sources.Source, plan: list, run) -> str:
+    """Train SentencePiece on the training split; returns the tokenizer's identity. Which records
+    are training ones needs their number, so this first time they are counted in a pass of its own."""
+    from jaxformer.data.pipeline import train_tokenizer
+
+    d, objective = cfg.data, cfg.train.objective
+    labels = None
+    if objective == "classify":
+        labels = src.labels or tuple(sorted(set().union(*run(_part_labels, [(src, p) for p in plan]))))
+    counts = run(_count_part, [(src, labels, p) for p in plan])
+    n = sum(_limits(counts, d.max_examples))
+    assign = split_assignment(n, d.val_fraction, d.test_fraction, d.split_seed, ", ".join(src.files))
+    n_text = 2 if objective == "seq2seq" else 1
+    records = enumerate(_records(src, labels, d.max_examples))
+    train_tokenizer(cfg, (x for i, r in records if assign[i] == 0 for x in r[1 : 1 + n_text]), workdir)
+    return tokenizer_identity(cfg, workdir)
 
 
-def _build_into(final, described, cfg, workdir, src, labels, plan, limits, assign, run, progress) -> None:
+def _tmp_of(final: pathlib.Path) -> pathlib.Path:
+    """The directory this process builds `final` in."""
+    return final.parent / f"{final.name}.tmp-{socket.gethostname()}-{os.getpid()}"
+
+
+def _build_into(final, described, cfg, workdir, src, plan, run, progress) -> None:
     """Build the cache `final` in a temporary directory and rename it into place."""
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     host = socket.gethostname()
-    tmp = root / f"{final.name}.tmp-{host}-{os.getpid()}"
+    tmp = _tmp_of(final)
     for stale in root.glob(f"{final.name}.tmp-{host}-*"):  # builds killed on this host (not running ones)
         if _alive(int(stale.name.rsplit("-", 1)[1])):
             continue
@@ -201,14 +254,14 @@ def _build_into(final, described, cfg, workdir, src, labels, plan, limits, assig
         else:  # the first one found is taken over: its finished parts are not done again
             with contextlib.suppress(OSError):  # another process took it over first
                 stale.rename(tmp)
-    # Parts are numbered in this plan: a directory taken over from another plan starts again.
-    described_plan = json.dumps([[p.path, p.start, p.stop, n] for p, n in zip(plan, limits, strict=True)])
+    # Parts are numbered in this plan: a directory taken over from another plan, or of parts laid
+    # out otherwise (an older jaxformer's), starts again.
+    described_plan = json.dumps({"parts": PART_LAYOUT, "plan": [[p.path, p.start, p.stop] for p in plan]})
     if tmp.exists() and (not (tmp / "plan.json").is_file() or (tmp / "plan.json").read_text() != described_plan):
         shutil.rmtree(tmp)
     tmp.mkdir(exist_ok=True)
     _write_atomic(tmp / "plan.json", described_plan)
-    manifest = _build(cfg, workdir, src, labels, plan, limits, assign, tmp, run, progress)
-    manifest |= described | {"labels": list(labels or ())}
+    manifest = _build(cfg, workdir, src, plan, tmp, run, progress) | described
     _write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1))
     try:
         os.rename(tmp, final)  # atomic: the cache appears whole or not at all
@@ -216,6 +269,130 @@ def _build_into(final, described, cfg, workdir, src, labels, plan, limits, assig
         if not (final / "manifest.json").is_file():
             raise
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- which caches are in use
+
+RECORDS = "workdirs"  # ROOT/workdirs/<hash of the workdir>.json: the cache a workdir's training uses
+
+
+@dataclasses.dataclass
+class _Record:
+    """What a workdir's record held before it was rewritten (to restore it if the build fails)."""
+
+    path: pathlib.Path
+    before: str | None
+
+    def restore(self) -> None:
+        if self.before is None:
+            self.path.unlink(missing_ok=True)
+        else:
+            _write_shared(self.path, self.before)
+
+
+def _record_path(root: pathlib.Path, workdir) -> pathlib.Path:
+    where = str(pathlib.Path(workdir).resolve())
+    return root / RECORDS / f"{hashlib.sha256(where.encode()).hexdigest()[:20]}.json"
+
+
+def _read_record(path: pathlib.Path) -> dict:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):  # none, or damaged: as if none
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _record(root: pathlib.Path, workdir, key: str) -> _Record | None:
+    """Record `key` as `workdir`'s cache; the caches it used before stay listed as `replaces` (and
+    so kept) until `use` removes them. Returns what to restore, or None if nothing changed."""
+    path = _record_path(root, workdir)
+    before = path.read_text() if path.is_file() else None
+    record = _read_record(path)
+    if record.get("key") == key:
+        return None
+    replaces = [k for k in [*record.get("replaces", []), record.get("key")] if k and k != key]
+    pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)  # the record counts while its workdir exists
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_shared(path, json.dumps({"workdir": str(pathlib.Path(workdir).resolve()), "key": key, "replaces": replaces}))
+    return _Record(path, before)
+
+
+def in_use(root: pathlib.Path, but=None) -> set[str]:
+    """The caches the records of existing workdirs (all but `but`'s) name, as in use or replaced."""
+    out = set()
+    mine = _record_path(root, but) if but is not None else None
+    for path in (root / RECORDS).glob("*.json"):
+        record = _read_record(path)
+        if path != mine and record and pathlib.Path(record.get("workdir", "")).is_dir():
+            out |= {record.get("key"), *record.get("replaces", [])}
+    return out - {None}
+
+
+def use(root: pathlib.Path, key: str, workdir=None) -> Prepared:
+    """Open the cache `key`. For a workdir: record it as the workdir's, and remove the caches its
+    record names as replaced, unless another existing workdir's record names them. A run that has
+    a removed cache open goes on reading it (its open files outlive their names)."""
+    if workdir is None:
+        return _open(root / key)
+    _record(root, workdir, key)  # first: from now on no other workdir's run removes it
+    prepared = _open(root / key)
+    path = _record_path(root, workdir)
+    record = _read_record(path)
+    if record.get("replaces"):
+        others = in_use(root, but=workdir)
+        for old in record["replaces"]:
+            if old not in others:
+                _remove(root / old)
+        _write_shared(path, json.dumps({"workdir": record["workdir"], "key": key, "replaces": []}))
+    return prepared
+
+
+def _remove(cache: pathlib.Path) -> bool:
+    """Take a complete cache away whole: renamed first (a reader finds all of it or none), then deleted."""
+    if not (cache / "manifest.json").is_file():
+        return False
+    doomed = cache.with_name(f"{cache.name}.deleting-{socket.gethostname()}-{os.getpid()}")
+    try:
+        os.rename(cache, doomed)
+    except OSError:  # another process took it first
+        return False
+    shutil.rmtree(doomed, ignore_errors=True)
+    return True
+
+
+def clean(root: pathlib.Path) -> list[tuple[pathlib.Path, int]]:
+    """Remove what no run needs under a cache root: complete caches no existing workdir's record
+    names (as in use or being replaced), builds and removals killed on this host, and the records
+    of workdirs that no longer exist. Builds in progress, and anything of another host's running
+    processes, are left alone. Returns each removed directory with its size in bytes."""
+    if not root.is_dir():
+        return []
+    for path in (root / RECORDS).glob("*.json"):
+        if not pathlib.Path(_read_record(path).get("workdir", "")).is_dir():
+            path.unlink(missing_ok=True)
+    keep, host, removed = in_use(root), socket.gethostname(), []
+    size = lambda entry: sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+    for entry in sorted(root.iterdir()):
+        name = entry.name
+        if "." not in name and name != RECORDS and name not in keep and entry.is_dir():
+            bytes_ = size(entry)
+            if _remove(entry):
+                removed.append((entry, bytes_))
+            continue
+        for what in (".tmp-", ".deleting-"):  # <key><what><host>-<pid>
+            by, _, pid = (name.split(what, 1)[1] if what in name else "").rpartition("-")
+            if by == host and pid.isdigit() and not _alive(int(pid)):
+                removed.append((entry, size(entry)))
+                shutil.rmtree(entry, ignore_errors=True)
+    return removed
+
+
+def _write_shared(path: pathlib.Path, text: str) -> None:
+    """Write atomically a file other processes may write at the same time (a name of its own to write to)."""
+    part = path.with_name(f"{path.name}.part-{socket.gethostname()}-{os.getpid()}")
+    part.write_text(text)
+    os.replace(part, path)
 
 
 def _alive(pid: int) -> bool:
@@ -267,6 +444,10 @@ def split_assignment(n: int, val_fraction: float, test_fraction: float, seed: in
 # ----------------------------------------------------------------------------- parts, in parallel
 
 PART_BYTES = 32 << 20  # a worker's share of a file: read, checked and tokenized alone
+# A part's files hold all its records in file order (up to data.max_examples); the split of each
+# is only known once every part is counted, so the join routes documents to their splits.
+PART_LAYOUT = 2
+ROUTE_TOKENS = 1 << 22  # tokens the join routes at a time (a part's are not all held at once)
 _WORKER: dict = {}
 
 
@@ -375,15 +556,16 @@ def add_special(flat: np.ndarray, lengths: np.ndarray, token: int, at_end: bool)
 
 def _encode_chunk(fields: list[list[str]]) -> list[tuple[np.ndarray, np.ndarray, tuple | None]]:
     """Per field: (tokens of the chunk's documents, their lengths, (index, length) of the first one cut)."""
-    tok, objective, L = _WORKER["tok"], _WORKER["objective"], _WORKER["max_len"]
+    tok, objective = _WORKER["tok"], _WORKER["objective"]
     out = []
-    for texts in fields:
+    for texts, width in zip(fields, widths_of(_WORKER["cfg"]), strict=True):
         flat, lengths = encode_flat(tok, texts)
         if objective == "classify":
             flat, lengths = add_special(flat, lengths, tok.bos_id, at_end=False)
         else:
             flat, lengths = add_special(flat, lengths, tok.eos_id, at_end=True)
-        too_long = np.flatnonzero(lengths > L) if objective in ("seq2seq", "classify") else np.zeros(0, np.int64)
+        L = width[0] if width else 0
+        too_long = np.flatnonzero(lengths > L) if width else np.zeros(0, np.int64)
         first = (int(too_long[0]), int(lengths[too_long[0]])) if len(too_long) else None
         if first:  # cut to L tokens (data.too_long=reject fails on it in the parent, which knows the line)
             position = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
@@ -393,95 +575,126 @@ def _encode_chunk(fields: list[list[str]]) -> list[tuple[np.ndarray, np.ndarray,
 
 
 def _encode_part(task) -> dict:
-    """Tokenize the records of one part into files `out/p{index}.{split}.{field}.bin` (+ `.len.npy`,
-    and `.label.npy` for classification). Returns the first test records (for samples)."""
-    index, src, labels, part, limit, assign, out, dtype, num_samples = task
+    """Read, check and tokenize the records of one part, in file order, into `out/p{index}.{field}.bin`
+    (+ `.len.npy`, and `p{index}.label.npy` for classification): the first `cap` records (None: all);
+    the rest are read and checked only. Returns the records tokenized and read, and for labels
+    found in the data (`labels` None) the part's own label names, which its label indices index."""
+    index, src, labels, part, cap, out, dtype = task
     if (out / f"p{index}.json").is_file():  # finished by a build that was killed later
         return json.loads((out / f"p{index}.json").read_text())
     cfg = _WORKER["cfg"]
     tok, objective, names = _tokenizer(), cfg.train.objective, fields_of(cfg.train.objective)
-    _WORKER.update(tok=tok, objective=objective, max_len=cfg.data.max_len)
-    records = itertools.islice(sources.iter_records(src, labels, part=part), limit)
-    bins = {(s, f): open(out / f"p{index}.{s}.{f}.bin", "wb") for s in SPLITS for f in names}  # noqa: SIM115
-    lengths = {key: [np.zeros(0, np.int64)] for key in bins}
-    label_parts = {s: [np.zeros(0, np.int32)] for s in SPLITS}
-    samples, done = [], 0
+    _WORKER.update(tok=tok, objective=objective)
+    records = sources.iter_records(src, labels, part=part)
+    bins = {f: open(out / f"p{index}.{f}.bin", "wb") for f in names}  # noqa: SIM115
+    lengths = {f: [np.zeros(0, np.int64)] for f in names}
+    classes: list = []
+    found: dict[str, int] = {}  # labels found in this part -> their index here
+    done = read = 0
     try:
         while chunk := list(itertools.islice(records, CHUNK)):
-            split_of = assign[done : done + len(chunk)]
+            read += len(chunk)
+            chunk = chunk if cap is None else chunk[: max(cap - done, 0)]  # past the cap: only checked
+            if not chunk:
+                continue
             encoded = _encode_chunk([[r[1 + j] for r in chunk] for j in range(len(names))])
             for j, (tokens, lens, cut) in enumerate(encoded):
                 if cut and cfg.data.too_long == "reject":
+                    width, setting = widths_of(cfg)[j]
                     raise DataError(
-                        f"{chunk[cut[0]][0]}: sequence of {cut[1]} tokens exceeds "
-                        f"data.max_len={cfg.data.max_len} (data.too_long=reject)"
+                        f"{chunk[cut[0]][0]}: sequence of {cut[1]} tokens exceeds {setting}={width} "
+                        "(data.too_long=reject)"
                     )
-                for s, split in enumerate(SPLITS):
-                    mine = split_of == s
-                    bins[split, names[j]].write(tokens[np.repeat(mine, lens)].astype(dtype).tobytes())
-                    lengths[split, names[j]].append(lens[mine])
+                bins[names[j]].write(tokens.astype(dtype).tobytes())
+                lengths[names[j]].append(lens)
             if objective == "classify":
-                classes = np.asarray([r[-1] for r in chunk], np.int32)
-                for s, split in enumerate(SPLITS):
-                    label_parts[split].append(classes[split_of == s])
-            test = np.flatnonzero(split_of == 2)[: max(num_samples - len(samples), 0)]
-            samples += [chunk[i] for i in test]
+                classes += [r[-1] if labels is not None else found.setdefault(r[-1], len(found)) for r in chunk]
             done += len(chunk)
     finally:
         for f in bins.values():
             f.close()
-    for (split, name), parts in lengths.items():
-        np.save(out / f"p{index}.{split}.{name}.len.npy", np.concatenate(parts))
+    for name, parts in lengths.items():
+        np.save(out / f"p{index}.{name}.len.npy", np.concatenate(parts))
     if objective == "classify":
-        for split in SPLITS:
-            np.save(out / f"p{index}.{split}.label.npy", np.concatenate(label_parts[split]))
-    result = {"records": done, "samples": samples}
+        np.save(out / f"p{index}.label.npy", np.asarray(classes, np.int32))
+    result = {"records": done, "read": read, "labels": list(found)}
     _write_atomic(out / f"p{index}.json", json.dumps(result))  # last: the part is whole
     return result
 
 
-def _build(cfg: Config, workdir, src, labels, plan, limits, assign, out: pathlib.Path, run, progress) -> dict:
+def _route(path: pathlib.Path, lengths: np.ndarray, split_of: np.ndarray, dtype, files: list) -> None:
+    """Append the first len(lengths) documents of a part's token file to the files of their splits
+    (split_of: [N] 0 train, 1 validation, 2 test), in order, ROUTE_TOKENS at a time."""
+    ends, size = np.cumsum(lengths), np.dtype(dtype).itemsize
+    doc = 0
+    while doc < len(lengths):
+        start = int(ends[doc] - lengths[doc])
+        stop = max(doc + 1, int(np.searchsorted(ends, start + ROUTE_TOKENS, side="right")))
+        block = np.fromfile(path, dtype, count=int(ends[stop - 1]) - start, offset=start * size)
+        where = np.repeat(split_of[doc:stop], lengths[doc:stop])
+        for s, f in enumerate(files):
+            f.write(block[where == s].tobytes())
+        doc = stop
+
+
+def _build(cfg: Config, workdir, src, plan, out: pathlib.Path, run, progress) -> dict:
+    """Tokenize the parts (one pass over the records), then split and join them in the corpus'
+    order; returns the manifest's counts, labels and samples."""
     from tqdm.auto import tqdm
 
     from jaxformer.data.pipeline import load_tokenizer
 
-    objective = cfg.train.objective
+    d, objective = cfg.data, cfg.train.objective
     tok = load_tokenizer(cfg, workdir or ".")
     check_vocab(cfg, tok, src)
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.int32
     names = fields_of(objective)
-    k = max(cfg.train.num_samples, 1)
+    given = src.labels if objective == "classify" and src.labels else None  # else found in the data
+    tasks = [(i, src, given, part, d.max_examples or None, out, dtype) for i, part in enumerate(plan)]
+    sizes = [(part.stop or pathlib.Path(part.path).stat().st_size) - part.start for part in plan]
+    # Shown after a second: bad data found at once (records are checked as they are tokenized)
+    # says only its error; a bar shown before the error is taken away again.
+    bar = tqdm(
+        total=sum(sizes), unit="B", unit_scale=True, desc="tokenizing", disable=not progress, mininterval=1.0, delay=1
+    )
+    results = []
+    try:
+        for result, size in zip(run.each(_encode_part, tasks), sizes, strict=True):
+            results.append(result)
+            bar.update(size)
+    except BaseException:
+        bar.leave = False
+        raise
+    finally:
+        bar.close()
+    labels = given
+    if objective == "classify" and given is None:
+        labels = tuple(sorted(set().union(*(r["labels"] for r in results))))
+    limits = _limits([r["read"] for r in results], d.max_examples)
+    assign = split_assignment(sum(limits), d.val_fraction, d.test_fraction, d.split_seed, ", ".join(src.files))
     starts = np.cumsum([0, *limits])
-    tasks = [
-        (i, src, labels, part, limit, assign[starts[i] : starts[i + 1]], out, dtype, k)
-        for i, (part, limit) in enumerate(zip(plan, limits, strict=True))
-        if limit
-    ]
     bins = {(s, f): open(out / f"{s}.{f}.bin", "wb") for s in SPLITS for f in names}  # noqa: SIM115
     lengths = {key: [np.zeros(1, np.int64)] for key in bins}
     label_parts = {s: [np.zeros(0, np.int32)] for s in SPLITS}
-    samples: list[tuple] = []
-    bar = tqdm(total=len(assign), unit="doc", desc="tokenizing", disable=not progress, mininterval=1.0)
     try:
-        for result in run.each(_encode_part, tasks):  # each part into its own files, kept until all are done
-            samples += result["samples"][: k - len(samples)]
-            bar.update(result["records"])
-        for task in tasks:
-            i = task[0]
-            for (split, name), f in bins.items():  # appended in order of the parts: the corpus' order
-                piece = out / f"p{i}.{split}.{name}.bin"
-                with open(piece, "rb") as part_file:
-                    shutil.copyfileobj(part_file, f, 1 << 24)
-                piece.unlink()
-                lengths[split, name].append(np.load(out / f"p{i}.{split}.{name}.len.npy"))
-                (out / f"p{i}.{split}.{name}.len.npy").unlink()
+        for i, (result, n) in enumerate(zip(results, limits, strict=True)):  # in order of the parts: the corpus'
+            split_of = assign[starts[i] : starts[i + 1]]
+            (out / f"p{i}.json").unlink()  # first: a part whose files are gone is never taken as finished
+            for name in names:
+                lens = np.load(out / f"p{i}.{name}.len.npy")[:n]
+                _route(out / f"p{i}.{name}.bin", lens, split_of, dtype, [bins[s, name] for s in SPLITS])
+                for s, split in enumerate(SPLITS):
+                    lengths[split, name].append(lens[split_of == s])
+                (out / f"p{i}.{name}.bin").unlink()
+                (out / f"p{i}.{name}.len.npy").unlink()
             if objective == "classify":
-                for split in SPLITS:
-                    label_parts[split].append(np.load(out / f"p{i}.{split}.label.npy"))
-                    (out / f"p{i}.{split}.label.npy").unlink()
-            (out / f"p{i}.json").unlink()
+                classes = np.load(out / f"p{i}.label.npy")[:n]
+                if given is None:  # the part's own label indices -> indices into the sorted label set
+                    classes = np.asarray([labels.index(x) for x in result["labels"]], np.int32)[classes]
+                for s, split in enumerate(SPLITS):
+                    label_parts[split].append(classes[split_of == s])
+                (out / f"p{i}.label.npy").unlink()
     finally:
-        bar.close()
         for f in bins.values():
             f.close()
     counts = {}
@@ -492,6 +705,7 @@ def _build(cfg: Config, workdir, src, labels, plan, limits, assign, out: pathlib
     if objective == "classify":
         for split in SPLITS:
             np.save(out / f"{split}.label.npy", np.concatenate(label_parts[split]))
+    samples = _samples(src, labels, plan, starts, assign, max(cfg.train.num_samples, 1), run)
     if objective == "seq2seq":
         shown = [(r[1], r[2]) for r in samples]
     elif objective == "classify":
@@ -499,6 +713,21 @@ def _build(cfg: Config, workdir, src, labels, plan, limits, assign, out: pathlib
     else:
         shown = [(r[1][:80], r[1][80:200]) for r in samples]
     return {
-        "dtype": np.dtype(dtype).name, "documents": counts,
+        "dtype": np.dtype(dtype).name, "documents": counts, "labels": list(labels or ()),
         "sample_sources": [a for a, _ in shown], "sample_references": [b for _, b in shown],
     }  # fmt: skip
+
+
+def _samples(src, labels, plan, starts, assign, k: int, run) -> list[tuple]:
+    """The first k test records, read again (by the workers): the first records of a part or two."""
+    wanted = np.flatnonzero(assign == 2)[:k]
+    part_of = np.searchsorted(starts, wanted, side="right") - 1
+    tasks = [(src, labels, plan[i], (wanted[part_of == i] - starts[i]).tolist()) for i in np.unique(part_of)]
+    return [r for records in run(_read_records, tasks) for r in records]
+
+
+def _read_records(task) -> list[tuple]:
+    """The records at `indices` (ascending) of a part."""
+    src, labels, part, indices = task
+    records = list(itertools.islice(sources.iter_records(src, labels, part=part), indices[-1] + 1))
+    return [records[j] for j in indices]

@@ -59,7 +59,10 @@ def import_hf(source, workdir, experiment: str | None = None, overrides: list[st
             raise ConfigError(f"--config: name an experiment to train with ({experiment} is absent)")
     base = load_experiment(experiment)
     runtime = {k: getattr(base.model, k) for k in hf.RUNTIME_FIELDS}  # dtype, attention, scan, remat: the run's
-    data = dataclasses.replace(base.data, tokenizer="hf", max_len=min(base.data.max_len, imported.max_len))
+    src_max_len = base.data.src_max_len and min(base.data.src_max_len, imported.max_len)  # None stays None
+    data = dataclasses.replace(
+        base.data, tokenizer="hf", max_len=min(base.data.max_len, imported.max_len), src_max_len=src_max_len
+    )
     cfg = apply_overrides(dataclasses.replace(base, model=imported.replace(**runtime), data=data), list(overrides))
     if (workdir / "checkpoints").is_dir() and any((workdir / "checkpoints").iterdir()):
         raise ConfigError(f"{workdir} already holds checkpoints: import into a new workdir")
