@@ -278,7 +278,7 @@ def plan(
         eval_peak = None if isinstance(evaluated, str) else _peak(evaluated)
     T = cfg.data.max_len
     flops, accessed = float(cost.get("flops", float("nan"))), float(cost.get("bytes accessed", float("nan")))
-    model_flops = flops_per_example(cfg.model, cfg.train.objective, T, T) * batch_size
+    model_flops = flops_per_example(cfg.model, cfg.train.objective, cfg.data.src_len, T) * batch_size
     tokens = batch_size * (1 if cfg.train.objective == "classify" else T)
     roofline = {}
     if chip is not None:

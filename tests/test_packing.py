@@ -150,3 +150,20 @@ def test_packed_classification_rows_hold_at_most_max_segments():
     train = build_dataset(cfg).train
     counts = [len(r) for s in range(len(train)) for r in train.rows(s)]
     assert max(counts) <= 4 and sum(counts) > 0.95 * train.num_examples  # few texts left out
+
+
+def test_a_packed_classification_run_trains_evaluates_and_reports_its_baseline(tmp_path):
+    """To the end of `fit`: packed training rows, unpacked evaluation, and the majority-class
+    baseline counted from the packed rows' real segments (it once failed on labels [B, N])."""
+    import json
+
+    from jaxformer.evaluate import evaluate_model
+    from jaxformer.train import fit
+
+    cfg = classify_cfg(pack=True)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=4, eval_every=4, log_every=2))
+    r = fit(cfg, tmp_path, quiet=True)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert any(0.5 < row.get("real_fraction", 0) <= 1 for row in rows), "the packed rows' real-token share is logged"
+    held_out = evaluate_model(cfg, r["graphdef"], r["state"].params, r["data"], r["eval_step"], r["state"], 2)
+    assert 0 <= held_out["majority_accuracy"] <= 1 and 0 <= held_out["test_accuracy"] <= 1
