@@ -21,7 +21,6 @@ STEPS, B, T = 5, 8, 8
 STRATEGIES = {  # (data, fsdp, tensor)
     "dp8": (8, 1, 1),
     "fsdp8": (1, 8, 1),
-    "tp2_dp4": (4, 1, 2),
     "fsdp4_tp2": (1, 4, 2),
 }
 GENERATE = ("dp8", "fsdp4_tp2")  # decoding under a mesh: batch over 8 devices; FSDP with tensor parallelism

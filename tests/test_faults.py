@@ -232,6 +232,32 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_and_is_kept(tmp_
     assert checkpoint_names(workdir) == ["20", "30", "corrupt-40"], "set aside, not deleted"
 
 
+def test_after_a_failed_restore_only_the_abandoned_reads_closed_loop_message_is_dropped(monkeypatch):
+    """tensorstore finishing reads of a failed restore calls back into orbax's closed event loop:
+    that exact message is dropped once a checkpoint is set aside, every other one still reported."""
+    from jaxformer.checkpoint import _quiet_abandoned_reads
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
+
+    class RaisesWhenCollected:
+        def __init__(self, error):
+            self.error = error
+
+        def __del__(self):
+            raise self.error
+
+    _quiet_abandoned_reads()
+    _quiet_abandoned_reads()  # once only: a second damaged checkpoint does not wrap it again
+    RaisesWhenCollected(RuntimeError("Event loop is closed"))
+    RaisesWhenCollected(RuntimeError("something else"))
+    RaisesWhenCollected(ValueError("Event loop is closed"))
+    assert [f"{type(e).__name__}: {e}" for e in seen] == [
+        "RuntimeError: something else",
+        "ValueError: Event loop is closed",
+    ]
+
+
 def test_resuming_with_another_model_fails_naming_the_field_and_overwrites_nothing(tmp_path, uninterrupted, capsys):
     from jaxformer import cli
 
