@@ -387,7 +387,8 @@ def work(sweep: Sweep, base: Config, workdir: pathlib.Path, url: str, name: str,
         trial_dir = workdir / trial.user_attrs.get("workdir", f"trial-{trial.number:03d}")
         trial.set_user_attr("workdir", trial_dir.name)
         shown = ", ".join(f"{k}={v}" for k, v in values.items())
-        print(f"{tag}trial {trial.number} ({trial_dir.name}): {shown}", flush=True)
+        c = _counts(study, sweep, study.get_trials(deepcopy=False))
+        print(f"{tag}trial {trial.number} ({trial_dir.name}): {shown}   [{_done(c)} of {c['trials']} done]", flush=True)
         given_up = []
 
         def on_eval(step: int, metrics: dict) -> bool:
@@ -534,31 +535,21 @@ def status(path: str, workdir: str, storage: str | None = None) -> dict:
     an ETA, read from the storage (starts nothing). Returns the counts printed."""
     import datetime
 
-    import optuna
-
     sweep, _ = load(path)
     url, name = storage_url(pathlib.Path(workdir), storage), pathlib.Path(path).stem
     if storage is None and not (pathlib.Path(workdir) / "sweep.db").is_file():
         raise ConfigError(f"{workdir}: no sweep here yet (no sweep.db): start it first")
     study = open_study(sweep, name, url)
     trials = study.get_trials(deepcopy=False)
-    by = {s: [t for t in trials if t.state == s] for s in optuna.trial.TrialState}
-    S = optuna.trial.TrialState
-    retried = {t.system_attrs.get("failed_trial") for t in trials} - {None}
-    failed = [t for t in by[S.FAIL] if t.number not in retried]  # given up for good
-    counts = {
-        "trials": int(study.user_attrs.get("trials", sweep.trials)), "complete": len(by[S.COMPLETE]),
-        "pruned": len(by[S.PRUNED]), "running": len(by[S.RUNNING]), "waiting": len(by[S.WAITING]),
-        "failed": len(failed), "retried": len(by[S.FAIL]) - len(failed),
-    }  # fmt: skip
-    done = counts["complete"] + counts["pruned"] + counts["failed"]  # a retried failure is not done
+    counts = _counts(study, sweep, trials)
+    done = _done(counts)
     print(f"sweep {name} ({_shown(url)}): {counts['trials']} trials")
     print(
         f"  done {done} (complete {counts['complete']}, pruned {counts['pruned']}, failed {counts['failed']}), "
         f"running {counts['running']}, waiting {counts['waiting']}"
         + (f"; {counts['retried']} failed as dead and retried" if counts["retried"] else "")
     )
-    if by[S.COMPLETE]:
+    if counts["complete"]:
         best = study.best_trial
         shown = ", ".join(f"{k}={v}" for k, v in _values(sweep, best.params).items())
         print(f"  best so far: trial {best.number}, {sweep.metric} {best.value:.4g} ({shown})")
@@ -575,6 +566,25 @@ def status(path: str, workdir: str, storage: str | None = None) -> dict:
     else:
         print(f"  ETA: {left} trial(s) left; known once a trial is done")
     return counts
+
+
+def _counts(study, sweep: Sweep, trials) -> dict:
+    """The sweep's trials by state; a trial that failed as dead and was retried is not "failed"."""
+    import optuna
+
+    S = optuna.trial.TrialState
+    by = {s: [t for t in trials if t.state == s] for s in S}
+    retried = {t.system_attrs.get("failed_trial") for t in trials} - {None}
+    failed = [t for t in by[S.FAIL] if t.number not in retried]  # given up for good
+    return {
+        "trials": int(study.user_attrs.get("trials", sweep.trials)), "complete": len(by[S.COMPLETE]),
+        "pruned": len(by[S.PRUNED]), "running": len(by[S.RUNNING]), "waiting": len(by[S.WAITING]),
+        "failed": len(failed), "retried": len(by[S.FAIL]) - len(failed),
+    }  # fmt: skip
+
+
+def _done(counts: dict) -> int:
+    return counts["complete"] + counts["pruned"] + counts["failed"]  # a retried failure is not done
 
 
 def _duration(seconds: float) -> str:

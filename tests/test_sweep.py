@@ -9,6 +9,7 @@ import csv
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -93,6 +94,8 @@ def test_two_workers_share_one_sqlite_sweep_and_a_rerun_adds_nothing(tmp_path, c
     assert cli.main(["sweep", str(file), "--workdir", str(workdir), "--workers", "2"]) == 0
     out = capfd.readouterr().out
     assert "[worker 1] trial" in out and "[worker 2] trial" in out  # both processes ran trials
+    progress = re.findall(r"trial \d+ .*\[(\d+) of (\d+) done\]", out)  # each trial says where the sweep is
+    assert len(progress) == 4 and {total for _, total in progress} == {"4"} and min(int(d) for d, _ in progress) == 0
     table = rows(workdir)
     assert [r["state"] for r in table] == ["COMPLETE"] * 4
     assert sorted(int(r["trial"]) for r in table) == [0, 1, 2, 3]
