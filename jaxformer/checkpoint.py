@@ -198,6 +198,16 @@ def check_compatible(saved: Config, current: Config, where) -> None:
         )
 
 
+def start_workdir(workdir: str | pathlib.Path, cfg: Config, state) -> None:
+    """Make `workdir` a training workdir that resumes from `state` (its step's checkpoint and
+    config.json), as `train` leaves one: what `import-hf` writes for pretrained weights."""
+    ckpt = Checkpointer(workdir, cfg)
+    ckpt.save(state)
+    ckpt.wait()
+    ckpt.close()
+    (pathlib.Path(workdir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+
+
 # ----------------------------------------------------------------------------- export
 
 

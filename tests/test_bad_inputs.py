@@ -35,16 +35,11 @@ EXPERIMENT = {"lm": "lm_shakespeare", "copy": "copy_task", "mlm": "mlm_shakespea
 
 def write_workdir(path, name):
     """A training workdir at step 0 (config.json and one checkpoint), as `train` leaves it."""
-    from jaxformer.checkpoint import Checkpointer
+    from jaxformer.checkpoint import start_workdir
     from jaxformer.train import state_factory
 
     cfg = apply_overrides(load_experiment(f"experiments/{EXPERIMENT[name]}.py"), SMALL[name])
-    state = jax.jit(state_factory(cfg)[1])()
-    ckpt = Checkpointer(path, cfg)
-    ckpt.save(state)
-    ckpt.wait()
-    ckpt.close()
-    (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    start_workdir(path, cfg, jax.jit(state_factory(cfg)[1])())
     return path
 
 

@@ -47,7 +47,7 @@ def _files_beside_weights(directory: pathlib.Path) -> list[pathlib.Path]:
 def import_hf(source, workdir, experiment: str | None = None, overrides: list[str] = ()) -> Config:
     """Make `workdir` a training workdir at step 0 holding the checkpoint in `source`; returns its Config."""
     from jaxformer import sharding
-    from jaxformer.checkpoint import Checkpointer
+    from jaxformer.checkpoint import start_workdir
     from jaxformer.train import start_state, state_factory
 
     source, workdir = pathlib.Path(source), pathlib.Path(workdir)
@@ -81,11 +81,7 @@ def import_hf(source, workdir, experiment: str | None = None, overrides: list[st
         shardings = sharding.state_shardings(jax.eval_shape(create), mesh)
         state = jax.jit(lambda p: start_state(cfg, p, optimizer), out_shardings=shardings)(nnx.state(model, nnx.Param))
         del model
-        ckpt = Checkpointer(workdir, cfg)
-        ckpt.save(state)
-        ckpt.wait()
-        ckpt.close()
-    (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        start_workdir(workdir, cfg, state)
     return cfg
 
 
