@@ -418,8 +418,11 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
         nonlocal pending, window, peak
         if pending is None:
             return
-        prev_step, prev = pending
+        prev_step, prev, cost = pending
         pending = None
+        if prev_step != start:  # the first step's time is its compile time: the window starts after it
+            window["tokens"] += cost[0]
+            window["flops"] += cost[1]
         loss, grad_norm = float(prev["loss"]), float(prev["grad_norm"])
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             if tcfg.on_nonfinite == "stop":  # checked before each save: no checkpoint holds this step's update
@@ -456,15 +459,14 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
                 state, metrics = train_step(state, sharding.global_batch(local, mesh, tcfg.batch_size))
                 profiler.after(step, metrics)
                 tokens, flops = batch_cost(cfg, local)  # this process's share; all shares are alike
-                window["tokens"] += tokens * jax.process_count()
-                window["flops"] += flops * jax.process_count()
                 if step == start:
                     jax.block_until_ready(metrics)
                     log(f"step {step} compiled and ran in {time.perf_counter() - window['start']:.1f}s")
                     window = {"tokens": 0.0, "flops": 0.0, "start": time.perf_counter()}
                 flush()
                 real, slots = real_fraction(local)  # of this process's rows; all shares are alike
-                pending = (step, {**metrics, "real_fraction": real / max(slots, 1.0)})
+                cost = (tokens * jax.process_count(), flops * jax.process_count())
+                pending = (step, {**metrics, "real_fraction": real / max(slots, 1.0)}, cost)
                 done = step + 1
                 evaluated = done % tcfg.eval_every == 0 or done == tcfg.steps
                 if evaluated:

@@ -21,9 +21,9 @@ def run(tmp_path_factory):
         [
             f"train.steps={STEPS}",
             f"train.eval_every={EVAL_EVERY}",
-            "train.log_every=5",
+            "train.log_every=1",
             "train.num_samples=0",
-            "train.peak_flops=1e11",
+            "train.peak_flops=1e13",
         ],
     )
     seen = []
@@ -84,7 +84,8 @@ def test_bad_profile_steps_fail_before_training(tmp_path, capsys):
 
 
 def test_mfu_is_model_flops_over_the_configured_peak(run):
-    """MFU / (tokens/s) is the model's FLOPs per target token over train.peak_flops (1e11 here)."""
+    """MFU / (tokens/s) is the model's FLOPs per target token over train.peak_flops (1e13 here), and
+    tokens/s x step time is one batch's tokens at every logged step, those that end at an evaluation too."""
     from jaxformer.train import flops_per_example
 
     workdir = run[0]
@@ -92,6 +93,7 @@ def test_mfu_is_model_flops_over_the_configured_peak(run):
     L = cfg.data.synthetic_len  # copy task: every target position is a token
     per_token = flops_per_example(cfg.model, "seq2seq", L, L) / L
     rows = [r for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines()) if "mfu" in r]
-    assert len(rows) >= 2
+    assert [r["step"] for r in rows] == list(range(1, STOP_AT))  # step 0 compiled: it has no rate
     for r in rows:
-        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * per_token / 1e11, rel=1e-4)
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * per_token / 1e13, rel=1e-4)
+        assert r["tokens_per_s"] * r["step_time"] == pytest.approx(cfg.train.batch_size * L, rel=1e-6)
