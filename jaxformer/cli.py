@@ -247,9 +247,12 @@ def cmd_plan(args) -> int:
         return subprocess.run([sys.executable, "-m", "jaxformer.cli", *args.argv], env=env).returncode
     cfg = _load_config(args)
     memory = parse_bytes(args.device_memory) if args.device_memory else None
+    if not 0 <= args.within < 100:
+        raise CommandError(f"--within: a percentage in [0, 100), got {args.within}")
     result = plan(
-        cfg, device_memory=memory, target=target, largest=args.largest, progress=lambda m: print(m, file=sys.stderr)
-    )
+        cfg, device_memory=memory, target=target, largest=args.largest, within=args.within / 100,
+        progress=lambda m: print(m, file=sys.stderr),
+    )  # fmt: skip
     print(json.dumps(dataclasses.asdict(result), indent=2) if args.json else result.table())
     return 0 if result.fits is not False else 1
 
@@ -376,6 +379,15 @@ def main(argv: list[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="search for the largest batch that fits (two or more compiles; --no-largest: the configured batch only)",
+    )
+    pn.add_argument(
+        "--within",
+        type=float,
+        default=2.0,
+        metavar="PERCENT",
+        help="stop the search once the largest batch known to fit is within PERCENT of the smallest known not to "
+        "(default 2; 0: to one batch step). Compiled steps' figures are kept in ~/.cache/jaxformer/plan "
+        "($JAXFORMER_PLAN_CACHE; empty: none), so a second plan of the same program reads them back",
     )
     pn.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl = sub.add_parser("plot", help="draw a run's loss and eval curves to a PNG")

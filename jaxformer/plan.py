@@ -22,7 +22,12 @@ the compiler's cost analysis), the tokens/s it implies and the MFU it leaves as 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib.metadata
+import json
 import math
+import os
+import pathlib
 import re
 import time
 
@@ -93,6 +98,7 @@ class Plan:
     device_memory: float | None = None
     fits: bool | None = None
     largest_batch: int | None = None  # the largest batch (a multiple of the batch shards) that fits
+    refused_batch: int | None = None  # the smallest batch the search found not to fit (None: none tried)
     target: str | None = None  # "tpu-v5p:4x4x4", "gpu-h100x8"; None: this process's devices
     chip: str | None = None  # the chip table's name, when the devices are a chip it knows
     eval_peak: int | None = None  # the evaluation step's peak bytes per device, same batch
@@ -104,6 +110,7 @@ class Plan:
     tokens_per_second: float | None = None  # at that bound: an upper bound
     mfu_ceiling: float | None = None  # model FLOPs / (devices x peak x step_seconds)
     compile_seconds: float = 0.0  # all compiles of this plan (train, eval, the batches tried)
+    cached_steps: int = 0  # steps whose figures were read from the plan cache, not compiled
     requested_batch: int | None = None  # the configured batch; batch_size differs when it did not compile
     over_memory: str | None = None  # the TPU compiler's refusal of the configured batch
     attention_kernels: int | None = 0  # Pallas (Mosaic) kernels in the compiled training step (splash on TPU)
@@ -143,8 +150,11 @@ class Plan:
             verdict = "fits" if self.fits else "does NOT fit"
             lines.append(f"device memory {self.device_memory / 1e9:.3f} GB: batch {self.requested_batch} {verdict}")
             largest = {None: "not searched (--no-largest)", 0: "none: even the smallest batch does not fit"}
-            lines.append(f"largest global batch that fits: {largest.get(self.largest_batch, self.largest_batch)}")
-        lines.append(f"compiled in {self.compile_seconds:.1f} s")
+            found = largest.get(self.largest_batch, self.largest_batch)
+            bound = f" (batch {self.refused_batch} does not)" if self.largest_batch and self.refused_batch else ""
+            lines.append(f"largest global batch that fits: {found}{bound}")
+        cached = f"; {self.cached_steps} steps read from the plan cache" if self.cached_steps else ""
+        lines.append(f"compiled in {self.compile_seconds:.1f} s{cached}")
         return "\n".join(lines)
 
 
@@ -199,13 +209,16 @@ def plan(
     target: Target | None = None,
     largest: bool = True,
     progress=None,
+    within: float = 0.02,
 ) -> Plan:
     """Compile `cfg`'s training and evaluation steps for its mesh (abstract state) and report
     per-device bytes; with `device_memory`, whether it fits and the largest batch that does.
 
     `target` lays the mesh over a TPU slice's compile-only devices (or, for a GPU, takes this
     process's fake CPU devices) and brings the chip's memory, peak and bandwidth. `largest=False`
-    skips the search for the largest batch (two or more compiles); `progress(message)` hears of each compile.
+    skips the search for the largest batch (two or more compiles), which stops once the largest batch
+    known to fit is within `within` (a fraction) of the smallest known not to; `progress(message)`
+    hears of each compile. Each compiled step's figures are kept in `cache_dir()`.
     """
     devices = target.devices() if target else None
     chip = target.chip if target else chips.lookup(jax.devices()[0].device_kind)
@@ -227,57 +240,56 @@ def plan(
         train, evaluate = make_steps(graphdef, cfg, optimizer)
         train_step = jax.jit(train, out_shardings=(shardings, None), donate_argnums=0)
         shards = math.prod(mesh.shape[a] for a in sharding.BATCH)
-        compiled: dict[int, object] = {}  # batch -> compiled step, or the compiler's out-of-memory message
+        compiled: dict[int, Compiled] = {}  # batch -> the training step's figures
+        cached = 0
 
-        def compile_timed(step, B: int):
-            nonlocal compile_seconds
+        def compile_timed(step, B: int) -> Compiled:
+            nonlocal compile_seconds, cached
             if B % shards:
                 raise ConfigError(f"train.batch_size={B} does not divide over the {shards} batch shards")
-            start = time.perf_counter()
-            try:
-                return step.lower(state, abstract_batch(cfg, B, mesh)).compile()
-            except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program over its HBM
-                if "RESOURCE_EXHAUSTED" not in str(e):
-                    raise
-                return str(e).splitlines()[0]
-            finally:
-                took = time.perf_counter() - start
-                compile_seconds += took
+            name = "training" if step is train_step else "evaluation"
+            lowered = step.lower(state, abstract_batch(cfg, B, mesh))
+            key = _cache_key(lowered, mesh)
+            if (figures := _cache_read(key)) is not None:
+                cached += 1
                 if progress:
-                    name = "training" if step is train_step else "evaluation"
-                    progress(f"compiled the {name} step at batch {B}: {took:.1f} s")
+                    progress(f"read the {name} step at batch {B} from the plan cache")
+                return figures
+            start = time.perf_counter()
+            figures = Compiled.of(lowered)
+            took = time.perf_counter() - start
+            compile_seconds += took
+            if progress:
+                progress(f"compiled the {name} step at batch {B}: {took:.1f} s")
+            _cache_write(key, figures)
+            return figures
 
         def peak_at(B: int) -> float:
             if B not in compiled:
                 compiled[B] = compile_timed(train_step, B)
                 if progress:
-                    said = compiled[B] if isinstance(compiled[B], str) else f"peak {_peak(compiled[B]) / 1e9:.3f} GB"
-                    progress(f"  batch {B}: {said}")
-            if isinstance(compiled[B], str):  # refused: over memory, by the compiler's figure if it gives one
-                return max(_refused_bytes(compiled[B]), math.nextafter(device_memory or 0.0, math.inf))
-            return _peak(compiled[B])
+                    c = compiled[B]
+                    progress(f"  batch {B}: {c.refused or f'peak {c.peak / 1e9:.3f} GB'}")
+            if compiled[B].refused:  # over memory, by the compiler's figure if it gives one
+                memory = device_memory or 0.0
+                return max(_refused_bytes(compiled[B].refused, memory), math.nextafter(memory, math.inf))
+            return compiled[B].peak
 
         params, opt = _shard_bytes(state.params), _shard_bytes(state.opt_state)
         requested, over_memory = batch_size, None
         p_requested = peak_at(batch_size)
         fits = None if device_memory is None else p_requested <= device_memory
-        find = device_memory is not None and (largest or isinstance(compiled[batch_size], str))
-        largest = _largest_batch(peak_at, shards, device_memory, batch_size) if find else None
-        if isinstance(compiled[batch_size], str):  # the compiler said no: show the largest batch that compiles
-            over_memory = compiled[batch_size]
+        find = device_memory is not None and (largest or compiled[batch_size].refused)
+        largest, refused = _largest_batch(peak_at, shards, device_memory, batch_size, within) if find else (None, None)
+        if compiled[batch_size].refused:  # the compiler said no: show the largest batch that compiles
+            over_memory = compiled[batch_size].refused
             if not largest:
                 raise ConfigError(f"train.batch_size: even a batch of {shards} does not fit: {over_memory}")
             batch_size = largest
         step = compiled[batch_size]
-        m = step.memory_analysis()
-        cost = step.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        peak = _peak(step)
-        kernels = _kernel_calls(step)
         evaluated = compile_timed(jax.jit(evaluate), batch_size)
-        eval_peak = None if isinstance(evaluated, str) else _peak(evaluated)
     T = cfg.data.max_len
-    flops, accessed = float(cost.get("flops", float("nan"))), float(cost.get("bytes accessed", float("nan")))
+    flops, accessed = step.flops, step.bytes_accessed
     model_flops = flops_per_example(cfg.model, cfg.train.objective, cfg.data.src_len, T) * batch_size
     tokens = batch_size * (1 if cfg.train.objective == "classify" else T)
     roofline = {}
@@ -292,77 +304,167 @@ def plan(
         )  # fmt: skip
     return Plan(
         devices=mesh.size, mesh=dict(mesh.shape), batch_size=batch_size, parameters=params, optimizer_state=opt,
-        gradients=params, activations=max(m.temp_size_in_bytes - params, 0), arguments=m.argument_size_in_bytes,
-        outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes, temporaries=m.temp_size_in_bytes,
-        code=m.generated_code_size_in_bytes, peak=peak, flops_per_device=flops, model_flops=model_flops,
-        device_memory=device_memory, fits=fits, largest_batch=largest, target=target.name if target else None,
-        chip=chip.name if chip else None, eval_peak=eval_peak, bytes_accessed=accessed, tokens_per_step=tokens,
-        compile_seconds=compile_seconds, requested_batch=requested, over_memory=over_memory, attention_kernels=kernels,
-        **roofline,
+        gradients=params, activations=max(step.temporaries - params, 0), arguments=step.arguments,
+        outputs=step.outputs, aliased=step.aliased, temporaries=step.temporaries, code=step.code, peak=step.peak,
+        flops_per_device=flops, model_flops=model_flops, device_memory=device_memory, fits=fits,
+        largest_batch=largest, refused_batch=refused, target=target.name if target else None,
+        chip=chip.name if chip else None, eval_peak=None if evaluated.refused else evaluated.peak,
+        bytes_accessed=accessed, tokens_per_step=tokens, compile_seconds=compile_seconds, cached_steps=cached,
+        requested_batch=requested, over_memory=over_memory, attention_kernels=step.kernels, **roofline,
     )  # fmt: skip
 
 
-def _peak(compiled) -> int:
-    """Bytes a compiled step holds at once per device: arguments, outputs not written into donated
-    arguments, temporaries and code."""
-    m = compiled.memory_analysis()
-    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-            + m.temp_size_in_bytes + m.generated_code_size_in_bytes)  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """What a plan reads from one compiled step, per device: XLA's memory and cost analyses, the
+    Pallas kernel calls, or the TPU compiler's refusal of a program over its memory."""
+
+    arguments: int = 0
+    outputs: int = 0
+    aliased: int = 0  # outputs written into donated arguments
+    temporaries: int = 0
+    code: int = 0
+    flops: float = math.nan
+    bytes_accessed: float = math.nan
+    kernels: int | None = 0  # None where the program's text cannot be had (some scanned TPU programs)
+    refused: str | None = None  # the compiler's out-of-memory message: nothing else is known
+
+    @property
+    def peak(self) -> int:
+        """Bytes held at once: arguments, outputs not written into donated arguments, temporaries, code."""
+        return self.arguments + self.outputs - self.aliased + self.temporaries + self.code
+
+    @classmethod
+    def of(cls, lowered) -> Compiled:
+        try:
+            compiled = lowered.compile()
+        except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program over its HBM
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            return cls(refused=str(e).splitlines()[0])
+        m = compiled.memory_analysis()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        try:
+            kernels = compiled.as_text().count(f'custom_call_target="{KERNEL_CALL}"')
+        except jax.errors.JaxRuntimeError:  # the TPU compiler's text of some scanned programs fails a check
+            kernels = None
+        return cls(
+            arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
+            temporaries=m.temp_size_in_bytes, code=m.generated_code_size_in_bytes,
+            flops=float(cost.get("flops", math.nan)), bytes_accessed=float(cost.get("bytes accessed", math.nan)),
+            kernels=kernels,
+        )  # fmt: skip
 
 
-def _kernel_calls(compiled) -> int | None:
-    """Pallas (Mosaic) kernel calls in a compiled program; None where its text cannot be had (the
-    TPU compiler's text of some scanned programs fails a check of XLA's)."""
+def cache_dir() -> pathlib.Path | None:
+    """Where the figures of compiled steps are kept: $JAXFORMER_PLAN_CACHE (empty: nowhere), else
+    $XDG_CACHE_HOME/jaxformer/plan or ~/.cache/jaxformer/plan. A plan compiled once is read back in
+    seconds; a TPU compile-only executable cannot be kept by JAX's own cache (it cannot be loaded)."""
+    if (path := os.environ.get("JAXFORMER_PLAN_CACHE")) is not None:
+        return pathlib.Path(path) if path else None
+    return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "jaxformer" / "plan"
+
+
+def _cache_key(lowered, mesh) -> str:
+    """The program (its StableHLO), the devices it is laid on and everything else that decides what
+    the compiler makes of it: versions, XLA and libtpu flags, JAX's compiler settings."""
+    versions = {}
+    for package in ("jax", "jaxlib", "libtpu"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    device = mesh.devices.flat[0]
+    settings = {
+        "versions": versions, "platform": device.platform, "device_kind": device.device_kind,
+        "devices": [d.id for d in mesh.devices.flat], "mesh": dict(mesh.shape),
+        "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
+        "jax": {k: str(jax.config.values[k]) for k in sorted(jax.config.values) if "optimization" in k
+                or "memory_fitting" in k or k == "jax_disable_most_optimizations"},
+    }  # fmt: skip
+    text = lowered.as_text() + json.dumps(settings, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _cache_read(key: str) -> Compiled | None:
+    directory = cache_dir()
     try:
-        return compiled.as_text().count(f'custom_call_target="{KERNEL_CALL}"')
-    except jax.errors.JaxRuntimeError:
+        return Compiled(**json.loads((directory / f"{key}.json").read_text())) if directory else None
+    except (OSError, ValueError, TypeError):  # absent, unreadable, or written by another version: compile
         return None
 
 
-def _refused_bytes(message: str) -> float:
-    """What a TPU compiler's out-of-memory refusal says the temporaries need (at least the peak's
-    share of it), or infinity when it says no figure."""
-    m = re.search(r"required for HLO temporaries \(([\d.]+)([KMGT])\)", message)
-    return float(m.group(1)) * 1024 ** ("KMGT".index(m.group(2)) + 1) if m else math.inf
+def _cache_write(key: str, figures: Compiled) -> None:
+    directory = cache_dir()
+    if directory is None:
+        return
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        partial = directory / f"{key}.{os.getpid()}.tmp"
+        partial.write_text(json.dumps(dataclasses.asdict(figures)))
+        partial.replace(directory / f"{key}.json")  # whole or absent, for a reader beside us
+    except OSError:  # a read-only home: the plan is still right, only not kept
+        pass
 
 
-def _largest_batch(peak_at, shards: int, memory: float, start: int | None = None) -> int:
-    """The largest multiple of `shards` whose step fits in `memory`. Memory grows about linearly with
-    the batch, so two compiles give a line and its edge is tried first; once a batch is over, the
-    gap between the largest that fits and the smallest that does not is closed by lines through
-    them and halvings (a TPU compiler's refusal gives no figure), one step apart or 12 tries.
-    The line is drawn through `start` (the configured batch, compiled already) and its double when it
-    fits, as memory per row at small batches understates it at large ones."""
+def _refused_bytes(message: str, memory: float) -> float:
+    """The peak a TPU compiler's out-of-memory refusal implies: `memory` plus what its temporaries need
+    beyond what it had for them ("required for HLO temporaries (42.47G) exceeds available HBM
+    (30.75G)"), or infinity when it gives no figure."""
+    size = lambda m: float(m.group(1)) * 1024 ** ("KMGT".index(m.group(2)) + 1)
+    required = re.search(r"required for HLO temporaries \(([\d.]+)([KMGT])\)", message)
+    available = re.search(r"exceeds available HBM \(([\d.]+)([KMGT])\)", message)
+    return memory + size(required) - size(available) if required and available else math.inf
+
+
+def _largest_batch(peak_at, shards: int, memory: float, start: int | None = None, within: float = 0.0):
+    """The largest multiple of `shards` whose step fits in `memory`, and the smallest tried that does
+    not (None if none was). The search stops once that gap is at most `within` of the latter (or
+    one step), or after 12 tries.
+
+    Memory grows about linearly with the batch, but rows cost less at small batches (fixed
+    buffers) and a TPU compiler's refusal understates the excess (it rematerialises harder near
+    its limit), so lines overshoot. Each try takes the lower of two lines' edges (through the two
+    largest batches that fit; between the largest that fits and the smallest that does not),
+    aimed just below it so that a fit can end the search; a gap wider than 4x is cut at its
+    geometric middle, every try cuts at least an eighth of it, and once a fit is close to the
+    lines' edge the next try is the one that would close the gap from above. The first line is
+    drawn through `start` (the configured batch, compiled already) and its double when it fits."""
     small = shards
     if start is not None and start > shards and peak_at(start) <= memory:
         small = start
     elif peak_at(small) > memory:
-        return 0
+        return 0, small
     large = 2 * small if small > shards else 4 * shards
-    p_small, p_large = peak_at(small), peak_at(large)
-    fits, p_fits = (large, p_large) if p_large <= memory else (small, p_small)  # the largest known to fit
-    over = None if p_large <= memory else large  # the smallest known not to
-    if math.isfinite(p_large):
-        per_row = max((p_large - p_small) / (large - small), 1.0)
-        guess = int((memory - p_small) / per_row + small) // shards * shards
-    else:
-        guess = (small + large) // 2 // shards * shards
-    p_over = math.inf
-    for tries in range(12):
-        if over is not None:
-            guess = min(guess, over - shards)
-        if guess <= fits:
-            break
-        p = peak_at(guess)
-        if p <= memory:
-            if over is None:
-                return guess  # the line's edge fits
-            fits, p_fits = guess, p
+    known = {small: peak_at(small), large: peak_at(large)}  # batch -> peak (a refusal: above memory)
+    fits, over = (large, None) if known[large] <= memory else (small, large)
+    for _ in range(12):
+        below = sorted(b for b, p in known.items() if p <= memory)[-2:]
+        edges = []  # where lines through known batches reach the memory
+        if len(below) == 2 and known[below[1]] > known[below[0]]:
+            (b0, b1), (p0, p1) = below, (known[below[0]], known[below[1]])
+            edges.append(b1 + (memory - p1) * (b1 - b0) / (p1 - p0))
+        if over is not None and math.isfinite(known[over]):
+            edges.append(fits + (memory - known[fits]) * (over - fits) / (known[over] - known[fits]))
+        if over is None:
+            guess = min(edges, default=2 * fits)
         else:
-            over, p_over = guess, p
-        if math.isfinite(p_over) and p_over > p_fits and tries % 2 == 0:  # the line between the two nearest
-            guess = fits + int((memory - p_fits) / ((p_over - p_fits) / (over - fits))) // shards * shards
-        else:  # or halve the gap (its ratio when wide): a refusal gives no figure, a line can fall short
-            middle = math.sqrt(fits * over) if over > 4 * fits else (fits + over) / 2
-            guess = int(middle) // shards * shards
-    return fits
+            if over - fits <= max(within * over, shards):
+                break
+            guess = min(edges, default=math.sqrt(fits * over)) - within * over / 2
+            if over > 4 * fits:
+                guess = min(guess, math.sqrt(fits * over))
+            if guess < fits * (1 + within / 2):  # the edge is near: the try that closes the gap from above
+                guess = fits * (1 + 0.9 * within)
+            gap = over - fits
+            guess = min(max(guess, fits + gap / 8), over - gap / 8, over - shards)
+        guess = max(int(guess) // shards * shards, fits + shards)
+        if over is not None and guess >= over:
+            break
+        known[guess] = peak_at(guess)
+        if known[guess] <= memory:
+            fits = guess
+        else:
+            over = guess if over is None else min(over, guess)
+    return fits, over

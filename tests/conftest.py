@@ -50,6 +50,7 @@ def compilation_cache(tmp_path_factory):
     # them again in each training run it starts and in each test that builds its own jit.
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    os.environ["JAXFORMER_PLAN_CACHE"] = str(root / "plan-cache")  # `plan`'s own, never the user's
     yield path
 
 

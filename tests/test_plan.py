@@ -1,10 +1,14 @@
 """`jaxformer plan` against the real thing: on an 8-device CPU mesh, its per-device bytes equal those
-of the arrays training creates and of the step it compiles, and its largest batch is the edge of fit."""
+of the arrays training creates and of the step it compiles, and its largest batch is the edge of fit;
+the search for that edge against memory curves that bend as a TPU compiler's do; the plan cache."""
 
 import json
+import math
 import os
 import subprocess
 import sys
+
+import pytest
 
 SMALL = [
     "model.d_model=64", "model.num_heads=4", "model.d_ff=128", "model.num_decoder_layers=2", "model.max_len=64",
@@ -33,14 +37,14 @@ with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
 on_device0 = lambda tree: sum(next(s.data.nbytes for s in x.addressable_shards if s.device == jax.devices()[0])
                               for x in jax.tree.leaves(tree))
 device_memory = planned.peak * 3
-edge = plan(cfg, device_memory=device_memory)
+edge = plan(cfg, device_memory=device_memory, within=0)  # to one batch step
 over = plan(cfg, device_memory=device_memory, batch_size=edge.largest_batch + 8)
 print(json.dumps({
     "planned": [planned.parameters, planned.optimizer_state, planned.arguments, planned.temporaries],
     "real": [on_device0(state.params), on_device0(state.opt_state), real.argument_size_in_bytes,
              real.temp_size_in_bytes],
     "largest": edge.largest_batch, "fits_at_largest": plan(cfg, device_memory, edge.largest_batch).fits,
-    "fits_past_it": over.fits,
+    "fits_past_it": over.fits, "refused": edge.refused_batch,
 }))
 """
 
@@ -56,7 +60,7 @@ def test_plan_equals_the_arrays_and_step_of_real_training_on_8_devices():
     r = json.loads(out.stdout.splitlines()[-1])
     assert r["planned"] == r["real"]  # parameters, optimizer state, compiled arguments and temporaries
     assert r["largest"] > 16 and r["largest"] % 8 == 0
-    assert r["fits_at_largest"] and not r["fits_past_it"]
+    assert r["fits_at_largest"] and not r["fits_past_it"] and r["refused"] == r["largest"] + 8
 
 
 def test_plan_command_prints_json_and_says_what_does_not_fit(tmp_path):
@@ -71,3 +75,69 @@ def test_plan_command_prints_json_and_says_what_does_not_fit(tmp_path):
     assert tight.returncode == 1 and "does NOT fit" in tight.stdout and "even the smallest batch" in tight.stdout
     bad = subprocess.run([sys.executable, *cmd, "--set", "mesh.fsdp=3"], capture_output=True, text=True)
     assert bad.returncode == 2 and "mesh" in bad.stderr and "Traceback" not in bad.stderr
+
+
+GIB = 2**30
+
+
+def tpu_like(edge: int, memory: float, calls: list):
+    """A TPU compiler's peak for a batch: a fixed part and a slope that grows with B below the edge
+    (small batches understate the rows' memory); above it, a refusal whose figure understates the
+    excess (rematerialisation flattens it), or gives none past twice the edge."""
+
+    def peak_at(batch: int) -> float:
+        calls.append(batch)
+        fits = 0.8 * GIB + 0.2 * GIB * batch / edge + (memory - GIB) * (batch / edge) ** 1.2
+        if batch <= edge:
+            return fits
+        return memory + 0.3 * (fits - memory) if batch < 2 * edge else math.inf
+
+    return peak_at
+
+
+@pytest.mark.parametrize("edge", [100_352, 7_168, 131_072])
+def test_the_largest_batch_search_brackets_the_edge_within_its_tolerance_in_few_compiles(edge):
+    from jaxformer.plan import _largest_batch
+
+    memory, shards = 30.75 * GIB, 128
+    calls = []
+    fits, over = _largest_batch(tpu_like(edge, memory, calls), shards, memory, start=256, within=0.02)
+    assert fits <= edge < over and fits % shards == 0 and over - fits <= 0.02 * over
+    assert len(set(calls)) <= 10, calls  # compiles: each batch once, the start and its double included
+    calls.clear()
+    exact, above = _largest_batch(tpu_like(edge, memory, calls), shards, memory, start=256, within=0.0)
+    assert exact == edge // shards * shards and above == exact + shards
+
+
+def test_a_refusal_gives_the_peak_it_implies():
+    from jaxformer.plan import _refused_bytes
+
+    said = (
+        "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required for "
+        "HLO temporaries (42.47G) exceeds available HBM (30.75G). HLO module: jit_train_step."
+    )
+    assert _refused_bytes(said, 32 * GIB) == pytest.approx((32 + 42.47 - 30.75) * GIB)
+    assert _refused_bytes("RESOURCE_EXHAUSTED: out of memory", 32 * GIB) == math.inf
+
+
+def test_a_second_plan_of_the_same_program_reads_the_figures_back(tmp_path, monkeypatch):
+    """The plan cache holds each compiled step's figures under its program and devices: the same
+    plan again compiles nothing and says the same; another batch is another program; an empty
+    JAXFORMER_PLAN_CACHE keeps nothing."""
+    from jaxformer.config import apply_overrides, load_experiment
+    from jaxformer.plan import plan
+
+    monkeypatch.setenv("JAXFORMER_PLAN_CACHE", str(tmp_path))
+    cfg = apply_overrides(load_experiment("experiments/lm_shakespeare.py"), SMALL)
+    first = plan(cfg, largest=False)
+    assert first.cached_steps == 0 and first.compile_seconds > 0 and len(list(tmp_path.glob("*.json"))) == 2
+    again = plan(cfg, largest=False)
+    assert again.cached_steps == 2 and again.compile_seconds == 0
+    timing = {"compile_seconds", "cached_steps"}
+    assert {k: v for k, v in vars(again).items() if k not in timing} == {
+        k: v for k, v in vars(first).items() if k not in timing
+    }
+    other = plan(cfg, batch_size=8, largest=False)
+    assert other.cached_steps == 0 and other.temporaries != first.temporaries
+    monkeypatch.setenv("JAXFORMER_PLAN_CACHE", "")
+    assert plan(cfg, largest=False).cached_steps == 0 and len(list(tmp_path.glob("*.json"))) == 4
