@@ -243,24 +243,32 @@ def plan(
         compiled: dict[int, Compiled] = {}  # batch -> the training step's figures
         cached = 0
 
-        def compile_timed(step, B: int) -> Compiled:
+        def lower(step, size: int):
+            if size % shards:
+                raise ConfigError(f"train.batch_size={size} does not divide over the {shards} batch shards")
+            return step.lower(state, abstract_batch(cfg, size, mesh))
+
+        # The configured program says the code, config, devices and versions: every step at every batch is
+        # that program at another shape, so its key and the step and batch make theirs (one lowering).
+        configured = lower(train_step, batch_size)
+        base = _cache_key(configured, mesh)
+
+        def compile_timed(step, size: int) -> Compiled:
             nonlocal compile_seconds, cached
-            if B % shards:
-                raise ConfigError(f"train.batch_size={B} does not divide over the {shards} batch shards")
             name = "training" if step is train_step else "evaluation"
-            lowered = step.lower(state, abstract_batch(cfg, B, mesh))
-            key = _cache_key(lowered, mesh)
+            key = hashlib.sha256(f"{base} {name} {size}".encode()).hexdigest()
             if (figures := _cache_read(key)) is not None:
                 cached += 1
                 if progress:
-                    progress(f"read the {name} step at batch {B} from the plan cache")
+                    progress(f"read the {name} step at batch {size} from the plan cache")
                 return figures
+            program = configured if step is train_step and size == batch_size else lower(step, size)
             start = time.perf_counter()
-            figures = Compiled.of(lowered)
+            figures = Compiled.of(program)
             took = time.perf_counter() - start
             compile_seconds += took
             if progress:
-                progress(f"compiled the {name} step at batch {B}: {took:.1f} s")
+                progress(f"compiled the {name} step at batch {size}: {took:.1f} s")
             _cache_write(key, figures)
             return figures
 
