@@ -235,6 +235,8 @@ def cmd_plan(args) -> int:
 
     if args.devices is not None and args.devices < 1:
         raise CommandError(f"--devices: must be positive, got {args.devices}")
+    if not 0 <= args.within < 100:
+        raise CommandError(f"--within: a percentage in [0, 100), got {args.within}")
     target = parse_target(args.target) if args.target else None
     if target is not None and target.topology is None:  # a GPU: its count of fake CPU devices
         if args.devices and args.devices != target.count:
@@ -247,8 +249,6 @@ def cmd_plan(args) -> int:
         return subprocess.run([sys.executable, "-m", "jaxformer.cli", *args.argv], env=env).returncode
     cfg = _load_config(args)
     memory = parse_bytes(args.device_memory) if args.device_memory else None
-    if not 0 <= args.within < 100:
-        raise CommandError(f"--within: a percentage in [0, 100), got {args.within}")
     result = plan(
         cfg, device_memory=memory, target=target, largest=args.largest, within=args.within / 100,
         progress=lambda m: print(m, file=sys.stderr),

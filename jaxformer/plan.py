@@ -15,6 +15,9 @@ With a chip (a target, or a table entry for the devices), the plan adds a roofli
 the step time (the larger of FLOPs / peak and bytes accessed / memory bandwidth, both per chip from
 the compiler's cost analysis), the tokens/s it implies and the MFU it leaves as a ceiling.
 
+The figures of each compiled step are kept on disk (`cache_dir()`): the TPU compiler takes from
+half a minute to two minutes per step of a real model, and the same plan again reads them back.
+
     jaxformer plan --config experiments/paper_base_en_de.py --target tpu-v4:4x4x8
     jaxformer plan --config experiments/paper_base_en_de.py --devices 8 --set mesh.fsdp=8 --device-memory 80GB
 """
