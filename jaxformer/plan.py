@@ -477,5 +477,5 @@ def _largest_batch(peak_at, shards: int, memory: float, start: int | None = None
         if known[guess] <= memory:
             fits = guess
         else:
-            over = guess if over is None else min(over, guess)
+            over = guess  # below any batch known not to fit
     return fits, over

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import math
 import os
+import re
 
 from jaxformer.config import ConfigError
 
@@ -45,6 +47,18 @@ def compile_only_without_chips() -> None:
     jax.config.update("jax_platforms", "cpu")
 
 
+def accelerator_type(topology: str) -> str | None:
+    """Cloud TPU's name of a slice: "v4:2x2x1" -> "v4-8", "v5p:4x4x4" -> "v5p-128" (two TensorCores
+    a chip, counted), "v5e:2x2" -> "v5litepod-4", "v6e:8x8" -> "v6e-64" (chips); None if unread."""
+    m = re.fullmatch(r"(v\d+[a-z]*):(\d+(?:x\d+)*)", topology)
+    if not m:
+        return None
+    version, chips = m.group(1), math.prod(int(n) for n in m.group(2).split("x"))
+    if version in ("v2", "v3", "v4", "v5p"):
+        return f"{version}-{2 * chips}"
+    return f"v5litepod-{chips}" if version == "v5e" else f"{version}-{chips}"
+
+
 def topology_devices(name: str) -> list:
     """The compile-only TPU devices of a slice, e.g. "v5e:2x2" (4 chips) or "v5p:4x4x4" (64 chips)."""
     if not has_libtpu():
@@ -54,6 +68,8 @@ def topology_devices(name: str) -> list:
     if not _tpu_chips_here():  # compiling only: no chip to guard, no pod to find
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # else one process at a time, by a lock file
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # else libtpu logs errors looking for workers
+        if kind := accelerator_type(name):  # else libtpu warns it "could not determine TPU accelerator type"
+            os.environ.setdefault("TPU_ACCELERATOR_TYPE", kind)
     try:  # one device per chip, as JAX runs chips of two TensorCores (v4, v5p): "megacore"
         return list(topologies.get_topology_desc(name, "tpu", chip_config_name="megacore").devices)
     except Exception:  # chips of one core (v5e, v6e) have no megacore configuration

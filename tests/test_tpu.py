@@ -16,6 +16,7 @@ pytest.importorskip("libtpu")
 from jaxformer import build_model, count_params, decode, sharding
 from jaxformer.config import Config, ConfigError, DataConfig, DecodeConfig, MeshConfig, TrainConfig, tiny
 from jaxformer.plan import parse_target, plan, with_shardings
+from jaxformer.tpu import accelerator_type
 from jaxformer.train import state_factory
 
 SLICE = "tpu-v5e:2x2"  # 4 chips, the smallest slice libtpu names
@@ -91,9 +92,12 @@ def test_a_mesh_the_slice_cannot_hold_is_refused_by_name():
     cmd = [sys.executable, "-m", "jaxformer.cli", "plan", "--config", "experiments/lm_shakespeare.py"]
     out = subprocess.run([*cmd, "--target", SLICE, "--set", "mesh.fsdp=3"], capture_output=True, text=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "accelerator type" not in out.stderr  # libtpu's warning, answered with the slice's name
     assert "mesh" in out.stderr and "fsdp" in out.stderr and "tpu-v5e:2x2 has 4 chips" in out.stderr
     bad = subprocess.run([*cmd, "--target", "tpu-v9z:2x2"], capture_output=True, text=True)
     assert bad.returncode == 2 and "tpu-v9z:2x2" in bad.stderr and "Traceback" not in bad.stderr
+    names = {"v4:2x2x1": "v4-8", "v5p:4x4x4": "v5p-128", "v5e:16x16": "v5litepod-256", "v6e:8x8": "v6e-64"}
+    assert {t: accelerator_type(t) for t in names} == names and accelerator_type("v4") is None
     with pytest.raises(ConfigError, match="gpu-CHIPxN"):
         parse_target("gpu-nonesuchx8")
     assert parse_target("gpu-h100x8").chip.name == "H100 SXM" and math.isclose(parse_target("gpu-h100x8").count, 8)
