@@ -251,21 +251,26 @@ def plan(
                 raise ConfigError(f"train.batch_size={size} does not divide over the {shards} batch shards")
             return step.lower(state, abstract_batch(cfg, size, mesh))
 
-        # The configured program says the code, config, devices and versions: every step at every batch is
-        # that program at another shape, so its key and the step and batch make theirs (one lowering).
+        # The configured training program says the code, devices and versions; with the whole config it
+        # says the training step at any other batch (one lowering keys them all). Evaluation is keyed by its own.
         configured = lower(train_step, batch_size)
-        base = _cache_key(configured, mesh)
+        base = _cache_key(configured, mesh) + json.dumps(cfg.to_dict(), sort_keys=True)
 
         def compile_timed(step, size: int) -> Compiled:
             nonlocal compile_seconds, cached
             name = "training" if step is train_step else "evaluation"
-            key = hashlib.sha256(f"{base} {name} {size}".encode()).hexdigest()
+            if step is train_step:
+                program = configured if size == batch_size else None
+                key = hashlib.sha256(f"{base} {size}".encode()).hexdigest()
+            else:
+                program = lower(step, size)
+                key = _cache_key(program, mesh)
             if (figures := _cache_read(key)) is not None:
                 cached += 1
                 if progress:
                     progress(f"read the {name} step at batch {size} from the plan cache")
                 return figures
-            program = configured if step is train_step and size == batch_size else lower(step, size)
+            program = program or lower(step, size)
             start = time.perf_counter()
             figures = Compiled.of(program)
             took = time.perf_counter() - start
