@@ -335,10 +335,12 @@ def main(argv: list[str] | None = None) -> int:
     exh = sub.add_parser("export-hf", help="write a workdir's latest checkpoint as a Hugging Face model directory")
     exh.add_argument("--workdir", required=True)
     exh.add_argument("out", help="the directory to write")
-    for name, what, help_text in (
-        ("generate", "prompt", "continue prompts with a decoder_only model (settings: --set decode.FIELD=...)"),
-        ("translate", "src", "translate sources with an encoder_decoder model (default: the experiment's decoding)"),
-    ):
+    for name, what, help_text, example in (
+        ("generate", "prompt", "continue prompts with a decoder_only model (settings: --set decode.FIELD=...)",
+         "--set decode.strategy=sample --set decode.top_p=0.9"),  # beam search on open-ended text repeats itself
+        ("translate", "src", "translate sources with an encoder_decoder model (default: the experiment's decoding)",
+         "--set decode.strategy=beam --set decode.beam_size=4"),
+    ):  # fmt: skip
         gen = sub.add_parser(name, help=help_text)
         source = gen.add_mutually_exclusive_group(required=True)
         source.add_argument("--workdir", help="a training workdir")
@@ -346,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         source.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (with its tokenizer.json)")
         gen.add_argument(f"--{what}", dest="text", action="append", help="a text (repeat for a batch)")
         gen.add_argument(f"--{what}-file", dest="file", help="one text per line")
-        gen.add_argument("--set", action="append", metavar="decode.FIELD=VALUE", help="e.g. decode.strategy=beam")
+        gen.add_argument("--set", action="append", metavar="decode.FIELD=VALUE", help=f"e.g. {example}")
         gen.set_defaults(what=what)
         if name == "generate":
             gen.add_argument("--stop-at-eos", action="store_true", help="stop at the end of a paragraph")
