@@ -256,23 +256,16 @@ def plan(
         configured = lower(train_step, batch_size)
         base = _cache_key(configured, mesh) + json.dumps(cfg.to_dict(), sort_keys=True)
 
-        def compile_timed(step, size: int) -> Compiled:
+        def compile_timed(name: str, size: int, key: str, program) -> Compiled:
+            """`program()` (a lowered step) compiled, or its figures read back from the plan cache."""
             nonlocal compile_seconds, cached
-            name = "training" if step is train_step else "evaluation"
-            if step is train_step:
-                program = configured if size == batch_size else None
-                key = hashlib.sha256(f"{base} {size}".encode()).hexdigest()
-            else:
-                program = lower(step, size)
-                key = _cache_key(program, mesh)
             if (figures := _cache_read(key)) is not None:
                 cached += 1
                 if progress:
                     progress(f"read the {name} step at batch {size} from the plan cache")
                 return figures
-            program = program or lower(step, size)
             start = time.perf_counter()
-            figures = Compiled.of(program)
+            figures = Compiled.of(program())
             took = time.perf_counter() - start
             compile_seconds += took
             if progress:
@@ -280,16 +273,17 @@ def plan(
             _cache_write(key, figures)
             return figures
 
-        def peak_at(B: int) -> float:
-            if B not in compiled:
-                compiled[B] = compile_timed(train_step, B)
+        def peak_at(size: int) -> float:
+            if size not in compiled:
+                key = hashlib.sha256(f"{base} {size}".encode()).hexdigest()
+                program = lambda: configured if size == batch_size else lower(train_step, size)
+                compiled[size] = c = compile_timed("training", size, key, program)
                 if progress:
-                    c = compiled[B]
-                    progress(f"  batch {B}: {c.refused or f'peak {c.peak / 1e9:.3f} GB'}")
-            if compiled[B].refused:  # over memory, by the compiler's figure if it gives one
+                    progress(f"  batch {size}: {c.refused or f'peak {c.peak / 1e9:.3f} GB'}")
+            if compiled[size].refused:  # over memory, by the compiler's figure if it gives one
                 memory = device_memory or 0.0
-                return max(_refused_bytes(compiled[B].refused, memory), math.nextafter(memory, math.inf))
-            return compiled[B].peak
+                return max(_refused_bytes(compiled[size].refused, memory), math.nextafter(memory, math.inf))
+            return compiled[size].peak
 
         params, opt = _shard_bytes(state.params), _shard_bytes(state.opt_state)
         requested, over_memory = batch_size, None
@@ -303,7 +297,8 @@ def plan(
                 raise ConfigError(f"train.batch_size: even a batch of {shards} does not fit: {over_memory}")
             batch_size = largest
         step = compiled[batch_size]
-        evaluated = compile_timed(jax.jit(evaluate), batch_size)
+        program = lower(jax.jit(evaluate), batch_size)
+        evaluated = compile_timed("evaluation", batch_size, _cache_key(program, mesh), lambda: program)
     T = cfg.data.max_len
     flops, accessed = step.flops, step.bytes_accessed
     model_flops = flops_per_example(cfg.model, cfg.train.objective, cfg.data.src_len, T) * batch_size

@@ -458,14 +458,13 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
                 profiler.before(step)
                 state, metrics = train_step(state, sharding.global_batch(local, mesh, tcfg.batch_size))
                 profiler.after(step, metrics)
-                tokens, flops = batch_cost(cfg, local)  # this process's share; all shares are alike
                 if step == start:
                     jax.block_until_ready(metrics)
                     log(f"step {step} compiled and ran in {time.perf_counter() - window['start']:.1f}s")
                     window = {"tokens": 0.0, "flops": 0.0, "start": time.perf_counter()}
                 flush()
                 real, slots = real_fraction(local)  # of this process's rows; all shares are alike
-                cost = (tokens * jax.process_count(), flops * jax.process_count())
+                cost = [x * jax.process_count() for x in batch_cost(cfg, local)]  # tokens, FLOPs: shares are alike
                 pending = (step, {**metrics, "real_fraction": real / max(slots, 1.0)}, cost)
                 done = step + 1
                 evaluated = done % tcfg.eval_every == 0 or done == tcfg.steps
