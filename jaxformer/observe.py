@@ -16,6 +16,7 @@ import importlib.metadata
 import json
 import pathlib
 import platform
+import warnings
 
 import jax
 
@@ -115,6 +116,16 @@ class Profiler:
 
     def before(self, step: int) -> None:
         if self.steps and step == self.steps[0]:
+            from jaxformer import tpu
+
+            if tpu.compile_only_loaded:
+                warnings.warn(
+                    "no profile: this process compiled for a TPU slice it does not have (jaxformer plan --target "
+                    "tpu-...), and JAX's profiler crashes once libtpu is loaded that way; profile in a fresh process",
+                    stacklevel=2,
+                )
+                self.steps = None
+                return
             jax.profiler.start_trace(str(self.directory))
             self.active = True
 

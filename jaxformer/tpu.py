@@ -47,6 +47,11 @@ def compile_only_without_chips() -> None:
     jax.config.update("jax_platforms", "cpu")
 
 
+# Whether this process has loaded libtpu for compile-only devices: JAX's profiler then crashes the
+# process (a segmentation fault in jax.profiler.start_trace, libtpu 0.0.52), so observe.Profiler stands down.
+compile_only_loaded = False
+
+
 def accelerator_type(topology: str) -> str | None:
     """Cloud TPU's name of a slice: "v4:2x2x1" -> "v4-8", "v5p:4x4x4" -> "v5p-128" (two TensorCores
     a chip, counted), "v5e:2x2" -> "v5litepod-4", "v6e:8x8" -> "v6e-64" (chips); None if unread."""
@@ -66,6 +71,8 @@ def topology_devices(name: str) -> list:
     from jax.experimental import topologies
 
     if not _tpu_chips_here():  # compiling only: no chip to guard, no pod to find
+        global compile_only_loaded
+        compile_only_loaded = True
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # else one process at a time, by a lock file
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # else libtpu logs errors looking for workers
         if kind := accelerator_type(name):  # else libtpu warns it "could not determine TPU accelerator type"

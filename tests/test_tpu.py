@@ -101,3 +101,16 @@ def test_a_mesh_the_slice_cannot_hold_is_refused_by_name():
     with pytest.raises(ConfigError, match="gpu-CHIPxN"):
         parse_target("gpu-nonesuchx8")
     assert parse_target("gpu-h100x8").chip.name == "H100 SXM" and math.isclose(parse_target("gpu-h100x8").count, 8)
+
+
+def test_profiling_stands_down_in_a_process_that_compiled_for_a_slice(target, tmp_path):
+    """JAX's profiler crashes the process (segmentation fault) once libtpu is loaded for compile-only
+    devices, as here: a run asked to profile says so and trains on without a trace."""
+    from jaxformer.observe import Profiler
+
+    profiler = Profiler(tmp_path, (0, 1))
+    with pytest.warns(UserWarning, match="no profile: this process compiled for a TPU slice"):
+        profiler.before(0)
+    profiler.after(0, None)
+    profiler.stop()
+    assert not (tmp_path / "profile").exists()
