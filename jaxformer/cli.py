@@ -237,6 +237,8 @@ def cmd_plan(args) -> int:
         raise CommandError(f"--devices: must be positive, got {args.devices}")
     if not 0 <= args.within < 100:
         raise CommandError(f"--within: a percentage in [0, 100), got {args.within}")
+    if args.jobs < 1:
+        raise CommandError(f"--jobs: must be positive, got {args.jobs}")
     target = parse_target(args.target) if args.target else None
     if target is not None and target.topology is None:  # a GPU: its count of fake CPU devices
         if args.devices and args.devices != target.count:
@@ -250,7 +252,7 @@ def cmd_plan(args) -> int:
     cfg = _load_config(args)
     memory = parse_bytes(args.device_memory) if args.device_memory else None
     result = plan(
-        cfg, device_memory=memory, target=target, largest=args.largest, within=args.within / 100,
+        cfg, device_memory=memory, target=target, largest=args.largest, within=args.within / 100, jobs=args.jobs,
         progress=lambda m: print(m, file=sys.stderr),
     )  # fmt: skip
     print(json.dumps(dataclasses.asdict(result), indent=2) if args.json else result.table())
@@ -390,6 +392,13 @@ def main(argv: list[str] | None = None) -> int:
         help="stop the search once the largest batch known to fit is within PERCENT of the smallest known not to "
         "(default 2; 0: to one batch step). Compiled steps' figures are kept in ~/.cache/jaxformer/plan "
         "($JAXFORMER_PLAN_CACHE; empty: none), so a second plan of the same program reads them back",
+    )
+    pn.add_argument(
+        "--jobs",
+        type=int,
+        default=2,
+        help="compile up to this many steps side by side (default 2: the search's next try beside the one that "
+        "would follow it; each compile takes a core and, for a large model, gigabytes of host memory)",
     )
     pn.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl = sub.add_parser("plot", help="draw a run's loss and eval curves to a PNG")

@@ -24,6 +24,9 @@ half a minute to two minutes per step of a real model, and the same plan again r
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import ctypes
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -213,6 +216,7 @@ def plan(
     largest: bool = True,
     progress=None,
     within: float = 0.02,
+    jobs: int = 2,
 ) -> Plan:
     """Compile `cfg`'s training and evaluation steps for its mesh (abstract state) and report
     per-device bytes; with `device_memory`, whether it fits and the largest batch that does.
@@ -221,7 +225,9 @@ def plan(
     process's fake CPU devices) and brings the chip's memory, peak and bandwidth. `largest=False`
     skips the search for the largest batch (two or more compiles), which stops once the largest batch
     known to fit is within `within` (a fraction) of the smallest known not to; `progress(message)`
-    hears of each compile. Each compiled step's figures are kept in `cache_dir()`.
+    hears of each compile. Up to `jobs` steps compile side by side, each on its own thread: the
+    evaluation step beside the training step, and the search's next try beside the one that would
+    follow it. Each compiled step's figures are kept in `cache_dir()`.
     """
     devices = target.devices() if target else None
     chip = target.chip if target else chips.lookup(jax.devices()[0].device_kind)
@@ -234,8 +240,8 @@ def plan(
             raise
         raise ConfigError(f"{e} (--target {target.name} has {target.count} chips)") from None
     batch_size = cfg.train.batch_size if batch_size is None else batch_size
-    compile_seconds = 0.0
-    with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
+    busy: list[tuple[float, float]] = []  # when each compile ran (compiles side by side count once)
+    with sharding.use(mesh, sharding.rules_for(cfg.mesh)), concurrent.futures.ThreadPoolExecutor(max(jobs, 1)) as pool:
         graphdef, create, optimizer = state_factory(cfg)
         abstract = jax.eval_shape(create)
         shardings = sharding.state_shardings(abstract, mesh)
@@ -243,7 +249,7 @@ def plan(
         train, evaluate = make_steps(graphdef, cfg, optimizer)
         train_step = jax.jit(train, out_shardings=(shardings, None), donate_argnums=0)
         shards = math.prod(mesh.shape[a] for a in sharding.BATCH)
-        compiled: dict[int, Compiled] = {}  # batch -> the training step's figures
+        compiled: dict[int, concurrent.futures.Future] = {}  # batch -> the training step's figures
         cached = 0
 
         def lower(step, size: int):
@@ -256,49 +262,64 @@ def plan(
         configured = lower(train_step, batch_size)
         base = _cache_key(configured, mesh) + json.dumps(cfg.to_dict(), sort_keys=True)
 
-        def compile_timed(name: str, size: int, key: str, program) -> Compiled:
-            """`program()` (a lowered step) compiled, or its figures read back from the plan cache."""
-            nonlocal compile_seconds, cached
+        def submit(name: str, size: int, key: str, program) -> concurrent.futures.Future:
+            """`program()` (a step, lowered here: tracing reads this thread's mesh) compiled in the pool,
+            or its figures read back from the plan cache."""
+            nonlocal cached
             if (figures := _cache_read(key)) is not None:
                 cached += 1
                 if progress:
                     progress(f"read the {name} step at batch {size} from the plan cache")
-                return figures
-            start = time.perf_counter()
-            figures = Compiled.of(program())
-            took = time.perf_counter() - start
-            compile_seconds += took
-            if progress:
-                progress(f"compiled the {name} step at batch {size}: {took:.1f} s")
-            _cache_write(key, figures)
-            return figures
+                done = concurrent.futures.Future()
+                done.set_result(figures)
+                return done
+            lowered = program()
 
-        def peak_at(size: int) -> float:
+            def compile_() -> Compiled:
+                start = time.perf_counter()
+                figures = Compiled.of(lowered)
+                busy.append((start, time.perf_counter()))
+                _give_back_memory()
+                if progress:
+                    said = figures.refused or f"peak {figures.peak / 1e9:.3f} GB"
+                    progress(f"compiled the {name} step at batch {size}: {busy[-1][1] - start:.1f} s, {said}")
+                _cache_write(key, figures)
+                return figures
+
+            return pool.submit(compile_)
+
+        def training(size: int) -> concurrent.futures.Future:
             if size not in compiled:
                 key = hashlib.sha256(f"{base} {size}".encode()).hexdigest()
                 program = lambda: configured if size == batch_size else lower(train_step, size)
-                compiled[size] = c = compile_timed("training", size, key, program)
-                if progress:
-                    progress(f"  batch {size}: {c.refused or f'peak {c.peak / 1e9:.3f} GB'}")
-            if compiled[size].refused:  # over memory, by the compiler's figure if it gives one
-                memory = device_memory or 0.0
-                return max(_refused_bytes(compiled[size].refused, memory), math.nextafter(memory, math.inf))
-            return compiled[size].peak
+                compiled[size] = submit("training", size, key, program)
+            return compiled[size]
+
+        def evaluation(size: int) -> concurrent.futures.Future:
+            program = lower(jax.jit(evaluate), size)
+            return submit("evaluation", size, _cache_key(program, mesh), lambda: program)
+
+        def peaks_at(sizes: list[int]) -> list[float]:
+            futures = [training(size) for size in sizes]  # all in the pool before any is awaited
+            return [_peak(future.result(), device_memory) for future in futures]
 
         params, opt = _shard_bytes(state.params), _shard_bytes(state.opt_state)
         requested, over_memory = batch_size, None
-        p_requested = peak_at(batch_size)
+        training(batch_size)
+        evaluated = evaluation(batch_size)  # beside the first round of the search
+        find = device_memory is not None and (largest or compiled[batch_size].result().refused)
+        found = _largest_batch(peaks_at, shards, device_memory, batch_size, within, jobs) if find else (None, None)
+        largest, refused = found
+        p_requested = peaks_at([batch_size])[0]
         fits = None if device_memory is None else p_requested <= device_memory
-        find = device_memory is not None and (largest or compiled[batch_size].refused)
-        largest, refused = _largest_batch(peak_at, shards, device_memory, batch_size, within) if find else (None, None)
-        if compiled[batch_size].refused:  # the compiler said no: show the largest batch that compiles
-            over_memory = compiled[batch_size].refused
+        if compiled[batch_size].result().refused:  # the compiler said no: show the largest batch that compiles
+            over_memory = compiled[batch_size].result().refused
             if not largest:
                 raise ConfigError(f"train.batch_size: even a batch of {shards} does not fit: {over_memory}")
             batch_size = largest
-        step = compiled[batch_size]
-        program = lower(jax.jit(evaluate), batch_size)
-        evaluated = compile_timed("evaluation", batch_size, _cache_key(program, mesh), lambda: program)
+            evaluated = evaluation(batch_size)
+        step, evaluated = compiled[batch_size].result(), evaluated.result()
+    compile_seconds = _union(busy)
     T = cfg.data.max_len
     flops, accessed = step.flops, step.bytes_accessed
     model_flops = flops_per_example(cfg.model, cfg.train.objective, cfg.data.src_len, T) * batch_size
@@ -419,6 +440,29 @@ def _cache_write(key: str, figures: Compiled) -> None:
         pass
 
 
+def _give_back_memory() -> None:
+    """Hand the heap a compile has freed back to the system (glibc keeps it otherwise): a search of
+    paper_base on v4:4x4x8 held 18 GB after ten compiles of at most 5 GB each."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
+        ctypes.CDLL(None).malloc_trim(0)
+
+
+def _peak(figures: Compiled, memory: float | None) -> float:
+    """A compiled step's peak; a refused one's is above `memory`, by the compiler's figure if it gives one."""
+    if not figures.refused:
+        return figures.peak
+    memory = memory or 0.0
+    return max(_refused_bytes(figures.refused, memory), math.nextafter(memory, math.inf))
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by the (start, end) spans: time spent compiling, however many ran at once."""
+    total, end = 0.0, -math.inf
+    for a, b in sorted(spans):
+        total, end = total + max(0.0, b - max(a, end)), max(end, b)
+    return total
+
+
 def _refused_bytes(message: str, memory: float) -> float:
     """The peak a TPU compiler's out-of-memory refusal implies: `memory` plus what its temporaries need
     beyond what it had for them ("required for HLO temporaries (42.47G) exceeds available HBM
@@ -429,10 +473,46 @@ def _refused_bytes(message: str, memory: float) -> float:
     return memory + size(required) - size(available) if required and available else math.inf
 
 
-def _largest_batch(peak_at, shards: int, memory: float, start: int | None = None, within: float = 0.0):
+def _largest_batch(peaks_at, shards: int, memory: float, start: int | None = None, within: float = 0.0, jobs: int = 1):
     """The largest multiple of `shards` whose step fits in `memory`, and the smallest tried that does
     not (None if none was). The search stops once that gap is at most `within` of the latter (or
-    one step), or after 12 tries.
+    one step), or after 12 rounds. `peaks_at(batches)` compiles a round's batches side by side and
+    gives their peaks; a round holds up to `jobs` tries (see `_round`)."""
+    known: dict[int, float] = {}  # batch -> peak (a refusal: above memory)
+    for _ in range(12):
+        if not (tries := _round(known, shards, memory, start, within, jobs)):
+            break
+        known.update(zip(tries, peaks_at(tries), strict=True))
+    fits = max((b for b, p in known.items() if p <= memory), default=0)
+    return fits, min((b for b, p in known.items() if p > memory and b > fits), default=None)
+
+
+def _round(known: dict, shards: int, memory: float, start: int | None, within: float, jobs: int) -> list[int]:
+    """Up to `jobs` batches to compile side by side: the next try, then the try that would follow it
+    if it came out as the lines through the known batches foretell, and so on."""
+    tries, assumed = [], dict(known)
+    while len(tries) < jobs and (batch := _next_try(assumed, shards, memory, start, within)) is not None:
+        tries.append(batch)
+        foretold = _foretell(assumed, batch)  # a foretold refusal stays a refusal, however near
+        assumed[batch] = foretold if foretold <= memory else max(foretold, math.nextafter(memory, math.inf))
+    return tries
+
+
+def _foretell(known: dict, batch: int) -> float:
+    """A batch's peak by the line through the known figures nearest it (one figure: in proportion;
+    none: nothing, so that it is foretold to fit)."""
+    points = sorted((b, p) for b, p in known.items() if math.isfinite(p))
+    below, above = [x for x in points if x[0] < batch], [x for x in points if x[0] > batch]
+    pair = [*below[-1:], *above[:1]] if below and above else below[-2:]
+    if len(pair) == 2:
+        (b0, p0), (b1, p1) = pair
+        return p0 + (p1 - p0) * (batch - b0) / (b1 - b0)
+    nearest = below[-1:] or above[:1]
+    return nearest[0][1] * batch / nearest[0][0] if nearest else 0.0
+
+
+def _next_try(known: dict, shards: int, memory: float, start: int | None, within: float) -> int | None:
+    """The batch to compile next given the peaks `known` (None: the search is done).
 
     Memory grows about linearly with the batch, but rows cost less at small batches (fixed
     buffers) and a TPU compiler's refusal understates the excess (it rematerialises harder near
@@ -440,42 +520,32 @@ def _largest_batch(peak_at, shards: int, memory: float, start: int | None = None
     largest batches that fit; between the largest that fits and the smallest that does not),
     aimed just below it so that a fit can end the search; a gap wider than 4x is cut at its
     geometric middle, every try cuts at least an eighth of it, and once a fit is close to the
-    lines' edge the next try is the one that would close the gap from above. The first line is
-    drawn through `start` (the configured batch, compiled already) and its double when it fits."""
-    small = shards
-    if start is not None and start > shards and peak_at(start) <= memory:
-        small = start
-    elif peak_at(small) > memory:
-        return 0, small
-    large = 2 * small if small > shards else 4 * shards
-    known = {small: peak_at(small), large: peak_at(large)}  # batch -> peak (a refusal: above memory)
-    fits, over = (large, None) if known[large] <= memory else (small, large)
-    for _ in range(12):
-        below = sorted(b for b, p in known.items() if p <= memory)[-2:]
-        edges = []  # where lines through known batches reach the memory
-        if len(below) == 2 and known[below[1]] > known[below[0]]:
-            (b0, b1), (p0, p1) = below, (known[below[0]], known[below[1]])
-            edges.append(b1 + (memory - p1) * (b1 - b0) / (p1 - p0))
-        if over is not None and math.isfinite(known[over]):
-            edges.append(fits + (memory - known[fits]) * (over - fits) / (known[over] - known[fits]))
-        if over is None:
-            guess = min(edges, default=2 * fits)
-        else:
-            if over - fits <= max(within * over, shards):
-                break
-            guess = min(edges, default=math.sqrt(fits * over)) - within * over / 2
-            if over > 4 * fits:
-                guess = min(guess, math.sqrt(fits * over))
-            if guess < fits * (1 + within / 2):  # the edge is near: the try that closes the gap from above
-                guess = fits * (1 + 0.9 * within)
-            gap = over - fits
-            guess = min(max(guess, fits + gap / 8), over - gap / 8, over - shards)
-        guess = max(int(guess) // shards * shards, fits + shards)
-        if over is not None and guess >= over:
-            break
-        known[guess] = peak_at(guess)
-        if known[guess] <= memory:
-            fits = guess
-        else:
-            over = guess  # below any batch known not to fit
-    return fits, over
+    lines' edge the next try is the one that would close the gap from above. The first try is
+    `start` (the configured batch), then its double when it fits, or the smallest batch when not."""
+    if not known:
+        return start or shards
+    below = sorted(b for b, p in known.items() if p <= memory)
+    if not below:
+        return None if shards in known else shards
+    fits = below[-1]
+    over = min((b for b, p in known.items() if p > memory and b > fits), default=None)
+    edges = []  # where lines through known batches reach the memory
+    if len(below) > 1 and known[below[-1]] > known[below[-2]]:
+        (b0, b1), (p0, p1) = below[-2:], (known[below[-2]], known[below[-1]])
+        edges.append(b1 + (memory - p1) * (b1 - b0) / (p1 - p0))
+    if over is not None and math.isfinite(known[over]):
+        edges.append(fits + (memory - known[fits]) * (over - fits) / (known[over] - known[fits]))
+    if over is None:
+        guess = min(edges, default=2 * fits if fits > shards else 4 * shards)
+    else:
+        if over - fits <= max(within * over, shards):
+            return None
+        guess = min(edges, default=math.sqrt(fits * over)) - within * over / 2
+        if over > 4 * fits:
+            guess = min(guess, math.sqrt(fits * over))
+        if guess < fits * (1 + within / 2):  # the edge is near: the try that closes the gap from above
+            guess = fits * (1 + 0.9 * within)
+        gap = over - fits
+        guess = min(max(guess, fits + gap / 8), over - gap / 8, over - shards)
+    guess = max(int(guess) // shards * shards, fits + shards)
+    return None if over is not None and guess >= over else guess

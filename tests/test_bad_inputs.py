@@ -261,6 +261,7 @@ CLI_CASES = [
     cli_case("plan --config experiments/copy_task.py --devices 0", r"--devices: must be positive, got 0"),
     cli_case("plan --config experiments/copy_task.py --device-memory lots", r"--device-memory: cannot read 'lots'"),
     cli_case("plan --config experiments/copy_task.py --within 100", r"--within: a percentage in \[0, 100\), got 100"),
+    cli_case("plan --config experiments/copy_task.py --jobs 0", r"--jobs: must be positive, got 0"),
     cli_case("plan --config {tmp}/missing.py", r"experiment file \S+missing\.py does not exist"),
     cli_case("sweep {tmp}/missing.py --workdir {tmp}/never", r"sweep file \S+missing\.py does not exist"),
     cli_case("sweep {sweep_without_function}/sweep.py --workdir {tmp}/never", r"\S+sweep\.py defines no get_sweep"),

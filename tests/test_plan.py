@@ -80,32 +80,40 @@ def test_plan_command_prints_json_and_says_what_does_not_fit(tmp_path):
 GIB = 2**30
 
 
-def tpu_like(edge: int, memory: float, calls: list):
-    """A TPU compiler's peak for a batch: a fixed part and a slope that grows with B below the edge
-    (small batches understate the rows' memory); above it, a refusal whose figure understates the
-    excess (rematerialisation flattens it), or gives none past twice the edge."""
+def tpu_like(edge: int, memory: float, rounds: list):
+    """A TPU compiler's peaks for a round of batches: a fixed part and a slope that grows with B below
+    the edge (small batches understate the rows' memory); above it, a refusal whose figure
+    understates the excess (rematerialisation flattens it), or gives none past twice the edge."""
 
-    def peak_at(batch: int) -> float:
-        calls.append(batch)
+    def peak(batch: int) -> float:
         fits = 0.8 * GIB + 0.2 * GIB * batch / edge + (memory - GIB) * (batch / edge) ** 1.2
         if batch <= edge:
             return fits
         return memory + 0.3 * (fits - memory) if batch < 2 * edge else math.inf
 
-    return peak_at
+    def peaks_at(batches: list[int]) -> list[float]:
+        rounds.append(batches)
+        return [peak(b) for b in batches]
+
+    return peaks_at
 
 
 @pytest.mark.parametrize("edge", [100_352, 7_168, 131_072])
 def test_the_largest_batch_search_brackets_the_edge_within_its_tolerance_in_few_compiles(edge):
+    """One compile at a time, then two side by side (the next try beside the one that would follow
+    it): the same bracket, in fewer rounds."""
     from jaxformer.plan import _largest_batch
 
     memory, shards = 30.75 * GIB, 128
-    calls = []
-    fits, over = _largest_batch(tpu_like(edge, memory, calls), shards, memory, start=256, within=0.02)
-    assert fits <= edge < over and fits % shards == 0 and over - fits <= 0.02 * over
-    assert len(set(calls)) <= 10, calls  # compiles: each batch once, the start and its double included
-    calls.clear()
-    exact, above = _largest_batch(tpu_like(edge, memory, calls), shards, memory, start=256, within=0.0)
+    rounds = {1: [], 2: []}
+    for jobs, tried in rounds.items():
+        fits, over = _largest_batch(tpu_like(edge, memory, tried), shards, memory, 256, within=0.02, jobs=jobs)
+        assert fits <= edge < over and fits % shards == 0 and over - fits <= 0.02 * over
+        compiles = [b for batches in tried for b in batches]
+        assert len(compiles) == len(set(compiles)) and all(len(batches) <= jobs for batches in tried)
+        assert compiles[:2] == [256, 512]  # the configured batch, then its double
+    assert len(rounds[1]) <= 10 and len(rounds[2]) <= 6 and len(rounds[2]) < len(rounds[1]), rounds
+    exact, above = _largest_batch(tpu_like(edge, memory, []), shards, memory, start=256, within=0.0, jobs=2)
     assert exact == edge // shards * shards and above == exact + shards
 
 
