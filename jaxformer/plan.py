@@ -255,7 +255,9 @@ def plan(
         def lower(step, size: int):
             if size % shards:
                 raise ConfigError(f"train.batch_size={size} does not divide over the {shards} batch shards")
-            return step.lower(state, abstract_batch(cfg, size, mesh))
+            lowered = step.lower(state, abstract_batch(cfg, size, mesh))
+            step.clear_cache()  # the traces JAX keeps for each batch shape: hundreds of MB a compile
+            return lowered
 
         # The configured training program says the code, devices and versions; with the whole config it
         # says the training step at any other batch (one lowering keys them all). Evaluation is keyed by its own.
