@@ -229,6 +229,8 @@ def plan(
     evaluation step beside the training step, and the search's next try beside the one that would
     follow it. Each compiled step's figures are kept in `cache_dir()`.
     """
+    if jobs < 1:
+        raise ValueError(f"jobs: at least one compile at a time, got {jobs}")
     devices = target.devices() if target else None
     chip = target.chip if target else chips.lookup(jax.devices()[0].device_kind)
     if device_memory is None and target is not None:
@@ -241,7 +243,7 @@ def plan(
         raise ConfigError(f"{e} (--target {target.name} has {target.count} chips)") from None
     batch_size = cfg.train.batch_size if batch_size is None else batch_size
     busy: list[tuple[float, float]] = []  # when each compile ran (compiles side by side count once)
-    with sharding.use(mesh, sharding.rules_for(cfg.mesh)), concurrent.futures.ThreadPoolExecutor(max(jobs, 1)) as pool:
+    with sharding.use(mesh, sharding.rules_for(cfg.mesh)), concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         graphdef, create, optimizer = state_factory(cfg)
         abstract = jax.eval_shape(create)
         shardings = sharding.state_shardings(abstract, mesh)
@@ -306,16 +308,14 @@ def plan(
             return [_peak(future.result(), device_memory) for future in futures]
 
         params, opt = _shard_bytes(state.params), _shard_bytes(state.opt_state)
-        requested, over_memory = batch_size, None
-        training(batch_size)
+        requested, configured_step = batch_size, training(batch_size)
         evaluated = evaluation(batch_size)  # beside the first round of the search
-        find = device_memory is not None and (largest or compiled[batch_size].result().refused)
-        found = _largest_batch(peaks_at, shards, device_memory, batch_size, within, jobs) if find else (None, None)
-        largest, refused = found
-        p_requested = peaks_at([batch_size])[0]
-        fits = None if device_memory is None else p_requested <= device_memory
-        if compiled[batch_size].result().refused:  # the compiler said no: show the largest batch that compiles
-            over_memory = compiled[batch_size].result().refused
+        find = device_memory is not None and (largest or configured_step.result().refused)
+        largest, refused = (
+            _largest_batch(peaks_at, shards, device_memory, batch_size, within, jobs) if find else (None, None)
+        )
+        fits = None if device_memory is None else _peak(configured_step.result(), device_memory) <= device_memory
+        if over_memory := configured_step.result().refused:  # the compiler said no: show the largest that compiles
             if not largest:
                 raise ConfigError(f"train.batch_size: even a batch of {shards} does not fit: {over_memory}")
             batch_size = largest
