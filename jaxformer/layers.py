@@ -502,9 +502,10 @@ class LayerStack(nnx.Module):
             rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, index)
             return nnx.merge(graphdef, state)(x_BTD, dropout_rng=rng, **kwargs)
 
-        if self.cfg.remat != "none":
+        remat = self.cfg.remat if self.cfg.remat != "auto" else "dots_saveable" if self.cfg.scan_layers else "none"
+        if remat != "none":
             apply = jax.checkpoint(
-                apply, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=not self.cfg.scan_layers, static_argnums=(0,)
+                apply, policy=REMAT_POLICIES[remat], prevent_cse=not self.cfg.scan_layers, static_argnums=(0,)
             )
         if self.cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)

@@ -86,9 +86,9 @@ def test_scanned_equals_unrolled_and_remat_equals_plain():
     base = jf.tiny("encoder_decoder", dropout_rate=0.1)  # two layers per stack
     variants = {
         "plain": base,
-        "scan": base.replace(scan_layers=True),
+        "scan": base.replace(scan_layers=True),  # remat "auto": dots_saveable in a scan
+        "scan_none": base.replace(scan_layers=True, remat="none"),
         "remat": base.replace(remat="full"),
-        "scan_remat": base.replace(scan_layers=True, remat="dots_saveable"),
     }
     src, tgt = ids(0), ids(1)
     results = {}
