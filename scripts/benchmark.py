@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer import chips
+from jaxformer import chips, tpu
 from jaxformer import config as C
 from jaxformer.train import flops_per_example, init_state, make_steps
 
@@ -345,63 +345,87 @@ def _compare_greedy(args, graphdef, state, hf_model, hf_params, num_new: int = 6
     )
 
 
+def gpt2_shape(D: int, H: int, L: int, V: int, T: int, attention: str = "auto", stack: str = "unrolled"):
+    """The GPT-2 shape as gpt2-vs-torch runs it (no dropout, bfloat16 compute); `stack` is "unrolled"
+    or "scanned", each with an optional ":REMAT"."""
+    layout, _, remat = stack.partition(":")
+    if layout not in ("unrolled", "scanned"):
+        raise SystemExit(f"--stacks: unrolled or scanned, each with an optional :REMAT, got {stack!r}")
+    return C.gpt2_small(
+        vocab_size=V, d_model=D, num_heads=H, d_ff=4 * D, num_decoder_layers=L, max_len=T, dropout_rate=0.0,
+        dtype="bfloat16", attention_impl=attention, scan_layers=layout == "scanned", remat=remat or "auto",
+        check_token_ids=False,
+    )  # fmt: skip
+
+
+def gpt2_step(D: int, H: int, L: int, V: int, T: int, B: int, rounds: int, steps: int, attention: str, stack: str):
+    """jaxformer's GPT-2 shape with one layer stack ("unrolled" or "scanned", ":REMAT" optional), in the
+    protocol of `peers.torch_gpt2`: median step time of `rounds` rounds of `steps` steps, and the peak
+    device memory (the process's: run each in a process of its own; XLA's analysis where the device
+    keeps no statistics)."""
+    model = gpt2_shape(D, H, L, V, T, attention, stack)
+    cfg = C.Config(model=model, train=C.TrainConfig(objective="lm", batch_size=B), data=C.DataConfig(max_len=T))
+    graphdef, state, optimizer = init_state(cfg)
+    step = jax.jit(make_steps(graphdef, cfg, optimizer)[0], donate_argnums=0)
+    batch = jax.device_put(synthetic_batch("lm", B, T, V))
+    compiled, _, memory_mb = _compiled(step, state, batch)
+    for _ in range(2):
+        state, metrics = compiled(state, batch)
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(steps):
+            state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        times.append((time.perf_counter() - t) / steps)
+    peak_bytes = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", memory_mb * 2**20)
+    return {"step_s": statistics.median(times), "peak_memory_gb": peak_bytes / 1e9}
+
+
 def gpt2_vs_torch(args) -> None:
     """GPT-2-shaped causal LM (pre-norm, learned positions, GELU, tied embeddings, no dropout, AdamW),
-    bfloat16 compute over float32 weights: jaxformer at each of `--batches` beside Hugging Face
-    PyTorch GPT-2 + torch.compile (a process of its own, when torch and a CUDA device are there).
-    Tokens/s, MFU against the chip's bfloat16 peak, peak device memory, and the ratio to torch's best."""
+    bfloat16 compute over float32 weights: at each of `--batches`, jaxformer with each layer stack of
+    `--stacks` beside Hugging Face PyTorch GPT-2 + torch.compile, each in a process of its own (torch
+    when it and a CUDA device are there). Tokens/s, MFU against the chip's bfloat16 peak and peak device
+    memory; then each scanned stack against the unrolled one at the same batch, and the best of
+    jaxformer against torch's best."""
     import subprocess
     import sys
 
     D, H, L, V, T = args.d_model, args.heads, args.layers, args.vocab, args.seq
     peak, source = chips.peak_flops("bfloat16")
-    print(f"GPT-2 shape D={D} H={H} L={L} V={V} T={T}; peak {peak / 1e12:.4g} TFLOP/s ({source})")
-    print(f"{'impl':28s} {'B':>3s} {'tokens/s':>9s} {'MFU':>5s} {'memory GB':>9s}")
-    rows = {}
+    stacks = args.stacks.split(",")
+    for stack in stacks:
+        gpt2_shape(D, H, L, V, T, stack=stack)  # a misspelt stack stops here, before any run
+    print(f"GPT-2 shape D={D} H={H} L={L} V={V} T={T}, attention {args.attention}; peak {peak / 1e12:.4g} TFLOP/s "
+          f"({source})")  # fmt: skip
+    print(f"{'impl':36s} {'B':>3s} {'tokens/s':>9s} {'MFU':>5s} {'memory GB':>9s}")
+    here = pathlib.Path(__file__)
+    speed, memory = {}, {}  # (name, B) -> tokens/s, peak GB
     for B in (int(b) for b in args.batches.split(",")):
-        model = C.gpt2_small(
-            vocab_size=V, d_model=D, num_heads=H, d_ff=4 * D, num_decoder_layers=L, max_len=T, dropout_rate=0.0,
-            dtype="bfloat16", attention_impl=args.attention, scan_layers=args.scan, remat=args.remat,
-            check_token_ids=False,
-        )  # fmt: skip
-        train = C.TrainConfig(objective="lm", batch_size=B, optimizer="adamw")
-        cfg = C.Config(model=model, train=train, data=C.DataConfig(max_len=T))
-        name = f"jaxformer {args.attention}{' scan' if args.scan else ''} remat={args.remat}"
-        try:
-            graphdef, state, optimizer = init_state(cfg)
-            step = jax.jit(make_steps(graphdef, cfg, optimizer)[0], donate_argnums=0)
-            batch = jax.device_put(synthetic_batch("lm", B, T, V))
-            compiled, _, memory_mb = _compiled(step, state, batch)
-            for _ in range(2):
-                state, metrics = compiled(state, batch)
-            jax.block_until_ready(metrics)
-            t = time.perf_counter()
-            for _ in range(args.steps):
-                state, metrics = compiled(state, batch)
-            jax.block_until_ready(metrics)
-            step_s = (time.perf_counter() - t) / args.steps
-            stats = jax.devices()[0].memory_stats() or {}
-            memory_gb = stats.get("peak_bytes_in_use", memory_mb * 1e6) / 1e9
-            del state, compiled
-        except Exception as e:  # out of memory at this batch: say so and go on
-            print(f"{name:28s} {B:3d} failed: {str(e).splitlines()[0][:100]}")
-            continue
-        flops = flops_per_example(model, "lm", T, T) * B
-        rows[(name, B)] = step_s
-        print(f"{name:28s} {B:3d} {B * T / step_s:9.0f} {flops / step_s / peak:5.3f} {memory_gb:9.1f}")
         shapes = {"D": D, "H": H, "L": L, "V": V, "T": T, "B": B, "rounds": 3, "steps": args.steps}
-        cmd = [sys.executable, str(pathlib.Path(__file__).with_name("peers.py")), "torch_gpt2", json.dumps(shapes)]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode:
-            print(f"{'torch.compile GPT-2':28s} {B:3d} failed: {(out.stderr.strip().splitlines() or [''])[-1][:100]}")
-            continue
-        r = json.loads(out.stdout.splitlines()[-1])
-        rows[("torch", B)] = r["step_s"]
-        print(f"{'torch.compile GPT-2':28s} {B:3d} {B * T / r['step_s']:9.0f} {flops / r['step_s'] / peak:5.3f} "
-              f"{r['peak_memory_gb']:9.1f}")  # fmt: skip
-    best = lambda who: max((B * T / s for (n, B), s in rows.items() if (n == "torch") == (who == "torch")), default=0)
-    if best("torch"):
-        print(f"jaxformer's best / torch.compile's best tokens/s: {best('jaxformer') / best('torch'):.3f}x")
+        runs = {f"jaxformer {stack}": [str(here), "--gpt2-step", json.dumps(
+            shapes | {"attention": args.attention, "stack": stack})] for stack in stacks}  # fmt: skip
+        if args.peer:
+            runs["torch.compile GPT-2"] = [str(here.with_name("peers.py")), "torch_gpt2", json.dumps(shapes)]
+        flops = flops_per_example(gpt2_shape(D, H, L, V, T), "lm", T, T) * B
+        for name, cmd in runs.items():
+            out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True)
+            if out.returncode:  # out of memory at this batch, or no torch: say so and go on
+                print(f"{name:36s} {B:3d} failed: {(out.stderr.strip().splitlines() or [''])[-1][:100]}")
+                continue
+            r = json.loads(out.stdout.splitlines()[-1])
+            speed[name, B], memory[name, B] = B * T / r["step_s"], r["peak_memory_gb"]
+            print(f"{name:36s} {B:3d} {speed[name, B]:9.0f} {flops / r['step_s'] / peak:5.3f} {memory[name, B]:9.1f}")
+    for (name, B), tokens in speed.items():  # the scanned-layers target: within 5% of unrolled in both
+        unrolled = next((k for k in speed if k[1] == B and " unrolled" in k[0]), None)
+        if " scanned" in name and unrolled:
+            print(f"{name} / {unrolled[0]} at B={B}: tokens/s {tokens / speed[unrolled]:.3f}x, "
+                  f"memory {memory[name, B] / memory[unrolled]:.3f}x")  # fmt: skip
+    best = lambda torch: max((s for (n, _), s in speed.items() if n.startswith("torch") == torch), default=0)
+    if best(True) and best(False):
+        print(f"jaxformer's best / torch.compile's best tokens/s: {best(False) / best(True):.3f}x")
 
 
 def main() -> None:
@@ -415,7 +439,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--attention", default="naive", choices=["naive", "auto", "xla", "cudnn", "splash"])
-    p.add_argument("--remat", default="none", choices=["none", "full", "dots_saveable"])
+    p.add_argument("--remat", default="auto", choices=["auto", "none", "full", "dots_saveable"])
     p.add_argument("--scan", action="store_true", help="scan over layers")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--checkpoint-overhead", action="store_true", help="time steps while an async save runs")
@@ -429,14 +453,21 @@ def main() -> None:
     p.add_argument("--matmul-floor", action="store_true", help="the training step's matrix products timed alone")
     p.add_argument("--gpt2-vs-torch", action="store_true", help="GPT-2 shape in bf16 beside torch.compile (GPU)")
     p.add_argument("--batches", default="8,16", help="gpt2-vs-torch: batch sizes")
+    p.add_argument("--stacks", default="unrolled,scanned", help="gpt2-vs-torch: unrolled / scanned[:REMAT], ...")
+    p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True, help="gpt2-vs-torch: run torch")
+    p.add_argument("--gpt2-step", help=argparse.SUPPRESS)  # one of gpt2-vs-torch's runs, in its own process
     p.add_argument("--rounds", type=int, default=3, help="compare: interleaved rounds")
     p.add_argument("--dropout", type=float, default=0.1, help="compare: residual/embedding dropout")
     args = p.parse_args()
+    tpu.compile_only_without_chips()  # with the tpu extra on a machine without chips: no libtpu errors
     if args.checkpoint_overhead:
         checkpoint_overhead(args)
         return
     if args.decode:
         decode_speed(args)
+        return
+    if args.gpt2_step:
+        print(json.dumps(gpt2_step(**json.loads(args.gpt2_step))))
         return
     if args.gpt2_vs_torch:
         gpt2_vs_torch(args)

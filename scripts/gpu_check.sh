@@ -2,17 +2,22 @@
 # Every GPU check in one command, on a machine with an NVIDIA GPU and jaxformer's dependencies
 # (`pip install -e ".[test,bench]"` with a CUDA build of jax: `pip install "jax[cuda12]"`):
 #
-#   bash scripts/gpu_check.sh [OUT_DIR]        # or: make gpu-check
+#   bash scripts/gpu_check.sh [OUT_DIR [PART ...]]   # or: make gpu-check
 #
-#   1. the device and versions
-#   2. the test suite on the GPU (4 workers; conftest pins float32 matmul precision and stops each
-#      worker preallocating GPU memory), including the GPU-only check that cuDNN flash attention is
-#      in the compiled training step
-#   3. the 1.3B GPT-2 shape (D=2048 L=24 H=16 V=50304 T=1024), bf16, AdamW, no dropout: jaxformer
-#      unrolled and scanned (with and without remat) beside Hugging Face PyTorch GPT-2 + torch.compile,
-#      tokens/s, MFU and peak memory of each at batch 8 and 16, and the ratio of the best
-#   4. decoding ms/token at batch 1 and 32 (D=1024, L=12, bf16)
-# Each part's output is also written to OUT_DIR (default gpu_check/).
+# The parts, each under 10 minutes on one H100 (all of them, in this order, when none is named):
+#   device   the device and versions
+#   gpt2     the 1.3B GPT-2 shape (D=2048 L=24 H=16 V=50304 T=1024), bf16, AdamW, no dropout, at batch
+#            8 and 16: jaxformer unrolled and scanned (remat "auto", which is dots_saveable when scanned)
+#            beside Hugging Face PyTorch GPT-2 + torch.compile, each in a process of its own: tokens/s,
+#            MFU and peak memory, scanned against unrolled, and jaxformer's best against torch's best
+#   gpt2_big the same at batch 24 and 32, scanned (auto) and scanned with full remat; then unrolled
+#            and scanned without remat (what "auto" avoids) at batch 8, without torch
+#   decode   decoding ms/token at batch 1 and 32 (D=1024, L=12, bf16)
+#   tests    the test suite on the GPU (4 workers; conftest pins float32 matmul precision and stops each
+#            worker preallocating GPU memory), with the GPU-only check that cuDNN flash attention is
+#            in the compiled training step
+# Each part's output is also written to OUT_DIR (default gpu_check/). GPT2_SHAPE replaces the 1.3B
+# shape's flags (a smoke run on a CPU: GPT2_SHAPE="--d-model 64 --heads 4 --layers 2 --vocab 512 --seq 64").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu_check}
@@ -29,14 +34,25 @@ run() {  # run NAME CMD...: show and keep the output; remember a failure, go on
   [ "$rc" -eq 0 ] || { echo "== $name failed (exit $rc)"; status=1; }
 }
 
-run device "$py" -c "import jax, jaxlib, flax; print(jax.__version__, jaxlib.__version__, flax.__version__); print(jax.devices())"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null | tee "$out/nvidia-smi.log"
-run tests "$py" -m pytest -n 4 --dist loadfile -q -ra
-shape=(--d-model 2048 --heads 16 --layers 24 --vocab 50304 --seq 1024 --steps 10 --attention auto)
-run gpt2_unrolled "$py" scripts/benchmark.py --gpt2-vs-torch "${shape[@]}" --batches 8,16
-run gpt2_scanned "$py" scripts/benchmark.py --gpt2-vs-torch "${shape[@]}" --batches 8,16 --scan
-run gpt2_scanned_dots "$py" scripts/benchmark.py --gpt2-vs-torch "${shape[@]}" --batches 16,24 --scan --remat dots_saveable
-run decode "$py" scripts/benchmark.py --decode --modes decoder_only --d-model 1024 --heads 16 --layers 12 \
-  --vocab 50304 --dtype bfloat16 --attention auto --decode-lengths 256 --decode-batches 1,32 --recompute-lengths ""
+parts=("${@:2}")
+[ ${#parts[@]} -gt 0 ] || parts=(device gpt2 gpt2_big decode tests)
+shape=(${GPT2_SHAPE:---d-model 2048 --heads 16 --layers 24 --vocab 50304 --seq 1024 --steps 10} --attention auto)
+for part in "${parts[@]}"; do
+  case $part in
+    device)
+      run device "$py" -c "import jax, jaxlib, flax; print(jax.__version__, jaxlib.__version__, flax.__version__); print(jax.devices())"
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null | tee "$out/nvidia-smi.log" ;;
+    gpt2) run gpt2 "$py" scripts/benchmark.py --gpt2-vs-torch "${shape[@]}" --batches 8,16 --stacks unrolled,scanned ;;
+    gpt2_big)
+      run gpt2_big "$py" scripts/benchmark.py --gpt2-vs-torch "${shape[@]}" --batches 24,32 --stacks scanned,scanned:full
+      run gpt2_scan_none "$py" scripts/benchmark.py --gpt2-vs-torch "${shape[@]}" --batches 8 \
+        --stacks unrolled,scanned:none --no-peer ;;
+    decode)
+      run decode "$py" scripts/benchmark.py --decode --modes decoder_only --d-model 1024 --heads 16 --layers 12 \
+        --vocab 50304 --dtype bfloat16 --attention auto --decode-lengths 256 --decode-batches 1,32 --recompute-lengths "" ;;
+    tests) run tests "$py" -m pytest -n 4 --dist loadfile -q -ra ;;
+    *) echo "gpu_check: no part named $part (device, gpt2, gpt2_big, decode, tests)" >&2; exit 2 ;;
+  esac
+done
 echo "== gpu_check done (status $status); logs in $out/"
 exit $status
