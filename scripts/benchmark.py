@@ -393,6 +393,10 @@ def gpt2_vs_torch(args) -> None:
     import subprocess
     import sys
 
+    # Each run may use 90% of the GPU, as torch may use all of it (JAX's default is 75%); this process
+    # only reads the chip's name, so it must not take JAX's preallocated share of the GPU from them.
+    env = os.environ | {"XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", ".90")}
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     D, H, L, V, T = args.d_model, args.heads, args.layers, args.vocab, args.seq
     peak, source = chips.peak_flops("bfloat16")
     stacks = args.stacks.split(",")
@@ -411,7 +415,7 @@ def gpt2_vs_torch(args) -> None:
             runs["torch.compile GPT-2"] = [str(here.with_name("peers.py")), "torch_gpt2", json.dumps(shapes)]
         flops = flops_per_example(gpt2_shape(D, H, L, V, T), "lm", T, T) * B
         for name, cmd in runs.items():
-            out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True)
+            out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=env)
             if out.returncode:  # out of memory at this batch, or no torch: say so and go on
                 print(f"{name:36s} {B:3d} failed: {(out.stderr.strip().splitlines() or [''])[-1][:100]}")
                 continue
