@@ -160,7 +160,8 @@ def start_and_signal(workdir, sig) -> tuple[subprocess.Popen, str]:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
 def test_a_signal_saves_says_how_to_resume_and_resumes_exactly(tmp_path, uninterrupted, sig):
-    """Preemption (SIGTERM) and Ctrl-C (SIGINT): the step finishes, a checkpoint is saved, exit 3."""
+    """Preemption (SIGTERM) and Ctrl-C (SIGINT): the step finishes, a checkpoint is saved, exit 3. One
+    handler takes both, so the resume from where the signal stopped is checked once, after SIGTERM."""
     from jaxformer.checkpoint import EXIT_PREEMPTED
 
     proc, out = start_and_signal(tmp_path, sig)
@@ -171,6 +172,8 @@ def test_a_signal_saves_says_how_to_resume_and_resumes_exactly(tmp_path, uninter
     assert 10 <= last < 40
     logged = [r["step"] for r in metrics(tmp_path) if r["split"] == "train"]
     assert logged == list(range(0, last, 3)), "the log and the checkpoint agree on where the run stopped"
+    if sig == signal.SIGINT:
+        return
     result = run(tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_run(tmp_path, uninterrupted)
