@@ -1,7 +1,8 @@
 """The TPU compiler (libtpu, `pip install -e ".[tpu]"`) on a v5e:2x2 slice from this machine: each mode's
 training, evaluation and cached decoding steps compile for TPU with splash attention in them, the
-planner's bytes are what the parameter count and dtypes say, and a mesh the slice cannot hold is
-refused by name. Skipped without libtpu."""
+planner's bytes are what the parameter count and dtypes say, a scanned layer stack needs no more
+memory than an unrolled one, and a mesh the slice cannot hold is refused by name. Skipped without
+libtpu."""
 
 import dataclasses
 import math
