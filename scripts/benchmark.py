@@ -395,10 +395,12 @@ def gpt2_vs_torch(args) -> None:
 
     # Each run may use 90% of the GPU, as torch may use all of it (JAX's default is 75%); this process
     # only reads the chip's name, so it must not take JAX's preallocated share of the GPU from them.
-    env = os.environ | {"XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", ".90")}
+    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".90"} | os.environ  # a fraction the user set wins
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     D, H, L, V, T = args.d_model, args.heads, args.layers, args.vocab, args.seq
     peak, source = chips.peak_flops("bfloat16")
+    if args.scan or args.remat != "auto":
+        raise SystemExit("--gpt2-vs-torch takes its layer stacks from --stacks (e.g. scanned:full), not --scan/--remat")
     stacks = args.stacks.split(",")
     for stack in stacks:
         gpt2_shape(D, H, L, V, T, stack=stack)  # a misspelt stack stops here, before any run
