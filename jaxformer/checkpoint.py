@@ -25,6 +25,7 @@ from flax import nnx
 
 from jaxformer.config import Config, ConfigError, from_dict, read_config
 from jaxformer.data import HF_DIR
+from jaxformer.state import init_state
 
 log = logging.getLogger("jaxformer.checkpoint")
 
@@ -213,8 +214,6 @@ def start_workdir(workdir: str | pathlib.Path, cfg: Config, state) -> None:
 
 def restore_workdir(cfg, workdir: str | pathlib.Path):
     """(graphdef, state, optimizer) of the latest checkpoint in a training workdir."""
-    from jaxformer.train import init_state
-
     graphdef, state, optimizer = init_state(cfg)
     ckpt = Checkpointer(workdir, cfg, read_only=True)  # a training run may be writing there
     state = ckpt.restore_latest(state)

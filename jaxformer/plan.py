@@ -42,7 +42,8 @@ import numpy as np
 
 from jaxformer import chips, sharding
 from jaxformer.config import Config, ConfigError
-from jaxformer.train import flops_per_example, make_steps, state_factory
+from jaxformer.state import state_factory
+from jaxformer.train import flops_per_example, make_steps
 
 
 @dataclasses.dataclass(frozen=True)

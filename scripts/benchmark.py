@@ -35,7 +35,8 @@ import numpy as np
 
 from jaxformer import chips, tpu
 from jaxformer import config as C
-from jaxformer.train import flops_per_example, init_state, make_steps
+from jaxformer.state import init_state
+from jaxformer.train import flops_per_example, make_steps
 
 OBJECTIVE = {"decoder_only": "lm", "encoder_decoder": "seq2seq", "encoder_only": "mlm"}
 

@@ -58,7 +58,8 @@ def batches(mode: str) -> list[dict]:
 
 def train(cfg, devices=None) -> tuple[list[float], object, object, object]:
     from jaxformer import sharding
-    from jaxformer.train import init_state, jit_steps, make_steps
+    from jaxformer.state import init_state
+    from jaxformer.train import jit_steps, make_steps
 
     mesh = sharding.make_mesh(cfg.mesh, devices)
     with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
@@ -181,7 +182,7 @@ def remesh(directory: str) -> dict:
     """A checkpoint written under FSDP over 8 devices restores onto DP over 4 and onto 1 device."""
     from jaxformer import sharding
     from jaxformer.checkpoint import Checkpointer
-    from jaxformer.train import init_state
+    from jaxformer.state import init_state
 
     cfg = config("decoder_only", (1, 8, 1))
     _, state, _, _ = train(cfg)

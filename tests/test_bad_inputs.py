@@ -36,7 +36,7 @@ EXPERIMENT = {"lm": "lm_shakespeare", "copy": "copy_task", "mlm": "mlm_shakespea
 def write_workdir(path, name):
     """A training workdir at step 0 (config.json and one checkpoint), as `train` leaves it."""
     from jaxformer.checkpoint import start_workdir
-    from jaxformer.train import state_factory
+    from jaxformer.state import state_factory
 
     cfg = apply_overrides(load_experiment(f"experiments/{EXPERIMENT[name]}.py"), SMALL[name])
     start_workdir(path, cfg, jax.jit(state_factory(cfg)[1])())

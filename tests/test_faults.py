@@ -77,7 +77,7 @@ def uninterrupted(tmp_path_factory):
 def final_state(workdir):
     from jaxformer.checkpoint import Checkpointer
     from jaxformer.config import from_dict
-    from jaxformer.train import init_state
+    from jaxformer.state import init_state
 
     cfg = from_dict(json.loads((pathlib.Path(workdir) / "config.json").read_text()))
     ckpt = Checkpointer(workdir, cfg)
@@ -213,7 +213,7 @@ def test_metadata_that_parses_but_is_wrong_falls_back_to_the_previous_checkpoint
 ):
     from jaxformer.checkpoint import Checkpointer
     from jaxformer.config import from_dict
-    from jaxformer.train import init_state
+    from jaxformer.state import init_state
 
     workdir = copy_of(uninterrupted, tmp_path)
     write_meta(workdir, 40, damage(good_meta(workdir, 40)))
@@ -278,7 +278,7 @@ def test_export_and_load_model_give_identical_logits(tmp_path, uninterrupted, ca
     from jaxformer import cli
     from jaxformer.checkpoint import load_model
     from jaxformer.config import from_dict
-    from jaxformer.train import init_state
+    from jaxformer.state import init_state
 
     assert cli.main(["export", "--workdir", str(uninterrupted), "--out", str(tmp_path / "exported")]) == 0
     model = load_model(tmp_path / "exported")
@@ -365,7 +365,7 @@ def test_a_non_finite_loss_stops_naming_the_step_and_causes_and_keeps_the_last_g
     from jaxformer import cli
     from jaxformer.checkpoint import Checkpointer
     from jaxformer.config import from_dict
-    from jaxformer.train import init_state
+    from jaxformer.state import init_state
 
     # A learning rate of 1e30 after warmup's first step: finite parameters of ~1e29, then overflow.
     sets = [*OVERRIDES, "checkpoint.every=2", "train.learning_rate=1e30", "train.warmup_steps=10"]
@@ -430,7 +430,7 @@ def test_resuming_with_another_optimizer_layout_is_refused_not_set_aside(tmp_pat
 
     from jaxformer.checkpoint import Checkpointer
     from jaxformer.config import ConfigError, from_dict
-    from jaxformer.train import init_state
+    from jaxformer.state import init_state
 
     workdir = copy_of(uninterrupted, tmp_path)
     cfg = from_dict(json.loads((workdir / "config.json").read_text()))

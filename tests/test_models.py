@@ -312,7 +312,8 @@ def test_matmul_precision_reaches_every_matrix_product():
 def test_auto_attention_compiles_to_cudnn_flash_attention_on_gpu(mode):
     """On a GPU in bfloat16, "auto" puts cuDNN's fused attention (forward and backward) in the training step."""
     from jaxformer import config as C
-    from jaxformer.train import init_state, make_steps
+    from jaxformer.state import init_state
+    from jaxformer.train import make_steps
 
     objective = {"encoder_only": "mlm", "decoder_only": "lm", "encoder_decoder": "seq2seq"}[mode]
     model = jf.tiny(mode, vocab_size=V, d_model=64, num_heads=2, max_len=64, dtype="bfloat16", attention_impl="auto")

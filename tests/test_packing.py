@@ -112,7 +112,8 @@ def test_packed_classification_equals_each_text_alone():
     from flax import nnx
 
     from jaxformer import functional as F
-    from jaxformer.train import init_state, make_steps
+    from jaxformer.state import init_state
+    from jaxformer.train import make_steps
 
     cfg = classify_cfg(pack=True, pooling="mean")
     train = build_dataset(cfg).train

@@ -21,7 +21,8 @@ import jax, numpy as np
 from jaxformer import sharding
 from jaxformer.config import apply_overrides, load_experiment
 from jaxformer.plan import plan
-from jaxformer.train import init_state, jit_steps, make_steps
+from jaxformer.state import init_state
+from jaxformer.train import jit_steps, make_steps
 
 cfg = apply_overrides(load_experiment("experiments/lm_shakespeare.py"), sys.argv[1:])
 planned = plan(cfg)

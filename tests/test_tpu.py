@@ -18,8 +18,8 @@ pytest.importorskip("libtpu")
 from jaxformer import build_model, count_params, decode, sharding
 from jaxformer.config import Config, ConfigError, DataConfig, DecodeConfig, MeshConfig, TrainConfig, tiny
 from jaxformer.plan import parse_target, plan, with_shardings
+from jaxformer.state import state_factory
 from jaxformer.tpu import accelerator_type
-from jaxformer.train import state_factory
 
 SLICE = "tpu-v5e:2x2"  # 4 chips, the smallest slice libtpu names
 T = 128  # splash attention's tile: lengths are multiples of it

@@ -9,7 +9,8 @@ import pytest
 
 from jaxformer import config as C
 from jaxformer.layers import check_batch_ids
-from jaxformer.train import init_state, learning_rate_schedule, make_steps
+from jaxformer.state import init_state, learning_rate_schedule
+from jaxformer.train import make_steps
 
 
 def run_config(**train):

@@ -48,7 +48,7 @@ def import_hf(source, workdir, experiment: str | None = None, overrides: list[st
     """Make `workdir` a training workdir at step 0 holding the checkpoint in `source`; returns its Config."""
     from jaxformer import sharding
     from jaxformer.checkpoint import start_workdir
-    from jaxformer.train import start_state, state_factory
+    from jaxformer.state import start_state, state_factory
 
     source, workdir = pathlib.Path(source), pathlib.Path(workdir)
     theirs = hf.read_hf_config(source)

@@ -1,0 +1,108 @@
+"""The training state and its construction: the `TrainState` pytree, the optimizer built from config,
+and the initial state (random or from given parameters), created sharded when a mesh is given.
+
+Its own module so that `train` (the steps and the loop) and `checkpoint` (which restores into a state
+of the right shape) both build on it, and neither on the other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from jaxformer import sharding
+from jaxformer.config import Config, TrainConfig
+from jaxformer.models import Transformer
+
+Array = jax.Array
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a step reads and writes: a plain pytree."""
+
+    step: Array  # int32 scalar
+    params: nnx.State
+    opt_state: optax.OptState
+    rng: Array  # root key as raw uint32 key data (checkpointable); step t's dropout key is fold_in(rng, t)
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def learning_rate_schedule(cfg: TrainConfig, d_model: int) -> optax.Schedule:
+    """noam: lr * D^-0.5 * min(t^-0.5, t * warmup^-1.5) (paper, t counted from 1);
+    cosine: linear warmup to lr then cosine decay to 0 at `steps`; constant (with warmup)."""
+    if cfg.schedule == "noam":
+        w = max(cfg.warmup_steps, 1)
+        rsqrt = lambda t: cfg.learning_rate * d_model**-0.5 * jnp.minimum((t + 1.0) ** -0.5, (t + 1.0) * w**-1.5)
+        return rsqrt
+    if cfg.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            0.0, cfg.learning_rate, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps + 1)
+        )
+    warm = optax.linear_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1))
+    return optax.join_schedules([warm, optax.constant_schedule(cfg.learning_rate)], [cfg.warmup_steps])
+
+
+def decay_mask(params: nnx.State) -> Any:
+    """True for weight matrices; False for norms' scales and all biases (never decayed)."""
+
+    def keep(path, _):
+        name = str(path[-2].key if path and hasattr(path[-1], "name") else path[-1])
+        return not (name.endswith("bias") or name == "scale")
+
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def make_optimizer(cfg: TrainConfig, d_model: int) -> optax.GradientTransformation:
+    """Clip by global norm, then Adam (paper: b1=0.9, b2=0.98, eps=1e-9) or AdamW with a decay mask."""
+    schedule = learning_rate_schedule(cfg, d_model)
+    if cfg.optimizer == "adam":
+        opt = optax.adam(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+    else:
+        opt = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
+    opt = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), opt) if cfg.clip_norm else opt
+    if cfg.on_nonfinite == "skip":  # a non-finite update is dropped; the count lives in the (checkpointed) state
+        opt = optax.apply_if_finite(opt, max_consecutive_errors=jnp.iinfo(jnp.int32).max)
+    return opt
+
+
+# ----------------------------------------------------------------------------- initial state
+
+
+def state_factory(cfg: Config):
+    """(graphdef, create, optimizer): `create()` builds the initial TrainState of `cfg`; nothing is
+    allocated until it runs (`jax.eval_shape(create)` gives its shapes, as the planner uses them)."""
+    optimizer = make_optimizer(cfg.train, cfg.model.d_model)
+
+    def create() -> TrainState:
+        model = Transformer(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))
+        return start_state(cfg, nnx.state(model, nnx.Param), optimizer)
+
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))), nnx.Param)
+    return graphdef, create, optimizer
+
+
+def start_state(cfg: Config, params: nnx.State, optimizer: optax.GradientTransformation) -> TrainState:
+    """Step 0 from `params` (random, or pretrained ones being fine-tuned): a fresh optimizer state."""
+    rng = jax.random.key_data(jax.random.key(cfg.train.seed))
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), rng)
+
+
+def init_state(cfg: Config, mesh: jax.sharding.Mesh | None = None):
+    """(graphdef, TrainState, optimizer) for `cfg`.
+
+    With a mesh (and the rules in effect, see `sharding.use`), parameters and optimizer
+    state are created already sharded: the initialiser is jitted with the shardings the
+    logical axis names give as `out_shardings`, so no array is ever whole on one device.
+    """
+    graphdef, create, optimizer = state_factory(cfg)
+    if mesh is None:
+        return graphdef, create(), optimizer
+    shardings = sharding.state_shardings(jax.eval_shape(create), mesh)
+    return graphdef, jax.jit(create, out_shardings=shardings)(), optimizer
