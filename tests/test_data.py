@@ -141,7 +141,7 @@ def files_cfg(files, objective="lm", mode="decoder_only", batch_size=2, num_clas
 
 def read_source(cfg):
     from jaxformer.data import sources
-    from jaxformer.data.pipeline import source_of
+    from jaxformer.data.sources import source_of
 
     return sources.read(source_of(cfg), labelled=cfg.train.objective == "classify")
 

@@ -1,9 +1,16 @@
 """Data: the user's files and the shipped corpora (sources), tokenized once (prepare), batches by step read
 through grain (pipeline), tokenizers, synthetic tasks."""
 
-from jaxformer.data.pipeline import HF_DIR, Batches, Dataset, build_dataset, load_tokenizer
+from jaxformer.data.pipeline import Batches, Dataset, build_dataset
 from jaxformer.data.sources import DataError
-from jaxformer.data.tokenizers import ByteTokenizer, HFTokenizer, SentencePieceTokenizer, SymbolTokenizer
+from jaxformer.data.tokenizers import (
+    HF_DIR,
+    ByteTokenizer,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    SymbolTokenizer,
+    load_tokenizer,
+)
 
 __all__ = [
     "HF_DIR",

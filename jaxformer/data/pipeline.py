@@ -21,17 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
 from jaxformer.config import Config
-from jaxformer.data import sources
-from jaxformer.data.sources import DataError
-from jaxformer.data.tokenizers import ByteTokenizer, HFTokenizer, SentencePieceTokenizer, SymbolTokenizer
-
-# A workdir made by `jaxformer import-hf` keeps the pretrained model's tokenizer and config.json here.
-HF_DIR = "hf"
+from jaxformer.data.prepare import check_vocab, prepare
+from jaxformer.data.sources import DataError, source_of
+from jaxformer.data.tokenizers import SymbolTokenizer, load_tokenizer
 
 
 @dataclasses.dataclass
@@ -373,8 +370,6 @@ def build_dataset(
     """The configured data, batched by step: prepared on disk the first time (`prepare.prepare`:
     read, checked, split, tokenized; SentencePiece trained in workdir), then memory-mapped.
     `own`: the workdir's training (not a reader such as eval) records the cache it uses."""
-    from jaxformer.data.prepare import check_vocab, prepare
-
     d, t = cfg.data, cfg.train
     if d.source in ("copy", "reverse"):
         return _synthetic(cfg)
@@ -411,44 +406,6 @@ def build_dataset(
         bucketed = buckets if not (d.pack and name == "train") else ()
         splits.append(Batches(ex, t.batch_size, seed, transform=transform, buckets=bucketed))
     return Dataset(tok, *splits, *prepared.samples(), prepared.label_names)
-
-
-def source_of(cfg: Config) -> sources.Source:
-    """The configured data as a `Source`: a shipped corpus (its file replaced by `data.path`) or the user's files."""
-    d, objective = cfg.data, cfg.train.objective
-    if d.source == "files":
-        fields = d.fields or sources.FIELDS[objective]
-        return sources.Source(d.files, fields, d.format, d.text_unit, d.labels, min_words=d.min_words or 0)
-    src = sources.SHIPPED[d.source]
-    if d.path:
-        src = dataclasses.replace(src, files=(d.path,))
-    if d.min_words is not None:
-        src = dataclasses.replace(src, min_words=d.min_words)
-    if d.fields:
-        src = dataclasses.replace(src, fields=d.fields)
-    return src
-
-
-def load_tokenizer(cfg: Config, workdir: str | pathlib.Path):
-    """The tokenizer a run in `workdir` was trained with (no corpus is read)."""
-    if cfg.data.tokenizer == "byte":
-        return ByteTokenizer()
-    if cfg.data.tokenizer == "symbols":
-        return SymbolTokenizer(cfg.data.synthetic_vocab)
-    if cfg.data.tokenizer == "hf":
-        return HFTokenizer(pathlib.Path(workdir) / HF_DIR)
-    model_file = pathlib.Path(workdir) / "tokenizer.model"
-    if not model_file.is_file():
-        raise DataError(f"{model_file} does not exist: train in this workdir first")
-    return SentencePieceTokenizer(model_file)
-
-
-def train_tokenizer(cfg: Config, train_texts: Iterable[str], workdir) -> None:
-    """SentencePiece, trained on the training split's texts into WORKDIR/tokenizer.model (once: a
-    resumed run keeps the tokenizer it was trained with)."""
-    model_file = pathlib.Path(workdir or ".") / "tokenizer.model"
-    if cfg.data.tokenizer == "sentencepiece" and not model_file.is_file():
-        SentencePieceTokenizer.train(train_texts, model_file, cfg.data.spm_vocab_size, cfg.data.spm_model_type)
 
 
 def bucket_widths(widths: tuple[int, ...], n: int) -> tuple[tuple[int, ...], ...]:

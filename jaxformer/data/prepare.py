@@ -40,8 +40,8 @@ import numpy as np
 
 from jaxformer.config import Config
 from jaxformer.data import sources
-from jaxformer.data.sources import DataError
-from jaxformer.data.tokenizers import ByteTokenizer
+from jaxformer.data.sources import DataError, source_of
+from jaxformer.data.tokenizers import ByteTokenizer, load_tokenizer, train_tokenizer
 
 SPLITS = ("train", "validation", "test")
 VERSION = 1  # of the layout above; bump it when it changes
@@ -173,8 +173,6 @@ def prepare(cfg: Config, workdir=None, progress: bool = True, own: bool = True) 
     With a workdir and `own` (training, `jaxformer prepare`; not readers such as eval), the cache
     is recorded as the workdir's, and the one it recorded before is removed once this one is
     ready, unless another workdir's record names it (see `use`)."""
-    from jaxformer.data.pipeline import source_of
-
     d = cfg.data
     src = source_of(cfg)
     files = sources.expand(src.files)
@@ -220,8 +218,6 @@ def prepare(cfg: Config, workdir=None, progress: bool = True, own: bool = True) 
 def _train_sentencepiece(cfg: Config, workdir, src: sources.Source, plan: list, run) -> str:
     """Train SentencePiece on the training split; returns the tokenizer's identity. Which records
     are training ones needs their number, so this first time they are counted in a pass of its own."""
-    from jaxformer.data.pipeline import train_tokenizer
-
     d, objective = cfg.data, cfg.train.objective
     labels = None
     if objective == "classify":
@@ -487,8 +483,6 @@ def _init_worker(cfg: Config, workdir) -> None:
 def _tokenizer():
     """The worker's tokenizer, loaded once (it may be trained after the worker started)."""
     if "tok" not in _WORKER:
-        from jaxformer.data.pipeline import load_tokenizer
-
         _WORKER["tok"] = load_tokenizer(_WORKER["cfg"], _WORKER["workdir"] or ".")
     return _WORKER["tok"]
 
@@ -641,8 +635,6 @@ def _build(cfg: Config, workdir, src, plan, out: pathlib.Path, run, progress) ->
     """Tokenize the parts (one pass over the records), then split and join them in the corpus'
     order; returns the manifest's counts, labels and samples."""
     from tqdm.auto import tqdm
-
-    from jaxformer.data.pipeline import load_tokenizer
 
     d, objective = cfg.data, cfg.train.objective
     tok = load_tokenizer(cfg, workdir or ".")

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from jaxformer.config import Config
+
 CORPORA = pathlib.Path(__file__).parent / "corpora"
 # lohelp_apps labels: the LibreOffice application of each help page ("shared" is not one and is dropped).
 APPS = ("scalc", "sbasic", "swriter", "simpress", "sdatabase", "smath", "schart", "sdraw")
@@ -330,3 +332,19 @@ def split(records: list, val_fraction: float, test_fraction: float, seed: int, p
         if not part:
             raise DataError(f"{path}: the {name} split is empty ({len(records)} records in all)")
     return out
+
+
+def source_of(cfg: Config) -> Source:
+    """The configured data as a `Source`: a shipped corpus (its file replaced by `data.path`) or the user's files."""
+    d, objective = cfg.data, cfg.train.objective
+    if d.source == "files":
+        fields = d.fields or FIELDS[objective]
+        return Source(d.files, fields, d.format, d.text_unit, d.labels, min_words=d.min_words or 0)
+    src = SHIPPED[d.source]
+    if d.path:
+        src = dataclasses.replace(src, files=(d.path,))
+    if d.min_words is not None:
+        src = dataclasses.replace(src, min_words=d.min_words)
+    if d.fields:
+        src = dataclasses.replace(src, fields=d.fields)
+    return src

@@ -11,6 +11,12 @@ import json
 import pathlib
 from collections.abc import Iterable, Sequence
 
+from jaxformer.config import Config
+from jaxformer.data.sources import DataError
+
+# A workdir made by `jaxformer import-hf` keeps the pretrained model's tokenizer and config.json here.
+HF_DIR = "hf"
+
 
 class ByteTokenizer:
     """UTF-8 bytes shifted past four special ids: V = 260, nothing to train or save."""
@@ -153,3 +159,25 @@ class HFTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def load_tokenizer(cfg: Config, workdir: str | pathlib.Path):
+    """The tokenizer a run in `workdir` was trained with (no corpus is read)."""
+    if cfg.data.tokenizer == "byte":
+        return ByteTokenizer()
+    if cfg.data.tokenizer == "symbols":
+        return SymbolTokenizer(cfg.data.synthetic_vocab)
+    if cfg.data.tokenizer == "hf":
+        return HFTokenizer(pathlib.Path(workdir) / HF_DIR)
+    model_file = pathlib.Path(workdir) / "tokenizer.model"
+    if not model_file.is_file():
+        raise DataError(f"{model_file} does not exist: train in this workdir first")
+    return SentencePieceTokenizer(model_file)
+
+
+def train_tokenizer(cfg: Config, train_texts: Iterable[str], workdir) -> None:
+    """SentencePiece, trained on the training split's texts into WORKDIR/tokenizer.model (once: a
+    resumed run keeps the tokenizer it was trained with)."""
+    model_file = pathlib.Path(workdir or ".") / "tokenizer.model"
+    if cfg.data.tokenizer == "sentencepiece" and not model_file.is_file():
+        SentencePieceTokenizer.train(train_texts, model_file, cfg.data.spm_vocab_size, cfg.data.spm_model_type)
