@@ -54,7 +54,16 @@ import typing
 import warnings
 from typing import Any, Literal
 
-from jaxformer.config import Config, ConfigError, call_file, field_hint, load_experiment, require, with_values
+from jaxformer.config import (
+    Config,
+    ConfigError,
+    call_file,
+    field_hint,
+    load_experiment,
+    parse_overrides,
+    require,
+    with_values,
+)
 
 EVAL_METRICS = {"loss": "minimize", "nll": "minimize", "perplexity": "minimize", "accuracy": "maximize"}
 
@@ -138,10 +147,17 @@ def check(sweep: Sweep, base: Config) -> None:
             raise ConfigError(f"{name}: {dist!r} is neither Choice(...) nor Range(...)")
 
 
-def load(path: str | pathlib.Path) -> tuple[Sweep, Config]:
-    """The sweep of a sweep file and its (fixed-overridden) base config, checked."""
+def load(path: str | pathlib.Path, overrides: list[str] = (), trials: int | None = None) -> tuple[Sweep, Config]:
+    """The sweep of a sweep file and its (fixed-overridden) base config, checked. `overrides`
+    (`section.field=value`, the command line's --set) join the sweep's fixed values and `trials`
+    replaces its count: a sweep shrunk to try it (a few short trials) without editing its file."""
     sweep = call_file(path, "get_sweep", "sweep")
     require(isinstance(sweep, Sweep), "get_sweep()", f"returned {type(sweep).__name__}, not jaxformer.sweep.Sweep")
+    given = parse_overrides(list(overrides))
+    for name in given:
+        require(name not in sweep.space, f"--set {name}", "is searched by the sweep (its space): it cannot be fixed")
+    require(trials is None or trials >= 1, "--trials", f"must be >= 1, got {trials}")
+    sweep = dataclasses.replace(sweep, fixed={**sweep.fixed, **given}, trials=trials or sweep.trials)
     base_path = pathlib.Path(sweep.base)
     if not base_path.suffix:  # a name: the experiments/ directory next to experiments/sweeps/
         base_path = pathlib.Path(path).resolve().parent.parent / f"{sweep.base}.py"
@@ -299,9 +315,10 @@ def planned_trials(sweep: Sweep) -> list[dict]:
     return plan + [{}] * (sweep.trials - drawn)
 
 
-def open_study(sweep: Sweep, name: str, url: str, create: bool = False, worker: tuple = ()):
-    """The sweep's Optuna study. With `create`, a new one is made with its planned trials queued
-    (the one command that wins the race to create it queues them; the others wait for the queue).
+def open_study(sweep: Sweep, name: str, url: str, create: bool = False, worker: tuple = (), storage=None):
+    """The sweep's Optuna study (in `storage`, else one opened on `url`). With `create`, a new one is
+    made with its planned trials queued (the one command that wins the race to create it queues
+    them; the others wait for the queue).
     TPE samples with a seed drawn from (sweep.seed, trials so far, `worker`): workers started
     together, or a sweep started again, would otherwise propose the same parameters."""
     import numpy as np
@@ -309,7 +326,7 @@ def open_study(sweep: Sweep, name: str, url: str, create: bool = False, worker: 
 
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # the heartbeat
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = _storage(url, sweep)
+    storage = storage or _storage(url, sweep)
     pruner = optuna.pruners.MedianPruner(n_startup_trials=2) if sweep.prune else optuna.pruners.NopPruner()
     described = repr({k: sweep.space[k] for k in sorted(sweep.space)}) + repr(sorted(sweep.fixed.items()))
     described += repr((sweep.strategy, sweep.trials, sweep.seed))
@@ -345,15 +362,51 @@ def open_study(sweep: Sweep, name: str, url: str, create: bool = False, worker: 
     return study
 
 
+def _take_queued_trial(storage, study_id: int, url: str) -> int | None:
+    """A waiting trial of the study, now RUNNING and this worker's, or None if none waits.
+
+    Said with the storage's public API: Optuna's own `Study.ask` takes a waiting trial too, but
+    creates a new one when none waits, where a sweep's fixed queue must stop. Taking one is a
+    guarded WAITING -> RUNNING update; PostgreSQL guards it with a row lock, SQLite ignores that
+    (two workers once both read WAITING and both trained trial 0 in one workdir), so on SQLite
+    the workers of the machine take trials one at a time under a file lock beside the database."""
+    import optuna
+
+    WAITING, RUNNING = optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING
+    database = url.removeprefix("sqlite:///") if url.startswith("sqlite:///") else None
+    with _file_lock(f"{database}.take-lock") if database else contextlib.nullcontext():
+        for trial in storage.get_all_trials(study_id, deepcopy=False, states=(WAITING,)):
+            trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
+            try:
+                if storage.set_trial_state_values(trial_id, state=RUNNING):
+                    return trial_id
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # finished meanwhile by another worker
+    return None
+
+
 @contextlib.contextmanager
-def _heartbeat(study, trial_id: int, interval: float):
+def _file_lock(path: str):
+    """An exclusive lock on `path` (created if need be) held while the block runs."""
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _heartbeat(storage, trial_id: int, interval: float):
     """Record the trial's heartbeat every `interval` seconds while the block runs."""
     stop = threading.Event()
 
     def beat():
         while True:
             try:
-                study._storage.record_heartbeat(trial_id)
+                storage.record_heartbeat(trial_id)
             except ConnectionError:
                 return  # the trial's next report meets the lost database too, and stops the worker
             if stop.wait(interval):
@@ -377,7 +430,9 @@ def work(sweep: Sweep, base: Config, workdir: pathlib.Path, url: str, name: str,
     from jaxformer.observe import curve, read_metrics
     from jaxformer.train import fit
 
-    study = open_study(sweep, name, url, worker=(worker, os.getpid()) if shared else (worker,))
+    storage = _storage(url, sweep)
+    study = open_study(sweep, name, url, worker=(worker, os.getpid()) if shared else (worker,), storage=storage)
+    study_id = storage.get_study_id_from_name(name)
     tag = f"[worker {worker}] " if worker else ""
     RUNNING = optuna.trial.TrialState.RUNNING
 
@@ -422,8 +477,7 @@ def work(sweep: Sweep, base: Config, workdir: pathlib.Path, url: str, name: str,
     waiting_said = False
     while True:
         optuna.storages.fail_stale_trials(study)  # a dead worker's trial: failed, and queued again
-        # Taking a queued trial is one guarded update in the database: no two workers get the same.
-        trial_id = study._pop_waiting_trial_id()
+        trial_id = _take_queued_trial(storage, study_id, url)
         if trial_id is None:
             running = study.get_trials(deepcopy=False, states=(RUNNING,))
             if not running:
@@ -436,7 +490,7 @@ def work(sweep: Sweep, base: Config, workdir: pathlib.Path, url: str, name: str,
             continue
         waiting_said = False
         trial = optuna.Trial(study, trial_id)
-        with _heartbeat(study, trial_id, sweep.heartbeat):
+        with _heartbeat(storage, trial_id, sweep.heartbeat):
             try:
                 state, value = train(trial)
             except SystemExit:
@@ -494,13 +548,21 @@ def pin(platform: str, ids: list[str], per_trial: int) -> list[dict[str, str]]:
     raise ConfigError(f"--workers auto: no pinning known for platform {platform!r}")
 
 
-def run(path: str, workdir: str, workers: int | str = 1, storage: str | None = None, worker: int | None = None) -> list:
+def run(
+    path: str,
+    workdir: str,
+    workers: int | str = 1,
+    storage: str | None = None,
+    worker: int | None = None,
+    overrides: list[str] = (),
+    trials: int | None = None,
+) -> list:
     """`jaxformer sweep`: check the sweep, run it with `workers` processes (`auto`: one per
     accelerator group), report the results. (`worker=i`: be worker i of a multi-process sweep:
-    run trials, report nothing.)"""
+    run trials, report nothing.) `overrides` and `trials` shrink or change it (see `load`)."""
     if workers != "auto" and workers < 1:
         raise ConfigError(f"--workers: must be >= 1 or auto, got {workers}")
-    sweep, base = load(path)
+    sweep, base = load(path, overrides, trials)
     root = pathlib.Path(workdir)
     root.mkdir(parents=True, exist_ok=True)
     url, name = storage_url(root, storage), pathlib.Path(path).stem
@@ -514,6 +576,7 @@ def run(path: str, workdir: str, workers: int | str = 1, storage: str | None = N
         work(sweep, base, root, url, name, shared=storage is not None)
     else:
         cmd = [sys.executable, "-m", "jaxformer.cli", "sweep", str(path), "--workdir", str(root), "--storage", url]
+        cmd += [f"--set={item}" for item in overrides] + ([f"--trials={trials}"] if trials else [])
         for i, env in enumerate(envs, 1):
             if env:
                 print(f"worker {i}: " + " ".join(f"{k}={v}" for k, v in env.items()))
@@ -530,12 +593,12 @@ def run(path: str, workdir: str, workers: int | str = 1, storage: str | None = N
     return rows
 
 
-def status(path: str, workdir: str, storage: str | None = None) -> dict:
+def status(path: str, workdir: str, storage: str | None = None, overrides: list[str] = ()) -> dict:
     """`jaxformer sweep --status`: trials done / running / pruned / failed, the best so far and
     an ETA, read from the storage (starts nothing). Returns the counts printed."""
     import datetime
 
-    sweep, _ = load(path)
+    sweep, _ = load(path, overrides)
     url, name = storage_url(pathlib.Path(workdir), storage), pathlib.Path(path).stem
     if storage is None and not (pathlib.Path(workdir) / "sweep.db").is_file():
         raise ConfigError(f"{workdir}: no sweep here yet (no sweep.db): start it first")

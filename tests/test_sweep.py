@@ -90,8 +90,10 @@ def last_eval_loss(trial_dir: pathlib.Path) -> float:
 
 
 def test_two_workers_share_one_sqlite_sweep_and_a_rerun_adds_nothing(tmp_path, capfd):
-    file, workdir = sweep_file(tmp_path, "two", trials=4), tmp_path / "sweep"
-    assert cli.main(["sweep", str(file), "--workdir", str(workdir), "--workers", "2"]) == 0
+    """Shrunk from the command line (--trials, --set), which each worker process is given too."""
+    file, workdir = sweep_file(tmp_path, "two", trials=9, steps=60), tmp_path / "sweep"
+    shrink = ["--trials", "4", "--set", "train.steps=20"]
+    assert cli.main(["sweep", str(file), "--workdir", str(workdir), "--workers", "2", *shrink]) == 0
     out = capfd.readouterr().out
     assert "[worker 1] trial" in out and "[worker 2] trial" in out  # both processes ran trials
     progress = re.findall(r"trial \d+ .*\[(\d+) of (\d+) done\]", out)  # each trial says where the sweep is
@@ -107,10 +109,16 @@ def test_two_workers_share_one_sqlite_sweep_and_a_rerun_adds_nothing(tmp_path, c
     assert (workdir / "sweep.db").is_file() and (workdir / "objective.png").is_file()
     assert (workdir / "loss_curves.png").is_file()
 
+    for r in table:  # the --set value, not the file's 60 steps
+        assert json.loads((workdir / r["workdir"] / "config.json").read_text())["train"]["steps"] == 20
+        assert eval_steps(workdir / r["workdir"])[-1] == 20
+
     mtimes = {p: p.stat().st_mtime for p in workdir.glob("trial-*/metrics.jsonl")}
-    assert cli.main(["sweep", str(file), "--workdir", str(workdir)]) == 0
+    assert cli.main(["sweep", str(file), "--workdir", str(workdir), *shrink]) == 0
     assert "trial 4" not in capfd.readouterr().out
     assert len(rows(workdir)) == 4 and {p: p.stat().st_mtime for p in mtimes} == mtimes
+    assert cli.main(["sweep", str(file), "--workdir", str(workdir), "--trials", "5"]) == 2  # another sweep
+    assert "with another definition: use a new --workdir" in capfd.readouterr().err
 
 
 def test_a_killed_sweep_continues_and_retries_the_dead_trial_in_its_workdir(tmp_path, capfd):
@@ -185,6 +193,23 @@ def test_shipped_sweeps_validate():
     for path in sorted((REPO / "experiments/sweeps").glob("*.py")):
         sweep, base = load(path)
         assert base.train.steps == sweep.fixed["train.steps"], path
+        shrunk, small = load(path, ["train.steps=7", "train.batch_size=4"], trials=2)
+        assert (shrunk.trials, small.train.steps, small.train.batch_size) == (2, 7, 4)
+        assert shrunk.space == sweep.space
+
+
+@pytest.mark.parametrize(
+    "overrides, trials, message",
+    [
+        (["train.learning_rate=0.1"], None, "--set train.learning_rate: is searched by the sweep"),
+        (["train.stepz=3"], None, "train.stepz: unknown field"),
+        (["train.steps=many"], None, "train.steps"),
+        ([], 0, "--trials: must be >= 1, got 0"),
+    ],
+)
+def test_a_sweep_shrunk_from_the_command_line_is_checked(tmp_path, overrides, trials, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load(sweep_file(tmp_path, "s", trials=3), overrides, trials)
 
 
 @pytest.mark.parametrize("storage, workers", [("sqlite", 1), ("postgresql", "auto")])
@@ -367,3 +392,34 @@ def test_workers_auto_starts_one_pinned_worker_per_gpu(tmp_path, monkeypatch):
     table = sweep.run(str(sweep_file(tmp_path, "gpus", trials=2)), str(tmp_path / "w"), workers="auto")
     assert started == [("1", "0"), ("2", "1")]
     assert [r["state"] for r in table] == ["WAITING", "WAITING"]  # queued for the (recorded) workers
+
+
+def test_workers_sharing_a_sqlite_sweep_never_take_the_same_trial(tmp_path):
+    """SQLite ignores the row lock Optuna's WAITING -> RUNNING update relies on: four takers of one
+    queue of 60 took 78 trials (12 twice) without the sweep's file lock, and two workers once
+    trained trial 0 in one workdir. With it, each trial is taken exactly once."""
+    import threading
+
+    import optuna
+
+    from jaxformer.sweep import _take_queued_trial
+
+    url = f"sqlite:///{tmp_path / 'sweep.db'}"
+    study = optuna.create_study(storage=url, study_name="queue")
+    for i in range(60):
+        study.enqueue_trial({"x": i})
+    taken = []
+
+    def worker():
+        storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
+        study_id = storage.get_study_id_from_name("queue")
+        while (trial_id := _take_queued_trial(storage, study_id, url)) is not None:
+            taken.append(trial_id)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(taken) == len(set(taken)) == 60
+    assert {t.state for t in study.get_trials(deepcopy=False)} == {optuna.trial.TrialState.RUNNING}
