@@ -221,9 +221,11 @@ def cmd_sweep(args) -> int:
     from jaxformer import sweep
 
     if args.status:
-        sweep.status(args.file, args.workdir, storage=args.storage)
+        sweep.status(args.file, args.workdir, storage=args.storage, overrides=args.set or [])
         return 0
-    sweep.run(args.file, args.workdir, workers=args.workers, storage=args.storage, worker=args.worker)
+    sweep.run(
+        args.file, args.workdir, args.workers, args.storage, args.worker, overrides=args.set or [], trials=args.trials
+    )
     return 0
 
 
@@ -363,6 +365,13 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="worker processes on this machine; auto: one per accelerator (Sweep.devices each), pinned to it",
     )
+    sw.add_argument(
+        "--set",
+        action="append",
+        metavar="SECTION.FIELD=VALUE",
+        help="fix a field in every trial, over the sweep file's own fixed values (e.g. --set train.steps=50)",
+    )
+    sw.add_argument("--trials", type=int, help="the number of trials, instead of the sweep file's")
     sw.add_argument("--storage", help="Optuna storage URL (default: sqlite in the workdir), e.g. postgresql://...")
     sw.add_argument("--status", action="store_true", help="print trials done/running/pruned/failed, best, ETA")
     sw.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # one worker of a --workers N sweep

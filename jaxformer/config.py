@@ -702,14 +702,19 @@ def with_values(cfg: Config, values: dict) -> Config:
     return from_dict(d)
 
 
-def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
-    """Apply `section.field=value` overrides; values are parsed by the field's type and validated."""
+def parse_overrides(overrides: list[str]) -> dict:
+    """`section.field=value` strings as {"section.field": value}, each parsed by the field's type."""
     values = {}
     for item in overrides:
         require("=" in item, item, "an override is section.field=value")
         dotted, raw = item.split("=", 1)
-        values[dotted] = _parse(raw.strip(), field_hint(dotted), dotted.strip())
-    return with_values(cfg, values)
+        values[dotted.strip()] = _parse(raw.strip(), field_hint(dotted), dotted.strip())
+    return values
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """Apply `section.field=value` overrides; values are parsed by the field's type and validated."""
+    return with_values(cfg, parse_overrides(overrides))
 
 
 def _parse(raw: str, hint, field: str):
