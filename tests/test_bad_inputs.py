@@ -267,6 +267,16 @@ CLI_CASES = [
     cli_case("sweep {sweep_without_function}/sweep.py --workdir {tmp}/never", r"\S+sweep\.py defines no get_sweep"),
     cli_case("sweep experiments/sweeps/copy_task.py --workdir {tmp}/never --workers 0", r"--workers: must be"),
     cli_case("sweep experiments/sweeps/copy_task.py --workdir {tmp}/never --workers many", r"argument --workers: "),
+    cli_case(
+        "sweep experiments/sweeps/copy_task.py --workdir {tmp}/never --trials 0", r"--trials: must be >= 1, got 0"
+    ),
+    cli_case(
+        "sweep experiments/sweeps/copy_task.py --workdir {tmp}/never --set train.learning_rate=0.1",
+        r"--set train\.learning_rate: is searched by the sweep",
+    ),
+    cli_case(
+        "sweep experiments/sweeps/copy_task.py --workdir {tmp}/never --set train.stepz=3", r"train\.stepz: unknown"
+    ),
 ]
 
 
