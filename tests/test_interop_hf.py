@@ -218,6 +218,16 @@ def _edit_weights(directory, edit):
     save_file(tensors, directory / hf.WEIGHTS, metadata={"format": "pt"})
 
 
+def _truncate(name):
+    """A download cut short: the file's header intact, its last tensor's bytes missing."""
+
+    def cut(d):
+        data = (d / name).read_bytes()
+        (d / name).write_bytes(data[: len(data) - 64])
+
+    return cut
+
+
 def _add(name, shape):
     return lambda d: _edit_weights(d, lambda t: t.update({name: np.zeros(shape, np.float32)}))
 
@@ -235,6 +245,9 @@ def _add(name, shape):
          "feed_forward_proj"),
         ("gpt2", lambda d: _edit_config(d, n_layer=None), hf.UnsupportedCheckpoint, "n_layer"),
         ("gpt2", lambda d: (d / hf.WEIGHTS).unlink(), FileNotFoundError, "model.safetensors"),
+        ("gpt2", lambda d: (d / hf.WEIGHTS).write_bytes(b"not safetensors"), hf.UnsupportedCheckpoint,
+         r"model.safetensors: not a readable safetensors file \(.*header"),
+        ("gpt2", _truncate(hf.WEIGHTS), hf.UnsupportedCheckpoint, r"model.safetensors: not a readable safetensors"),
         ("gpt2", lambda d: _edit_weights(d, lambda t: t.pop("transformer.h.1.mlp.c_fc.weight")),
          hf.UnsupportedCheckpoint, "lacks tensors for .*decoder.stack.layers.1.ffn.wi"),
         ("gpt2", _add("transformer.h.0.adapter.weight", 3), hf.UnsupportedCheckpoint,

@@ -20,6 +20,7 @@ with the field named.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -550,10 +551,17 @@ class SafetensorsReader:
             return shard.get_tensor(name)  # a copy: valid once the mapping is closed
 
 
+@contextlib.contextmanager
 def _open(path: pathlib.Path):
-    from safetensors import safe_open
+    """A safetensors file, memory-mapped; a damaged or truncated one is an UnsupportedCheckpoint
+    naming it (safetensors' own error names neither the file nor the tensor)."""
+    from safetensors import SafetensorError, safe_open
 
-    return safe_open(path, framework="numpy")
+    try:
+        with safe_open(path, framework="numpy") as shard:
+            yield shard
+    except SafetensorError as e:
+        raise UnsupportedCheckpoint(f"{path}: not a readable safetensors file ({e}); download it again") from None
 
 
 # ----------------------------------------------------------------------------- load
