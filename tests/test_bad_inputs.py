@@ -68,6 +68,12 @@ def places(tmp_path_factory):
                 {"model_type": "gpt2", "vocab_size": 16, "n_embd": 8, "n_head": 2, "n_layer": 1, "n_positions": 16}
             )
         },
+        "damaged_weights": {  # a download cut short or overwritten
+            "config.json": json.dumps(
+                {"model_type": "gpt2", "vocab_size": 16, "n_embd": 8, "n_head": 2, "n_layer": 1, "n_positions": 16}
+            ),
+            "model.safetensors": b"\x08\x00\x00\x00\x00\x00\x00\x00{}",
+        },
         "sweep_without_function": {"sweep.py": "x = 1\n"},
         "metrics_missing": {"config.json": "{}"},
     }
@@ -258,6 +264,10 @@ CLI_CASES = [
         r"\S+no_weights holds neither model\.safetensors nor model\.safetensors\.index\.json",
     ),
     cli_case("import-hf {garbage} --workdir {tmp}/never", r"\S+config\.json is not JSON \(Expecting property name"),
+    cli_case(
+        "generate --hf {damaged_weights} --prompt hi",
+        r"\S+damaged_weights/model\.safetensors: not a readable safetensors file \(",
+    ),
     cli_case("plan --config experiments/copy_task.py --devices 0", r"--devices: must be positive, got 0"),
     cli_case("plan --config experiments/copy_task.py --device-memory lots", r"--device-memory: cannot read 'lots'"),
     cli_case("plan --config experiments/copy_task.py --within 100", r"--within: a percentage in \[0, 100\), got 100"),
