@@ -112,11 +112,12 @@ def test_bad_data_errors_name_file_and_line(tmp_path):
         )
 
 
-def test_tokenizer_larger_than_model_vocab_is_rejected():
-    cfg = cfg_for(max_examples=500)
+def test_tokenizer_larger_than_model_vocab_is_rejected(tmp_path):
+    cfg = cfg_for(max_examples=500, cache_dir=str(tmp_path))
     cfg = C.Config(model=cfg.model.replace(vocab_size=100), data=cfg.data, train=cfg.train)
-    with pytest.raises(DataError, match=r"260 ids but model\.vocab_size=100"):
+    with pytest.raises(DataError, match=r"260 ids but model\.vocab_size=100 \(set it to at least 260\)"):
         build_dataset(cfg)
+    assert not list(tmp_path.iterdir())  # the byte tokenizer's size is known: refused before the corpus is read
 
 
 def test_bucketed_batches_vary_in_width_and_join_for_evaluation():
