@@ -225,6 +225,12 @@ CLI_CASES = [
         r"\S+shakespeare\.txt\.xz: the byte tokenizer has 260 ids but model\.vocab_size=100 \(set it to at least 260\)",
         found_while_reading=True,
     ),
+    cli_case(
+        "train --config experiments/lm_shakespeare.py --workdir {tmp}/never --set data.tokenizer=sentencepiece "
+        "--set data.spm_vocab_size=20 --set data.max_examples=2000",
+        r"data\.spm_vocab_size=20 is too small for the training split: .* need data\.spm_vocab_size >= \d+",
+        found_while_reading=True,
+    ),
     # Experiment files and workdirs.
     cli_case("train --config {tmp}/missing.py --workdir {tmp}/never", r"experiment file \S+missing\.py does not exist"),
     cli_case("train --config {readme}/README.md --workdir {tmp}/never", r"experiment file \S+ is not a Python file"),
