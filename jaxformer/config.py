@@ -15,11 +15,6 @@ import typing
 from typing import Literal
 
 MODES = ("encoder_only", "decoder_only", "encoder_decoder")
-# The fields of each shipped corpus's records (`data.sources.SHIPPED` reads them from here): an
-# objective that reads more fields than a corpus holds cannot train on it.
-SHIPPED_FIELDS = {"shakespeare": ("text",), "en_de": ("en", "de"), "lohelp_apps": ("en", "id")}
-# Fields an objective reads: text (lm, mlm), source and target (seq2seq), text and label (classify).
-OBJECTIVE_FIELDS = {"lm": 1, "mlm": 1, "seq2seq": 2, "classify": 2}
 SYNTHETIC = ("copy", "reverse")
 
 
@@ -608,18 +603,11 @@ class Config:
             "data.max_segments",
             f"{d.max_segments} texts cannot share a row of {d.src_len} tokens",
         )
-        needs = OBJECTIVE_FIELDS[objective]
+        needs = {"lm": 1, "mlm": 1, "seq2seq": 2, "classify": 2}.get(objective)
         require(
-            not self.data.fields or len(self.data.fields) == needs,
+            not self.data.fields or needs is None or len(self.data.fields) == needs,
             "data.fields",
             f"objective={objective!r} reads {needs} field(s), got {self.data.fields}",
-        )
-        shipped = SHIPPED_FIELDS.get(d.source)
-        require(
-            shipped is None or bool(d.fields) or len(shipped) >= needs,
-            "data.source",
-            f"{d.source!r} holds {len(shipped or ())} field(s) per record ({', '.join(shipped or ())}), but "
-            f"objective={objective!r} reads {needs}: use data.source=files with data.fields",
         )
         self._check_tokenizer()
         m = self.mesh

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from jaxformer.config import SHIPPED_FIELDS, Config
+from jaxformer.config import Config
 
 CORPORA = pathlib.Path(__file__).parent / "corpora"
 # lohelp_apps labels: the LibreOffice application of each help page ("shared" is not one and is dropped).
@@ -62,12 +62,12 @@ class Source:
 
 
 SHIPPED = {
-    "shakespeare": Source((str(CORPORA / "shakespeare.txt.xz"),), SHIPPED_FIELDS["shakespeare"], unit="paragraph"),
-    "en_de": Source((str(CORPORA / "en_de_lohelp.tsv.xz"),), SHIPPED_FIELDS["en_de"], min_words=3),  # drop UI labels
+    "shakespeare": Source((str(CORPORA / "shakespeare.txt.xz"),), ("text",), unit="paragraph"),
+    "en_de": Source((str(CORPORA / "en_de_lohelp.tsv.xz"),), ("en", "de"), min_words=3),  # drop UI labels
     # The label is the application in the page id `text/<app>/<page>`; pages of no application are dropped.
     "lohelp_apps": Source(
-        (str(CORPORA / "en_de_lohelp.tsv.xz"),), SHIPPED_FIELDS["lohelp_apps"], labels=APPS,
-        label_pattern=r"^text/([^/]+)/.", other_labels="drop", min_words=3,
+        (str(CORPORA / "en_de_lohelp.tsv.xz"),), ("en", "id"), labels=APPS, label_pattern=r"^text/([^/]+)/.",
+        other_labels="drop", min_words=3,
     ),
 }  # fmt: skip
 
@@ -341,6 +341,12 @@ def source_of(cfg: Config) -> Source:
         fields = d.fields or FIELDS[objective]
         return Source(d.files, fields, d.format, d.text_unit, d.labels, min_words=d.min_words or 0)
     src = SHIPPED[d.source]
+    needs = len(FIELDS[objective])
+    if not d.fields and len(src.fields) < needs:  # refused before the corpus is read (it was an IndexError)
+        raise DataError(
+            f"data.source={d.source!r} holds {len(src.fields)} field(s) per record ({', '.join(src.fields)}), "
+            f"but objective={objective!r} reads {needs}: use data.source=files with data.fields"
+        )
     if d.path:
         src = dataclasses.replace(src, files=(d.path,))
     if d.min_words is not None:
