@@ -15,6 +15,7 @@ import typing
 from typing import Literal
 
 MODES = ("encoder_only", "decoder_only", "encoder_decoder")
+SYNTHETIC = ("copy", "reverse")
 
 
 class ConfigError(ValueError):
@@ -549,6 +550,17 @@ class MeshConfig:
             size = getattr(self, name)
             require(size == -1 or size > 0, f"mesh.{name}", f"must be positive or -1 (fill), got {size}")
         require(self.dcn_data > 0, "mesh.dcn_data", "must be positive")
+        fills = [name for name in ("data", "fsdp", "tensor") if getattr(self, name) == -1]
+        require(
+            len(fills) <= 1,
+            f"mesh.{fills[-1]}" if fills else "mesh",
+            f"at most one of data, fsdp, tensor may be -1 (fill), got {', '.join(fills)}",
+        )
+        require(
+            self.data == -1 or self.data % self.dcn_data == 0,
+            "mesh.dcn_data",
+            f"dcn_data={self.dcn_data} does not divide mesh.data={self.data}",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -597,6 +609,21 @@ class Config:
             "data.fields",
             f"objective={objective!r} reads {needs} field(s), got {self.data.fields}",
         )
+        self._check_tokenizer()
+        m = self.mesh
+        if m.data > 0 and m.fsdp > 0:  # a fill (-1) is known only with the devices (sharding.process_rows)
+            require(
+                self.train.batch_size % (m.data * m.fsdp) == 0,
+                "train.batch_size",
+                f"batch_size={self.train.batch_size} does not divide over the batch shards "
+                f"(mesh.data x mesh.fsdp = {m.data} x {m.fsdp})",
+            )
+        require(
+            self.model.attention_dropout_rate == 0 or self.model.attention_impl in ("naive", "auto"),
+            "model.attention_dropout_rate",
+            f"attention_impl={self.model.attention_impl!r} (a fused kernel) applies no dropout to attention "
+            f"probabilities: set it to 0 or attention_impl to 'naive' or 'auto'",
+        )
         if self.model.position in ("sinusoidal", "learned"):
             require(
                 self.data.max_len <= self.model.max_len,
@@ -607,6 +634,43 @@ class Config:
                 d.src_len <= self.model.max_len,
                 "data.src_max_len",
                 f"data.src_max_len={d.src_len} exceeds model.max_len={self.model.max_len}",
+            )
+
+    def _check_tokenizer(self) -> None:
+        """Token ids against the model: the tokenizers whose sizes are known without a corpus, and the
+        synthetic tasks' lengths (their sequences are synthetic_len long, whatever data.max_len says)."""
+        d, model = self.data, self.model
+        synthetic = d.source in SYNTHETIC
+        require(
+            synthetic == (d.tokenizer == "symbols"),
+            "data.tokenizer",
+            f"data.source={d.source!r} is written in symbols: set data.tokenizer='symbols', not {d.tokenizer!r}"
+            if synthetic
+            else f"'symbols' is for the copy/reverse tasks, not data.source={d.source!r}",
+        )
+        if synthetic:
+            require(
+                self.train.objective == "seq2seq",
+                "train.objective",
+                f"data.source={d.source!r} is a seq2seq task, not objective={self.train.objective!r}",
+            )
+            require(
+                d.synthetic_vocab <= model.vocab_size,
+                "model.vocab_size",
+                f"model.vocab_size={model.vocab_size} is below data.synthetic_vocab={d.synthetic_vocab} (pad 0, "
+                f"bos 1, symbols 2..{d.synthetic_vocab - 1}): model.vocab_size must be >= {d.synthetic_vocab}",
+            )
+            require(
+                d.synthetic_len <= model.max_len or model.position not in ("sinusoidal", "learned"),
+                "data.synthetic_len",
+                f"data.synthetic_len={d.synthetic_len} exceeds model.max_len={model.max_len} "
+                f"(position={model.position!r} has a table of max_len positions)",
+            )
+        if d.tokenizer == "sentencepiece":  # SentencePiece makes exactly spm_vocab_size pieces, or fails
+            require(
+                d.spm_vocab_size <= model.vocab_size,
+                "data.spm_vocab_size",
+                f"data.spm_vocab_size={d.spm_vocab_size} exceeds model.vocab_size={model.vocab_size}",
             )
 
     def to_dict(self) -> dict:

@@ -182,7 +182,7 @@ CLI_CASES = [
     cli_case(TRAIN + "checkpoint.async_save=maybe", r"checkpoint\.async_save: cannot parse 'maybe' as bool"),
     cli_case(TRAIN + "mesh.data=0", r"mesh\.data: must be positive or -1 \(fill\), got 0"),
     cli_case(TRAIN + "mesh.fsdp=-2", r"mesh\.fsdp: must be positive or -1 \(fill\), got -2"),
-    cli_case(TRAIN + "mesh.data=3", r"mesh: data=3, fsdp=1, tensor=1 makes 3 devices, but 1 are available"),
+    cli_case(TRAIN + "mesh.data=2", r"mesh: data=2, fsdp=1, tensor=1 makes 2 devices, but 1 are available"),
     cli_case(TRAIN + "mesh.rules=zero3", r"mesh\.rules: 'zero3' is not one of the choices"),
     cli_case(TRAIN + "mesh.dcn_data=0", r"mesh\.dcn_data: must be positive"),
     cli_case(TRAIN + "decode.strategy=nucleus", r"decode\.strategy: 'nucleus' is not one of the choices"),
@@ -194,6 +194,51 @@ CLI_CASES = [
     cli_case(TRAIN + "decode.num_return=5", r"decode\.num_return: must be in \[1, beam_size=4\] for beam search"),
     cli_case(TRAIN + "decode.max_new_tokens=0", r"decode\.max_new_tokens: must be positive, got 0"),
     cli_case(TRAIN + "decode.extra_len=-1", r"decode\.extra_len: must be >= 0, got -1"),
+    # Relations between fields once found only as the run went (in the model, the data or the steps): refused
+    # by config validation before anything is built or written.
+    cli_case(TRAIN + "data.synthetic_len=20", r"data\.synthetic_len: data\.synthetic_len=20 exceeds model\.max_len=16"),
+    cli_case(
+        TRAIN + "model.vocab_size=8",
+        r"model\.vocab_size: model\.vocab_size=8 is below data\.synthetic_vocab=11 .*: model\.vocab_size must be >= 11",
+    ),
+    cli_case(TRAIN + "data.tokenizer=byte", r"data\.tokenizer: data\.source='copy' is written in symbols"),
+    cli_case(
+        "train --config experiments/lm_shakespeare.py --workdir {tmp}/never --set data.tokenizer=symbols",
+        r"data\.tokenizer: 'symbols' is for the copy/reverse tasks, not data\.source='shakespeare'",
+    ),
+    cli_case(
+        "train --config experiments/lm_shakespeare.py --workdir {tmp}/never --set data.tokenizer=sentencepiece "
+        "--set data.spm_vocab_size=300",
+        r"data\.spm_vocab_size: data\.spm_vocab_size=300 exceeds model\.vocab_size=260",
+    ),
+    cli_case(TRAIN + "mesh.fsdp=-1", r"mesh\.fsdp: at most one of data, fsdp, tensor may be -1 \(fill\)"),
+    cli_case(TRAIN + "mesh.data=2 --set mesh.dcn_data=3", r"mesh\.dcn_data: dcn_data=3 does not divide mesh\.data=2"),
+    cli_case(
+        TRAIN + "mesh.data=1 --set mesh.fsdp=3",
+        r"train\.batch_size: batch_size=64 does not divide over the batch shards \(mesh\.data x mesh\.fsdp = 1 x 3\)",
+    ),
+    cli_case(
+        TRAIN + "model.attention_dropout_rate=0.1 --set model.attention_impl=xla",
+        r"model\.attention_dropout_rate: attention_impl='xla' \(a fused kernel\) applies no dropout",
+    ),
+    # Found when the data is first looked at, before a corpus is read or a tokenizer or cache is kept: configs of
+    # models alone (tests, benchmarks) keep the default byte/shakespeare data they never read.
+    cli_case(
+        "train --config experiments/classify_lohelp.py --workdir {tmp}/never --set data.source=shakespeare",
+        r"data\.source='shakespeare' holds 1 field\(s\) per record \(text\), but objective='classify' reads 2",
+        found_while_reading=True,
+    ),
+    cli_case(
+        "train --config experiments/lm_shakespeare.py --workdir {tmp}/never --set model.vocab_size=100",
+        r"\S+shakespeare\.txt\.xz: the byte tokenizer has 260 ids but model\.vocab_size=100 \(set it to at least 260\)",
+        found_while_reading=True,
+    ),
+    cli_case(
+        "train --config experiments/lm_shakespeare.py --workdir {tmp}/never --set data.tokenizer=sentencepiece "
+        "--set data.spm_vocab_size=20 --set data.max_examples=2000",
+        r"data\.spm_vocab_size=20 is too small for the training split: .* need data\.spm_vocab_size >= \d+",
+        found_while_reading=True,
+    ),
     # Experiment files and workdirs.
     cli_case("train --config {tmp}/missing.py --workdir {tmp}/never", r"experiment file \S+missing\.py does not exist"),
     cli_case("train --config {readme}/README.md --workdir {tmp}/never", r"experiment file \S+ is not a Python file"),

@@ -1,6 +1,7 @@
 """Data: deterministic splits and batches, tokenizers, and errors naming file and line."""
 
 import lzma
+import re
 
 import numpy as np
 import pytest
@@ -112,11 +113,39 @@ def test_bad_data_errors_name_file_and_line(tmp_path):
         )
 
 
-def test_tokenizer_larger_than_model_vocab_is_rejected():
-    cfg = cfg_for(max_examples=500)
+def test_tokenizer_larger_than_model_vocab_is_rejected(tmp_path):
+    cfg = cfg_for(max_examples=500, cache_dir=str(tmp_path))
     cfg = C.Config(model=cfg.model.replace(vocab_size=100), data=cfg.data, train=cfg.train)
-    with pytest.raises(DataError, match=r"260 ids but model\.vocab_size=100"):
+    with pytest.raises(DataError, match=r"260 ids but model\.vocab_size=100 \(set it to at least 260\)"):
         build_dataset(cfg)
+    assert not list(tmp_path.iterdir())  # the byte tokenizer's size is known: refused before the corpus is read
+
+
+def test_sentencepiece_sizes_it_cannot_train_name_the_size_that_works(tmp_path):
+    texts = [f"the {w} is on the table number {i}" for i, w in enumerate(["cat", "dog", "cup", "book"] * 50)]
+    with pytest.raises(DataError, match=r"data\.spm_vocab_size=9 is too small .* >= (\d+)$") as small:
+        SentencePieceTokenizer.train(texts, tmp_path / "tok.model", vocab_size=9)
+    with pytest.raises(DataError, match=r"data\.spm_vocab_size=900 is too large .* at most (\d+) pieces$") as large:
+        SentencePieceTokenizer.train(texts, tmp_path / "tok.model", vocab_size=900)
+    assert not list(tmp_path.iterdir())  # no model, vocabulary or temporary file of a failed training
+    # The sizes named are the limits: the distinct characters (space as "▁") plus 5 special pieces, and
+    # the corpus's pieces; one past either still fails.
+    least, most = (int(re.findall(r"\d+", str(e.value))[-1]) for e in (small, large))
+    assert least == len(set("".join(texts))) + 5
+    for size in (least, most):
+        assert SentencePieceTokenizer.train(texts, tmp_path / f"{size}.model", vocab_size=size).vocab_size == size
+    for size in (least - 1, most + 1):
+        with pytest.raises(DataError):
+            SentencePieceTokenizer.train(texts, tmp_path / f"{size}.model", vocab_size=size)
+
+
+def test_ids_past_the_tokenizer_decode_to_nothing(tmp_path):
+    """A model's vocabulary may exceed its tokenizer's (padded for the matmuls): samples may hold such ids."""
+    byte = ByteTokenizer()
+    assert byte.decode([*byte.encode("ab"), byte.vocab_size, 50_000]) == "ab"
+    texts = [f"the {w} is on the table" for w in ["cat", "dog", "cup", "book"] * 50]
+    sp = SentencePieceTokenizer.train(texts, tmp_path / "tok.model", vocab_size=40)
+    assert sp.decode([*sp.encode("the dog"), sp.vocab_size, 999]) == "the dog"
 
 
 def test_bucketed_batches_vary_in_width_and_join_for_evaluation():

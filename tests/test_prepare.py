@@ -167,6 +167,19 @@ def test_a_bad_line_fails_before_anything_is_written(tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
+def test_a_sentencepiece_size_too_small_leaves_nothing_and_the_size_it_names_trains(tmp_path):
+    write_corpus(tmp_path / "c.jsonl")
+    workdir, cache = tmp_path / "run", tmp_path / "cache"
+    workdir.mkdir()
+    cfg = cfg_for([tmp_path / "c.jsonl"], cache, tokenizer="sentencepiece", spm_vocab_size=9)
+    with pytest.raises(sources.DataError, match=r"^data\.spm_vocab_size=9 is too small .* >= \d+$") as e:
+        prepare(cfg, workdir, progress=False)
+    assert not list(workdir.iterdir()) and not cache.exists()  # no tokenizer.model, no cache to find again
+    least = int(str(e.value).rsplit(" ", 1)[1])
+    prepared = prepare(C.with_values(cfg, {"data.spm_vocab_size": least}), workdir, progress=False)
+    assert (workdir / "tokenizer.model").is_file() and prepared.manifest["tokenizer"].startswith("sentencepiece:")
+
+
 def test_sources_are_cut_to_their_own_width_and_an_unset_width_keeps_the_cache(tmp_path):
     rows = [{"source": "s" * (i % 30), "target": "t" * (i % 20 + 1)} for i in range(1, 200)]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

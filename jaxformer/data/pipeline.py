@@ -28,7 +28,7 @@ import numpy as np
 from jaxformer.config import Config
 from jaxformer.data.prepare import check_vocab, prepare
 from jaxformer.data.sources import DataError, source_of
-from jaxformer.data.tokenizers import SymbolTokenizer, load_tokenizer
+from jaxformer.data.tokenizers import ByteTokenizer, SymbolTokenizer, load_tokenizer
 
 
 @dataclasses.dataclass
@@ -371,10 +371,10 @@ def build_dataset(
     read, checked, split, tokenized; SentencePiece trained in workdir), then memory-mapped.
     `own`: the workdir's training (not a reader such as eval) records the cache it uses."""
     d, t = cfg.data, cfg.train
-    if d.source in ("copy", "reverse"):
+    if d.source in ("copy", "reverse"):  # config validation paired them with the symbols tokenizer, seq2seq
         return _synthetic(cfg)
-    if d.tokenizer == "symbols":
-        raise DataError(f"data.tokenizer='symbols' is for the copy/reverse tasks, not {d.source}")
+    if d.tokenizer == "byte":  # its size is known: refused before the corpus is read
+        check_vocab(cfg, ByteTokenizer(), source_of(cfg))
     prepared = prepare(cfg, workdir, progress=progress, own=own)
     tok = load_tokenizer(cfg, workdir or ".")
     check_vocab(cfg, tok, source_of(cfg))  # a cache found again was prepared for another model perhaps
@@ -453,8 +453,6 @@ def _synthetic(cfg: Config) -> Dataset:
     """The Annotated Transformer's copy (or reverse) task: random symbols 2..V-1, target = source."""
     d, t = cfg.data, cfg.train
     tok = SymbolTokenizer(d.synthetic_vocab)
-    if t.objective != "seq2seq":
-        raise DataError(f"data.source={d.source} is a seq2seq task; train.objective={t.objective}")
 
     def generate(rng, n):
         src = rng.integers(2, d.synthetic_vocab, (n, d.synthetic_len), dtype=np.int32)

@@ -402,10 +402,11 @@ def _alive(pid: int) -> bool:
 
 
 def check_vocab(cfg: Config, tok, src: sources.Source) -> None:
+    """The tokenizer's ids must be the model's: a larger tokenizer would feed ids past the embedding."""
     if tok.vocab_size > cfg.model.vocab_size:
         raise DataError(
             f"{', '.join(src.files)}: the {cfg.data.tokenizer} tokenizer has {tok.vocab_size} ids "
-            f"but model.vocab_size={cfg.model.vocab_size}"
+            f"but model.vocab_size={cfg.model.vocab_size} (set it to at least {tok.vocab_size})"
         )
 
 

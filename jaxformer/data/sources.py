@@ -341,6 +341,12 @@ def source_of(cfg: Config) -> Source:
         fields = d.fields or FIELDS[objective]
         return Source(d.files, fields, d.format, d.text_unit, d.labels, min_words=d.min_words or 0)
     src = SHIPPED[d.source]
+    needs = len(FIELDS[objective])
+    if not d.fields and len(src.fields) < needs:  # refused before the corpus is read (it was an IndexError)
+        raise DataError(
+            f"data.source={d.source!r} holds {len(src.fields)} field(s) per record ({', '.join(src.fields)}), "
+            f"but objective={objective!r} reads {needs}: use data.source=files with data.fields"
+        )
     if d.path:
         src = dataclasses.replace(src, files=(d.path,))
     if d.min_words is not None:

@@ -8,7 +8,9 @@ that is an ordinary token (MLM's random replacements are drawn from there up).
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import re
 from collections.abc import Iterable, Sequence
 
 from jaxformer.config import Config
@@ -29,7 +31,8 @@ class ByteTokenizer:
         return [b + self.offset for b in text.encode("utf-8")]
 
     def decode(self, ids: Iterable[int]) -> str:
-        data = bytes(i - self.offset for i in ids if i >= self.offset)
+        # A model larger than the tokenizer (V padded to a multiple of 128) may sample ids past it: not text.
+        data = bytes(i - self.offset for i in ids if self.offset <= i < self.vocab_size)
         return data.decode("utf-8", errors="replace")
 
 
@@ -73,31 +76,67 @@ class SentencePieceTokenizer:
     def train(
         cls, texts: Sequence[str], model_file: str | pathlib.Path, vocab_size: int, model_type: str = "bpe"
     ) -> SentencePieceTokenizer:
-        """Train on `texts` (the training split only) and save `model_file` (+ .vocab)."""
+        """Train on `texts` (the training split only) and save `model_file` (+ .vocab).
+
+        The files are written under a temporary name and renamed into place: a training that fails
+        (DataError naming the data.spm_vocab_size that works) or is killed leaves no model behind."""
         import sentencepiece as spm
 
         model_file = pathlib.Path(model_file)
         model_file.parent.mkdir(parents=True, exist_ok=True)
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(texts),
-            model_prefix=str(model_file.with_suffix("")),
-            vocab_size=vocab_size,
-            model_type=model_type,
-            pad_id=0, unk_id=1, bos_id=2, eos_id=3,
-            user_defined_symbols=["[MASK]"],
-            character_coverage=1.0,
-            input_sentence_size=200_000,
-            shuffle_input_sentence=True,
-            num_threads=2,
-            minloglevel=2,
-        )  # fmt: skip
+        part = model_file.with_name(f"{model_file.stem}-part-{os.getpid()}")
+        try:
+            cls._train(spm, texts, part, vocab_size, model_type)
+            os.replace(part.with_suffix(".vocab"), model_file.with_suffix(".vocab"))
+            os.replace(part.with_suffix(".model"), model_file)  # last: the model is there only when complete
+        finally:
+            for suffix in (".model", ".vocab"):
+                part.with_suffix(suffix).unlink(missing_ok=True)
         return cls(model_file)
+
+    @staticmethod
+    def _train(spm, texts: Sequence[str], prefix: pathlib.Path, vocab_size: int, model_type: str) -> None:
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(texts),
+                model_prefix=str(prefix),
+                vocab_size=vocab_size,
+                model_type=model_type,
+                pad_id=0, unk_id=1, bos_id=2, eos_id=3,
+                user_defined_symbols=["[MASK]"],
+                character_coverage=1.0,
+                input_sentence_size=200_000,
+                shuffle_input_sentence=True,
+                num_threads=2,
+                minloglevel=2,
+            )  # fmt: skip
+        except RuntimeError as e:  # SentencePiece's checks fail as "INTERNAL: file(line) [condition] message"
+            raise DataError(_spm_failure(str(e), vocab_size)) from None
 
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self.sp.decode([int(i) for i in ids if int(i) > self.eos_id or int(i) == 1])
+        keep = [int(i) for i in ids if self.eos_id < int(i) < self.vocab_size or int(i) == self.unk_id]
+        return self.sp.decode(keep)  # ids past the pieces (a larger model's) are no text, as specials are not
+
+
+def _spm_failure(message: str, vocab_size: int) -> str:
+    """SentencePiece's refusal of a vocabulary size, as the data.spm_vocab_size that works.
+
+    Too small: every character kept by character_coverage (1.0: all of the training split's; the space
+    counts as its "▁") needs a piece, as do the 5 meta pieces (pad, unk, bos, eos, [MASK]); its message
+    gives that sum, the smallest size that trains ("20 vs 79"). Too large: the corpus has fewer
+    distinct pieces than asked for ("Please set it to a value <= 65")."""
+    setting = f"data.spm_vocab_size={vocab_size}"
+    if m := re.search(r"smaller than required_chars\. \d+ vs (\d+)", message):
+        return (
+            f"{setting} is too small for the training split: its characters and the 5 special pieces "
+            f"need data.spm_vocab_size >= {m.group(1)}"
+        )
+    if m := re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", message):
+        return f"{setting} is too large for the training split, which makes at most {m.group(1)} pieces"
+    return f"SentencePiece cannot train with {setting}: {message.split('] ', 1)[-1]}"
 
 
 # A Hugging Face tokenizer's usual spellings of its special tokens, tried in order where config.json names no id.
