@@ -24,6 +24,7 @@ from flax import nnx
 import jaxformer as jf
 from jaxformer import cli, decode
 from jaxformer.config import ConfigError, DecodeConfig, TrainConfig, apply_overrides, from_dict, load_experiment
+from jaxformer.data import DataError, HFTokenizer, SentencePieceTokenizer
 
 SMALL = {  # each experiment's model made small: the cases are about input, not capacity
     "lm": ["model.d_model=32", "model.d_ff=64", "model.num_decoder_layers=1"],
@@ -74,6 +75,7 @@ def places(tmp_path_factory):
             ),
             "model.safetensors": b"\x08\x00\x00\x00\x00\x00\x00\x00{}",
         },
+        "damaged_tokenizers": {"tokenizer.model": b"\x0agarbage", "tokenizer.json": "{not json"},
         "sweep_without_function": {"sweep.py": "x = 1\n"},
         "metrics_missing": {"config.json": "{}"},
     }
@@ -396,6 +398,19 @@ def api_case(name, call, error, message):
 
 LM, S2S = "decoder_only", "encoder_decoder"
 API_CASES = [
+    # A workdir's or a pretrained model's tokenizer file, damaged: the libraries' own errors named no file.
+    api_case(
+        "damaged tokenizer.model",
+        lambda m, p: SentencePieceTokenizer(pathlib.Path(p["damaged_tokenizers"]) / "tokenizer.model"),
+        DataError,
+        r"\S+tokenizer\.model is not a SentencePiece model \(.*could not parse",
+    ),
+    api_case(
+        "damaged tokenizer.json",
+        lambda m, p: HFTokenizer(p["damaged_tokenizers"]),
+        DataError,
+        r"\S+tokenizer\.json cannot be read as a Hugging Face tokenizer \(",
+    ),
     # Models: token ids that are not ids, shapes that are not [B, T].
     api_case(
         "float ids",

@@ -68,7 +68,10 @@ class SentencePieceTokenizer:
         self.model_file = pathlib.Path(model_file)
         if not self.model_file.is_file():
             raise FileNotFoundError(f"SentencePiece model {self.model_file} does not exist")
-        self.sp = spm.SentencePieceProcessor(model_file=str(self.model_file))
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(self.model_file))
+        except RuntimeError as e:  # "INTERNAL: could not parse ModelProto from ..."
+            raise DataError(f"{self.model_file} is not a SentencePiece model ({e}): damaged or not one") from None
         self.vocab_size = self.sp.get_piece_size()
         self.mask_id = self.sp.piece_to_id("[MASK]")
 
@@ -173,7 +176,10 @@ class HFTokenizer:
                 f"{path} does not exist: jaxformer reads a Hugging Face tokenizer as its tokenizer.json "
                 "(save one with `AutoTokenizer.from_pretrained(...).save_pretrained(DIR)`)"
             )
-        self.tokenizer = Tokenizer.from_file(str(path))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust library raises a bare Exception (bad JSON, an unknown model type)
+            raise DataError(f"{path} cannot be read as a Hugging Face tokenizer ({e})") from None
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         config_file = directory / "config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
