@@ -24,6 +24,7 @@ from jaxformer.layers import (
     MultiHeadAttention,
     Norm,
     PositionalEncoding,
+    checked,
 )
 from jaxformer.models import Decoder, Encoder, Transformer, TransformerStack, build_model, count_params
 
@@ -47,6 +48,7 @@ __all__ = [
     "bart_base",
     "bert_base",
     "build_model",
+    "checked",
     "count_params",
     "functional",
     "gpt2_small",

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import pathlib
 import sys
+import warnings
 
 
 class CommandError(Exception):
@@ -178,12 +179,19 @@ def cmd_generate(args) -> int:
                 file=sys.stderr,
             )
     try:
-        if args.command == "generate":
-            outs = decode.continue_texts(model, tok, texts, decoding, stop_at_eos=args.stop_at_eos)
-        else:
-            outs = decode.translate_texts(model, tok, texts, decoding)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", decode.EmptyContinuation)
+            if args.command == "generate":
+                outs = decode.continue_texts(model, tok, texts, decoding, stop_at_eos=args.stop_at_eos)
+            else:
+                outs = decode.translate_texts(model, tok, texts, decoding)
     except ValueError as e:
         raise CommandError(str(e)) from None
+    for w in caught:  # an empty continuation says why, on stderr; other warnings as Python shows them
+        if issubclass(w.category, decode.EmptyContinuation):
+            print(f"note: {w.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     for text, out in zip(texts, outs, strict=True):
         for i, o in enumerate([out] if isinstance(out, str) else out):
             print(f"{text}\n=> {o}\n" if i == 0 else f"{i + 1:d}> {o}\n")

@@ -19,6 +19,7 @@ reference the cache is tested and benchmarked against.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -28,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from jaxformer.config import DecodeConfig
-from jaxformer.layers import without_id_checks
+from jaxformer.layers import as_token_ids, without_id_checks
 from jaxformer.models import memory_mask, unrolled
 from jaxformer.sharding import constrain
 
@@ -271,29 +272,33 @@ def _generate(
 
 
 def _padded(rows: Sequence[Sequence[int]], what: str, model, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """Id lists -> (ids [B, W] right-padded, lengths [B]); W a power of two (>= 8, <= max_tokens).
-
-    Rejects an empty batch or row, a row over `max_tokens` ids, and ids outside [0, V).
+    """Id rows (lists, or an array [B, T]) -> (ids [B, W] right-padded, lengths [B]); W a power of
+    two (>= 8, <= max_tokens). Each row goes through `layers.as_token_ids`: no float, bool or
+    out-of-vocabulary id gets past it, and nothing is rounded or wrapped into int32.
     """
     cfg = model.cfg
-    if isinstance(rows, (str, bytes)) or any(isinstance(r, (str, bytes)) for r in rows):
+    if isinstance(rows, (str, bytes)) or any(isinstance(r, (str, bytes)) for r in _iterable(rows, what)):
         raise TypeError(f"{what}s are lists of token ids, not text (for text: continue_texts, translate_texts)")
     if len(rows) == 0:
         raise ValueError(f"no {what}s given")
-    lengths = np.asarray([len(r) for r in rows], np.int32)
-    for i, n in enumerate(lengths):
-        if n == 0:
-            raise ValueError(f"{what} {i} is empty")
-        if n > max_tokens:
+    checked = []
+    for i, r in enumerate(rows):
+        checked.append(np.asarray(as_token_ids(r, f"{what} {i}", vocab_size=cfg.vocab_size, rank=1)))
+        if (n := len(checked[-1])) > max_tokens:
             raise ValueError(f"{what} {i} has {n} tokens; with model.max_len={cfg.max_len} at most {max_tokens} fit")
+    lengths = np.asarray([len(r) for r in checked], np.int32)
     width = min(max(8, 1 << int(lengths.max() - 1).bit_length()), max_tokens)
     ids = np.full((len(rows), width), cfg.pad_id, np.int32)
-    for i, r in enumerate(rows):
+    for i, r in enumerate(checked):
         ids[i, : len(r)] = r
-        bad = [t for t in r if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise ValueError(f"{what} {i}: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
     return ids, lengths
+
+
+def _iterable(rows, what: str):
+    if not isinstance(rows, (Sequence, np.ndarray, jax.Array)):
+        got = "None" if rows is None else type(rows).__name__
+        raise TypeError(f"{what}s: a list of token-id lists (or an array [B, T]), got {got}")
+    return rows
 
 
 def _check_settings(settings) -> None:
@@ -301,12 +306,10 @@ def _check_settings(settings) -> None:
         raise TypeError(f"settings: a jaxformer.config.DecodeConfig, got {type(settings).__name__}")
 
 
-def _check_special_ids(model, **ids) -> None:
-    """BOS/EOS ids must be tokens of the vocabulary (None: no such token)."""
+def _check_special_ids(model, **ids) -> dict:
+    """BOS/EOS ids as Python ints, each a token of the vocabulary (None: no such token)."""
     V = model.cfg.vocab_size
-    for name, token in ids.items():
-        if token is not None and not 0 <= token < V:
-            raise ValueError(f"{name}={token} is outside the vocabulary [0, {V})")
+    return {k: None if t is None else int(as_token_ids(t, k, vocab_size=V, rank=0)) for k, t in ids.items()}
 
 
 def _run(model, prompt_BP, lengths_B, max_new_B, src, settings: DecodeConfig, num_new, length, eos_id, rng):
@@ -329,7 +332,7 @@ def generate(model, prompts: Sequence[Sequence[int]], settings: DecodeConfig = D
     if model.cfg.mode != "decoder_only":
         raise ValueError(f"generate() continues prompts of a decoder_only model; this one is {model.cfg.mode}")
     _check_settings(settings)
-    _check_special_ids(model, eos_id=eos_id)
+    eos_id = _check_special_ids(model, eos_id=eos_id)["eos_id"]
     L = model.cfg.max_len
     prompt_BP, lengths_B = _padded(prompts, "prompt", model, L - 1)  # room for one new token
     # The buffer: prompts padded to a power of two, then the new tokens (shapes a few compilations cover).
@@ -346,7 +349,10 @@ def translate(model, sources: Sequence[Sequence[int]], settings: DecodeConfig = 
     if model.cfg.mode != "encoder_decoder":
         raise ValueError(f"translate() needs an encoder_decoder model; this one is {model.cfg.mode}")
     _check_settings(settings)
-    _check_special_ids(model, bos_id=bos_id, eos_id=eos_id)
+    special = _check_special_ids(model, bos_id=bos_id, eos_id=eos_id)
+    bos_id, eos_id = special["bos_id"], special["eos_id"]
+    if bos_id is None:
+        raise TypeError("bos_id: translate() starts every output with it; got None")
     L = model.cfg.max_len
     src_BS, src_lengths_B = _padded(sources, "source", model, L)
     num_new = min(src_BS.shape[1] + settings.extra_len, L - 1)
@@ -361,14 +367,19 @@ def translate(model, sources: Sequence[Sequence[int]], settings: DecodeConfig = 
 
 
 def strip_after_eos(ids, eos_id) -> list[int]:
-    ids = [int(i) for i in ids]
+    """The ids of one output before its first EOS."""
+    ids = as_token_ids(ids, "ids", rank=1).tolist() if len(ids) else []
     return ids[: ids.index(eos_id)] if eos_id is not None and eos_id in ids else ids
 
 
 def encode_texts(tok, texts: Sequence[str], what: str, eos: bool = False) -> list[list[int]]:
     """Texts -> id lists (with EOS appended if asked); rejects text the tokenizer cannot represent."""
+    if isinstance(texts, str) or not isinstance(texts, Sequence):
+        raise TypeError(f"{what}s: a list of texts, got {'None' if texts is None else type(texts).__name__}")
     rows = []
     for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"{what} {i}: a text, got {type(text).__name__}")
         try:
             ids = tok.encode(text)
         except ValueError as e:
@@ -382,25 +393,50 @@ def encode_texts(tok, texts: Sequence[str], what: str, eos: bool = False) -> lis
 
 def translate_texts(model, tok, sources: Sequence[str] | Sequence[Sequence[int]], settings: DecodeConfig) -> list:
     """Source texts (or id lists ending in EOS) -> output texts; with num_return > 1, a list per source."""
-    rows = encode_texts(tok, sources, "source", eos=True) if isinstance(sources[0], str) else sources
+    texts = len(_iterable(sources, "source")) > 0 and all(isinstance(s, str) for s in sources)
+    rows = encode_texts(tok, sources, "source", eos=True) if texts else sources
     out = translate(model, rows, settings, bos_id=tok.bos_id, eos_id=tok.eos_id)
     texts = [[tok.decode(strip_after_eos(seq, tok.eos_id)) for seq in row] for row in out.tokens]
     return [t[0] for t in texts] if settings.num_return == 1 else texts
 
 
+class EmptyContinuation(UserWarning):
+    """A continuation with no text in it: which prompt, why, and what to change."""
+
+
 def continue_texts(model, tok, prompts: Sequence[str], settings: DecodeConfig, stop_at_eos: bool = False) -> list:
     """Prompt texts -> generated continuations. Unless `stop_at_eos`, EOS (the end of a
-    paragraph in the LM data) does not stop generation and shows as a blank line."""
+    paragraph in the LM data) does not stop generation and shows as a blank line.
+
+    A continuation with no text (EOS first with `stop_at_eos`, or nothing but EOS) warns with
+    `EmptyContinuation` saying why, rather than handing back an empty string in silence: beam
+    search's likeliest sequence often is the shortest (Holtzman et al. 2020), and the empty
+    one is as short as it gets.
+    """
     eos_id = tok.eos_id if stop_at_eos else None
     out = generate(model, encode_texts(tok, prompts, "prompt"), settings, eos_id=eos_id)
     texts = []
-    for row in out.tokens:
+    for p, row in enumerate(out.tokens):
         texts.append([])
         for seq in row:
             ids = [int(i) for i in seq]
             cut = [i + 1 for i, t in enumerate(ids) if t == tok.eos_id]
             texts[-1].append("\n\n".join(tok.decode(c) for c in np.split(ids, cut)))
+            if not texts[-1][-1].strip():
+                warnings.warn(_why_empty(p, ids, tok.eos_id, settings, stop_at_eos), EmptyContinuation, stacklevel=2)
     return [t[0] for t in texts] if settings.num_return == 1 else texts
+
+
+def _why_empty(prompt: int, ids: list[int], eos_id, settings: DecodeConfig, stop_at_eos: bool) -> str:
+    ended = stop_at_eos and ids and ids[0] == eos_id
+    what = "ends the text at once (EOS first)" if ended else f"holds no text ({len(ids)} tokens: paragraph ends)"
+    if settings.strategy != "beam":
+        return f"prompt {prompt}: the continuation {what}: the model's {settings.strategy} choice"
+    return (
+        f"prompt {prompt}: beam search's best continuation {what}: with length_penalty="
+        f"{settings.length_penalty}, no longer one scores higher; sample instead (decode.strategy=sample)"
+        + (", or do not stop at EOS" if ended else "")
+    )
 
 
 def sample_texts(model, cfg, data) -> tuple[list[str], list[str]]:

@@ -14,6 +14,7 @@ import re
 import shlex
 import shutil
 import signal
+import types
 
 import jax
 import jax.numpy as jnp
@@ -297,7 +298,10 @@ CLI_CASES = [
         "translate --workdir {copy} --src hello",
         r"source 0: 'hello' is not a symbol: this task's tokens are numbers separated by spaces",
     ),
-    cli_case("translate --workdir {copy} --src '2 3 99'", r"source 0: token id 99 is outside the vocabulary \[0, 11\)"),
+    cli_case(
+        "translate --workdir {copy} --src '2 3 99'",
+        r"source 0: token id 99 at index 2 is outside the vocabulary \[0, 11\)",
+    ),
     cli_case("generate --exported {empty} --prompt KING", r"\S+config\.json does not exist: write one with"),
     cli_case("generate --hf {empty} --prompt KING", r"\S+config\.json does not exist"),
     cli_case("generate --workdir {lm} --hf {empty} --prompt KING", r"argument --hf: not allowed with argument"),
@@ -397,6 +401,7 @@ def api_case(name, call, error, message):
 
 
 LM, S2S = "decoder_only", "encoder_decoder"
+TOKENS = types.SimpleNamespace(bos_id=1, eos_id=2)  # a tokenizer's special ids, for id lists given as sources
 API_CASES = [
     # A workdir's or a pretrained model's tokenizer file, damaged: the libraries' own errors named no file.
     api_case(
@@ -436,7 +441,7 @@ API_CASES = [
         r"20 positions exceed model\.max_len=16",
     ),
     api_case("int64 ids past int32", lambda m, p: m[LM](np.full((1, 2), 2**40)), ValueError, r"outside the vocabulary"),
-    api_case("string ids", lambda m, p: m[LM]([["a", "b"]]), TypeError, r"token ids must be integers, got <U1"),
+    api_case("string ids", lambda m, p: m[LM]([["a", "b"]]), TypeError, r"token ids must be integers, got str \('a'\)"),
     api_case(
         "encoder-decoder without target", lambda m, p: m[S2S](ids(1, 4)), ValueError, r"takes \(src_ids, tgt_ids\)"
     ),
@@ -473,12 +478,82 @@ API_CASES = [
     api_case(
         "prompt id = vocab", lambda m, p: decode.generate(m[LM], [[V]], eos_id=None), ValueError, r"outside the vocab"
     ),
-    api_case("eos outside", lambda m, p: decode.generate(m[LM], [[3]], eos_id=V), ValueError, r"eos_id=32 is outside"),
+    api_case(
+        "eos outside",
+        lambda m, p: decode.generate(m[LM], [[3]], eos_id=V),
+        ValueError,
+        r"eos_id: token id 32 is outside",
+    ),
     api_case(
         "settings not DecodeConfig",
         lambda m, p: decode.generate(m[LM], [[3]], {"strategy": "beam"}, eos_id=None),
         TypeError,
         r"settings: a jaxformer\.config\.DecodeConfig, got dict",
+    ),
+    # Token ids at every public entry point: one checked conversion (layers.as_token_ids), nothing
+    # rounded, wrapped into int32 or clamped; an error naming the argument (and the range).
+    *[
+        api_case(f"{name}: {case}", call, error, message)
+        for name, gen in {
+            "generate": lambda m, rows, **k: decode.generate(m[LM], rows, eos_id=k.get("special")),
+            "translate": lambda m, rows, **k: decode.translate(m[S2S], rows, bos_id=1, eos_id=k.get("special")),
+        }.items()
+        for case, call, error, message in [
+            (
+                "float ids",
+                lambda m, p, g=gen: g(m, [[3, 4.0]]),
+                TypeError,
+                r" 0: token ids must be integers, got float",
+            ),
+            (
+                "2**40",
+                lambda m, p, g=gen: g(m, [[3, 2**40]]),
+                ValueError,
+                r" 0: token id 1099511627776 at index 1 is o",
+            ),
+            ("2**70", lambda m, p, g=gen: g(m, [[2**70]]), ValueError, r" 0: token id \d+ is outside the vocab.* 32\)"),
+            ("negative", lambda m, p, g=gen: g(m, [[3], [-1]]), ValueError, r" 1: token id -1 at index 0 is outside"),
+            ("bool in a list", lambda m, p, g=gen: g(m, [[True, 3]]), TypeError, r" 0: .* got bool \(True\)"),
+            ("bool array", lambda m, p, g=gen: g(m, np.ones((2, 3), bool)), TypeError, r" 0: .* integers, got bool"),
+            ("NumPy floats", lambda m, p, g=gen: g(m, np.ones((2, 3))), TypeError, r" 0: .*integers, got float64"),
+            ("jax floats", lambda m, p, g=gen: g(m, jnp.ones((2, 3))), TypeError, r" 0: .*integers, got float32"),
+            ("jax ids past V", lambda m, p, g=gen: g(m, ids(2, 3) + V), ValueError, r" 0: token id 32 at index 0 is"),
+            ("ragged inside a row", lambda m, p, g=gen: g(m, [[[3], [4, 5]]]), ValueError, r" 0: rows of diff"),
+            ("a flat list", lambda m, p, g=gen: g(m, [3, 4]), ValueError, r" 0: token ids are \[T\], got shape \(\)"),
+            ("empty row", lambda m, p, g=gen: g(m, [[3], []]), ValueError, r" 1 is empty"),
+            ("None", lambda m, p, g=gen: g(m, None), TypeError, r"s: a list of token-id lists .*, got None"),
+            ("None row", lambda m, p, g=gen: g(m, [None]), TypeError, r" 0: token ids must be integers, got None"),
+            ("float eos", lambda m, p, g=gen: g(m, [[3]], special=2.0), TypeError, r"eos_id: .* integers, got float"),
+            ("eos 2**40", lambda m, p, g=gen: g(m, [[3]], special=2**40), ValueError, r"eos_id: token id \d+ is out"),
+        ]
+    ],
+    api_case(
+        "translate: float bos",
+        lambda m, p: decode.translate(m[S2S], [[3]], bos_id=1.0, eos_id=2),
+        TypeError,
+        r"bos_id: token ids must be integers, got float",
+    ),
+    api_case(
+        "translate_texts: float ids",
+        lambda m, p: decode.translate_texts(m[S2S], TOKENS, [[3, 4.5]], DecodeConfig()),
+        TypeError,
+        r"source 0: token ids must be integers, got float \(4\.5\)",
+    ),
+    api_case("strip_after_eos: floats", lambda m, p: decode.strip_after_eos([3.7], 2), TypeError, r"ids: .* got float"),
+    api_case("model: ragged rows", lambda m, p: m[LM]([[1, 2], [3]]), ValueError, r"ids: rows of different lengths"),
+    api_case("model: no ids", lambda m, p: m[LM]([[]]), ValueError, r"ids is empty \(shape \(1, 0\)\)"),
+    api_case("model: None", lambda m, p: m[LM](None), TypeError, r"ids: token ids must be integers, got None"),
+    api_case("model: 2**70", lambda m, p: m[LM]([[2**70]]), ValueError, r"ids: token id \d+ is outside the vocabulary"),
+    api_case(
+        "model: bool src", lambda m, p: m[S2S](ids(1, 4) > 0, ids(1, 4)), TypeError, r"src_ids: .* integers, got bool"
+    ),
+    api_case(
+        "id = vocab under the user's jax.jit, checked: our error, one line",
+        lambda m, p: jf.checked(jax.jit(lambda params, x: nnx.merge(nnx.graphdef(m[LM]), params)(x)))(
+            nnx.state(m[LM]), ids(1, 4).at[0, 1].set(V + 5)
+        ),
+        ValueError,
+        r"^token id 37 at index \(0, 1\) is outside the vocabulary \[0, 32\)$",
     ),
     # Configs in Python.
     api_case(

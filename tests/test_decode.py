@@ -1,6 +1,7 @@
 """Generation: the KV cache against recomputation, the searches against their definitions."""
 
 import itertools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -196,16 +197,16 @@ def test_bad_input_is_rejected(model):
         run(model, [[4, 5], []])
     with pytest.raises(ValueError, match="has 40 tokens"):
         run(model, [[4] * 40])
-    with pytest.raises(ValueError, match="token id 25 is outside the vocabulary"):
+    with pytest.raises(ValueError, match="token id 25 at index 1 is outside the vocabulary"):
         run(model, [[4, 25]])
     with pytest.raises(ValueError, match=r"no (prompts|sources) given"):
         run(model, [])
-    with pytest.raises(ValueError, match=r"eos_id=20 is outside the vocabulary \[0, 20\)"):
+    with pytest.raises(ValueError, match=r"eos_id: token id 20 is outside the vocabulary \[0, 20\)"):
         decode.generate(model, [[4]], eos_id=V) if model.cfg.mode == "decoder_only" else decode.translate(
             model, [[4]], bos_id=BOS, eos_id=V
         )
     if model.cfg.mode == "encoder_decoder":
-        with pytest.raises(ValueError, match="bos_id=-1 is outside"):
+        with pytest.raises(ValueError, match="bos_id: token id -1 is outside"):
             decode.translate(model, [[4]], bos_id=-1, eos_id=EOS)
 
     class Tok:
@@ -214,6 +215,32 @@ def test_bad_input_is_rejected(model):
 
     with pytest.raises(ValueError, match=r"prompt 0 .* outside the tokenizer's vocabulary"):
         decode.encode_texts(Tok, ["a?b"], "prompt")
+
+
+def test_beam_search_says_why_its_continuation_is_empty():
+    """Open-ended text: a model whose next token is always "a" (p=0.5) or EOS (p=0.4), whatever
+    came before. Greedy continues with "a"s; beam search's best is EOS at once (log 0.4 beats
+    log 0.5 + log 0.4 even after the length penalty): the empty text comes with a warning saying
+    why, where it came back in silence."""
+    from jaxformer.data.tokenizers import ByteTokenizer
+
+    tok = ByteTokenizer()
+    cfg = jf.tiny("decoder_only", vocab_size=tok.vocab_size, max_len=16, tie_output=False, logits_bias=True)
+    model = jf.build_model(cfg)
+    model.lm_head.kernel[...] = jnp.zeros_like(model.lm_head.kernel[...])  # the logits are the bias alone
+    a = tok.encode("a")[0]
+    p_V = np.full(tok.vocab_size, 0.1 / (tok.vocab_size - 2))
+    p_V[a], p_V[tok.eos_id] = 0.5, 0.4
+    model.lm_head.bias[...] = jnp.log(jnp.asarray(p_V, jnp.float32))
+    settings = DecodeConfig(max_new_tokens=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert decode.continue_texts(model, tok, ["KING:"], settings.replace(strategy="greedy"), True) == ["aaaa"]
+    with pytest.warns(
+        decode.EmptyContinuation, match=r"prompt 0: beam search's best continuation ends the text at once"
+    ):
+        out = decode.continue_texts(model, tok, ["KING:"], settings.replace(strategy="beam"), stop_at_eos=True)
+    assert out[0].strip() == ""
 
 
 @pytest.mark.parametrize(

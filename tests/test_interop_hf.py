@@ -2,9 +2,10 @@
 
 Each family's tiny model is given random weights (biases and norm scales too, so a misplaced one
 shows), written with `save_hf` in the hub's PyTorch naming, and loaded both by transformers'
-Flax classes and by `load_hf`: logits must agree to 1e-5 (float32) and greedy generations token
-for token. transformers reading our files checks the names and layouts; its own implementation
-of each architecture checks the options that express it. Skipped where transformers is absent
+Flax classes and by `load_hf`: logits must agree to 1e-5 (float32), greedy generations token
+for token (families that generate), and masked-LM or class predictions (encoders). transformers
+reading our files checks the names and layouts; its own implementation of each architecture
+checks the options that express it. Skipped where transformers is absent
 (the test extras install it; torch is never needed).
 """
 
@@ -144,10 +145,13 @@ def test_logits_equal_transformers(family, transformers_logs):
     assert not [r.message for r in transformers_logs.records if "were not" in r.message], "names transformers ignored"
 
 
+GENERATING = [name for name, (cfg, _) in FAMILIES.items() if cfg.mode != "encoder_only"]
+ENCODERS = [name for name in FAMILIES if name not in GENERATING]
+
+
+@pytest.mark.parametrize("family", GENERATING, indirect=True)
 def test_greedy_generation_equals_transformers(family):
     _, cfg, model, _, theirs = family
-    if cfg.mode == "encoder_only":
-        pytest.skip("an encoder does not generate")
     eos, new = SPECIAL["eos_token_id"], 8
     if cfg.mode == "decoder_only":
         prompts = ids((2, 5), 3)
@@ -169,6 +173,28 @@ def test_greedy_generation_equals_transformers(family):
         reference = np.asarray(out.sequences)[:, 1:]  # after the start token
     for mine, theirs_row in zip(ours, reference, strict=True):
         assert decode.strip_after_eos(mine[:new], eos) == decode.strip_after_eos(theirs_row[:new], eos)
+
+
+@pytest.mark.parametrize("name", ENCODERS)
+def test_encoder_predictions_equal_transformers(name, tmp_path):
+    """What an encoder is for: the class, or the masked-LM predictions (the five most likely ids, in
+    order) at each real position of rows where every third token is [MASK]. Initialised as a model
+    to be trained (the random weights of `family` make a head that predicts one ranking everywhere)."""
+    cfg, cls = FAMILIES[name]
+    model = jf.build_model(cfg, seed=3)
+    with THEIRS:
+        theirs = getattr(transformers, cls).from_pretrained(hf.save_hf(model, tmp_path, extra_config=SPECIAL))
+    MASK = 3  # any id: the test compares predictions, not a tokenizer's conventions
+    src = np.where(np.arange(10)[None] % 3 == 1, MASK, ids((2, 10), 5))
+    with jax.default_matmul_precision("highest"):
+        ours, reference = np.asarray(logits_of(model, src)), np.asarray(hf_logits_of(theirs, src))
+    if cfg.num_classes:
+        np.testing.assert_array_equal(ours.argmax(-1), reference.argmax(-1))
+        return
+    real_BT = np.arange(10)[None] < LENGTHS[:, None]
+    top = lambda logits_NV: np.argsort(-logits_NV, -1)[:, :5]
+    assert len(np.unique(top(ours[real_BT]))) > 10  # the predictions depend on the input
+    np.testing.assert_array_equal(top(ours[real_BT]), top(reference[real_BT]))
 
 
 def test_scanned_load_and_save_equal_unrolled(tmp_path):

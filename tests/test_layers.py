@@ -8,6 +8,7 @@ from flax import nnx
 
 import jaxformer as jf
 from jaxformer import functional as F
+from jaxformer import layers
 
 
 def test_attention_equals_flax_multihead_attention():
@@ -69,6 +70,48 @@ def test_out_of_range_token_ids_are_rejected():
         embed(state, jnp.array([[1, 12]])).block_until_ready()
     unchecked = jf.Embed(cfg.replace(check_token_ids=False), rngs=nnx.Rngs(0))
     unchecked(jnp.array([[1, 12]]))  # the documented escape hatch: JAX clamps silently
+
+
+ID_TRANSFORMS = {  # what a user wraps a model call in; `checked` goes outside
+    "jit": lambda f: jax.jit(f),
+    "grad": lambda f: jax.jit(jax.grad(lambda p, x: f(p, x).sum())),
+    "vmap": lambda f: jax.jit(jax.vmap(f, in_axes=(None, 0))),
+    "scan": lambda f: jax.jit(lambda p, xs: jax.lax.scan(lambda c, x: (c + f(p, x).sum(), None), 0.0, xs)[0]),
+}
+
+
+@pytest.mark.parametrize("transform", ID_TRANSFORMS)
+def test_checked_gives_our_error_first_under_the_users_transforms(transform):
+    """Under the user's own jit (grad, vmap, scan), `checked` raises the ValueError naming the id and
+    the range, as its whole message; unwrapped, JAX's error only ends with it."""
+    model = jf.build_model(jf.tiny("decoder_only", vocab_size=10, max_len=8))
+    graphdef, params = nnx.split(model)
+    fn = ID_TRANSFORMS[transform](lambda p, x: nnx.merge(graphdef, p)(x))
+    bad = jnp.array([[1, 12, 3]])
+    bad = bad[None].repeat(2, 0) if transform in ("vmap", "scan") else bad
+    with pytest.raises(ValueError) as error:
+        jf.checked(fn)(params, bad)
+    assert str(error.value) == "token id 12 at index (0, 1) is outside the vocabulary [0, 10)"
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"(?s)^INTERNAL: .*token id 12 at index \(0, 1\)"):
+        jax.block_until_ready(fn(params, bad))
+    assert jf.checked(fn)(params, bad % 10) is not None  # good ids: the results
+
+
+def test_unchecked_models_compile_without_a_callback():
+    """`without_id_checks` (the train and decode steps) gives the program of a model built with
+    check_token_ids=False: no host callback, no check; a checked model's program has the callback."""
+    cfg = jf.tiny("decoder_only", vocab_size=10, max_len=8)
+    ids = jnp.array([[1, 2, 3]])
+
+    def lowered(model):
+        graphdef, params = nnx.split(model)
+        return jax.jit(lambda p, x: nnx.merge(graphdef, p)(x)).lower(params, ids).as_text()
+
+    checked = lowered(jf.build_model(cfg))
+    unchecked = lowered(layers.without_id_checks(jf.build_model(cfg)))
+    assert "callback" in checked
+    assert "callback" not in unchecked
+    assert unchecked == lowered(jf.build_model(cfg.replace(check_token_ids=False)))
 
 
 def test_feed_forward_activations_match_manual():
