@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import pathlib
 import shutil
 import sys
@@ -56,6 +57,7 @@ class Checkpointer:
     """
 
     def __init__(self, workdir: str | pathlib.Path, cfg: Config, *, read_only: bool = False):
+        _quiet_abandoned_io()  # before orbax's first read or write (a test runner may have replaced the hook)
         self.cfg = cfg
         self.read_only = read_only
         self.directory = (pathlib.Path(workdir) / "checkpoints").absolute()
@@ -134,7 +136,6 @@ class Checkpointer:
         return None
 
     def _set_aside(self, step: int, error: Exception) -> None:
-        _quiet_abandoned_reads()
         src = self.directory / str(step)
         reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
         if self.read_only:  # a reader never moves what a training run may be writing beside it
@@ -148,21 +149,32 @@ class Checkpointer:
         self.manager.reload()
 
 
-def _quiet_abandoned_reads() -> None:
-    """A restore that fails stops at its first damaged array; tensorstore still finishes the reads
-    orbax abandoned and calls back into the event loop orbax has closed, and Python prints
-    "Exception ignored ... RuntimeError: Event loop is closed" for each (dozens, long after the
-    warning that matters). Nothing is lost: drop exactly that message, pass every other on."""
+def _quiet_abandoned_io() -> None:
+    """A restore that fails stops at its first damaged array, a save at its first failed write;
+    tensorstore still finishes the reads and writes orbax abandoned and calls back into the event
+    loop orbax has closed, and Python prints "RuntimeError: Event loop is closed" with a traceback
+    for each (dozens, from tensorstore's threads, while orbax is still inside the failing call: the
+    hook must be in place before the first read or write). The write coroutines orbax abandoned are
+    collected at interpreter shutdown, each printing an ImportError ("Python is likely shutting
+    down"). Nothing is lost: drop exactly these two, pass every other on."""
     previous = sys.unraisablehook
-    if getattr(previous, "quiets_abandoned_reads", False):
+    if getattr(previous, "quiets_abandoned_io", False):
         return
 
-    def hook(unraisable):
+    # Bound now: by the time the shutdown ones arrive, this module's globals may be cleared.
+    def hook(unraisable, previous=previous, finalizing=sys.is_finalizing, orbax=f"{os.sep}orbax{os.sep}"):
         error = unraisable.exc_value
-        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
-            previous(unraisable)
+        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            return
+        if finalizing() and isinstance(error, ImportError):  # orbax's abandoned coroutines, collected at exit
+            tb = error.__traceback__
+            while tb is not None:
+                if orbax in tb.tb_frame.f_code.co_filename:
+                    return
+                tb = tb.tb_next
+        previous(unraisable)
 
-    hook.quiets_abandoned_reads = True
+    hook.quiets_abandoned_io = True
     sys.unraisablehook = hook
 
 
@@ -258,6 +270,7 @@ def load_model(directory: str | pathlib.Path):
     cfg = read_config(directory / "config.json")
     if not (directory / "params").is_dir():
         raise FileNotFoundError(f"{directory / 'params'} does not exist: {written_by_export}")
+    _quiet_abandoned_io()
     abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract, nnx.Param)
     with ocp.StandardCheckpointer() as ckptr:
