@@ -6,18 +6,23 @@ A checkpoint `WORKDIR/checkpoints/<step>/` holds two items:
   meta   JSON: the resolved config and the data position (batches are a function of
          the step, so the position is the step and the seed).
 orbax writes each step into a temporary directory and renames it when complete, so an
-interrupted save is never listed as a checkpoint.
+interrupted or failed save is never listed as a checkpoint; the next training run removes it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import logging
+import os
 import pathlib
+import re
 import shutil
 import sys
 import tempfile
+import traceback
 
 import jax
 import orbax.checkpoint as ocp
@@ -38,10 +43,63 @@ class _ReadOnlyIsExpected(logging.Filter):
         return not str(record.msg).startswith(("Given directory is read only", "CheckpointManagerOptions.read_only"))
 
 
+# What a failed file operation says: an OSError's errno, or tensorstore's `[os_error_code='28']`.
+_OS_ERROR_CODE = re.compile(r"os_error_code='(\d+)'")
+
+
+def write_failure(error: BaseException | None) -> int | None:
+    """The errno of the failed file operation behind `error` (through its causes), else None.
+
+    orbax raises it as an OSError from its own writes, and as tensorstore's ValueError
+    (`RESOURCE_EXHAUSTED: ... No space left on device [os_error_code='28']`) from the arrays'.
+    """
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno:
+            return error.errno
+        if found := _OS_ERROR_CODE.search(str(error)):
+            return int(found.group(1))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+class _ReportedByTheWait(logging.Filter):
+    """orbax logs a failed write, traceback and all, from each thread it passes through, and asyncio
+    the same error again for each of orbax's gathered writes it collects (hundreds of lines in all);
+    `Checkpointer` reports it once, in one line, when the save's wait raises it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if write_failure(error) is None:
+            return True
+        frames = [record.pathname] + [f.f_code.co_filename for f, _ in traceback.walk_tb(error.__traceback__)]
+        return not any(f"{os.sep}orbax{os.sep}" in path for path in frames)
+
+
 logging.getLogger("absl").addFilter(_ReadOnlyIsExpected())  # orbax logs through absl's logger
+for _logger in ("absl", "asyncio"):
+    logging.getLogger(_logger).addFilter(_ReportedByTheWait())
 
 # Exit code of a run that saved a checkpoint on SIGTERM and stopped: rerun the same command to resume.
 EXIT_PREEMPTED = 3
+
+# Why a save could not be written, and what lets a rerun write it; other errnos are named by os.strerror.
+_WRITE_FAILURES = {
+    errno.ENOSPC: ("the disk is full", "free space"),
+    errno.EDQUOT: ("the disk quota is exceeded", "free space"),
+    errno.EFBIG: ("a file exceeds the size limit", "raise the limit"),
+    errno.EROFS: ("the filesystem is read-only", "make it writable"),
+    errno.EACCES: ("permission is denied", "make it writable"),
+    errno.EPERM: ("permission is denied", "make it writable"),
+}
+
+
+class CheckpointWriteError(OSError):
+    """A save could not be written (disk full, quota, read-only, permission). The checkpoints saved
+    before it are intact, and the half-written one is never taken for a checkpoint: a rerun with
+    room resumes from the last complete one (and removes the partial files)."""
+
 
 # Model fields that do not change the parameters' shapes or layout: a run may resume with them changed.
 RUNTIME_MODEL_FIELDS = {"dtype", "attention_impl", "remat", "check_token_ids", "dropout_rate", "attention_dropout_rate"}
@@ -56,8 +114,10 @@ class Checkpointer:
     """
 
     def __init__(self, workdir: str | pathlib.Path, cfg: Config, *, read_only: bool = False):
+        _quiet_abandoned_io()  # before orbax's first read or write (a test runner may have replaced the hook)
         self.cfg = cfg
         self.read_only = read_only
+        self.saving = None  # the step of the save in flight
         self.directory = (pathlib.Path(workdir) / "checkpoints").absolute()
         if read_only:
             if not self.directory.is_dir():
@@ -80,6 +140,7 @@ class Checkpointer:
             preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
             enable_async_checkpointing=c.async_save,
             create=True,
+            cleanup_tmp_directories=True,  # a save that failed or was killed leaves its partial files
         )
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
@@ -89,21 +150,53 @@ class Checkpointer:
             raise OSError(f"cannot write checkpoints to {self.directory}: {e.strerror or e}") from None
 
     def save(self, state, *, metrics: dict | None = None) -> None:
-        """Start saving `state` (asynchronously unless configured otherwise)."""
+        """Start saving `state` (asynchronously unless configured otherwise), once the save before
+        it has finished. CheckpointWriteError if this save or that one cannot be written."""
         step = int(state.step)
+        self.wait()  # orbax would wait for it inside its save, reporting its failure as this one's
         meta = {"config": self.cfg.to_dict(), "data": {"step": step, "seed": self.cfg.train.seed}}
-        try:
+        self.saving = step
+        with self._write_failures_of(step):
             self.manager.save(
                 step,
                 args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
                 metrics=metrics,
                 force=True,
             )
-        except OSError as e:
-            raise OSError(f"saving checkpoint {self.directory / str(step)} failed: {e}; earlier ones are intact") from e
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Wait for the save in flight; CheckpointWriteError if it could not be written."""
+        step, self.saving = self.saving, None
+        with self._write_failures_of(step):
+            self.manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _write_failures_of(self, step: int | None):
+        """Turn a failed write of step `step`'s save into one CheckpointWriteError saying why, which
+        checkpoint is the last complete one, and what to do; any other error passes unchanged."""
+        try:
+            yield
+        except Exception as e:
+            code = write_failure(e)
+            if code is None:
+                raise
+            why, remedy = _WRITE_FAILURES.get(code, ("a write failed", "fix that"))
+            try:
+                kept = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
+            except OSError:  # not even listable: say nothing of what it holds
+                kept = None
+            rerun = f"{remedy} and rerun the same command"
+            if kept:
+                last = f"step {kept[-1]} ({self.directory / str(kept[-1])}) is the last complete checkpoint and is "
+                last += f"intact; {rerun} to resume from it"
+            else:
+                last = f"no checkpoint was written yet; {rerun}" if kept == [] else f"earlier ones are intact; {rerun}"
+            saving = "a checkpoint" if step is None else f"the checkpoint of step {step}"
+            error = CheckpointWriteError(
+                f"cannot save {saving} to {self.directory}: {why} ({os.strerror(code)}); {last}"
+            )
+            error.errno = code
+            raise error from e
 
     def close(self) -> None:
         self.manager.close()
@@ -134,7 +227,6 @@ class Checkpointer:
         return None
 
     def _set_aside(self, step: int, error: Exception) -> None:
-        _quiet_abandoned_reads()
         src = self.directory / str(step)
         reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
         if self.read_only:  # a reader never moves what a training run may be writing beside it
@@ -148,21 +240,32 @@ class Checkpointer:
         self.manager.reload()
 
 
-def _quiet_abandoned_reads() -> None:
-    """A restore that fails stops at its first damaged array; tensorstore still finishes the reads
-    orbax abandoned and calls back into the event loop orbax has closed, and Python prints
-    "Exception ignored ... RuntimeError: Event loop is closed" for each (dozens, long after the
-    warning that matters). Nothing is lost: drop exactly that message, pass every other on."""
+def _quiet_abandoned_io() -> None:
+    """A restore that fails stops at its first damaged array, a save at its first failed write;
+    tensorstore still finishes the reads and writes orbax abandoned and calls back into the event
+    loop orbax has closed, and Python prints "RuntimeError: Event loop is closed" with a traceback
+    for each (dozens, from tensorstore's threads, while orbax is still inside the failing call: the
+    hook must be in place before the first read or write). The write coroutines orbax abandoned are
+    collected at interpreter shutdown, each printing an ImportError ("Python is likely shutting
+    down"). Nothing is lost: drop exactly these two, pass every other on."""
     previous = sys.unraisablehook
-    if getattr(previous, "quiets_abandoned_reads", False):
+    if getattr(previous, "quiets_abandoned_io", False):
         return
 
-    def hook(unraisable):
+    # Bound now: by the time the shutdown ones arrive, this module's globals may be cleared.
+    def hook(unraisable, previous=previous, finalizing=sys.is_finalizing, orbax=f"{os.sep}orbax{os.sep}"):
         error = unraisable.exc_value
-        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
-            previous(unraisable)
+        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            return
+        if finalizing() and isinstance(error, ImportError):  # orbax's abandoned coroutines, collected at exit
+            tb = error.__traceback__
+            while tb is not None:
+                if orbax in tb.tb_frame.f_code.co_filename:
+                    return
+                tb = tb.tb_next
+        previous(unraisable)
 
-    hook.quiets_abandoned_reads = True
+    hook.quiets_abandoned_io = True
     sys.unraisablehook = hook
 
 
@@ -258,6 +361,7 @@ def load_model(directory: str | pathlib.Path):
     cfg = read_config(directory / "config.json")
     if not (directory / "params").is_dir():
         raise FileNotFoundError(f"{directory / 'params'} does not exist: {written_by_export}")
+    _quiet_abandoned_io()
     abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract, nnx.Param)
     with ocp.StandardCheckpointer() as ckptr:

@@ -264,6 +264,8 @@ def fit(
     Returns the final state, the last evaluation under "eval", and under "preempted" / "stopped"
     whether SIGTERM or Ctrl-C / `on_eval` stopped the run (after saving) before `train.steps`;
     "complete" when the workdir had already reached `train.steps` (nothing is trained or evaluated).
+    A save that cannot be written (disk full, read-only) raises `checkpoint.CheckpointWriteError`
+    naming the last complete checkpoint, which a rerun resumes from.
     """
     from jaxformer import sharding
 
@@ -397,6 +399,8 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
                 if done % cfg.checkpoint.every == 0 or done == tcfg.steps or preempted or stopped:
                     flush()  # the log holds every step the checkpoint holds
                     ckpt.save(state, metrics=result if evaluated else None)
+                if preempted:  # "saved" only once it is: a save that cannot be written raises here
+                    ckpt.wait()
                 if preempted and lead:  # shown even with --quiet: it says how to go on
                     why = preemption.requested or "preemption"
                     print(f"{why}: saved step {done} to {ckpt.directory}; rerun the same command to resume")

@@ -24,6 +24,7 @@ from flax import nnx
 
 import jaxformer as jf
 from jaxformer import cli, decode
+from jaxformer.checkpoint import CheckpointWriteError
 from jaxformer.config import ConfigError, DecodeConfig, TrainConfig, apply_overrides, from_dict, load_experiment
 from jaxformer.data import DataError, HFTokenizer, SentencePieceTokenizer
 
@@ -400,6 +401,26 @@ def api_case(name, call, error, message):
     return pytest.param(call, error, message, id=name)
 
 
+def save_past_a_file_size_limit(places):
+    """`start_workdir` where every file write past 4 KiB fails (EFBIG, as ENOSPC on a full disk): the
+    kernel refuses orbax's and tensorstore's writes alike (a real full disk: test_faults.py)."""
+    import resource
+
+    from jaxformer.checkpoint import start_workdir
+    from jaxformer.state import state_factory
+
+    cfg = apply_overrides(load_experiment("experiments/copy_task.py"), SMALL["copy"])
+    state = jax.jit(state_factory(cfg)[1])()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    ignored = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of killing the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        start_workdir(pathlib.Path(places["tmp"]) / "limited", cfg, state)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, ignored)
+
+
 LM, S2S = "decoder_only", "encoder_decoder"
 TOKENS = types.SimpleNamespace(bos_id=1, eos_id=2)  # a tokenizer's special ids, for id lists given as sources
 API_CASES = [
@@ -570,6 +591,14 @@ API_CASES = [
     api_case("unknown section", lambda m, p: from_dict({"modle": {}}), ConfigError, r"modle: unknown config section"),
     api_case("unknown field", lambda m, p: from_dict({"model": {"w": 1}}), ConfigError, r"model\.w: unknown field"),
     api_case("decode field type", lambda m, p: DecodeConfig(beam_size="4"), ConfigError, r"decode\.beam_size: "),
+    # Checkpoint saves that cannot be written: one OSError naming the directory, why, and what is kept.
+    api_case(
+        "save past a file size limit",
+        lambda m, p: save_past_a_file_size_limit(p),
+        CheckpointWriteError,
+        r"cannot save the checkpoint of step 0 to \S+/limited/checkpoints: a file exceeds the size limit "
+        r"\(File too large\); no checkpoint was written yet; raise the limit and rerun the same command$",
+    ),
     # Loading saved models.
     api_case(
         "load_model: no directory", lambda m, p: jf.load_model(p["tmp"] + "/nowhere"), FileNotFoundError, r"nowhere"

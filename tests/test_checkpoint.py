@@ -23,3 +23,18 @@ def test_config_overrides_reach_the_checkpoint_section():
     assert from_dict(json.loads(json.dumps(cfg.to_dict()))).checkpoint.keep == 5
     with pytest.raises(ConfigError, match=r"checkpoint\.best_metric"):
         apply_overrides(cfg, ["checkpoint.best_metric=bleu"])
+
+
+def test_the_closed_loop_messages_are_quiet_from_the_first_read_or_write(tmp_path, monkeypatch):
+    """tensorstore prints them while the failing restore or save is still inside orbax: the hook that
+    drops them is in place once a Checkpointer exists, not only once a checkpoint has been set aside."""
+    import sys
+
+    from jaxformer.checkpoint import Checkpointer
+    from jaxformer.config import load_experiment
+
+    cfg = load_experiment("experiments/copy_task.py")
+    for read_only in (False, True):
+        monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
+        Checkpointer(tmp_path, cfg, read_only=read_only).close()
+        assert getattr(sys.unraisablehook, "quiets_abandoned_io", False), f"read_only={read_only}"

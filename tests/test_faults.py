@@ -9,6 +9,7 @@ import logging
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -144,12 +145,78 @@ def test_fallback_to_training_from_scratch_logs_exactly_the_uninterrupted_run(tm
         damage_state(workdir / "checkpoints" / str(step))
     result = run(workdir)
     assert result.returncode == 0, result.stderr[-3000:]
+    # tensorstore finishing the reads orbax abandoned: nothing lost, nothing to print
+    assert "Event loop is closed" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert sorted(n for n in checkpoint_names(workdir) if n.startswith("corrupt-")) == [
         "corrupt-20",
         "corrupt-30",
         "corrupt-40",
     ]
     assert metrics(workdir) == metrics(uninterrupted)
+
+
+def unshare_mount(probe: pathlib.Path) -> list[str] | None:
+    """A command prefix that runs in a mount namespace of its own (root: a plain one; anyone else: as
+    root of a user namespace); None where neither may mount a tmpfs here."""
+    if shutil.which("unshare") is None:
+        return None
+    probe.mkdir()
+    for prefix in (["unshare", "--mount"], ["unshare", "--user", "--map-root-user", "--mount"]):
+        mount = [*prefix, "mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(probe)]
+        if subprocess.run(mount, capture_output=True).returncode == 0:
+            return prefix
+    return None
+
+
+def files_of(directory: pathlib.Path) -> dict:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_full_disk_during_a_save_is_one_line_keeps_the_last_checkpoint_and_a_rerun_with_room_resumes(
+    tmp_path, uninterrupted
+):
+    """A real full filesystem (a tmpfs the size of one and a half checkpoints, in a mount namespace of
+    the test's own): the periodic save of step 45 cannot be written, and the save of step 50 reports it."""
+    prefix = unshare_mount(tmp_path / "probe")
+    if prefix is None:
+        pytest.skip("cannot mount a small filesystem here (no mount namespace)")
+    workdir = copy_of(uninterrupted, tmp_path)
+    checkpoints, last = workdir / "checkpoints", uninterrupted / "checkpoints" / "40"
+    shutil.rmtree(checkpoints)
+    checkpoints.mkdir()
+    size_kib = sum(p.stat().st_size for p in last.rglob("*") if p.is_file()) * 3 // 2 // 1024
+    train = " ".join(shlex.quote(a) for a in train_command(workdir, "train.steps=50", "checkpoint.every=5"))
+    out = tmp_path / "out"
+    script = f"""
+        mount -t tmpfs -o size={size_kib}k tmpfs {checkpoints} && cp -a {last} {checkpoints}/ || exit 99
+        {train} > {out}.full 2> {out}.full.err; echo $? > {out}.full.rc
+        cp -a {checkpoints} {out}.after-failure
+        mount -o remount,size=64m {checkpoints}
+        {train} > {out}.room 2> {out}.room.err; echo $? > {out}.room.rc
+        cp -a {checkpoints} {out}.after-rerun
+    """
+    done = subprocess.run([*prefix, "sh", "-c", script], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shutil.rmtree(checkpoints)  # the mount point, empty once its namespace is gone
+    shutil.copytree(f"{out}.after-rerun", checkpoints)
+
+    err = pathlib.Path(f"{out}.full.err").read_text()
+    assert pathlib.Path(f"{out}.full.rc").read_text().strip() == "2", err[-3000:]
+    assert err.splitlines() == [
+        f"error: cannot save the checkpoint of step 45 to {checkpoints}: the disk is full (No space left on device); "
+        f"step 40 ({checkpoints / '40'}) is the last complete checkpoint and is intact; "
+        "free space and rerun the same command to resume from it"
+    ], err[-3000:]
+    after = sorted(os.listdir(f"{out}.after-failure"))
+    assert after[0] == "40" and after[1:] and all(n.startswith("45.orbax-checkpoint-tmp") for n in after[1:]), after
+    assert files_of(pathlib.Path(f"{out}.after-failure") / "40") == files_of(last), "bitwise what it was"
+
+    err = pathlib.Path(f"{out}.room.err").read_text()
+    assert pathlib.Path(f"{out}.room.rc").read_text().strip() == "0", err[-3000:]
+    assert "Traceback" not in err and "Event loop is closed" not in err, err[-3000:]
+    assert checkpoint_names(workdir) == ["40", "45", "50"], "resumed from 40; the partial save of 45 removed"
+    assert int(final_state(workdir).step) == 50
+    assert [r["step"] for r in metrics(workdir) if r["split"] == "train"] == list(range(0, 50, 3))
 
 
 def start_and_signal(workdir, sig) -> tuple[subprocess.Popen, str]:
@@ -235,13 +302,15 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_and_is_kept(tmp_
     assert checkpoint_names(workdir) == ["20", "30", "corrupt-40"], "set aside, not deleted"
 
 
-def test_after_a_failed_restore_only_the_abandoned_reads_closed_loop_message_is_dropped(monkeypatch):
-    """tensorstore finishing reads of a failed restore calls back into orbax's closed event loop:
-    that exact message is dropped once a checkpoint is set aside, every other one still reported."""
-    from jaxformer.checkpoint import _quiet_abandoned_reads
+def test_only_the_messages_of_io_orbax_abandoned_are_dropped(monkeypatch):
+    """tensorstore finishing the reads of a failed restore or the writes of a failed save calls back
+    into orbax's closed event loop, and the write coroutines orbax abandoned fail to import at
+    interpreter shutdown: exactly those messages are dropped, every other one still reported."""
+    from jaxformer.checkpoint import _quiet_abandoned_io
 
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
+    monkeypatch.setattr(sys, "is_finalizing", lambda: True)  # as at interpreter shutdown
 
     class RaisesWhenCollected:
         def __init__(self, error):
@@ -250,14 +319,20 @@ def test_after_a_failed_restore_only_the_abandoned_reads_closed_loop_message_is_
         def __del__(self):
             raise self.error
 
-    _quiet_abandoned_reads()
-    _quiet_abandoned_reads()  # once only: a second damaged checkpoint does not wrap it again
+    class FailsInOrbax:  # its __del__ runs code of a file of orbax's
+        exec(compile("def __del__(self): raise ImportError('sys.meta_path is None')", "/orbax/x.py", "exec"))
+
+    _quiet_abandoned_io()
+    _quiet_abandoned_io()  # once only: a second Checkpointer does not wrap it again
     RaisesWhenCollected(RuntimeError("Event loop is closed"))
+    FailsInOrbax()
     RaisesWhenCollected(RuntimeError("something else"))
     RaisesWhenCollected(ValueError("Event loop is closed"))
+    RaisesWhenCollected(ImportError("sys.meta_path is None"))  # at shutdown, but not from orbax
     assert [f"{type(e).__name__}: {e}" for e in seen] == [
         "RuntimeError: something else",
         "ValueError: Event loop is closed",
+        "ImportError: sys.meta_path is None",
     ]
 
 
