@@ -40,7 +40,7 @@ import time
 import jax
 import numpy as np
 
-from jaxformer import chips, sharding
+from jaxformer import chips, observe, sharding
 from jaxformer.config import Config, ConfigError
 from jaxformer.train import flops_per_example, make_steps, state_factory
 
@@ -145,12 +145,15 @@ class Plan:
             lines.append(f"  eval step peak     {gb(self.eval_peak)}{share(self.eval_peak)}")
         if self.attention_kernels:
             lines.append(f"  attention          splash kernels: {self.attention_kernels} Pallas calls in the step")
-        lines.append(f"FLOPs per step: {self.flops_per_device:.4g} per device (XLA), model {self.model_flops:.4g} all")
+        n, fmt = self.devices, lambda x: observe.value("flops", x)
+        flops = lambda per_device: f"{fmt(per_device)} per device, {fmt(per_device * n)} in all"
+        lines.append(f"FLOPs per step: XLA's {flops(self.flops_per_device)}; the model's {flops(self.model_flops / n)}")
         if self.step_seconds is not None:
+            ceilings = {"tokens_per_s": self.tokens_per_second, "mfu": self.mfu_ceiling}
             lines.append(
                 f"roofline: step >= {self.step_seconds * 1e3:.2f} ms (compute {self.compute_seconds * 1e3:.2f} ms, "
-                f"memory {self.memory_seconds * 1e3:.2f} ms for {self.bytes_accessed / 1e9:.3f} GB accessed): "
-                f"<= {self.tokens_per_second:,.0f} tokens/s, MFU <= {100 * self.mfu_ceiling:.1f}%"
+                f"memory {self.memory_seconds * 1e3:.2f} ms for {self.bytes_accessed / 1e9:.3f} GB accessed); "
+                f"ceilings: {observe.line(ceilings, ('tokens_per_s', 'mfu'))}"
             )
         if self.device_memory is not None:
             verdict = "fits" if self.fits else "does NOT fit"
