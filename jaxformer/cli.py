@@ -69,7 +69,7 @@ def cmd_train(args) -> int:
         saved = _report_path(args.workdir, step)
         print(f"{args.workdir} is already complete at step {step} (train.steps={cfg.train.steps}): nothing to train")
         if saved.is_file():
-            _print_report(json.loads(saved.read_text())["report"])
+            _print_report(cfg.train.objective, json.loads(saved.read_text())["report"])
             print(f"\n(from {saved}; raise train.steps to train on)")
         else:
             print(f"evaluate it with: jaxformer eval --workdir {args.workdir}; raise train.steps to train on")
@@ -77,7 +77,7 @@ def cmd_train(args) -> int:
     report = evaluate_model(
         cfg, result["graphdef"], result["state"].params, result["data"], result["eval_step"], result["state"]
     )
-    _print_report(report)
+    _print_report(cfg.train.objective, report)
     saved = _save_report(args.workdir, step, cfg, report)
     print(f"\nlogs: {args.workdir}/metrics.jsonl, held-out results: {saved}")
     print(f"TensorBoard: tensorboard --logdir {args.workdir}/tensorboard")
@@ -121,7 +121,7 @@ def cmd_eval(args) -> int:
     print(f"evaluating the checkpoint of step {step} on held-out data")
     _, eval_step = make_steps(graphdef, cfg, optimizer)
     report = evaluate_model(cfg, graphdef, state.params, data, jax.jit(eval_step), state)
-    _print_report(report)
+    _print_report(cfg.train.objective, report)
     print(f"\nsaved to {_save_report(args.workdir, step, cfg, report)}")
     return 0
 
@@ -305,14 +305,11 @@ def _save_report(workdir, step: int, cfg, report: dict) -> pathlib.Path:
     return path
 
 
-def _print_report(report: dict) -> None:
+def _print_report(objective: str, report: dict) -> None:
+    from jaxformer.observe import report_lines
+
     print("\nheld-out evaluation:")
-    for k, v in report.items():
-        if k == "examples":
-            for ex in v:
-                print(f"  src: {ex['src']}\n  ref: {ex['ref']}\n  hyp: {ex['hyp']}\n")
-        else:
-            print(f"  {k:22s} {v:.4f}")
+    print("\n".join(report_lines(objective, report)))
 
 
 def main(argv: list[str] | None = None) -> int:

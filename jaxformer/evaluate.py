@@ -3,7 +3,8 @@
 lm        perplexity vs a unigram model fitted on the training split
 seq2seq   BLEU (sacrebleu) of translations (decoded as `cfg.decode` says: the translation
           experiment uses the paper's beam search) vs copying the source; exact-sequence accuracy
-classify  accuracy vs always predicting the majority class of the training split
+classify  accuracy vs always predicting the majority class of the training split; the loss and
+          cross-entropy (no perplexity: it means nothing for labels)
 mlm       masked-token accuracy and perplexity vs the unigram model
 """
 
@@ -44,7 +45,9 @@ def evaluate_model(cfg, graphdef, params, data, eval_step, state, num_batches: i
     objective = cfg.train.objective
     n = min(num_batches, len(data.test))
     fetch = lambda i: check_batch_ids(data.test.get(i), cfg.model)
-    out = {f"test_{k}": v for k, v in evaluate(eval_step, state, fetch, n).items() if k != "tokens"}
+    # A classifier's perplexity (exp of its log loss over labels) is no figure anyone reads: left out.
+    dropped = {"tokens", "perplexity"} if objective == "classify" else {"tokens"}
+    out = {f"test_{k}": v for k, v in evaluate(eval_step, state, fetch, n).items() if k not in dropped}
     test = _arrays(data.test, num_batches)
     if objective in ("lm", "mlm"):
         out["unigram_perplexity"] = unigram_perplexity(data.train, test, cfg.model.vocab_size)

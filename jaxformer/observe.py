@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import pathlib
 import platform
 import warnings
@@ -66,6 +67,74 @@ class NullWriter:
 
     def close(self) -> None:
         pass
+
+
+def _percent(x: float) -> str:
+    """Three significant digits: 42.1% on a TPU, 2.00%, 0.0123% on a CPU against a GPU's peak."""
+    p = 100 * x
+    digits = 2 - math.floor(math.log10(abs(p))) if p and math.isfinite(p) else 1
+    return f"{p:.{max(digits, 0)}f}%"
+
+
+# One name and format per metric for everything a command prints (train logs, held-out reports,
+# plan's table): fractions as percentages, rates with thousands separators. metrics.jsonl and the
+# saved reports keep the raw keys and values (fractions).
+METRICS = {
+    "loss": ("loss", "{:.4f}".format),
+    "nll": ("cross-entropy", "{:.4f}".format),  # unsmoothed: a classifier's log loss; log(perplexity) for tokens
+    "perplexity": ("perplexity", "{:.3f}".format),
+    "accuracy": ("accuracy", "{:.2%}".format),
+    "sequence_accuracy": ("sequence accuracy", "{:.2%}".format),
+    "bleu": ("BLEU", "{:.2f}".format),
+    "tokens_per_s": ("tokens/s", "{:,.0f}".format),
+    "mfu": ("MFU", _percent),
+    "flops": ("FLOPs", "{:.4g}".format),
+}
+
+
+# The held-out report's baselines (evaluate.py), each beside the figure it is a baseline for.
+BASELINES = {
+    "perplexity": ("unigram_perplexity", "unigram model"),
+    "accuracy": ("majority_accuracy", "majority class"),
+    "bleu": ("copy_source_bleu", "copying the source"),
+}
+
+
+def value(metric: str, x: float) -> str:
+    """`x` in `metric`'s format: 0.1234 accuracy -> "12.34%", mfu -> "12.3%", 12345.6 tokens_per_s -> "12,346"."""
+    return METRICS[metric][1](x)
+
+
+def show(metric: str, x: float) -> str:
+    """A metric as every command prints it: "loss 2.3456", "accuracy 87.50%", "MFU 14.0%"."""
+    return f"{METRICS[metric][0]} {value(metric, x)}"
+
+
+def shown(objective: str) -> tuple[str, ...]:
+    """The metrics an evaluation of `objective` prints: perplexity says nothing of a classifier's labels."""
+    return ("loss", "nll", "accuracy") if objective == "classify" else ("loss", "perplexity", "accuracy")
+
+
+def line(metrics: dict, keys) -> str:
+    """ "loss 2.3456, tokens/s 12,345, MFU 14.0%": the `keys` that `metrics` holds, in order."""
+    return ", ".join(show(k, metrics[k]) for k in keys if k in metrics)
+
+
+def report_lines(objective: str, report: dict) -> list[str]:
+    """The held-out report as `train` and `eval` print it: `objective`'s figures on the test split
+    (report keys "test_<metric>"), each beside its baseline, then the translation figures."""
+    figures = [(m, f"test_{m}") for m in shown(objective)] + [(m, m) for m in ("bleu", "sequence_accuracy")]
+    lines = []
+    for m, key in figures:
+        if key not in report:
+            continue
+        text = f"  {METRICS[m][0]:18s} {value(m, report[key]):>9s}"
+        if (base := BASELINES.get(m)) and base[0] in report:
+            text += f"   {base[1]}: {value(m, report[base[0]])}"
+        lines.append(text)
+    for ex in report.get("examples", []):
+        lines.append(f"  src: {ex['src']}\n  ref: {ex['ref']}\n  hyp: {ex['hyp']}\n")
+    return lines
 
 
 def environment(mesh: jax.sharding.Mesh) -> dict:

@@ -40,7 +40,7 @@ import time
 import jax
 import numpy as np
 
-from jaxformer import chips, sharding
+from jaxformer import chips, observe, sharding
 from jaxformer.config import Config, ConfigError
 from jaxformer.state import state_factory
 from jaxformer.train import flops_per_example, make_steps
@@ -120,7 +120,7 @@ class Plan:
     cached_steps: int = 0  # steps whose figures were read from the plan cache, not compiled
     requested_batch: int | None = None  # the configured batch; batch_size differs when it did not compile
     over_memory: str | None = None  # the TPU compiler's refusal of the configured batch
-    attention_kernels: int | None = 0  # Pallas (Mosaic) kernels in the compiled training step (splash on TPU)
+    attention_kernels: int = 0  # Pallas (Mosaic) kernel calls in the training step (splash on TPU)
 
     def table(self) -> str:
         gb = lambda b: f"{b / 1e9:9.3f} GB"
@@ -146,12 +146,15 @@ class Plan:
             lines.append(f"  eval step peak     {gb(self.eval_peak)}{share(self.eval_peak)}")
         if self.attention_kernels:
             lines.append(f"  attention          splash kernels: {self.attention_kernels} Pallas calls in the step")
-        lines.append(f"FLOPs per step: {self.flops_per_device:.4g} per device (XLA), model {self.model_flops:.4g} all")
+        n, fmt = self.devices, lambda x: observe.value("flops", x)
+        flops = lambda per_device: f"{fmt(per_device)} per device, {fmt(per_device * n)} in all"
+        lines.append(f"FLOPs per step: XLA's {flops(self.flops_per_device)}; the model's {flops(self.model_flops / n)}")
         if self.step_seconds is not None:
+            ceilings = {"tokens_per_s": self.tokens_per_second, "mfu": self.mfu_ceiling}
             lines.append(
                 f"roofline: step >= {self.step_seconds * 1e3:.2f} ms (compute {self.compute_seconds * 1e3:.2f} ms, "
-                f"memory {self.memory_seconds * 1e3:.2f} ms for {self.bytes_accessed / 1e9:.3f} GB accessed): "
-                f"<= {self.tokens_per_second:,.0f} tokens/s, MFU <= {100 * self.mfu_ceiling:.1f}%"
+                f"memory {self.memory_seconds * 1e3:.2f} ms for {self.bytes_accessed / 1e9:.3f} GB accessed); "
+                f"ceilings: {observe.line(ceilings, ('tokens_per_s', 'mfu'))}"
             )
         if self.device_memory is not None:
             verdict = "fits" if self.fits else "does NOT fit"
@@ -165,7 +168,34 @@ class Plan:
         return "\n".join(lines)
 
 
-KERNEL_CALL = "tpu_custom_call"  # how a compiled TPU program calls a Pallas (Mosaic) kernel
+KERNEL_CALL = "tpu_custom_call"  # how a TPU program calls a Pallas (Mosaic) kernel
+
+
+def kernel_calls(lowered_text: str) -> int:
+    """Pallas kernels the lowered program (StableHLO text) runs, counted as the compiler inlines it:
+    a function's kernels once per call of it (a loop's body once).
+
+    Counted here rather than in the compiled program's text: on a slice with SparseCores (v5p) the
+    TPU compiler offloads embedding gathers as async ops that jaxlib's HLO reader refuses (a RET_CHECK
+    with a C++ stack trace on stderr) when asked for that text."""
+    own: dict[str, int] = {}
+    calls: dict[str, list[str]] = {}
+    name = None
+    for line in lowered_text.splitlines():
+        if m := re.match(r"\s*func\.func (?:public |private )?@([\w.$-]+)\(", line):
+            name = m.group(1)
+            own[name], calls[name] = 0, []
+        if name is None:
+            continue
+        own[name] += line.count(f"@{KERNEL_CALL}(")
+        calls[name] += re.findall(r"\bcall @([\w.$-]+)\(", line)
+
+    def total(f: str, seen: frozenset = frozenset()) -> int:
+        if f not in own or f in seen:
+            return 0
+        return own[f] + sum(total(g, seen | {f}) for g in calls[f])
+
+    return total("main")
 
 
 def parse_bytes(text: str) -> float:
@@ -361,7 +391,7 @@ class Compiled:
     code: int = 0
     flops: float = math.nan
     bytes_accessed: float = math.nan
-    kernels: int | None = 0  # None where the program's text cannot be had (some scanned TPU programs)
+    kernels: int = 0  # Pallas kernel calls in the step (`kernel_calls`)
     refused: str | None = None  # the compiler's out-of-memory message: nothing else is known
 
     @property
@@ -380,15 +410,11 @@ class Compiled:
         m = compiled.memory_analysis()
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
-        try:
-            kernels = compiled.as_text().count(f'custom_call_target="{KERNEL_CALL}"')
-        except jax.errors.JaxRuntimeError:  # the TPU compiler's text of some scanned programs fails a check
-            kernels = None
         return cls(
             arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
             temporaries=m.temp_size_in_bytes, code=m.generated_code_size_in_bytes,
             flops=float(cost.get("flops", math.nan)), bytes_accessed=float(cost.get("bytes accessed", math.nan)),
-            kernels=kernels,
+            kernels=kernel_calls(lowered.as_text()),
         )  # fmt: skip
 
 

@@ -362,11 +362,11 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
             rates = {"tokens_per_s": window["tokens"] / elapsed, "mfu": window["flops"] / elapsed / peak}
             writer.write(prev_step, "train", {**prev, **rates, "step_time": elapsed / tcfg.log_every})
             window = {"tokens": 0.0, "flops": 0.0, "start": time.perf_counter()}
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rates['tokens_per_s']:.0f}")
+            bar.set_postfix_str(observe.line({"loss": loss, **rates}, ("loss", "tokens_per_s")))
             if bar.disable:
                 eta = (tcfg.steps - prev_step) * elapsed / tcfg.log_every
-                tok_s, mfu = rates["tokens_per_s"], rates["mfu"]
-                log(f"step {prev_step}: loss {loss:.4f}, {tok_s:.0f} tok/s, MFU {mfu:.2f}, ETA {eta:.0f}s")
+                said = observe.line({"loss": loss, **rates}, ("loss", "tokens_per_s", "mfu"))
+                log(f"step {prev_step}: {said}, ETA {eta:.0f}s")
 
     try:
         with _Preemption(ckpt.manager) as preemption:
@@ -389,7 +389,7 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
                     flush()  # a non-finite step stops the run before it is evaluated
                     result = evaluate(eval_step, state, fetch(data.val), min(tcfg.eval_batches, len(data.val)))
                     writer.write(done, "eval", result)
-                    log(f"step {done}: eval " + " ".join(f"{k}={v:.4g}" for k, v in result.items()))
+                    log(f"step {done}: eval {observe.line(result, observe.shown(tcfg.objective))}")
                     if samples:
                         model = nnx.merge(graphdef, state.params)
                         for src, out in zip(*decode.sample_texts(model, cfg, data), strict=True):

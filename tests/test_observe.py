@@ -1,9 +1,15 @@
 """What a run leaves to look at: TensorBoard files TensorBoard itself reads, the environment, a
-profiler trace of chosen steps, curves drawn to PNG; and an `on_eval` hook that stops a run."""
+profiler trace of chosen steps, curves drawn to PNG; an `on_eval` hook that stops a run; and one
+vocabulary for metrics in train logs, held-out reports and plan's table."""
 
+import contextlib
+import io
 import json
+import re
+import types
 import warnings
 
+import numpy as np
 import pytest
 
 from jaxformer import cli, tpu
@@ -27,16 +33,16 @@ def run(tmp_path_factory):
             "train.peak_flops=1e13",
         ],
     )
-    seen = []
-    with warnings.catch_warnings(record=True) as said:
+    seen, logged = [], io.StringIO()
+    with warnings.catch_warnings(record=True) as said, contextlib.redirect_stdout(logged):
         warnings.simplefilter("always")
-        result = fit(cfg, workdir, quiet=True, on_eval=lambda step, m: seen.append((step, m)) or step >= STOP_AT,
+        result = fit(cfg, workdir, on_eval=lambda step, m: seen.append((step, m)) or step >= STOP_AT,
                      profile_steps=(2, 4))  # fmt: skip
-    return workdir, result, seen, [str(w.message) for w in said]
+    return workdir, result, seen, [str(w.message) for w in said], logged.getvalue()
 
 
 def test_on_eval_stop_saves_and_ends_the_run_there(run):
-    workdir, result, seen, _ = run
+    workdir, result, seen, *_ = run
     assert result["stopped"] and [s for s, _ in seen] == [10, 20]
     assert int(result["state"].step) == STOP_AT
     assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())[-1] == STOP_AT
@@ -103,3 +109,79 @@ def test_mfu_is_model_flops_over_the_configured_peak(run):
     for r in rows:
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * per_token / 1e13, rel=1e-4)
         assert r["tokens_per_s"] * r["step_time"] == pytest.approx(cfg.train.batch_size * L, rel=1e-6)
+
+
+def test_train_logs_and_plan_print_mfu_and_tokens_per_second_alike(run):
+    """MFU is a percentage and tokens/s a count with separators, said the same way by a training
+    run's log and by plan's roofline; an evaluation line names its metrics without the token count."""
+    from jaxformer import observe
+    from jaxformer.plan import Plan
+
+    workdir, logged = run[0], run[4].splitlines()
+    records = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = {r["step"]: r for r in records if r["split"] == "train"}
+    steps = [x for x in logged if re.match(r"step \d+: loss", x)]
+    assert steps and all(
+        re.fullmatch(r"step \d+: loss \d+\.\d{4}, tokens/s [\d,]+, MFU [\d.]+%, ETA \d+s", x) for x in steps
+    )
+    for x in steps:  # the figures of metrics.jsonl, as observe says them
+        record = records[int(x.split(":")[0].split()[1])]
+        assert x.startswith(f"step {record['step']}: {observe.line(record, ('loss', 'tokens_per_s', 'mfu'))}, ETA")
+    evals = [x for x in logged if re.match(r"step \d+: eval", x)]
+    assert evals and all(
+        re.fullmatch(r"step \d+: eval loss [\d.]+, perplexity [\d.]+, accuracy [\d.]+%", x) for x in evals
+    )
+    sizes = dict(parameters=0, optimizer_state=0, gradients=0, activations=0, arguments=0, outputs=0, aliased=0)
+    planned = Plan(
+        devices=4, mesh={"data": 4}, batch_size=8, **sizes, temporaries=0, code=0, peak=0, flops_per_device=2e12,
+        model_flops=6e12, bytes_accessed=1e9, compute_seconds=0.01, memory_seconds=0.002, step_seconds=0.01,
+        tokens_per_second=123456.0, mfu_ceiling=0.0949,
+    )  # fmt: skip
+    table = planned.table()
+    assert "ceilings: tokens/s 123,456, MFU 9.49%" in table
+    assert observe.show("mfu", 0.0949) == "MFU 9.49%" and observe.show("tokens_per_s", 123456.0) == "tokens/s 123,456"
+    assert "FLOPs per step: XLA's 2e+12 per device, 8e+12 in all; the model's 1.5e+12 per device, 6e+12 in all" in table
+
+
+class _Rows:
+    """One held-out batch, as `data.Batches` gives it."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def __len__(self):
+        return 1
+
+    def get(self, i, rows=None):
+        return self.batch
+
+
+def _held_out(objective: str, batch: dict, sums: dict) -> tuple[dict, str]:
+    """`evaluate_model`'s report for an eval step that returns `sums`, and the report as printed."""
+    from jaxformer.evaluate import evaluate_model
+    from jaxformer.observe import report_lines
+
+    experiment = {"classify": "classify_lohelp", "lm": "lm_shakespeare"}[objective]
+    cfg = load_experiment(f"experiments/{experiment}.py")
+    data = types.SimpleNamespace(train=_Rows(batch), test=_Rows(batch))
+    eval_step = lambda state, b: {k: np.float32(v) for k, v in sums.items()}
+    report = evaluate_model(cfg, None, None, data, eval_step, None, num_batches=1)
+    return report, "\n".join(report_lines(objective, report))
+
+
+def test_a_classifier_reports_accuracy_and_cross_entropy_not_perplexity():
+    labels = np.array([1, 1, 1, 0], np.int32)  # the majority class, 1, is right 3 times in 4
+    batch = {"src": np.ones((4, 8), np.int32), "src_lengths": np.full(4, 8, np.int32), "label": labels}
+    report, printed = _held_out("classify", batch, {"loss": 2.4, "nll": 2.0, "correct": 2.0, "count": 4.0})
+    assert "test_perplexity" not in report and "perplexity" not in printed and "tokens" not in printed
+    assert re.search(r"accuracy +50\.00% +majority class: 75\.00%", printed)
+    assert re.search(r"loss +0\.6000", printed) and re.search(r"cross-entropy +0\.5000", printed)
+
+
+def test_a_language_model_reports_perplexity_beside_the_unigram_model():
+    ids = np.array([[3, 4, 5, 3]], np.int32)
+    batch = {"inputs": ids, "targets": ids, "weights": np.ones((1, 4), np.float32)}
+    report, printed = _held_out("lm", batch, {"loss": 8.0, "nll": 8.0, "correct": 1.0, "count": 4.0})
+    assert report["test_perplexity"] == pytest.approx(np.exp(2.0)) and "unigram_perplexity" in report
+    assert re.search(r"perplexity +7\.389 +unigram model: [\d.]+", printed) and "accuracy     " in printed
+    assert "cross-entropy" not in printed and "majority" not in printed

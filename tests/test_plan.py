@@ -150,3 +150,29 @@ def test_a_second_plan_of_the_same_program_reads_the_figures_back(tmp_path, monk
     assert other.cached_steps == 0 and other.temporaries != first.temporaries
     monkeypatch.setenv("JAXFORMER_PLAN_CACHE", "")
     assert plan(cfg, largest=False).cached_steps == 0 and len(list(tmp_path.glob("*.json"))) == 4
+
+
+def test_kernels_are_counted_per_call_as_the_compiler_inlines_the_program():
+    """A function's Pallas calls count once per call of it, through nested calls; a loop body's once."""
+    from jaxformer.plan import kernel_calls
+
+    lowered = """module @jit_train {
+  func.func public @main(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = call @layer(%arg0) : (tensor<8xf32>) -> tensor<8xf32>
+    %1 = call @layer(%0) : (tensor<8xf32>) -> tensor<8xf32>
+    %2 = stablehlo.while(%iterArg = %1) : tensor<8xf32>
+      %3 = func.call @_splash_attention(%iterArg) : (tensor<8xf32>) -> tensor<8xf32>
+    return %2 : tensor<8xf32>
+  }
+  func.func private @layer(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = func.call @_splash_attention(%arg0) : (tensor<8xf32>) -> tensor<8xf32>
+    %1 = stablehlo.custom_call @tpu_custom_call(%0) {backend_config = "tpu_custom_call"}
+    return %1 : tensor<8xf32>
+  }
+  func.func private @_splash_attention(%arg0: tensor<8xf32>) -> tensor<8xf32> {
+    %0 = stablehlo.custom_call @tpu_custom_call(%arg0) : (tensor<8xf32>) -> tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }
+}"""
+    assert kernel_calls(lowered) == 2 * (1 + 1) + 1
+    assert kernel_calls("module {}") == 0
