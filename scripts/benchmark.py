@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer import chips, tpu
+from jaxformer import chips, observe, tpu
 from jaxformer import config as C
 from jaxformer.state import init_state
 from jaxformer.train import flops_per_example, make_steps
@@ -288,7 +288,7 @@ def compare(args, peak: float) -> None:
         f"dropout {args.dropout}{', jaxformer layers scanned' if args.scan else ''}; "
         f"median of {args.rounds} interleaved rounds of {args.steps} steps"
     )
-    print(f"{'mode':16s} {'impl':10s} {'tokens/s':>9s} {'step ms':>8s} {'compile s':>9s} {'memory MB':>9s} {'MFU':>5s}")
+    print(f"{'mode':16s} {'impl':10s} {'tokens/s':>9s} {'step ms':>8s} {'compile s':>9s} {'memory MB':>9s} {'MFU':>7s}")
     for mode in args.modes.split(","):
         objective = OBJECTIVE[mode]
         cfg, graphdef, state, optimizer, train_step, batch = peer_shaped_step(mode, args)
@@ -314,7 +314,7 @@ def compare(args, peak: float) -> None:
         for name, t in step_s.items():
             compile_s, mem = info.get(name, (float("nan"), float("nan")))
             print(f"{mode:16s} {name:10s} {B * T / t:9.0f} {1e3 * t:8.1f} {compile_s:9.1f} {mem:9.1f} "
-                  f"{flops / t / peak:5.2f}")  # fmt: skip
+                  f"{observe.value('mfu', flops / t / peak):>7s}")  # fmt: skip
         ratios = ", ".join(f"{step_s[p] / step_s['jaxformer']:.2f}x {p}" for p in step_s if p != "jaxformer")
         print(f"{mode:16s} jaxformer tokens/s = {ratios}")
         if mode == "decoder_only":
@@ -407,7 +407,7 @@ def gpt2_vs_torch(args) -> None:
         gpt2_shape(D, H, L, V, T, stack=stack)  # a misspelt stack stops here, before any run
     print(f"GPT-2 shape D={D} H={H} L={L} V={V} T={T}, attention {args.attention}; peak {peak / 1e12:.4g} TFLOP/s "
           f"({source})")  # fmt: skip
-    print(f"{'impl':36s} {'B':>3s} {'tokens/s':>9s} {'MFU':>5s} {'memory GB':>9s}")
+    print(f"{'impl':36s} {'B':>3s} {'tokens/s':>9s} {'MFU':>7s} {'memory GB':>9s}")
     here = pathlib.Path(__file__)
     speed, memory = {}, {}  # (name, B) -> tokens/s, peak GB
     for B in (int(b) for b in args.batches.split(",")):
@@ -424,7 +424,8 @@ def gpt2_vs_torch(args) -> None:
                 continue
             r = json.loads(out.stdout.splitlines()[-1])
             speed[name, B], memory[name, B] = B * T / r["step_s"], r["peak_memory_gb"]
-            print(f"{name:36s} {B:3d} {speed[name, B]:9.0f} {flops / r['step_s'] / peak:5.3f} {memory[name, B]:9.1f}")
+            mfu = observe.value("mfu", flops / r["step_s"] / peak)
+            print(f"{name:36s} {B:3d} {speed[name, B]:9.0f} {mfu:>7s} {memory[name, B]:9.1f}")
     for (name, B), tokens in speed.items():  # the scanned-layers target: within 5% of unrolled in both
         unrolled = next((k for k in speed if k[1] == B and " unrolled" in k[0]), None)
         if " scanned" in name and unrolled:
@@ -498,7 +499,7 @@ def main() -> None:
         r = bench_mode(mode, args, peak)
         print(
             f"{r['mode']:16s} {r['params_m']:8.1f}M {r['tokens_per_s']:9.0f} {r['step_ms']:9.1f} "
-            f"{r['compile_s']:9.1f} {r['memory_mb']:9.1f} {r['mfu']:9.2f}"
+            f"{r['compile_s']:9.1f} {r['memory_mb']:9.1f} {observe.value('mfu', r['mfu']):>9s}"
         )
 
 
