@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from collections.abc import Callable
 
@@ -152,6 +153,18 @@ def check_token_ids(ids: Array, vocab_size: int) -> None:
 
 
 _raised: list[ValueError] = []  # the id error the last in-program check raised, for `checked`
+
+
+class _SaidByTheError(logging.Filter):
+    """JAX logs a failed callback, traceback and all, before raising its own error, which (or
+    `checked`'s ValueError) already carries the id check's message: the reader gets it once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not any(error is e for e in _raised)
+
+
+logging.getLogger("jax._src.debugging").addFilter(_SaidByTheError())
 
 
 def _raise_kept(ids, vocab_size: int) -> None:

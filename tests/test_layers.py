@@ -81,9 +81,10 @@ ID_TRANSFORMS = {  # what a user wraps a model call in; `checked` goes outside
 
 
 @pytest.mark.parametrize("transform", ID_TRANSFORMS)
-def test_checked_gives_our_error_first_under_the_users_transforms(transform):
+def test_checked_gives_our_error_first_under_the_users_transforms(transform, caplog):
     """Under the user's own jit (grad, vmap, scan), `checked` raises the ValueError naming the id and
-    the range, as its whole message; unwrapped, JAX's error only ends with it."""
+    the range, as its whole message; unwrapped, JAX's error only ends with it. Either way the message
+    is said once: JAX's log of the failed callback (its traceback) is not printed beside it."""
     model = jf.build_model(jf.tiny("decoder_only", vocab_size=10, max_len=8))
     graphdef, params = nnx.split(model)
     fn = ID_TRANSFORMS[transform](lambda p, x: nnx.merge(graphdef, p)(x))
@@ -95,6 +96,7 @@ def test_checked_gives_our_error_first_under_the_users_transforms(transform):
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"(?s)^INTERNAL: .*token id 12 at index \(0, 1\)"):
         jax.block_until_ready(fn(params, bad))
     assert jf.checked(fn)(params, bad % 10) is not None  # good ids: the results
+    assert not [r for r in caplog.records if "callback failed" in r.getMessage()]
 
 
 def test_unchecked_models_compile_without_a_callback():
