@@ -170,8 +170,12 @@ def cmd_generate(args) -> int:
         tok = load_tokenizer(cfg, args.workdir)
         graphdef, state, _ = restore_workdir(cfg, args.workdir)
         model, decoding = nnx.merge(graphdef, state.params), cfg.decode
+    template = cfg.data.template if args.command == "generate" else "none"  # instruction data: answer prompts
     if args.command == "generate":  # prompt and continuation share the model's max_len positions
-        longest, L = max(len(tok.encode(t)) for t in texts), model.cfg.max_len
+        from jaxformer.data import templates
+
+        fed = [templates.get(template).prompt(t) for t in texts] if template != "none" else texts
+        longest, L = max(len(tok.encode(t)) for t in fed), model.cfg.max_len
         if longest < L and decoding.max_new_tokens > L - longest:  # (a longer prompt is refused below)
             print(
                 f"note: at most {L - longest} new tokens (decode.max_new_tokens={decoding.max_new_tokens}): "
@@ -181,7 +185,9 @@ def cmd_generate(args) -> int:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", decode.EmptyContinuation)
-            if args.command == "generate":
+            if template != "none":
+                outs = decode.answer_texts(model, tok, texts, decoding, template)
+            elif args.command == "generate":
                 outs = decode.continue_texts(model, tok, texts, decoding, stop_at_eos=args.stop_at_eos)
             else:
                 outs = decode.translate_texts(model, tok, texts, decoding)
@@ -345,12 +351,14 @@ def main(argv: list[str] | None = None) -> int:
     exh.add_argument("--workdir", required=True)
     exh.add_argument("out", help="the directory to write")
     for name, what, help_text, example in (
-        ("generate", "prompt", "continue prompts with a decoder_only model (settings: --set decode.FIELD=...)",
+        ("generate", "prompt", "continue prompts with a decoder_only model (settings: --set decode.FIELD=...); a "
+         "model trained on instruction data (data.template) answers them: each prompt is written in that template "
+         "and the answer stops at EOS, the end of the response",
          "--set decode.strategy=sample --set decode.top_p=0.9"),  # beam search on open-ended text repeats itself
         ("translate", "src", "translate sources with an encoder_decoder model (default: the experiment's decoding)",
          "--set decode.strategy=beam --set decode.beam_size=4"),
     ):  # fmt: skip
-        gen = sub.add_parser(name, help=help_text)
+        gen = sub.add_parser(name, help=help_text, description=help_text)
         source = gen.add_mutually_exclusive_group(required=True)
         source.add_argument("--workdir", help="a training workdir")
         source.add_argument("--exported", metavar="DIR", help="a model written by `jaxformer export`")
@@ -360,7 +368,9 @@ def main(argv: list[str] | None = None) -> int:
         gen.add_argument("--set", action="append", metavar="decode.FIELD=VALUE", help=f"e.g. {example}")
         gen.set_defaults(what=what)
         if name == "generate":
-            gen.add_argument("--stop-at-eos", action="store_true", help="stop at the end of a paragraph")
+            gen.add_argument(
+                "--stop-at-eos", action="store_true", help="stop at the end of a paragraph (always with data.template)"
+            )
     sw = sub.add_parser("sweep", help="run (or continue) a hyperparameter sweep on Optuna")
     sw.add_argument("file", help="experiments/sweeps/NAME.py")
     sw.add_argument("--workdir", required=True, help="the sweep's directory: storage, trials, results")

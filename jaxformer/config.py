@@ -398,6 +398,10 @@ class DataConfig:
     # The names of the fields the objective reads in JSONL / TSV / Parquet; () = text (lm, mlm),
     # source,target (seq2seq), text,label (classify).
     fields: tuple[str, ...] = ()
+    # Instruction data (data/templates.py): records {prompt, response} (data.fields renames them) or
+    # {"messages": [...]}, written in this template; lm puts the loss on the response tokens only,
+    # seq2seq reads the prompt as source and the response as target.
+    template: Literal["none", "alpaca", "chatml"] = "none"
     labels: tuple[str, ...] = ()  # classify: the label set (index = class); () = the sorted labels found
     # Prepared (tokenized) corpora are kept here; None: WORKDIR/data. A shared directory lets runs reuse them.
     cache_dir: str | None = None
@@ -604,6 +608,16 @@ class Config:
             f"{d.max_segments} texts cannot share a row of {d.src_len} tokens",
         )
         needs = {"lm": 1, "mlm": 1, "seq2seq": 2, "classify": 2}.get(objective)
+        if d.template != "none":  # instruction records: a prompt and a response, from the user's files
+            require(
+                objective in ("lm", "seq2seq"),
+                "data.template",
+                f"instruction data trains objective 'lm' or 'seq2seq', not {objective!r}",
+            )
+            require(d.source == "files", "data.template", f"needs data.source='files' (instruction records), "
+                    f"not {d.source!r}")  # fmt: skip
+            require(d.format != "text", "data.template", "plain text holds no prompt/response records: use JSONL")
+            needs = 2
         require(
             not self.data.fields or needs is None or len(self.data.fields) == needs,
             "data.fields",

@@ -427,6 +427,21 @@ def continue_texts(model, tok, prompts: Sequence[str], settings: DecodeConfig, s
     return [t[0] for t in texts] if settings.num_return == 1 else texts
 
 
+def answer_texts(model, tok, prompts: Sequence[str], settings: DecodeConfig, template: str) -> list:
+    """Instructions -> responses: each prompt written in the training data's template (an empty
+    response to follow), generation stopped at EOS, and the template's end marker taken off."""
+    from jaxformer.data import templates
+
+    t = templates.get(template)
+    return _responses(continue_texts(model, tok, [t.prompt(p) for p in prompts], settings, stop_at_eos=True), t.end)
+
+
+def _responses(outs: list, end: str) -> list:
+    """Continuations cut at the template's end marker (the EOS that follows it stopped them)."""
+    cut = lambda text: (text.split(end)[0] if end else text).strip()
+    return [cut(o) if isinstance(o, str) else [cut(x) for x in o] for o in outs]
+
+
 def _why_empty(prompt: int, ids: list[int], eos_id, settings: DecodeConfig, stop_at_eos: bool) -> str:
     ended = stop_at_eos and ids and ids[0] == eos_id
     what = "ends the text at once (EOS first)" if ended else f"holds no text ({len(ids)} tokens: paragraph ends)"
@@ -445,6 +460,11 @@ def sample_texts(model, cfg, data) -> tuple[list[str], list[str]]:
     sources = data.sample_sources[: cfg.train.num_samples]
     if objective == "seq2seq":
         return sources, translate_texts(model, tok, sources, cfg.decode)
+    if objective == "lm" and cfg.data.template != "none":  # held-out prompts, already in the template
+        from jaxformer.data import templates
+
+        outs = continue_texts(model, tok, sources, cfg.decode, stop_at_eos=True)
+        return sources, _responses(outs, templates.get(cfg.data.template).end)
     if objective == "lm":
         prompts = [s[-L // 2 :] for s in sources]  # output runs to the model's maximum length
         return prompts, continue_texts(model, tok, prompts, cfg.decode)

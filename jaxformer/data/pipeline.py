@@ -7,11 +7,13 @@ resume trivial, and any process can read its rows of any step alone.
 
 Batch keys by objective (all int32 unless noted; weights float32), S the source width
 (data.src_max_len, else data.max_len) and T data.max_len, or smaller bucket widths:
-  lm        inputs [B, T], targets [B, T], weights [B, T]
+  lm        inputs [B, T], targets [B, T], weights [B, T]; instruction data (data.template): one
+            example a row, right-padded, weights 1 on the response's targets (its EOS too) only
   seq2seq   src [B, S], src_lengths [B], inputs [B, T] (BOS + target[:-1]), targets [B, T], weights [B, T]
   mlm       inputs [B, T] (masked), targets [B, T], weights [B, T] (1 on masked positions)
   classify  src [B, S], src_lengths [B], label [B]
-Packed (data.pack, training only): lm/mlm add segments [B, T] and positions [B, T]; seq2seq has
+Packed (data.pack, training only): lm/mlm add segments [B, T] and positions [B, T] (instruction
+examples placed first-fit as pairs are, each its own segment); seq2seq has
 src_segments, src_positions [B, S] and tgt_segments, tgt_positions [B, T] instead of src_lengths;
 classify has src_segments, src_positions [B, S] instead of src_lengths, and label [B, N] (segment
 n + 1's class) with weights [B, N] (1 where the row holds segment n + 1), N = data.max_segments.
@@ -26,7 +28,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from jaxformer.config import Config
-from jaxformer.data.prepare import check_vocab, prepare
+from jaxformer.data.prepare import check_vocab, completions, prepare
 from jaxformer.data.sources import DataError, source_of
 from jaxformer.data.tokenizers import ByteTokenizer, SymbolTokenizer, load_tokenizer
 
@@ -243,6 +245,59 @@ class Pairs:
         return out | {"weights": weights}
 
 
+class Completions:
+    """lm instruction data: an example is prompt + response + EOS cut to T + 1 tokens; its inputs are
+    those tokens but the last, its targets all but the first, and its weights 1 where the target is a
+    response token (or the EOS): the model learns to answer, not to write prompts."""
+
+    def __init__(self, prompt: Documents, response: Documents, T: int, pad_id: int):
+        self.prompt, self.response, self.pad_id = prompt, response, pad_id
+        self.widths = (T,)
+
+    def __len__(self) -> int:
+        return len(self.prompt)
+
+    def side_lengths(self, rows: np.ndarray) -> np.ndarray:
+        """[1, len(rows)] the input slots of each example (its tokens, cut to T + 1, less one)."""
+        total = self.prompt.lengths(rows) + self.response.lengths(rows)
+        return np.minimum(total, self.widths[0] + 1)[None] - 1
+
+    def tokens(self) -> tuple[int, ...]:
+        return (len(self.prompt.tokens) + len(self.response.tokens) - len(self),)
+
+    def example(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(inputs [n], targets [n], weights [n]) of example i, n = its tokens (at most T + 1) - 1."""
+        prompt = self.prompt.document(i)
+        tokens = np.concatenate([prompt, self.response.document(i)])[: self.widths[0] + 1]
+        weights = (np.arange(1, len(tokens)) >= len(prompt)).astype(np.float32)  # target j is token j + 1
+        return tokens[:-1], tokens[1:], weights
+
+    def take(self, rows: np.ndarray, widths: tuple[int, ...] | None = None) -> dict[str, np.ndarray]:
+        return self._rows([[r] for r in rows], segments=False)
+
+    def pack(self, rows: list[np.ndarray]) -> dict[str, np.ndarray]:
+        """Packed rows: each row's examples one after the other, each its own segment (1, 2, ... in
+        the row) with positions from 0."""
+        return self._rows(rows, segments=True)
+
+    def _rows(self, rows, segments: bool) -> dict[str, np.ndarray]:
+        B, (T,) = len(rows), self.widths
+        out = {k: np.full((B, T), self.pad_id, np.int32) for k in ("inputs", "targets")}
+        out["weights"] = np.zeros((B, T), np.float32)
+        if segments:
+            out |= {k: np.zeros((B, T), np.int32) for k in ("segments", "positions")}
+        for b, examples in enumerate(rows):
+            t = 0
+            for seg, i in enumerate(examples, start=1):
+                inputs, targets, weights = self.example(int(i))
+                at = slice(t, t + len(inputs))
+                out["inputs"][b, at], out["targets"][b, at], out["weights"][b, at] = inputs, targets, weights
+                if segments:
+                    out["segments"][b, at], out["positions"][b, at] = seg, np.arange(len(inputs))
+                t += len(inputs)
+        return out
+
+
 class Labelled:
     """classify: BOS + text (at most S tokens) and the class index."""
 
@@ -285,7 +340,7 @@ class Labelled:
 
 
 class Packed:
-    """Packed training rows (seq2seq pairs, classification texts): an epoch's order is cut into
+    """Packed training rows (seq2seq pairs, classification texts, instruction examples): an epoch's order is cut into
     chunks of `per_chunk` examples, each placed into CHUNK * B rows by first-fit decreasing (the
     fullest example first: its longest side over that side's width) into the first row where every
     side fits and that holds fewer than `max_segments` examples; an example that fits no row is
@@ -300,7 +355,7 @@ class Packed:
     CHUNK = 8  # batches packed together: a larger chunk packs tighter (and costs more to plan)
     FILL = 0.98  # a chunk's tokens over its slots on the fuller side (1.0 leaves ~5% of pairs out)
 
-    def __init__(self, examples: Pairs | Labelled, batch_size: int, max_segments: int | None = None):
+    def __init__(self, examples: Pairs | Labelled | Completions, batch_size: int, max_segments: int | None = None):
         self.examples, self.widths, self.batch_size = examples, np.asarray(examples.widths), batch_size
         self.max_segments = max_segments  # None: as many as fit (pairs); classification: its label width
         N, rows = len(examples), self.CHUNK * batch_size
@@ -344,13 +399,13 @@ class Packed:
         return self.examples.pack(rows, self.max_segments)
 
 
-def fullness(examples: Pairs | Labelled, rows: np.ndarray) -> np.ndarray:
+def fullness(examples: Pairs | Labelled | Completions, rows: np.ndarray) -> np.ndarray:
     """[len(rows)] how full each example makes a row: its longest side over that side's width."""
     widths = np.asarray(examples.widths, np.float64)[:, None]
     return (examples.side_lengths(rows) / widths).max(axis=0)
 
 
-Examples = Windows | Pairs | Packed | Labelled
+Examples = Windows | Pairs | Packed | Labelled | Completions
 
 
 @dataclasses.dataclass
@@ -386,6 +441,10 @@ def build_dataset(
 
     def examples(split: str) -> Examples:
         pack = d.pack and split == "train"  # held-out batches stay one example per row (BLEU, samples)
+        if completions(cfg):
+            prompt, response = (Documents(*prepared.documents(split, f)) for f in ("prompt", "response"))
+            answers = Completions(prompt, response, d.max_len, tok.pad_id)
+            return Packed(answers, t.batch_size) if pack else answers
         if t.objective in ("lm", "mlm"):
             docs = Documents(*prepared.documents(split, "text"))
             return Windows(docs, d.max_len + 1 if t.objective == "lm" else d.max_len, t.objective, segments=pack)
@@ -400,7 +459,8 @@ def build_dataset(
     for name, seed in zip(("train", "validation", "test"), (t.seed, 1_000 + t.seed, 2_000 + t.seed), strict=True):
         ex = examples(name)
         if len(ex) < t.batch_size:
-            what = "too little text" if t.objective in ("lm", "mlm") else "too few sequences"
+            text = t.objective in ("lm", "mlm") and not completions(cfg)
+            what = "too little text" if text else "too few sequences"
             raise DataError(f"{where}: {what}: the {name} split has {len(ex)} sequences, fewer than "
                             f"batch_size={t.batch_size}")  # fmt: skip
         bucketed = buckets if not (d.pack and name == "train") else ()

@@ -9,7 +9,8 @@ and `manifest.json`: the sources (path, size, sha256), the tokenizer, the settin
 
 Documents are stored as the objective feeds them: lm/mlm text + EOS; seq2seq source + EOS cut to
 the source width (data.src_max_len, else data.max_len) and target + EOS cut to data.max_len;
-classification BOS + text, cut to the source width.
+classification BOS + text, cut to the source width; instruction data for lm (data.template) a
+prompt field (no EOS) and a response field (+ EOS), each example cut by the pipeline to its window.
 
 The key hashes everything the contents depend on, so an unchanged corpus is found again and a
 changed file, tokenizer or setting makes a new one. A cache is written in a temporary directory
@@ -55,14 +56,23 @@ NOT_IN_KEY = (
 )  # fmt: skip
 
 
-def fields_of(objective: str) -> tuple[str, ...]:
+def completions(cfg: Config) -> bool:
+    """Instruction data for a decoder-only LM: prompt and response stored apart, loss on the response."""
+    return cfg.train.objective == "lm" and cfg.data.template != "none"
+
+
+def fields_of(cfg: Config) -> tuple[str, ...]:
     """The stored fields of an objective (the last field of classification is its label)."""
-    return {"seq2seq": ("source", "target"), "classify": ("text",)}.get(objective, ("text",))
+    if completions(cfg):
+        return ("prompt", "response")
+    return {"seq2seq": ("source", "target"), "classify": ("text",)}.get(cfg.train.objective, ("text",))
 
 
 def widths_of(cfg: Config) -> tuple[tuple[int, str] | None, ...]:
     """Per stored field, (the width its documents are cut to, the setting that says it); None: not cut."""
     d, objective = cfg.data, cfg.train.objective
+    if completions(cfg):  # prompt + response share the window: the pipeline cuts their sum
+        return (None, None)
     src = (d.src_len, "data.max_len" if d.src_max_len is None else "data.src_max_len")
     return {"seq2seq": (src, (d.max_len, "data.max_len")), "classify": (src,)}.get(objective, (None,))
 
@@ -74,6 +84,8 @@ def key_settings(cfg: Config) -> dict:
     settings = {k: v for k, v in dataclasses.asdict(d).items() if k not in NOT_IN_KEY}
     if d.src_max_len is None or d.src_max_len == d.max_len:
         del settings["src_max_len"]
+    if d.template == "none":  # as src_max_len: caches prepared before templates existed are found again
+        del settings["template"]
     return settings | {"objective": cfg.train.objective}
 
 
@@ -225,7 +237,7 @@ def _train_sentencepiece(cfg: Config, workdir, src: sources.Source, plan: list, 
     counts = run(_count_part, [(src, labels, p) for p in plan])
     n = sum(_limits(counts, d.max_examples))
     assign = split_assignment(n, d.val_fraction, d.test_fraction, d.split_seed, ", ".join(src.files))
-    n_text = 2 if objective == "seq2seq" else 1
+    n_text = 2 if objective == "seq2seq" or completions(cfg) else 1
     records = enumerate(_records(src, labels, d.max_examples))
     train_tokenizer(cfg, (x for i, r in records if assign[i] == 0 for x in r[1 : 1 + n_text]), workdir)
     return tokenizer_identity(cfg, workdir)
@@ -553,11 +565,11 @@ def _encode_chunk(fields: list[list[str]]) -> list[tuple[np.ndarray, np.ndarray,
     """Per field: (tokens of the chunk's documents, their lengths, (index, length) of the first one cut)."""
     tok, objective = _WORKER["tok"], _WORKER["objective"]
     out = []
-    for texts, width in zip(fields, widths_of(_WORKER["cfg"]), strict=True):
+    for j, (texts, width) in enumerate(zip(fields, widths_of(_WORKER["cfg"]), strict=True)):
         flat, lengths = encode_flat(tok, texts)
         if objective == "classify":
             flat, lengths = add_special(flat, lengths, tok.bos_id, at_end=False)
-        else:
+        elif not (completions(_WORKER["cfg"]) and j == 0):  # a prompt has no EOS: its response follows
             flat, lengths = add_special(flat, lengths, tok.eos_id, at_end=True)
         L = width[0] if width else 0
         too_long = np.flatnonzero(lengths > L) if width else np.zeros(0, np.int64)
@@ -578,7 +590,7 @@ def _encode_part(task) -> dict:
     if (out / f"p{index}.json").is_file():  # finished by a build that was killed later
         return json.loads((out / f"p{index}.json").read_text())
     cfg = _WORKER["cfg"]
-    tok, objective, names = _tokenizer(), cfg.train.objective, fields_of(cfg.train.objective)
+    tok, objective, names = _tokenizer(), cfg.train.objective, fields_of(cfg)
     _WORKER.update(tok=tok, objective=objective)
     records = sources.iter_records(src, labels, part=part)
     bins = {f: open(out / f"p{index}.{f}.bin", "wb") for f in names}  # noqa: SIM115
@@ -602,6 +614,12 @@ def _encode_part(task) -> dict:
                     )
                 bins[names[j]].write(tokens.astype(dtype).tobytes())
                 lengths[names[j]].append(lens)
+            if completions(cfg) and cfg.data.too_long == "reject":  # prompt + response fill one window
+                total = encoded[0][1] + encoded[1][1]
+                if (total > cfg.data.max_len + 1).any():
+                    i = int(np.argmax(total > cfg.data.max_len + 1))
+                    raise DataError(f"{chunk[i][0]}: prompt and response of {total[i]} tokens exceed "
+                                    f"data.max_len={cfg.data.max_len} + 1 (data.too_long=reject)")  # fmt: skip
             if objective == "classify":
                 classes += [r[-1] if labels is not None else found.setdefault(r[-1], len(found)) for r in chunk]
             done += len(chunk)
@@ -641,7 +659,7 @@ def _build(cfg: Config, workdir, src, plan, out: pathlib.Path, run, progress) ->
     tok = load_tokenizer(cfg, workdir or ".")
     check_vocab(cfg, tok, src)
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.int32
-    names = fields_of(objective)
+    names = fields_of(cfg)
     given = src.labels if objective == "classify" and src.labels else None  # else found in the data
     tasks = [(i, src, given, part, d.max_examples or None, out, dtype) for i, part in enumerate(plan)]
     sizes = [(part.stop or pathlib.Path(part.path).stat().st_size) - part.start for part in plan]
@@ -699,7 +717,7 @@ def _build(cfg: Config, workdir, src, plan, out: pathlib.Path, run, progress) ->
         for split in SPLITS:
             np.save(out / f"{split}.label.npy", np.concatenate(label_parts[split]))
     samples = _samples(src, labels, plan, starts, assign, max(cfg.train.num_samples, 1), run)
-    if objective == "seq2seq":
+    if objective == "seq2seq" or completions(cfg):
         shown = [(r[1], r[2]) for r in samples]
     elif objective == "classify":
         shown = [(r[1], labels[r[2]]) for r in samples]

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from jaxformer.config import Config
+from jaxformer.data import templates
 
 CORPORA = pathlib.Path(__file__).parent / "corpora"
 # lohelp_apps labels: the LibreOffice application of each help page ("shared" is not one and is dropped).
@@ -49,6 +50,8 @@ class Source:
     label_pattern: a regular expression whose first group is the label, searched in the label field.
     other_labels: "error" (a label outside `labels` stops the run) or "drop" (the record is skipped).
     min_words: records whose first field has fewer words are skipped; so is a record with an empty field.
+    template: instruction data (`templates.TEMPLATES`): `fields` are (prompt, response), or a record
+        holds chat `messages`; either becomes (prompt text, response text) written in the template.
     """
 
     files: tuple[str, ...]
@@ -59,6 +62,7 @@ class Source:
     label_pattern: str | None = None
     other_labels: str = "error"
     min_words: int = 0
+    template: str | None = None
 
 
 SHIPPED = {
@@ -273,6 +277,7 @@ def iter_records(src: Source, labels: tuple[str, ...] | None = None, part: Part 
     """
     pattern = re.compile(src.label_pattern) if src.label_pattern else None
     index = None if labels is None else {name: i for i, name in enumerate(labels)}
+    template = templates.get(src.template) if src.template else None
     kept = 0
     for path in expand(src.files) if part is None else [pathlib.Path(part.path)]:
         fmt = format_of(path, src.format)
@@ -283,7 +288,12 @@ def iter_records(src: Source, labels: tuple[str, ...] | None = None, part: Part 
         for where, row in READERS[fmt](path, src, part):
             count += 1
             values = []
-            for name in src.fields:
+            if template is not None:
+                try:
+                    values = list(templates.to_pair(template, row, src.fields))
+                except ValueError as e:
+                    raise DataError(f"{where}: {e}") from None
+            for name in src.fields if template is None else ():
                 if name not in row or row[name] is None:
                     raise DataError(f"{where}: no field {name!r}")
                 v = row[name]
@@ -338,8 +348,9 @@ def source_of(cfg: Config) -> Source:
     """The configured data as a `Source`: a shipped corpus (its file replaced by `data.path`) or the user's files."""
     d, objective = cfg.data, cfg.train.objective
     if d.source == "files":
-        fields = d.fields or FIELDS[objective]
-        return Source(d.files, fields, d.format, d.text_unit, d.labels, min_words=d.min_words or 0)
+        fields = d.fields or (("prompt", "response") if d.template != "none" else FIELDS[objective])
+        template = None if d.template == "none" else d.template
+        return Source(d.files, fields, d.format, d.text_unit, d.labels, min_words=d.min_words or 0, template=template)
     src = SHIPPED[d.source]
     needs = len(FIELDS[objective])
     if not d.fields and len(src.fields) < needs:  # refused before the corpus is read (it was an IndexError)

@@ -1,0 +1,182 @@
+"""Instruction data: records written in a template, the loss on the response tokens (and EOS) only.
+
+The weights are checked against the records read with `json` and tokenized here; the loss against
+changed targets; packed rows against each example alone; and a tiny model trained on the shipped
+file lowers its held-out response loss.
+"""
+
+import dataclasses
+import json
+import pathlib
+import typing
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxformer import cli
+from jaxformer import config as C
+from jaxformer.data import build_dataset, templates
+from jaxformer.data.sources import CORPORA
+from jaxformer.data.tokenizers import ByteTokenizer
+from jaxformer.models import Transformer
+from jaxformer.train import loss_sums
+
+TASKS = CORPORA / "instruct_tasks.jsonl"
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Reverse: abc"},
+    {"role": "assistant", "content": "cba"},
+    {"role": "user", "content": "Upper: cba"},
+    {"role": "assistant", "content": "CBA"},
+]
+
+
+def cfg_for(template: str, pack: bool, max_len: int = 96) -> C.Config:
+    return C.Config(
+        model=C.tiny("decoder_only", vocab_size=260, max_len=max_len, dropout_rate=0.0),
+        data=C.DataConfig(source="files", files=(str(TASKS),), template=template, max_len=max_len, pack=pack),
+        train=C.TrainConfig(objective="lm", batch_size=8),
+    )
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["unpacked", "packed"])
+def batch(request):
+    cfg = cfg_for("chatml", request.param, max_len=160)  # the longest chat record: 138 bytes
+    return cfg, build_dataset(cfg).train.get(2)
+
+
+def test_the_templates_write_a_multi_turn_record_exactly():
+    """The last assistant turn is the response; the rest, earlier answers included, the prompt."""
+    row = {"messages": CHAT}
+    assert templates.to_pair(templates.get("alpaca"), row, ("prompt", "response")) == (
+        "Be brief.\n\n### Instruction:\nReverse: abc\n\n### Response:\ncba\n\n### Instruction:\nUpper: cba\n\n"
+        "### Response:\n",
+        "CBA",
+    )
+    assert templates.to_pair(templates.get("chatml"), row, ("prompt", "response")) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nReverse: abc<|im_end|>\n"
+        "<|im_start|>assistant\ncba<|im_end|>\n<|im_start|>user\nUpper: cba<|im_end|>\n<|im_start|>assistant\n",
+        "CBA<|im_end|>",
+    )
+    pair = {"q": "Sort: cab", "a": "abc"}
+    assert templates.to_pair(templates.get("alpaca"), pair, ("q", "a")) == (
+        "### Instruction:\nSort: cab\n\n### Response:\n",
+        "abc",
+    )
+
+
+def test_the_config_offers_the_templates_there_are():
+    names = set(typing.get_args(typing.get_type_hints(C.DataConfig)["template"]))
+    assert names == {"none", *templates.TEMPLATES}
+
+
+def expected_weights(template: str) -> dict[tuple, np.ndarray]:
+    """Every record of the shipped file as its full token sequence -> the weights of its targets,
+    built from the file read with `json` and the byte tokenizer (not the pipeline)."""
+    tok, t = ByteTokenizer(), templates.get(template)
+    out = {}
+    for line in TASKS.read_text().splitlines():
+        row = json.loads(line)
+        if "messages" in row:
+            prompt, response = t.conversation(row["messages"][:-1]), row["messages"][-1]["content"] + t.end
+        else:
+            prompt, response = t.prompt(row["prompt"]), row["response"] + t.end
+        p, r = tok.encode(prompt), [*tok.encode(response), tok.eos_id]
+        out[tuple(p + r)] = np.asarray([0.0] * (len(p) - 1) + [1.0] * len(r), np.float32)
+    return out
+
+
+def pieces(batch: dict) -> list[tuple[int, np.ndarray]]:
+    """(row, mask of its slots) of each example in a batch: a segment, or the row's real tokens."""
+    if "segments" in batch:
+        return [(b, batch["segments"][b] == s) for b in range(len(batch["inputs"])) for s in range(1, 99)
+                if (batch["segments"][b] == s).any()]  # fmt: skip
+    ends = [int(np.flatnonzero(row == ByteTokenizer().eos_id)[-1]) + 1 for row in batch["targets"]]
+    return [(b, np.arange(batch["inputs"].shape[1]) < n) for b, n in enumerate(ends)]
+
+
+def test_weights_are_one_on_the_response_and_eos_only(batch):
+    _, batch = batch
+    expected, found = expected_weights("chatml"), 0
+    for b, at in pieces(batch):
+        inputs, targets, weights = batch["inputs"][b][at], batch["targets"][b][at], batch["weights"][b][at]
+        tokens = (inputs[0], *targets)
+        assert tokens in expected, "every example is a whole record of the file (max_len holds them)"
+        np.testing.assert_array_equal(weights, expected[tokens])
+        assert (inputs[1:] == targets[:-1]).all()  # targets are the inputs shifted by one
+        found += 1
+    assert batch["weights"].sum() == sum(w.sum() for w in (batch["weights"][b][at] for b, at in pieces(batch)))
+    assert found >= len(batch["inputs"])
+
+
+def sums(cfg: C.Config, batch: dict) -> dict:
+    model = Transformer(cfg.model, rngs=nnx.Rngs(0))
+    with jax.default_matmul_precision("highest"):
+        return {k: float(v) for k, v in loss_sums(model, cfg.train, batch, None)[1].items()}
+
+
+def test_the_loss_ignores_the_prompt_targets(batch):
+    cfg, batch = batch
+    before = sums(cfg, batch)
+    prompt = np.argwhere((batch["weights"] == 0) & (batch["targets"] != 0))[3]  # a prompt token's target
+    response = np.argwhere(batch["weights"] == 1)[1]
+    for at, same in ((prompt, True), (response, False)):
+        other = {**batch, "targets": batch["targets"].copy()}
+        other["targets"][tuple(at)] = (other["targets"][tuple(at)] + 7) % 256 + 4  # another byte, inputs untouched
+        after = sums(cfg, other)
+        assert (after["nll"] == before["nll"]) is same
+        assert after["count"] == before["count"]
+
+
+def test_packed_rows_keep_each_example_in_its_own_segment():
+    cfg = cfg_for("alpaca", pack=True, max_len=128)
+    batch = build_dataset(cfg).train.get(1)
+    seg, pos = batch["segments"], batch["positions"]
+    assert seg.max() > 1, "rows hold several examples"
+    parts = pieces(batch)
+    for b, at in parts:  # one run of slots each, positions from 0
+        assert np.ptp(np.flatnonzero(at)) == at.sum() - 1 and (pos[b][at] == np.arange(at.sum())).all()
+    # Each example alone in its own row, from position 0: the same loss (no attention across segments).
+    alone = {k: np.zeros((len(parts), seg.shape[1]), batch[k].dtype) for k in ("inputs", "targets", "weights")}
+    for i, (b, at) in enumerate(parts):
+        for k in alone:
+            alone[k][i, : at.sum()] = batch[k][b][at]
+    packed, reference = sums(cfg, batch), sums(cfg, alone)
+    assert packed["count"] == reference["count"] == batch["weights"].sum()
+    assert packed["nll"] == pytest.approx(reference["nll"], rel=1e-5)
+
+
+def test_a_tiny_model_learns_to_answer(tmp_path, capsys):
+    """Through the CLI: the held-out response loss falls well below the untrained model's, and
+    `generate` answers in the template."""
+    workdir = tmp_path / "run"
+    small = ["model.d_model=64", "model.d_ff=256", "model.num_heads=2", "train.steps=200", "train.eval_every=200",
+             "train.num_samples=0", "train.learning_rate=3e-3", "checkpoint.every=200"]  # fmt: skip
+    argv = ["train", "--config", "experiments/instruct_tiny.py", "--workdir", str(workdir)]
+    assert cli.main([*argv, *(x for s in small for x in ("--set", s))]) == 0
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    start = next(r for r in records if r["split"] == "train" and r["step"] == 0)["nll"]  # before any update
+    end = [r for r in records if r["split"] == "eval"][-1]["nll"]
+    assert start > 4.5 and end < 0.6 * start, (start, end)
+    capsys.readouterr()
+    assert cli.main(["generate", "--workdir", str(workdir), "--prompt", "Upper: abc"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Upper: abc\n=> ") and "###" not in out  # the answer alone, stopped at EOS
+
+
+def test_seq2seq_reads_the_prompt_as_source_and_the_response_as_target(tmp_path):
+    cfg = cfg_for("alpaca", pack=False)
+    cfg = dataclasses.replace(
+        cfg,
+        model=C.tiny("encoder_decoder", vocab_size=260, max_len=96),
+        train=C.TrainConfig(objective="seq2seq", batch_size=8),
+    )
+    data = build_dataset(cfg, tmp_path)
+    tok = data.tokenizer
+    batch = data.val.get(0)
+    src = tok.decode(batch["src"][0][: batch["src_lengths"][0] - 1])
+    tgt = tok.decode(batch["targets"][0][batch["weights"][0] > 0][:-1])
+    assert src.startswith("### Instruction:\n") and src.endswith("### Response:\n")
+    assert tgt and "###" not in tgt and pathlib.Path(TASKS).read_text().count(json.dumps(tgt)) >= 1
