@@ -80,6 +80,13 @@ def places(tmp_path_factory):
         "damaged_tokenizers": {"tokenizer.model": b"\x0agarbage", "tokenizer.json": "{not json"},
         "sweep_without_function": {"sweep.py": "x = 1\n"},
         "metrics_missing": {"config.json": "{}"},
+        # Instruction records (data.template): a good first line, then the fault on line 2.
+        "chat_no_role": {
+            "chat.jsonl": GOOD_PAIR + '{"messages": [{"content": "hi"}, {"role": "assistant", "content": "x"}]}\n'
+        },
+        "chat_unknown_role": {"chat.jsonl": GOOD_PAIR + '{"messages": [{"role": "tool", "content": "1"}]}\n'},
+        "chat_no_answer": {"chat.jsonl": GOOD_PAIR + '{"messages": [{"role": "user", "content": "hi"}]}\n'},
+        "pair_no_response": {"pairs.jsonl": GOOD_PAIR + '{"prompt": "Upper: ab"}\n'},
     }
     for name, content in files.items():
         directory = root / name
@@ -90,6 +97,9 @@ def places(tmp_path_factory):
     return {**{k: str(v) for k, v in paths.items()}, "tmp": str(root), **{k: str(root / k) for k in files}}
 
 
+GOOD_PAIR = '{"prompt": "Reverse: ab", "response": "ba"}\n'
+
+
 def cli_case(argv: str, message: str, rc: int = 2, found_while_reading: bool = False):
     """`found_while_reading`: bad content of the user's data, found while it is tokenized into WORKDIR/data:
     the workdir then exists (its config.json), but no step ran and no checkpoint was written."""
@@ -97,6 +107,7 @@ def cli_case(argv: str, message: str, rc: int = 2, found_while_reading: bool = F
 
 
 TRAIN = "train --config experiments/copy_task.py --workdir {tmp}/never --set "
+INSTRUCT = "train --config experiments/instruct_tiny.py --workdir {tmp}/never --set "
 CLI_CASES = [
     # Config fields, refused before anything is read, built or written (the workdir is never created).
     cli_case(TRAIN + "model.mode=gpt", r"model\.mode: 'gpt' is not one of the choices: 'encoder_only', 'decoder_only'"),
@@ -177,6 +188,43 @@ CLI_CASES = [
         "train --config experiments/lm_shakespeare.py --workdir {tmp}/never --set data.source=files "
         "--set data.files={not_utf8}/prompts.txt",
         r"\S+prompts\.txt:2: not UTF-8",
+        found_while_reading=True,
+    ),
+    # Instruction data: the template's name, what it applies to, and the records it reads.
+    cli_case(
+        TRAIN + "data.template=vicuna",
+        r"data\.template: 'vicuna' is not one of the choices: 'none', 'alpaca', 'chatml'",
+    ),
+    cli_case(
+        TRAIN + "data.template=alpaca",
+        r"data\.template: needs data\.source='files' \(instruction records\), not 'copy'",
+    ),
+    cli_case(
+        "train --config experiments/mlm_shakespeare.py --workdir {tmp}/never --set data.template=chatml",
+        r"data\.template: instruction data trains objective 'lm' or 'seq2seq', not 'mlm'",
+    ),
+    cli_case(
+        INSTRUCT + "data.format=text",
+        r"data\.template: plain text holds no prompt/response records: use JSONL",
+    ),
+    cli_case(
+        INSTRUCT + "data.files={chat_no_role}/chat.jsonl",
+        r"\S+chat\.jsonl:2: messages\[0\]: a turn is \{'role': str, 'content': str\}, got \{'content': 'hi'\}",
+        found_while_reading=True,
+    ),
+    cli_case(
+        INSTRUCT + "data.files={chat_unknown_role}/chat.jsonl",
+        r"\S+chat\.jsonl:2: messages\[0\]: role 'tool' is not one template 'alpaca' knows \(system, user, assistant\)",
+        found_while_reading=True,
+    ),
+    cli_case(
+        INSTRUCT + "data.files={chat_no_answer}/chat.jsonl",
+        r"\S+chat\.jsonl:2: messages: no assistant turn",
+        found_while_reading=True,
+    ),
+    cli_case(
+        INSTRUCT + "data.files={pair_no_response}/pairs.jsonl",
+        r"\S+pairs\.jsonl:2: no field 'response' \(an instruction record has 'prompt' and 'response', or 'messages'\)",
         found_while_reading=True,
     ),
     cli_case(TRAIN + "checkpoint.every=0", r"checkpoint\.every: must be positive, got 0"),
