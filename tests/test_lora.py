@@ -11,6 +11,7 @@ from flax import nnx
 
 from jaxformer import config as C
 from jaxformer import lora
+from jaxformer.checkpoint import Checkpointer, check_compatible
 from jaxformer.models import Transformer
 from jaxformer.state import init_state
 from jaxformer.train import loss_sums, make_steps
@@ -137,3 +138,32 @@ def test_lora_dropout_acts_on_the_adapters_while_training_only():
     assert any(changed), "dropout on the adapters' input changes their gradients"
     jax.tree.map(np.testing.assert_array_equal, g_eval, g_off)  # no key (evaluation): no dropout
     assert float(loss_eval) == float(loss_off)
+
+
+@pytest.mark.parametrize("rank", [4, 0])
+def test_a_lora_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path, rank):
+    cfg = dataclasses.replace(
+        config("decoder_only", rank=rank, dtype="bfloat16"), checkpoint=C.CheckpointConfig(async_save=False)
+    )
+    graphdef, state, optimizer = init_state(cfg)
+    step = jax.jit(make_steps(graphdef, cfg, optimizer)[0])
+    run = lambda s, steps: [s := step(s, batch("decoder_only", seed=i))[0] for i in steps][-1]
+    uninterrupted = run(state, range(3))
+    ckpt = Checkpointer(tmp_path, cfg)
+    ckpt.save(run(state, range(1)))
+    ckpt.wait()
+    restored = ckpt.restore_latest(init_state(cfg)[1])
+    ckpt.close()
+    assert (restored.frozen is None) == (rank == 0)
+    resumed = run(restored, range(1, 3))
+    jax.tree.map(np.testing.assert_array_equal, resumed, uninterrupted)
+    assert int(resumed.step) == 3
+
+
+def test_resuming_with_another_adapter_layout_is_refused_naming_the_fields():
+    lora_run, full = config(rank=4), config(rank=0)
+    with pytest.raises(C.ConfigError, match=r"lora\.rank: checkpoint 4, config 0"):
+        check_compatible(lora_run, full, "ckpt")
+    with pytest.raises(C.ConfigError, match=r"lora\.targets: checkpoint \('q', 'k'"):
+        check_compatible(lora_run, dataclasses.replace(lora_run, lora=C.LoRAConfig(rank=4, targets=("q",))), "ckpt")
+    check_compatible(lora_run, dataclasses.replace(lora_run, lora=C.LoRAConfig(rank=4, targets=ALL, alpha=2.0)), "c")
