@@ -13,6 +13,7 @@ from jaxformer import config as C
 from jaxformer import lora
 from jaxformer.checkpoint import Checkpointer, check_compatible
 from jaxformer.models import Transformer
+from jaxformer.plan import plan
 from jaxformer.state import init_state
 from jaxformer.train import loss_sums, make_steps
 
@@ -167,3 +168,17 @@ def test_resuming_with_another_adapter_layout_is_refused_naming_the_fields():
     with pytest.raises(C.ConfigError, match=r"lora\.targets: checkpoint \('q', 'k'"):
         check_compatible(lora_run, dataclasses.replace(lora_run, lora=C.LoRAConfig(rank=4, targets=("q",))), "ckpt")
     check_compatible(lora_run, dataclasses.replace(lora_run, lora=C.LoRAConfig(rank=4, targets=ALL, alpha=2.0)), "c")
+
+
+def test_plan_reports_the_frozen_base_adapters_and_their_optimizer_state():
+    model = dict(d_model=64, num_heads=4, d_ff=256, vocab_size=512, dtype="bfloat16")
+    full_cfg = config(rank=0, **model)
+    lora_cfg = dataclasses.replace(full_cfg, lora=C.LoRAConfig(rank=2, targets=("q", "v")))
+    full, adapted = plan(full_cfg, largest=False), plan(lora_cfg, largest=False)
+    base = sum(x.size for x in jax.tree.leaves(nnx.state(Transformer(full_cfg.model, rngs=nnx.Rngs(0)), nnx.Param)))
+    adapters = 2 * 2 * 2 * (64 + 64)  # layers x (q, v) x rank x (in + out)
+    assert full.frozen == 0 and full.parameters == 4 * base
+    assert adapted.frozen == 2 * base  # bfloat16, no float32 master copy
+    assert adapted.parameters == 4 * adapters
+    assert adapted.optimizer_state < 0.01 * full.optimizer_state
+    assert "frozen base" in adapted.table() and "frozen base" not in full.table()
