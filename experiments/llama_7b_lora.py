@@ -12,6 +12,10 @@ With pretrained weights (a Hugging Face Llama directory), import them with the a
     jaxformer import-hf PATH/TO/Llama-2-7b-hf --workdir runs/llama_lora --config experiments/llama_7b_lora.py
     jaxformer train --workdir runs/llama_lora
 
+or, to try the program on a random base (nothing worth adapting):
+
+    jaxformer train --config experiments/llama_7b_lora.py --workdir runs/llama_7b_lora
+
 Run locally (tiny shrink): --set model.d_model=64 --set model.num_heads=4 --set model.d_ff=128
     --set model.num_decoder_layers=2 --set data.max_len=128 --set train.batch_size=8
 """

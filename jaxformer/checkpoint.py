@@ -304,10 +304,14 @@ def check_compatible(saved: Config, current: Config, where) -> None:
     a, b = optimizer_layout(saved.train), optimizer_layout(current.train)
     diff += [f"train.{k}: checkpoint {a[k]!r}, config {b[k]!r}" for k in a if a[k] != b[k]]
     a, b = lora_layout(saved.lora), lora_layout(current.lora)
-    diff += [f"lora.{k}: checkpoint {a.get(k)!r}, config {b.get(k)!r}" for k in {**a, **b} if a.get(k) != b.get(k)]
-    if diff:
+    lora_diff = [f"lora.{k}: checkpoint {a.get(k)!r}, config {b.get(k)!r}" for k in {**a, **b} if a.get(k) != b.get(k)]
+    if diff or lora_diff:
+        # The adapters are made with the run's first state: pretrained weights get them at import.
+        hint = "\n(LoRA is set when a run starts: pass the lora fields to import-hf, or train in a new workdir)"
         raise ConfigError(
-            f"cannot resume from {where}: the model or optimizer differs from the checkpoint's:\n  " + "\n  ".join(diff)
+            f"cannot resume from {where}: the model or optimizer differs from the checkpoint's:\n  "
+            + "\n  ".join(diff + lora_diff)
+            + (hint if lora_diff else "")
         )
 
 

@@ -33,7 +33,16 @@ def test_copy_task_is_learnt_and_eval_agrees(copy_run, capsys):
 
 
 @pytest.mark.parametrize(
-    "name", ["lm_shakespeare", "translate_en_de", "classify_lohelp", "mlm_shakespeare", "paper_base_en_de", "gpt2_1p3b"]
+    "name",
+    [
+        "lm_shakespeare",
+        "translate_en_de",
+        "classify_lohelp",
+        "mlm_shakespeare",
+        "paper_base_en_de",
+        "gpt2_1p3b",
+        "llama_7b_lora",
+    ],
 )
 def test_every_experiment_validates_and_documents_its_command(name):
     import ast
