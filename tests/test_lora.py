@@ -12,7 +12,7 @@ from flax import nnx
 from jaxformer import config as C
 from jaxformer import lora
 from jaxformer.checkpoint import Checkpointer, check_compatible
-from jaxformer.models import Transformer
+from jaxformer.models import Transformer, unrolled
 from jaxformer.plan import plan
 from jaxformer.state import init_state
 from jaxformer.train import loss_sums, make_steps
@@ -182,3 +182,16 @@ def test_plan_reports_the_frozen_base_adapters_and_their_optimizer_state():
     assert adapted.parameters == 4 * adapters
     assert adapted.optimizer_state < 0.01 * full.optimizer_state
     assert "frozen base" in adapted.table() and "frozen base" not in full.table()
+
+
+def test_decoding_unrolls_a_scanned_adapted_model_with_its_adapters_folded_in():
+    model = lora.add_adapters(
+        Transformer(C.tiny("decoder_only", scan_layers=True), rngs=nnx.Rngs(0)), C.LoRAConfig(rank=2, targets=ALL)
+    )
+    for i, (_, _, adapter) in enumerate(lora.adapters(model)):
+        adapter.b[...] = jax.random.normal(jax.random.key(i), adapter.b.shape)
+    ids = jax.random.randint(jax.random.key(9), (2, 8), 2, 32)
+    expected = model(ids)
+    assert not np.allclose(expected, Transformer(C.tiny("decoder_only", scan_layers=True), rngs=nnx.Rngs(0))(ids))
+    np.testing.assert_allclose(unrolled(model)(ids), expected, atol=1e-5, rtol=1e-5)
+    assert list(lora.adapters(model)), "the model itself keeps its adapters"
