@@ -287,6 +287,13 @@ def optimizer_layout(train) -> dict:
     return {"optimizer": train.optimizer, "on_nonfinite": train.on_nonfinite, "clip_norm > 0": train.clip_norm > 0}
 
 
+def lora_layout(lora) -> dict:
+    """The lora fields that shape the state (alpha, dropout and seed only change numbers)."""
+    if not lora.enabled:
+        return {"rank": 0}
+    return {"rank": lora.rank, "targets": lora.targets, "stacks": lora.stacks}
+
+
 def check_compatible(saved: Config, current: Config, where) -> None:
     """Refuse to resume when the model's shapes or the optimizer state's layout differ from the
     checkpoint's, listing the fields (rather than set the checkpoint aside as unreadable)."""
@@ -296,9 +303,15 @@ def check_compatible(saved: Config, current: Config, where) -> None:
     ]
     a, b = optimizer_layout(saved.train), optimizer_layout(current.train)
     diff += [f"train.{k}: checkpoint {a[k]!r}, config {b[k]!r}" for k in a if a[k] != b[k]]
-    if diff:
+    a, b = lora_layout(saved.lora), lora_layout(current.lora)
+    lora_diff = [f"lora.{k}: checkpoint {a.get(k)!r}, config {b.get(k)!r}" for k in {**a, **b} if a.get(k) != b.get(k)]
+    if diff or lora_diff:
+        # The adapters are made with the run's first state: pretrained weights get them at import.
+        hint = "\n(LoRA is set when a run starts: pass the lora fields to import-hf, or train in a new workdir)"
         raise ConfigError(
-            f"cannot resume from {where}: the model or optimizer differs from the checkpoint's:\n  " + "\n  ".join(diff)
+            f"cannot resume from {where}: the model or optimizer differs from the checkpoint's:\n  "
+            + "\n  ".join(diff + lora_diff)
+            + (hint if lora_diff else "")
         )
 
 
@@ -333,10 +346,16 @@ def export(workdir: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} does not exist: is {workdir} a training workdir?")
     cfg = read_config(config_file)
-    _, restored, _ = restore_workdir(cfg, workdir)
+    graphdef, restored, _ = restore_workdir(cfg, workdir)
+    params = restored.params
+    if restored.frozen is not None:  # LoRA: the adapters folded into the base, float32 as `load_model` reads
+        from jaxformer import lora
+
+        merged = nnx.state(lora.merge(nnx.merge(graphdef, restored.weights)), nnx.Param)
+        params = jax.tree.map(lambda x: x.astype("float32"), merged)
     out.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(out / "params", restored.params, force=True)
+        ckptr.save(out / "params", params, force=True)
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     for extra in ("tokenizer.model", "tokenizer.vocab"):
         if (workdir / extra).is_file():

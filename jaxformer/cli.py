@@ -75,7 +75,7 @@ def cmd_train(args) -> int:
             print(f"evaluate it with: jaxformer eval --workdir {args.workdir}; raise train.steps to train on")
         return 0
     report = evaluate_model(
-        cfg, result["graphdef"], result["state"].params, result["data"], result["eval_step"], result["state"]
+        cfg, result["graphdef"], result["state"].weights, result["data"], result["eval_step"], result["state"]
     )
     _print_report(cfg.train.objective, report)
     saved = _save_report(args.workdir, step, cfg, report)
@@ -120,7 +120,7 @@ def cmd_eval(args) -> int:
     step = int(state.step)
     print(f"evaluating the checkpoint of step {step} on held-out data")
     _, eval_step = make_steps(graphdef, cfg, optimizer)
-    report = evaluate_model(cfg, graphdef, state.params, data, jax.jit(eval_step), state)
+    report = evaluate_model(cfg, graphdef, state.weights, data, jax.jit(eval_step), state)
     _print_report(cfg.train.objective, report)
     print(f"\nsaved to {_save_report(args.workdir, step, cfg, report)}")
     return 0
@@ -169,7 +169,7 @@ def cmd_generate(args) -> int:
         check_mode(cfg.model.mode, args.workdir)
         tok = load_tokenizer(cfg, args.workdir)
         graphdef, state, _ = restore_workdir(cfg, args.workdir)
-        model, decoding = nnx.merge(graphdef, state.params), cfg.decode
+        model, decoding = nnx.merge(graphdef, state.weights), cfg.decode
     template = cfg.data.template if args.command == "generate" else "none"  # instruction data: answer prompts
     if args.command == "generate":  # prompt and continuation share the model's max_len positions
         from jaxformer.data import templates

@@ -567,6 +567,52 @@ class MeshConfig:
         )
 
 
+# The projections LoRA may adapt, and the width of each one's input and output (ModelConfig -> (in, out)).
+LORA_TARGETS = {
+    "q": lambda m: (m.d_model, m.num_heads * m.dim_per_head),
+    "k": lambda m: (m.d_model, m.kv_heads * m.dim_per_head),
+    "v": lambda m: (m.d_model, m.kv_heads * m.dim_per_head),
+    "o": lambda m: (m.num_heads * m.dim_per_head, m.d_model),
+    "wi": lambda m: (m.d_model, m.d_ff),
+    "wi_gate": lambda m: (m.d_model, m.d_ff),
+    "wo": lambda m: (m.d_ff, m.d_model),
+}
+LORA_STACKS = ("encoder", "decoder", "cross")  # self-attention and FFN of each stack; cross-attention
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Low-rank adapters (Hu et al., 2021): W x + (alpha / rank) B A x with W frozen, only A and B trained.
+
+    rank=0 (the default) is off: the model, its state and its checkpoints are those of full training.
+    """
+
+    rank: int = 0  # R: the adapters' inner width; 0 = no LoRA
+    alpha: float = 16.0  # the update is scaled by alpha / rank, so a new rank needs no new learning rate
+    dropout: float = 0.0  # dropout on the adapters' input while training (the paper's 0.05-0.1 for small data)
+    targets: tuple[str, ...] = ("q", "v")  # the projections adapted (the paper's choice: queries and values)
+    stacks: tuple[str, ...] = LORA_STACKS  # which stacks get them: encoder, decoder (self-attention, FFN), cross
+    seed: int = 0  # the adapters' own stream: the base draws the same numbers with LoRA on or off
+
+    def __post_init__(self):
+        object.__setattr__(self, "targets", tuple(self.targets))  # JSON gives lists
+        object.__setattr__(self, "stacks", tuple(self.stacks))
+        check_field_types(self, "lora")
+        require(self.rank >= 0, "lora.rank", f"must be positive (or 0 = off), got {self.rank}")
+        require(self.alpha > 0, "lora.alpha", f"must be > 0, got {self.alpha}")
+        require(0 <= self.dropout < 1, "lora.dropout", f"must be in [0, 1), got {self.dropout}")
+        for name, valid, field in ((self.targets, LORA_TARGETS, "targets"), (self.stacks, LORA_STACKS, "stacks")):
+            unknown = [t for t in name if t not in valid]
+            require(
+                not unknown, f"lora.{field}", f"unknown {', '.join(map(repr, unknown))} (valid: {', '.join(valid)})"
+            )
+            require(bool(name) or not self.rank, f"lora.{field}", "LoRA on (rank > 0) needs at least one")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """One training run: model, optimisation, data, checkpoints, mesh, and how it generates."""
@@ -577,6 +623,7 @@ class Config:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     decode: DecodeConfig = dataclasses.field(default_factory=DecodeConfig)
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
 
     def __post_init__(self):
         objective, mode = self.train.objective, self.model.mode
@@ -624,6 +671,7 @@ class Config:
             f"objective={objective!r} reads {needs} field(s), got {self.data.fields}",
         )
         self._check_tokenizer()
+        self._check_lora()
         m = self.mesh
         if m.data > 0 and m.fsdp > 0:  # a fill (-1) is known only with the devices (sharding.process_rows)
             require(
@@ -648,6 +696,21 @@ class Config:
                 d.src_len <= self.model.max_len,
                 "data.src_max_len",
                 f"data.src_max_len={d.src_len} exceeds model.max_len={self.model.max_len}",
+            )
+
+    def _check_lora(self) -> None:
+        """The rank against the widths of the projections adapted (known only with the model)."""
+        lora, model = self.lora, self.model
+        if not lora.enabled:
+            return
+        for name in lora.targets:
+            if name == "wi_gate" and model.activation not in ("swiglu", "geglu"):
+                require(False, "lora.targets", f"'wi_gate' exists only for gated activations, not {model.activation!r}")
+            width = min(LORA_TARGETS[name](model))
+            require(
+                lora.rank <= width,
+                "lora.rank",
+                f"rank={lora.rank} exceeds the width {width} of projection {name!r} (the smaller of its in and out)",
             )
 
     def _check_tokenizer(self) -> None:
@@ -698,6 +761,7 @@ SECTIONS = {
     "checkpoint": CheckpointConfig,
     "mesh": MeshConfig,
     "decode": DecodeConfig,
+    "lora": LoRAConfig,
 }
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import logging
 import math
+import zlib
 from collections.abc import Callable
 
 import jax
@@ -59,6 +60,18 @@ materialized_grad.defvjp(lambda x: (x, None), _materialized_grad_bwd)
 def split_rng(rng: Array | None, n: int) -> list[Array | None]:
     """n independent keys from `rng`, or n Nones when running deterministically."""
     return [None] * n if rng is None else list(jax.random.split(rng, n))
+
+
+def adapted(module: nnx.Module, name: str, x: Array, y: Array, dropout_rng: Array | None) -> Array:
+    """y = x @ module.<name>, plus the update of its LoRA adapter (`jaxformer.lora`) if it has one.
+
+    The adapter's dropout key is folded from the sublayer's with the kernel's name: the masks of
+    the layer's own dropout stay what they are without LoRA."""
+    adapter = getattr(module, f"{name}_lora", None)
+    if adapter is None:
+        return y
+    rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+    return y + adapter(x, rng).astype(y.dtype)
 
 
 # ----------------------------------------------------------------------------- token ids
@@ -306,17 +319,20 @@ class MultiHeadAttention(nnx.Module):
             self.v_bias = param(rngs, init.zeros, (G, K), ("heads", "kv"))
             self.o_bias = param(rngs, init.zeros, (D,), ("embed",))
 
-    def _project(self, x_BTD: Array, name: str) -> Array:
+    def _project(self, x_BTD: Array, name: str, dropout_rng: Array | None = None) -> Array:
         dt = self.cfg.dtype
         y_BTHK = jnp.einsum("BTD,DHK->BTHK", x_BTD, getattr(self, name)[...].astype(dt))
+        y_BTHK = adapted(self, name, x_BTD, y_BTHK, dropout_rng)
         if self.cfg.use_bias:
             y_BTHK = y_BTHK + F.lift(getattr(self, f"{name}_bias")[...].astype(dt), y_BTHK)
         return constrain(y_BTHK, ("batch", None, "heads", None))  # column-parallel under TP
 
-    def project_kv(self, kv_BSD: Array, positions_BS: Array | None = None) -> tuple[Array, Array]:
+    def project_kv(
+        self, kv_BSD: Array, positions_BS: Array | None = None, dropout_rng: Array | None = None
+    ) -> tuple[Array, Array]:
         """Keys and values [B, S, G, K] of the inputs attended to (RoPE applied at `positions_BS`)."""
-        k_BSGK = self._project(kv_BSD, "k")
-        v_BSGK = self._project(kv_BSD, "v")
+        k_BSGK = self._project(kv_BSD, "k", dropout_rng)
+        v_BSGK = self._project(kv_BSD, "v", dropout_rng)
         if self.use_rope:
             k_BSGK = F.apply_rope(k_BSGK, positions_BS, self.cfg.rope_base)
         return k_BSGK, v_BSGK
@@ -344,7 +360,7 @@ class MultiHeadAttention(nnx.Module):
             return self._attend(x_BTD, *memory_kv, "BGSK", mask, bias, positions_BT, dropout_rng, return_weights)
         kv_BSD = x_BTD if memory_BSD is None else memory_BSD
         kv_positions_BS = positions_BT if kv_positions_BS is None else kv_positions_BS
-        k_BSGK, v_BSGK = self.project_kv(kv_BSD, kv_positions_BS)
+        k_BSGK, v_BSGK = self.project_kv(kv_BSD, kv_positions_BS, dropout_rng)
         return self._attend(x_BTD, k_BSGK, v_BSGK, "BSGK", mask, bias, positions_BT, dropout_rng, return_weights)
 
     # Decoding caches hold keys and values heads-major, [B, G, S, K]: the attention products read
@@ -380,7 +396,7 @@ class MultiHeadAttention(nnx.Module):
 
     def _attend(self, x_BTD, k, v, kv_layout, mask, bias, positions_BT, dropout_rng, return_weights):
         cfg = self.cfg
-        q_BTHK = self._project(x_BTD, "q")
+        q_BTHK = self._project(x_BTD, "q", dropout_rng)
         if self.use_rope:
             q_BTHK = F.apply_rope(q_BTHK, positions_BT, cfg.rope_base)
         result = F.dot_product_attention(
@@ -397,6 +413,7 @@ class MultiHeadAttention(nnx.Module):
         )  # fmt: skip
         out_BTHK, weights = result if return_weights else (result, None)
         y_BTD = jnp.einsum("BTHK,HKD->BTD", out_BTHK, self.o[...].astype(cfg.dtype))  # row-parallel under TP
+        y_BTD = adapted(self, "o", out_BTHK, y_BTD, dropout_rng)
         if cfg.use_bias:
             y_BTD = y_BTD + F.lift(self.o_bias[...].astype(cfg.dtype), y_BTD)
         y_BTD = constrain(y_BTD, ("batch", None, None))
@@ -421,22 +438,23 @@ class FeedForward(nnx.Module):
                 self.wi_gate_bias = param(rngs, init.zeros, (Fw,), ("mlp",))
             self.wo_bias = param(rngs, init.zeros, (D,), ("embed",))
 
-    def _dense(self, x: Array, name: str, spec: str) -> Array:
+    def _dense(self, x: Array, name: str, spec: str, dropout_rng: Array | None) -> Array:
         dt = self.cfg.dtype
-        y = jnp.einsum(spec, x, getattr(self, name)[...].astype(dt))
+        y = adapted(self, name, x, jnp.einsum(spec, x, getattr(self, name)[...].astype(dt)), dropout_rng)
         return y + F.lift(getattr(self, f"{name}_bias")[...].astype(dt), y) if self.cfg.use_bias else y
 
-    def __call__(self, x_BTD: Array) -> Array:
+    def __call__(self, x_BTD: Array, dropout_rng: Array | None = None) -> Array:
+        """[B, T, D] -> [B, T, D]; `dropout_rng` drives the LoRA adapters' dropout only."""
         # The activation's backward gets a buffer of its own: without a bias gradient to force one,
         # XLA:CPU fuses it into the transposed copy feeding wi's weight gradient (+17% step time).
-        up_BTF = materialized_grad(self._dense(x_BTD, "wi", "BTD,DF->BTF"))
+        up_BTF = materialized_grad(self._dense(x_BTD, "wi", "BTD,DF->BTF", dropout_rng))
         if self.gated:
-            gate_BTF = materialized_grad(self._dense(x_BTD, "wi_gate", "BTD,DF->BTF"))
+            gate_BTF = materialized_grad(self._dense(x_BTD, "wi_gate", "BTD,DF->BTF", dropout_rng))
             h_BTF = F.GATED_ACTIVATIONS[self.cfg.activation](gate_BTF, up_BTF)
         else:
             h_BTF = F.ACTIVATIONS[self.cfg.activation](up_BTF)
         h_BTF = constrain(h_BTF, ("batch", None, "mlp"))
-        return constrain(self._dense(h_BTF, "wo", "BTF,FD->BTD"), ("batch", None, None))
+        return constrain(self._dense(h_BTF, "wo", "BTF,FD->BTD", dropout_rng), ("batch", None, None))
 
 
 # ----------------------------------------------------------------------------- layers
@@ -496,7 +514,7 @@ class EncoderLayer(nnx.Module):
             return self.self_attn(h_BTD, mask=mask, positions_BT=positions_BT, bias=position_bias, dropout_rng=r_attn)
 
         x_BTD = self.self_attn_res(x_BTD, attend, r_attn_res)
-        return self.ffn_res(x_BTD, self.ffn, r_ffn)
+        return self.ffn_res(x_BTD, lambda h_BTD: self.ffn(h_BTD, r_ffn), r_ffn)
 
 
 class DecoderLayer(nnx.Module):
@@ -544,7 +562,7 @@ class DecoderLayer(nnx.Module):
                 return self.cross_attn(h_BTD, memory_BSD, mask=memory_mask, memory_kv=memory_kv, dropout_rng=r_cross)
 
             x_BTD = self.cross_attn_res(x_BTD, cross_attend, r_cross_res)
-        x_BTD = self.ffn_res(x_BTD, self.ffn, r_ffn)
+        x_BTD = self.ffn_res(x_BTD, lambda h_BTD: self.ffn(h_BTD, r_ffn), r_ffn)
         return x_BTD if cache is None else (x_BTD, self_cache)
 
 

@@ -90,7 +90,7 @@ class Plan:
     devices: int
     mesh: dict
     batch_size: int
-    parameters: int  # this device's shards of the parameters
+    parameters: int  # this device's shards of the trained parameters (LoRA: the adapters)
     optimizer_state: int
     gradients: int  # the parameters' size: float32 gradients, sharded alike
     activations: int  # XLA's temporaries less the gradients: activations kept for the backward pass, workspace
@@ -121,6 +121,7 @@ class Plan:
     requested_batch: int | None = None  # the configured batch; batch_size differs when it did not compile
     over_memory: str | None = None  # the TPU compiler's refusal of the configured batch
     attention_kernels: int = 0  # Pallas (Mosaic) kernel calls in the training step (splash on TPU)
+    frozen: int = 0  # LoRA: this device's shards of the frozen base, in the compute dtype
 
     def table(self) -> str:
         gb = lambda b: f"{b / 1e9:9.3f} GB"
@@ -133,7 +134,12 @@ class Plan:
             lines.append(f"shown: the largest batch that fits, {self.batch_size}")
         lines += [
             f"{where}mesh {mesh} over {self.devices} devices, global batch {self.batch_size}; per device:",
-            f"  parameters         {gb(self.parameters)}",
+            *(
+                [f"  frozen base        {gb(self.frozen)}   (LoRA: not trained, in the compute dtype)"]
+                if self.frozen
+                else []
+            ),
+            f"  {'adapters' if self.frozen else 'parameters':19}{gb(self.parameters)}",
             f"  optimizer state    {gb(self.optimizer_state)}",
             f"  gradients          {gb(self.gradients)}   (the parameters' size)",
             f"  activations        {gb(self.activations)}   (XLA's temporaries less the gradients)",
@@ -339,6 +345,7 @@ def plan(
             return [_peak(future.result(), device_memory) for future in futures]
 
         params, opt = _shard_bytes(state.params), _shard_bytes(state.opt_state)
+        frozen = _shard_bytes(state.frozen) if state.frozen is not None else 0
         requested, configured_step = batch_size, training(batch_size)
         evaluated = evaluation(batch_size)  # beside the first round of the search
         find = device_memory is not None and (largest or configured_step.result().refused)
@@ -375,7 +382,7 @@ def plan(
         largest_batch=largest, refused_batch=refused, target=target.name if target else None,
         chip=chip.name if chip else None, eval_peak=None if evaluated.refused else evaluated.peak,
         bytes_accessed=accessed, tokens_per_step=tokens, compile_seconds=compile_seconds, cached_steps=cached,
-        requested_batch=requested, over_memory=over_memory, attention_kernels=step.kernels, **roofline,
+        requested_batch=requested, over_memory=over_memory, attention_kernels=step.kernels, frozen=frozen, **roofline,
     )  # fmt: skip
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from jaxformer import sharding
+from jaxformer import lora, sharding
 from jaxformer.config import Config, TrainConfig
 from jaxformer.models import Transformer
 
@@ -26,9 +26,15 @@ class TrainState:
     """Everything a step reads and writes: a plain pytree."""
 
     step: Array  # int32 scalar
-    params: nnx.State
-    opt_state: optax.OptState
+    params: nnx.State  # the trained parameters: all of them, or the LoRA adapters alone
+    opt_state: optax.OptState  # of `params` only
     rng: Array  # root key as raw uint32 key data (checkpointable); step t's dropout key is fold_in(rng, t)
+    frozen: nnx.State | None = None  # LoRA: the base parameters, in the compute dtype, never updated
+
+    @property
+    def weights(self) -> nnx.State:
+        """Every parameter of the model (`nnx.merge(graphdef, state.weights)`), trained and frozen."""
+        return self.params if self.frozen is None else nnx.merge_state(self.params, self.frozen)
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -81,17 +87,25 @@ def state_factory(cfg: Config):
     optimizer = make_optimizer(cfg.train, cfg.model.d_model)
 
     def create() -> TrainState:
-        model = Transformer(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))
+        model = lora.add_adapters(Transformer(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed)), cfg.lora)
         return start_state(cfg, nnx.state(model, nnx.Param), optimizer)
 
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))), nnx.Param)
+    build = lambda: lora.add_adapters(Transformer(cfg.model, rngs=nnx.Rngs(0)), cfg.lora)
+    graphdef, _ = nnx.split(nnx.eval_shape(build), nnx.Param)
     return graphdef, create, optimizer
 
 
 def start_state(cfg: Config, params: nnx.State, optimizer: optax.GradientTransformation) -> TrainState:
-    """Step 0 from `params` (random, or pretrained ones being fine-tuned): a fresh optimizer state."""
+    """Step 0 from `params` (random, or pretrained ones being fine-tuned): a fresh optimizer state.
+
+    With LoRA, `params` holds the adapters too (`lora.add_adapters`): they alone train and have an
+    optimizer state; the rest becomes `frozen`, in the compute dtype.
+    """
     rng = jax.random.key_data(jax.random.key(cfg.train.seed))
-    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), rng)
+    frozen = None
+    if cfg.lora.enabled:
+        params, frozen = lora.partition(params, cfg.model.dtype)
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), rng, frozen)
 
 
 def init_state(cfg: Config, mesh: jax.sharding.Mesh | None = None):

@@ -79,12 +79,12 @@ def make_steps(graphdef: nnx.GraphDef, cfg: Config, optimizer: optax.GradientTra
     tcfg = cfg.train
     schedule = learning_rate_schedule(tcfg, cfg.model.d_model)
 
-    def model_of(params):  # ids are checked on the host (`check_batch_ids`): no callback in the steps
-        return without_id_checks(nnx.merge(graphdef, params))
+    def model_of(params, frozen):  # ids are checked on the host (`check_batch_ids`): no callback in the steps
+        return without_id_checks(nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen))
 
-    def grads_and_sums(params, batch, rng):
-        def f(params):
-            return loss_sums(model_of(params), tcfg, batch, rng)
+    def grads_and_sums(params, frozen, batch, rng):
+        def f(params):  # gradients of the trained parameters only (LoRA: the adapters; the base is a constant)
+            return loss_sums(model_of(params, frozen), tcfg, batch, rng)
 
         (_, sums), grads = jax.value_and_grad(f, has_aux=True)(params)
         return grads, sums
@@ -93,17 +93,18 @@ def make_steps(graphdef: nnx.GraphDef, cfg: Config, optimizer: optax.GradientTra
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)  # same step, same masks
         k = tcfg.grad_accum
         if k == 1:
-            grads, sums = grads_and_sums(state.params, batch, rng)
+            grads, sums = grads_and_sums(state.params, state.frozen, batch, rng)
         else:  # k micro-batches; gradients of summed losses add up exactly to the big batch's
             micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
 
             def body(acc, xs):
                 i, mb = xs
-                g, s = grads_and_sums(state.params, mb, jax.random.fold_in(rng, i))
+                g, s = grads_and_sums(state.params, state.frozen, mb, jax.random.fold_in(rng, i))
                 return jax.tree.map(jnp.add, acc, (g, s)), None
 
             zeros = jax.tree.map(
-                jnp.zeros_like, jax.eval_shape(grads_and_sums, state.params, jax.tree.map(lambda x: x[0], micro), rng)
+                jnp.zeros_like,
+                jax.eval_shape(grads_and_sums, state.params, state.frozen, jax.tree.map(lambda x: x[0], micro), rng),
             )
             (grads, sums), _ = jax.lax.scan(body, zeros, (jnp.arange(k), micro))
         count = jnp.maximum(sums["count"], 1.0)
@@ -117,10 +118,15 @@ def make_steps(graphdef: nnx.GraphDef, cfg: Config, optimizer: optax.GradientTra
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     def eval_step(state: TrainState, batch: dict) -> dict:
-        _, sums = loss_sums(model_of(state.params), tcfg, batch, None)
+        _, sums = loss_sums(model_of(state.params, state.frozen), tcfg, batch, None)
         return sums
 
     return train_step, eval_step
+
+
+def param_count(params) -> int:
+    """Parameters in a state's params (a tied embedding counts once, as the state holds it once)."""
+    return sum(x.size for x in jax.tree.leaves(params))
 
 
 def summarize(sums: dict) -> dict:
@@ -289,6 +295,8 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
     log = (lambda *a: None) if quiet else tqdm.write
     rows = sharding.process_rows(tcfg.batch_size, mesh)  # this process loads only its rows
     graphdef, state, optimizer = init_state(cfg, mesh)
+    trained, total = param_count(state.params), param_count(state.weights)
+    log(f"parameters: {trained:,} trained of {total:,} ({trained / total:.4%})")
     ckpt = Checkpointer(workdir, cfg)  # checks the workdir is writable before any work
     restored = ckpt.restore_latest(state)  # into the current mesh; refuses a different model
     start = 0
@@ -391,7 +399,7 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
                     writer.write(done, "eval", result)
                     log(f"step {done}: eval {observe.line(result, observe.shown(tcfg.objective))}")
                     if samples:
-                        model = nnx.merge(graphdef, state.params)
+                        model = nnx.merge(graphdef, state.weights)
                         for src, out in zip(*decode.sample_texts(model, cfg, data), strict=True):
                             log(f"  > {src!r}\n  = {out!r}")
                     stopped = on_eval is not None and bool(on_eval(done, result))

@@ -118,6 +118,19 @@ CLI_CASES = [
     cli_case(TRAIN + "model.vocab_size=-1", r"model\.vocab_size: "),
     cli_case(TRAIN + "model.max_len=0", r"model\.max_len: "),
     cli_case(TRAIN + "model.dropout_rate=1.5", r"model\.dropout_rate: "),
+    cli_case(
+        TRAIN + "lora.rank=4 --set lora.targets=q,query", r"lora\.targets: unknown 'query' \(valid: q, k, v, o, wi"
+    ),
+    cli_case(
+        TRAIN + "lora.stacks=decoder,middle", r"lora\.stacks: unknown 'middle' \(valid: encoder, decoder, cross\)"
+    ),
+    cli_case(TRAIN + "lora.rank=-1", r"lora\.rank: must be positive \(or 0 = off\), got -1"),
+    cli_case(TRAIN + "lora.rank=65", r"lora\.rank: rank=65 exceeds the width 64 of projection 'q'"),
+    cli_case(TRAIN + "lora.rank=4 --set lora.targets=wi_gate", r"lora\.targets: 'wi_gate' exists only for gated"),
+    cli_case(TRAIN + "lora.rank=4 --set lora.targets=", r"lora\.targets: LoRA on \(rank > 0\) needs at least one"),
+    cli_case(TRAIN + "lora.alpha=0", r"lora\.alpha: must be > 0, got 0"),
+    cli_case(TRAIN + "lora.dropout=1", r"lora\.dropout: must be in \[0, 1\), got 1"),
+    cli_case(TRAIN + "lora.dropout=-0.1", r"lora\.dropout: must be in \[0, 1\), got -0\.1"),
     cli_case(TRAIN + "model.position=rotary", r"model\.position: 'rotary' is not one of the choices"),
     cli_case(TRAIN + "model.activation=swish", r"model\.activation: 'swish' is not one of the choices"),
     cli_case(TRAIN + "model.norm_position=middle", r"model\.norm_position: 'middle' is not one of the choices"),
@@ -472,6 +485,23 @@ def save_past_a_file_size_limit(places):
 LM, S2S = "decoder_only", "encoder_decoder"
 TOKENS = types.SimpleNamespace(bos_id=1, eos_id=2)  # a tokenizer's special ids, for id lists given as sources
 API_CASES = [
+    # LoRA built in code: the section refuses what the command line does, and the rank against the model.
+    api_case(
+        "LoRAConfig unknown target",
+        lambda m, p: jf.config.LoRAConfig(rank=8, targets=("q", "embed")),
+        ConfigError,
+        r"lora\.targets: unknown 'embed' \(valid: q, k, v, o, wi, wi_gate, wo\)",
+    ),
+    api_case(
+        "LoRA rank above a projection's width",
+        lambda m, p: jf.config.Config(
+            model=jf.tiny("decoder_only"),
+            train=TrainConfig(objective="lm"),
+            lora=jf.config.LoRAConfig(rank=17, targets=("wo",)),
+        ),
+        ConfigError,
+        r"lora\.rank: rank=17 exceeds the width 16 of projection 'wo'",
+    ),
     # A workdir's or a pretrained model's tokenizer file, damaged: the libraries' own errors named no file.
     api_case(
         "damaged tokenizer.model",

@@ -42,6 +42,7 @@ def test_copy_task_is_learnt_and_eval_agrees(copy_run, capsys):
         "paper_base_en_de",
         "gpt2_1p3b",
         "instruct_tiny",
+        "llama_7b_lora",
     ],
 )
 def test_every_experiment_validates_and_documents_its_command(name):

@@ -400,3 +400,48 @@ def test_import_hf_train_export_hf(tmp_path, capsys):
     assert cli.main(["generate", "--hf", str(out), *prompt, "--set", "decode.max_new_tokens=500"]) == 0
     room = 64 - len(tok.encode("KING HENRY:").ids)
     assert f"note: at most {room} new tokens (decode.max_new_tokens=500): model.max_len=64" in capsys.readouterr().err
+
+
+def test_import_hf_then_lora_fine_tuning_then_export_hf(tmp_path, capsys):
+    """`import-hf --set lora.rank=4`: step 0 is the checkpoint plus fresh adapters (the same logits);
+    `train` moves the adapters alone; `export-hf` writes the adapters folded into the weights."""
+    from jaxformer import cli
+    from jaxformer.checkpoint import restore_workdir
+    from jaxformer.config import from_dict
+
+    source, workdir, out = tmp_path / "gpt2", tmp_path / "run", tmp_path / "exported"
+    cfg = jf.gpt2_small(vocab_size=300, d_model=32, num_heads=2, d_ff=64, max_len=64, num_decoder_layers=2)
+    hf.save_hf(randomized(cfg), source, extra_config={"bos_token_id": 0, "eos_token_id": 0})
+    bpe_tokenizer().save(str(source / "tokenizer.json"))
+    settings = [
+        "train.steps=3", "train.batch_size=8", "train.log_every=1", "train.eval_every=3", "train.eval_batches=1",
+        "train.num_samples=0", "checkpoint.every=3", "data.max_examples=2000", "train.learning_rate=1e-2",
+        "lora.rank=4", "lora.targets=q,v,o,wi,wo",
+    ]  # fmt: skip
+    assert (
+        cli.main(["import-hf", str(source), "--workdir", str(workdir), *(a for s in settings for a in ("--set", s))])
+        == 0
+    )
+    run_cfg = from_dict(json.loads((workdir / "config.json").read_text()))
+    graphdef, start, _ = restore_workdir(run_cfg, workdir)
+    x = jnp.asarray(ids((2, 10), 1))
+    pretrained = hf.load_hf(source)
+    np.testing.assert_array_equal(nnx.merge(graphdef, start.weights)(x), pretrained(x))
+    jax.tree.map(np.testing.assert_array_equal, start.frozen, nnx.state(pretrained, nnx.Param))
+    assert {path[-2] for path, _ in nnx.to_flat_state(start.params)} == {
+        f"{t}_lora" for t in ("q", "v", "o", "wi", "wo")
+    }
+
+    capsys.readouterr()
+    assert cli.main(["train", "--workdir", str(workdir)]) == 0
+    trained_of = [line for line in capsys.readouterr().out.splitlines() if line.startswith("parameters: ")]
+    adapters = sum(v[...].size for _, v in nnx.to_flat_state(start.params))
+    total = adapters + sum(v[...].size for _, v in nnx.to_flat_state(start.frozen))
+    assert trained_of == [f"parameters: {adapters:,} trained of {total:,} ({adapters / total:.4%})"]
+    graphdef, state, _ = restore_workdir(run_cfg, workdir)
+    assert int(state.step) == 3
+    jax.tree.map(np.testing.assert_array_equal, state.frozen, start.frozen)  # the base never moved
+    assert cli.main(["export-hf", "--workdir", str(workdir), str(out)]) == 0
+    adapted = nnx.merge(graphdef, state.weights)(x)
+    assert not np.allclose(adapted, pretrained(x))
+    np.testing.assert_allclose(hf.load_hf(out)(x), adapted, atol=1e-5, rtol=1e-5)

@@ -46,7 +46,7 @@ def _files_beside_weights(directory: pathlib.Path) -> list[pathlib.Path]:
 
 def import_hf(source, workdir, experiment: str | None = None, overrides: list[str] = ()) -> Config:
     """Make `workdir` a training workdir at step 0 holding the checkpoint in `source`; returns its Config."""
-    from jaxformer import sharding
+    from jaxformer import lora, sharding
     from jaxformer.checkpoint import start_workdir
     from jaxformer.state import start_state, state_factory
 
@@ -76,7 +76,7 @@ def import_hf(source, workdir, experiment: str | None = None, overrides: list[st
         shutil.copyfile(f, hf_dir / f.name)
     mesh = sharding.make_mesh(cfg.mesh)
     with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
-        model = hf.load_hf(source, mesh=mesh, **changed)
+        model = lora.add_adapters(hf.load_hf(source, mesh=mesh, **changed), cfg.lora)  # LoRA: fresh adapters
         _, create, optimizer = state_factory(cfg)
         shardings = sharding.state_shardings(jax.eval_shape(create), mesh)
         state = jax.jit(lambda p: start_state(cfg, p, optimizer), out_shardings=shardings)(nnx.state(model, nnx.Param))
@@ -88,6 +88,7 @@ def import_hf(source, workdir, experiment: str | None = None, overrides: list[st
 def export_hf(workdir, out) -> pathlib.Path:
     """The latest checkpoint of `workdir` as a Hugging Face directory `out`: weights and config.json
     (with the imported config's other fields, such as special token ids, kept), and the tokenizer."""
+    from jaxformer import lora
     from jaxformer.checkpoint import restore_workdir
 
     workdir, out = pathlib.Path(workdir), pathlib.Path(out)
@@ -96,7 +97,7 @@ def export_hf(workdir, out) -> pathlib.Path:
         raise FileNotFoundError(f"{config_file} does not exist: is {workdir} a training workdir?")
     cfg = read_config(config_file)
     graphdef, state, _ = restore_workdir(cfg, workdir)
-    model = nnx.merge(graphdef, state.params)
+    model = lora.merge(nnx.merge(graphdef, state.weights))  # LoRA: the adapters folded into the weights
     hf_dir = workdir / HF_DIR
     original = json.loads((hf_dir / hf.CONFIG).read_text()) if (hf_dir / hf.CONFIG).is_file() else {}
     family = original.get("model_type") if original.get("model_type") in hf.FAMILIES else None

@@ -1,0 +1,148 @@
+"""LoRA (Hu et al., 2021): low-rank adapters on the projections, the trainable/frozen partition, merge.
+
+A projection `y = x @ W` gains `(x @ A) @ B * alpha / R`, with A [in..., R] random and B [R, out...]
+zero, so an adapted model starts as exactly its base. Adapters are `nnx.LoRAParam`s added to a built
+model (`add_adapters`) beside the kernel they adapt (`q_lora` beside `q`), with their own RNG stream:
+the base parameters are the same with LoRA on or off, and pretrained ones get fresh adapters.
+The layers add `adapter(x)` where one exists; `merge` folds the adapters into the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxformer import functional as F
+from jaxformer.config import LoRAConfig
+from jaxformer.layers import FeedForward, MultiHeadAttention
+
+Array = jax.Array
+
+# Per module kind: the kernels that may be adapted, with (the kernel's rank, its input axes).
+KERNELS = {
+    MultiHeadAttention: {"q": (3, 1), "k": (3, 1), "v": (3, 1), "o": (3, 2)},  # [D,H,K], [D,G,K], [H,K,D]
+    FeedForward: {"wi": (2, 1), "wi_gate": (2, 1), "wo": (2, 1)},  # [D,F], [F,D]
+}
+FROZEN = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))  # the base: every parameter but the adapters
+
+
+# ----------------------------------------------------------------------------- pure maths
+
+
+def lora_update(x: Array, a: Array, b: Array, scale: float) -> Array:
+    """The adapter's addition to `x @ W` for a kernel W [in..., out...]: (x @ A) @ B * scale.
+
+    x [..., in...] contracts its last `a.ndim - 1` axes with A [in..., R]; B is [R, out...].
+    Two thin matmuls: the [in, out] product A @ B is never formed.
+    """
+    h = jnp.tensordot(x, a.astype(x.dtype), axes=a.ndim - 1)  # [..., R]
+    return jnp.tensordot(h, b.astype(x.dtype), axes=1) * jnp.asarray(scale, x.dtype)  # [..., out...]
+
+
+def lora_kernel(a: Array, b: Array, scale: float) -> Array:
+    """The update A @ B * scale as a kernel [in..., out...] (what `merge` adds to W)."""
+    return jnp.tensordot(a, b, axes=1) * scale
+
+
+# ----------------------------------------------------------------------------- the module
+
+
+class Adapter(nnx.Module):
+    """A [lead..., in..., R] and B [lead..., R, out...] of one kernel; `lead` is the scanned stack's
+    layers axis when there is one. They carry the kernel's logical axis names, so they shard as it does."""
+
+    def __init__(self, kernel: nnx.Param, rank_of_kernel: int, num_in: int, cfg: LoRAConfig, keys: Array):
+        """`keys` [lead...]: one per layer of a scanned stack (a scalar key otherwise)."""
+        shape = kernel.shape
+        names = tuple(kernel.get_metadata().get("out_sharding") or (None,) * len(shape))
+        lead = len(shape) - rank_of_kernel
+        cut = lead + num_in
+        self.scale = cfg.alpha / cfg.rank
+        self.dropout = cfg.dropout
+        fan_in = math.prod(shape[lead:cut])
+        # Kaiming-normal A (gain 1): x @ A keeps the input's scale whatever the rank; B = 0: a no-op start.
+        draw = jax.vmap(lambda k: jax.random.normal(k, (*shape[lead:cut], cfg.rank), jnp.float32))
+        a = draw(keys.reshape(-1)).reshape(*shape[:cut], cfg.rank) * fan_in**-0.5
+        b = jnp.zeros((*shape[:lead], cfg.rank, *shape[cut:]), jnp.float32)
+        self.a = nnx.LoRAParam(a, out_sharding=(*names[:cut], None), eager_sharding=False)
+        self.b = nnx.LoRAParam(b, out_sharding=(*names[:lead], None, *names[cut:]), eager_sharding=False)
+
+    def __call__(self, x: Array, dropout_rng: Array | None = None) -> Array:
+        """The update of `x @ W` (dropout on x while training: `dropout_rng` given)."""
+        x = F.dropout(x, self.dropout, dropout_rng)
+        return lora_update(x, self.a[...], self.b[...], self.scale)
+
+
+def _stack_of(path: tuple) -> str:
+    """encoder, decoder or cross: where a module sits in the Transformer."""
+    if "cross_attn" in path:
+        return "cross"
+    return "encoder" if "encoder" in path else "decoder"
+
+
+def add_adapters(model: nnx.Module, cfg: LoRAConfig) -> nnx.Module:
+    """`model` with an `Adapter` beside each kernel `cfg` targets (in place; nothing when LoRA is off).
+
+    A's keys come from `cfg.seed` and the adapter's place (layer i of a scanned stack draws as the
+    unrolled stack's layer i does), never from the model's stream.
+    """
+    if not cfg.enabled:
+        return model
+    root = jax.random.key(cfg.seed)
+    for path, module in list(nnx.iter_modules(model)):
+        kernels = next((k for kind, k in KERNELS.items() if isinstance(module, kind)), None)
+        if kernels is None or _stack_of(path) not in cfg.stacks:
+            continue
+        for name in cfg.targets:
+            if name in kernels and hasattr(module, name):
+                kernel = getattr(module, name)
+                scanned = kernel.ndim > kernels[name][0]  # a leading layers axis
+                at = path.index("layers") + 1 if scanned else 0
+                places = (
+                    [(*path[:at], i, *path[at:], name) for i in range(kernel.shape[0])] if scanned else [(*path, name)]
+                )
+                keys = jnp.stack([jax.random.fold_in(root, hash_path(p)) for p in places])
+                setattr(module, f"{name}_lora", Adapter(kernel, *kernels[name], cfg, keys))
+    return model
+
+
+def hash_path(path: tuple) -> int:
+    """A stable 31-bit number for a module path (Python's `hash` of strings changes per process)."""
+    import zlib
+
+    return zlib.crc32("/".join(map(str, path)).encode()) & 0x7FFFFFFF
+
+
+def adapters(model: nnx.Module):
+    """(module, kernel name, Adapter) for every adapter in `model`."""
+    for _, module in nnx.iter_modules(model):
+        for kind, kernels in KERNELS.items():
+            if isinstance(module, kind):
+                for name in kernels:
+                    if isinstance(adapter := getattr(module, f"{name}_lora", None), Adapter):
+                        yield module, name, adapter
+
+
+def merge(model: nnx.Module) -> nnx.Module:
+    """`model` with every adapter folded into its kernel (W + A @ B * scale, kept in W's dtype) and
+    removed, in place: a plain model for export and inference, as fast as the base."""
+    for module, name, adapter in list(adapters(model)):
+        kernel = getattr(module, name)
+        a, b = adapter.a[...], adapter.b[...]
+        update = lora_kernel
+        for _ in range(a.ndim + b.ndim - 2 - kernel.ndim):  # vmap over the leading (layers) axes
+            update = jax.vmap(update, in_axes=(0, 0, None))
+        w = kernel[...]
+        kernel[...] = (w.astype(jnp.float32) + update(a, b, adapter.scale)).astype(w.dtype)
+        delattr(module, f"{name}_lora")
+    return model
+
+
+def partition(params: nnx.State, dtype) -> tuple[nnx.State, nnx.State]:
+    """(trainable adapters, frozen base in `dtype`) of a model's parameters: the base is only read,
+    so it is kept in the compute dtype, with no float32 master copy."""
+    trainable, frozen = nnx.split_state(params, nnx.LoRAParam, ...)
+    return trainable, jax.tree.map(lambda x: x.astype(dtype), frozen)
