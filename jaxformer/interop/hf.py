@@ -7,6 +7,8 @@ in `model.safetensors` or in shards listed by `model.safetensors.index.json`:
     model = load_hf("llama/", mesh=mesh)            # each tensor sharded onto the mesh as it is read
     model = load_hf("t5/", scan_layers=True)        # any ModelConfig field can be overridden
     save_hf(model, "out/")                          # config.json + model.safetensors, readable by transformers
+    model = load_hf("gpt2/", adapter="lora/")       # with a PEFT LoRA adapter (GPT-2, Llama)
+    save_peft(model, lora_cfg, "lora/")             # its adapters as a PEFT adapter directory
 
 Each family is a table (`FAMILIES`): how its `config.json` reads as a `ModelConfig` and back, and
 one `Rule` per checkpoint tensor naming the jaxformer parameter(s) it is and how the layout
@@ -433,6 +435,16 @@ FAMILIES = {
     "t5": Family("t5", "", _t5_config, _t5_hf, _t5_rules, ignore=TIED_COPIES),
 }  # fmt: skip
 
+# PEFT LoRA adapters: per family, each hub module peft adapts (as `target_modules` names it) and the
+# jaxformer kernels it holds. A fused module (GPT-2's c_attn = q, k, v) carries one low-rank update of
+# the fused kernel: it reads exactly as q, k and v adapters sharing one A; separate q, k, v adapters
+# write exactly as one of rank n*R (A stacked, B block-diagonal) via peft's rank_pattern.
+PEFT_MODULES = {
+    "gpt2": {"c_attn": ("q", "k", "v"), "attn.c_proj": ("o",), "c_fc": ("wi",), "mlp.c_proj": ("wo",)},
+    "llama": {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "o_proj": ("o",), "gate_proj": ("wi_gate",),
+              "up_proj": ("wi",), "down_proj": ("wo",)},
+}  # fmt: skip
+
 
 # ----------------------------------------------------------------------------- configs
 
@@ -585,7 +597,13 @@ def _stacked_path(path: str) -> tuple[str, int | None]:
     return (f"{match[1]}.{match[3]}", int(match[2])) if match else (path, None)
 
 
-def load_hf(directory: str | pathlib.Path, *, mesh: jax.sharding.Mesh | None = None, **overrides) -> Transformer:
+def load_hf(
+    directory: str | pathlib.Path,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    adapter: str | pathlib.Path | None = None,
+    **overrides,
+) -> Transformer:
     """A Transformer holding the Hugging Face checkpoint in `directory` (parameters float32).
 
     `overrides` replace ModelConfig fields that do not change the weights (`scan_layers`, `dtype`,
@@ -629,7 +647,8 @@ def load_hf(directory: str | pathlib.Path, *, mesh: jax.sharding.Mesh | None = N
         log.warning("%s lacks %s: freshly initialised (a new head to train)", directory, ", ".join(missing))
         filled |= _fresh_params(cfg, missing, placement, mesh)
     params = nnx.from_flat_state([(tuple(_key(k) for k in p.split(".")), flat[p].replace(filled[p])) for p in flat])
-    return nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, params)
+    return model if adapter is None else load_peft(model, adapter, family=family.model_type, mesh=mesh)
 
 
 def _fill(arrays: list[np.ndarray], targets: list, pending: dict, flat: dict, placement: dict) -> dict:
@@ -785,3 +804,238 @@ def _host_param(flat: dict, path: str, cfg: ModelConfig) -> np.ndarray:
         if index is not None:
             return np.asarray(jax.device_get(flat[stacked][...][index]), np.float32)
     return np.asarray(jax.device_get(flat[path][...]), np.float32)
+
+
+# ----------------------------------------------------------------------------- PEFT adapters
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # peft's LoraModel wraps the hub model: its tensors' names start so
+TASK_TYPES = {"decoder_only": "CAUSAL_LM", "encoder_decoder": "SEQ_2_SEQ_LM", "encoder_only": "FEATURE_EXTRACTION"}
+# adapter_config.json fields whose other values jaxformer's LoRA cannot express: (field, values read).
+PEFT_PLAIN = (
+    ("use_dora", (False, None)), ("use_rslora", (False, None)), ("bias", ("none", None)),
+    ("lora_bias", (False, None)), ("rank_pattern", ({}, None)), ("alpha_pattern", ({}, None)),
+    ("modules_to_save", (None, [])), ("layers_to_transform", (None, [])), ("layer_replication", (None,)),
+    ("target_parameters", (None, [])), ("exclude_modules", (None, [])), ("trainable_token_indices", (None,)),
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class PeftModule:
+    """One adaptable hub module of one layer: its full name, its name in target_modules, the rule of its weight."""
+
+    name: str  # "transformer.h.0.attn.c_attn"
+    target: str  # "c_attn"
+    rule: Rule  # ours: the kernels (unrolled paths) it holds
+
+
+def peft_modules(family: str, cfg: ModelConfig) -> list[PeftModule]:
+    """Every module of the model that `PEFT_MODULES` lets a PEFT adapter adapt, layer by layer."""
+    if family not in PEFT_MODULES:
+        raise UnsupportedCheckpoint(
+            f"PEFT adapters for {family} are not supported (jaxformer reads {list(PEFT_MODULES)})"
+        )
+    out = []
+    for rule, _ in _expand(FAMILIES[family].rules(cfg), cfg):
+        if rule.layout not in ("linear", "conv1d") or not rule.theirs.endswith(".weight"):
+            continue
+        name = rule.theirs.removesuffix(".weight")
+        kernels = tuple(o.rsplit(".", 1)[1] for o in rule.ours)
+        for target, ours in PEFT_MODULES[family].items():
+            if (name == target or name.endswith("." + target)) and ours == kernels:
+                out.append(PeftModule(name, target, rule))
+    return out
+
+
+def _targeted(target_modules, name: str) -> bool:
+    """Whether peft's `target_modules` (a list of name suffixes, a regex, or "all-linear") takes module `name`."""
+    if isinstance(target_modules, str):
+        return target_modules == "all-linear" or re.fullmatch(target_modules, name) is not None
+    return any(name == t or name.endswith("." + t) for t in target_modules)
+
+
+def read_peft_config(directory: str | pathlib.Path, family: str, cfg: ModelConfig):
+    """The LoRAConfig of the PEFT adapter in `directory` for a `family` model of `cfg`: rank, alpha,
+    dropout, and the targets and stacks its target_modules adapt. What jaxformer's LoRA cannot
+    express (DoRA, per-module ranks, biases, modules to save, ...) fails with the field named."""
+    from jaxformer import lora
+    from jaxformer.config import LORA_TARGETS, LoRAConfig
+
+    path = pathlib.Path(directory) / ADAPTER_CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: is {directory} a PEFT adapter directory?")
+    try:
+        fields = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UnsupportedCheckpoint(f"{path} is not JSON ({e})") from None
+    if not isinstance(fields, dict) or fields.get("peft_type") != "LORA":
+        kind = fields.get("peft_type") if isinstance(fields, dict) else None
+        raise UnsupportedCheckpoint(f"{path}: peft_type={kind!r}; jaxformer reads LoRA adapters (peft_type='LORA')")
+    for key in ("r", "lora_alpha", "target_modules"):
+        if fields.get(key) is None:
+            raise UnsupportedCheckpoint(f"{path} lacks {key}")
+    for key, allowed in PEFT_PLAIN:
+        if fields.get(key) not in allowed:
+            raise UnsupportedCheckpoint(f"{path}: {key}={fields[key]!r} is not supported (jaxformer reads {allowed})")
+    targets = fields["target_modules"]
+    every = [(rule.theirs.removesuffix(".weight"), rule) for rule, _ in _expand(FAMILIES[family].rules(cfg), cfg)
+             if rule.layout in ("linear", "conv1d") and rule.theirs.endswith(".weight")]  # fmt: skip
+    places = {m.name: m for m in peft_modules(family, cfg)}
+    for name, _ in every:
+        if _targeted(targets, name) and name not in places and not (targets == "all-linear" and name == "lm_head"):
+            adaptable = list(PEFT_MODULES[family])
+            raise UnsupportedCheckpoint(f"{path}: target module {name} has no place in jaxformer's LoRA ({adaptable})")
+    for t in [] if isinstance(targets, str) else targets:
+        if not any(_targeted([t], name) for name, _ in every):
+            raise UnsupportedCheckpoint(f"{path}: target_modules names {t!r}, no module of this {family} model")
+    chosen = [m for m in places.values() if _targeted(targets, m.name)]
+    kernels = {o.rsplit(".", 1)[1] for m in chosen for o in m.rule.ours}
+    stacks = {lora._stack_of(tuple(o.split("."))) for m in chosen for o in m.rule.ours}
+    out = LoRAConfig(
+        rank=int(fields["r"]), alpha=float(fields["lora_alpha"]), dropout=float(fields.get("lora_dropout") or 0.0),
+        targets=tuple(t for t in LORA_TARGETS if t in kernels),
+        stacks=tuple(s for s in ("encoder", "decoder", "cross") if s in stacks),
+    )  # fmt: skip
+    # jaxformer adapts a target in every layer of the chosen stacks: the adapter must too.
+    unadapted = [m.name for m in places.values() if m not in chosen and _adapts(m, out)]
+    if unadapted:
+        raise UnsupportedCheckpoint(
+            f"{path}: target_modules leaves out {unadapted[:4]}, which jaxformer would adapt too"
+        )
+    return out
+
+
+def _adapts(module: PeftModule, lora_cfg) -> bool:
+    from jaxformer import lora
+
+    return any(o.rsplit(".", 1)[1] in lora_cfg.targets and lora._stack_of(tuple(o.split("."))) in lora_cfg.stacks
+               for o in module.rule.ours)  # fmt: skip
+
+
+def load_peft(model: Transformer, directory: str | pathlib.Path, *, family: str, mesh=None) -> Transformer:
+    """`model` (a `family` base) with the PEFT LoRA adapter in `directory` added (in place): its config
+    read by `read_peft_config`, its tensors checked against the base's shapes, the tensor named if not."""
+    from jaxformer import lora
+
+    cfg, directory = model.cfg, pathlib.Path(directory)
+    lora_cfg = read_peft_config(directory, family, cfg)
+    path = directory / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist (a PEFT adapter saved with safe_serialization=True has it)")
+    with _open(path) as f:
+        names = {re.sub(r"\.lora_([AB])\.default\.", r".lora_\1.", n.removeprefix(PEFT_PREFIX)): n for n in f.keys()}  # noqa: SIM118
+    with _rules_in_effect(mesh):
+        lora.add_adapters(model, lora_cfg)
+    state = nnx.state(model, nnx.LoRAParam)
+    flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(state)}
+    arrays, used = {}, set()
+    for module in peft_modules(family, cfg):
+        if not _adapts(module, lora_cfg):
+            continue
+        a, b = (_peft_tensor(path, names, f"{module.name}.lora_{ab}.weight", used) for ab in "AB")
+        ours = module.rule.ours
+        shapes_a = [_param_shape(flat, f"{o}_lora.a", cfg) for o in ours]
+        shapes_b = [_param_shape(flat, f"{o}_lora.b", cfg) for o in ours]
+        want_a = (lora_cfg.rank, math.prod(shapes_a[0][:-1]))
+        want_b = (sum(math.prod(s[1:]) for s in shapes_b), lora_cfg.rank)
+        for tensor, got, want in ((f"{module.name}.lora_A.weight", a.shape, want_a),
+                                  (f"{module.name}.lora_B.weight", b.shape, want_b)):  # fmt: skip
+            if tuple(got) != want:
+                raise UnsupportedCheckpoint(
+                    f"{path}: {PEFT_PREFIX}{tensor} has shape {tuple(got)}, the base's {module.name} wants {want} "
+                    f"(r={lora_cfg.rank}): an adapter for another base model?"
+                )
+        # Every part of a fused module reads the one A; B splits along the fused output features.
+        parts_b = np.split(b.T, len(ours), axis=1)
+        for o, shape_a, shape_b, part_b in zip(ours, shapes_a, shapes_b, parts_b, strict=True):
+            arrays[f"{o}_lora.a"] = a.T.reshape(shape_a)
+            arrays[f"{o}_lora.b"] = part_b.reshape(shape_b)
+    unused = sorted(names[n] for n in names if n not in used)
+    if unused:
+        raise UnsupportedCheckpoint(f"{path}: tensors with no place in the adapted model: {unused[:6]}")
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    values = {}
+    for p, array in arrays.items():
+        stacked, index = _stacked_path(p) if cfg.scan_layers else (p, None)
+        if index is None:
+            values[p] = array
+        else:
+            stacks.setdefault(stacked, {})[index] = array
+    values |= {p: np.stack([layers[i] for i in range(len(layers))]) for p, layers in stacks.items()}
+    updated = []
+    for p, var in flat.items():
+        value = var[...]
+        updated.append((tuple(_key(k) for k in p.split(".")), var.replace(jax.device_put(
+            values[p].astype(np.float32), value.sharding))))  # fmt: skip
+    nnx.update(model, nnx.from_flat_state(updated))
+    return model
+
+
+def _peft_tensor(path: pathlib.Path, names: dict, name: str, used: set) -> np.ndarray:
+    if name not in names:
+        raise UnsupportedCheckpoint(f"{path} lacks {PEFT_PREFIX}{name}")
+    used.add(name)
+    with _open(path) as f:
+        return f.get_tensor(names[name]).astype(np.float32)
+
+
+def save_peft(
+    model: Transformer, lora_cfg, directory: str | pathlib.Path, *, family: str | None = None, base: str | None = None
+) -> pathlib.Path:
+    """Write the LoRA adapters of `model` (made with `lora_cfg`) as a PEFT adapter directory:
+    adapter_config.json and adapter_model.safetensors in peft's naming (A [r, in], B [out, r]),
+    for the hub model `base` (base_model_name_or_path). A fused hub module whose parts hold one
+    shared A is written at rank R; parts with their own A as one adapter of rank n*R, A stacked and
+    B block-diagonal, with peft's rank_pattern and alpha_pattern keeping the scale alpha / R."""
+    from safetensors.numpy import save_file
+
+    cfg = model.cfg
+    family = family or family_of(cfg)
+    flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    has = lambda o: (_stacked_path(f"{o}_lora.a")[0] if cfg.scan_layers else f"{o}_lora.a") in flat
+    tensors, targets, rank_pattern, alpha_pattern = {}, set(), {}, {}
+    R, fan_in_fan_out = lora_cfg.rank, False
+    for module in peft_modules(family, cfg):
+        ours = module.rule.ours
+        adapted = [k for k, o in enumerate(ours) if has(o)]
+        if not adapted:
+            continue
+        targets.add(module.target)
+        fan_in_fan_out |= module.rule.layout == "conv1d"
+        width = [math.prod(_param_shape(flat, o, cfg)[module.rule.inputs :]) for o in ours]  # output features
+        a_parts = {k: _host_param(flat, f"{ours[k]}_lora.a", cfg).reshape(-1, R) for k in adapted}  # [in, R]
+        b_parts = {k: _host_param(flat, f"{ours[k]}_lora.b", cfg).reshape(R, -1) for k in adapted}  # [R, out]
+        if all(np.array_equal(a_parts[adapted[0]], a_parts[k]) for k in adapted):  # one shared A: rank R
+            a = a_parts[adapted[0]]
+            b = np.concatenate([b_parts.get(k, np.zeros((R, w), np.float32)) for k, w in enumerate(width)], axis=1)
+        else:  # A stacked [in, n R], B block-diagonal [n R, out]: the same update, rank n R
+            n = len(adapted)
+            a = np.concatenate([a_parts[k] for k in adapted], axis=1)
+            b = np.zeros((n * R, sum(width)), np.float32)
+            starts = np.cumsum([0, *width])
+            for j, k in enumerate(adapted):
+                b[j * R : (j + 1) * R, starts[k] : starts[k + 1]] = b_parts[k]
+            rank_pattern[module.target] = n * R
+            alpha_pattern[module.target] = _number(n * lora_cfg.alpha)
+        tensors[f"{PEFT_PREFIX}{module.name}.lora_A.weight"] = np.ascontiguousarray(a.T)
+        tensors[f"{PEFT_PREFIX}{module.name}.lora_B.weight"] = np.ascontiguousarray(b.T)
+    if not tensors:
+        raise UnsupportedCheckpoint("the model has no LoRA adapters to write (lora.rank=0?)")
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    fields = dict(
+        peft_type="LORA", task_type=TASK_TYPES[cfg.mode], base_model_name_or_path=base, r=R,
+        lora_alpha=_number(lora_cfg.alpha), lora_dropout=lora_cfg.dropout, target_modules=sorted(targets),
+        fan_in_fan_out=fan_in_fan_out, bias="none", rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
+        use_rslora=False, use_dora=False, init_lora_weights=True, inference_mode=True, modules_to_save=None,
+        layers_to_transform=None, layers_pattern=None, revision=None,
+    )  # fmt: skip
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+    return directory
+
+
+def _number(x: float) -> int | float:
+    """An integral float as an int, as peft writes lora_alpha."""
+    return int(x) if float(x).is_integer() else x
