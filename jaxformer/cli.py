@@ -215,7 +215,7 @@ def cmd_export(args) -> int:
 def cmd_import_hf(args) -> int:
     from jaxformer.interop.hf_workdir import import_hf
 
-    cfg = import_hf(args.dir, args.workdir, args.config, args.set or [])
+    cfg = import_hf(args.dir, args.workdir, args.config, args.set or [], adapter=args.adapter)
     print(
         f"{args.workdir}: step 0 of a {cfg.model.mode} model from {args.dir}, tokenizer and config in "
         f"{args.workdir}/hf\nfine-tune: jaxformer train --workdir {args.workdir} [--set train.steps=N]\n"
@@ -227,7 +227,8 @@ def cmd_import_hf(args) -> int:
 def cmd_export_hf(args) -> int:
     from jaxformer.interop.hf_workdir import export_hf
 
-    print(f"wrote a Hugging Face model directory: {export_hf(args.workdir, args.out)}")
+    out = export_hf(args.workdir, args.out, adapter=args.adapter)
+    print(f"wrote a {'PEFT adapter' if args.adapter else 'Hugging Face model'} directory: {out}")
     return 0
 
 
@@ -347,9 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     imp.add_argument("--workdir", required=True)
     imp.add_argument("--config", help="experiments/NAME.py: data and training settings (default: by the mode)")
     imp.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")
+    imp.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter of this base (GPT-2, Llama): its adapters")
     exh = sub.add_parser("export-hf", help="write a workdir's latest checkpoint as a Hugging Face model directory")
     exh.add_argument("--workdir", required=True)
     exh.add_argument("out", help="the directory to write")
+    exh.add_argument("--adapter", action="store_true", help="the LoRA adapters alone, as a PEFT adapter directory")
     for name, what, help_text, example in (
         ("generate", "prompt", "continue prompts with a decoder_only model (settings: --set decode.FIELD=...); a "
          "model trained on instruction data (data.template) answers them: each prompt is written in that template "

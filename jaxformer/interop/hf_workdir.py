@@ -4,6 +4,8 @@
     jaxformer train --workdir W --set train.steps=...        # fine-tune it
     jaxformer generate --workdir W --prompt "..."            # or eval, translate
     jaxformer export-hf --workdir W OUT                      # a Hugging Face directory again
+    jaxformer import-hf DIR --workdir W --adapter LORA       # the base with a PEFT LoRA adapter
+    jaxformer export-hf --workdir W OUT --adapter            # the adapters alone, as a PEFT adapter
 
 `import-hf` writes W/config.json (the checkpoint's model; data, training and decoding from the
 experiment, with the checkpoint's own tokenizer: `data.tokenizer="hf"`), W/hf/ (the directory's
@@ -44,8 +46,9 @@ def _files_beside_weights(directory: pathlib.Path) -> list[pathlib.Path]:
     ]
 
 
-def import_hf(source, workdir, experiment: str | None = None, overrides: list[str] = ()) -> Config:
-    """Make `workdir` a training workdir at step 0 holding the checkpoint in `source`; returns its Config."""
+def import_hf(source, workdir, experiment: str | None = None, overrides: list[str] = (), adapter=None) -> Config:
+    """Make `workdir` a training workdir at step 0 holding the checkpoint in `source` (with the PEFT
+    LoRA adapter in `adapter`: the lora section is the adapter's); returns its Config."""
     from jaxformer import lora, sharding
     from jaxformer.checkpoint import start_workdir
     from jaxformer.state import start_state, state_factory
@@ -63,20 +66,31 @@ def import_hf(source, workdir, experiment: str | None = None, overrides: list[st
     data = dataclasses.replace(
         base.data, tokenizer="hf", max_len=min(base.data.max_len, imported.max_len), src_max_len=src_max_len
     )
-    cfg = apply_overrides(dataclasses.replace(base, model=imported.replace(**runtime), data=data), list(overrides))
+    cfg = dataclasses.replace(base, model=imported.replace(**runtime), data=data)
+    if adapter is not None:  # the adapter's rank, alpha, targets; the experiment's seed
+        peft = hf.read_peft_config(adapter, theirs["model_type"], imported)
+        cfg = dataclasses.replace(cfg, lora=dataclasses.replace(peft, seed=base.lora.seed))
+    cfg = apply_overrides(cfg, list(overrides))
+    if adapter is not None:
+        _same_lora(cfg.lora, peft, adapter)
     if (workdir / "checkpoints").is_dir() and any((workdir / "checkpoints").iterdir()):
         raise ConfigError(f"{workdir} already holds checkpoints: import into a new workdir")
     hf.SafetensorsReader(source)  # the weights are there (headers read) before anything is written
     # Fields the overrides changed (a new head, say) load as overrides: what the checkpoint lacks is initialised.
     changed = {k: v for k, v in dataclasses.asdict(cfg.model).items() if v != getattr(imported, k)}
 
-    hf_dir = workdir / HF_DIR
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    for f in _files_beside_weights(source):
-        shutil.copyfile(f, hf_dir / f.name)
     mesh = sharding.make_mesh(cfg.mesh)
     with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
-        model = lora.add_adapters(hf.load_hf(source, mesh=mesh, **changed), cfg.lora)  # LoRA: fresh adapters
+        if adapter is not None:  # loaded before anything is written: an adapter that does not fit writes nothing
+            model = hf.load_hf(source, mesh=mesh, adapter=adapter, **changed)
+        else:
+            model = lora.add_adapters(hf.load_hf(source, mesh=mesh, **changed), cfg.lora)  # LoRA: fresh adapters
+        hf_dir = workdir / HF_DIR
+        hf_dir.mkdir(parents=True, exist_ok=True)
+        for f in _files_beside_weights(source):
+            shutil.copyfile(f, hf_dir / f.name)
+        if adapter is not None:  # its base_model_name_or_path, for export-hf --adapter
+            shutil.copyfile(pathlib.Path(adapter) / hf.ADAPTER_CONFIG, hf_dir / hf.ADAPTER_CONFIG)
         _, create, optimizer = state_factory(cfg)
         shardings = sharding.state_shardings(jax.eval_shape(create), mesh)
         state = jax.jit(lambda p: start_state(cfg, p, optimizer), out_shardings=shardings)(nnx.state(model, nnx.Param))
@@ -85,9 +99,20 @@ def import_hf(source, workdir, experiment: str | None = None, overrides: list[st
     return cfg
 
 
-def export_hf(workdir, out) -> pathlib.Path:
+def _same_lora(ours, peft, adapter) -> None:
+    """The run's lora section builds the adapter's adapters (overrides may change dropout and seed only)."""
+    for field in ("rank", "alpha", "targets", "stacks"):
+        if getattr(ours, field) != getattr(peft, field):
+            raise ConfigError(
+                f"lora.{field}={getattr(ours, field)!r}: the adapter in {adapter} has {getattr(peft, field)!r} "
+                "(--adapter sets the lora section; leave it out of --set)"
+            )
+
+
+def export_hf(workdir, out, adapter: bool = False) -> pathlib.Path:
     """The latest checkpoint of `workdir` as a Hugging Face directory `out`: weights and config.json
-    (with the imported config's other fields, such as special token ids, kept), and the tokenizer."""
+    (with the imported config's other fields, such as special token ids, kept), and the tokenizer.
+    `adapter`: the LoRA adapters alone, as a PEFT adapter directory (and the tokenizer)."""
     from jaxformer import lora
     from jaxformer.checkpoint import restore_workdir
 
@@ -96,16 +121,37 @@ def export_hf(workdir, out) -> pathlib.Path:
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} does not exist: is {workdir} a training workdir?")
     cfg = read_config(config_file)
+    if adapter and not cfg.lora.enabled:
+        raise ConfigError(
+            f"--adapter: {workdir} has no LoRA adapters (lora.rank=0); export-hf without --adapter writes its weights"
+        )
     graphdef, state, _ = restore_workdir(cfg, workdir)
-    model = lora.merge(nnx.merge(graphdef, state.weights))  # LoRA: the adapters folded into the weights
     hf_dir = workdir / HF_DIR
     original = json.loads((hf_dir / hf.CONFIG).read_text()) if (hf_dir / hf.CONFIG).is_file() else {}
     family = original.get("model_type") if original.get("model_type") in hf.FAMILIES else None
+    if adapter:
+        return _export_adapter(nnx.merge(graphdef, state.weights), cfg, family, hf_dir, out)
+    model = lora.merge(nnx.merge(graphdef, state.weights))  # LoRA: the adapters folded into the weights
     ours = hf.config_to_hf(cfg.model, family)  # raises, naming the fields, if no family expresses the model
     extra = {k: v for k, v in original.items() if k not in ours and k not in ("torch_dtype", "dtype")}
     hf.save_hf(model, out, family=family, extra_config=extra)
     if hf_dir.is_dir():
         for f in _files_beside_weights(hf_dir):
-            if f.name != hf.CONFIG:
+            if f.name not in (hf.CONFIG, hf.ADAPTER_CONFIG):
+                shutil.copyfile(f, out / f.name)
+    return out
+
+
+def _export_adapter(model, cfg: Config, family: str | None, hf_dir: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """The model's adapters as a PEFT adapter directory, for the base named by the imported adapter's
+    base_model_name_or_path (or the imported config's _name_or_path), with the tokenizer."""
+    imported = hf_dir / hf.ADAPTER_CONFIG
+    base = json.loads(imported.read_text()).get("base_model_name_or_path") if imported.is_file() else None
+    if base is None and (hf_dir / hf.CONFIG).is_file():
+        base = json.loads((hf_dir / hf.CONFIG).read_text()).get("_name_or_path") or None
+    hf.save_peft(model, cfg.lora, out, family=family, base=base)
+    if hf_dir.is_dir():
+        for f in _files_beside_weights(hf_dir):
+            if f.name not in (hf.CONFIG, hf.ADAPTER_CONFIG, "generation_config.json"):
                 shutil.copyfile(f, out / f.name)
     return out
