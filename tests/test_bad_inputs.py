@@ -94,7 +94,30 @@ def places(tmp_path_factory):
         for file, text in (content or {}).items():
             (directory / file).write_bytes(text if isinstance(text, bytes) else text.encode())
     (root / "a_file").write_text("not a directory\n")
-    return {**{k: str(v) for k, v in paths.items()}, "tmp": str(root), **{k: str(root / k) for k in files}}
+    peft = _peft_adapters(root)
+    return {**{k: str(v) for k, v in paths.items()}, "tmp": str(root), **{k: str(root / k) for k in files}, **peft}
+
+
+def _peft_adapters(root):
+    """PEFT adapter directories beside the golden GPT-2 base: one for a wider base, and bad configs."""
+    from safetensors.numpy import load_file, save_file
+
+    golden = pathlib.Path(__file__).parent / "golden" / "peft" / "gpt2"
+    good = json.loads((golden / "adapter" / "adapter_config.json").read_text())
+    tensors = load_file(golden / "adapter" / "adapter_model.safetensors")
+    wider = {n: np.zeros([2 * d if d != good["r"] else d for d in t.shape], np.float32) for n, t in tensors.items()}
+    configs = {
+        "peft_other_base": good,
+        "peft_not_lora": good | {"peft_type": "PREFIX_TUNING"},
+        "peft_no_r": {k: v for k, v in good.items() if k != "r"},
+        "peft_dora": good | {"use_dora": True},
+        "peft_lm_head": good | {"target_modules": ["c_attn", "lm_head"]},
+    }
+    for name, config in configs.items():
+        (root / name).mkdir()
+        (root / name / "adapter_config.json").write_text(json.dumps(config))
+        save_file(wider if name == "peft_other_base" else tensors, root / name / "adapter_model.safetensors")
+    return {"peft_base": str(golden / "base"), **{name: str(root / name) for name in configs}}
 
 
 GOOD_PAIR = '{"prompt": "Reverse: ab", "response": "ba"}\n'
@@ -377,6 +400,28 @@ CLI_CASES = [
         r"\S+no_weights holds neither model\.safetensors nor model\.safetensors\.index\.json",
     ),
     cli_case("import-hf {garbage} --workdir {tmp}/never", r"\S+config\.json is not JSON \(Expecting property name"),
+    cli_case(
+        "import-hf {peft_base} --workdir {tmp}/never --adapter {peft_other_base}",
+        r"\S+adapter_model\.safetensors: base_model\.model\.transformer\.h\.0\.attn\.c_attn\.lora_A\.weight has shape "
+        r"\(4, 32\), the base's \S+ wants \(4, 16\) \(r=4\): an adapter for another base model\?",
+    ),
+    cli_case(
+        "import-hf {peft_base} --workdir {tmp}/never --adapter {peft_not_lora}",
+        r"\S+adapter_config\.json: peft_type='PREFIX_TUNING'; jaxformer reads LoRA adapters",
+    ),
+    cli_case("import-hf {peft_base} --workdir {tmp}/never --adapter {peft_no_r}", r"\S+adapter_config\.json lacks r$"),
+    cli_case(
+        "import-hf {peft_base} --workdir {tmp}/never --adapter {peft_dora}",
+        r"\S+adapter_config\.json: use_dora=True is not supported",
+    ),
+    cli_case(
+        "import-hf {peft_base} --workdir {tmp}/never --adapter {peft_lm_head}",
+        r"\S+adapter_config\.json: target_modules names 'lm_head', no module of this gpt2 model",
+    ),
+    cli_case(
+        "import-hf {peft_base} --workdir {tmp}/never --adapter {tmp}/nowhere", r"\S+adapter_config\.json does not"
+    ),
+    cli_case("export-hf --workdir {lm} {tmp}/out --adapter", r"--adapter: \S+ has no LoRA adapters \(lora\.rank=0\)"),
     cli_case(
         "generate --hf {damaged_weights} --prompt hi",
         r"\S+damaged_weights/model\.safetensors: not a readable safetensors file \(",
