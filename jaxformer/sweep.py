@@ -428,7 +428,7 @@ def work(sweep: Sweep, base: Config, workdir: pathlib.Path, url: str, name: str,
     import optuna
 
     from jaxformer.observe import curve, read_metrics
-    from jaxformer.train import fit
+    from jaxformer.train import fit, param_count
 
     storage = _storage(url, sweep)
     study = open_study(sweep, name, url, worker=(worker, os.getpid()) if shared else (worker,), storage=storage)
@@ -471,7 +471,12 @@ def work(sweep: Sweep, base: Config, workdir: pathlib.Path, url: str, name: str,
         if result["stopped"]:
             print(f"{tag}trial {trial.number}: pruned ({sweep.metric} {value:.4g})", flush=True)
             return optuna.trial.TrialState.PRUNED, None
-        print(f"{tag}trial {trial.number}: {sweep.metric} {value:.4g}", flush=True)
+        # Training's own "parameters:" line, which a quiet trial does not print: a LoRA rank tells here.
+        counted = ""
+        if (state := result.get("state")) is not None:
+            trained, total = param_count(state.params), param_count(state.weights)
+            counted = f"; parameters: {trained:,} trained of {total:,} ({trained / total:.4%})"
+        print(f"{tag}trial {trial.number}: {sweep.metric} {value:.4g}{counted}", flush=True)
         return optuna.trial.TrialState.COMPLETE, value
 
     waiting_said = False

@@ -5,6 +5,8 @@ and decoding speed with and without the KV cache.
     python scripts/benchmark.py --d-model 1024 --layers 12 --batch 64 --seq 1024 --dtype bfloat16   # accelerator
     python scripts/benchmark.py --decode              # greedy and beam 4, batch 1 and 8, 64/256/1024 tokens
     python scripts/benchmark.py --compare             # side by side with Hugging Face Flax and PyTorch (bench extra)
+    python scripts/benchmark.py --lora 16 --modes decoder_only --d-model 512 --heads 8 --layers 6 --seq 256 --batch 8
+                                                      # full fine-tuning vs LoRA rank 16 on q,k,v,o, interleaved
     python scripts/benchmark.py --matmul-floor --vocab 8192 --modes decoder_only   # the step's products timed alone
     python scripts/benchmark.py --gpt2-vs-torch --d-model 2048 --heads 16 --layers 24 --vocab 50304 --seq 1024 \
         --attention auto --batches 8,16    # the 1.3B GPT-2 shape beside torch.compile (scripts/gpu_check.sh)
@@ -130,6 +132,56 @@ def checkpoint_overhead(args, rounds: int = 6, steps: int = 5) -> None:
     print(
         f"checkpoint ({params_mb:.1f} MB of state): step {1e3 * plain:.1f} ms without a save, "
         f"{1e3 * saving:.1f} ms per step over {steps} steps after starting one: overhead {saving / plain - 1:+.1%}"
+    )
+
+
+def lora_vs_full(args) -> None:
+    """The same model trained in full and with LoRA (rank `--lora` on `--lora-targets`), AdamW, in one
+    process, interleaved rounds: step time of each and their ratio, the trained parameters and the
+    optimizer state's bytes, and the compiled steps' FLOPs and XLA memory: a LoRA step that still
+    took the base's gradients would show the full step's FLOPs."""
+    from jaxformer.train import param_count
+
+    mode = args.modes.split(",")[0]
+    objective = OBJECTIVE[mode]
+    nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
+    lora = C.LoRAConfig(rank=args.lora, targets=tuple(args.lora_targets.split(",")))
+    runs = {"full": C.LoRAConfig(), f"lora r={args.lora}": lora}
+    steps, states, info = {}, {}, {}
+    for name, lora_cfg in runs.items():
+        cfg = C.Config(
+            model=model_config(mode, args, dropout_rate=args.dropout, **PEER_ARCH[mode]),  # GPT-2, BART, BERT
+            train=C.TrainConfig(objective=objective, batch_size=args.batch, optimizer="adamw"),
+            data=C.DataConfig(max_len=args.seq),
+            lora=lora_cfg,
+        )
+        graphdef, state, optimizer = init_state(cfg)
+        batch = jax.device_put(synthetic_batch(objective, args.batch, args.seq, args.vocab))
+        step = jax.jit(make_steps(graphdef, cfg, optimizer)[0], donate_argnums=0)
+        compiled, _, memory_mb = _compiled(step, state, batch)
+        cost = compiled.cost_analysis() or {}
+        cost = cost[0] if isinstance(cost, list) else cost
+        temp_mb = compiled.memory_analysis().temp_size_in_bytes / 2**20
+        trained, total = param_count(state.params), param_count(state.weights)
+        info[name] = (trained, total, nbytes(state.opt_state), cost.get("flops", float("nan")), memory_mb, temp_mb)
+        steps[name], states[name] = compiled, state
+    print(
+        f"lora vs full: {mode} D={args.d_model} H={args.heads} L={args.layers} V={args.vocab} T={args.seq} "
+        f"B={args.batch} {args.dtype} AdamW dropout {args.dropout}; LoRA rank {args.lora} on {args.lora_targets}; "
+        f"median of {args.rounds} interleaved rounds of {args.steps} steps"
+    )
+    print(f"{'run':10s} {'step ms':>8s} {'trained':>20s} {'opt state MB':>12s} {'GFLOP/step':>10s} "
+          f"{'memory MB':>9s} {'temp MB':>8s}")  # fmt: skip
+    _timed_rounds(steps, states, batch, 1, 2)  # warm-up
+    step_s = _timed_rounds(steps, states, batch, args.rounds, args.steps)
+    for name, (trained, total, opt_bytes, flops, memory_mb, temp_mb) in info.items():
+        share = f"{trained / 1e6:.2f}M ({trained / total:.2%})"
+        print(f"{name:10s} {1e3 * step_s[name]:8.1f} {share:>20s} {opt_bytes / 2**20:12.1f} {flops / 1e9:10.1f} "
+              f"{memory_mb:9.1f} {temp_mb:8.1f}")  # fmt: skip
+    full, low = info["full"], info[f"lora r={args.lora}"]
+    print(
+        f"lora / full: step time {step_s[f'lora r={args.lora}'] / step_s['full']:.2f}x, "
+        f"FLOPs {low[3] / full[3]:.2f}x, optimizer state {low[2] / full[2]:.4f}x, memory {low[4] / full[4]:.2f}x"
     )
 
 
@@ -464,7 +516,9 @@ def main() -> None:
     p.add_argument("--stacks", default="unrolled,scanned", help="gpt2-vs-torch: unrolled / scanned[:REMAT], ...")
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True, help="gpt2-vs-torch: run torch")
     p.add_argument("--gpt2-step", help=argparse.SUPPRESS)  # one of gpt2-vs-torch's runs, in its own process
-    p.add_argument("--rounds", type=int, default=3, help="compare: interleaved rounds")
+    p.add_argument("--lora", type=int, default=0, help="full fine-tuning vs LoRA of this rank, interleaved")
+    p.add_argument("--lora-targets", default="q,k,v,o", help="lora: the adapted projections")
+    p.add_argument("--rounds", type=int, default=3, help="compare, lora: interleaved rounds")
     p.add_argument("--dropout", type=float, default=0.1, help="compare: residual/embedding dropout")
     args = p.parse_args()
     tpu.compile_only_without_chips()  # with the tpu extra on a machine without chips: no libtpu errors
@@ -473,6 +527,9 @@ def main() -> None:
         return
     if args.decode:
         decode_speed(args)
+        return
+    if args.lora:
+        lora_vs_full(args)
         return
     if args.gpt2_step:
         print(json.dumps(gpt2_step(**json.loads(args.gpt2_step))))

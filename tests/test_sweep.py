@@ -423,3 +423,50 @@ def test_workers_sharing_a_sqlite_sweep_never_take_the_same_trial(tmp_path):
         t.join()
     assert len(taken) == len(set(taken)) == 60
     assert {t.state for t in study.get_trials(deepcopy=False)} == {optuna.trial.TrialState.RUNNING}
+
+
+LORA_SWEEP = """
+from jaxformer.sweep import Choice, Range, Sweep
+
+def get_sweep():
+    return Sweep(
+        base={base!r},
+        space={space},
+        fixed={{"lora.targets": ("q", "k", "v", "o"), "train.steps": 10, "train.eval_every": 10,
+               "train.log_every": 10, "train.batch_size": 16, "train.num_samples": 0, "train.eval_batches": 1,
+               "model.d_model": 32, "model.num_encoder_layers": 1, "model.num_decoder_layers": 1,
+               "checkpoint.every": 10, "train.peak_flops": 1e11}},
+        strategy={strategy!r}, trials=2, metric="loss", prune=False,
+    )
+"""
+
+
+def test_a_sweep_over_the_lora_rank_runs_each_trial_with_its_own_adapters(tmp_path, capsys):
+    """LoRA is config like any other: its rank is searched (with a learning rate), each trial trains
+    adapters of its rank alone and says how many parameters it trains."""
+    from jaxformer.sweep import Choice, Range
+
+    base_file = str(REPO / "experiments/copy_task.py")
+    searched = '{"lora.rank": Choice(2, 4), "train.learning_rate": Range(1e-3, 1e-2, log=True)}'
+    file = tmp_path / "lora_and_lr.py"
+    file.write_text(LORA_SWEEP.format(base=base_file, space=searched, strategy="tpe"))
+    sweep, base = load(file)
+    assert sweep.space == {"lora.rank": Choice(2, 4), "train.learning_rate": Range(1e-3, 1e-2, log=True)}
+    assert base.lora.targets == ("q", "k", "v", "o")
+
+    file = tmp_path / "lora.py"  # each rank once: a grid
+    file.write_text(LORA_SWEEP.format(base=base_file, space='{"lora.rank": Choice(2, 4)}', strategy="grid"))
+
+    assert cli.main(["sweep", str(file), "--workdir", str(tmp_path / "sweep"), "--trials", "2"]) == 0
+    out = capsys.readouterr().out
+    table = rows(tmp_path / "sweep")
+    assert sorted(int(r["lora.rank"]) for r in table) == [2, 4] and {r["state"] for r in table} == {"COMPLETE"}
+    trained = {}
+    for r in table:
+        line = re.search(rf"trial {r['trial']}: loss \S+; parameters: ([\d,]+) trained of ([\d,]+) ", out)
+        assert line, out
+        trained[int(r["lora.rank"])], total = (int(n.replace(",", "")) for n in line.groups())
+        assert trained[int(r["lora.rank"])] < total / 2
+        config = json.loads((tmp_path / "sweep" / r["workdir"] / "config.json").read_text())
+        assert config["lora"]["rank"] == int(r["lora.rank"])
+    assert trained[4] == 2 * trained[2]  # adapters' size is linear in the rank

@@ -1,0 +1,87 @@
+"""The README's LoRA walk-through, command for command: a (tiny) GPT-2 directory -> `import-hf` with
+LoRA and the user's instruction JSONL in a template -> `train` -> `generate` -> `export-hf`.
+
+The pretrained model is a random tiny GPT-2 written by `save_hf` with a byte-level BPE
+`tokenizer.json`, as in test_interop_hf.py; the instruction file is written here.
+"""
+
+import json
+import random
+import string
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxformer as jf
+from jaxformer import cli
+from jaxformer.checkpoint import restore_workdir
+from jaxformer.config import from_dict
+from jaxformer.interop import hf
+
+pytest.importorskip("tokenizers", reason="the walk-through reads the checkpoint's tokenizer.json")
+from test_interop_hf import bpe_tokenizer, randomized
+
+
+def instruction_records(n: int, seed: int = 0) -> list[dict]:
+    """String tasks a small model learns in a few dozen steps: upper-case a word, or repeat it."""
+    rng = random.Random(seed)
+    records = []
+    for _ in range(n):
+        word = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 6)))
+        task = rng.choice(("Upper", "Repeat"))
+        records.append({"prompt": f"{task}: {word}", "response": word.upper() if task == "Upper" else word})
+    return records
+
+
+def eval_loss(workdir, capsys) -> float:
+    """`jaxformer eval` of the workdir's latest checkpoint: the held-out loss (response tokens only)."""
+    capsys.readouterr()
+    assert cli.main(["eval", "--workdir", str(workdir)]) == 0
+    saved = capsys.readouterr().out.rsplit("saved to ", 1)[1].strip()
+    return json.loads(open(saved).read())["report"]["test_loss"]
+
+
+def test_import_hf_lora_instruction_fine_tune_generate_export_hf(tmp_path, capsys):
+    source, workdir, out = tmp_path / "gpt2", tmp_path / "runs" / "gpt2_lora", tmp_path / "gpt2_lora"
+    cfg = jf.gpt2_small(vocab_size=300, d_model=32, num_heads=2, d_ff=64, max_len=64, num_decoder_layers=2)
+    hf.save_hf(randomized(cfg), source, extra_config={"bos_token_id": 0, "eos_token_id": 0})
+    bpe_tokenizer().save(str(source / "tokenizer.json"))
+    data = tmp_path / "my_instructions.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in instruction_records(400)))
+
+    # The README's commands, with tiny training settings.
+    settings = [
+        "data.source=files", f"data.files={data}", "data.format=jsonl", "data.template=alpaca", "data.max_len=63",
+        "lora.rank=8", "lora.targets=q,k,v,o", "train.learning_rate=1e-2", "train.warmup_steps=5",
+        "train.steps=50", "train.batch_size=16", "train.eval_every=50", "train.eval_batches=2",
+        "train.log_every=25", "train.num_samples=0", "checkpoint.every=50",
+    ]  # fmt: skip
+    sets = [a for s in settings for a in ("--set", s)]
+    assert cli.main(["import-hf", str(source), "--workdir", str(workdir), *sets]) == 0
+    run_cfg = from_dict(json.loads((workdir / "config.json").read_text()))
+    assert run_cfg.lora.rank == 8 and run_cfg.data.template == "alpaca" and run_cfg.data.tokenizer == "hf"
+    before = eval_loss(workdir, capsys)
+    assert before > 0, "the held-out split scores no response token (a window too short for the template?)"
+
+    assert cli.main(["train", "--workdir", str(workdir)]) == 0
+    log = capsys.readouterr().out
+    assert "parameters: " in log and " trained of " in log
+    after = eval_loss(workdir, capsys)
+    assert after < before, f"held-out response loss {before:.3f} at step 0, {after:.3f} after 50 LoRA steps"
+
+    prompt = ["--prompt", "Upper: cat", "--set", "decode.strategy=greedy", "--set", "decode.max_new_tokens=8"]
+    assert cli.main(["generate", "--workdir", str(workdir), *prompt]) == 0
+    answer = capsys.readouterr().out.split("Upper: cat\n=> ", 1)[1]
+    assert answer.strip() != ""
+
+    assert cli.main(["export-hf", "--workdir", str(workdir), str(out)]) == 0
+    graphdef, state, _ = restore_workdir(run_cfg, workdir)
+    assert int(state.step) == 50
+    merged = jf.lora.merge(nnx.merge(graphdef, state.weights))
+    x = jnp.asarray(np.random.default_rng(0).integers(0, 300, (2, 12)), jnp.int32)
+    exported = hf.load_hf(out)
+    assert not any(True for _ in jf.lora.adapters(exported))  # a plain model: the adapters folded in
+    np.testing.assert_allclose(exported(x), merged(x), atol=1e-5, rtol=1e-5)
+    assert not np.allclose(exported(x), hf.load_hf(source)(x))
