@@ -8,7 +8,9 @@ file lowers its held-out response loss.
 import dataclasses
 import json
 import pathlib
+import re
 import typing
+import warnings
 
 import jax
 import numpy as np
@@ -17,7 +19,7 @@ from flax import nnx
 
 from jaxformer import cli
 from jaxformer import config as C
-from jaxformer.data import build_dataset, templates
+from jaxformer.data import DataError, build_dataset, templates
 from jaxformer.data.sources import CORPORA
 from jaxformer.data.tokenizers import ByteTokenizer
 from jaxformer.models import Transformer
@@ -180,3 +182,24 @@ def test_seq2seq_reads_the_prompt_as_source_and_the_response_as_target(tmp_path)
     tgt = tok.decode(batch["targets"][0][batch["weights"][0] > 0][:-1])
     assert src.startswith("### Instruction:\n") and src.endswith("### Response:\n")
     assert tgt and "###" not in tgt and pathlib.Path(TASKS).read_text().count(json.dumps(tgt)) >= 1
+
+
+def test_examples_whose_prompts_fill_the_window_are_not_dropped_in_silence(tmp_path):
+    """Cut to max_len + 1 tokens, an example whose templated prompt alone fills them scores nothing:
+    all such (held-out loss read 0.0, perplexity NaN) is an error, some a warning counting them."""
+    records = [{"prompt": "x" * (50 if i % 4 else 5), "response": "ok"} for i in range(400)]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = cfg_for("alpaca", pack=False, max_len=48)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, files=(str(path),)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_dataset(cfg, tmp_path / "some")
+    said = [str(w.message) for w in caught]
+    for split in ("train", "validation", "test"):  # each split counts its own
+        assert any(re.search(rf"\d+ of \d+ {split} examples keep no response token within data.max_len=48", s)
+                   for s in said), said  # fmt: skip
+    records = [{"prompt": "x" * 50, "response": "ok"} for _ in range(400)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(DataError, match=r"no train example keeps a response token within data.max_len=48"):
+        build_dataset(cfg, tmp_path / "all")

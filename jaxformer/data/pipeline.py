@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import warnings
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -444,6 +445,7 @@ def build_dataset(
         if completions(cfg):
             prompt, response = (Documents(*prepared.documents(split, f)) for f in ("prompt", "response"))
             answers = Completions(prompt, response, d.max_len, tok.pad_id)
+            _check_answered(prompt, d.max_len, split, where)
             return Packed(answers, t.batch_size) if pack else answers
         if t.objective in ("lm", "mlm"):
             docs = Documents(*prepared.documents(split, "text"))
@@ -466,6 +468,25 @@ def build_dataset(
         bucketed = buckets if not (d.pack and name == "train") else ()
         splits.append(Batches(ex, t.batch_size, seed, transform=transform, buckets=bucketed))
     return Dataset(tok, *splits, *prepared.samples(), prepared.label_names)
+
+
+def _check_answered(prompt: Documents, T: int, split: str, where: str) -> None:
+    """An instruction example is cut to T + 1 tokens from its end: one whose prompt alone fills them
+    keeps no response token and adds nothing to the loss. None answered is an error (its loss would
+    read 0.0); some, a warning saying how many."""
+    lengths = prompt.lengths(np.arange(len(prompt)))
+    cut = int((lengths > T).sum())
+    if cut == len(lengths) and cut:
+        raise DataError(
+            f"{where}: no {split} example keeps a response token within data.max_len={T}: every prompt fills "
+            f"it (the shortest takes {int(lengths.min())} tokens); raise data.max_len"
+        )
+    if cut:
+        warnings.warn(
+            f"{where}: {cut} of {len(lengths)} {split} examples keep no response token within data.max_len={T} "
+            f"(their prompts fill it) and add nothing to the loss; raise data.max_len to keep them",
+            stacklevel=2,
+        )
 
 
 def bucket_widths(widths: tuple[int, ...], n: int) -> tuple[tuple[int, ...], ...]:
