@@ -67,14 +67,20 @@ def write_failure(error: BaseException | None) -> int | None:
 class _ReportedByTheWait(logging.Filter):
     """orbax logs a failed write, traceback and all, from each thread it passes through, and asyncio
     the same error again for each of orbax's gathered writes it collects (hundreds of lines in all);
-    `Checkpointer` reports it once, in one line, when the save's wait raises it."""
+    `Checkpointer` reports it once, in one line, when the save's wait raises it. A failed restore's
+    abandoned reads end the same way, as asyncio's "exception was never retrieved" (whether they do
+    depends on when the garbage collector finds them); the restore has already fallen back or said
+    why. Dropped: those records alone (a tensorstore or orbax error), every other passes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        if write_failure(error) is None:
+        if error is None:
             return True
         frames = [record.pathname] + [f.f_code.co_filename for f, _ in traceback.walk_tb(error.__traceback__)]
-        return not any(f"{os.sep}orbax{os.sep}" in path for path in frames)
+        from_orbax = any(f"{os.sep}orbax{os.sep}" in path for path in frames)
+        if record.name == "asyncio" and "exception was never retrieved" in record.getMessage():
+            return not (from_orbax or write_failure(error) is not None or "tensorstore_spec" in str(error))
+        return write_failure(error) is None or not from_orbax
 
 
 logging.getLogger("absl").addFilter(_ReadOnlyIsExpected())  # orbax logs through absl's logger

@@ -38,3 +38,21 @@ def test_the_closed_loop_messages_are_quiet_from_the_first_read_or_write(tmp_pat
         monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
         Checkpointer(tmp_path, cfg, read_only=read_only).close()
         assert getattr(sys.unraisablehook, "quiets_abandoned_io", False), f"read_only={read_only}"
+
+
+def test_abandoned_orbax_io_is_not_logged_by_asyncio_and_other_errors_are(caplog):
+    """asyncio's "exception was never retrieved" for the writes a failed save abandoned (tensorstore's
+    ValueError, no Python frame) and the reads a failed restore abandoned is dropped, whenever the
+    garbage collector finds them; an unrelated task's failure is still logged."""
+    import logging
+
+    import jaxformer.checkpoint  # noqa: F401  (installs the filter)
+
+    write = ValueError("RESOURCE_EXHAUSTED: Failed to write 873218 bytes: No space left on device [os_error_code='28']")
+    read = ValueError('OUT_OF_RANGE: Error opening "zarr" driver [tensorstore_spec=\'{"driver":"zarr"}\']')
+    other = RuntimeError("a task of the user's own")
+    logger = logging.getLogger("asyncio")
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        for what, error in (("Future", write), ("Task", read), ("Task", other)):
+            logger.error(f"{what} exception was never retrieved\nfuture: <{what} finished>", exc_info=error)
+    assert [r.exc_info[1] for r in caplog.records] == [other]
