@@ -449,15 +449,20 @@ PEFT_MODULES = {
 # ----------------------------------------------------------------------------- configs
 
 
-def read_hf_config(directory: str | pathlib.Path) -> dict:
-    """The directory's config.json, checked to name a family jaxformer reads."""
-    path = pathlib.Path(directory) / CONFIG
+def _read_json(directory: str | pathlib.Path, name: str, what: str) -> tuple[pathlib.Path, object]:
+    """(path, contents) of the JSON file `name` in `directory` (`what` the directory should be)."""
+    path = pathlib.Path(directory) / name
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: is {directory} a Hugging Face model directory?")
+        raise FileNotFoundError(f"{path} does not exist: is {directory} {what}?")
     try:
-        hf = json.loads(path.read_bytes())
+        return path, json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UnsupportedCheckpoint(f"{path} is not JSON ({e})") from None
+
+
+def read_hf_config(directory: str | pathlib.Path) -> dict:
+    """The directory's config.json, checked to name a family jaxformer reads."""
+    path, hf = _read_json(directory, CONFIG, "a Hugging Face model directory")
     family = hf.get("model_type") if isinstance(hf, dict) else None
     if family not in FAMILIES:
         supported = sorted(FAMILIES)
@@ -862,13 +867,7 @@ def read_peft_config(directory: str | pathlib.Path, family: str, cfg: ModelConfi
     from jaxformer import lora
     from jaxformer.config import LORA_TARGETS, LoRAConfig
 
-    path = pathlib.Path(directory) / ADAPTER_CONFIG
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: is {directory} a PEFT adapter directory?")
-    try:
-        fields = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UnsupportedCheckpoint(f"{path} is not JSON ({e})") from None
+    path, fields = _read_json(directory, ADAPTER_CONFIG, "a PEFT adapter directory")
     if not isinstance(fields, dict) or fields.get("peft_type") != "LORA":
         kind = fields.get("peft_type") if isinstance(fields, dict) else None
         raise UnsupportedCheckpoint(f"{path}: peft_type={kind!r}; jaxformer reads LoRA adapters (peft_type='LORA')")
