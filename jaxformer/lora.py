@@ -10,6 +10,7 @@ The layers add `adapter(x)` where one exists; `merge` folds the adapters into th
 from __future__ import annotations
 
 import math
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -111,8 +112,6 @@ def add_adapters(model: nnx.Module, cfg: LoRAConfig) -> nnx.Module:
 
 def hash_path(path: tuple) -> int:
     """A stable 31-bit number for a module path (Python's `hash` of strings changes per process)."""
-    import zlib
-
     return zlib.crc32("/".join(map(str, path)).encode()) & 0x7FFFFFFF
 
 
