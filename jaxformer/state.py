@@ -86,12 +86,12 @@ def state_factory(cfg: Config):
     allocated until it runs (`jax.eval_shape(create)` gives its shapes, as the planner uses them)."""
     optimizer = make_optimizer(cfg.train, cfg.model.d_model)
 
-    def create() -> TrainState:
-        model = lora.add_adapters(Transformer(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed)), cfg.lora)
-        return start_state(cfg, nnx.state(model, nnx.Param), optimizer)
+    build = lambda seed: lora.add_adapters(Transformer(cfg.model, rngs=nnx.Rngs(params=seed)), cfg.lora)
 
-    build = lambda: lora.add_adapters(Transformer(cfg.model, rngs=nnx.Rngs(0)), cfg.lora)
-    graphdef, _ = nnx.split(nnx.eval_shape(build), nnx.Param)
+    def create() -> TrainState:
+        return start_state(cfg, nnx.state(build(cfg.train.seed), nnx.Param), optimizer)
+
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: build(0)), nnx.Param)
     return graphdef, create, optimizer
 
 

@@ -428,7 +428,7 @@ def work(sweep: Sweep, base: Config, workdir: pathlib.Path, url: str, name: str,
     import optuna
 
     from jaxformer.observe import curve, read_metrics
-    from jaxformer.train import fit, param_count
+    from jaxformer.train import fit, parameters_line
 
     storage = _storage(url, sweep)
     study = open_study(sweep, name, url, worker=(worker, os.getpid()) if shared else (worker,), storage=storage)
@@ -472,10 +472,7 @@ def work(sweep: Sweep, base: Config, workdir: pathlib.Path, url: str, name: str,
             print(f"{tag}trial {trial.number}: pruned ({sweep.metric} {value:.4g})", flush=True)
             return optuna.trial.TrialState.PRUNED, None
         # Training's own "parameters:" line, which a quiet trial does not print: a LoRA rank tells here.
-        counted = ""
-        if (state := result.get("state")) is not None:
-            trained, total = param_count(state.params), param_count(state.weights)
-            counted = f"; parameters: {trained:,} trained of {total:,} ({trained / total:.4%})"
+        counted = f"; {parameters_line(result['state'])}" if result.get("state") is not None else ""
         print(f"{tag}trial {trial.number}: {sweep.metric} {value:.4g}{counted}", flush=True)
         return optuna.trial.TrialState.COMPLETE, value
 

@@ -124,9 +124,17 @@ def make_steps(graphdef: nnx.GraphDef, cfg: Config, optimizer: optax.GradientTra
     return train_step, eval_step
 
 
-def param_count(params) -> int:
-    """Parameters in a state's params (a tied embedding counts once, as the state holds it once)."""
-    return sum(x.size for x in jax.tree.leaves(params))
+def parameter_counts(state: TrainState) -> tuple[int, int]:
+    """(trained, total): the state's trained parameters (all, or LoRA's adapters) and all of them (a
+    tied embedding counts once, as the state holds it once)."""
+    count = lambda params: sum(x.size for x in jax.tree.leaves(params))
+    return count(state.params), count(state.weights)
+
+
+def parameters_line(state: TrainState) -> str:
+    """ "parameters: N trained of M (x%)", as training logs it and each sweep trial reports it."""
+    trained, total = parameter_counts(state)
+    return f"parameters: {trained:,} trained of {total:,} ({trained / total:.4%})"
 
 
 def summarize(sums: dict) -> dict:
@@ -295,8 +303,7 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
     log = (lambda *a: None) if quiet else tqdm.write
     rows = sharding.process_rows(tcfg.batch_size, mesh)  # this process loads only its rows
     graphdef, state, optimizer = init_state(cfg, mesh)
-    trained, total = param_count(state.params), param_count(state.weights)
-    log(f"parameters: {trained:,} trained of {total:,} ({trained / total:.4%})")
+    log(parameters_line(state))
     ckpt = Checkpointer(workdir, cfg)  # checks the workdir is writable before any work
     restored = ckpt.restore_latest(state)  # into the current mesh; refuses a different model
     start = 0

@@ -140,7 +140,7 @@ def lora_vs_full(args) -> None:
     process, interleaved rounds: step time of each and their ratio, the trained parameters and the
     optimizer state's bytes, and the compiled steps' FLOPs and XLA memory: a LoRA step that still
     took the base's gradients would show the full step's FLOPs."""
-    from jaxformer.train import param_count
+    from jaxformer.train import parameter_counts
 
     mode = args.modes.split(",")[0]
     objective = OBJECTIVE[mode]
@@ -162,7 +162,7 @@ def lora_vs_full(args) -> None:
         cost = compiled.cost_analysis() or {}
         cost = cost[0] if isinstance(cost, list) else cost
         temp_mb = compiled.memory_analysis().temp_size_in_bytes / 2**20
-        trained, total = param_count(state.params), param_count(state.weights)
+        trained, total = parameter_counts(state)
         info[name] = (trained, total, nbytes(state.opt_state), cost.get("flops", float("nan")), memory_mb, temp_mb)
         steps[name], states[name] = compiled, state
     print(
