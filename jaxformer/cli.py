@@ -170,7 +170,7 @@ def cmd_generate(args) -> int:
         tok = load_tokenizer(cfg, args.workdir)
         graphdef, state, _ = restore_workdir(cfg, args.workdir)
         model, decoding = nnx.merge(graphdef, state.weights), cfg.decode
-    template = cfg.data.template if args.command == "generate" else "none"  # instruction data: answer prompts
+    template = cfg.data.template  # instruction data: prompts (sources) are answered in its template
     if args.command == "generate":  # prompt and continuation share the model's max_len positions
         from jaxformer.data import templates
 
@@ -358,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
          "model trained on instruction data (data.template) answers them: each prompt is written in that template "
          "and the answer stops at EOS, the end of the response",
          "--set decode.strategy=sample --set decode.top_p=0.9"),  # beam search on open-ended text repeats itself
-        ("translate", "src", "translate sources with an encoder_decoder model (default: the experiment's decoding)",
+        ("translate", "src", "translate sources with an encoder_decoder model (default: the experiment's decoding); "
+         "a model trained on instruction data (data.template) answers them, each written in that template",
          "--set decode.strategy=beam --set decode.beam_size=4"),
     ):  # fmt: skip
         gen = sub.add_parser(name, help=help_text, description=help_text)

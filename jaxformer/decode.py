@@ -429,11 +429,15 @@ def continue_texts(model, tok, prompts: Sequence[str], settings: DecodeConfig, s
 
 def answer_texts(model, tok, prompts: Sequence[str], settings: DecodeConfig, template: str) -> list:
     """Instructions -> responses: each prompt written in the training data's template (an empty
-    response to follow), generation stopped at EOS, and the template's end marker taken off."""
+    response to follow), generation stopped at EOS, and the template's end marker taken off. A
+    decoder-only model continues the templated prompt; an encoder-decoder reads it as its source."""
     from jaxformer.data import templates
 
     t = templates.get(template)
-    return _responses(continue_texts(model, tok, [t.prompt(p) for p in prompts], settings, stop_at_eos=True), t.end)
+    fed = [t.prompt(p) for p in prompts]
+    if model.cfg.mode == "encoder_decoder":
+        return _responses(translate_texts(model, tok, fed, settings), t.end)
+    return _responses(continue_texts(model, tok, fed, settings, stop_at_eos=True), t.end)
 
 
 def _responses(outs: list, end: str) -> list:

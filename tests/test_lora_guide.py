@@ -1,5 +1,6 @@
 """The README's LoRA walk-through, command for command: a (tiny) GPT-2 directory -> `import-hf` with
-LoRA and the user's instruction JSONL in a template -> `train` -> `generate` -> `export-hf`.
+LoRA and the user's instruction JSONL in a template -> `train` -> `generate` -> `export-hf`; and the
+same for a tiny T5, whose encoder reads the templated prompt and whose decoder writes the response.
 
 The pretrained model is a random tiny GPT-2 written by `save_hf` with a byte-level BPE
 `tokenizer.json`, as in test_interop_hf.py; the instruction file is written here.
@@ -43,10 +44,28 @@ def eval_loss(workdir, capsys) -> float:
     return json.loads(open(saved).read())["report"]["test_loss"]
 
 
-def test_import_hf_lora_instruction_fine_tune_generate_export_hf(tmp_path, capsys):
-    source, workdir, out = tmp_path / "gpt2", tmp_path / "runs" / "gpt2_lora", tmp_path / "gpt2_lora"
-    cfg = jf.gpt2_small(vocab_size=300, d_model=32, num_heads=2, d_ff=64, max_len=64, num_decoder_layers=2)
-    hf.save_hf(randomized(cfg), source, extra_config={"bos_token_id": 0, "eos_token_id": 0})
+FAMILIES = {  # a tiny random model of each family, its special ids, and settings its experiment lacks
+    "gpt2": (
+        jf.gpt2_small(vocab_size=300, d_model=32, num_heads=2, d_ff=64, max_len=64, num_decoder_layers=2),
+        {"bos_token_id": 0, "eos_token_id": 0},
+        [],
+    ),
+    "t5": (  # imported into the translation experiment: its noam schedule and beam search replaced
+        jf.t5_small(
+            vocab_size=300, d_model=32, num_heads=2, head_dim=16, d_ff=64, num_encoder_layers=2,
+            num_decoder_layers=2,
+        ),
+        {"pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0},
+        ["data.src_max_len=48", "train.schedule=constant", "train.label_smoothing=0.0"],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_import_hf_lora_instruction_fine_tune_generate_export_hf(tmp_path, capsys, monkeypatch, family):
+    source, workdir, out = tmp_path / family, tmp_path / "runs" / f"{family}_lora", tmp_path / f"{family}_lora"
+    cfg, special, more = FAMILIES[family]
+    hf.save_hf(randomized(cfg), source, extra_config=special)
     bpe_tokenizer().save(str(source / "tokenizer.json"))
     data = tmp_path / "my_instructions.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in instruction_records(400)))
@@ -56,7 +75,7 @@ def test_import_hf_lora_instruction_fine_tune_generate_export_hf(tmp_path, capsy
         "data.source=files", f"data.files={data}", "data.format=jsonl", "data.template=alpaca", "data.max_len=63",
         "lora.rank=8", "lora.targets=q,k,v,o", "train.learning_rate=1e-2", "train.warmup_steps=5",
         "train.steps=50", "train.batch_size=16", "train.eval_every=50", "train.eval_batches=2",
-        "train.log_every=25", "train.num_samples=0", "checkpoint.every=50",
+        "train.log_every=25", "train.num_samples=0", "checkpoint.every=50", *more,
     ]  # fmt: skip
     sets = [a for s in settings for a in ("--set", s)]
     assert cli.main(["import-hf", str(source), "--workdir", str(workdir), *sets]) == 0
@@ -71,17 +90,26 @@ def test_import_hf_lora_instruction_fine_tune_generate_export_hf(tmp_path, capsy
     after = eval_loss(workdir, capsys)
     assert after < before, f"held-out response loss {before:.3f} at step 0, {after:.3f} after 50 LoRA steps"
 
-    prompt = ["--prompt", "Upper: cat", "--set", "decode.strategy=greedy", "--set", "decode.max_new_tokens=8"]
-    assert cli.main(["generate", "--workdir", str(workdir), *prompt]) == 0
+    # GPT-2 continues the prompt written in the template; T5's encoder reads it and its decoder answers.
+    command, flag = ("generate", "--prompt") if family == "gpt2" else ("translate", "--src")
+    prompt = [flag, "Upper: cat", "--set", "decode.strategy=greedy", "--set", "decode.max_new_tokens=8"]
+    fed = []  # what the decoder-only model continues, or the encoder-decoder reads
+    for name in ("continue_texts", "translate_texts"):
+        real = getattr(jf.decode, name)
+        monkeypatch.setattr(
+            jf.decode, name, lambda m, t, texts, *a, real=real, **k: fed.extend(texts) or real(m, t, texts, *a, **k)
+        )
+    assert cli.main([command, "--workdir", str(workdir), *prompt]) == 0
     answer = capsys.readouterr().out.split("Upper: cat\n=> ", 1)[1]
     assert answer.strip() != ""
+    assert fed == ["### Instruction:\nUpper: cat\n\n### Response:\n"]  # written in the training data's template
 
     assert cli.main(["export-hf", "--workdir", str(workdir), str(out)]) == 0
     graphdef, state, _ = restore_workdir(run_cfg, workdir)
     assert int(state.step) == 50
     merged = jf.lora.merge(nnx.merge(graphdef, state.weights))
-    x = jnp.asarray(np.random.default_rng(0).integers(0, 300, (2, 12)), jnp.int32)
+    x = [jnp.asarray(np.random.default_rng(0).integers(0, 300, (2, 12)), jnp.int32)] * (1 + (family == "t5"))
     exported = hf.load_hf(out)
     assert not any(True for _ in jf.lora.adapters(exported))  # a plain model: the adapters folded in
-    np.testing.assert_allclose(exported(x), merged(x), atol=1e-5, rtol=1e-5)
-    assert not np.allclose(exported(x), hf.load_hf(source)(x))
+    np.testing.assert_allclose(exported(*x), merged(*x), atol=1e-5, rtol=1e-5)
+    assert not np.allclose(exported(*x), hf.load_hf(source)(*x))
