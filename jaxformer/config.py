@@ -576,8 +576,11 @@ LORA_TARGETS = {
     "wi": lambda m: (m.d_model, m.d_ff),
     "wi_gate": lambda m: (m.d_model, m.d_ff),
     "wo": lambda m: (m.d_ff, m.d_model),
+    "embed": lambda m: (m.vocab_size, m.d_model),  # the token embedding (a tied output projection with it)
+    "head": lambda m: (m.d_model, m.vocab_size),  # an untied output projection
 }
 LORA_STACKS = ("encoder", "decoder", "cross")  # self-attention and FFN of each stack; cross-attention
+LORA_MODEL_TARGETS = ("embed", "head")  # the model's own, adapted whatever `stacks` says
 
 
 @dataclasses.dataclass(frozen=True)
@@ -591,7 +594,7 @@ class LoRAConfig:
     alpha: float = 16.0  # the update is scaled by alpha / rank, so a new rank needs no new learning rate
     dropout: float = 0.0  # dropout on the adapters' input while training (the paper's 0.05-0.1 for small data)
     targets: tuple[str, ...] = ("q", "v")  # the projections adapted (the paper's choice: queries and values)
-    stacks: tuple[str, ...] = LORA_STACKS  # which stacks get them: encoder, decoder (self-attention, FFN), cross
+    stacks: tuple[str, ...] = LORA_STACKS  # which stacks' q..wo get them: encoder, decoder (self-attention, FFN), cross
     seed: int = 0  # the adapters' own stream: the base draws the same numbers with LoRA on or off
 
     def __post_init__(self):
@@ -706,6 +709,9 @@ class Config:
         for name in lora.targets:
             if name == "wi_gate" and model.activation not in ("swiglu", "geglu"):
                 require(False, "lora.targets", f"'wi_gate' exists only for gated activations, not {model.activation!r}")
+            if name == "head" and model.tie_output:
+                require(False, "lora.targets", "'head': the output projection is the embedding (model.tie_output): "
+                        "adapt 'embed', which adapts both")  # fmt: skip
             width = min(LORA_TARGETS[name](model))
             require(
                 lora.rank <= width,

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxformer import lora
 from jaxformer.config import DecodeConfig
 from jaxformer.layers import as_token_ids, without_id_checks
 from jaxformer.models import memory_mask, unrolled
@@ -236,13 +237,21 @@ def beam_search(stepper, prompt_BP, lengths_B, max_new_B, num_new: int, W: int, 
     return fin_BWN, fin_score_BW
 
 
+def decodable(model):
+    """`model` as the decoding loop runs it: LoRA adapters folded into their kernels (`lora.merge`, on
+    a copy: one matmul a projection) and scanned stacks unrolled (`models.unrolled`: sliced once)."""
+    if any(lora.adapters(model)):
+        model = lora.merge(nnx.clone(model))
+    return unrolled(model)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings", "num_new", "length", "eos_id", "pad_id"))
 def _generate(
     graphdef, params, prompt_BP, lengths_B, max_new_B, src, rng, *, settings, num_new, length, eos_id, pad_id
 ):
     """Up to `num_new` steps (row b: max_new_B[b]) in a buffer of `length` positions, prompts included.
     `src`: None (decoder_only), or the sources (ids [B, S], lengths [B]) to encode."""
-    model = unrolled(without_id_checks(nnx.merge(graphdef, params)))  # inputs were checked on the host
+    model = decodable(without_id_checks(nnx.merge(graphdef, params)))  # inputs were checked on the host
     W = settings.beam_size if settings.strategy == "beam" else 1
     if W > 1:  # every beam is a row of its own: [B * W, ...]
         prompt_BP, lengths_B, max_new_B = (jnp.repeat(x, W, axis=0) for x in (prompt_BP, lengths_B, max_new_B))

@@ -231,12 +231,16 @@ class Embed(nnx.Module):
         if cfg.check_token_ids:
             check_token_ids(ids_BT, cfg.vocab_size)
         x_BTD = jnp.take(self.embedding[...], ids_BT, axis=0).astype(cfg.dtype)
+        if (adapter := getattr(self, "embedding_lora", None)) is not None:  # LoRA (jaxformer.lora): its rows
+            x_BTD = x_BTD + adapter.lookup(ids_BT, cfg.dtype)
         x_BTD = constrain(x_BTD, ("batch", None, None))
         return x_BTD * math.sqrt(cfg.d_model) if cfg.scale_embeddings else x_BTD
 
     def attend(self, x_BTD: Array) -> Array:
         """Logits against the embedding matrix: [B, T, D] -> [B, T, V] (vocab-parallel under TP)."""
         logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, self.embedding[...].astype(self.cfg.dtype))
+        if (adapter := getattr(self, "embedding_lora", None)) is not None:  # the adapted embedding, transposed
+            logits_BTV = logits_BTV + adapter.attend(x_BTD.astype(self.cfg.dtype))
         return constrain(logits_BTV, ("batch", None, "vocab"))
 
 

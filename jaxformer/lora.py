@@ -17,8 +17,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxformer import functional as F
-from jaxformer.config import LoRAConfig
-from jaxformer.layers import FeedForward, MultiHeadAttention
+from jaxformer.config import LORA_MODEL_TARGETS, LoRAConfig
+from jaxformer.layers import Embed, FeedForward, MultiHeadAttention
+from jaxformer.models import LMHead
 
 Array = jax.Array
 
@@ -26,7 +27,10 @@ Array = jax.Array
 KERNELS = {
     MultiHeadAttention: {"q": (3, 1), "k": (3, 1), "v": (3, 1), "o": (3, 2)},  # [D,H,K], [D,G,K], [H,K,D]
     FeedForward: {"wi": (2, 1), "wi_gate": (2, 1), "wo": (2, 1)},  # [D,F], [F,D]
+    Embed: {"embedding": (2, 1)},  # [V,D]: A [V,R] is looked up by id
+    LMHead: {"kernel": (2, 1)},  # [D,V] (an untied output projection)
 }
+KERNEL_OF = {"embed": "embedding", "head": "kernel"}  # a target named otherwise than its kernel
 FROZEN = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))  # the base: every parameter but the adapters
 
 
@@ -76,6 +80,16 @@ class Adapter(nnx.Module):
         x = F.dropout(x, self.dropout, dropout_rng)
         return lora_update(x, self.a[...], self.b[...], self.scale)
 
+    def lookup(self, ids: Array, dtype) -> Array:
+        """An embedding's update for token ids [...]: rows of A @ B * scale, [..., D] (no dropout on ids)."""
+        rows = jnp.take(self.a[...], ids, axis=0).astype(dtype)  # [..., R]
+        return jnp.tensordot(rows, self.b[...].astype(dtype), axes=1) * jnp.asarray(self.scale, dtype)
+
+    def attend(self, x: Array) -> Array:
+        """A tied output projection's update, x @ (A @ B * scale)^T: [..., D] -> [..., V], two thin matmuls."""
+        h = jnp.tensordot(x, self.b[...].astype(x.dtype), axes=[[-1], [1]])  # [..., R]
+        return jnp.tensordot(h, self.a[...].astype(x.dtype), axes=[[-1], [1]]) * jnp.asarray(self.scale, x.dtype)
+
 
 def _stack_of(path: tuple) -> str:
     """encoder, decoder or cross: where a module sits in the Transformer."""
@@ -95,9 +109,12 @@ def add_adapters(model: nnx.Module, cfg: LoRAConfig) -> nnx.Module:
     root = jax.random.key(cfg.seed)
     for path, module in list(nnx.iter_modules(model)):
         kernels = next((k for kind, k in KERNELS.items() if isinstance(module, kind)), None)
-        if kernels is None or _stack_of(path) not in cfg.stacks:
+        if kernels is None:
             continue
-        for name in cfg.targets:
+        for target in cfg.targets:
+            if target not in LORA_MODEL_TARGETS and _stack_of(path) not in cfg.stacks:
+                continue
+            name = KERNEL_OF.get(target, target)
             if name in kernels and hasattr(module, name):
                 kernel = getattr(module, name)
                 scanned = kernel.ndim > kernels[name][0]  # a leading layers axis

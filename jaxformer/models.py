@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxformer import functional as F
-from jaxformer import lora
 from jaxformer.config import ModelConfig
 from jaxformer.layers import (
     DecoderLayer,
@@ -29,6 +28,7 @@ from jaxformer.layers import (
     Norm,
     PositionalEncoding,
     RelativePositionBias,
+    adapted,
     as_token_ids,
     param,
     split_rng,
@@ -187,7 +187,7 @@ class LMHead(nnx.Module):
             logits_BTV = self.tied_to.attend(x_BTD * self.cfg.d_model**-0.5 if self.cfg.scale_tied_logits else x_BTD)
         else:
             logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, self.kernel[...].astype(dt))
-            logits_BTV = constrain(logits_BTV, ("batch", None, "vocab"))
+            logits_BTV = constrain(adapted(self, "kernel", x_BTD, logits_BTV, None), ("batch", None, "vocab"))
         if hasattr(self, "bias"):
             logits_BTV = logits_BTV + F.lift(self.bias[...].astype(dt), logits_BTV)
         # The paper's Generator: log-softmax, in float32.
@@ -498,7 +498,8 @@ def unrolled(model: Transformer) -> Transformer:
     """
     if not model.cfg.scan_layers:
         return model
-    model = lora.merge(nnx.clone(model)) if any(lora.adapters(model)) else model
+    if any(str(p[-2]).endswith("_lora") for p, _ in nnx.to_flat_state(nnx.state(model))):
+        raise ValueError("unrolled: fold the LoRA adapters in first (lora.merge), as decoding does")
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(model.cfg.replace(scan_layers=False), rngs=nnx.Rngs(0))))
     flat = []
     for path, var in nnx.to_flat_state(nnx.state(model)):

@@ -12,7 +12,8 @@ from flax import nnx
 from jaxformer import config as C
 from jaxformer import lora
 from jaxformer.checkpoint import Checkpointer, check_compatible
-from jaxformer.models import Transformer, unrolled
+from jaxformer.decode import decodable
+from jaxformer.models import Transformer
 from jaxformer.plan import plan
 from jaxformer.state import init_state
 from jaxformer.train import loss_sums, make_steps
@@ -193,5 +194,34 @@ def test_decoding_unrolls_a_scanned_adapted_model_with_its_adapters_folded_in():
     ids = jax.random.randint(jax.random.key(9), (2, 8), 2, 32)
     expected = model(ids)
     assert not np.allclose(expected, Transformer(C.tiny("decoder_only", scan_layers=True), rngs=nnx.Rngs(0))(ids))
-    np.testing.assert_allclose(unrolled(model)(ids), expected, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(decodable(model)(ids), expected, atol=1e-5, rtol=1e-5)
     assert list(lora.adapters(model)), "the model itself keeps its adapters"
+
+
+@pytest.mark.parametrize("mode, tied", [("decoder_only", False), ("encoder_decoder", True), ("encoder_only", False)])
+def test_embedding_and_output_adapters_act_as_their_merged_kernels(mode, tied):
+    """`embed` adapts the token embedding, looked up by id and, tied, as the output projection too;
+    `head` an untied output kernel. Zero B is the base; random B gives the merged kernels' logits."""
+    mcfg = C.tiny(mode, tie_output=tied)
+    targets = ("embed", "q") if tied else ("embed", "head", "q")
+    cfg = config(mode, rank=2, tie_output=tied)
+    C.Config(model=mcfg, data=cfg.data, train=cfg.train, lora=C.LoRAConfig(rank=2, targets=targets))  # valid
+    model = lora.add_adapters(Transformer(mcfg, rngs=nnx.Rngs(0)), C.LoRAConfig(rank=2, targets=targets))
+    names = [name for _, name, _ in lora.adapters(model)]
+    assert names.count("embedding") == 1 and names.count("kernel") == (0 if tied else 1)  # a shared embedding: one
+    ids = jax.random.randint(jax.random.key(1), (2, 8), 2, 32)
+    np.testing.assert_array_equal(logits(model, mode, ids), logits(Transformer(mcfg, rngs=nnx.Rngs(0)), mode, ids))
+    for i, (_, _, adapter) in enumerate(lora.adapters(model)):
+        adapter.b[...] = jax.random.normal(jax.random.key(i), adapter.b.shape)
+    expected = logits(model, mode, ids)
+    merged = lora.merge(nnx.clone(model))
+    np.testing.assert_allclose(logits(merged, mode, ids), expected, atol=1e-5, rtol=1e-5)
+    assert not np.allclose(expected, logits(Transformer(mcfg, rngs=nnx.Rngs(0)), mode, ids))
+
+
+def test_a_tied_output_is_adapted_through_the_embedding():
+    with pytest.raises(C.ConfigError, match=r"lora.targets.*'head'.*tie_output.*'embed'"):
+        C.Config(
+            model=C.tiny("decoder_only", tie_output=True), data=C.DataConfig(max_len=8),
+            lora=C.LoRAConfig(rank=2, targets=("head",)),
+        )  # fmt: skip

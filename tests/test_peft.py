@@ -89,3 +89,11 @@ def test_gpt2_separate_qkv_adapters_write_c_attn_at_rank_3r_with_the_same_update
     np.testing.assert_allclose(theirs, ours, atol=1e-6)
     with pytest.raises(hf.UnsupportedCheckpoint, match=r"rank_pattern=\{'c_attn': 6\} is not supported"):
         hf.load_hf(base, adapter=tmp_path)
+
+
+def test_embedding_adapters_are_not_dropped_from_a_peft_adapter_in_silence(tmp_path):
+    cfg = LoRAConfig(rank=2, targets=("embed", "q"))
+    model = lora.add_adapters(hf.load_hf(GOLDEN / "gpt2" / "base"), cfg)
+    with pytest.raises(hf.UnsupportedCheckpoint, match=r"lora.targets: PEFT adapters of 'embed' are not written"):
+        hf.save_peft(model, cfg, tmp_path)
+    assert not any(tmp_path.iterdir())
