@@ -7,7 +7,7 @@ in `model.safetensors` or in shards listed by `model.safetensors.index.json`:
     model = load_hf("llama/", mesh=mesh)            # each tensor sharded onto the mesh as it is read
     model = load_hf("t5/", scan_layers=True)        # any ModelConfig field can be overridden
     save_hf(model, "out/")                          # config.json + model.safetensors, readable by transformers
-    model = load_hf("gpt2/", adapter="lora/")       # with a PEFT LoRA adapter (GPT-2, Llama)
+    model = load_hf("gpt2/", adapter="lora/")       # with a PEFT LoRA adapter (every family)
     save_peft(model, lora_cfg, "lora/")             # its adapters as a PEFT adapter directory
 
 Each family is a table (`FAMILIES`): how its `config.json` reads as a `ModelConfig` and back, and
