@@ -348,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     imp.add_argument("--workdir", required=True)
     imp.add_argument("--config", help="experiments/NAME.py: data and training settings (default: by the mode)")
     imp.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")
-    imp.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter of this base (GPT-2, Llama): its adapters")
+    imp.add_argument(
+        "--adapter", metavar="DIR", help="a PEFT LoRA adapter of this base (GPT-2, Llama, BERT, BART, T5): its adapters"
+    )
     exh = sub.add_parser("export-hf", help="write a workdir's latest checkpoint as a Hugging Face model directory")
     exh.add_argument("--workdir", required=True)
     exh.add_argument("out", help="the directory to write")

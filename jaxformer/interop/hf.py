@@ -7,7 +7,7 @@ in `model.safetensors` or in shards listed by `model.safetensors.index.json`:
     model = load_hf("llama/", mesh=mesh)            # each tensor sharded onto the mesh as it is read
     model = load_hf("t5/", scan_layers=True)        # any ModelConfig field can be overridden
     save_hf(model, "out/")                          # config.json + model.safetensors, readable by transformers
-    model = load_hf("gpt2/", adapter="lora/")       # with a PEFT LoRA adapter (GPT-2, Llama)
+    model = load_hf("gpt2/", adapter="lora/")       # with a PEFT LoRA adapter (every family)
     save_peft(model, lora_cfg, "lora/")             # its adapters as a PEFT adapter directory
 
 Each family is a table (`FAMILIES`): how its `config.json` reads as a `ModelConfig` and back, and
@@ -443,6 +443,15 @@ PEFT_MODULES = {
     "gpt2": {"c_attn": ("q", "k", "v"), "attn.c_proj": ("o",), "c_fc": ("wi",), "mlp.c_proj": ("wo",)},
     "llama": {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "o_proj": ("o",), "gate_proj": ("wi_gate",),
               "up_proj": ("wi",), "down_proj": ("wo",)},
+    # BERT's attention output and FFN output are both "...output.dense": fuller names tell them apart here;
+    # in peft's suffix matching "output.dense" takes both (save_peft writes a regex for the FFN's alone).
+    "bert": {"query": ("q",), "key": ("k",), "value": ("v",), "attention.output.dense": ("o",),
+             "intermediate.dense": ("wi",), "output.dense": ("wo",)},
+    # BART and T5 name a projection alike in the encoder, the decoder and the cross-attention (lora.stacks).
+    "bart": {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "out_proj": ("o",), "fc1": ("wi",),
+             "fc2": ("wo",)},
+    "t5": {"q": ("q",), "k": ("k",), "v": ("v",), "o": ("o",), "wi": ("wi",), "wi_0": ("wi_gate",),
+           "wi_1": ("wi",), "wo": ("wo",)},  # wi_0 / wi_1: T5 v1.1's gated FFN (gate, up)
 }  # fmt: skip
 
 
@@ -827,9 +836,9 @@ TASK_TYPES = {"decoder_only": "CAUSAL_LM", "encoder_decoder": "SEQ_2_SEQ_LM", "e
 # adapter_config.json fields whose other values jaxformer's LoRA cannot express: (field, values read).
 PEFT_PLAIN = (
     ("use_dora", (False, None)), ("use_rslora", (False, None)), ("bias", ("none", None)),
-    ("lora_bias", (False, None)), ("rank_pattern", ({}, None)), ("alpha_pattern", ({}, None)),
-    ("modules_to_save", (None, [])), ("layers_to_transform", (None, [])), ("layer_replication", (None,)),
-    ("target_parameters", (None, [])), ("exclude_modules", (None, [])), ("trainable_token_indices", (None,)),
+    ("lora_bias", (False, None)), ("modules_to_save", (None, [])), ("layers_to_transform", (None, [])),
+    ("layer_replication", (None,)), ("target_parameters", (None, [])), ("exclude_modules", (None, [])),
+    ("trainable_token_indices", (None,)),
 )  # fmt: skip
 
 
@@ -840,6 +849,8 @@ class PeftModule:
     name: str  # "transformer.h.0.attn.c_attn"
     target: str  # "c_attn"
     rule: Rule  # ours: the kernels (unrolled paths) it holds
+    pattern: str  # a regex of its name in every layer, the base model's prefix left out: r"h\.\d+\.attn\.c_attn"
+    suffix: str  # its name after the layer index: "attn.c_attn"
 
 
 def peft_modules(family: str, cfg: ModelConfig) -> list[PeftModule]:
@@ -849,21 +860,36 @@ def peft_modules(family: str, cfg: ModelConfig) -> list[PeftModule]:
             f"PEFT adapters for {family} are not supported (jaxformer reads {list(PEFT_MODULES)})"
         )
     out = []
-    for rule, _ in _expand(FAMILIES[family].rules(cfg), cfg):
-        if rule.layout not in ("linear", "conv1d") or not rule.theirs.endswith(".weight"):
+    for template in FAMILIES[family].rules(cfg):
+        if template.layout not in ("linear", "conv1d") or not template.theirs.endswith(".weight"):
             continue
-        name = rule.theirs.removesuffix(".weight")
-        kernels = tuple(o.rsplit(".", 1)[1] for o in rule.ours)
-        for target, ours in PEFT_MODULES[family].items():
-            if (name == target or name.endswith("." + target)) and ours == kernels:
-                out.append(PeftModule(name, target, rule))
+        kernels = tuple(o.rsplit(".", 1)[1] for o in template.ours)
+        name = template.theirs.removesuffix(".weight")
+        pattern = re.escape(name.removeprefix(FAMILIES[family].prefix)).replace(re.escape("{i}"), r"\d+")
+        # The first row whose suffix and kernels fit: BERT's "output.dense" (wo) is not its attention's (o).
+        target = next((t for t, ours in PEFT_MODULES[family].items()
+                       if (name == t or name.endswith("." + t)) and ours == kernels), None)  # fmt: skip
+        if target is not None:
+            suffix = name.split("{i}.")[-1]
+            out += [PeftModule(rule.theirs.removesuffix(".weight"), target, rule, pattern, suffix)
+                    for rule, _ in _expand([template], cfg)]  # fmt: skip
     return out
 
 
-def _targeted(target_modules, name: str) -> bool:
-    """Whether peft's `target_modules` (a list of name suffixes, a regex, or "all-linear") takes module `name`."""
+def _linear_modules(family: str, cfg: ModelConfig) -> list[str]:
+    """The names of every linear module of the model that the family's rules know (adaptable or not)."""
+    rules = _expand(FAMILIES[family].rules(cfg), cfg)
+    return [r.theirs.removesuffix(".weight") for r, _ in rules
+            if r.layout in ("linear", "conv1d") and r.theirs.endswith(".weight")]  # fmt: skip
+
+
+def _targeted(target_modules, name: str, prefix: str = "") -> bool:
+    """Whether peft's `target_modules` (a list of name suffixes, a regex, or "all-linear") takes module `name`.
+    A regex matches the whole name, which peft spells with the base model's `prefix` ("bert.") or without
+    it (an adapter made on the bare model): either is taken."""
     if isinstance(target_modules, str):
-        return target_modules == "all-linear" or re.fullmatch(target_modules, name) is not None
+        names = (name, name.removeprefix(prefix)) if prefix else (name,)
+        return target_modules == "all-linear" or any(re.fullmatch(target_modules, n) for n in names)
     return any(name == t or name.endswith("." + t) for t in target_modules)
 
 
@@ -884,18 +910,29 @@ def read_peft_config(directory: str | pathlib.Path, family: str, cfg: ModelConfi
     for key, allowed in PEFT_PLAIN:
         if fields.get(key) not in allowed:
             raise UnsupportedCheckpoint(f"{path}: {key}={fields[key]!r} is not supported (jaxformer reads {allowed})")
-    targets = fields["target_modules"]
-    every = [(rule.theirs.removesuffix(".weight"), rule) for rule, _ in _expand(FAMILIES[family].rules(cfg), cfg)
-             if rule.layout in ("linear", "conv1d") and rule.theirs.endswith(".weight")]  # fmt: skip
+    # Per-module ranks and alphas: only those equal to the uniform r and lora_alpha (lora.rank, lora.alpha).
+    for key, uniform in (("rank_pattern", "r"), ("alpha_pattern", "lora_alpha")):
+        pattern = fields.get(key) or {}
+        if not isinstance(pattern, dict) or any(v != fields[uniform] for v in pattern.values()):
+            raise UnsupportedCheckpoint(
+                f"{path}: {key}={pattern!r} is not supported: jaxformer's LoRA has one {uniform} for every module "
+                f"({uniform}={fields[uniform]!r})"
+            )
+    targets, prefix = fields["target_modules"], FAMILIES[family].prefix
+    every = _linear_modules(family, cfg)
     places = {m.name: m for m in peft_modules(family, cfg)}
-    for name, _ in every:
-        if _targeted(targets, name) and name not in places and not (targets == "all-linear" and name == "lm_head"):
+    for name in every:
+        output_layer = targets == "all-linear" and name == "lm_head"  # peft's all-linear leaves it out
+        if _targeted(targets, name, prefix) and name not in places and not output_layer:
             adaptable = list(PEFT_MODULES[family])
             raise UnsupportedCheckpoint(f"{path}: target module {name} has no place in jaxformer's LoRA ({adaptable})")
+    # A name of the family's table that this model lacks (T5's "wi" in a gated T5) selects nothing, as in peft.
     for t in [] if isinstance(targets, str) else targets:
-        if not any(_targeted([t], name) for name, _ in every):
+        if not any(_targeted([t], name) for name in every) and t not in PEFT_MODULES[family]:
             raise UnsupportedCheckpoint(f"{path}: target_modules names {t!r}, no module of this {family} model")
-    chosen = [m for m in places.values() if _targeted(targets, m.name)]
+    chosen = [m for m in places.values() if _targeted(targets, m.name, prefix)]
+    if not chosen:
+        raise UnsupportedCheckpoint(f"{path}: target_modules={targets!r} selects no module of this {family} model")
     kernels = {o.rsplit(".", 1)[1] for m in chosen for o in m.rule.ours}
     stacks = {lora._stack_of(tuple(o.split("."))) for m in chosen for o in m.rule.ours}
     out = LoRAConfig(
@@ -903,11 +940,12 @@ def read_peft_config(directory: str | pathlib.Path, family: str, cfg: ModelConfi
         targets=tuple(t for t in LORA_TARGETS if t in kernels),
         stacks=tuple(s for s in ("encoder", "decoder", "cross") if s in stacks),
     )  # fmt: skip
-    # jaxformer adapts a target in every layer of the chosen stacks: the adapter must too.
+    # jaxformer adapts each of lora.targets in every layer of each of lora.stacks: the adapter must too.
     unadapted = [m.name for m in places.values() if m not in chosen and _adapts(m, out)]
     if unadapted:
         raise UnsupportedCheckpoint(
-            f"{path}: target_modules leaves out {unadapted[:4]}, which jaxformer would adapt too"
+            f"{path}: target_modules={targets!r} leaves out {unadapted[:4]}, which jaxformer's LoRA would adapt too "
+            f"(it adapts each of lora.targets={out.targets} in every layer of each of lora.stacks={out.stacks})"
         )
     return out
 
@@ -930,7 +968,9 @@ def load_peft(model: Transformer, directory: str | pathlib.Path, *, family: str,
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist (a PEFT adapter saved with safe_serialization=True has it)")
     with _open(path) as f:
-        names = {re.sub(r"\.lora_([AB])\.default\.", r".lora_\1.", n.removeprefix(PEFT_PREFIX)): n for n in f.keys()}  # noqa: SIM118
+        # An adapter made on the bare model (BertModel) names its modules without the prefix ("bert.").
+        names = {_canonical(re.sub(r"\.lora_([AB])\.default\.", r".lora_\1.", n.removeprefix(PEFT_PREFIX)),
+                            FAMILIES[family]): n for n in f.keys()}  # noqa: SIM118  # fmt: skip
     with _rules_in_effect(mesh):
         lora.add_adapters(model, lora_cfg)
     state = nnx.state(model, nnx.LoRAParam)
@@ -1007,7 +1047,7 @@ def save_peft(
     family = family or family_of(cfg)
     flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     has = lambda o: (_stacked_path(f"{o}_lora.a")[0] if cfg.scan_layers else f"{o}_lora.a") in flat
-    tensors, targets, rank_pattern, alpha_pattern = {}, set(), {}, {}
+    tensors, targets, rank_pattern, alpha_pattern, chosen = {}, set(), {}, {}, []
     R, fan_in_fan_out = lora_cfg.rank, False
     for module in peft_modules(family, cfg):
         ours = module.rule.ours
@@ -1015,6 +1055,7 @@ def save_peft(
         if not adapted:
             continue
         targets.add(module.target)
+        chosen.append(module)
         fan_in_fan_out |= module.rule.layout == "conv1d"
         width = [math.prod(_param_shape(flat, o, cfg)[module.rule.inputs :]) for o in ours]  # output features
         a_parts = {k: _host_param(flat, f"{ours[k]}_lora.a", cfg).reshape(-1, R) for k in adapted}  # [in, R]
@@ -1035,18 +1076,34 @@ def save_peft(
         tensors[f"{PEFT_PREFIX}{module.name}.lora_B.weight"] = np.ascontiguousarray(b.T)
     if not tensors:
         raise UnsupportedCheckpoint("the model has no LoRA adapters to write (lora.rank=0?)")
+    target_modules = _target_modules(family, cfg, chosen, sorted(targets))
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     fields = dict(
         peft_type="LORA", task_type=TASK_TYPES[cfg.mode], base_model_name_or_path=base, r=R,
-        lora_alpha=_number(lora_cfg.alpha), lora_dropout=lora_cfg.dropout, target_modules=sorted(targets),
+        lora_alpha=_number(lora_cfg.alpha), lora_dropout=lora_cfg.dropout, target_modules=target_modules,
         fan_in_fan_out=fan_in_fan_out, bias="none", rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
         use_rslora=False, use_dora=False, init_lora_weights=True, inference_mode=True, modules_to_save=None,
         layers_to_transform=None, layers_pattern=None, revision=None,
     )  # fmt: skip
     (directory / ADAPTER_CONFIG).write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
     return directory
+
+
+def _target_modules(family: str, cfg: ModelConfig, chosen: list[PeftModule], names: list[str]) -> list[str] | str:
+    """target_modules that select exactly the `chosen` modules in peft's matching: their names (`names`)
+    where those select no other module (in BERT "output.dense" takes the attention's output too; in BART
+    and T5 a name takes every stack), else their names after the layer index ("self_attn.q_proj": not
+    the cross-attention's), else a regex of the chosen modules' names in every layer ("encoder" only)."""
+    prefix, every, want = FAMILIES[family].prefix, _linear_modules(family, cfg), {m.name for m in chosen}
+    for candidate in (names, sorted({m.suffix for m in chosen})):
+        if {n for n in every if _targeted(candidate, n)} == want:
+            return candidate
+    patterns = sorted({m.pattern for m in chosen})
+    regex = r"(?:.*\.)?" + (patterns[0] if len(patterns) == 1 else f"(?:{'|'.join(patterns)})")
+    assert {n for n in every if _targeted(regex, n, prefix)} == want, regex  # the patterns are the names'
+    return regex
 
 
 def _number(x: float) -> int | float:
