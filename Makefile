@@ -19,7 +19,7 @@ demo: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -n 2 --dist loadfile -q
+	$(BIN)/pytest -n 2 --dist loadfile -q --durations=20
 
 gpu-check: setup  # on a machine with an NVIDIA GPU and a CUDA build of jax (see scripts/gpu_check.sh)
 	PYTHON=$(BIN)/python bash scripts/gpu_check.sh
