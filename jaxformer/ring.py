@@ -1,0 +1,284 @@
+"""Context parallelism: attention over a sequence sharded across the devices of a mesh axis.
+
+Each device holds a block of the queries, keys and values of every row. Two strategies:
+
+- **ring** (Liu et al., 2023, "Ring Attention with Blockwise Transformers"): the key/value blocks
+  travel around the ring (`ppermute`) while each device folds every visiting block into its queries'
+  running softmax (max, sum, output: the online softmax of flash attention). No device ever holds
+  more than two key/value blocks. The backward pass is a second trip around the ring: the blocks
+  travel again with their gradient accumulators, and come home with the sum of every device's part.
+  It is written by hand (`jax.custom_vjp`), from the saved output and log-sum-exp, as flash attention's
+  is: autodiff through the loop would keep every step's [T, S] scores.
+- **all-gather**: every device gathers all keys and values, then attends its queries to them: one
+  collective, S keys a device; simplest for short rings.
+
+Masks come from global token indices, so any layout of the sequence over the devices works:
+`q_index_BT` / `kv_index_BS` say which position of the whole sequence each local token is. Causal
+attention over contiguous blocks leaves the first device idle for most of the ring (its queries see
+only its own keys) and the last one busy on every step; `layout_order(T, n, "zigzag")` gives each
+device block i and block 2n - 1 - i (Striped/zig-zag ring attention, as in Llama 3 context
+parallelism), so every device has the same share of the causal triangle; a block no query of a
+device sees is skipped there (`lax.cond`), in both passes.
+
+The functions below run inside `jax.shard_map` with the sequence axis named `axis_name`;
+`context_attention` wraps them for arrays sharded over a mesh.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+Array = jax.Array
+Layout = Literal["contiguous", "zigzag", "striped"]
+NEG = -1e30  # a masked score: finite, so a block with nothing visible gives exp(NEG - m) = 0, never NaN
+
+
+class Where(NamedTuple):
+    """Which tokens a device's block holds, and what masks them (int arrays; no gradient).
+
+    q_index_BT, kv_index_BS: each local token's position in the whole sequence.
+    q_segments_BT, kv_segments_BS: packed documents (0 = padding key); None: one document a row.
+    kv_lengths_B: keys at positions >= length are padding; None: none are.
+    """
+
+    q_index_BT: Array
+    kv_index_BS: Array
+    q_segments_BT: Array | None = None
+    kv_segments_BS: Array | None = None
+    kv_lengths_B: Array | None = None
+
+
+def _visible(where: Where, kv: tuple, causal: bool) -> Array:
+    """[B, 1, 1, T, S]: which visiting keys (`kv`: index, segments, lengths of the block) each query sees."""
+    kv_index_BS, kv_segments_BS = kv
+    q_BT1, k_B1S = where.q_index_BT[:, :, None], kv_index_BS[:, None, :]
+    vis = jnp.ones(q_BT1.shape[:2] + k_B1S.shape[2:], bool)
+    if causal:
+        vis = k_B1S <= q_BT1
+    if where.kv_lengths_B is not None:
+        vis = vis & (k_B1S < where.kv_lengths_B[:, None, None])
+    if where.q_segments_BT is not None:
+        same_BTS = where.q_segments_BT[:, :, None] == kv_segments_BS[:, None, :]
+        vis = vis & same_BTS & (kv_segments_BS != 0)[:, None, :]
+    return vis[:, None, None]
+
+
+def _grouped(q_BTHK: Array, G: int) -> Array:
+    """[B, T, H, K] -> [B, G, R, T, K]: the R = H / G query heads that share key/value head g."""
+    B, T, H, K = q_BTHK.shape
+    return q_BTHK.reshape(B, T, G, H // G, K).transpose(0, 2, 3, 1, 4)
+
+
+def _ungrouped(x_BGRTK: Array) -> Array:
+    B, G, R, T, K = x_BGRTK.shape
+    return x_BGRTK.transpose(0, 3, 1, 2, 4).reshape(B, T, G * R, K)
+
+
+def _scores(q_BGRTK, k_BSGK, vis, scale) -> Array:
+    s = jnp.einsum("BGRTK,BSGK->BGRTS", q_BGRTK, k_BSGK, preferred_element_type=jnp.float32) * scale
+    return jnp.where(vis, s, NEG)
+
+
+def _kv_meta(where: Where) -> tuple:
+    segments = where.kv_segments_BS if where.q_segments_BT is not None else jnp.zeros_like(where.kv_index_BS)
+    return where.kv_index_BS, segments
+
+
+def _shift(tree, axis_name: str, n: int):
+    """Every device's `tree` to the next device of the ring (device i's block goes to i + 1)."""
+    return jax.lax.ppermute(tree, axis_name, [(i, (i + 1) % n) for i in range(n)])
+
+
+# ----------------------------------------------------------------------------- ring
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def ring_attention(
+    q_BTHK: Array, k_BSGK: Array, v_BSGK: Array, where: Where, axis_name: str, axis_size: int, causal: bool, scale
+) -> Array:
+    """softmax(Q K^T * scale, masked) V over the whole sequence, for this device's query block.
+
+    Call inside `jax.shard_map`: q, k, v, `where` are this device's blocks ([B, T, H, K] and
+    [B, S, G, K], H % G == 0); `axis_name` is the ring's mesh axis, of `axis_size` devices. A query
+    that sees no key gets a zero output. Returns [B, T, H, K] in q's dtype.
+    """
+    return _ring_forward(q_BTHK, k_BSGK, v_BSGK, where, axis_name, axis_size, causal, scale)[0]
+
+
+def _ring_forward(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale):
+    G = k_BSGK.shape[2]
+    q = _grouped(q_BTHK, G)  # [B, G, R, T, K]
+    B, _, R, T, K = q.shape
+
+    def fold(carry, kv):  # one visiting block into the running softmax
+        o, m, l = carry
+        k, v, meta = kv
+        vis = _visible(where, meta, causal)
+
+        def compute(_):
+            s = _scores(q, k, vis, scale)  # [B, G, R, T, S]
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.where(vis, jnp.exp(s - m_new[..., None]), 0.0)
+            corr = jnp.exp(m - m_new)
+            pv = jnp.einsum("BGRTS,BSGK->BGRTK", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            return o * corr[..., None] + pv, m_new, l * corr + p.sum(-1)
+
+        return jax.lax.cond(vis.any(), compute, lambda _: (o, m, l), None)
+
+    varying = lambda x: jax.lax.pcast(x, axis_name, to="varying")  # loop carries differ by device, as q does
+    o = varying(jnp.zeros((B, G, R, T, K), jnp.float32))
+    m = varying(jnp.full((B, G, R, T), NEG, jnp.float32))
+    l = varying(jnp.zeros((B, G, R, T), jnp.float32))
+    kv = (k_BSGK, v_BSGK, _kv_meta(where))
+    carry = fold((o, m, l), kv)
+
+    def step(_, state):
+        carry, kv = state
+        kv = _shift(kv, axis_name, n)
+        return fold(carry, kv), kv
+
+    (o, m, l), _ = jax.lax.fori_loop(1, n, step, (carry, kv))
+    seen = l > 0
+    out = jnp.where(seen[..., None], o / jnp.where(seen, l, 1.0)[..., None], 0.0)
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)  # [B, G, R, T]
+    return _ungrouped(out).astype(q_BTHK.dtype), lse
+
+
+def _ring_fwd(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale):
+    out, lse = _ring_forward(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale)
+    return out, (q_BTHK, k_BSGK, v_BSGK, where, out, lse)
+
+
+def _ring_bwd(axis_name, n, causal, scale, res, dout_BTHK):
+    """Flash attention's backward, block by block: P = exp(S - lse), dV = P^T dO, dS = P (dO V^T - D)
+    with D = rowsum(dO * O), dQ = dS K scale, dK = dS^T Q scale. dK and dV travel with their block."""
+    q_BTHK, k_BSGK, v_BSGK, where, out_BTHK, lse = res
+    G = k_BSGK.shape[2]
+    q, do = _grouped(q_BTHK, G), _grouped(dout_BTHK, G).astype(jnp.float32)  # [B, G, R, T, K]
+    d = jnp.sum(do * _grouped(out_BTHK, G).astype(jnp.float32), -1)  # [B, G, R, T]
+
+    def step(_, state):
+        dq, (k, v, meta, dk, dv) = state
+        vis = _visible(where, meta, causal)
+
+        def compute(_):
+            s = _scores(q, k, vis, scale)
+            p = jnp.where(vis, jnp.exp(s - lse[..., None]), 0.0)  # [B, G, R, T, S]
+            dv_blk = jnp.einsum("BGRTS,BGRTK->BSGK", p, do)
+            dp = jnp.einsum("BGRTK,BSGK->BGRTS", do, v.astype(jnp.float32))
+            ds = p * (dp - d[..., None]) * scale
+            dq_blk = jnp.einsum("BGRTS,BSGK->BGRTK", ds, k.astype(jnp.float32))
+            dk_blk = jnp.einsum("BGRTS,BGRTK->BSGK", ds, q.astype(jnp.float32))
+            return dq + dq_blk, dk + dk_blk, dv + dv_blk
+
+        dq, dk, dv = jax.lax.cond(vis.any(), compute, lambda _: (dq, dk, dv), None)
+        return dq, _shift((k, v, meta, dk, dv), axis_name, n)  # after n shifts each block is home
+
+    zeros_kv = jax.lax.pcast(jnp.zeros(k_BSGK.shape, jnp.float32), axis_name, to="varying")
+    dq0 = jax.lax.pcast(jnp.zeros(q.shape, jnp.float32), axis_name, to="varying")
+    state = (dq0, (k_BSGK, v_BSGK, _kv_meta(where), zeros_kv, zeros_kv))
+    dq, (_, _, _, dk, dv) = jax.lax.fori_loop(0, n, step, state)
+    return (
+        _ungrouped(dq).astype(q_BTHK.dtype),
+        dk.astype(k_BSGK.dtype),
+        dv.astype(v_BSGK.dtype),
+        jax.tree.map(lambda x: None if x is None else np.zeros(x.shape, jax.dtypes.float0), where),
+    )
+
+
+ring_attention.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ----------------------------------------------------------------------------- all-gather
+
+
+def allgather_attention(
+    q_BTHK: Array, k_BSGK: Array, v_BSGK: Array, where: Where, axis_name: str, causal: bool, scale
+) -> Array:
+    """The same result as `ring_attention`, by gathering every key and value block first (autodiff:
+    the gather's transpose sums the key/value gradients back onto their devices)."""
+    gather = lambda x: jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+    k, v = gather(k_BSGK), gather(v_BSGK)
+    meta = tuple(gather(x) for x in _kv_meta(where))
+    q = _grouped(q_BTHK, k.shape[2])
+    vis = _visible(where, meta, causal)
+    s = _scores(q, k, vis, scale)
+    m = jax.lax.stop_gradient(s.max(-1, keepdims=True))
+    p = jnp.where(vis, jnp.exp(s - m), 0.0)
+    l = p.sum(-1, keepdims=True)
+    w = p / jnp.where(l > 0, l, 1.0)
+    out = jnp.einsum("BGRTS,BSGK->BGRTK", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return _ungrouped(out).astype(q_BTHK.dtype)
+
+
+# ----------------------------------------------------------------------------- layouts and the wrapper
+
+
+def layout_order(T: int, n: int, layout: Layout) -> np.ndarray:
+    """The sequence's positions in the order they are laid over `n` devices (device i holds the i-th
+    of n equal blocks): `contiguous` 0..T-1; `zigzag` blocks i and 2n-1-i of 2n; `striped` t = i mod n."""
+    if layout == "contiguous":
+        return np.arange(T)
+    if layout == "zigzag":
+        if T % (2 * n):
+            raise ValueError(f"zigzag needs the sequence length ({T}) divisible by 2 x the context axis ({n})")
+        chunks = np.arange(T).reshape(2 * n, T // (2 * n))
+        return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
+    if layout == "striped":
+        if T % n:
+            raise ValueError(f"striped needs the sequence length ({T}) divisible by the context axis ({n})")
+        return np.arange(T).reshape(T // n, n).T.reshape(-1)
+    raise ValueError(f"layout must be contiguous, zigzag or striped, got {layout!r}")
+
+
+def context_attention(
+    q_BTHK: Array,
+    k_BSGK: Array,
+    v_BSGK: Array,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis: str = "context",
+    strategy: Literal["ring", "allgather"] = "ring",
+    causal: bool = False,
+    q_index_BT: Array | None = None,
+    kv_index_BS: Array | None = None,
+    q_segments_BT: Array | None = None,
+    kv_segments_BS: Array | None = None,
+    kv_lengths_B: Array | None = None,
+    scale: float | None = None,
+) -> Array:
+    """Attention with T and S sharded over mesh axis `axis` (the other dimensions replicated).
+
+    The arrays hold the sequence in its laid-out order (see `layout_order`); `q_index_BT` and
+    `kv_index_BS` give each token's position in the sequence (default: 0..T-1, contiguous).
+    """
+    n = mesh.shape[axis]
+    B, T, _, K = q_BTHK.shape
+    S = k_BSGK.shape[1]
+    for what, length in (("queries", T), ("keys", S)):
+        if length % n:
+            raise ValueError(f"{what}: length {length} is not divisible by the context axis ({axis}={n})")
+    q_index_BT = jnp.broadcast_to(jnp.arange(T), (B, T)) if q_index_BT is None else q_index_BT
+    kv_index_BS = jnp.broadcast_to(jnp.arange(S), (B, S)) if kv_index_BS is None else kv_index_BS
+    if (q_segments_BT is None) != (kv_segments_BS is None):
+        raise ValueError("segments need both q_segments_BT and kv_segments_BS")
+    where = Where(q_index_BT.astype(jnp.int32), kv_index_BS.astype(jnp.int32), q_segments_BT, kv_segments_BS,
+                  kv_lengths_B)  # fmt: skip
+    scale = K**-0.5 if scale is None else scale
+    seq = P(None, axis)
+    where_specs = Where(seq, seq, None if q_segments_BT is None else seq, None if kv_segments_BS is None else seq,
+                        None if kv_lengths_B is None else P())  # fmt: skip
+
+    def local(q, k, v, where):
+        if strategy == "ring":
+            return ring_attention(q, k, v, where, axis, n, causal, scale)
+        return allgather_attention(q, k, v, where, axis, causal, scale)
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, where_specs), out_specs=seq)
+    return f(q_BTHK, k_BSGK, v_BSGK, where)
