@@ -498,7 +498,7 @@ def unrolled(model: Transformer) -> Transformer:
     """
     if not model.cfg.scan_layers:
         return model
-    model = lora.merge(nnx.clone(model)) if any(lora.adapters(model)) else model
+    model = lora.merge(nnx.clone(model)) if any(lora.adapters(model)) or lora.quantized(model) else model
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(model.cfg.replace(scan_layers=False), rngs=nnx.Rngs(0))))
     flat = []
     for path, var in nnx.to_flat_state(nnx.state(model)):
