@@ -32,42 +32,62 @@ Array = jax.Array
 # ----------------------------------------------------------------------------- losses
 
 
-def forward(model: Transformer, objective: str, batch: dict, dropout_rng: Array | None) -> Array:
-    """Logits of the objective: [B, T, V] for token objectives, [B, C] for classification ([B, N, C]
-    for packed rows, one per segment)."""
-    src_lengths = batch.get("src_lengths")  # padding is said by the data, never read off a token id
-    if objective == "classify":
-        packed = "src_segments" in batch  # labels [B, N]: N, the segments a row may hold, is static
-        return model.classify(
-            batch["src"], src_lengths=src_lengths, src_segments=batch.get("src_segments"),
-            src_positions=batch.get("src_positions"), num_segments=batch["label"].shape[1] if packed else None,
-            dropout_rng=dropout_rng,
-        )  # fmt: skip
-    if objective == "seq2seq":
-        return model(
-            batch["src"], batch["inputs"], lengths=src_lengths, segments=batch.get("src_segments"),
+def classify_logits(model: Transformer, batch: dict, dropout_rng: Array | None) -> Array:
+    """Class logits [B, C] ([B, N, C] for packed rows, one per segment)."""
+    packed = "src_segments" in batch  # labels [B, N]: N, the segments a row may hold, is static
+    return model.classify(
+        batch["src"], src_lengths=batch.get("src_lengths"), src_segments=batch.get("src_segments"),
+        src_positions=batch.get("src_positions"), num_segments=batch["label"].shape[1] if packed else None,
+        dropout_rng=dropout_rng,
+    )  # fmt: skip
+
+
+def hidden_states(model: Transformer, objective: str, batch: dict, dropout_rng: Array | None) -> Array:
+    """The final hidden states [B, T, D] of a token objective (lm, seq2seq, mlm), which `model.head`
+    maps to its logits [B, T, V]."""
+    if objective == "seq2seq":  # padding is said by the data, never read off a token id
+        return model.hidden(
+            batch["src"], batch["inputs"], lengths=batch.get("src_lengths"), segments=batch.get("src_segments"),
             positions=batch.get("src_positions"), tgt_segments=batch.get("tgt_segments"),
             tgt_positions=batch.get("tgt_positions"), dropout_rng=dropout_rng,
         )  # fmt: skip
     # Packed rows: several documents, each its own segment with its own positions.
-    return model(
+    return model.hidden(
         batch["inputs"], segments=batch.get("segments"), positions=batch.get("positions"), dropout_rng=dropout_rng
     )
 
 
+def loss_chunk(cfg: TrainConfig, B: int, T: int, V: int) -> int | None:
+    """Positions per chunk of the chunked loss for a [B, T] (micro-)batch and V classes (`train.loss_chunk`,
+    `train.max_logits_mib`); None: the plain loss. Chunks are made equal, so the last one pads little."""
+    if cfg.loss_chunk == "auto":
+        if cfg.max_logits_mib * 2**20 >= B * T * V * 4:
+            return None
+        per_chunk = int(cfg.max_logits_mib * 2**20 // (B * V * 4))  # positions whose [B, c, V] float32 fit
+    elif cfg.loss_chunk == 0:
+        return None
+    else:
+        per_chunk = cfg.loss_chunk // B
+    n = -(-T // max(per_chunk, 1))
+    return None if n == 1 else -(-T // n)
+
+
 def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Array | None) -> tuple[Array, dict]:
-    """Summed loss (to be divided by the token count) and summed metrics of one (micro-)batch."""
-    logits = forward(model, cfg.objective, batch, dropout_rng)
+    """Summed loss (to be divided by the token count) and summed metrics of one (micro-)batch.
+
+    Token objectives go through `functional.chunked_cross_entropy`: the plain loss on `model.head` of
+    the hidden states, or, as `loss_chunk` says, that loss a chunk of positions at a time."""
+    smoothing = {"label_smoothing": cfg.label_smoothing, "z_loss": cfg.z_loss}
     if cfg.objective == "classify":  # packed: labels [B, N], weights 1 for the segments a row holds
         labels = batch["label"]
         weights = batch["weights"] if "weights" in batch else jnp.ones(labels.shape, jnp.float32)
+        sums = F.cross_entropy_sums(classify_logits(model, batch, dropout_rng), labels, weights, **smoothing)
     else:
-        labels, weights = batch["targets"], batch["weights"]
-    loss, w = F.cross_entropy(logits, labels, weights, label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss)
-    nll, _ = F.cross_entropy(logits, labels, weights)  # unsmoothed, for perplexity
-    correct = F.top1_correct(logits.astype(jnp.float32), labels).astype(jnp.float32) * w
-    sums = {"loss": loss.sum(), "nll": nll.sum(), "correct": correct.sum(), "count": w.sum()}
-    return loss.sum(), sums
+        h_BTD = hidden_states(model, cfg.objective, batch, dropout_rng)
+        labels_BT = batch["targets"]
+        chunk = loss_chunk(cfg, *labels_BT.shape, model.cfg.vocab_size)
+        sums = F.chunked_cross_entropy(h_BTD, model.head, labels_BT, batch["weights"], chunk=chunk, **smoothing)
+    return sums["loss"], sums
 
 
 def make_steps(graphdef: nnx.GraphDef, cfg: Config, optimizer: optax.GradientTransformation):
