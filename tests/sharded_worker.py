@@ -18,15 +18,16 @@ import jax
 import numpy as np
 
 STEPS, B, T = 5, 8, 8
-STRATEGIES = {  # (data, fsdp, tensor)
+STRATEGIES = {  # (data, fsdp, tensor[, train.loss_chunk])
     "dp8": (8, 1, 1),
     "fsdp8": (1, 8, 1),
     "fsdp4_tp2": (1, 4, 2),
+    "fsdp4_tp2_chunked": (1, 4, 2, 2 * B),  # the loss in 4 chunks of 2 positions, the head vocab-parallel
 }
 GENERATE = ("dp8", "fsdp4_tp2")  # decoding under a mesh: batch over 8 devices; FSDP with tensor parallelism
 
 
-def config(mode: str, mesh: tuple[int, int, int]):
+def config(mode: str, mesh: tuple[int, ...]):
     from jaxformer import config as C
 
     objective = {"decoder_only": "lm", "encoder_decoder": "seq2seq", "encoder_only": "mlm"}[mode]
@@ -35,11 +36,12 @@ def config(mode: str, mesh: tuple[int, int, int]):
     model = model.replace(  # one layer per stack: the layers are alike, compile time is not
         num_encoder_layers=min(model.num_encoder_layers, 1), num_decoder_layers=min(model.num_decoder_layers, 1)
     )
-    data, fsdp, tensor = mesh
+    data, fsdp, tensor, *chunk = mesh
+    chunking = {"loss_chunk": chunk[0]} if chunk else {}  # else "auto": the plain loss at these sizes
     return C.Config(
         model=model,
         data=C.DataConfig(max_len=T),
-        train=C.TrainConfig(objective=objective, batch_size=B, learning_rate=1e-2, warmup_steps=1),
+        train=C.TrainConfig(objective=objective, batch_size=B, learning_rate=1e-2, warmup_steps=1, **chunking),
         mesh=C.MeshConfig(data=data, fsdp=fsdp, tensor=tensor),
     )
 
