@@ -348,9 +348,10 @@ class TrainConfig:
     z_loss: float = 0.0
     # The token loss (lm, seq2seq, mlm) a chunk of positions at a time: each chunk's logits are made, used
     # and dropped (and remade in the backward pass), so the whole [B, T, V] never exists; the same loss and
-    # gradients for a little more time (the output layer's FLOPs x 4/3). loss_chunk: tokens per chunk (of a
-    # micro-batch, whole rows times a run of positions); 0 = never chunk; "auto" = chunk only when the
-    # float32 logits, B x T x V x 4 bytes, would exceed max_logits_mib, in chunks whose logits fit in it.
+    # gradients for a little more time (the output layer's FLOPs x 4/3). loss_chunk: tokens per chunk on
+    # each device (its rows of the micro-batch times a run of positions); 0 = never chunk; "auto" = chunk
+    # only when the float32 logits a device holds, B x T x V x 4 bytes over the batch and vocabulary
+    # shards, would exceed max_logits_mib, in chunks whose logits fit in it.
     loss_chunk: int | Literal["auto"] = "auto"
     max_logits_mib: float = 256.0
     mlm_probability: float = 0.15  # BERT: 15% of tokens; 80% [MASK], 10% random, 10% unchanged

@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 
 from jaxformer import functional as F
+from jaxformer import sharding
 from jaxformer.config import Config, ModelConfig, TrainConfig
 from jaxformer.layers import check_batch_ids, without_id_checks
 from jaxformer.models import Transformer
@@ -57,17 +58,19 @@ def hidden_states(model: Transformer, objective: str, batch: dict, dropout_rng: 
     )
 
 
-def loss_chunk(cfg: TrainConfig, B: int, T: int, V: int) -> int | None:
-    """Positions per chunk of the chunked loss for a [B, T] (micro-)batch and V classes (`train.loss_chunk`,
-    `train.max_logits_mib`); None: the plain loss. Chunks are made equal, so the last one pads little."""
+def loss_chunk(cfg: TrainConfig, B: int, T: int, V: int, shards: tuple[int, int] = (1, 1)) -> int | None:
+    """Positions per chunk of the chunked loss for a [B, T] (micro-)batch and V classes, split
+    `shards` = (batch, vocabulary) ways over the devices (`train.loss_chunk`, `train.max_logits_mib`
+    count what one device holds); None: the plain loss. Chunks are made equal, so the last pads little."""
+    rows, columns = -(-B // shards[0]), -(-V // shards[1])  # one device's rows and vocabulary columns
     if cfg.loss_chunk == "auto":
-        if cfg.max_logits_mib * 2**20 >= B * T * V * 4:
+        if cfg.max_logits_mib * 2**20 >= rows * T * columns * 4:
             return None
-        per_chunk = int(cfg.max_logits_mib * 2**20 // (B * V * 4))  # positions whose [B, c, V] float32 fit
+        per_chunk = int(cfg.max_logits_mib * 2**20 // (rows * columns * 4))  # positions whose float32 logits fit
     elif cfg.loss_chunk == 0:
         return None
     else:
-        per_chunk = cfg.loss_chunk // B
+        per_chunk = cfg.loss_chunk // rows
     n = -(-T // max(per_chunk, 1))
     return None if n == 1 else -(-T // n)
 
@@ -85,7 +88,8 @@ def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Ar
     else:
         h_BTD = hidden_states(model, cfg.objective, batch, dropout_rng)
         labels_BT = batch["targets"]
-        chunk = loss_chunk(cfg, *labels_BT.shape, model.cfg.vocab_size)
+        shards = sharding.shard_counts(("batch", "vocab"))  # the logits' rows and columns one device holds
+        chunk = loss_chunk(cfg, *labels_BT.shape, model.cfg.vocab_size, shards)
         sums = F.chunked_cross_entropy(h_BTD, model.head, labels_BT, batch["weights"], chunk=chunk, **smoothing)
     return sums["loss"], sums
 
@@ -174,8 +178,6 @@ def jit_steps(train_step, eval_step, state: TrainState, mesh: jax.sharding.Mesh 
     """jit both steps once: the state donated, and with a mesh explicit in/out shardings."""
     if mesh is None:
         return jax.jit(train_step, donate_argnums=0), jax.jit(eval_step)
-    from jaxformer import sharding
-
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     batch_sh = sharding.batch_sharding(mesh)
     train = jax.jit(train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=0)
@@ -301,8 +303,6 @@ def fit(
     A save that cannot be written (disk full, read-only) raises `checkpoint.CheckpointWriteError`
     naming the last complete checkpoint, which a rerun resumes from.
     """
-    from jaxformer import sharding
-
     sharding.initialize_distributed(cfg.mesh)
     mesh = sharding.make_mesh(cfg.mesh)
     with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
@@ -312,7 +312,7 @@ def fit(
 def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: bool, on_eval, profile_steps) -> dict:
     from tqdm.auto import tqdm
 
-    from jaxformer import chips, decode, observe, sharding
+    from jaxformer import chips, decode, observe
     from jaxformer.checkpoint import Checkpointer
     from jaxformer.data import build_dataset, sources
 

@@ -22,7 +22,7 @@ STRATEGIES = {  # (data, fsdp, tensor[, train.loss_chunk])
     "dp8": (8, 1, 1),
     "fsdp8": (1, 8, 1),
     "fsdp4_tp2": (1, 4, 2),
-    "fsdp4_tp2_chunked": (1, 4, 2, 2 * B),  # the loss in 4 chunks of 2 positions, the head vocab-parallel
+    "fsdp4_tp2_chunked": (1, 4, 2, 4),  # the loss in chunks of 4 tokens a device (its 2 rows x 2 positions)
 }
 GENERATE = ("dp8", "fsdp4_tp2")  # decoding under a mesh: batch over 8 devices; FSDP with tensor parallelism
 
@@ -132,6 +132,8 @@ def strategies(mode: str) -> dict:
         # Actual shardings against the rules table.
         with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
             expected = sharding.state_shardings(jax.eval_shape(lambda s=state: s), mesh)
+            entry["shard_counts"] = sharding.shard_counts(("batch", "vocab", "length"))  # as the loss sizes chunks
+        entry["mesh"] = dict(mesh.shape)
         entry["sharding_mismatches"] = [
             jax.tree_util.keystr(p)
             for (p, x), want in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(expected), strict=True)

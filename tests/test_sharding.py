@@ -67,6 +67,8 @@ def test_sharded_training_equals_one_device(strategies, mode, strategy):
     assert r["loss_rel"] < LOSS_RTOL, r
     assert r["param_rel"] < PARAM_RTOL, r
     assert r["sharding_mismatches"] == [], "every array sharded as the rules table says"
+    mesh = r["mesh"]
+    assert r["shard_counts"] == [mesh["data"] * mesh["fsdp"], mesh["tensor"], 1], "the shares a device holds"
 
 
 @pytest.mark.parametrize("strategy", ["dp8", "fsdp4_tp2"])

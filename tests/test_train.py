@@ -240,17 +240,25 @@ def test_chunked_loss_equals_the_plain_loss_in_every_mode():
 
 
 def test_loss_chunk_sizes_and_validation():
-    """loss_chunk "auto" chunks only logits above max_logits_mib, into equal chunks whose logits fit in it; a token
-    count is whole rows times positions; 0 never chunks; bad values name their field."""
+    """loss_chunk "auto" chunks only logits above max_logits_mib, into equal chunks whose logits fit in it,
+    both counted on one device; a token count is a device's rows times positions; 0 never chunks; bad
+    values name their field."""
     auto = C.TrainConfig()
     assert loss_chunk(auto, 8, 128, 8000) is None  # 31 MiB of logits: the plain loss
-    for B, T, V in ((8, 1024, 50257), (1, 32768, 128256), (64, 2048, 32000)):
-        c = loss_chunk(auto, B, T, V)
+    assert loss_chunk(auto, 64, 1024, 50257, shards=(64, 1)) is None  # 196 MiB a device over 64 batch shards
+    for B, T, V, (rows, cols) in (
+        (8, 1024, 50257, (1, 1)),
+        (1, 32768, 128256, (1, 1)),
+        (64, 2048, 32000, (8, 2)),  # a device holds 8 rows of 16000 columns
+    ):
+        c = loss_chunk(auto, B, T, V, shards=(rows, cols))
         n = -(-T // c)
-        assert B * c * V * 4 <= auto.max_logits_mib * 2**20 and (n - 1) * c < T <= n * c, (B, T, V, c)
-        assert n * c - T < n, "equal chunks: less than one position of padding per chunk"
+        assert (B // rows) * c * (V // cols) * 4 <= auto.max_logits_mib * 2**20, (B, T, V, c)
+        assert (B // rows) * 2 * c * (V // cols) * 4 > auto.max_logits_mib * 2**20, "chunks no smaller than needed"
+        assert (n - 1) * c < T <= n * c and n * c - T < n, "equal chunks: under a position of padding each"
     assert loss_chunk(C.TrainConfig(loss_chunk=0), 64, 2048, 32000) is None
     assert loss_chunk(C.TrainConfig(loss_chunk=4096), 8, 1024, 50) == 512
+    assert loss_chunk(C.TrainConfig(loss_chunk=4096), 64, 1024, 50, shards=(8, 1)) == 512  # tokens a device
     assert loss_chunk(C.TrainConfig(loss_chunk=5), 8, 16, 50) == 1  # fewer tokens than rows: a position each
     assert loss_chunk(C.TrainConfig(loss_chunk=8 * 16), 8, 16, 50) is None  # one chunk: the plain loss
     overrides = ["train.loss_chunk=4096", "train.max_logits_mib=64"]
