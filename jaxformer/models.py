@@ -352,6 +352,7 @@ class Transformer(nnx.Module):
         )  # fmt: skip
         return self.lm_head(h_BTD, log_softmax=log_softmax)
 
+    @in_precision
     def decoder_states(
         self,
         memory_BSD: Array | None,
