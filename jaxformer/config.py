@@ -346,6 +346,14 @@ class TrainConfig:
     clip_norm: float = 1.0  # global gradient-norm clipping; 0 disables
     label_smoothing: float = 0.0  # paper: 0.1
     z_loss: float = 0.0
+    # The token loss (lm, seq2seq, mlm) a chunk of positions at a time: each chunk's logits are made, used
+    # and dropped (and remade in the backward pass), so the whole [B, T, V] never exists; the same loss and
+    # gradients for a little more time (the output layer's FLOPs x 4/3). loss_chunk: tokens per chunk on
+    # each device (its rows of the micro-batch times a run of positions); 0 = never chunk; "auto" = chunk
+    # only when the float32 logits a device holds, B x T x V x 4 bytes over the batch and vocabulary
+    # shards, would exceed max_logits_mib, in chunks whose logits fit in it.
+    loss_chunk: int | Literal["auto"] = "auto"
+    max_logits_mib: float = 256.0
     mlm_probability: float = 0.15  # BERT: 15% of tokens; 80% [MASK], 10% random, 10% unchanged
     seed: int = 0
     log_every: int = 25
@@ -374,6 +382,14 @@ class TrainConfig:
         require(0 < self.eps < math.inf, f"{p}.eps", f"must be positive, got {self.eps}")
         require(self.warmup_steps >= 0, f"{p}.warmup_steps", "must be >= 0")
         require(0 <= self.label_smoothing < 1, f"{p}.label_smoothing", "must be in [0, 1)")
+        require(
+            self.loss_chunk == "auto" or self.loss_chunk >= 0,
+            f"{p}.loss_chunk",
+            f"must be tokens per chunk >= 0 (0 = never chunk) or 'auto', got {self.loss_chunk}",
+        )
+        require(
+            0 < self.max_logits_mib < math.inf, f"{p}.max_logits_mib", f"must be positive, got {self.max_logits_mib}"
+        )
         require(0 < self.mlm_probability < 1, f"{p}.mlm_probability", "must be in (0, 1)")
         require(self.clip_norm >= 0 and self.weight_decay >= 0, f"{p}.clip_norm", "clip_norm and weight_decay >= 0")
         require(

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import logging
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -651,3 +652,60 @@ def top1_correct(logits_BTV: Array, labels_BT: Array) -> Array:
     One max over V, shared with the loss's log-sum-exp, instead of an argmax's second pass.
     """
     return label_logits(logits_BTV, labels_BT) >= logits_BTV.max(-1)
+
+
+def cross_entropy_sums(
+    logits_BTV: Array, labels_BT: Array, weights_BT: Array, *, label_smoothing: float = 0.0, z_loss: float = 0.0
+) -> dict[str, Array]:
+    """The summed loss (smoothed, with z-loss), summed unsmoothed NLL (for perplexity), summed top-1
+    hits and summed weight of a batch of logits: what a step adds up and divides by the count."""
+    loss, w = cross_entropy(logits_BTV, labels_BT, weights_BT, label_smoothing=label_smoothing, z_loss=z_loss)
+    nll, _ = cross_entropy(logits_BTV, labels_BT, weights_BT)  # shares log Z with the loss once XLA fuses them
+    correct = top1_correct(logits_BTV.astype(jnp.float32), labels_BT).astype(jnp.float32) * w
+    return {"loss": loss.sum(), "nll": nll.sum(), "correct": correct.sum(), "count": w.sum()}
+
+
+def chunked_cross_entropy(
+    h_BTD: Array,
+    head: Callable[[Array], Array],
+    labels_BT: Array,
+    weights_BT: Array,
+    *,
+    chunk: int | None,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+) -> dict[str, Array]:
+    """`cross_entropy_sums(head(h_BTD), ...)` computed `chunk` positions at a time, so that only one
+    chunk's [B, chunk, V] logits exist at once, in the forward pass and in the backward.
+
+    `head` maps hidden states [B, t, D] to logits [B, t, V] for any t (the model's output layer, whole:
+    tied or untied, bias, a masked-LM transform); `chunk` None (or >= T) is the plain loss, one call.
+    Chunks cut the length axis and keep the batch axis whole, so each chunk is sharded over the batch
+    (and the vocabulary) as the whole would be. T is padded to a multiple of `chunk` with weight 0.
+
+    The chunk body runs under `jax.checkpoint` inside `lax.scan`: the forward keeps only the running
+    sums, and the backward recomputes each chunk's logits before taking their gradient (dW adds up in
+    the scan's carry). That costs one more [chunk, D] x [D, V] product per chunk (the output layer's
+    FLOPs x 4/3) where a custom_vjp computing the gradient in the forward pass (Liger's) would not,
+    but it differentiates any `head` without a hand-written gradient (LoRA, biases, the MLM
+    transform, sharding constraints), and evaluation pays nothing for it.
+    Same float32 numerics as the plain loss; only the order of the sums differs.
+    """
+    sums = functools.partial(cross_entropy_sums, label_smoothing=label_smoothing, z_loss=z_loss)
+    B, T = labels_BT.shape
+    if chunk is None or chunk >= T:
+        return sums(head(h_BTD), labels_BT, weights_BT)
+    n = -(-T // chunk)  # chunks; the last one padded with weight 0
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, n * chunk - T)] + [(0, 0)] * (x.ndim - 2))
+    split = lambda x: jnp.moveaxis(pad(x).reshape(B, n, chunk, *x.shape[2:]), 1, 0)  # [n, B, chunk, ...]
+    xs = (split(h_BTD), split(labels_BT), split(weights_BT.astype(jnp.float32)))  # [n, B, c, D], [n, B, c] x 2
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)  # inside scan, CSE cannot undo the recomputation
+    def chunk_sums(h_BcD, labels_Bc, weights_Bc):
+        return sums(head(h_BcD), labels_Bc, weights_Bc)  # logits [B, c, V], gone when the chunk is done
+
+    def body(total, x):
+        return jax.tree.map(jnp.add, total, chunk_sums(*x)), None
+
+    zeros = {k: jnp.zeros((), jnp.float32) for k in ("loss", "nll", "correct", "count")}
+    return jax.lax.scan(body, zeros, xs)[0]

@@ -276,6 +276,8 @@ class Transformer(nnx.Module):
       decoder_only:    model(tgt_ids) -> next-token logits [B, T, V]
       encoder_decoder: model(src_ids, tgt_ids) -> logits [B, T, V];
                        or memory = model.encode(src_ids); model.decode(memory, src_ids, tgt_ids)
+    `model(...)` is `model.head(model.hidden(...))`: the final hidden states [B, T, D], then the output
+    layer, which the chunked loss applies a few positions at a time.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -344,12 +346,33 @@ class Transformer(nnx.Module):
         only lets a fused kernel skip padded keys. The memory's padding is `src_lengths` (or
         `src_segments`; with neither, trailing `pad_id`s of `src_ids_BS`).
         """
+        h_BTD = self.decoder_states(
+            memory_BSD, src_ids_BS, tgt_ids_BT, src_lengths=src_lengths, src_segments=src_segments,
+            tgt_lengths=tgt_lengths, tgt_segments=tgt_segments, tgt_positions=tgt_positions, dropout_rng=dropout_rng,
+        )  # fmt: skip
+        return self.lm_head(h_BTD, log_softmax=log_softmax)
+
+    @in_precision
+    def decoder_states(
+        self,
+        memory_BSD: Array | None,
+        src_ids_BS: Array | None,
+        tgt_ids_BT: Array,
+        *,
+        src_lengths: Array | None = None,
+        src_segments: Array | None = None,
+        tgt_lengths: Array | None = None,
+        tgt_segments: Array | None = None,
+        tgt_positions: Array | None = None,
+        dropout_rng: Array | None = None,
+    ) -> Array:
+        """`decode` up to the output layer: the decoder's final hidden states [B, T, D]."""
         cross_mask = None
         if memory_BSD is not None:
             cross_mask = memory_mask(
                 self.src_lengths(src_ids_BS, src_lengths, src_segments), tgt_segments, src_segments
             )
-        h_BTD = self.decoder(
+        return self.decoder(
             tgt_ids_BT,
             lengths=tgt_lengths,
             segments=tgt_segments,
@@ -358,7 +381,6 @@ class Transformer(nnx.Module):
             memory_BSD=memory_BSD,
             memory_mask=cross_mask,
         )
-        return self.lm_head(h_BTD, log_softmax=log_softmax)
 
     @in_precision
     def init_cache(
@@ -431,7 +453,20 @@ class Transformer(nnx.Module):
         )
 
     @in_precision
-    def __call__(
+    def head(self, h_BTD: Array) -> Array:
+        """The mode's language-model output layer: final hidden states [B, T, D] -> logits [B, T, V]
+        (the masked-LM head in encoder_only mode, with its transform). Token-wise, so a chunked loss
+        (`functional.chunked_cross_entropy`) applies it to a few positions at a time."""
+        return self.mlm_head(h_BTD) if self.cfg.mode == "encoder_only" else self.lm_head(h_BTD)
+
+    @in_precision
+    def __call__(self, ids: Array, tgt_ids: Array | None = None, **kwargs) -> Array:
+        """Logits of the mode's language-model objective (see the class docstring): `head(hidden(...))`,
+        with `hidden`'s keywords (lengths, segments, positions, token types, the target's, dropout_rng)."""
+        return self.head(self.hidden(ids, tgt_ids, **kwargs))
+
+    @in_precision
+    def hidden(
         self,
         ids: Array,
         tgt_ids: Array | None = None,
@@ -445,7 +480,8 @@ class Transformer(nnx.Module):
         tgt_positions: Array | None = None,
         dropout_rng: Array | None = None,
     ) -> Array:
-        """Logits of the mode's language-model objective (see the class docstring).
+        """The final hidden states [B, T, D] (encoder_only: [B, S, D]) that `head` maps to the logits of
+        the mode's language-model objective (see the class docstring).
 
         `lengths` [B] (or `segments`) say which of `ids` are padding: the source's in encoder
         modes, where they default to trailing `pad_id`s; a decoder-only model needs none.
@@ -464,20 +500,19 @@ class Transformer(nnx.Module):
                 raise ValueError(f"batch sizes differ: src_ids has {ids.shape[0]} rows, tgt_ids {tgt_ids.shape[0]}")
         r_enc, r_dec = split_rng(dropout_rng, 2)
         if mode == "encoder_only":
-            x_BSD = self.encode(
+            return self.encode(
                 ids, src_lengths=lengths, src_segments=segments, src_positions=positions,
                 src_token_types=token_types, dropout_rng=r_enc,
             )  # fmt: skip
-            return self.mlm_head(x_BSD)
         if mode == "decoder_only":
-            return self.decode(
+            return self.decoder_states(
                 None, None, ids, tgt_lengths=lengths, tgt_segments=segments, tgt_positions=positions,
                 dropout_rng=r_dec,
             )  # fmt: skip
         lengths = self.src_lengths(ids, lengths, segments)  # once, for the encoder and the cross-attention
         memory_BSD = self.encode(ids, src_lengths=lengths, src_segments=segments, src_positions=positions,
                                  src_token_types=token_types, dropout_rng=r_enc)  # fmt: skip
-        return self.decode(
+        return self.decoder_states(
             memory_BSD,
             ids,
             tgt_ids,

@@ -140,6 +140,14 @@ def use(mesh: jax.sharding.Mesh, rules: tuple):
 # ----------------------------------------------------------------------------- shardings
 
 
+def shard_counts(names: tuple[str | None, ...]) -> tuple[int, ...]:
+    """How many ways the rules and mesh in effect split each logical axis (1s outside them): what a
+    traced step divides a global shape by for the part one device holds."""
+    spec, sizes = activation_spec(names), jax.sharding.get_abstract_mesh().shape
+    axes = [spec[i] if i < len(spec) else None for i in range(len(names))]
+    return tuple(math.prod(sizes[a] for a in ((ax,) if isinstance(ax, str) else ax or ())) for ax in axes)
+
+
 def logical_to_spec(names: tuple[str | None, ...]) -> PartitionSpec:
     """Logical names -> PartitionSpec under the rules in effect."""
     return nn.logical_to_mesh_axes(names)

@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 
 from jaxformer import functional as F
+from jaxformer import sharding
 from jaxformer.config import Config, ModelConfig, TrainConfig
 from jaxformer.layers import check_batch_ids, without_id_checks
 from jaxformer.models import Transformer
@@ -32,42 +33,65 @@ Array = jax.Array
 # ----------------------------------------------------------------------------- losses
 
 
-def forward(model: Transformer, objective: str, batch: dict, dropout_rng: Array | None) -> Array:
-    """Logits of the objective: [B, T, V] for token objectives, [B, C] for classification ([B, N, C]
-    for packed rows, one per segment)."""
-    src_lengths = batch.get("src_lengths")  # padding is said by the data, never read off a token id
-    if objective == "classify":
-        packed = "src_segments" in batch  # labels [B, N]: N, the segments a row may hold, is static
-        return model.classify(
-            batch["src"], src_lengths=src_lengths, src_segments=batch.get("src_segments"),
-            src_positions=batch.get("src_positions"), num_segments=batch["label"].shape[1] if packed else None,
-            dropout_rng=dropout_rng,
-        )  # fmt: skip
-    if objective == "seq2seq":
-        return model(
-            batch["src"], batch["inputs"], lengths=src_lengths, segments=batch.get("src_segments"),
+def classify_logits(model: Transformer, batch: dict, dropout_rng: Array | None) -> Array:
+    """Class logits [B, C] ([B, N, C] for packed rows, one per segment)."""
+    packed = "src_segments" in batch  # labels [B, N]: N, the segments a row may hold, is static
+    return model.classify(
+        batch["src"], src_lengths=batch.get("src_lengths"), src_segments=batch.get("src_segments"),
+        src_positions=batch.get("src_positions"), num_segments=batch["label"].shape[1] if packed else None,
+        dropout_rng=dropout_rng,
+    )  # fmt: skip
+
+
+def hidden_states(model: Transformer, objective: str, batch: dict, dropout_rng: Array | None) -> Array:
+    """The final hidden states [B, T, D] of a token objective (lm, seq2seq, mlm), which `model.head`
+    maps to its logits [B, T, V]."""
+    if objective == "seq2seq":  # padding is said by the data, never read off a token id
+        return model.hidden(
+            batch["src"], batch["inputs"], lengths=batch.get("src_lengths"), segments=batch.get("src_segments"),
             positions=batch.get("src_positions"), tgt_segments=batch.get("tgt_segments"),
             tgt_positions=batch.get("tgt_positions"), dropout_rng=dropout_rng,
         )  # fmt: skip
     # Packed rows: several documents, each its own segment with its own positions.
-    return model(
+    return model.hidden(
         batch["inputs"], segments=batch.get("segments"), positions=batch.get("positions"), dropout_rng=dropout_rng
     )
 
 
+def loss_chunk(cfg: TrainConfig, B: int, T: int, V: int, shards: tuple[int, int] = (1, 1)) -> int | None:
+    """Positions per chunk of the chunked loss for a [B, T] (micro-)batch and V classes, split
+    `shards` = (batch, vocabulary) ways over the devices (`train.loss_chunk`, `train.max_logits_mib`
+    count what one device holds); None: the plain loss. Chunks are made equal, so the last pads little."""
+    rows, columns = -(-B // shards[0]), -(-V // shards[1])  # one device's rows and vocabulary columns
+    if cfg.loss_chunk == "auto":
+        if cfg.max_logits_mib * 2**20 >= rows * T * columns * 4:
+            return None
+        per_chunk = int(cfg.max_logits_mib * 2**20 // (rows * columns * 4))  # positions whose float32 logits fit
+    elif cfg.loss_chunk == 0:
+        return None
+    else:
+        per_chunk = cfg.loss_chunk // rows
+    n = -(-T // max(per_chunk, 1))
+    return None if n == 1 else -(-T // n)
+
+
 def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Array | None) -> tuple[Array, dict]:
-    """Summed loss (to be divided by the token count) and summed metrics of one (micro-)batch."""
-    logits = forward(model, cfg.objective, batch, dropout_rng)
+    """Summed loss (to be divided by the token count) and summed metrics of one (micro-)batch.
+
+    Token objectives go through `functional.chunked_cross_entropy`: the plain loss on `model.head` of
+    the hidden states, or, as `loss_chunk` says, that loss a chunk of positions at a time."""
+    smoothing = {"label_smoothing": cfg.label_smoothing, "z_loss": cfg.z_loss}
     if cfg.objective == "classify":  # packed: labels [B, N], weights 1 for the segments a row holds
         labels = batch["label"]
         weights = batch["weights"] if "weights" in batch else jnp.ones(labels.shape, jnp.float32)
+        sums = F.cross_entropy_sums(classify_logits(model, batch, dropout_rng), labels, weights, **smoothing)
     else:
-        labels, weights = batch["targets"], batch["weights"]
-    loss, w = F.cross_entropy(logits, labels, weights, label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss)
-    nll, _ = F.cross_entropy(logits, labels, weights)  # unsmoothed, for perplexity
-    correct = F.top1_correct(logits.astype(jnp.float32), labels).astype(jnp.float32) * w
-    sums = {"loss": loss.sum(), "nll": nll.sum(), "correct": correct.sum(), "count": w.sum()}
-    return loss.sum(), sums
+        h_BTD = hidden_states(model, cfg.objective, batch, dropout_rng)
+        labels_BT = batch["targets"]
+        shards = sharding.shard_counts(("batch", "vocab"))  # the logits' rows and columns one device holds
+        chunk = loss_chunk(cfg, *labels_BT.shape, model.cfg.vocab_size, shards)
+        sums = F.chunked_cross_entropy(h_BTD, model.head, labels_BT, batch["weights"], chunk=chunk, **smoothing)
+    return sums["loss"], sums
 
 
 def make_steps(graphdef: nnx.GraphDef, cfg: Config, optimizer: optax.GradientTransformation):
@@ -154,8 +178,6 @@ def jit_steps(train_step, eval_step, state: TrainState, mesh: jax.sharding.Mesh 
     """jit both steps once: the state donated, and with a mesh explicit in/out shardings."""
     if mesh is None:
         return jax.jit(train_step, donate_argnums=0), jax.jit(eval_step)
-    from jaxformer import sharding
-
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     batch_sh = sharding.batch_sharding(mesh)
     train = jax.jit(train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=0)
@@ -281,8 +303,6 @@ def fit(
     A save that cannot be written (disk full, read-only) raises `checkpoint.CheckpointWriteError`
     naming the last complete checkpoint, which a rerun resumes from.
     """
-    from jaxformer import sharding
-
     sharding.initialize_distributed(cfg.mesh)
     mesh = sharding.make_mesh(cfg.mesh)
     with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
@@ -292,7 +312,7 @@ def fit(
 def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: bool, on_eval, profile_steps) -> dict:
     from tqdm.auto import tqdm
 
-    from jaxformer import chips, decode, observe, sharding
+    from jaxformer import chips, decode, observe
     from jaxformer.checkpoint import Checkpointer
     from jaxformer.data import build_dataset, sources
 

@@ -7,6 +7,7 @@ and decoding speed with and without the KV cache.
     python scripts/benchmark.py --compare             # side by side with Hugging Face Flax and PyTorch (bench extra)
     python scripts/benchmark.py --lora 16 --modes decoder_only --d-model 512 --heads 8 --layers 6 --seq 256 --batch 8
                                                       # full fine-tuning vs LoRA rank 16 on q,k,v,o, interleaved
+    python scripts/benchmark.py --loss-chunk 512 --modes decoder_only --vocab 50257   # chunked vs plain loss
     python scripts/benchmark.py --matmul-floor --vocab 8192 --modes decoder_only   # the step's products timed alone
     python scripts/benchmark.py --gpt2-vs-torch --d-model 2048 --heads 16 --layers 24 --vocab 50304 --seq 1024 \
         --attention auto --batches 8,16    # the 1.3B GPT-2 shape beside torch.compile (scripts/gpu_check.sh)
@@ -182,6 +183,40 @@ def lora_vs_full(args) -> None:
     print(
         f"lora / full: step time {step_s[f'lora r={args.lora}'] / step_s['full']:.2f}x, "
         f"FLOPs {low[3] / full[3]:.2f}x, optimizer state {low[2] / full[2]:.4f}x, memory {low[4] / full[4]:.2f}x"
+    )
+
+
+def chunked_vs_plain_loss(args) -> None:
+    """The same training step with the plain loss (train.loss_chunk=0) and the chunked one (`--loss-chunk`
+    tokens per chunk), in one process, interleaved rounds: step time of each and their ratio, and the
+    compiled steps' temporary memory (XLA's analysis), which holds the [B, T, V] logits in the plain one."""
+    mode = args.modes.split(",")[0]
+    objective = OBJECTIVE[mode]
+    runs = {"plain": 0, f"chunk {args.loss_chunk}": args.loss_chunk}
+    steps, states, temp_mb = {}, {}, {}
+    batch = jax.device_put(synthetic_batch(objective, args.batch, args.seq, args.vocab))
+    for name, chunk in runs.items():
+        cfg = C.Config(
+            model=model_config(mode, args),
+            train=C.TrainConfig(objective=objective, batch_size=args.batch, loss_chunk=chunk),
+            data=C.DataConfig(max_len=args.seq),
+        )
+        graphdef, state, optimizer = init_state(cfg)
+        compiled, _, _ = _compiled(jax.jit(make_steps(graphdef, cfg, optimizer)[0], donate_argnums=0), state, batch)
+        temp_mb[name] = compiled.memory_analysis().temp_size_in_bytes / 2**20
+        steps[name], states[name] = compiled, state
+    print(
+        f"chunked vs plain loss: {mode} D={args.d_model} H={args.heads} L={args.layers} V={args.vocab} "
+        f"T={args.seq} B={args.batch} {args.dtype}; median of {args.rounds} interleaved rounds of {args.steps} steps"
+    )
+    _timed_rounds(steps, states, batch, 1, 2)  # warm-up
+    step_s = _timed_rounds(steps, states, batch, args.rounds, args.steps)
+    for name in runs:
+        print(f"{name:12s} step {1e3 * step_s[name]:8.1f} ms   temp {temp_mb[name]:8.1f} MB")
+    chunked = f"chunk {args.loss_chunk}"
+    print(
+        f"chunked / plain: step time {step_s[chunked] / step_s['plain']:.2f}x, "
+        f"temporaries {temp_mb[chunked] / temp_mb['plain']:.2f}x"
     )
 
 
@@ -518,7 +553,8 @@ def main() -> None:
     p.add_argument("--gpt2-step", help=argparse.SUPPRESS)  # one of gpt2-vs-torch's runs, in its own process
     p.add_argument("--lora", type=int, default=0, help="full fine-tuning vs LoRA of this rank, interleaved")
     p.add_argument("--lora-targets", default="q,k,v,o", help="lora: the adapted projections")
-    p.add_argument("--rounds", type=int, default=3, help="compare, lora: interleaved rounds")
+    p.add_argument("--loss-chunk", type=int, default=0, help="plain loss vs chunks of this many tokens, interleaved")
+    p.add_argument("--rounds", type=int, default=3, help="compare, lora, loss-chunk: interleaved rounds")
     p.add_argument("--dropout", type=float, default=0.1, help="compare: residual/embedding dropout")
     args = p.parse_args()
     tpu.compile_only_without_chips()  # with the tpu extra on a machine without chips: no libtpu errors
@@ -530,6 +566,9 @@ def main() -> None:
         return
     if args.lora:
         lora_vs_full(args)
+        return
+    if args.loss_chunk:
+        chunked_vs_plain_loss(args)
         return
     if args.gpt2_step:
         print(json.dumps(gpt2_step(**json.loads(args.gpt2_step))))

@@ -18,15 +18,16 @@ import jax
 import numpy as np
 
 STEPS, B, T = 5, 8, 8
-STRATEGIES = {  # (data, fsdp, tensor)
+STRATEGIES = {  # (data, fsdp, tensor[, train.loss_chunk])
     "dp8": (8, 1, 1),
     "fsdp8": (1, 8, 1),
     "fsdp4_tp2": (1, 4, 2),
+    "fsdp4_tp2_chunked": (1, 4, 2, 4),  # the loss in chunks of 4 tokens a device (its 2 rows x 2 positions)
 }
 GENERATE = ("dp8", "fsdp4_tp2")  # decoding under a mesh: batch over 8 devices; FSDP with tensor parallelism
 
 
-def config(mode: str, mesh: tuple[int, int, int]):
+def config(mode: str, mesh: tuple[int, ...]):
     from jaxformer import config as C
 
     objective = {"decoder_only": "lm", "encoder_decoder": "seq2seq", "encoder_only": "mlm"}[mode]
@@ -35,11 +36,12 @@ def config(mode: str, mesh: tuple[int, int, int]):
     model = model.replace(  # one layer per stack: the layers are alike, compile time is not
         num_encoder_layers=min(model.num_encoder_layers, 1), num_decoder_layers=min(model.num_decoder_layers, 1)
     )
-    data, fsdp, tensor = mesh
+    data, fsdp, tensor, *chunk = mesh
+    chunking = {"loss_chunk": chunk[0]} if chunk else {}  # else "auto": the plain loss at these sizes
     return C.Config(
         model=model,
         data=C.DataConfig(max_len=T),
-        train=C.TrainConfig(objective=objective, batch_size=B, learning_rate=1e-2, warmup_steps=1),
+        train=C.TrainConfig(objective=objective, batch_size=B, learning_rate=1e-2, warmup_steps=1, **chunking),
         mesh=C.MeshConfig(data=data, fsdp=fsdp, tensor=tensor),
     )
 
@@ -130,6 +132,8 @@ def strategies(mode: str) -> dict:
         # Actual shardings against the rules table.
         with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
             expected = sharding.state_shardings(jax.eval_shape(lambda s=state: s), mesh)
+            entry["shard_counts"] = sharding.shard_counts(("batch", "vocab", "length"))  # as the loss sizes chunks
+        entry["mesh"] = dict(mesh.shape)
         entry["sharding_mismatches"] = [
             jax.tree_util.keystr(p)
             for (p, x), want in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(expected), strict=True)

@@ -1,6 +1,7 @@
 """The pure maths against NumPy transcriptions of the formulas and library references."""
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -456,3 +457,67 @@ def test_attention_scale_replaces_one_over_sqrt_k(impl):
     q, k, v = (jax.random.normal(jax.random.key(i), (2, 5, 4, 8)) for i in range(3))
     unscaled = F.dot_product_attention(q, k, v, scale=1.0, implementation=impl)
     np.testing.assert_allclose(unscaled, F.dot_product_attention(q * math.sqrt(8), k, v), atol=1e-5)
+
+
+def test_chunked_cross_entropy_equals_the_plain_loss_value_and_gradient():
+    """Chunks of 3 of T = 7 positions (the last padded with weight 0): the sums and the gradients of
+    the hidden states and of the head's weights equal those of the loss on the whole logits; with
+    label smoothing, z-loss, zero weights, tied (scaled) and untied (biased) heads; bfloat16 to its
+    precision."""
+    B, T, D, V = 2, 7, 5, 13
+    keys = jax.random.split(jax.random.key(0), 4)
+    h = jax.random.normal(keys[0], (B, T, D))
+    params = {"w": jax.random.normal(keys[1], (D, V)), "b": jax.random.normal(keys[2], (V,)) * 0.1}
+    labels = jax.random.randint(keys[3], (B, T), 0, V)
+    weights = jnp.array([[1, 1, 0, 1, 1, 1, 0], [1, 0, 0, 1, 1, 1, 1]], jnp.float32)
+    heads = {  # [B, t, D] -> [B, t, V] for any t
+        "untied + bias": lambda p, x: jnp.einsum("BTD,DV->BTV", x, p["w"]) + p["b"][None, None],
+        "tied, scaled": lambda p, x: jnp.einsum("BTD,VD->BTV", x * D**-0.5, p["w"].T),
+        "bfloat16": lambda p, x: jnp.einsum("BTD,DV->BTV", x.astype(jnp.bfloat16), p["w"].astype(jnp.bfloat16)),
+    }
+    smooth = {"label_smoothing": 0.1, "z_loss": 1e-3}
+
+    def plain(p, h, head):  # the loss on the whole logits, written out as the step wrote it before chunking
+        logits = head(p, h)
+        loss, w = F.cross_entropy(logits, labels, weights, **smooth)
+        nll, _ = F.cross_entropy(logits, labels, weights)
+        correct = (F.top1_correct(logits.astype(jnp.float32), labels) * w).sum()
+        return loss.sum(), {"loss": loss.sum(), "nll": nll.sum(), "correct": correct, "count": w.sum()}
+
+    def chunked(p, h, head, chunk):
+        sums = F.chunked_cross_entropy(h, functools.partial(head, p), labels, weights, chunk=chunk, **smooth)
+        return sums["loss"], sums
+
+    @jax.jit
+    def everything(params, h):
+        grad = lambda f, *a: jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(params, h, *a)
+        return {name: (grad(plain, head), grad(chunked, head, 3)) for name, head in heads.items()}
+
+    for name, (((_, want), want_grads), ((_, got), got_grads)) in everything(params, h).items():
+        tol = 1e-2 if name == "bfloat16" else 1e-6
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=tol, err_msg=f"{name}: {k}")
+        for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+            np.testing.assert_allclose(g, w, rtol=tol, atol=tol * np.abs(w).max(), err_msg=name)
+        assert float(want["count"]) == float(weights.sum()) and float(want["loss"]) > float(want["nll"]) > 0
+
+
+def test_chunked_cross_entropy_compiles_to_a_fraction_of_the_plain_loss_memory():
+    """Loss and gradient at V = 50257 (GPT-2's), 2048 tokens, D = 64, compiled (not run): the plain
+    loss's temporaries hold the [2048, V] float32 logits and their gradient (~785 MiB); chunks of 256
+    tokens hold 1/8 of that at a time, plus the [D, V] gradient they add up. Asserted: below 2 x 1/8."""
+    B, T, D, V, chunk = 4, 512, 64, 50257, 64  # 64 positions of 4 rows: 256 tokens a chunk
+
+    def temp_bytes(chunk):
+        def loss(h, w, labels, weights):
+            head = lambda x: jnp.einsum("BTD,DV->BTV", x, w)
+            return F.chunked_cross_entropy(h, head, labels, weights, chunk=chunk, label_smoothing=0.1)["loss"]
+
+        shapes = [((B, T, D), jnp.float32), ((D, V), jnp.float32), ((B, T), jnp.int32), ((B, T), jnp.float32)]
+        args = [jax.ShapeDtypeStruct(*s) for s in shapes]
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    plain, chunked = temp_bytes(None), temp_bytes(chunk)
+    assert plain > 2 * B * T * V * 4 * 0.9, "the plain loss holds the logits and their gradient"
+    assert chunked < 2 * (chunk / T) * plain, (chunked / 2**20, plain / 2**20)

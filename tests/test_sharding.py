@@ -18,8 +18,9 @@ WORKER = pathlib.Path(__file__).with_name("sharded_worker.py")
 LOSS_RTOL, PARAM_RTOL = 1e-5, 1e-5
 MODES = ["decoder_only", "encoder_decoder", "encoder_only"]
 # Data parallelism and FSDP alone, and FSDP with tensor parallelism (data x tensor lays the batch
-# and the tensor axis out as FSDP x tensor does: that 2-D case is run once).
-STRATEGIES = ["dp8", "fsdp8", "fsdp4_tp2"]
+# and the tensor axis out as FSDP x tensor does: that 2-D case is run once), also with the chunked loss
+# (against the plain loss on one device).
+STRATEGIES = ["dp8", "fsdp8", "fsdp4_tp2", "fsdp4_tp2_chunked"]
 
 
 def worker(*args, devices=8, timeout=600):
@@ -66,6 +67,8 @@ def test_sharded_training_equals_one_device(strategies, mode, strategy):
     assert r["loss_rel"] < LOSS_RTOL, r
     assert r["param_rel"] < PARAM_RTOL, r
     assert r["sharding_mismatches"] == [], "every array sharded as the rules table says"
+    mesh = r["mesh"]
+    assert r["shard_counts"] == [mesh["data"] * mesh["fsdp"], mesh["tensor"], 1], "the shares a device holds"
 
 
 @pytest.mark.parametrize("strategy", ["dp8", "fsdp4_tp2"])

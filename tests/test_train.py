@@ -1,6 +1,7 @@
 """The training step against formulas and invariants: schedules, losses, accumulation, determinism."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +10,9 @@ import pytest
 
 from jaxformer import config as C
 from jaxformer.layers import check_batch_ids
+from jaxformer.models import build_model
 from jaxformer.state import init_state, learning_rate_schedule
-from jaxformer.train import make_steps
+from jaxformer.train import loss_chunk, make_steps
 
 
 def run_config(**train):
@@ -192,3 +194,77 @@ def test_on_nonfinite_is_validated_and_lists_its_choices():
         C.TrainConfig(on_nonfinite="maybe")
     with pytest.raises(C.ConfigError, match=r"model\.mode: 'gpt' is not one of the choices: 'encoder_only'"):
         C.apply_overrides(C.load_experiment("experiments/copy_task.py"), ["model.mode=gpt"])
+
+
+# ----------------------------------------------------------------------------- the chunked loss
+
+
+def test_chunked_loss_equals_the_plain_loss_in_every_mode():
+    """loss_sums chunked (3 positions of T = 7, the last chunk padded) against the plain loss: loss, NLL,
+    correct count, token count and every parameter's gradient, with label smoothing, z-loss and zero
+    weights; an untied head with a logits bias (lm), a tied scaled one (seq2seq), the masked-LM head
+    chunked by "auto" under a tiny max_logits_mib (mlm)."""
+    from flax import nnx
+
+    from jaxformer.train import loss_sums
+
+    @functools.partial(jax.jit, static_argnums=(2, 3, 4))  # one compile per mode for the two losses
+    def both(params, batch, graphdef, *cfgs):
+        grads = lambda cfg: jax.grad(lambda p: loss_sums(nnx.merge(graphdef, p), cfg, batch, None), has_aux=True)
+        return [grads(cfg)(params) for cfg in cfgs]
+
+    B, T, V = 3, 7, 37
+    cases = {  # objective: (model, chunked train config's loss fields)
+        "lm": (C.tiny("decoder_only", V, tie_output=False, logits_bias=True), {"loss_chunk": 9}),
+        "seq2seq": (C.tiny("encoder_decoder", V, scale_tied_logits=True), {"loss_chunk": 9}),
+        "mlm": (C.tiny("encoder_only", V, tie_output=False), {"max_logits_mib": B * 3 * V * 4 / 2**20}),
+    }
+    rng = np.random.default_rng(0)
+    for objective, (model_cfg, chunking) in cases.items():
+        model_cfg = model_cfg.replace(num_encoder_layers=min(model_cfg.num_encoder_layers, 1), num_decoder_layers=1)
+        graphdef, params = nnx.split(build_model(model_cfg))
+        batch = {k: rng.integers(1, V, (B, T)).astype(np.int32) for k in ("inputs", "targets", "src")}
+        batch["weights"] = (rng.random((B, T)) < 0.7).astype(np.float32)
+        plain = C.TrainConfig(objective=objective, label_smoothing=0.1, z_loss=1e-3, loss_chunk=0)
+        chunked = dataclasses.replace(plain, **{"loss_chunk": "auto"} | chunking)
+        assert loss_chunk(chunked, B, T, V) == 3 and loss_chunk(plain, B, T, V) is None
+
+        (g_plain, s_plain), (g_chunked, s_chunked) = both(params, batch, graphdef, plain, chunked)
+        for k in ("loss", "nll", "correct", "count"):
+            np.testing.assert_allclose(s_chunked[k], s_plain[k], rtol=1e-6, err_msg=f"{objective}: {k}")
+        scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(g_plain))
+        for (path, got), want in zip(
+            jax.tree_util.tree_leaves_with_path(g_chunked), jax.tree.leaves(g_plain), strict=True
+        ):
+            np.testing.assert_allclose(got, want, atol=1e-6 * scale, rtol=1e-6, err_msg=f"{objective}: {path}")
+
+
+def test_loss_chunk_sizes_and_validation():
+    """loss_chunk "auto" chunks only logits above max_logits_mib, into equal chunks whose logits fit in it,
+    both counted on one device; a token count is a device's rows times positions; 0 never chunks; bad
+    values name their field."""
+    auto = C.TrainConfig()
+    assert loss_chunk(auto, 8, 128, 8000) is None  # 31 MiB of logits: the plain loss
+    assert loss_chunk(auto, 64, 1024, 50257, shards=(64, 1)) is None  # 196 MiB a device over 64 batch shards
+    for B, T, V, (rows, cols) in (
+        (8, 1024, 50257, (1, 1)),
+        (1, 32768, 128256, (1, 1)),
+        (64, 2048, 32000, (8, 2)),  # a device holds 8 rows of 16000 columns
+    ):
+        c = loss_chunk(auto, B, T, V, shards=(rows, cols))
+        n = -(-T // c)
+        assert (B // rows) * c * (V // cols) * 4 <= auto.max_logits_mib * 2**20, (B, T, V, c)
+        assert (B // rows) * 2 * c * (V // cols) * 4 > auto.max_logits_mib * 2**20, "chunks no smaller than needed"
+        assert (n - 1) * c < T <= n * c and n * c - T < n, "equal chunks: under a position of padding each"
+    assert loss_chunk(C.TrainConfig(loss_chunk=0), 64, 2048, 32000) is None
+    assert loss_chunk(C.TrainConfig(loss_chunk=4096), 8, 1024, 50) == 512
+    assert loss_chunk(C.TrainConfig(loss_chunk=4096), 64, 1024, 50, shards=(8, 1)) == 512  # tokens a device
+    assert loss_chunk(C.TrainConfig(loss_chunk=5), 8, 16, 50) == 1  # fewer tokens than rows: a position each
+    assert loss_chunk(C.TrainConfig(loss_chunk=8 * 16), 8, 16, 50) is None  # one chunk: the plain loss
+    overrides = ["train.loss_chunk=4096", "train.max_logits_mib=64"]
+    cfg = C.apply_overrides(C.load_experiment("experiments/copy_task.py"), overrides)
+    assert (cfg.train.loss_chunk, cfg.train.max_logits_mib) == (4096, 64.0)
+    assert C.apply_overrides(cfg, ["train.loss_chunk=auto"]).train.loss_chunk == "auto"
+    for field, value in (("loss_chunk", -1), ("loss_chunk", "big"), ("loss_chunk", 1.5), ("max_logits_mib", 0)):
+        with pytest.raises(C.ConfigError, match=rf"train\.{field}: "):
+            C.TrainConfig(**{field: value})
