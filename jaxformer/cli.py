@@ -276,7 +276,7 @@ def cmd_plan(args) -> int:
         cfg, device_memory=memory, target=target, largest=args.largest, within=args.within / 100, jobs=args.jobs,
         progress=lambda m: print(m, file=sys.stderr),
     )  # fmt: skip
-    print(json.dumps(dataclasses.asdict(result), indent=2) if args.json else result.table())
+    print(json.dumps(result.as_dict(), indent=2) if args.json else result.table())
     return 0 if result.fits is not False else 1
 
 

@@ -170,6 +170,11 @@ class Plan:
     attention_kernels: int = 0  # fused attention kernels in the training step: splash (TPU), cuDNN's (GPU)
     frozen: int = 0  # LoRA: this device's shards of the frozen base, in the compute dtype
 
+    def as_dict(self) -> dict:
+        """The plan's fields, a figure nobody gave (NaN: XLA's FLOPs from a deviceless GPU compile) as None."""
+        nan = lambda v: isinstance(v, float) and math.isnan(v)
+        return {k: None if nan(v) else v for k, v in dataclasses.asdict(self).items()}
+
     def table(self) -> str:
         gb = lambda b: f"{b / 1e9:9.3f} GB"
         share = lambda b: f"   {100 * b / self.device_memory:5.1f}% of memory" if self.device_memory else ""
