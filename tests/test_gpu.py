@@ -6,7 +6,10 @@ parse, and a scanned layer stack needs no more memory than an unrolled one. Skip
 
 import dataclasses
 import logging
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -142,6 +145,17 @@ def test_what_cudnn_refuses_runs_on_xla_s_path(devices, caplog):
         assert "__cudnn$fmha" not in lowered(jnp.bfloat16, 20) and "__cudnn$fmha" not in lowered(jnp.float32, 64)
     said = caplog.text
     assert "cuDNN flash attention cannot serve this call" in said and "needs bfloat16 or float16" in said
+
+
+@pytest.mark.skipif(gpu.nvidia_gpus_here(), reason="an NVIDIA GPU here: JAX runs on it")
+def test_a_process_with_the_cuda_plugin_and_no_gpu_runs_on_the_cpu_without_a_traceback():
+    """As `jaxformer` starts (train, plan, ...): left alone, JAX would try CUDA first in every process
+    and print "Unable to load CUDA" with a traceback before falling back to the CPU."""
+    code = "from jaxformer.tpu import compile_only_without_chips as c; c(); import jax; print(jax.default_backend())"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "cpu", out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and "Unable to load CUDA" not in out.stderr, out.stderr[-2000:]
 
 
 def test_each_gpu_description_parses_as_its_chip():
