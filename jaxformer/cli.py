@@ -257,22 +257,26 @@ def cmd_plan(args) -> int:
     if args.jobs < 1:
         raise CommandError(f"--jobs: must be positive, got {args.jobs}")
     target = parse_target(args.target) if args.target else None
-    if target is not None and target.topology is None:  # a GPU: its count of fake CPU devices
+    if target is not None and target.fake_cpus:  # a GPU without its compiler: its count of fake CPU devices
         if args.devices and args.devices != target.count:
             raise CommandError(f"--devices {args.devices} contradicts --target {args.target}")
         args.devices = target.count
+    elif target is not None and args.devices:
+        raise CommandError(f"--devices: --target {args.target} brings its own {target.count} compile-only devices")
     flag = f"--xla_force_host_platform_device_count={args.devices}"
     if args.devices and flag not in os.environ.get("XLA_FLAGS", ""):
         # JAX fixes its device count when it starts: plan in a process of its own with N CPU devices.
         env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip())
         return subprocess.run([sys.executable, "-m", "jaxformer.cli", *args.argv], env=env).returncode
+    if target is not None and target.note:  # in the process that plans (the one started above, if any)
+        print(f"note: {target.note}", file=sys.stderr)
     cfg = _load_config(args)
     memory = parse_bytes(args.device_memory) if args.device_memory else None
     result = plan(
         cfg, device_memory=memory, target=target, largest=args.largest, within=args.within / 100, jobs=args.jobs,
         progress=lambda m: print(m, file=sys.stderr),
     )  # fmt: skip
-    print(json.dumps(dataclasses.asdict(result), indent=2) if args.json else result.table())
+    print(json.dumps(result.as_dict(), indent=2) if args.json else result.table())
     return 0 if result.fits is not False else 1
 
 
@@ -401,8 +405,10 @@ def main(argv: list[str] | None = None) -> int:
     pn.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")
     pn.add_argument(
         "--target",
-        help="tpu-TOPOLOGY (tpu-v5p:4x4x4, tpu-v5e:16x16: the TPU compiler, needs jaxformer[tpu]) or gpu-CHIPxN "
-        "(gpu-h100x8: N fake CPU devices with the chip's memory and peak)",
+        help="tpu-TOPOLOGY (tpu-v5p:4x4x4, tpu-v5e:16x16: the TPU compiler, needs jaxformer[tpu]), "
+        "gpu-GPU:HOSTSxGPUS (gpu-h100:1x8, gpu-h200:4x8, gpu-a100-40g, gpu-a100-80g: XLA's GPU compiler, "
+        "needs jaxformer[gpu-plan]; without it N fake CPU devices with the chip's memory and peak) or gpu-CHIPxN "
+        "(gpu-h100x8)",
     )
     pn.add_argument("--devices", type=int, help="plan on this many fake CPU devices (default: this machine's)")
     pn.add_argument(

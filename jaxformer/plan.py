@@ -7,9 +7,15 @@ Nothing is allocated: the state is abstract (shapes, dtypes and shardings), and 
 - a TPU slice (`--target tpu-v5p:4x4x4`, any topology libtpu names): with `jaxformer[tpu]` installed,
   libtpu's compile-only devices of that slice, on any machine; the TPU compiler itself decides the
   buffers, so the bytes are the slice's own.
-- fake CPU devices (`--devices 64`, or `--target gpu-h100x8`: 8 of them with an H100's memory and
-  peak from the chip table). XLA's CPU compiler decides the buffers; a GPU's compiler fuses and
-  schedules differently, so read those figures as the program's shape, not a promise to the byte.
+- NVIDIA GPUs (`--target gpu-h100:1x8`, hosts x GPUs a host; gpu-h200, gpu-a100-40g, gpu-a100-80g):
+  with `jaxformer[gpu-plan]` installed, XLA's GPU compiler for compile-only CUDA devices of XLA's
+  description of that GPU, on any machine (`jaxformer.gpu`); cuDNN's fused attention is in the step.
+  That compiler gives no cost analysis without a device: the FLOPs are the model's, and the bytes
+  accessed a lower bound (every argument read and every output written once).
+- fake CPU devices (`--devices 64`, or a GPU target without the GPU compiler: N of them with the
+  chip's memory and peak from the chip table). XLA's CPU compiler decides the buffers; a GPU's
+  compiler fuses and schedules differently, so read those figures as the program's shape, not a
+  promise to the byte.
 
 With a chip (a target, or a table entry for the devices), the plan adds a roofline lower bound on
 the step time (the larger of FLOPs / peak and bytes accessed / memory bandwidth, both per chip from
@@ -19,6 +25,7 @@ The figures of each compiled step are kept on disk (`cache_dir()`): the TPU comp
 half a minute to two minutes per step of a real model, and the same plan again reads them back.
 
     jaxformer plan --config experiments/paper_base_en_de.py --target tpu-v4:4x4x8
+    jaxformer plan --config experiments/gpt2_1p3b.py --target gpu-h100:1x8
     jaxformer plan --config experiments/paper_base_en_de.py --devices 8 --set mesh.fsdp=8 --device-memory 80GB
 """
 
@@ -48,22 +55,51 @@ from jaxformer.train import flops_per_example, make_steps
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """What to plan for: `count` devices of `chip`, a TPU slice's compile-only devices or fake CPUs."""
+    """What to plan for: `count` devices of `chip`: a TPU slice's or GPU hosts' compile-only devices,
+    or fake CPUs."""
 
-    name: str  # as given: "tpu-v5p:4x4x4", "gpu-h100x8"
+    name: str  # as given: "tpu-v5p:4x4x4", "gpu-h100:2x8"
     chip: chips.Chip
     count: int
     topology: str | None = None  # the libtpu topology of a TPU target ("v5p:4x4x4")
+    gpu: str | None = None  # the GPU XLA's GPU compiler compiles for (a key of gpu.SPECS: "h100")
+    hosts: int = 1  # a GPU target's machines, count // hosts GPUs each
+    note: str | None = None  # why a GPU target is planned on fake CPUs
+
+    @property
+    def fake_cpus(self) -> bool:
+        """Planned on this process's own CPU devices, `count` of them."""
+        return self.topology is None and self.gpu is None
 
     def devices(self) -> list | None:
-        """The TPU slice's compile-only devices (None: this process's own, fake CPUs for a GPU target)."""
-        from jaxformer import tpu
+        """The compile-only devices of the TPU slice or GPU hosts (None: this process's own, fake CPUs)."""
+        from jaxformer import gpu, tpu
 
+        if self.gpu:
+            return gpu.topology_devices(self.gpu, self.hosts, self.count // self.hosts)
         return tpu.topology_devices(self.topology) if self.topology else None
 
 
+def _gpu_target(name: str, chip: chips.Chip, hosts: int, per_host: int) -> Target:
+    """XLA's GPU compiler for `chip` where it is installed and describes it; else fake CPUs, saying why."""
+    from jaxformer import gpu
+
+    count = hosts * per_host
+    key = next((k for k, (chip_name, _) in gpu.SPECS.items() if chip_name == chip.name), None)
+    if key is not None and gpu.has_gpu_compiler():
+        return Target(name, chip, count, gpu=key, hosts=hosts)
+    why = (
+        "XLA's GPU compiler is not installed (pip install 'jaxformer[gpu-plan]')"
+        if key is not None
+        else f"no description of the {chip.name} for XLA's GPU compiler (it has {', '.join(gpu.SPECS)})"
+    )
+    note = f"{name}: {why}: planning on {count} fake CPU devices with the {chip.name}'s memory, by the CPU compiler"
+    return Target(name, chip, count, hosts=hosts, note=note)
+
+
 def parse_target(name: str) -> Target:
-    """ "tpu-v4:4x4x8" (any topology libtpu names: v4, v5e, v5p, v6e), "gpu-h100x8", "gpu-a100-80gbx4"."""
+    """ "tpu-v4:4x4x8" (any topology libtpu names: v4, v5e, v5p, v6e), "gpu-h100:4x8" (4 hosts of 8
+    GPUs: h100, h200, a100-40g, a100-80g), or "gpu-CHIPxN" (N GPUs of one host, any GPU of the chip table)."""
     if name.startswith("tpu-"):
         from jaxformer import tpu
 
@@ -73,14 +109,25 @@ def parse_target(name: str) -> Target:
         if chip is None:
             raise ConfigError(f"--target {name}: the chip table has no entry for {devices[0].device_kind!r}")
         return Target(name, chip, len(devices), topology)
+    if m := re.fullmatch(r"gpu-([\w-]+):(\d+)x(\d+)", name, re.IGNORECASE):
+        from jaxformer import gpu
+
+        hosts, per_host = int(m.group(2)), int(m.group(3))
+        if m.group(1).lower() not in gpu.SPECS or not hosts or not per_host:
+            raise ConfigError(
+                f"--target {name!r}: say gpu-GPU:HOSTSxGPUS (gpu-h100:1x8) with GPU one of {list(gpu.SPECS)}"
+            )
+        chip = next(c for _, c in chips.CHIPS if c.name == gpu.SPECS[m.group(1).lower()][0])
+        return _gpu_target(name, chip, hosts, per_host)
     m = re.fullmatch(r"gpu-(.+)x(\d+)", name, re.IGNORECASE)
     chip = chips.lookup(m.group(1).upper()) if m else None
-    if chip is None or chip.name.startswith("TPU"):
+    if chip is None or chip.name.startswith("TPU") or not int(m.group(2)):
         known = ", ".join(c.name for _, c in chips.CHIPS if not c.name.startswith("TPU"))
         raise ConfigError(
-            f"--target {name!r}: say tpu-TOPOLOGY (tpu-v5p:4x4x4) or gpu-CHIPxN (gpu-h100x8); GPUs known: {known}"
+            f"--target {name!r}: say tpu-TOPOLOGY (tpu-v5p:4x4x4), gpu-GPU:HOSTSxGPUS (gpu-h100:1x8) or gpu-CHIPxN "
+            f"(gpu-h100x8); GPUs known: {known}"
         )
-    return Target(name, chip, int(m.group(2)))
+    return _gpu_target(name, chip, 1, int(m.group(2)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +147,7 @@ class Plan:
     temporaries: int
     code: int
     peak: int  # arguments + outputs - aliased + temporaries + code
-    flops_per_device: float  # XLA's cost analysis of the partitioned step
+    flops_per_device: float  # XLA's cost analysis of the partitioned step (NaN: none, a deviceless GPU compile)
     model_flops: float  # the model's FLOPs per step, all devices (3 x forward, as MFU counts them)
     device_memory: float | None = None
     fits: bool | None = None
@@ -109,7 +156,7 @@ class Plan:
     target: str | None = None  # "tpu-v5p:4x4x4", "gpu-h100x8"; None: this process's devices
     chip: str | None = None  # the chip table's name, when the devices are a chip it knows
     eval_peak: int | None = None  # the evaluation step's peak bytes per device, same batch
-    bytes_accessed: float | None = None  # per device and step, XLA's cost analysis
+    bytes_accessed: float | None = None  # per device and step, XLA's cost analysis (else arguments + outputs)
     tokens_per_step: int = 0  # predicted (target) tokens of a global batch
     compute_seconds: float | None = None  # flops_per_device / the chip's dense peak in the compute dtype
     memory_seconds: float | None = None  # bytes_accessed / the chip's memory bandwidth
@@ -120,9 +167,14 @@ class Plan:
     cached_steps: int = 0  # steps whose figures were read from the plan cache, not compiled
     requested_batch: int | None = None  # the configured batch; batch_size differs when it did not compile
     over_memory: str | None = None  # the TPU compiler's refusal of the configured batch
-    attention_kernels: int = 0  # Pallas (Mosaic) kernel calls in the training step (splash on TPU)
+    attention_kernels: int = 0  # fused attention kernels in the training step: splash (TPU), cuDNN's (GPU)
     frozen: int = 0  # LoRA: this device's shards of the frozen base, in the compute dtype (or int8)
     frozen_storage: str = ""  # LoRA: how the frozen base is stored ("bfloat16"; "int8 + float32 scales")
+
+    def as_dict(self) -> dict:
+        """The plan's fields, a figure nobody gave (NaN: XLA's FLOPs from a deviceless GPU compile) as None."""
+        nan = lambda v: isinstance(v, float) and math.isnan(v)
+        return {k: None if nan(v) else v for k, v in dataclasses.asdict(self).items()}
 
     def table(self) -> str:
         gb = lambda b: f"{b / 1e9:9.3f} GB"
@@ -152,15 +204,20 @@ class Plan:
         if self.eval_peak is not None:
             lines.append(f"  eval step peak     {gb(self.eval_peak)}{share(self.eval_peak)}")
         if self.attention_kernels:
-            lines.append(f"  attention          splash kernels: {self.attention_kernels} Pallas calls in the step")
+            tpu = (self.chip or "").startswith("TPU")
+            kind = "splash kernels" if tpu else "cuDNN fused attention"
+            lines.append(f"  attention          {kind}: {self.attention_kernels} {'Pallas' if tpu else 'custom'} calls")
         n, fmt = self.devices, lambda x: observe.value("flops", x)
         flops = lambda per_device: f"{fmt(per_device)} per device, {fmt(per_device * n)} in all"
-        lines.append(f"FLOPs per step: XLA's {flops(self.flops_per_device)}; the model's {flops(self.model_flops / n)}")
+        costed = math.isfinite(self.flops_per_device)
+        xla = f"XLA's {flops(self.flops_per_device)}" if costed else "XLA's: none (no cost analysis without a GPU)"
+        lines.append(f"FLOPs per step: {xla}; the model's {flops(self.model_flops / n)}")
         if self.step_seconds is not None:
             ceilings = {"tokens_per_s": self.tokens_per_second, "mfu": self.mfu_ceiling}
+            accessed = "accessed" if costed else "accessed at least: arguments read, outputs written"
             lines.append(
                 f"roofline: step >= {self.step_seconds * 1e3:.2f} ms (compute {self.compute_seconds * 1e3:.2f} ms, "
-                f"memory {self.memory_seconds * 1e3:.2f} ms for {self.bytes_accessed / 1e9:.3f} GB accessed); "
+                f"memory {self.memory_seconds * 1e3:.2f} ms for {self.bytes_accessed / 1e9:.3f} GB {accessed}); "
                 f"ceilings: {observe.line(ceilings, ('tokens_per_s', 'mfu'))}"
             )
         if self.device_memory is not None:
@@ -203,6 +260,11 @@ def kernel_calls(lowered_text: str) -> int:
         return own[f] + sum(total(g, seen | {f}) for g in calls[f])
 
     return total("main")
+
+
+def cudnn_calls(compiled_text: str) -> int:
+    """cuDNN fused attention calls (forward and backward, `__cudnn$fmha...`) in a compiled GPU program's text."""
+    return len(re.findall(r'custom_call_target="__cudnn\$fmha', compiled_text))
 
 
 def parse_bytes(text: str) -> float:
@@ -319,7 +381,7 @@ def plan(
 
             def compile_() -> Compiled:
                 start = time.perf_counter()
-                figures = Compiled.of(lowered)
+                figures = Compiled.of(lowered, gpu=mesh.devices.flat[0].platform == "gpu")
                 busy.append((start, time.perf_counter()))
                 _give_back_memory()
                 if progress:
@@ -363,13 +425,16 @@ def plan(
     compile_seconds = _union(busy)
     T = cfg.data.max_len
     flops, accessed = step.flops, step.bytes_accessed
+    if not math.isfinite(accessed):  # no cost analysis (XLA's GPU compiler without a GPU): a lower bound
+        accessed = float(step.arguments + step.outputs)
     model_flops = flops_per_example(cfg.model, cfg.train.objective, cfg.data.src_len, T) * batch_size
     tokens = batch_size * (1 if cfg.train.objective == "classify" else T)
     roofline = {}
     if chip is not None:
         peak_flops = chip.peak(cfg.model.dtype)
         # XLA's cost analysis counts a loop's body once (scan_layers): never below the model's own count.
-        compute, memory = max(flops, model_flops / mesh.size) / peak_flops, accessed / chip.bandwidth
+        compute = max(flops if math.isfinite(flops) else 0.0, model_flops / mesh.size) / peak_flops
+        memory = accessed / chip.bandwidth
         bound = max(compute, memory)
         roofline = dict(
             compute_seconds=compute, memory_seconds=memory, step_seconds=bound, tokens_per_second=tokens / bound,
@@ -391,7 +456,7 @@ def plan(
 @dataclasses.dataclass(frozen=True)
 class Compiled:
     """What a plan reads from one compiled step, per device: XLA's memory and cost analyses, the
-    Pallas kernel calls, or the TPU compiler's refusal of a program over its memory."""
+    fused attention kernels, or the TPU compiler's refusal of a program over its memory."""
 
     arguments: int = 0
     outputs: int = 0
@@ -400,7 +465,7 @@ class Compiled:
     code: int = 0
     flops: float = math.nan
     bytes_accessed: float = math.nan
-    kernels: int = 0  # Pallas kernel calls in the step (`kernel_calls`)
+    kernels: int = 0  # Pallas kernel calls in the step (`kernel_calls`), or cuDNN attention calls (`cudnn_calls`)
     refused: str | None = None  # the compiler's out-of-memory message: nothing else is known
 
     @property
@@ -409,7 +474,8 @@ class Compiled:
         return self.arguments + self.outputs - self.aliased + self.temporaries + self.code
 
     @classmethod
-    def of(cls, lowered) -> Compiled:
+    def of(cls, lowered, gpu: bool = False) -> Compiled:
+        """The figures of `lowered` compiled; `gpu`: for GPUs, whose attention kernels show in the compiled text."""
         try:
             compiled = lowered.compile()
         except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program over its HBM
@@ -417,13 +483,13 @@ class Compiled:
                 raise
             return cls(refused=str(e).splitlines()[0])
         m = compiled.memory_analysis()
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
+        cost = compiled.cost_analysis() or {}  # none from XLA's GPU compiler without a GPU
+        cost = (cost[0] if cost else {}) if isinstance(cost, list) else cost
         return cls(
             arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
             temporaries=m.temp_size_in_bytes, code=m.generated_code_size_in_bytes,
             flops=float(cost.get("flops", math.nan)), bytes_accessed=float(cost.get("bytes accessed", math.nan)),
-            kernels=kernel_calls(lowered.as_text()),
+            kernels=cudnn_calls(compiled.as_text()) if gpu else kernel_calls(lowered.as_text()),
         )  # fmt: skip
 
 
@@ -438,9 +504,10 @@ def cache_dir() -> pathlib.Path | None:
 
 def _cache_key(lowered, mesh) -> str:
     """The program (its StableHLO), the devices it is laid on and everything else that decides what
-    the compiler makes of it: versions, XLA and libtpu flags, JAX's compiler settings."""
+    the compiler makes of it: versions (of the TPU and GPU compilers too), XLA and libtpu flags, JAX's
+    compiler settings."""
     versions = {}
-    for package in ("jax", "jaxlib", "libtpu"):
+    for package in ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cudnn-cu12"):
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:

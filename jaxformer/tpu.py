@@ -15,6 +15,7 @@ import importlib.util
 import math
 import os
 import pathlib
+import pkgutil
 import re
 
 from jaxformer.config import ConfigError
@@ -38,17 +39,29 @@ def _tpu_chips_here() -> int:
 
 
 def compile_only_without_chips() -> None:
-    """With libtpu installed on a machine without TPU chips (and no GPU plugin), run JAX on the CPU.
+    """With a compiler installed for chips this machine lacks (libtpu, or JAX's CUDA plugin without an
+    NVIDIA GPU, as `plan --target` uses them), run JAX on the CPU.
 
-    Left alone, JAX tries the TPU runtime first on every start: libtpu prints several lines of
-    errors about unknown worker hostnames before JAX falls back to the CPU. Topologies for
-    compiling need only the compiler, which this leaves in place. JAX_PLATFORMS set by the
-    user wins; call before JAX starts a backend. Sets JAX_PLATFORMS too, for subprocesses.
+    Left alone, JAX tries those runtimes first on every start: libtpu prints several lines of errors
+    about unknown worker hostnames, the CUDA plugin a "Unable to load CUDA" traceback, before JAX
+    falls back to the CPU. Topologies for compiling need only the compilers, which this leaves in
+    place. A chip here, another plugin (JAX then chooses), or JAX_PLATFORMS set by the user wins;
+    call before JAX starts a backend. Sets JAX_PLATFORMS too, for subprocesses.
     """
-    if "JAX_PLATFORMS" in os.environ or not has_libtpu() or _tpu_chips_here():
+    from jaxformer import gpu
+
+    if "JAX_PLATFORMS" in os.environ:
         return
-    if importlib.util.find_spec("jax_plugins") or importlib.metadata.entry_points(group="jax_plugins"):
-        return  # a GPU (or other) plugin: let JAX choose
+    cuda = gpu.has_gpu_compiler()
+    if (has_libtpu() and _tpu_chips_here()) or (cuda and gpu.nvidia_gpus_here()):
+        return  # a chip to run on
+    if not has_libtpu() and not cuda:
+        return  # nothing that would try
+    plugins = {e.name for e in importlib.metadata.entry_points(group="jax_plugins")}
+    if spec := importlib.util.find_spec("jax_plugins"):
+        plugins |= {m.name for m in pkgutil.iter_modules(spec.submodule_search_locations or [])}
+    if any("cuda" not in name for name in plugins):
+        return  # another plugin (ROCm, Metal): let JAX choose
     import jax
 
     os.environ["JAX_PLATFORMS"] = "cpu"

@@ -31,8 +31,10 @@ import pytest
 from jaxformer.tpu import compile_only_without_chips
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
-# libtpu (the `tpu` extra, for compiling to TPU slices) without a TPU chip here: JAX on the CPU, as
-# without libtpu, instead of trying the TPU runtime first in every process. Inherited by subprocesses.
+# libtpu (the `tpu` extra) without a TPU chip here, or JAX's CUDA plugin (the `gpu-plan` extra) without
+# an NVIDIA GPU: JAX on the CPU, as without them, instead of trying those runtimes first in every process
+# (the CUDA plugin's attempt ends in a traceback on stderr). Compiling for them still works. Inherited by
+# subprocesses (JAX_PLATFORMS=cpu).
 compile_only_without_chips()
 
 

@@ -176,3 +176,30 @@ def test_kernels_are_counted_per_call_as_the_compiler_inlines_the_program():
 }"""
     assert kernel_calls(lowered) == 2 * (1 + 1) + 1
     assert kernel_calls("module {}") == 0
+
+
+def test_gpu_targets_are_read_and_fall_back_to_fake_cpus_without_the_gpu_compiler(monkeypatch):
+    """gpu-GPU:HOSTSxGPUS names hosts and GPUs; the old gpu-CHIPxN is one host of N. Without JAX's CUDA
+    plugin (or for a GPU XLA has no description of here) the plan takes that many fake CPU devices and
+    says why in one line; with it, XLA's GPU compiler. Names it cannot read are refused with the forms."""
+    from jaxformer import gpu
+    from jaxformer.config import ConfigError
+    from jaxformer.plan import parse_target
+
+    monkeypatch.setattr(gpu, "has_gpu_compiler", lambda: False)
+    h100 = parse_target("gpu-h100:4x8")
+    assert (h100.chip.name, h100.count, h100.hosts, h100.fake_cpus) == ("H100 SXM", 32, 4, True)
+    assert (
+        h100.note.count("\n") == 0 and "pip install 'jaxformer[gpu-plan]'" in h100.note and "32 fake CPU" in h100.note
+    )
+    old = parse_target("gpu-a100-80gbx4")
+    assert (old.chip.name, old.count, old.hosts, old.fake_cpus) == ("A100 80GB", 4, 1, True)
+    monkeypatch.setattr(gpu, "has_gpu_compiler", lambda: True)
+    names = {"gpu-h100:1x8": "h100", "gpu-H200:2x4": "h200", "gpu-a100-40g:1x2": "a100-40g", "gpu-h100x8": "h100"}
+    assert {name: parse_target(name).gpu for name in names} == names
+    assert parse_target("gpu-h100:2x4").fake_cpus is False and parse_target("gpu-h100:2x4").note is None
+    l4 = parse_target("gpu-l4x2")  # in the chip table, not among XLA's descriptions here
+    assert l4.fake_cpus and "no description of the L4" in l4.note
+    for bad in ("gpu-h300:1x8", "gpu-h100:0x8", "gpu-nonesuchx8"):
+        with pytest.raises(ConfigError, match="gpu-GPU:HOSTSxGPUS"):
+            parse_target(bad)

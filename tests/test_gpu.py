@@ -1,0 +1,199 @@
+"""XLA's GPU compiler (JAX's CUDA plugin, `pip install -e ".[gpu-plan]"`) for H100s from this machine,
+without a GPU: each mode's training, evaluation and cached decoding steps compile with cuDNN's fused
+attention in them and no [B, H, T, S] score tensor, packed rows give cuDNN their segments as a bias
+broadcast over heads, what cuDNN refuses goes to XLA's path, the shipped descriptions of each GPU
+parse, and a scanned layer stack needs no more memory than an unrolled one. Skipped without the plugin."""
+
+import dataclasses
+import logging
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("jax_cuda12_plugin", reason="XLA's GPU compiler is not installed: pip install -e '.[gpu-plan]'")
+
+from jaxformer import build_model, count_params, decode, gpu, sharding
+from jaxformer.config import Config, DataConfig, DecodeConfig, MeshConfig, TrainConfig, tiny
+from jaxformer.functional import Mask, dot_product_attention
+from jaxformer.plan import abstract_batch, parse_target, plan, with_shardings
+from jaxformer.state import state_factory
+from jaxformer.train import make_steps
+
+TARGET = "gpu-h100:1x2"  # one host of 2 H100s: data parallel over them
+T, S = 128, 96  # target and source lengths, unequal so that each [., ., T, S] block is told apart
+H = 4  # heads of 64
+OBJECTIVE = {"encoder_only": "mlm", "decoder_only": "lm", "encoder_decoder": "seq2seq"}
+# For the tests of which attention runs: matmuls by cuBLAS rather than Triton kernels, which take a third
+# of a compile here. Attention's path is chosen as the step is traced; the memory tests keep the defaults.
+NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
+
+
+def tiny_gpu(mode: str, pack: bool = False, **mesh) -> Config:
+    """One layer per stack, head dim 64, bfloat16, attention left to "auto" (cuDNN on GPU)."""
+    layers = dict(num_encoder_layers=0 if mode == "decoder_only" else 1)
+    layers |= dict(num_decoder_layers=0 if mode == "encoder_only" else 1)
+    model = tiny(
+        mode, vocab_size=128, d_model=64 * H, num_heads=H, d_ff=256, max_len=T, dtype="bfloat16",
+        attention_impl="auto", **layers,
+    )  # fmt: skip
+    data = DataConfig(max_len=T, src_max_len=S if mode == "encoder_decoder" else None, pack=pack)
+    train = TrainConfig(objective=OBJECTIVE[mode], batch_size=8, optimizer="adamw")
+    return Config(model=model, data=data, train=train, mesh=MeshConfig(**mesh))
+
+
+@pytest.fixture(scope="module")
+def devices():
+    return parse_target(TARGET).devices()
+
+
+def fused_calls(text: str) -> list[str]:
+    """cuDNN's fused attention calls in a compiled GPU program, by kind."""
+    return re.findall(r'custom_call_target="__cudnn\$(fmha\w*)"', text)
+
+
+def score_blocks(text: str) -> set[tuple[int, ...]]:
+    """The 4-D arrays of the program whose last two dims are two of the lengths (T, S): [B, H, T, S]
+    score or probability tensors, or a bias/mask of them ([B, 1, T, S])."""
+    shapes = {tuple(int(n) for n in m) for m in re.findall(r"\[(\d+),(\d+),(\d+),(\d+)\]", text)}
+    return {s for s in shapes if s[2] in (T, S) and s[3] in (T, S)}
+
+
+def lowered_steps(cfg: Config, devices) -> tuple:
+    """The training and evaluation steps of `cfg` lowered for `devices` (abstract state, batch 8)."""
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
+        graphdef, create, optimizer = state_factory(cfg)
+        abstract = jax.eval_shape(create)
+        shardings = sharding.state_shardings(abstract, mesh)
+        state, batch = with_shardings(abstract, shardings), abstract_batch(cfg, cfg.train.batch_size, mesh)
+        train, evaluate = make_steps(graphdef, cfg, optimizer)
+        train_step = jax.jit(train, out_shardings=(shardings, None), donate_argnums=0)
+        return train_step.lower(state, batch), jax.jit(evaluate).lower(state, batch)
+
+
+def compiled_train_step(cfg: Config, devices):
+    return lowered_steps(cfg, devices)[0].compile()
+
+
+def compiled_steps(cfg: Config, devices) -> tuple[str, str]:
+    """The compiled text of the training and evaluation steps of `cfg`."""
+    return tuple(lowered.compile(NO_TRITON_GEMM).as_text() for lowered in lowered_steps(cfg, devices))
+
+
+@pytest.mark.parametrize("mode", ["encoder_only", "decoder_only", "encoder_decoder"])
+def test_each_mode_trains_and_evaluates_with_cudnn_fused_attention(mode, devices):
+    """Encoder rows padded to their lengths (told to cuDNN as lengths), causal decoder rows, and packed
+    encoder-decoder rows (segments in the encoder, the decoder and across): the training step runs each
+    attention as a cuDNN forward and backward call, evaluation as a forward call. Lengths and causality
+    are structure: no [., ., T, S] array at all. Segments are a dense mask, which cuDNN takes as a bias
+    ("ScaleBias" calls): one [B, 1, T, S] block each, broadcast over heads, never the [B, H, T, S] scores."""
+    packed = mode == "encoder_decoder"
+    train, evaluate = compiled_steps(tiny_gpu(mode, pack=packed, data=2), devices)
+    attentions = {"encoder_only": 1, "decoder_only": 1, "encoder_decoder": 3}[mode]
+    kind = "fmhaScaleBiasSoftmax" if packed else "fmhaSoftmax"
+    assert sorted(fused_calls(train)) == [kind] * attentions + [f"{kind}Backward"] * attentions
+    assert fused_calls(evaluate) == [kind] * attentions
+    B = 8 // 2  # rows a device
+    biases = {(B, 1, T, T), (B, 1, T, S), (B, 1, S, S)} if packed else set()  # decoder, cross, encoder
+    assert score_blocks(train) == biases and score_blocks(evaluate) == biases
+
+
+@pytest.mark.parametrize("mode", ["decoder_only", "encoder_decoder"])
+def test_cached_decoding_compiles_with_cudnn_fused_attention(mode, devices):
+    """Greedy decoding with the KV cache (a T-position prefill into T + 64 slots, then one position a step
+    over the cache, its valid length told to cuDNN as lengths; cross-attention over source lengths): every
+    attention is a cuDNN forward call, prefill and step alike, and no score tensor is built."""
+    cfg = tiny_gpu(mode, data=2)
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    rng = jax.eval_shape(lambda: jax.random.key(0))  # abstract: nothing is placed on a device
+    with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
+        graphdef, create, _ = state_factory(cfg)
+        abstract = jax.eval_shape(create).params
+        params = with_shardings(abstract, sharding.state_shardings(abstract, mesh))
+        rows = sharding.batch_sharding(mesh)
+        ids = jax.ShapeDtypeStruct((8, T), np.int32, sharding=rows)
+        per_row = jax.ShapeDtypeStruct((8,), np.int32, sharding=rows)
+        src = (jax.ShapeDtypeStruct((8, S), np.int32, sharding=rows), per_row) if mode == "encoder_decoder" else None
+        settings = DecodeConfig(strategy="greedy", max_new_tokens=64)
+        text = decode._generate.lower(
+            graphdef, params, ids, per_row, per_row, src, rng,
+            settings=settings, num_new=64, length=T + 64, eos_id=1, pad_id=0,
+        ).compile(NO_TRITON_GEMM).as_text()  # fmt: skip
+    # Prefill and step: decoder self-attention; encoder-decoder adds the encoder's and cross-attention's.
+    assert fused_calls(text) == ["fmhaSoftmax"] * {"decoder_only": 2, "encoder_decoder": 5}[mode]
+    cache = {s for s in map(tuple, re.findall(r"\[(\d+),(\d+),(\d+),(\d+)\]", text)) if s[-1] == str(T + 64)}
+    assert not score_blocks(text) and not cache  # nothing [., ., ., T + 64]: no scores over the cache either
+
+
+def test_what_cudnn_refuses_runs_on_xla_s_path(devices, caplog):
+    """ "auto" on an H100 (traced for it, lowered only): bfloat16 with head dim 64 goes to cuDNN; head dim
+    20 (cuDNN wants a multiple of 8) and float32 (cuDNN computes in 16 bits) go to XLA's path, each said
+    once in the log, never silently."""
+    mesh = jax.sharding.Mesh(np.asarray(devices[:1]), ("data",))
+
+    def lowered(dtype, K: int) -> str:
+        q = jax.ShapeDtypeStruct((2, T, H, K), dtype)
+        attend = lambda q, k, v: dot_product_attention(q, k, v, mask=Mask(causal=True), implementation="auto")
+        with jax.set_mesh(mesh):
+            return jax.jit(attend).lower(q, q, q).as_text()
+
+    with caplog.at_level(logging.WARNING, logger="jaxformer"):
+        assert "__cudnn$fmha" in lowered(jnp.bfloat16, 64)
+        assert "__cudnn$fmha" not in lowered(jnp.bfloat16, 20) and "__cudnn$fmha" not in lowered(jnp.float32, 64)
+    said = caplog.text
+    assert "cuDNN flash attention cannot serve this call" in said and "needs bfloat16 or float16" in said
+
+
+@pytest.mark.skipif(gpu.nvidia_gpus_here(), reason="an NVIDIA GPU here: JAX runs on it")
+def test_a_process_with_the_cuda_plugin_and_no_gpu_runs_on_the_cpu_without_a_traceback():
+    """As `jaxformer` starts (train, plan, ...): left alone, JAX would try CUDA first in every process
+    and print "Unable to load CUDA" with a traceback before falling back to the CPU."""
+    code = "from jaxformer.tpu import compile_only_without_chips as c; c(); import jax; print(jax.default_backend())"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "cpu", out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and "Unable to load CUDA" not in out.stderr, out.stderr[-2000:]
+
+
+def test_each_gpu_description_parses_as_its_chip():
+    """Every shipped description parses with this jaxlib's plugin, and its devices are the chip the
+    table names for it (memory within the table's figure: the description counts the usable bytes)."""
+    from jaxformer import chips
+
+    for name, (chip_name, _) in gpu.SPECS.items():
+        devices = gpu.topology_devices(name, 2, 4)
+        assert len(devices) == 8 and {d.process_index for d in devices} == {0, 1}
+        assert chips.lookup(devices[0].device_kind).name == chip_name, (name, devices[0].device_kind)
+        memory = int(re.search(r"device_memory_size: (\d+)", gpu.spec_text(name)).group(1))
+        assert 0.95 <= memory / chips.lookup(devices[0].device_kind).memory_bytes <= 1.1
+
+
+def test_a_scanned_stack_needs_no_more_memory_than_an_unrolled_one_on_h100(devices):
+    """As on TPU: remat "auto" keeps a scanned 4-layer stack's temporaries within 5% of the unrolled
+    stack's on XLA's GPU compiler. The scanned one is planned through the target: cuDNN's calls counted,
+    the parameters' and Adam's bytes what the parameter count says (float32, data parallel: whole)."""
+    base = tiny_gpu("decoder_only", data=2)
+    train = dataclasses.replace(base.train, batch_size=32)  # 16 rows a device: activations dominate
+    scanned, unrolled = (
+        dataclasses.replace(
+            base, model=base.model.replace(num_decoder_layers=4, d_ff=1024, scan_layers=scan), train=train
+        )
+        for scan in (True, False)
+    )
+    assert scanned.model.remat == unrolled.model.remat == "auto"
+    planned = plan(scanned, target=parse_target(TARGET), largest=False, jobs=1)
+    assert planned.chip == "H100 SXM" and planned.devices == 2 and planned.fits and planned.eval_peak > 0
+    assert planned.attention_kernels == 3  # the loop's body, once: forward, forward again (remat), backward
+    n = count_params(build_model(scanned.model))
+    assert 4 * n <= planned.parameters <= 4 * n + 4096
+    assert planned.optimizer_state == pytest.approx(2 * planned.parameters, abs=64)  # Adam's mu, nu
+    assert "cuDNN fused attention: 3 custom calls" in planned.table()
+    assert planned.as_dict()["flops_per_device"] is None  # no cost analysis deviceless: null in --json, not NaN
+    unrolled_temporaries = compiled_train_step(unrolled, devices).memory_analysis().temp_size_in_bytes
+    assert planned.temporaries <= 1.05 * unrolled_temporaries, (planned.temporaries, unrolled_temporaries)
