@@ -18,10 +18,12 @@ import jax
 import numpy as np
 
 STEPS, B, T = 5, 8, 8
-STRATEGIES = {  # (data, fsdp, tensor)
+STRATEGIES = {  # (data, fsdp, tensor[, context])
     "dp8": (8, 1, 1),
     "fsdp8": (1, 8, 1),
     "fsdp4_tp2": (1, 4, 2),
+    "dp2_cp4": (2, 1, 1, 4),  # each row's 8 positions split 4 ways, ring attention
+    "fsdp2_cp4": (1, 2, 1, 4),
 }
 GENERATE = ("dp8", "fsdp4_tp2")  # decoding under a mesh: batch over 8 devices; FSDP with tensor parallelism
 
@@ -35,12 +37,12 @@ def config(mode: str, mesh: tuple[int, int, int]):
     model = model.replace(  # one layer per stack: the layers are alike, compile time is not
         num_encoder_layers=min(model.num_encoder_layers, 1), num_decoder_layers=min(model.num_decoder_layers, 1)
     )
-    data, fsdp, tensor = mesh
+    data, fsdp, tensor, context = (*mesh, 1)[:4]
     return C.Config(
         model=model,
         data=C.DataConfig(max_len=T),
         train=C.TrainConfig(objective=objective, batch_size=B, learning_rate=1e-2, warmup_steps=1),
-        mesh=C.MeshConfig(data=data, fsdp=fsdp, tensor=tensor),
+        mesh=C.MeshConfig(data=data, fsdp=fsdp, tensor=tensor, context=context),
     )
 
 
@@ -69,7 +71,10 @@ def train(cfg, devices=None) -> tuple[list[float], object, object, object]:
         losses = []
         for batch in batches(cfg.model.mode):
             local = {k: v[rows] for k, v in batch.items()}  # each process feeds only its rows
-            state, metrics = train_step(state, sharding.global_batch(local, mesh, B))
+            global_batch = sharding.global_batch(local, mesh, B)
+            if not losses:  # key/value blocks passed around the context axis's ring (0 without one)
+                train.ring_permutes = train_step.lower(state, global_batch).as_text().count("collective_permute")
+            state, metrics = train_step(state, global_batch)
             losses.append(float(metrics["loss"]))
     return losses, state, mesh, graphdef
 
@@ -126,6 +131,7 @@ def strategies(mode: str) -> dict:
         entry = {
             "loss_rel": float(np.max(np.abs(np.array(losses) - ref_losses) / np.abs(ref_losses))),
             "param_rel": rel,
+            "ring_permutes": train.ring_permutes,
         }
         # Actual shardings against the rules table.
         with sharding.use(mesh, sharding.rules_for(cfg.mesh)):

@@ -19,7 +19,7 @@ LOSS_RTOL, PARAM_RTOL = 1e-5, 1e-5
 MODES = ["decoder_only", "encoder_decoder", "encoder_only"]
 # Data parallelism and FSDP alone, and FSDP with tensor parallelism (data x tensor lays the batch
 # and the tensor axis out as FSDP x tensor does: that 2-D case is run once).
-STRATEGIES = ["dp8", "fsdp8", "fsdp4_tp2"]
+STRATEGIES = ["dp8", "fsdp8", "fsdp4_tp2", "dp2_cp4", "fsdp2_cp4"]  # and context parallelism beside data, FSDP
 
 
 def worker(*args, devices=8, timeout=600):
@@ -66,6 +66,7 @@ def test_sharded_training_equals_one_device(strategies, mode, strategy):
     assert r["loss_rel"] < LOSS_RTOL, r
     assert r["param_rel"] < PARAM_RTOL, r
     assert r["sharding_mismatches"] == [], "every array sharded as the rules table says"
+    assert (r["ring_permutes"] > 0) == ("cp" in strategy), "ring attention where the sequence is split"
 
 
 @pytest.mark.parametrize("strategy", ["dp8", "fsdp4_tp2"])
@@ -88,7 +89,7 @@ def test_fsdp_splits_parameters_and_optimizer_state(strategies, mode):
 
 def test_mesh_errors_name_what_is_wrong(strategies):
     e = strategies["errors"]
-    assert "data=3, fsdp=2, tensor=1 makes 6 devices, but 8 are available" in e["mesh_size"]
+    assert "data=3, fsdp=2, tensor=1, context=1 makes 6 devices, but 8 are available" in e["mesh_size"]
     assert (
         "['embedding'].value has a dimension of 36 that mesh axes ('fsdp',) (size 8) do not divide"
         in e["not_divisible"]
