@@ -122,6 +122,9 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; parameters stay float32
     # auto: cuDNN flash attention on GPU, splash attention on TPU, XLA's fused attention elsewhere
     attention_impl: Literal["naive", "auto", "xla", "cudnn", "splash"] = "naive"
+    # With mesh.context > 1, attention over the split sequence: "ring" passes key/value blocks around
+    # the context axis (never more than two on a device); "allgather" gathers them all first.
+    context_attention: Literal["ring", "allgather"] = "ring"
     # float32 matmuls: "default" leaves JAX's setting (GPUs then use TF32, ~1e-3 off float32; TPUs
     # bfloat16 passes); "high" / "highest" ask for more. bfloat16 compute is unaffected.
     matmul_precision: Literal["default", "high", "highest"] = "default"
@@ -550,11 +553,12 @@ def _as_tuples(x):
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """The device mesh (axes data, fsdp, tensor) and the rules placing logical axes on it."""
+    """The device mesh (axes data, fsdp, tensor, context) and the rules placing logical axes on it."""
 
     data: int = -1  # data-parallel ways; -1 = all devices the other axes leave
     fsdp: int = 1  # FSDP (ZeRO-3) ways: parameters and optimizer state split, batch split too
     tensor: int = 1  # Megatron tensor-parallel ways
+    context: int = 1  # context-parallel ways: each row's sequence split, attention by model.context_attention
     dcn_data: int = 1  # of `data`, ways across slices/hosts on the slower network (hybrid mesh)
     rules: Literal["default", "dp", "fsdp", "tp", "fsdp_tp"] = "default"
     custom_rules: tuple | None = None  # ((logical, mesh axis or axes or None), ...) replaces `rules`
@@ -566,6 +570,7 @@ class MeshConfig:
     def __post_init__(self):
         object.__setattr__(self, "custom_rules", _as_tuples(self.custom_rules))  # JSON gives lists
         check_field_types(self, "mesh")
+        require(self.context > 0, "mesh.context", f"must be positive, got {self.context}")
         for name in ("data", "fsdp", "tensor"):
             size = getattr(self, name)
             require(size == -1 or size > 0, f"mesh.{name}", f"must be positive or -1 (fill), got {size}")
@@ -713,6 +718,8 @@ class Config:
             f"attention_impl={self.model.attention_impl!r} (a fused kernel) applies no dropout to attention "
             f"probabilities: set it to 0 or attention_impl to 'naive' or 'auto'",
         )
+        if m.context > 1:
+            self._check_context()
         if self.model.position in ("sinusoidal", "learned"):
             require(
                 self.data.max_len <= self.model.max_len,
@@ -724,6 +731,16 @@ class Config:
                 "data.src_max_len",
                 f"data.src_max_len={d.src_len} exceeds model.max_len={self.model.max_len}",
             )
+
+    def _check_context(self) -> None:
+        """What context parallelism cannot split (ring attention takes no logits bias or dropout)."""
+        m, model, d = self.mesh, self.model, self.data
+        require(model.position != "relative", "mesh.context",
+                "context parallelism takes no relative position bias (model.position='relative', T5)")  # fmt: skip
+        require(model.attention_dropout_rate == 0, "mesh.context",
+                "context parallelism applies no attention dropout: set model.attention_dropout_rate to 0")  # fmt: skip
+        for field, length in (("data.max_len", d.max_len), ("data.src_max_len", d.src_len)):
+            require(length % m.context == 0, field, f"{length} is not divisible by mesh.context={m.context}")
 
     def _check_lora(self) -> None:
         """The rank against the widths of the projections adapted (known only with the model)."""

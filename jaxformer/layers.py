@@ -22,9 +22,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxformer import functional as F
-from jaxformer import quant
+from jaxformer import quant, ring
 from jaxformer.config import ModelConfig
-from jaxformer.sharding import activation_spec, constrain
+from jaxformer.sharding import activation_spec, constrain, context_ways
 
 Array = jax.Array
 init = nnx.initializers
@@ -247,7 +247,7 @@ class Embed(nnx.Module):
         x_BTD = jnp.take(self.embedding[...], ids_BT, axis=0).astype(cfg.dtype)
         if (adapter := getattr(self, "embedding_lora", None)) is not None:  # LoRA (jaxformer.lora): its rows
             x_BTD = x_BTD + adapter.lookup(ids_BT, cfg.dtype)
-        x_BTD = constrain(x_BTD, ("batch", None, None))
+        x_BTD = constrain(x_BTD, ("batch", "length", None))
         return x_BTD * math.sqrt(cfg.d_model) if cfg.scale_embeddings else x_BTD
 
     def attend(self, x_BTD: Array) -> Array:
@@ -255,7 +255,7 @@ class Embed(nnx.Module):
         logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, self.embedding[...].astype(self.cfg.dtype))
         if (adapter := getattr(self, "embedding_lora", None)) is not None:  # the adapted embedding, transposed
             logits_BTV = logits_BTV + adapter.attend(x_BTD.astype(self.cfg.dtype))
-        return constrain(logits_BTV, ("batch", None, "vocab"))
+        return constrain(logits_BTV, ("batch", "length", "vocab"))
 
 
 class PositionalEncoding(nnx.Module):
@@ -343,7 +343,7 @@ class MultiHeadAttention(nnx.Module):
         y_BTHK = adapted(self, name, x_BTD, y_BTHK, dropout_rng)
         if self.cfg.use_bias:
             y_BTHK = y_BTHK + F.lift(getattr(self, f"{name}_bias")[...].astype(dt), y_BTHK)
-        return constrain(y_BTHK, ("batch", None, "heads", None))  # column-parallel under TP
+        return constrain(y_BTHK, ("batch", "length", "heads", None))  # column-parallel under TP
 
     def project_kv(
         self, kv_BSD: Array, positions_BS: Array | None = None, dropout_rng: Array | None = None
@@ -379,7 +379,9 @@ class MultiHeadAttention(nnx.Module):
         kv_BSD = x_BTD if memory_BSD is None else memory_BSD
         kv_positions_BS = positions_BT if kv_positions_BS is None else kv_positions_BS
         k_BSGK, v_BSGK = self.project_kv(kv_BSD, kv_positions_BS, dropout_rng)
-        return self._attend(x_BTD, k_BSGK, v_BSGK, "BSGK", mask, bias, positions_BT, dropout_rng, return_weights)
+        return self._attend(
+            x_BTD, k_BSGK, v_BSGK, "BSGK", mask, bias, positions_BT, dropout_rng, return_weights, kv_positions_BS
+        )
 
     # Decoding caches hold keys and values heads-major, [B, G, S, K]: the attention products read
     # them in place, where [B, S, G, K] would be transposed in full at every step.
@@ -412,11 +414,17 @@ class MultiHeadAttention(nnx.Module):
         }  # fmt: skip
         return self._attend(x_BTD, cache["k"], cache["v"], "BGSK", mask, bias, positions_BT, None, False), cache
 
-    def _attend(self, x_BTD, k, v, kv_layout, mask, bias, positions_BT, dropout_rng, return_weights):
+    def _attend(
+        self, x_BTD, k, v, kv_layout, mask, bias, positions_BT, dropout_rng, return_weights, kv_positions_BS=None
+    ):
         cfg = self.cfg
         q_BTHK = self._project(x_BTD, "q", dropout_rng)
         if self.use_rope:
             q_BTHK = F.apply_rope(q_BTHK, positions_BT, cfg.rope_base)
+        if kv_layout == "BSGK" and context_ways() > 1:  # the sequence is split over the mesh's context axis
+            return self._out(
+                self._context_attention(q_BTHK, k, v, mask, bias, positions_BT, kv_positions_BS), dropout_rng
+            )
         result = F.dot_product_attention(
             q_BTHK, k, v,
             kv_layout=kv_layout,
@@ -430,12 +438,30 @@ class MultiHeadAttention(nnx.Module):
             spec_BTHK=activation_spec(("batch", None, "heads", None)),  # splash runs per shard of it
         )  # fmt: skip
         out_BTHK, weights = result if return_weights else (result, None)
-        y_BTD = project(self, "o", "BTHK,HKD->BTD", out_BTHK)  # row-parallel under TP
-        y_BTD = adapted(self, "o", out_BTHK, y_BTD, dropout_rng)
-        if cfg.use_bias:
-            y_BTD = y_BTD + F.lift(self.o_bias[...].astype(cfg.dtype), y_BTD)
-        y_BTD = constrain(y_BTD, ("batch", None, None))
+        y_BTD = self._out(out_BTHK, dropout_rng)
         return (y_BTD, weights) if return_weights else y_BTD
+
+    def _context_attention(self, q_BTHK, k_BSGK, v_BSGK, mask, bias, positions_BT, kv_positions_BS) -> Array:
+        """Attention over sequences split on the context axis (`jaxformer.ring`): masks from the tokens'
+        positions (as packed rows number them: causal within a segment is causal by position)."""
+        if bias is not None or not (mask is None or isinstance(mask, F.Mask)) or (mask and mask.q_offset is not None):
+            raise ValueError("context parallelism takes a structural mask only (no logits bias or q_offset)")
+        mask = mask or F.Mask()
+        return ring.context_attention(
+            q_BTHK, k_BSGK, v_BSGK, strategy=self.cfg.context_attention, causal=mask.causal,
+            q_index_BT=positions_BT, kv_index_BS=kv_positions_BS,
+            q_segments_BT=mask.q_segments, kv_segments_BS=mask.kv_segments,
+            kv_lengths_B=mask.kv_lengths, q_lengths_B=mask.q_lengths,
+            scale=None if self.cfg.scale_attention else 1.0, spec_BTHK=activation_spec(("batch", None, "heads", None)),
+        )  # fmt: skip
+
+    def _out(self, out_BTHK: Array, dropout_rng: Array | None) -> Array:
+        """The heads' output projection: [B, T, H, K] -> [B, T, D] (row-parallel under TP)."""
+        y_BTD = project(self, "o", "BTHK,HKD->BTD", out_BTHK)
+        y_BTD = adapted(self, "o", out_BTHK, y_BTD, dropout_rng)
+        if self.cfg.use_bias:
+            y_BTD = y_BTD + F.lift(self.o_bias[...].astype(self.cfg.dtype), y_BTD)
+        return constrain(y_BTD, ("batch", "length", None))
 
 
 class FeedForward(nnx.Module):
@@ -471,8 +497,8 @@ class FeedForward(nnx.Module):
             h_BTF = F.GATED_ACTIVATIONS[self.cfg.activation](gate_BTF, up_BTF)
         else:
             h_BTF = F.ACTIVATIONS[self.cfg.activation](up_BTF)
-        h_BTF = constrain(h_BTF, ("batch", None, "mlp"))
-        return constrain(self._dense(h_BTF, "wo", "BTF,FD->BTD", dropout_rng), ("batch", None, None))
+        h_BTF = constrain(h_BTF, ("batch", "length", "mlp"))
+        return constrain(self._dense(h_BTF, "wo", "BTF,FD->BTD", dropout_rng), ("batch", "length", None))
 
 
 # ----------------------------------------------------------------------------- layers

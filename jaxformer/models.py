@@ -187,7 +187,7 @@ class LMHead(nnx.Module):
             logits_BTV = self.tied_to.attend(x_BTD * self.cfg.d_model**-0.5 if self.cfg.scale_tied_logits else x_BTD)
         else:
             logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, self.kernel[...].astype(dt))
-            logits_BTV = constrain(adapted(self, "kernel", x_BTD, logits_BTV, None), ("batch", None, "vocab"))
+            logits_BTV = constrain(adapted(self, "kernel", x_BTD, logits_BTV, None), ("batch", "length", "vocab"))
         if hasattr(self, "bias"):
             logits_BTV = logits_BTV + F.lift(self.bias[...].astype(dt), logits_BTV)
         # The paper's Generator: log-softmax, in float32.

@@ -45,6 +45,7 @@ class Where(NamedTuple):
     q_index_BT, kv_index_BS: each local token's position in the whole sequence.
     q_segments_BT, kv_segments_BS: packed documents (0 = padding key); None: one document a row.
     kv_lengths_B: keys at positions >= length are padding; None: none are.
+    q_lengths_B: queries at positions >= length see nothing (their output is zero); None: all see.
     """
 
     q_index_BT: Array
@@ -52,6 +53,7 @@ class Where(NamedTuple):
     q_segments_BT: Array | None = None
     kv_segments_BS: Array | None = None
     kv_lengths_B: Array | None = None
+    q_lengths_B: Array | None = None
 
 
 def _visible(where: Where, kv: tuple, causal: bool) -> Array:
@@ -63,6 +65,8 @@ def _visible(where: Where, kv: tuple, causal: bool) -> Array:
         vis = k_B1S <= q_BT1
     if where.kv_lengths_B is not None:
         vis = vis & (k_B1S < where.kv_lengths_B[:, None, None])
+    if where.q_lengths_B is not None:
+        vis = vis & (q_BT1 < where.q_lengths_B[:, None, None])
     if where.q_segments_BT is not None:
         same_BTS = where.q_segments_BT[:, :, None] == kv_segments_BS[:, None, :]
         vis = vis & same_BTS & (kv_segments_BS != 0)[:, None, :]
@@ -250,6 +254,7 @@ def context_attention(
     q_segments_BT: Array | None = None,
     kv_segments_BS: Array | None = None,
     kv_lengths_B: Array | None = None,
+    q_lengths_B: Array | None = None,
     scale: float | None = None,
     spec_BTHK: tuple = (),
 ) -> Array:
@@ -272,7 +277,7 @@ def context_attention(
     if (q_segments_BT is None) != (kv_segments_BS is None):
         raise ValueError("segments need both q_segments_BT and kv_segments_BS")
     where = Where(q_index_BT.astype(jnp.int32), kv_index_BS.astype(jnp.int32), q_segments_BT, kv_segments_BS,
-                  kv_lengths_B)  # fmt: skip
+                  kv_lengths_B, q_lengths_B)  # fmt: skip
     scale = K**-0.5 if scale is None else scale
     b_axes, _, h_axes, _ = tuple(spec_BTHK) + (None,) * (4 - len(spec_BTHK))
     x_spec, ids_spec = P(b_axes, axis, h_axes, None), P(b_axes, axis)
@@ -283,6 +288,7 @@ def context_attention(
         given(q_segments_BT, ids_spec),
         given(kv_segments_BS, ids_spec),
         given(kv_lengths_B, P(b_axes)),
+        given(q_lengths_B, P(b_axes)),
     )
 
     def local(q, k, v, where):

@@ -11,6 +11,8 @@ Every parameter names its axes where it is defined (`vocab`, `embed`, `heads`, `
                             split by column (heads, mlp), output and FFN-out by row, embedding
                             and logits by vocabulary
     fsdp=4, tensor=2        both
+    data=2, context=4       context parallel: each row's sequence split 4 ways (activations on
+                            `length`), attention by ring (or all-gather) over the `context` axis
 
 Activations are constrained with the same names (`batch` for their leading axis, `heads`
 and `vocab` for attention heads and logits), so XLA's partitioner sees one consistent plan.
@@ -30,16 +32,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxformer.config import ConfigError, MeshConfig
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "tensor", "context")
 LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layers")
 BATCH = ("data", "fsdp")  # the global batch is split over every axis that is not tensor parallel
 
-# logical axis -> mesh axis (None: replicated). Unlisted names (kv, layers, length) are replicated.
+# logical axis -> mesh axis (None: replicated). Unlisted names (kv, layers) are replicated. Activations'
+# sequence axis (`length`) is on `context` everywhere: with context=1 (the default) that splits nothing.
+CP = (("length", "context"),)
 RULES = {
-    "dp": (("batch", BATCH),),
-    "fsdp": (("batch", BATCH), ("embed", "fsdp")),
-    "tp": (("batch", BATCH), ("heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor")),
-    "fsdp_tp": (("batch", BATCH), ("embed", "fsdp"), ("heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor")),
+    "dp": (("batch", BATCH), *CP),
+    "fsdp": (("batch", BATCH), ("embed", "fsdp"), *CP),
+    "tp": (("batch", BATCH), ("heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"), *CP),
+    "fsdp_tp": (("batch", BATCH), ("embed", "fsdp"), ("heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"), *CP),
 }
 RULES["default"] = RULES["fsdp_tp"]  # axes of size 1 make it any of the others
 
@@ -86,9 +90,9 @@ def _env_int(name: str) -> int | None:
     return int(os.environ[name]) if name in os.environ else None
 
 
-def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) with one -1 filled from the device count; errors name the fields."""
-    sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int, int]:
+    """(data, fsdp, tensor, context) with one -1 filled from the device count; errors name the fields."""
+    sizes = [cfg.data, cfg.fsdp, cfg.tensor, cfg.context]
     if sizes.count(-1) > 1:
         raise ConfigError("mesh: at most one of data, fsdp, tensor may be -1 (fill)")
     known = math.prod(s for s in sizes if s != -1)
@@ -104,21 +108,21 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
 
 
 def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
-    """A (data, fsdp, tensor) mesh of Auto axes over `devices` (default: all, every process).
+    """A (data, fsdp, tensor, context) mesh of Auto axes over `devices` (default: all, every process).
 
     With `dcn_data` > 1 (several slices or hosts linked by a slower network), the data axis
     is split into an outer DCN part and an inner ICI part (`mesh_utils.create_hybrid_device_mesh`).
     """
     devices = jax.devices() if devices is None else list(devices)
     shape = mesh_shape(cfg, len(devices))
-    auto = (jax.sharding.AxisType.Auto,) * 3
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
     if cfg.dcn_data > 1:
         from jax.experimental import mesh_utils
 
         if shape[0] % cfg.dcn_data:
             raise ConfigError(f"mesh.dcn_data={cfg.dcn_data} does not divide mesh data={shape[0]}")
-        ici = (shape[0] // cfg.dcn_data, shape[1], shape[2])
-        grid = mesh_utils.create_hybrid_device_mesh(ici, (cfg.dcn_data, 1, 1), devices)
+        ici = (shape[0] // cfg.dcn_data, *shape[1:])
+        grid = mesh_utils.create_hybrid_device_mesh(ici, (cfg.dcn_data, 1, 1, 1), devices)
         return jax.sharding.Mesh(grid, MESH_AXES, axis_types=auto)
     if devices[0].platform == "tpu":  # laid out on the torus; an axis may take part of a physical one (8 of 4x4x4)
         from jax.experimental import mesh_utils
@@ -162,10 +166,21 @@ def activation_spec(names: tuple[str | None, ...]) -> PartitionSpec:
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-    """Sharding constraint by logical names; a no-op outside a mesh and rules context."""
-    if not nn.get_logical_axis_rules() or jax.sharding.get_abstract_mesh().empty:
+    """Sharding constraint by logical names; a no-op outside a mesh and rules context. A dimension
+    its mesh axes do not divide (one new position a decoding step, on the context axis) is not split."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not nn.get_logical_axis_rules() or mesh.empty:
         return x
-    return jax.lax.with_sharding_constraint(x, logical_to_spec(names))
+    ways = lambda axes: math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+    spec = logical_to_spec(names)
+    spec = PartitionSpec(*(a if n % ways(a) == 0 else None for n, a in zip(x.shape, spec, strict=False)))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def context_ways() -> int:
+    """The size of the mesh's context axis in effect (1 outside a mesh): how many ways sequences split."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty or "context" not in mesh.axis_names else mesh.shape["context"]
 
 
 def state_shardings(abstract_state, mesh: jax.sharding.Mesh):

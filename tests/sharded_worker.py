@@ -18,11 +18,13 @@ import jax
 import numpy as np
 
 STEPS, B, T = 5, 8, 8
-STRATEGIES = {  # (data, fsdp, tensor[, train.loss_chunk])
+STRATEGIES = {  # (data, fsdp, tensor[, context[, train.loss_chunk]])
     "dp8": (8, 1, 1),
     "fsdp8": (1, 8, 1),
     "fsdp4_tp2": (1, 4, 2),
-    "fsdp4_tp2_chunked": (1, 4, 2, 4),  # the loss in chunks of 4 tokens a device (its 2 rows x 2 positions)
+    "fsdp4_tp2_chunked": (1, 4, 2, 1, 4),  # the loss in chunks of 4 tokens a device (its 2 rows x 2 positions)
+    "dp2_cp4": (2, 1, 1, 4),  # each row's 8 positions split 4 ways, ring attention
+    "fsdp2_cp4": (1, 2, 1, 4),
 }
 GENERATE = ("dp8", "fsdp4_tp2")  # decoding under a mesh: batch over 8 devices; FSDP with tensor parallelism
 
@@ -36,13 +38,13 @@ def config(mode: str, mesh: tuple[int, ...]):
     model = model.replace(  # one layer per stack: the layers are alike, compile time is not
         num_encoder_layers=min(model.num_encoder_layers, 1), num_decoder_layers=min(model.num_decoder_layers, 1)
     )
-    data, fsdp, tensor, *chunk = mesh
-    chunking = {"loss_chunk": chunk[0]} if chunk else {}  # else "auto": the plain loss at these sizes
+    data, fsdp, tensor, context, chunk = (*mesh, *(1, 1, 1, 1, None)[len(mesh) :])
+    chunking = {"loss_chunk": chunk} if chunk else {}  # else "auto": the plain loss at these sizes
     return C.Config(
         model=model,
         data=C.DataConfig(max_len=T),
         train=C.TrainConfig(objective=objective, batch_size=B, learning_rate=1e-2, warmup_steps=1, **chunking),
-        mesh=C.MeshConfig(data=data, fsdp=fsdp, tensor=tensor),
+        mesh=C.MeshConfig(data=data, fsdp=fsdp, tensor=tensor, context=context),
     )
 
 
@@ -71,7 +73,10 @@ def train(cfg, devices=None) -> tuple[list[float], object, object, object]:
         losses = []
         for batch in batches(cfg.model.mode):
             local = {k: v[rows] for k, v in batch.items()}  # each process feeds only its rows
-            state, metrics = train_step(state, sharding.global_batch(local, mesh, B))
+            global_batch = sharding.global_batch(local, mesh, B)
+            if not losses:  # key/value blocks passed around the context axis's ring (0 without one)
+                train.ring_permutes = train_step.lower(state, global_batch).as_text().count("collective_permute")
+            state, metrics = train_step(state, global_batch)
             losses.append(float(metrics["loss"]))
     return losses, state, mesh, graphdef
 
@@ -128,6 +133,7 @@ def strategies(mode: str) -> dict:
         entry = {
             "loss_rel": float(np.max(np.abs(np.array(losses) - ref_losses) / np.abs(ref_losses))),
             "param_rel": rel,
+            "ring_permutes": train.ring_permutes,
         }
         # Actual shardings against the rules table.
         with sharding.use(mesh, sharding.rules_for(cfg.mesh)):

@@ -19,8 +19,8 @@ LOSS_RTOL, PARAM_RTOL = 1e-5, 1e-5
 MODES = ["decoder_only", "encoder_decoder", "encoder_only"]
 # Data parallelism and FSDP alone, and FSDP with tensor parallelism (data x tensor lays the batch
 # and the tensor axis out as FSDP x tensor does: that 2-D case is run once), also with the chunked loss
-# (against the plain loss on one device).
-STRATEGIES = ["dp8", "fsdp8", "fsdp4_tp2", "fsdp4_tp2_chunked"]
+# (against the plain loss on one device), and context parallelism beside data and FSDP.
+STRATEGIES = ["dp8", "fsdp8", "fsdp4_tp2", "fsdp4_tp2_chunked", "dp2_cp4", "fsdp2_cp4"]
 
 
 def worker(*args, devices=8, timeout=600):
@@ -68,7 +68,9 @@ def test_sharded_training_equals_one_device(strategies, mode, strategy):
     assert r["param_rel"] < PARAM_RTOL, r
     assert r["sharding_mismatches"] == [], "every array sharded as the rules table says"
     mesh = r["mesh"]
-    assert r["shard_counts"] == [mesh["data"] * mesh["fsdp"], mesh["tensor"], 1], "the shares a device holds"
+    shares = [mesh["data"] * mesh["fsdp"], mesh["tensor"], mesh["context"]]
+    assert r["shard_counts"] == shares, "the shares a device holds"
+    assert (r["ring_permutes"] > 0) == ("cp" in strategy), "ring attention where the sequence is split"
 
 
 @pytest.mark.parametrize("strategy", ["dp8", "fsdp4_tp2"])
@@ -91,7 +93,7 @@ def test_fsdp_splits_parameters_and_optimizer_state(strategies, mode):
 
 def test_mesh_errors_name_what_is_wrong(strategies):
     e = strategies["errors"]
-    assert "data=3, fsdp=2, tensor=1 makes 6 devices, but 8 are available" in e["mesh_size"]
+    assert "data=3, fsdp=2, tensor=1, context=1 makes 6 devices, but 8 are available" in e["mesh_size"]
     assert (
         "['embedding'].value has a dimension of 36 that mesh axes ('fsdp',) (size 8) do not divide"
         in e["not_divisible"]
