@@ -6,6 +6,7 @@ Plan both on any machine:
 
     jaxformer plan --config experiments/llama_7b_lora.py --target gpu-h100x1 --no-largest
     jaxformer plan --config experiments/llama_7b_lora.py --target gpu-h100x1 --no-largest --set lora.rank=0
+    jaxformer plan --config experiments/llama_7b_lora.py --target gpu-h100x1 --no-largest --set lora.base=int8
 
 With pretrained weights (a Hugging Face Llama directory), import them with the adapters, then train:
 

@@ -294,10 +294,11 @@ def optimizer_layout(train) -> dict:
 
 
 def lora_layout(lora) -> dict:
-    """The lora fields that shape the state (alpha, dropout and seed only change numbers)."""
+    """The lora fields that shape the state (alpha, dropout and seed only change numbers; base stores
+    the frozen kernels in int8 with their scales, in the checkpoint)."""
     if not lora.enabled:
         return {"rank": 0}
-    return {"rank": lora.rank, "targets": lora.targets, "stacks": lora.stacks}
+    return {"rank": lora.rank, "targets": lora.targets, "stacks": lora.stacks, "base": lora.base}
 
 
 def check_compatible(saved: Config, current: Config, where) -> None:

@@ -596,6 +596,9 @@ class LoRAConfig:
     targets: tuple[str, ...] = ("q", "v")  # the projections adapted (the paper's choice: queries and values)
     stacks: tuple[str, ...] = LORA_STACKS  # which stacks' q..wo get them: encoder, decoder (self-attention, FFN), cross
     seed: int = 0  # the adapters' own stream: the base draws the same numbers with LoRA on or off
+    # How the frozen base's projection kernels are stored: "compute" (model.dtype) or "int8" (QLoRA-style:
+    # int8 with a float32 scale per output channel, dequantized in the layer that reads it; half of bfloat16).
+    base: Literal["compute", "int8"] = "compute"
 
     def __post_init__(self):
         object.__setattr__(self, "targets", tuple(self.targets))  # JSON gives lists
@@ -610,6 +613,11 @@ class LoRAConfig:
                 not unknown, f"lora.{field}", f"unknown {', '.join(map(repr, unknown))} (valid: {', '.join(valid)})"
             )
             require(bool(name) or not self.rank, f"lora.{field}", "LoRA on (rank > 0) needs at least one")
+        require(
+            self.base == "compute" or self.enabled,
+            "lora.base",
+            f"{self.base!r} quantizes the frozen base of a LoRA run: set lora.rank > 0 (or leave base 'compute')",
+        )
 
     @property
     def enabled(self) -> bool:

@@ -239,8 +239,9 @@ def beam_search(stepper, prompt_BP, lengths_B, max_new_B, num_new: int, W: int, 
 
 def decodable(model):
     """`model` as the decoding loop runs it: LoRA adapters folded into their kernels (`lora.merge`, on
-    a copy: one matmul a projection) and scanned stacks unrolled (`models.unrolled`: sliced once)."""
-    if any(lora.adapters(model)):
+    a copy: one matmul a projection; an int8 base dequantized) and scanned stacks unrolled
+    (`models.unrolled`: sliced once)."""
+    if any(lora.adapters(model)) or lora.quantized(model):  # an int8 base: float kernels again
         model = lora.merge(nnx.clone(model))
     return unrolled(model)
 

@@ -19,8 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxformer import functional as F
+from jaxformer import quant
 from jaxformer.config import ModelConfig
 from jaxformer.sharding import activation_spec, constrain
 
@@ -60,6 +62,18 @@ materialized_grad.defvjp(lambda x: (x, None), _materialized_grad_bwd)
 def split_rng(rng: Array | None, n: int) -> list[Array | None]:
     """n independent keys from `rng`, or n Nones when running deterministically."""
     return [None] * n if rng is None else list(jax.random.split(rng, n))
+
+
+def project(module: nnx.Module, name: str, spec: str, x: Array) -> Array:
+    """einsum(spec, x, module.<name>) in the compute dtype. A kernel stored in int8 beside its
+    `<name>_scale` (a LoRA run's frozen base, `lora.quantize_base`) is dequantized here, in the layer
+    that reads it: one layer at a time in a scanned stack, and again in the backward (`quant.einsum`)."""
+    dt = module.cfg.dtype
+    scale = getattr(module, f"{name}_scale", None)
+    if scale is None:
+        return jnp.einsum(spec, x, getattr(module, name)[...].astype(dt))
+    y = quant.einsum(spec, x, getattr(module, name)[...], scale[...], dt)
+    return checkpoint_name(y, quant.PROJECTION)  # saved as `dots_saveable` saves a matmul
 
 
 def adapted(module: nnx.Module, name: str, x: Array, y: Array, dropout_rng: Array | None) -> Array:
@@ -325,7 +339,7 @@ class MultiHeadAttention(nnx.Module):
 
     def _project(self, x_BTD: Array, name: str, dropout_rng: Array | None = None) -> Array:
         dt = self.cfg.dtype
-        y_BTHK = jnp.einsum("BTD,DHK->BTHK", x_BTD, getattr(self, name)[...].astype(dt))
+        y_BTHK = project(self, name, "BTD,DHK->BTHK", x_BTD)
         y_BTHK = adapted(self, name, x_BTD, y_BTHK, dropout_rng)
         if self.cfg.use_bias:
             y_BTHK = y_BTHK + F.lift(getattr(self, f"{name}_bias")[...].astype(dt), y_BTHK)
@@ -416,7 +430,7 @@ class MultiHeadAttention(nnx.Module):
             spec_BTHK=activation_spec(("batch", None, "heads", None)),  # splash runs per shard of it
         )  # fmt: skip
         out_BTHK, weights = result if return_weights else (result, None)
-        y_BTD = jnp.einsum("BTHK,HKD->BTD", out_BTHK, self.o[...].astype(cfg.dtype))  # row-parallel under TP
+        y_BTD = project(self, "o", "BTHK,HKD->BTD", out_BTHK)  # row-parallel under TP
         y_BTD = adapted(self, "o", out_BTHK, y_BTD, dropout_rng)
         if cfg.use_bias:
             y_BTD = y_BTD + F.lift(self.o_bias[...].astype(cfg.dtype), y_BTD)
@@ -444,7 +458,7 @@ class FeedForward(nnx.Module):
 
     def _dense(self, x: Array, name: str, spec: str, dropout_rng: Array | None) -> Array:
         dt = self.cfg.dtype
-        y = adapted(self, name, x, jnp.einsum(spec, x, getattr(self, name)[...].astype(dt)), dropout_rng)
+        y = adapted(self, name, x, project(self, name, spec, x), dropout_rng)
         return y + F.lift(getattr(self, f"{name}_bias")[...].astype(dt), y) if self.cfg.use_bias else y
 
     def __call__(self, x_BTD: Array, dropout_rng: Array | None = None) -> Array:
@@ -574,7 +588,9 @@ class DecoderLayer(nnx.Module):
 
 REMAT_POLICIES = {
     "full": None,  # save nothing, recompute the whole layer in the backward pass
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,  # keep matmul outputs
+    "dots_saveable": jax.checkpoint_policies.save_from_both_policies(  # keep matmul outputs (int8 kernels' too)
+        jax.checkpoint_policies.dots_saveable, jax.checkpoint_policies.save_only_these_names(quant.PROJECTION)
+    ),
 }
 
 

@@ -5,6 +5,12 @@ zero, so an adapted model starts as exactly its base. Adapters are `nnx.LoRAPara
 model (`add_adapters`) beside the kernel they adapt (`q_lora` beside `q`), with their own RNG stream:
 the base parameters are the same with LoRA on or off, and pretrained ones get fresh adapters.
 The layers add `adapter(x)` where one exists; `merge` folds the adapters into the kernels.
+
+With `lora.base="int8"` (QLoRA-style), `quantize_base` stores every projection kernel of the base as
+int8 beside a `<name>_scale` (`QuantScale`, float32 per output channel; the maths is `jaxformer.quant`),
+and the layers dequantize where they read it. The embedding and the output head stay in the compute
+dtype: the embedding is read a row per token (nothing to gain in the step), the head sets the logits'
+precision (as bitsandbytes and PEFT keep `lm_head` unquantized), and together they are ~4% of a 7B Llama.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxformer import functional as F
+from jaxformer import quant
 from jaxformer.config import LORA_MODEL_TARGETS, LoRAConfig
 from jaxformer.layers import Embed, FeedForward, MultiHeadAttention
 from jaxformer.models import LMHead
@@ -32,6 +39,11 @@ KERNELS = {
 }
 KERNEL_OF = {"embed": "embedding", "head": "kernel"}  # a target named otherwise than its kernel
 FROZEN = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))  # the base: every parameter but the adapters
+
+
+class QuantScale(nnx.Param):
+    """The float32 per-output-channel scale of an int8 kernel of the frozen base (`quantize_base`):
+    a parameter of the base (it is in `FROZEN`), never trained."""
 
 
 # ----------------------------------------------------------------------------- pure maths
@@ -142,9 +154,50 @@ def adapters(model: nnx.Module):
                         yield module, name, adapter
 
 
+def kernels(model: nnx.Module):
+    """(module, kernel name, the number of its input axes, its leading (layers) axes) for every projection
+    of the layer stacks (attention and feed-forward; not the embedding or the output head)."""
+    for _, module in nnx.iter_modules(model):
+        for kind, names in KERNELS.items():
+            if isinstance(module, kind) and kind in (MultiHeadAttention, FeedForward):
+                for name, (rank, num_in) in names.items():
+                    if isinstance(kernel := getattr(module, name, None), nnx.Param):
+                        yield module, name, num_in, kernel.ndim - rank
+
+
+def quantized(model: nnx.Module):
+    """(module, kernel name) for every kernel stored in int8 (`quantize_base`)."""
+    return [(m, name) for m, name, _, _ in kernels(model) if isinstance(getattr(m, f"{name}_scale", None), QuantScale)]
+
+
+def quantize_base(model: nnx.Module, cfg: LoRAConfig) -> nnx.Module:
+    """`model` with every projection kernel (attention q, k, v, o; feed-forward wi, wi_gate, wo; of every
+    stack, adapted or not) stored in int8 beside a `QuantScale`, in place; nothing unless `cfg.base` is
+    "int8". The scale [lead..., 1 (in axes), out...] carries the kernel's names with None on its input
+    axes, so it shards as the kernel's output channels do."""
+    if cfg.base != "int8":
+        return model
+    for module, name, num_in, lead in list(kernels(model)):
+        kernel = getattr(module, name)
+        if hasattr(module, f"{name}_scale"):
+            continue
+        in_axes = tuple(range(lead, lead + num_in))
+        q, scale = quant.quantize(kernel[...], in_axes)
+        names = tuple(kernel.get_metadata().get("out_sharding") or (None,) * kernel.ndim)
+        kernel.set_value(q)
+        names = tuple(None if i in in_axes else n for i, n in enumerate(names))
+        setattr(module, f"{name}_scale", QuantScale(scale, out_sharding=names, eager_sharding=False))
+    return model
+
+
 def merge(model: nnx.Module) -> nnx.Module:
     """`model` with every adapter folded into its kernel (W + A @ B * scale, kept in W's dtype) and
-    removed, in place: a plain model for export and inference, as fast as the base."""
+    removed, and every int8 kernel dequantized (to float32), in place: a plain model for export and
+    inference, as fast as the base."""
+    for module, name in quantized(model):
+        kernel = getattr(module, name)
+        kernel.set_value(quant.dequantize(kernel[...], getattr(module, f"{name}_scale")[...], jnp.float32))
+        delattr(module, f"{name}_scale")
     for module, name, adapter in list(adapters(model)):
         kernel = getattr(module, name)
         a, b = adapter.a[...], adapter.b[...]
@@ -159,6 +212,9 @@ def merge(model: nnx.Module) -> nnx.Module:
 
 def partition(params: nnx.State, dtype) -> tuple[nnx.State, nnx.State]:
     """(trainable adapters, frozen base in `dtype`) of a model's parameters: the base is only read,
-    so it is kept in the compute dtype, with no float32 master copy."""
+    so it is kept in the compute dtype, with no float32 master copy; int8 kernels and their float32
+    scales (`quantize_base`) stay as they are."""
     trainable, frozen = nnx.split_state(params, nnx.LoRAParam, ...)
-    return trainable, jax.tree.map(lambda x: x.astype(dtype), frozen)
+    floating = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    scales = lambda v: isinstance(v, QuantScale)
+    return trainable, jax.tree.map(lambda x: x if scales(x) else floating(x), frozen, is_leaf=scales)

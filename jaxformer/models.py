@@ -498,8 +498,8 @@ def unrolled(model: Transformer) -> Transformer:
     """
     if not model.cfg.scan_layers:
         return model
-    if any(str(p[-2]).endswith("_lora") for p, _ in nnx.to_flat_state(nnx.state(model))):
-        raise ValueError("unrolled: fold the LoRA adapters in first (lora.merge), as decoding does")
+    if any(str(k).endswith(("_lora", "_scale")) for p, _ in nnx.to_flat_state(nnx.state(model)) for k in p):
+        raise ValueError("unrolled: fold LoRA adapters and an int8 base in first (lora.merge), as decoding does")
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(model.cfg.replace(scan_layers=False), rngs=nnx.Rngs(0))))
     flat = []
     for path, var in nnx.to_flat_state(nnx.state(model)):

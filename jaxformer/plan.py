@@ -121,7 +121,8 @@ class Plan:
     requested_batch: int | None = None  # the configured batch; batch_size differs when it did not compile
     over_memory: str | None = None  # the TPU compiler's refusal of the configured batch
     attention_kernels: int = 0  # Pallas (Mosaic) kernel calls in the training step (splash on TPU)
-    frozen: int = 0  # LoRA: this device's shards of the frozen base, in the compute dtype
+    frozen: int = 0  # LoRA: this device's shards of the frozen base, in the compute dtype (or int8)
+    frozen_storage: str = ""  # LoRA: how the frozen base is stored ("bfloat16"; "int8 + float32 scales")
 
     def table(self) -> str:
         gb = lambda b: f"{b / 1e9:9.3f} GB"
@@ -135,7 +136,7 @@ class Plan:
         lines += [
             f"{where}mesh {mesh} over {self.devices} devices, global batch {self.batch_size}; per device:",
             *(
-                [f"  frozen base        {gb(self.frozen)}   (LoRA: not trained, in the compute dtype)"]
+                [f"  frozen base        {gb(self.frozen)}   (LoRA: not trained, {self.frozen_storage})"]
                 if self.frozen
                 else []
             ),
@@ -382,7 +383,8 @@ def plan(
         largest_batch=largest, refused_batch=refused, target=target.name if target else None,
         chip=chip.name if chip else None, eval_peak=None if evaluated.refused else evaluated.peak,
         bytes_accessed=accessed, tokens_per_step=tokens, compile_seconds=compile_seconds, cached_steps=cached,
-        requested_batch=requested, over_memory=over_memory, attention_kernels=step.kernels, frozen=frozen, **roofline,
+        requested_batch=requested, over_memory=over_memory, attention_kernels=step.kernels, frozen=frozen,
+        frozen_storage="int8 kernels + float32 scales" if cfg.lora.base == "int8" else cfg.model.dtype, **roofline,
     )  # fmt: skip
 
 

@@ -114,7 +114,6 @@ def ring_attention(
 def _ring_forward(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale):
     G = k_BSGK.shape[2]
     q = _grouped(q_BTHK, G)  # [B, G, R, T, K]
-    B, _, R, T, K = q.shape
 
     def fold(carry, kv):  # one visiting block into the running softmax
         o, m, l = carry
@@ -131,10 +130,10 @@ def _ring_forward(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale):
 
         return jax.lax.cond(vis.any(), compute, lambda _: (o, m, l), None)
 
-    varying = lambda x: jax.lax.pcast(x, axis_name, to="varying")  # loop carries differ by device, as q does
-    o = varying(jnp.zeros((B, G, R, T, K), jnp.float32))
-    m = varying(jnp.full((B, G, R, T), NEG, jnp.float32))
-    l = varying(jnp.zeros((B, G, R, T), jnp.float32))
+    # The loop carries vary over the mesh axes q varies over (shard_map's types): made "like" q.
+    o = jnp.zeros_like(q, jnp.float32)  # [B, G, R, T, K]
+    m = jnp.full_like(q[..., 0], NEG, jnp.float32)  # [B, G, R, T]
+    l = jnp.zeros_like(m)
     kv = (k_BSGK, v_BSGK, _kv_meta(where))
     carry = fold((o, m, l), kv)
 
@@ -180,8 +179,8 @@ def _ring_bwd(axis_name, n, causal, scale, res, dout_BTHK):
         dq, dk, dv = jax.lax.cond(vis.any(), compute, lambda _: (dq, dk, dv), None)
         return dq, _shift((k, v, meta, dk, dv), axis_name, n)  # after n shifts each block is home
 
-    zeros_kv = jax.lax.pcast(jnp.zeros(k_BSGK.shape, jnp.float32), axis_name, to="varying")
-    dq0 = jax.lax.pcast(jnp.zeros(q.shape, jnp.float32), axis_name, to="varying")
+    zeros_kv = jnp.zeros_like(k_BSGK, jnp.float32)
+    dq0 = jnp.zeros_like(q, jnp.float32)
     state = (dq0, (k_BSGK, v_BSGK, _kv_meta(where), zeros_kv, zeros_kv))
     dq, (_, _, _, dk, dv) = jax.lax.fori_loop(0, n, step, state)
     return (
@@ -242,7 +241,7 @@ def context_attention(
     k_BSGK: Array,
     v_BSGK: Array,
     *,
-    mesh: jax.sharding.Mesh,
+    mesh: jax.sharding.Mesh | None = None,
     axis: str = "context",
     strategy: Literal["ring", "allgather"] = "ring",
     causal: bool = False,
@@ -252,13 +251,17 @@ def context_attention(
     kv_segments_BS: Array | None = None,
     kv_lengths_B: Array | None = None,
     scale: float | None = None,
+    spec_BTHK: tuple = (),
 ) -> Array:
-    """Attention with T and S sharded over mesh axis `axis` (the other dimensions replicated).
+    """Attention with T and S sharded over mesh axis `axis` of `mesh` (default: the mesh in context).
 
     The arrays hold the sequence in its laid-out order (see `layout_order`); `q_index_BT` and
     `kv_index_BS` give each token's position in the sequence (default: 0..T-1, contiguous).
+    `spec_BTHK`: the mesh axes of the batch and heads dimensions (its length entry is ignored), so
+    that each device attends only its rows and heads, as data and tensor parallelism lay them out.
+    Raises ValueError when the axis does not divide T or S.
     """
-    n = mesh.shape[axis]
+    n = (mesh or jax.sharding.get_abstract_mesh()).shape[axis]
     B, T, _, K = q_BTHK.shape
     S = k_BSGK.shape[1]
     for what, length in (("queries", T), ("keys", S)):
@@ -271,14 +274,21 @@ def context_attention(
     where = Where(q_index_BT.astype(jnp.int32), kv_index_BS.astype(jnp.int32), q_segments_BT, kv_segments_BS,
                   kv_lengths_B)  # fmt: skip
     scale = K**-0.5 if scale is None else scale
-    seq = P(None, axis)
-    where_specs = Where(seq, seq, None if q_segments_BT is None else seq, None if kv_segments_BS is None else seq,
-                        None if kv_lengths_B is None else P())  # fmt: skip
+    b_axes, _, h_axes, _ = tuple(spec_BTHK) + (None,) * (4 - len(spec_BTHK))
+    x_spec, ids_spec = P(b_axes, axis, h_axes, None), P(b_axes, axis)
+    given = lambda x, spec: None if x is None else spec
+    where_specs = Where(
+        ids_spec,
+        ids_spec,
+        given(q_segments_BT, ids_spec),
+        given(kv_segments_BS, ids_spec),
+        given(kv_lengths_B, P(b_axes)),
+    )
 
     def local(q, k, v, where):
         if strategy == "ring":
             return ring_attention(q, k, v, where, axis, n, causal, scale)
         return allgather_attention(q, k, v, where, axis, causal, scale)
 
-    f = jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, where_specs), out_specs=seq)
+    f = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, where_specs), out_specs=x_spec)
     return f(q_BTHK, k_BSGK, v_BSGK, where)

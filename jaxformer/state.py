@@ -29,7 +29,7 @@ class TrainState:
     params: nnx.State  # the trained parameters: all of them, or the LoRA adapters alone
     opt_state: optax.OptState  # of `params` only
     rng: Array  # root key as raw uint32 key data (checkpointable); step t's dropout key is fold_in(rng, t)
-    frozen: nnx.State | None = None  # LoRA: the base parameters, in the compute dtype, never updated
+    frozen: nnx.State | None = None  # LoRA: the base parameters, in the compute dtype (or int8), never updated
 
     @property
     def weights(self) -> nnx.State:
@@ -86,7 +86,9 @@ def state_factory(cfg: Config):
     allocated until it runs (`jax.eval_shape(create)` gives its shapes, as the planner uses them)."""
     optimizer = make_optimizer(cfg.train, cfg.model.d_model)
 
-    build = lambda seed: lora.add_adapters(Transformer(cfg.model, rngs=nnx.Rngs(params=seed)), cfg.lora)
+    def build(seed: int) -> Transformer:  # the base, its adapters, its int8 kernels (lora.base="int8")
+        model = lora.add_adapters(Transformer(cfg.model, rngs=nnx.Rngs(params=seed)), cfg.lora)
+        return lora.quantize_base(model, cfg.lora)
 
     def create() -> TrainState:
         return start_state(cfg, nnx.state(build(cfg.train.seed), nnx.Param), optimizer)
@@ -99,7 +101,8 @@ def start_state(cfg: Config, params: nnx.State, optimizer: optax.GradientTransfo
     """Step 0 from `params` (random, or pretrained ones being fine-tuned): a fresh optimizer state.
 
     With LoRA, `params` holds the adapters too (`lora.add_adapters`): they alone train and have an
-    optimizer state; the rest becomes `frozen`, in the compute dtype.
+    optimizer state; the rest becomes `frozen`, in the compute dtype (its kernels in int8 when `params`
+    comes from a model through `lora.quantize_base`).
     """
     rng = jax.random.key_data(jax.random.key(cfg.train.seed))
     frozen = None

@@ -16,20 +16,22 @@ import sys
 
 import pytest
 
-# (name, strategy, ring size, layout, causal, T, S, lengths, segments): cross-attention when T != S.
+# (name, strategy, ring size, layout, causal, T, S, lengths, segments, data-parallel ways): cross-
+# attention when T != S; with data ways, the batch is split over a data axis beside the ring.
 CASES = [
-    ("ring2 causal packed", "ring", 2, "contiguous", True, 32, 32, True, True),
-    ("ring4 causal packed zigzag", "ring", 4, "zigzag", True, 32, 32, True, True),
-    ("ring8 causal packed zigzag", "ring", 8, "zigzag", True, 32, 32, True, True),
-    ("ring8 causal striped", "ring", 8, "striped", True, 32, 32, False, False),
-    ("ring4 bidirectional padded", "ring", 4, "contiguous", False, 32, 32, True, False),
-    ("ring8 cross padded", "ring", 8, "contiguous", False, 16, 32, True, False),
-    ("allgather4 causal packed zigzag", "allgather", 4, "zigzag", True, 32, 32, True, True),
-    ("allgather8 cross padded", "allgather", 8, "contiguous", False, 16, 32, True, False),
+    ("ring2 causal packed", "ring", 2, "contiguous", True, 32, 32, True, True, 1),
+    ("ring4 causal packed zigzag", "ring", 4, "zigzag", True, 32, 32, True, True, 1),
+    ("ring8 causal packed zigzag", "ring", 8, "zigzag", True, 32, 32, True, True, 1),
+    ("ring8 causal striped", "ring", 8, "striped", True, 32, 32, False, False, 1),
+    ("ring4 bidirectional padded", "ring", 4, "contiguous", False, 32, 32, True, False, 1),
+    ("ring8 cross padded", "ring", 8, "contiguous", False, 16, 32, True, False, 1),
+    ("allgather4 causal packed zigzag", "allgather", 4, "zigzag", True, 32, 32, True, True, 1),
+    ("allgather8 cross padded", "allgather", 8, "contiguous", False, 16, 32, True, False, 1),
+    ("ring4 x data2 causal packed zigzag", "ring", 4, "zigzag", True, 32, 32, True, True, 2),
 ]
 
 
-def case_errors(seed, strategy, n, layout, causal, T, S, lengths, segments) -> dict:
+def case_errors(seed, strategy, n, layout, causal, T, S, lengths, segments, data) -> dict:
     """The largest differences from one device's attention, of the outputs and of the gradients."""
     import jax
     import jax.numpy as jnp
@@ -39,7 +41,8 @@ def case_errors(seed, strategy, n, layout, causal, T, S, lengths, segments) -> d
     from jaxformer import ring
 
     B, H, G, K = 2, 4, 2, 8
-    mesh = jax.make_mesh((n,), ("context",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    mesh = jax.make_mesh((data, n), ("data", "context"), axis_types=auto, devices=jax.devices()[: data * n])
     kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.normal(kq, (B, T, H, K))
     k, v = jax.random.normal(kk, (B, S, G, K)), jax.random.normal(kv, (B, S, G, K))
@@ -56,6 +59,7 @@ def case_errors(seed, strategy, n, layout, causal, T, S, lengths, segments) -> d
             q_index_BT=jnp.broadcast_to(jnp.asarray(q_order), (B, T)),
             kv_index_BS=jnp.broadcast_to(jnp.asarray(kv_order), (B, S)),
             q_segments_BT=lay(q_seg, q_order), kv_segments_BS=lay(kv_seg, kv_order), kv_lengths_B=kv_lengths,
+            spec_BTHK=("data",),
         )  # fmt: skip
         return o[:, np.argsort(q_order)]
 

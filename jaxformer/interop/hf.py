@@ -773,13 +773,6 @@ def save_hf(
     tensor at a time is gathered to the host."""
     from safetensors.numpy import save_file
 
-    from jaxformer.config import LORA_MODEL_TARGETS
-
-    if unwritten := [t for t in lora_cfg.targets if t in LORA_MODEL_TARGETS]:
-        raise UnsupportedCheckpoint(
-            f"lora.targets: PEFT adapters of {', '.join(map(repr, unwritten))} are not written (only q, k, v, o "
-            "and the feed-forward's): export the model with its adapters folded in (export-hf without --adapter)"
-        )
     cfg = model.cfg
     family = family or family_of(cfg)
     hf = config_to_hf(cfg, family) | {"torch_dtype": "float32"} | (extra_config or {})

@@ -85,6 +85,7 @@ def import_hf(source, workdir, experiment: str | None = None, overrides: list[st
             model = hf.load_hf(source, mesh=mesh, adapter=adapter, **changed)
         else:
             model = lora.add_adapters(hf.load_hf(source, mesh=mesh, **changed), cfg.lora)  # LoRA: fresh adapters
+        lora.quantize_base(model, cfg.lora)  # lora.base="int8": the frozen kernels in int8
         hf_dir = workdir / HF_DIR
         hf_dir.mkdir(parents=True, exist_ok=True)
         for f in _files_beside_weights(source):
