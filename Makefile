@@ -1,6 +1,7 @@
 # Two commands that work on a fresh machine with Python 3.11+ and pip:
 #   make demo   set up, then train the main job (a small Shakespeare language model, ~8 min on 2 CPU cores)
 #   make test   set up, then lint, format-check and run the test suite
+# and `make docs`: the documentation site into site/ (guides, and the API reference from docstrings).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -21,7 +22,18 @@ test: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -n 2 --dist loadfile -q --durations=20
 
+# The documentation site into site/: the generated pages (config, CLI) rewritten from the code, then a
+# strict build (any warning fails, as in CI). NO_MKDOCS_2_WARNING: Material's end-of-life banner (mkdocs.yml).
+$(VENV)/.docs: pyproject.toml | $(BIN)/jaxformer
+	$(BIN)/pip install --quiet -e ".[docs]"
+	touch $@
+
+docs: setup $(VENV)/.docs
+	$(BIN)/python scripts/make_reference_pages.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+	@echo "docs: open file://$(CURDIR)/site/index.html (or serve with live reload: $(BIN)/mkdocs serve)"
+
 gpu-check: setup  # on a machine with an NVIDIA GPU and a CUDA build of jax (see scripts/gpu_check.sh)
 	PYTHON=$(BIN)/python bash scripts/gpu_check.sh
 
-.PHONY: setup demo test gpu-check
+.PHONY: setup demo test docs gpu-check

@@ -323,7 +323,8 @@ def _print_report(objective: str, report: dict) -> None:
     print("\n".join(report_lines(objective, report)))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `jaxformer` command line: one subcommand each (docs/cli.md is generated from it)."""
     parser = argparse.ArgumentParser(prog="jaxformer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train an experiment in a workdir")
@@ -441,7 +442,11 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--workdir", required=True)
     pl.add_argument("--out", help="PNG path (default: WORKDIR/curves.png)")
     sub.add_parser("check", help="check the install: this machine's devices and a forward pass of each mode")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)  # `plan --devices N` runs itself again with them
     from jaxformer.config import ConfigError
     from jaxformer.data import DataError

@@ -84,26 +84,26 @@ class ModelConfig:
     Defaults are the paper's base model ("Attention Is All You Need", Table 3).
     """
 
-    mode: Literal["encoder_only", "decoder_only", "encoder_decoder"] = "encoder_decoder"
+    mode: Literal["encoder_only", "decoder_only", "encoder_decoder"] = "encoder_decoder"  # BERT, GPT, the paper / T5
     vocab_size: int = 37_000  # shared BPE vocabulary of the paper's WMT en-de model
     d_model: int = 512  # D
     num_heads: int = 8  # H
     num_kv_heads: int | None = None  # G; None = num_heads (multi-head), 1 = multi-query
     head_dim: int | None = None  # K; None = d_model // num_heads
     d_ff: int = 2048  # F
-    num_encoder_layers: int = 6
-    num_decoder_layers: int = 6
+    num_encoder_layers: int = 6  # L of the encoder stack (paper N = 6); decoder_only has none
+    num_decoder_layers: int = 6  # L of the decoder stack (paper N = 6); encoder_only has none
     max_len: int = 512  # longest sequence the positional encoding covers
     dropout_rate: float = 0.1  # residual and embedding dropout (paper P_drop)
     attention_dropout_rate: float = 0.0  # on attention weights (Annotated Transformer uses P_drop)
     # gelu: tanh approximation (GPT-2); gelu_exact: with erf (BERT, BART); swiglu, geglu: gated (Llama, T5 v1.1)
     activation: Literal["relu", "gelu", "gelu_exact", "swiglu", "geglu"] = "relu"
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # rmsnorm: no mean subtracted, no bias (T5, Llama)
     norm_position: Literal["post", "pre"] = "post"  # post: LayerNorm(x + Sublayer(x)) as in the paper
-    norm_eps: float = 1e-6
+    norm_eps: float = 1e-6  # added to the variance inside every norm
     # relative: T5's bucketed relative-position bias on each stack's self-attention logits
     position: Literal["sinusoidal", "learned", "rope", "relative", "none"] = "sinusoidal"
-    rope_base: float = 10_000.0
+    rope_base: float = 10_000.0  # rope: base of the rotary frequencies, base^(-2i/K) (Llama: 10000)
     position_offset: int = 0  # learned: position p reads table row p + offset (BART: 2; max_len + offset rows)
     relative_buckets: int = 32  # relative: buckets of the bias table (T5: 32)
     relative_max_distance: int = 128  # relative: distances beyond this share the last bucket (T5: 128)
@@ -118,7 +118,7 @@ class ModelConfig:
     scale_tied_logits: bool = False  # tied output: multiply the final states by D^-0.5 first (T5 v1.0)
     num_classes: int = 0  # encoder_only: > 0 adds a sequence classification head
     pooling: Literal["first", "mean"] = "first"  # classification pooling: [CLS] token or masked mean
-    pad_id: int = 0
+    pad_id: int = 0  # the padding token: written after EOS by decoding; a Hugging Face config's pad_token_id
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; parameters stay float32
     # auto: cuDNN flash attention on GPU, splash attention on TPU, XLA's fused attention elsewhere
     attention_impl: Literal["naive", "auto", "xla", "cudnn", "splash"] = "naive"
@@ -334,34 +334,34 @@ PRESETS = {
 class TrainConfig:
     """Optimisation and the training loop."""
 
-    objective: Literal["lm", "seq2seq", "mlm", "classify"] = "lm"
-    steps: int = 1000
+    objective: Literal["lm", "seq2seq", "mlm", "classify"] = "lm"  # the loss; each needs its model.mode
+    steps: int = 1000  # optimizer steps of the whole run (a resumed run goes on to this count)
     batch_size: int = 32  # global batch, in sequences
     grad_accum: int = 1  # micro-batches per step; batch_size must divide by it
-    optimizer: Literal["adamw", "adam"] = "adamw"
+    optimizer: Literal["adamw", "adam"] = "adamw"  # adam: the paper's, no weight decay
     learning_rate: float = 1e-3  # peak; for the noam schedule a multiplier on the paper's formula
-    schedule: Literal["noam", "cosine", "constant"] = "cosine"
-    warmup_steps: int = 100
-    b1: float = 0.9
+    schedule: Literal["noam", "cosine", "constant"] = "cosine"  # noam: the paper's warmup then 1/sqrt(step)
+    warmup_steps: int = 100  # steps of linear warmup from 0 (paper: 4000)
+    b1: float = 0.9  # Adam's first-moment decay (paper: 0.9)
     b2: float = 0.98  # paper: 0.98
     eps: float = 1e-9  # paper: 1e-9
     weight_decay: float = 0.0  # AdamW decoupled decay; never applied to norms and biases
     clip_norm: float = 1.0  # global gradient-norm clipping; 0 disables
     label_smoothing: float = 0.0  # paper: 0.1
-    z_loss: float = 0.0
+    z_loss: float = 0.0  # weight of log(Z)^2 on the softmax normaliser Z, keeps logits from drifting (PaLM: 1e-4)
     # The token loss (lm, seq2seq, mlm) a chunk of positions at a time: each chunk's logits are made, used
     # and dropped (and remade in the backward pass), so the whole [B, T, V] never exists; the same loss and
     # gradients for a little more time (the output layer's FLOPs x 4/3). loss_chunk: tokens per chunk on
     # each device (its rows of the micro-batch times a run of positions); 0 = never chunk; "auto" = chunk
     # only when the float32 logits a device holds, B x T x V x 4 bytes over the batch and vocabulary
     # shards, would exceed max_logits_mib, in chunks whose logits fit in it.
-    loss_chunk: int | Literal["auto"] = "auto"
-    max_logits_mib: float = 256.0
+    loss_chunk: int | Literal["auto"] = "auto"  # tokens per chunk on a device; 0 = never; "auto" (see above)
+    max_logits_mib: float = 256.0  # "auto" chunks when a device's float32 logits would exceed this
     mlm_probability: float = 0.15  # BERT: 15% of tokens; 80% [MASK], 10% random, 10% unchanged
-    seed: int = 0
-    log_every: int = 25
-    eval_every: int = 250
-    eval_batches: int = 16
+    seed: int = 0  # parameters' initialisation and every step's dropout / masking keys (folded in from the step)
+    log_every: int = 25  # steps between metric lines (and TensorBoard points)
+    eval_every: int = 250  # steps between evaluations on the validation split
+    eval_batches: int = 16  # validation batches per evaluation (at most the split's)
     num_samples: int = 3  # samples (decoded as `decode` says) printed at each evaluation
     peak_flops: float = 0.0  # one device's peak FLOP/s for MFU; 0 = jaxformer.chips' table, or a matmul probe
     # A step whose loss or gradient is NaN/inf: "stop" the run (the last good checkpoint is kept) or "skip" it
@@ -435,21 +435,21 @@ class DataConfig:
     prefetch: int = 2  # grain threads that read training batches ahead of the step (0: read in the loop)
     tokenizer: Literal["byte", "sentencepiece", "symbols", "hf"] = "byte"  # hf: WORKDIR/hf/tokenizer.json
     spm_vocab_size: int = 2000  # sentencepiece vocabulary (trained on the training split)
-    spm_model_type: Literal["bpe", "unigram"] = "bpe"
+    spm_model_type: Literal["bpe", "unigram"] = "bpe"  # sentencepiece's algorithm
     max_len: int = 128  # tokens per sequence (LM window; source/target cap for pairs)
     # seq2seq / classification: the source (encoder input) width, None = max_len. Separate widths
     # (t5x's feature lengths) let a source width matched to the languages' ratio pack as tightly as
     # the target's; sources are cut to it when prepared.
     src_max_len: int | None = None
-    too_long: Literal["truncate", "reject"] = "truncate"
+    too_long: Literal["truncate", "reject"] = "truncate"  # a record over the widths: cut, or fail naming it
     length_buckets: int = 4  # pairs/classification: batches cut to one of this many widths (1 = pad to max_len)
     max_examples: int = 0  # cap on records read (0 = all); keeps CPU runs small
     min_words: int | None = None  # drop records whose text has fewer words (None: en_de/lohelp 3, others 0)
-    val_fraction: float = 0.05
-    test_fraction: float = 0.05
+    val_fraction: float = 0.05  # of the records, held out for evaluation during training
+    test_fraction: float = 0.05  # of the records, held out for the final report and `jaxformer eval`
     split_seed: int = 0  # splits are a fixed function of this seed
     synthetic_vocab: int = 11  # copy/reverse: V = 11 as in the Annotated Transformer
-    synthetic_len: int = 10
+    synthetic_len: int = 10  # copy/reverse: symbols per sequence
 
     def __post_init__(self):
         p = "data"
@@ -493,7 +493,7 @@ class CheckpointConfig:
     every: int = 500  # save every N steps; also at the end and on SIGTERM
     keep: int = 3  # the last K checkpoints are kept
     best_metric: str | None = None  # e.g. "nll": also keep the best checkpoint by this eval metric
-    best_mode: Literal["min", "max"] = "min"
+    best_mode: Literal["min", "max"] = "min"  # best_metric: lower (nll, loss) or higher (accuracy) is better
     async_save: bool = True  # write in the background; the step loop does not wait on disk
 
     def __post_init__(self):
@@ -515,13 +515,13 @@ class DecodeConfig:
     The paper translates with beam 4, length penalty 0.6 and outputs up to input length + 50.
     """
 
-    strategy: Literal["greedy", "sample", "beam"] = "greedy"
+    strategy: Literal["greedy", "sample", "beam"] = "greedy"  # the most likely token, a random one, or beam search
     max_new_tokens: int = 64  # decoder_only: tokens generated after the prompt
     extra_len: int = 50  # encoder_decoder: output up to source length + extra_len tokens (paper: 50)
     temperature: float = 1.0  # sample: logits / temperature
     top_k: int = 0  # sample: keep the k most likely tokens (0 = all)
     top_p: float = 1.0  # sample: keep the smallest set of most likely tokens with mass >= top_p (nucleus)
-    beam_size: int = 4
+    beam_size: int = 4  # beam: hypotheses kept at each step (paper: 4)
     length_penalty: float = 0.6  # beam: GNMT alpha; score = log P / ((5 + length) / 6) ** alpha
     num_return: int = 1  # beam: the n best sequences returned (<= beam_size)
     use_cache: bool = True  # False recomputes the whole prefix at every step (the reference)
@@ -560,7 +560,7 @@ class MeshConfig:
     tensor: int = 1  # Megatron tensor-parallel ways
     context: int = 1  # context-parallel ways: each row's sequence split, attention by model.context_attention
     dcn_data: int = 1  # of `data`, ways across slices/hosts on the slower network (hybrid mesh)
-    rules: Literal["default", "dp", "fsdp", "tp", "fsdp_tp"] = "default"
+    rules: Literal["default", "dp", "fsdp", "tp", "fsdp_tp"] = "default"  # logical axes -> mesh (sharding.RULES)
     custom_rules: tuple | None = None  # ((logical, mesh axis or axes or None), ...) replaces `rules`
     distributed: bool = False  # call jax.distributed.initialize (auto-detects on TPU pods and SLURM)
     coordinator_address: str | None = None  # host:port of process 0 (or JAX_COORDINATOR_ADDRESS)

@@ -53,13 +53,15 @@ class Mask:
     per-row lengths, never a dense mask. Only the reference path ("naive") and cases no kernel
     serves build `dense()`. Padding is always said here, never inferred from a token id.
 
-    causal:      query t sees keys s <= t (+ q_offset).
-    q_lengths:   [B] queries t >= q_lengths[b] are padding: their output is zero.
-    kv_lengths:  [B] keys s >= kv_lengths[b] are padding: never attended.
-    q_segments, kv_segments: [B, T], [B, S] packed rows: a query sees only keys of its own
-                 segment; segment 0 is padding.
-    q_offset:    [B] with causal: the key index of query 0 (decoding against a KV cache whose
-                 slot s holds position s).
+    Attributes:
+      causal: query t sees keys s <= t (+ q_offset).
+      q_lengths: [B] queries t >= q_lengths[b] are padding: their output is zero.
+      kv_lengths: [B] keys s >= kv_lengths[b] are padding: never attended.
+      q_segments: [B, T] packed rows: a query sees only keys of its own segment; segment 0 is
+        padding.
+      kv_segments: [B, S] the keys' segments, read as q_segments.
+      q_offset: [B] with causal: the key index of query 0 (decoding against a KV cache whose
+        slot s holds position s).
     """
 
     causal: bool = False
@@ -329,8 +331,10 @@ def dot_product_attention(
     """softmax(Q K^T * scale + bias, masked) V, with grouped-query support; scale 1/sqrt(K) by default.
 
     Args:
-      q_BTHK: queries. k_BSGK, v_BSGK: keys and values with G heads, H % G == 0
-        (G == H is multi-head, G == 1 is multi-query attention).
+      q_BTHK: queries.
+      k_BSGK: keys with G heads, H % G == 0 (G == H is multi-head, G == 1 is multi-query
+        attention).
+      v_BSGK: values, the shape of the keys.
       kv_layout: "BGSK" takes keys and values heads-major ([B, G, S, K]), the layout
         of a KV cache: the products then read it in place, where [B, S, G, K] would
         be transposed in full at every decoding step.
@@ -339,8 +343,8 @@ def dot_product_attention(
         (never NaN).
       bias: additive logits bias broadcastable to [B, H, T, S] (e.g. ALiBi, T5's relative positions).
       scale: the logits' factor; None is 1/sqrt(K) (T5 uses 1: its initialisation holds the scale).
-      dropout_rate, dropout_rng: attention-weight dropout; no dropout when the
-        rate is 0 or the key is None (evaluation).
+      dropout_rate: attention-weight dropout; none when it is 0.
+      dropout_rng: the dropout key; none when it is None (evaluation).
       return_weights: also return the attention weights [B, H, T, S] (float32).
       implementation: "naive" is the einsum reference below; "xla"/"cudnn" call
         `jax.nn.dot_product_attention` with that backend, the mask given as structure

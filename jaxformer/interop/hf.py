@@ -61,13 +61,14 @@ class UnsupportedCheckpoint(ConfigError):
 class Rule:
     """One checkpoint tensor and the jaxformer parameter(s) it holds.
 
-    theirs: the checkpoint's name; "{i}" stands for the layer index.
-    ours:   jaxformer parameter paths (unrolled); several split the tensor in equal parts along
-            its output features (GPT-2's fused QKV).
-    layout: "same" (identical shape), "vector" (a flat vector of ours), "row" ([1, N]),
-            "linear" (torch Linear [out, in]), "conv1d" (GPT-2's Conv1D [in, out]).
-    inputs: linear/conv1d: how many leading axes of ours are input features (2 for an
-            attention output [H, K, D]).
+    Attributes:
+      theirs: the checkpoint's name; "{i}" stands for the layer index.
+      ours: jaxformer parameter paths (unrolled); several split the tensor in equal parts along
+        its output features (GPT-2's fused QKV).
+      layout: "same" (identical shape), "vector" (a flat vector of ours), "row" ([1, N]),
+        "linear" (torch Linear [out, in]), "conv1d" (GPT-2's Conv1D [in, out]).
+      inputs: linear/conv1d: how many leading axes of ours are input features (2 for an
+        attention output [H, K, D]).
     """
 
     theirs: str
@@ -77,6 +78,7 @@ class Rule:
 
 
 def same(theirs: str, ours: str) -> Rule:
+    """A tensor stored as jaxformer stores it: `theirs` -> `ours`, shape unchanged."""
     return Rule(theirs, (ours,))
 
 
@@ -87,6 +89,7 @@ def dense(theirs: str, ours: str, *, bias: bool, inputs: int = 1, layout: str = 
 
 
 def norm(theirs: str, ours: str, *, bias: bool, names: tuple[str, str] = ("weight", "bias")) -> list[Rule]:
+    """A norm: `theirs.weight` -> ours.scale and, with `bias`, `theirs.bias` -> ours.bias (`names` renames them)."""
     rules = [same(f"{theirs}.{names[0]}", f"{ours}.scale")]
     return [*rules, same(f"{theirs}.{names[1]}", f"{ours}.bias")] if bias else rules
 
