@@ -89,6 +89,10 @@ METRICS = {
     "tokens_per_s": ("tokens/s", "{:,.0f}".format),
     "mfu": ("MFU", _percent),
     "flops": ("FLOPs", "{:.4g}".format),
+    # mixture of experts (means over the MoE layers; the share of token-expert pairs past capacity)
+    "router_z_loss": ("router z-loss", "{:.4f}".format),
+    "load_balance_loss": ("load-balancing loss", "{:.4f}".format),
+    "dropped_fraction": ("dropped tokens", "{:.2%}".format),
 }
 
 

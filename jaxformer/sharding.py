@@ -31,10 +31,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxformer.config import ConfigError, MeshConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
-LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layers")
+LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layers", "expert")
 BATCH = ("data", "fsdp")  # the global batch is split over every axis that is not tensor parallel
 
-# logical axis -> mesh axis (None: replicated). Unlisted names (kv, layers, length) are replicated.
+# logical axis -> mesh axis (None: replicated). Unlisted names (kv, layers, length, expert) are replicated.
 RULES = {
     "dp": (("batch", BATCH),),
     "fsdp": (("batch", BATCH), ("embed", "fsdp")),
