@@ -601,11 +601,12 @@ def _as_tuples(x):
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """The device mesh (axes data, fsdp, tensor) and the rules placing logical axes on it."""
+    """The device mesh (axes data, fsdp, expert, tensor) and the rules placing logical axes on it."""
 
     data: int = -1  # data-parallel ways; -1 = all devices the other axes leave
     fsdp: int = 1  # FSDP (ZeRO-3) ways: parameters and optimizer state split, batch split too
     tensor: int = 1  # Megatron tensor-parallel ways
+    expert: int = 1  # expert-parallel ways (model.moe): experts' kernels split by expert, batch split too
     dcn_data: int = 1  # of `data`, ways across slices/hosts on the slower network (hybrid mesh)
     rules: Literal["default", "dp", "fsdp", "tp", "fsdp_tp"] = "default"
     custom_rules: tuple | None = None  # ((logical, mesh axis or axes or None), ...) replaces `rules`
@@ -617,15 +618,15 @@ class MeshConfig:
     def __post_init__(self):
         object.__setattr__(self, "custom_rules", _as_tuples(self.custom_rules))  # JSON gives lists
         check_field_types(self, "mesh")
-        for name in ("data", "fsdp", "tensor"):
+        for name in ("data", "fsdp", "tensor", "expert"):
             size = getattr(self, name)
             require(size == -1 or size > 0, f"mesh.{name}", f"must be positive or -1 (fill), got {size}")
         require(self.dcn_data > 0, "mesh.dcn_data", "must be positive")
-        fills = [name for name in ("data", "fsdp", "tensor") if getattr(self, name) == -1]
+        fills = [name for name in ("data", "fsdp", "tensor", "expert") if getattr(self, name) == -1]
         require(
             len(fills) <= 1,
             f"mesh.{fills[-1]}" if fills else "mesh",
-            f"at most one of data, fsdp, tensor may be -1 (fill), got {', '.join(fills)}",
+            f"at most one of data, fsdp, tensor, expert may be -1 (fill), got {', '.join(fills)}",
         )
         require(
             self.data == -1 or self.data % self.dcn_data == 0,
@@ -740,12 +741,20 @@ class Config:
         self._check_tokenizer()
         self._check_lora()
         m = self.mesh
-        if m.data > 0 and m.fsdp > 0:  # a fill (-1) is known only with the devices (sharding.process_rows)
+        if m.data > 0 and m.fsdp > 0 and m.expert > 0:  # a fill (-1) is known only with the devices
+            shards, names = m.data * m.fsdp * m.expert, "mesh.data x mesh.fsdp"
+            sizes = f"{m.data} x {m.fsdp}" + (f" x {m.expert}" if m.expert > 1 else "")
             require(
-                self.train.batch_size % (m.data * m.fsdp) == 0,
+                self.train.batch_size % shards == 0,
                 "train.batch_size",
                 f"batch_size={self.train.batch_size} does not divide over the batch shards "
-                f"(mesh.data x mesh.fsdp = {m.data} x {m.fsdp})",
+                f"({names}{' x mesh.expert' if m.expert > 1 else ''} = {sizes})",
+            )
+        if m.expert != 1 and self.model.moe.enabled:
+            require(
+                m.expert == -1 or self.model.moe.num_experts % m.expert == 0,
+                "mesh.expert",
+                f"expert={m.expert} does not divide model.moe.num_experts={self.model.moe.num_experts}",
             )
         require(
             self.model.attention_dropout_rate == 0 or self.model.attention_impl in ("naive", "auto"),

@@ -29,6 +29,7 @@ from flax import nnx
 
 from jaxformer import functional as F
 from jaxformer.config import ModelConfig
+from jaxformer.sharding import constrain
 
 Array = jax.Array
 RouterOrder = Literal["softmax_topk", "topk_softmax"]
@@ -138,12 +139,16 @@ def _activate(activation: str, up: Array, gate: Array | None) -> Array:
     return F.ACTIVATIONS[activation](up)
 
 
+SLOTS = ("expert_batch", "expert", None, None)  # [B, E, P, D]: rows over data/fsdp, experts over `expert`
+
+
 def moe_capacity(x_BTD: Array, dispatch_BTEP: Array, combine_BTEP: Array, w: dict, activation: str) -> Array:
     """The experts over their slots: gather [B, E, P, D], each expert's FFN, and the weighted sum back
     to [B, T, D]. A token no expert kept gets zeros. `w`: wi [E, D, F], wo [E, F, D], wi_gate for
     gated activations, and optionally wi_bias, wi_gate_bias [E, F], wo_bias [E, D]."""
     dt = x_BTD.dtype
-    x_BEPD = jnp.einsum("BTEP,BTD->BEPD", dispatch_BTEP.astype(dt), x_BTD)
+    # Under expert parallelism the slots move to their expert's devices (an all-to-all) and back.
+    x_BEPD = constrain(jnp.einsum("BTEP,BTD->BEPD", dispatch_BTEP.astype(dt), x_BTD), SLOTS)
 
     def dense(x_BEPI, name, spec):
         y = jnp.einsum(spec, x_BEPI, w[name].astype(dt))
@@ -152,8 +157,8 @@ def moe_capacity(x_BTD: Array, dispatch_BTEP: Array, combine_BTEP: Array, w: dic
 
     up_BEPF = dense(x_BEPD, "wi", "BEPD,EDF->BEPF")
     gate_BEPF = dense(x_BEPD, "wi_gate", "BEPD,EDF->BEPF") if "wi_gate" in w else None
-    out_BEPD = dense(_activate(activation, up_BEPF, gate_BEPF), "wo", "BEPF,EFD->BEPD")
-    return jnp.einsum("BTEP,BEPD->BTD", combine_BTEP.astype(dt), out_BEPD)
+    out_BEPD = constrain(dense(_activate(activation, up_BEPF, gate_BEPF), "wo", "BEPF,EFD->BEPD"), SLOTS)
+    return constrain(jnp.einsum("BTEP,BEPD->BTD", combine_BTEP.astype(dt), out_BEPD), ("batch", None, None))
 
 
 def dense_ffn(x_BTD: Array, w: dict, activation: str) -> Array:

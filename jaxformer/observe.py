@@ -143,6 +143,8 @@ def report_lines(objective: str, report: dict) -> list[str]:
 
 def environment(mesh: jax.sharding.Mesh) -> dict:
     """Versions, devices, processes and mesh of this run."""
+    from jaxformer import sharding
+
     versions = {}
     for name in PACKAGES:
         try:
@@ -157,7 +159,7 @@ def environment(mesh: jax.sharding.Mesh) -> dict:
         "devices": jax.device_count(),
         "local_devices": jax.local_device_count(),
         "processes": jax.process_count(),
-        "mesh": dict(mesh.shape),
+        "mesh": sharding.axis_sizes(mesh),
         "host": platform.node(),
     }
 

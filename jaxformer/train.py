@@ -61,7 +61,9 @@ def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Ar
 
     With MoE layers the loss adds, per counted token, the router z-loss and the load-balancing loss
     (each a mean over the MoE layers) times their weights in `model.moe`; the metrics add both
-    (token-weighted, as the loss) and the dropped and assigned token-expert pairs."""
+    (token-weighted, as the loss) and the dropped and assigned token-expert pairs. Under `grad_accum`
+    each micro-batch routes on its own: its router losses are its own means, weighted by the tokens
+    it counts (the load-balancing loss, a product of two batch means, has no exact split)."""
     with moe.collect() as reports:
         logits = forward(model, cfg.objective, batch, dropout_rng)
     if cfg.objective == "classify":  # packed: labels [B, N], weights 1 for the segments a row holds

@@ -97,6 +97,18 @@ def test_mesh_errors_name_what_is_wrong(strategies):
     assert "batch_size=12 does not divide over the 8 batch shards" in e["batch"]
 
 
+def test_expert_parallel_moe_training_equals_one_device():
+    """MoE layers with their experts split over `mesh.expert=4` (8 devices; the capacity dispatch's
+    slots travel to their experts' devices, the dropless one is partitioned by XLA): the losses and
+    parameters of one device."""
+    r = result(worker("moe"))
+    for name in ("capacity", "dropless"):
+        assert r[name]["loss_rel"] < LOSS_RTOL and r[name]["param_rel"] < PARAM_RTOL, (name, r[name])
+    specs = r["capacity"]["specs"]
+    wi = next(v for k, v in specs.items() if k.endswith("ffn']['wi'].value") or k.endswith("ffn.wi"))
+    assert wi.startswith("('expert', 'fsdp'"), specs  # [E, D, F]: experts over `expert`, D over `fsdp`
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
