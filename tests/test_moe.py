@@ -10,6 +10,7 @@ from flax import nnx
 
 from jaxformer import config as C
 from jaxformer import moe
+from jaxformer.checkpoint import check_compatible
 from jaxformer.layers import Residual
 from jaxformer.models import unrolled
 from jaxformer.state import init_state
@@ -221,3 +222,7 @@ def test_moe_config_errors_name_the_field():
     bad["model"]["moe"]["experts"] = 3
     with pytest.raises(C.ConfigError, match=r"model\.moe\.experts"):
         C.from_dict(bad)
+    # resuming: routing choices may change, the experts' shapes may not
+    check_compatible(cfg, C.apply_overrides(cfg, ["model.moe.capacity_factor=0", "model.moe.router_noise=0.1"]), "ckpt")
+    with pytest.raises(C.ConfigError, match=r"model\.moe\.num_experts: checkpoint 4, config 8"):
+        check_compatible(cfg, C.apply_overrides(cfg, ["model.moe.num_experts=8"]), "ckpt")
