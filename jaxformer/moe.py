@@ -5,7 +5,7 @@ the best k; the token's output is the weighted sum of those experts' outputs (Sh
 Two dispatches compute the same thing when nothing is dropped:
 
   capacity  (GShard, Switch) each expert takes at most P tokens of a row; a token past them skips
-            that expert (a token that all its experts refuse passes through the residual unchanged).
+            that expert (a token that all its experts refuse gets zeros: only the residual carries it).
             Dense one-hot einsums of fixed shapes, [B, T, E, P].
   dropless  (MegaBlocks, MaxText's "sparse matmul") token-expert pairs sorted by expert and a
             grouped matmul (`jax.lax.ragged_dot`): nothing is dropped, no slot is wasted.
@@ -282,7 +282,7 @@ class MoEFeedForward(nnx.Module):
             )
             y_BTD = y_MD.reshape(B, T, D)
             live = B * T if live_BT is None else jnp.sum(live_BT)
-            dropped, assigned = jnp.zeros((), jnp.float32), (k * live * jnp.ones((), jnp.float32))
+            dropped, assigned = jnp.zeros((), jnp.float32), jnp.asarray(k * live, jnp.float32)
         if moe.shared_experts:
             y_BTD = y_BTD + dense_ffn(x_BTD, self.kernels("shared_"), cfg.activation)
         aux |= {"dropped": dropped, "assigned": assigned}
