@@ -226,3 +226,19 @@ def test_moe_config_errors_name_the_field():
     check_compatible(cfg, C.apply_overrides(cfg, ["model.moe.capacity_factor=0", "model.moe.router_noise=0.1"]), "ckpt")
     with pytest.raises(C.ConfigError, match=r"model\.moe\.num_experts: checkpoint 4, config 8"):
         check_compatible(cfg, C.apply_overrides(cfg, ["model.moe.num_experts=8"]), "ckpt")
+
+
+def test_flops_count_the_router_and_the_experts_a_token_uses():
+    from jaxformer.train import flops_per_example
+
+    dense = C.tiny("encoder_decoder", d_ff=32)
+    with_moe = lambda **kw: dense.replace(moe=C.MoEConfig(**kw))
+    T, S, L, D = 8, 6, 2, dense.d_model
+    base = flops_per_example(dense, "seq2seq", S, T)
+    # E experts, k of them per token, each as wide as the dense FFN: the router's 2·D·E and (k - 1) more FFNs
+    for E, k, every in ((4, 1, 1), (8, 2, 1), (8, 2, 2)):
+        moe_layers = L // every  # per stack
+        router, ffn = 2 * D * E, 2 * D * 32 * 2
+        extra = 3 * moe_layers * (S + T) * (router + (k - 1) * ffn)  # 3 x forward, encoder (S) and decoder (T)
+        got = flops_per_example(with_moe(num_experts=E, experts_per_token=k, every=every), "seq2seq", S, T)
+        assert got == base + extra
