@@ -5,6 +5,7 @@ from jaxformer.checkpoint import load_model
 from jaxformer.config import (
     ConfigError,
     ModelConfig,
+    MoEConfig,
     bart_base,
     bert_base,
     gpt2_small,
@@ -27,6 +28,7 @@ from jaxformer.layers import (
     checked,
 )
 from jaxformer.models import Decoder, Encoder, Transformer, TransformerStack, build_model, count_params
+from jaxformer.moe import MoEFeedForward
 
 __version__ = "0.1.0"
 
@@ -39,6 +41,8 @@ __all__ = [
     "EncoderLayer",
     "FeedForward",
     "LayerStack",
+    "MoEConfig",
+    "MoEFeedForward",
     "ModelConfig",
     "MultiHeadAttention",
     "Norm",

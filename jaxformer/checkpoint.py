@@ -109,6 +109,16 @@ class CheckpointWriteError(OSError):
 
 # Model fields that do not change the parameters' shapes or layout: a run may resume with them changed.
 RUNTIME_MODEL_FIELDS = {"dtype", "attention_impl", "remat", "check_token_ids", "dropout_rate", "attention_dropout_rate"}
+# Of model.moe: how tokens are routed and weighed, not which parameters there are.
+RUNTIME_MOE_FIELDS = {"router", "capacity_factor", "router_noise", "z_loss_weight", "aux_loss_weight"}
+
+
+def model_layout(model) -> dict:
+    """The model fields that shape the parameters, model.moe's spelled `moe.FIELD`."""
+    fields = dataclasses.asdict(model)
+    moe = fields.pop("moe")
+    fields |= {f"moe.{k}": v for k, v in moe.items() if k not in RUNTIME_MOE_FIELDS}
+    return {k: v for k, v in fields.items() if k not in RUNTIME_MODEL_FIELDS}
 
 
 class Checkpointer:
@@ -304,10 +314,8 @@ def lora_layout(lora) -> dict:
 def check_compatible(saved: Config, current: Config, where) -> None:
     """Refuse to resume when the model's shapes or the optimizer state's layout differ from the
     checkpoint's, listing the fields (rather than set the checkpoint aside as unreadable)."""
-    a, b = dataclasses.asdict(saved.model), dataclasses.asdict(current.model)
-    diff = [
-        f"model.{k}: checkpoint {a[k]!r}, config {b[k]!r}" for k in a if k not in RUNTIME_MODEL_FIELDS and a[k] != b[k]
-    ]
+    a, b = model_layout(saved.model), model_layout(current.model)
+    diff = [f"model.{k}: checkpoint {a[k]!r}, config {b[k]!r}" for k in a if a[k] != b[k]]
     a, b = optimizer_layout(saved.train), optimizer_layout(current.train)
     diff += [f"train.{k}: checkpoint {a[k]!r}, config {b[k]!r}" for k in a if a[k] != b[k]]
     a, b = lora_layout(saved.lora), lora_layout(current.lora)

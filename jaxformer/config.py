@@ -78,6 +78,60 @@ def _type_name(hint) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts feed-forward (Shazeer et al. 2017; GShard; Switch; Mixtral): a router sends
+    each token to `experts_per_token` of `num_experts` FFNs. num_experts=0 (the default) is dense.
+
+    Overridden as `--set model.moe.num_experts=8`.
+    """
+
+    num_experts: int = 0  # E; 0 = every feed-forward is dense
+    experts_per_token: int = 2  # top-k (Switch: 1, Mixtral: 2)
+    every: int = 1  # layer i (from 0) is MoE when (i + 1) % every == 0 (Switch: 2, ST-MoE: 4); every stack
+    # softmax_topk: top-k of the softmax probabilities, kept as they are (Switch, GShard);
+    # topk_softmax: softmax over the k largest logits (Mixtral)
+    router: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
+    # 0 = dropless (tokens sorted by expert, a grouped matmul); > 0: each expert takes at most
+    # ceil(capacity_factor * T * k / E) tokens of a row, the rest skip the FFN (Switch: 1.25)
+    capacity_factor: float = 0.0
+    router_noise: float = 0.0  # Switch's jitter: router inputs times U(1 - eps, 1 + eps) while training
+    z_loss_weight: float = 0.0  # router z-loss (ST-MoE: 1e-3): mean log(sum exp logits)^2
+    aux_loss_weight: float = 0.0  # load-balancing loss (Switch: 1e-2): E * sum_e f_e P_e
+    shared_experts: int = 0  # dense FFNs every token goes through beside its routed ones (DeepSeekMoE)
+    expert_d_ff: int | None = None  # each expert's width; None = model.d_ff
+
+    def __post_init__(self):
+        p = "model.moe"
+        check_field_types(self, p)
+        require(self.num_experts >= 0, f"{p}.num_experts", f"must be >= 0 (0 = dense), got {self.num_experts}")
+        require(self.every > 0, f"{p}.every", f"must be positive, got {self.every}")
+        require(self.shared_experts >= 0, f"{p}.shared_experts", f"must be >= 0, got {self.shared_experts}")
+        require(
+            self.expert_d_ff is None or self.expert_d_ff > 0,
+            f"{p}.expert_d_ff",
+            f"must be positive, got {self.expert_d_ff}",
+        )
+        for name in ("capacity_factor", "z_loss_weight", "aux_loss_weight"):
+            value = getattr(self, name)
+            require(0 <= value < math.inf, f"{p}.{name}", f"must be >= 0, got {value}")
+        require(0 <= self.router_noise < 1, f"{p}.router_noise", f"must be in [0, 1), got {self.router_noise}")
+        if self.num_experts:
+            require(
+                1 <= self.experts_per_token <= self.num_experts,
+                f"{p}.experts_per_token",
+                f"must be in [1, num_experts={self.num_experts}], got {self.experts_per_token}",
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` (from 0, in its stack) has the MoE feed-forward."""
+        return self.enabled and (index + 1) % self.every == 0
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Transformer in one of three modes.
 
@@ -136,9 +190,15 @@ class ModelConfig:
     # dominate them (TPU compiler; README, "Scanned layers").
     remat: Literal["auto", "none", "full", "dots_saveable"] = "auto"
     check_token_ids: bool = True  # reject ids outside [0, V): a host callback under jit; fit checks on the host
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)  # mixture of experts (num_experts=0: dense)
 
     def __post_init__(self):
         p = "model"
+        if isinstance(self.moe, dict):  # JSON (a saved config) gives the section as an object
+            known = {f.name for f in dataclasses.fields(MoEConfig)}
+            for key in self.moe:
+                require(key in known, f"{p}.moe.{key}", f"unknown field (known: {', '.join(sorted(known))})")
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
         check_field_types(self, p)
         for name in ("vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
             require(getattr(self, name) > 0, f"{p}.{name}", f"must be positive, got {getattr(self, name)}")
@@ -207,6 +267,13 @@ class ModelConfig:
             self.num_classes == 0 or self.mode == "encoder_only",
             f"{p}.num_classes",
             "a classification head needs mode='encoder_only'",
+        )
+        moe = self.moe
+        require(
+            not (moe.enabled and self.scan_layers and moe.every > 1),
+            f"{p}.moe.every",
+            f"every={moe.every} with scan_layers=True: a scan repeats one layer, and MoE every {moe.every}-th layer "
+            "makes two kinds; set model.moe.every=1 or model.scan_layers=False",
         )
 
     @property
@@ -553,11 +620,12 @@ def _as_tuples(x):
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """The device mesh (axes data, fsdp, tensor, context) and the rules placing logical axes on it."""
+    """The device mesh (axes data, fsdp, expert, tensor, context) and the rules placing logical axes on it."""
 
     data: int = -1  # data-parallel ways; -1 = all devices the other axes leave
     fsdp: int = 1  # FSDP (ZeRO-3) ways: parameters and optimizer state split, batch split too
     tensor: int = 1  # Megatron tensor-parallel ways
+    expert: int = 1  # expert-parallel ways (model.moe): experts' kernels split by expert, batch split too
     context: int = 1  # context-parallel ways: each row's sequence split, attention by model.context_attention
     dcn_data: int = 1  # of `data`, ways across slices/hosts on the slower network (hybrid mesh)
     rules: Literal["default", "dp", "fsdp", "tp", "fsdp_tp"] = "default"  # logical axes -> mesh (sharding.RULES)
@@ -571,15 +639,15 @@ class MeshConfig:
         object.__setattr__(self, "custom_rules", _as_tuples(self.custom_rules))  # JSON gives lists
         check_field_types(self, "mesh")
         require(self.context > 0, "mesh.context", f"must be positive, got {self.context}")
-        for name in ("data", "fsdp", "tensor"):
+        for name in ("data", "fsdp", "tensor", "expert"):
             size = getattr(self, name)
             require(size == -1 or size > 0, f"mesh.{name}", f"must be positive or -1 (fill), got {size}")
         require(self.dcn_data > 0, "mesh.dcn_data", "must be positive")
-        fills = [name for name in ("data", "fsdp", "tensor") if getattr(self, name) == -1]
+        fills = [name for name in ("data", "fsdp", "tensor", "expert") if getattr(self, name) == -1]
         require(
             len(fills) <= 1,
             f"mesh.{fills[-1]}" if fills else "mesh",
-            f"at most one of data, fsdp, tensor may be -1 (fill), got {', '.join(fills)}",
+            f"at most one of data, fsdp, tensor, expert may be -1 (fill), got {', '.join(fills)}",
         )
         require(
             self.data == -1 or self.data % self.dcn_data == 0,
@@ -705,12 +773,20 @@ class Config:
         self._check_tokenizer()
         self._check_lora()
         m = self.mesh
-        if m.data > 0 and m.fsdp > 0:  # a fill (-1) is known only with the devices (sharding.process_rows)
+        if m.data > 0 and m.fsdp > 0 and m.expert > 0:  # a fill (-1) is known only with the devices
+            shards, names = m.data * m.fsdp * m.expert, "mesh.data x mesh.fsdp"
+            sizes = f"{m.data} x {m.fsdp}" + (f" x {m.expert}" if m.expert > 1 else "")
             require(
-                self.train.batch_size % (m.data * m.fsdp) == 0,
+                self.train.batch_size % shards == 0,
                 "train.batch_size",
                 f"batch_size={self.train.batch_size} does not divide over the batch shards "
-                f"(mesh.data x mesh.fsdp = {m.data} x {m.fsdp})",
+                f"({names}{' x mesh.expert' if m.expert > 1 else ''} = {sizes})",
+            )
+        if m.expert != 1 and self.model.moe.enabled:
+            require(
+                m.expert == -1 or self.model.moe.num_experts % m.expert == 0,
+                "mesh.expert",
+                f"expert={m.expert} does not divide model.moe.num_experts={self.model.moe.num_experts}",
             )
         require(
             self.model.attention_dropout_rate == 0 or self.model.attention_impl in ("naive", "auto"),
@@ -747,6 +823,13 @@ class Config:
         lora, model = self.lora, self.model
         if not lora.enabled:
             return
+        ffn = [t for t in lora.targets if t in ("wi", "wi_gate", "wo")]
+        require(
+            not (ffn and model.moe.enabled),
+            "lora.targets",
+            f"{', '.join(map(repr, ffn))}: LoRA on feed-forward kernels is not supported with model.moe "
+            "(the experts' kernels are stacked [E, ...]); adapt the attention projections (q, k, v, o)",
+        )
         for name in lora.targets:
             if name == "wi_gate" and model.activation not in ("swiglu", "geglu"):
                 require(False, "lora.targets", f"'wi_gate' exists only for gated activations, not {model.activation!r}")
@@ -873,21 +956,30 @@ def load_experiment(path: str) -> Config:
 
 
 def field_hint(dotted: str):
-    """The type annotation of the field `section.field` names; ConfigError naming it if none."""
+    """The type annotation of the field `section.field` (or `section.field.subfield` inside a
+    nested section such as `model.moe`) names; ConfigError naming it if none."""
     parts = dotted.strip().split(".")
-    require(len(parts) == 2 and parts[0] in SECTIONS, dotted, f"a field is section.field ({', '.join(SECTIONS)})")
-    hints = typing.get_type_hints(SECTIONS[parts[0]])
-    require(parts[1] in hints, dotted, f"unknown field (known: {', '.join(sorted(hints))})")
-    return hints[parts[1]]
+    require(len(parts) >= 2 and parts[0] in SECTIONS, dotted, f"a field is section.field ({', '.join(SECTIONS)})")
+    cls = SECTIONS[parts[0]]
+    for i, name in enumerate(parts[1:], start=1):
+        require(dataclasses.is_dataclass(cls), dotted, f"{'.'.join(parts[:i])} has no fields")
+        hints = typing.get_type_hints(cls)
+        require(name in hints, dotted, f"unknown field (known: {', '.join(sorted(hints))})")
+        cls = hints[name]
+    require(not dataclasses.is_dataclass(cls), dotted, f"is a section: set its fields ({dotted}.FIELD=...)")
+    return cls
 
 
 def with_values(cfg: Config, values: dict) -> Config:
-    """`cfg` with fields replaced: {"section.field": value}; the result is validated."""
+    """`cfg` with fields replaced: {"section.field": value} (or "section.field.subfield"); the result is validated."""
     d = cfg.to_dict()
     for dotted, value in values.items():
         field_hint(dotted)
-        section, name = dotted.strip().split(".")
-        d[section][name] = value
+        *parents, name = dotted.strip().split(".")
+        node = d
+        for part in parents:
+            node = node[part]
+        node[name] = value
     return from_dict(d)
 
 

@@ -22,6 +22,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxformer import functional as F
+from jaxformer import moe as M
 from jaxformer import quant, ring
 from jaxformer.config import ModelConfig
 from jaxformer.sharding import activation_spec, constrain, context_ways
@@ -533,13 +534,26 @@ class Residual(nnx.Module):
         return (x_BTD, aux) if has_aux else x_BTD
 
 
-class EncoderLayer(nnx.Module):
-    """Self-attention then feed-forward, each wrapped in `Residual`."""
+def feed_forward(cfg: ModelConfig, moe: bool, rngs: nnx.Rngs) -> nnx.Module:
+    """A layer's feed-forward: the mixture of experts (`jaxformer.moe`) if `moe`, else the dense one."""
+    return M.MoEFeedForward(cfg, rngs=rngs) if moe else FeedForward(cfg, rngs=rngs)
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+
+def _ffn_sublayer(layer: nnx.Module, x_BTD: Array, mask, r_ffn: Array | None) -> tuple[Array, dict | None]:
+    """The feed-forward sublayer with its residual: (x, the MoE layer's statistics or None)."""
+    if not isinstance(layer.ffn, M.MoEFeedForward):
+        return layer.ffn_res(x_BTD, lambda h_BTD: layer.ffn(h_BTD, r_ffn), r_ffn), None
+    live_BT = M.live_tokens(mask, x_BTD.shape[1])  # padding takes no expert slot and is not in the losses
+    return layer.ffn_res(x_BTD, lambda h_BTD: layer.ffn(h_BTD, r_ffn, live_BT), r_ffn, has_aux=True)
+
+
+class EncoderLayer(nnx.Module):
+    """Self-attention then feed-forward (dense, or a mixture of experts with `moe`), each wrapped in `Residual`."""
+
+    def __init__(self, cfg: ModelConfig, *, moe: bool = False, rngs: nnx.Rngs):
         self.self_attn = MultiHeadAttention(cfg, rngs=rngs)
         self.self_attn_res = Residual(cfg, rngs=rngs)
-        self.ffn = FeedForward(cfg, rngs=rngs)
+        self.ffn = feed_forward(cfg, moe, rngs)
         self.ffn_res = Residual(cfg, rngs=rngs)
 
     def __call__(
@@ -550,27 +564,30 @@ class EncoderLayer(nnx.Module):
         positions_BT: Array,
         position_bias: Array | None = None,
         dropout_rng: Array | None = None,
+        with_aux: bool = False,
     ):
-        """`position_bias` [B, H, T, T]: added to the self-attention logits (T5)."""
+        """`position_bias` [B, H, T, T]: added to the self-attention logits (T5). With `with_aux`,
+        returns (x, the MoE statistics of the layer, None if its feed-forward is dense)."""
         r_attn, r_attn_res, r_ffn = split_rng(dropout_rng, 3)
 
         def attend(h_BTD):
             return self.self_attn(h_BTD, mask=mask, positions_BT=positions_BT, bias=position_bias, dropout_rng=r_attn)
 
         x_BTD = self.self_attn_res(x_BTD, attend, r_attn_res)
-        return self.ffn_res(x_BTD, lambda h_BTD: self.ffn(h_BTD, r_ffn), r_ffn)
+        x_BTD, aux = _ffn_sublayer(self, x_BTD, mask, r_ffn)
+        return (x_BTD, aux) if with_aux else x_BTD
 
 
 class DecoderLayer(nnx.Module):
     """Masked self-attention, cross-attention over the encoder memory (when `cross`), feed-forward."""
 
-    def __init__(self, cfg: ModelConfig, *, cross: bool, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, cross: bool, moe: bool = False, rngs: nnx.Rngs):
         self.self_attn = MultiHeadAttention(cfg, rngs=rngs)
         self.self_attn_res = Residual(cfg, rngs=rngs)
         if cross:
             self.cross_attn = MultiHeadAttention(cfg, cross=True, rngs=rngs)
             self.cross_attn_res = Residual(cfg, rngs=rngs)
-        self.ffn = FeedForward(cfg, rngs=rngs)
+        self.ffn = feed_forward(cfg, moe, rngs)
         self.ffn_res = Residual(cfg, rngs=rngs)
         self.cross = cross
 
@@ -585,11 +602,13 @@ class DecoderLayer(nnx.Module):
         position_bias: Array | None = None,
         dropout_rng: Array | None = None,
         cache: dict | None = None,
+        with_aux: bool = False,
     ):
         """Returns [B, T, D]. Decoding passes `cache`: {"self": this layer's KV cache, "memory":
         the memory's projected keys and values}; x then holds only the new positions and the
         result is (x, the updated self-attention cache). `position_bias` [B, H, T, S]: added to
-        the self-attention logits (T5)."""
+        the self-attention logits (T5). With `with_aux` (no cache), returns (x, the MoE statistics
+        of the layer, None if its feed-forward is dense)."""
         r_self, r_self_res, r_cross, r_cross_res, r_ffn = split_rng(dropout_rng, 5)
         kw = dict(mask=mask, positions_BT=positions_BT, bias=position_bias)
 
@@ -606,8 +625,10 @@ class DecoderLayer(nnx.Module):
                 return self.cross_attn(h_BTD, memory_BSD, mask=memory_mask, memory_kv=memory_kv, dropout_rng=r_cross)
 
             x_BTD = self.cross_attn_res(x_BTD, cross_attend, r_cross_res)
-        x_BTD = self.ffn_res(x_BTD, lambda h_BTD: self.ffn(h_BTD, r_ffn), r_ffn)
-        return x_BTD if cache is None else (x_BTD, self_cache)
+        x_BTD, aux = _ffn_sublayer(self, x_BTD, mask, r_ffn)
+        if cache is not None:
+            return x_BTD, self_cache
+        return (x_BTD, aux) if with_aux else x_BTD
 
 
 # ----------------------------------------------------------------------------- stacks
@@ -624,30 +645,34 @@ class LayerStack(nnx.Module):
     """L identical layers, scanned (parameters stacked on a leading `layers` axis, one
     compiled body, compile time flat in depth) or unrolled (a list); same outputs.
 
-    Layer i draws its dropout keys from fold_in(dropout_rng, i) in both forms.
+    Layer i draws its dropout keys from fold_in(dropout_rng, i) in both forms. `make_layer(rngs, i)`
+    builds layer i (scanned: every layer is built as layer 0, so all must be alike; `ModelConfig`
+    refuses MoE on every N-th layer with scan_layers). The summed statistics of the MoE layers
+    (`jaxformer.moe`) go to `moe.collect` at each call.
     """
 
     def __init__(
-        self, cfg: ModelConfig, make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, *, rngs: nnx.Rngs
+        self, cfg: ModelConfig, make_layer: Callable[[nnx.Rngs, int], nnx.Module], num_layers: int, *, rngs: nnx.Rngs
     ):
         self.cfg = cfg
         self.num_layers = num_layers
+        self.moe_layers = sum(cfg.moe.is_moe_layer(i) for i in range(num_layers))
         keys = jax.random.split(rngs.params(), num_layers)
         if cfg.scan_layers:
             make = nnx.vmap(
-                lambda k: make_layer(nnx.Rngs(params=k)),
+                lambda k: make_layer(nnx.Rngs(params=k), 0),
                 in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"},
             )  # fmt: skip
             self.layers = make(keys)
         else:
-            self.layers = nnx.List([make_layer(nnx.Rngs(params=k)) for k in keys])
+            self.layers = nnx.List([make_layer(nnx.Rngs(params=k), i) for i, k in enumerate(keys)])
 
     def __call__(self, x_BTD: Array, *, dropout_rng: Array | None = None, **kwargs) -> Array:
         """Runs x through every layer; kwargs (masks, positions, memory) go to each layer."""
 
-        def apply(graphdef, state, x_BTD, index, kwargs):
+        def apply(graphdef, state, x_BTD, index, kwargs):  # -> (x, MoE statistics or None)
             rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, index)
-            return nnx.merge(graphdef, state)(x_BTD, dropout_rng=rng, **kwargs)
+            return nnx.merge(graphdef, state)(x_BTD, dropout_rng=rng, with_aux=True, **kwargs)
 
         remat = self.cfg.remat if self.cfg.remat != "auto" else "dots_saveable" if self.cfg.scan_layers else "none"
         if remat != "none":
@@ -659,13 +684,19 @@ class LayerStack(nnx.Module):
 
             def body(x_BTD, layer):
                 state_i, index = layer
-                return apply(graphdef, state_i, x_BTD, index, kwargs), None
+                return apply(graphdef, state_i, x_BTD, index, kwargs)
 
-            x_BTD, _ = jax.lax.scan(body, x_BTD, (state, jnp.arange(self.num_layers)))
+            x_BTD, aux = jax.lax.scan(body, x_BTD, (state, jnp.arange(self.num_layers)))
+            if aux is not None:  # every layer is MoE: its statistics per layer, summed
+                M.report(jax.tree.map(lambda a: a.sum(0), aux), self.moe_layers)
             return x_BTD
+        sums = []
         for index, layer in enumerate(self.layers):
             graphdef, state = nnx.split(layer)
-            x_BTD = apply(graphdef, state, x_BTD, index, kwargs)
+            x_BTD, aux = apply(graphdef, state, x_BTD, index, kwargs)
+            sums += [] if aux is None else [aux]
+        if sums:
+            M.report(jax.tree.map(lambda *xs: sum(xs), *sums), self.moe_layers)
         return x_BTD
 
     # Decoding runs the layers one by one, scanned or not, each with a cache of its own that a step

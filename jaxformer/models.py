@@ -155,14 +155,24 @@ class TransformerStack(nnx.Module):
 def Encoder(cfg: ModelConfig, embed: Embed, *, rngs: nnx.Rngs) -> TransformerStack:
     """Bidirectional self-attention layers over the source: ids [B, S] -> memory [B, S, D]."""
     return TransformerStack(
-        cfg, embed, lambda r: EncoderLayer(cfg, rngs=r), cfg.num_encoder_layers, causal=False, rngs=rngs
+        cfg,
+        embed,
+        lambda r, i: EncoderLayer(cfg, moe=cfg.moe.is_moe_layer(i), rngs=r),
+        cfg.num_encoder_layers,
+        causal=False,
+        rngs=rngs,
     )
 
 
 def Decoder(cfg: ModelConfig, embed: Embed, *, cross: bool, rngs: nnx.Rngs) -> TransformerStack:
     """Causal layers; with `cross`, each also attends to the encoder memory (pass memory_BSD, memory_mask)."""
     return TransformerStack(
-        cfg, embed, lambda r: DecoderLayer(cfg, cross=cross, rngs=r), cfg.num_decoder_layers, causal=True, rngs=rngs
+        cfg,
+        embed,
+        lambda r, i: DecoderLayer(cfg, cross=cross, moe=cfg.moe.is_moe_layer(i), rngs=r),
+        cfg.num_decoder_layers,
+        causal=True,
+        rngs=rngs,
     )
 
 

@@ -89,6 +89,10 @@ METRICS = {
     "tokens_per_s": ("tokens/s", "{:,.0f}".format),
     "mfu": ("MFU", _percent),
     "flops": ("FLOPs", "{:.4g}".format),
+    # mixture of experts (means over the MoE layers; the share of token-expert pairs past capacity)
+    "router_z_loss": ("router z-loss", "{:.4f}".format),
+    "load_balance_loss": ("load-balancing loss", "{:.4f}".format),
+    "dropped_fraction": ("dropped tokens", "{:.2%}".format),
 }
 
 
@@ -139,6 +143,8 @@ def report_lines(objective: str, report: dict) -> list[str]:
 
 def environment(mesh: jax.sharding.Mesh) -> dict:
     """Versions, devices, processes and mesh of this run."""
+    from jaxformer import sharding
+
     versions = {}
     for name in PACKAGES:
         try:
@@ -153,7 +159,7 @@ def environment(mesh: jax.sharding.Mesh) -> dict:
         "devices": jax.device_count(),
         "local_devices": jax.local_device_count(),
         "processes": jax.process_count(),
-        "mesh": dict(mesh.shape),
+        "mesh": sharding.axis_sizes(mesh),
         "host": platform.node(),
     }
 

@@ -441,7 +441,8 @@ def plan(
             mfu_ceiling=model_flops / (mesh.size * peak_flops * bound),
         )  # fmt: skip
     return Plan(
-        devices=mesh.size, mesh=dict(mesh.shape), batch_size=batch_size, parameters=params, optimizer_state=opt,
+        devices=mesh.size, mesh=sharding.axis_sizes(mesh), batch_size=batch_size, parameters=params,
+        optimizer_state=opt,
         gradients=params, activations=max(step.temporaries - params, 0), arguments=step.arguments,
         outputs=step.outputs, aliased=step.aliased, temporaries=step.temporaries, code=step.code, peak=step.peak,
         flops_per_device=flops, model_flops=model_flops, device_memory=device_memory, fits=fits,
@@ -515,7 +516,7 @@ def _cache_key(lowered, mesh) -> str:
     device = mesh.devices.flat[0]
     settings = {
         "versions": versions, "platform": device.platform, "device_kind": device.device_kind,
-        "devices": [d.id for d in mesh.devices.flat], "mesh": dict(mesh.shape),
+        "devices": [d.id for d in mesh.devices.flat], "mesh": sharding.axis_sizes(mesh),
         "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
         "jax": {k: str(jax.config.values[k]) for k in sorted(jax.config.values) if "optimization" in k
                 or "memory_fitting" in k or k == "jax_disable_most_optimizations"},

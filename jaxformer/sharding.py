@@ -13,6 +13,7 @@ Every parameter names its axes where it is defined (`vocab`, `embed`, `heads`, `
     fsdp=4, tensor=2        both
     data=2, context=4       context parallel: each row's sequence split 4 ways (activations on
                             `length`), attention by ring (or all-gather) over the `context` axis
+    data=2, expert=4        expert parallel (MoE): experts' kernels split 4 ways, batch split 8 ways
 
 Activations are constrained with the same names (`batch` for their leading axis, `heads`
 and `vocab` for attention heads and logits), so XLA's partitioner sees one consistent plan.
@@ -32,18 +33,30 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxformer.config import ConfigError, MeshConfig
 
-MESH_AXES = ("data", "fsdp", "tensor", "context")
-LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layers")
-BATCH = ("data", "fsdp")  # the global batch is split over every axis that is not tensor parallel
+MESH_AXES = ("data", "fsdp", "expert", "tensor", "context")
+LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layers", "expert", "expert_batch")
+BATCH = ("data", "fsdp", "expert")  # the global batch is split over every axis that is not tensor parallel
 
-# logical axis -> mesh axis (None: replicated). Unlisted names (kv, layers) are replicated. Activations'
-# sequence axis (`length`) is on `context` everywhere: with context=1 (the default) that splits nothing.
+# logical axis -> mesh axis (None: replicated). Unlisted names (kv, layers) are replicated.
+# Expert parallelism (mesh.expert > 1): the experts' kernels are split by expert, and tokens travel
+# to their experts' devices (all-to-all) where the MoE layer constrains its [B, E, P, D] slots to
+# `expert_batch` x `expert`. Activations' sequence axis (`length`) is on `context`. An axis of size
+# 1 (the default for both) changes nothing.
+EXPERT = (("expert", "expert"), ("expert_batch", ("data", "fsdp")))
 CP = (("length", "context"),)
 RULES = {
-    "dp": (("batch", BATCH), *CP),
-    "fsdp": (("batch", BATCH), ("embed", "fsdp"), *CP),
-    "tp": (("batch", BATCH), ("heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"), *CP),
-    "fsdp_tp": (("batch", BATCH), ("embed", "fsdp"), ("heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"), *CP),
+    "dp": (("batch", BATCH), *EXPERT, *CP),
+    "fsdp": (("batch", BATCH), ("embed", "fsdp"), *EXPERT, *CP),
+    "tp": (("batch", BATCH), ("heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"), *EXPERT, *CP),
+    "fsdp_tp": (
+        ("batch", BATCH),
+        ("embed", "fsdp"),
+        ("heads", "tensor"),
+        ("mlp", "tensor"),
+        ("vocab", "tensor"),
+        *EXPERT,
+        *CP,
+    ),
 }
 RULES["default"] = RULES["fsdp_tp"]  # axes of size 1 make it any of the others
 
@@ -90,25 +103,35 @@ def _env_int(name: str) -> int | None:
     return int(os.environ[name]) if name in os.environ else None
 
 
-def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int, int]:
-    """(data, fsdp, tensor, context) with one -1 filled from the device count; errors name the fields."""
-    sizes = [cfg.data, cfg.fsdp, cfg.tensor, cfg.context]
+def _said(name: str, size: int) -> bool:
+    """Whether messages name this axis: the expert and context axes only when they are used."""
+    return name not in ("expert", "context") or size != 1
+
+
+def axis_sizes(mesh: jax.sharding.Mesh) -> dict[str, int]:
+    """{axis: size} of a mesh as logs and reports say it (the expert and context axes only when used)."""
+    return {name: size for name, size in mesh.shape.items() if _said(name, size)}
+
+
+def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int, int, int]:
+    """(data, fsdp, expert, tensor, context) with one -1 filled from the device count; errors name the fields."""
+    sizes = [cfg.data, cfg.fsdp, cfg.expert, cfg.tensor, cfg.context]
     if sizes.count(-1) > 1:
-        raise ConfigError("mesh: at most one of data, fsdp, tensor may be -1 (fill)")
+        raise ConfigError("mesh: at most one of data, fsdp, tensor, expert may be -1 (fill)")
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if num_devices % known:
-            fixed = " x ".join(f"{n}={s}" for n, s in zip(MESH_AXES, sizes, strict=True) if s != -1)
+            fixed = " x ".join(f"{n}={s}" for n, s in zip(MESH_AXES, sizes, strict=True) if s != -1 and _said(n, s))
             raise ConfigError(f"mesh: {num_devices} devices are not divisible by the fixed axes' product {fixed}")
         sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
-        names = ", ".join(f"{n}={s}" for n, s in zip(MESH_AXES, sizes, strict=True))
+        names = ", ".join(f"{n}={s}" for n, s in zip(MESH_AXES, sizes, strict=True) if _said(n, s))
         raise ConfigError(f"mesh: {names} makes {math.prod(sizes)} devices, but {num_devices} are available")
     return tuple(sizes)
 
 
 def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
-    """A (data, fsdp, tensor, context) mesh of Auto axes over `devices` (default: all, every process).
+    """A (data, fsdp, expert, tensor, context) mesh of Auto axes over `devices` (default: all, every process).
 
     With `dcn_data` > 1 (several slices or hosts linked by a slower network), the data axis
     is split into an outer DCN part and an inner ICI part (`mesh_utils.create_hybrid_device_mesh`).
@@ -122,7 +145,7 @@ def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
         if shape[0] % cfg.dcn_data:
             raise ConfigError(f"mesh.dcn_data={cfg.dcn_data} does not divide mesh data={shape[0]}")
         ici = (shape[0] // cfg.dcn_data, *shape[1:])
-        grid = mesh_utils.create_hybrid_device_mesh(ici, (cfg.dcn_data, 1, 1, 1), devices)
+        grid = mesh_utils.create_hybrid_device_mesh(ici, (cfg.dcn_data, *(1,) * (len(shape) - 1)), devices)
         return jax.sharding.Mesh(grid, MESH_AXES, axis_types=auto)
     if devices[0].platform == "tpu":  # laid out on the torus; an axis may take part of a physical one (8 of 4x4x4)
         from jax.experimental import mesh_utils
@@ -226,7 +249,8 @@ def process_rows(global_batch_size: int, mesh: jax.sharding.Mesh) -> slice:
     if global_batch_size % shards:
         raise ConfigError(
             f"train.batch_size={global_batch_size} does not divide over the {shards} batch shards "
-            f"(mesh data x fsdp = {mesh.shape['data']} x {mesh.shape['fsdp']})"
+            f"(mesh data x fsdp = {mesh.shape['data']} x {mesh.shape['fsdp']}"
+            + (f" x expert {mesh.shape['expert']})" if mesh.shape["expert"] > 1 else ")")
         )
     n = jax.process_count()
     if global_batch_size % n:

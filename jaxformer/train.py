@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 
 from jaxformer import functional as F
-from jaxformer import sharding
+from jaxformer import moe, sharding
 from jaxformer.config import Config, ModelConfig, TrainConfig
 from jaxformer.layers import check_batch_ids, without_id_checks
 from jaxformer.models import Transformer
@@ -79,18 +79,32 @@ def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Ar
     """Summed loss (to be divided by the token count) and summed metrics of one (micro-)batch.
 
     Token objectives go through `functional.chunked_cross_entropy`: the plain loss on `model.head` of
-    the hidden states, or, as `loss_chunk` says, that loss a chunk of positions at a time."""
+    the hidden states, or, as `loss_chunk` says, that loss a chunk of positions at a time.
+
+    With MoE layers the loss adds, per counted token, the router z-loss and the load-balancing loss
+    (each a mean over the MoE layers) times their weights in `model.moe`; the metrics add both
+    (token-weighted, as the loss) and the dropped and assigned token-expert pairs. Under `grad_accum`
+    each micro-batch routes on its own: its router losses are its own means, weighted by the tokens
+    it counts (the load-balancing loss, a product of two batch means, has no exact split)."""
     smoothing = {"label_smoothing": cfg.label_smoothing, "z_loss": cfg.z_loss}
-    if cfg.objective == "classify":  # packed: labels [B, N], weights 1 for the segments a row holds
-        labels = batch["label"]
-        weights = batch["weights"] if "weights" in batch else jnp.ones(labels.shape, jnp.float32)
-        sums = F.cross_entropy_sums(classify_logits(model, batch, dropout_rng), labels, weights, **smoothing)
-    else:
-        h_BTD = hidden_states(model, cfg.objective, batch, dropout_rng)
-        labels_BT = batch["targets"]
-        shards = sharding.shard_counts(("batch", "vocab"))  # the logits' rows and columns one device holds
-        chunk = loss_chunk(cfg, *labels_BT.shape, model.cfg.vocab_size, shards)
-        sums = F.chunked_cross_entropy(h_BTD, model.head, labels_BT, batch["weights"], chunk=chunk, **smoothing)
+    with moe.collect() as reports:
+        if cfg.objective == "classify":  # packed: labels [B, N], weights 1 for the segments a row holds
+            labels = batch["label"]
+            weights = batch["weights"] if "weights" in batch else jnp.ones(labels.shape, jnp.float32)
+            sums = F.cross_entropy_sums(classify_logits(model, batch, dropout_rng), labels, weights, **smoothing)
+        else:
+            h_BTD = hidden_states(model, cfg.objective, batch, dropout_rng)
+            labels_BT = batch["targets"]
+            shards = sharding.shard_counts(("batch", "vocab"))  # the logits' rows and columns one device holds
+            chunk = loss_chunk(cfg, *labels_BT.shape, model.cfg.vocab_size, shards)
+            sums = F.chunked_cross_entropy(h_BTD, model.head, labels_BT, batch["weights"], chunk=chunk, **smoothing)
+    aux, layers = moe.totals(reports)
+    if layers:  # a micro-batch's MoE losses weigh as many tokens as it counts: accumulation stays a token mean
+        mcfg = model.cfg.moe
+        z, balance = (aux[name] / layers * sums["count"] for name in ("router_z_loss", "load_balance_loss"))
+        sums["loss"] = sums["loss"] + mcfg.z_loss_weight * z + mcfg.aux_loss_weight * balance
+        sums |= {"router_z_loss": z, "load_balance_loss": balance, "moe_dropped": aux["dropped"],
+                 "moe_assigned": aux["assigned"]}  # fmt: skip
     return sums["loss"], sums
 
 
@@ -165,13 +179,17 @@ def summarize(sums: dict) -> dict:
     """Means from summed metrics: loss, accuracy, perplexity (from the unsmoothed NLL)."""
     count = jnp.maximum(sums["count"], 1.0)
     nll = sums["nll"] / count
-    return {
+    means = {
         "loss": sums["loss"] / count,
         "nll": nll,
         "accuracy": sums["correct"] / count,
         "perplexity": jnp.exp(nll),
         "tokens": sums["count"],
     }
+    if "moe_assigned" in sums:  # MoE: router losses (means over MoE layers) and the share of pairs dropped
+        means |= {name: sums[name] / count for name in ("router_z_loss", "load_balance_loss")}
+        means["dropped_fraction"] = sums["moe_dropped"] / jnp.maximum(sums["moe_assigned"], 1.0)
+    return means
 
 
 def jit_steps(train_step, eval_step, state: TrainState, mesh: jax.sharding.Mesh | None):
@@ -198,13 +216,20 @@ def flops_per_example(cfg: ModelConfig, objective: str, src_len: int, tgt_len: i
     """
     D, H, G, K, Fw, V = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head, cfg.d_ff, cfg.vocab_size
     proj = 2 * D * (2 * H * K + 2 * G * K)
-    ffn = 2 * D * Fw * (3 if cfg.activation in F.GATED_ACTIVATIONS else 2)
+    matmuls = 3 if cfg.activation in F.GATED_ACTIVATIONS else 2
+    ffn = 2 * D * Fw * matmuls
+    # An MoE layer: the router, and k routed experts plus the shared ones per token (what a token uses;
+    # capacity slots left empty are not counted).
+    m = cfg.moe
+    moe_ffn = 2 * D * m.num_experts + 2 * D * (m.expert_d_ff or Fw) * matmuls * (m.experts_per_token + m.shared_experts)
+    ffn_total = lambda layers: sum(moe_ffn if m.is_moe_layer(i) else ffn for i in range(layers))
     attn = lambda ctx: 4 * H * K * ctx
     enc_len = src_len if objective in ("seq2seq", "classify", "mlm") else 0
-    total = cfg.num_encoder_layers * enc_len * (proj + ffn + attn(enc_len)) if enc_len else 0.0
+    L_enc, L_dec = cfg.num_encoder_layers, cfg.num_decoder_layers
+    total = enc_len * (L_enc * (proj + attn(enc_len)) + ffn_total(L_enc)) if enc_len else 0.0
     if objective in ("lm", "seq2seq"):
         cross = (proj + attn(src_len)) if objective == "seq2seq" else 0
-        total += cfg.num_decoder_layers * tgt_len * (proj + ffn + attn(tgt_len) + cross)
+        total += tgt_len * (L_dec * (proj + attn(tgt_len) + cross) + ffn_total(L_dec))
     head_tokens = tgt_len if objective in ("lm", "seq2seq") else src_len if objective == "mlm" else 0
     total += 2 * D * V * head_tokens
     return 3.0 * total

@@ -5,6 +5,7 @@
     python tests/sharded_worker.py singlehost              # the same run in one process, 8 devices
     python tests/sharded_worker.py remesh DIR              # save under FSDP=8, restore on DP=4 and on 1
     python tests/sharded_worker.py hf DIR                  # a Hugging Face checkpoint loaded onto FSDP=4 x TP=2
+    python tests/sharded_worker.py moe                     # MoE training with expert parallelism vs 1 device
 
 Prints one JSON line of results for tests/test_sharding.py to check.
 """
@@ -165,6 +166,41 @@ def strategies(mode: str) -> dict:
     return results
 
 
+def moe() -> dict:
+    """A decoder with MoE layers (4 experts, both dispatches) trained on 1 device, and over 8 with the
+    experts split 4 ways (expert=4, the batch over expert x fsdp or data)."""
+    import dataclasses
+
+    from jaxformer import config as C
+    from jaxformer import sharding
+
+    results = {}
+    for name, capacity_factor, mesh in (
+        ("capacity", 1.0, dict(fsdp=2, expert=4)),
+        ("dropless", 0.0, dict(data=2, expert=4)),
+    ):
+        base = config("decoder_only", (1, 1, 1))
+        moe_cfg = C.MoEConfig(num_experts=4, experts_per_token=2, capacity_factor=capacity_factor,
+                              z_loss_weight=1e-3, aux_loss_weight=1e-2)  # fmt: skip
+        base = dataclasses.replace(base, model=base.model.replace(dropout_rate=0.0, moe=moe_cfg))
+        ref_losses, ref_state, _, _ = train(base, jax.devices()[:1])
+        cfg = dataclasses.replace(base, mesh=C.MeshConfig(**mesh))
+        losses, state, mesh_, _ = train(cfg)
+        ref, got = gathered(ref_state.params), gathered(state.params)
+        with sharding.use(mesh_, sharding.rules_for(cfg.mesh)):
+            specs = {k: str(tuple(x.sharding.spec)) for k, x in zip(got, jax.tree.leaves(state.params), strict=True)}
+        results[name] = {
+            "loss_rel": float(np.max(np.abs(np.array(losses) - ref_losses) / np.abs(ref_losses))),
+            "param_rel": max(
+                float(np.max(np.abs(got[k] - ref[k])) / (np.max(np.abs(ref[k])) + 1e-12))
+                for k in ref
+                if "k_bias" not in k
+            ),
+            "specs": specs,
+        }
+    return results
+
+
 def errors() -> dict:
     from jaxformer import config as C
     from jaxformer import sharding
@@ -296,6 +332,8 @@ def main() -> None:
         jax.distributed.shutdown()
     elif task == "hf":
         print(json.dumps(hf_sharded(sys.argv[2])))
+    elif task == "moe":
+        print(json.dumps(moe()))
     elif task == "remesh":
         print(json.dumps(remesh(sys.argv[2])))
     elif task == "singlehost":

@@ -299,7 +299,7 @@ CLI_CASES = [
         "--set data.spm_vocab_size=300",
         r"data\.spm_vocab_size: data\.spm_vocab_size=300 exceeds model\.vocab_size=260",
     ),
-    cli_case(TRAIN + "mesh.fsdp=-1", r"mesh\.fsdp: at most one of data, fsdp, tensor may be -1 \(fill\)"),
+    cli_case(TRAIN + "mesh.fsdp=-1", r"mesh\.fsdp: at most one of data, fsdp, tensor, expert may be -1 \(fill\)"),
     cli_case(TRAIN + "mesh.data=2 --set mesh.dcn_data=3", r"mesh\.dcn_data: dcn_data=3 does not divide mesh\.data=2"),
     cli_case(
         TRAIN + "mesh.data=1 --set mesh.fsdp=3",

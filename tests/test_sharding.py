@@ -68,7 +68,7 @@ def test_sharded_training_equals_one_device(strategies, mode, strategy):
     assert r["param_rel"] < PARAM_RTOL, r
     assert r["sharding_mismatches"] == [], "every array sharded as the rules table says"
     mesh = r["mesh"]
-    shares = [mesh["data"] * mesh["fsdp"], mesh["tensor"], mesh["context"]]
+    shares = [mesh["data"] * mesh["fsdp"] * mesh["expert"], mesh["tensor"], mesh["context"]]
     assert r["shard_counts"] == shares, "the shares a device holds"
     assert (r["ring_permutes"] > 0) == ("cp" in strategy), "ring attention where the sequence is split"
 
@@ -93,13 +93,25 @@ def test_fsdp_splits_parameters_and_optimizer_state(strategies, mode):
 
 def test_mesh_errors_name_what_is_wrong(strategies):
     e = strategies["errors"]
-    assert "data=3, fsdp=2, tensor=1, context=1 makes 6 devices, but 8 are available" in e["mesh_size"]
+    assert "data=3, fsdp=2, tensor=1 makes 6 devices, but 8 are available" in e["mesh_size"]
     assert (
         "['embedding'].value has a dimension of 36 that mesh axes ('fsdp',) (size 8) do not divide"
         in e["not_divisible"]
     )
     assert "logical axis 'embed' maps to both 'fsdp' and 'tensor'" in e["conflict"]
     assert "batch_size=12 does not divide over the 8 batch shards" in e["batch"]
+
+
+def test_expert_parallel_moe_training_equals_one_device():
+    """MoE layers with their experts split over `mesh.expert=4` (8 devices; the capacity dispatch's
+    slots travel to their experts' devices, the dropless one is partitioned by XLA): the losses and
+    parameters of one device."""
+    r = result(worker("moe"))
+    for name in ("capacity", "dropless"):
+        assert r[name]["loss_rel"] < LOSS_RTOL and r[name]["param_rel"] < PARAM_RTOL, (name, r[name])
+    specs = r["capacity"]["specs"]
+    wi = next(v for k, v in specs.items() if k.endswith("ffn']['wi'].value") or k.endswith("ffn.wi"))
+    assert wi.startswith("('expert', 'fsdp'"), specs  # [E, D, F]: experts over `expert`, D over `fsdp`
 
 
 def free_port() -> int:

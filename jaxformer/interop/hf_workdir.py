@@ -77,7 +77,8 @@ def import_hf(source, workdir, experiment: str | None = None, overrides: list[st
         raise ConfigError(f"{workdir} already holds checkpoints: import into a new workdir")
     hf.SafetensorsReader(source)  # the weights are there (headers read) before anything is written
     # Fields the overrides changed (a new head, say) load as overrides: what the checkpoint lacks is initialised.
-    changed = {k: v for k, v in dataclasses.asdict(cfg.model).items() if v != getattr(imported, k)}
+    imported_fields = dataclasses.asdict(imported)  # nested sections (model.moe) compare as dicts
+    changed = {k: v for k, v in dataclasses.asdict(cfg.model).items() if v != imported_fields[k]}
 
     mesh = sharding.make_mesh(cfg.mesh)
     with sharding.use(mesh, sharding.rules_for(cfg.mesh)):

@@ -1,0 +1,244 @@
+"""Mixture of experts against NumPy transcriptions of the published equations, a naive per-token loop
+over experts, and invariants: capacity with room for all == dropless, dropped tokens pass through the
+residual, scanned == unrolled, training lowers the loss in each mode."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxformer import config as C
+from jaxformer import moe
+from jaxformer.checkpoint import check_compatible
+from jaxformer.layers import Residual
+from jaxformer.models import unrolled
+from jaxformer.state import init_state
+from jaxformer.train import make_steps
+
+
+def np_softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_routing_and_losses_equal_the_papers_equations():
+    rng = np.random.default_rng(0)
+    M, E = 12, 4
+    logits = rng.normal(size=(M, E)).astype(np.float32)
+    live = rng.random(M) > 0.25
+    probs = np_softmax(logits.astype(np.float64))
+
+    # Switch (Fedus et al. 2021): p = softmax(logits), one expert, gate = its probability;
+    # aux = E * sum_e f_e P_e, f_e the fraction of tokens sent to e, P_e the mean probability.
+    w, e, p = moe.route(jnp.asarray(logits), 1, "softmax_topk")
+    np.testing.assert_array_equal(e[:, 0], probs.argmax(-1))
+    np.testing.assert_allclose(w[:, 0], probs.max(-1), rtol=1e-6)
+    f = np.array([(probs[live].argmax(-1) == i).mean() for i in range(E)])
+    np.testing.assert_allclose(
+        moe.load_balance_loss(p, e, jnp.asarray(live)), E * np.sum(f * probs[live].mean(0)), rtol=1e-5
+    )
+
+    # Mixtral (Jiang et al. 2024): the 2 largest logits, softmax over those two.
+    w, e, p = moe.route(jnp.asarray(logits), 2, "topk_softmax")
+    top2 = np.argsort(-logits, axis=-1)[:, :2]
+    np.testing.assert_array_equal(e, top2)
+    np.testing.assert_allclose(w, np_softmax(np.take_along_axis(logits, top2, -1).astype(np.float64)), rtol=1e-5)
+    # top-k balance: each of a token's k choices counts (f sums to k, as in Mixtral's and MaxText's loss)
+    f2 = np.array([(top2 == i).any(-1).mean() for i in range(E)])
+    np.testing.assert_allclose(moe.load_balance_loss(p, e), E * np.sum(f2 * probs.mean(0)), rtol=1e-5)
+    # ST-MoE (Zoph et al. 2022): z-loss = mean over tokens of log(sum_e exp logits)^2
+    log_z = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+    np.testing.assert_allclose(
+        moe.router_z_loss(jnp.asarray(logits), jnp.asarray(live)), np.mean(log_z[live] ** 2), rtol=1e-5
+    )
+
+
+def naive_moe(x_MD, weights_MA, experts_MA, w, activation):
+    """Every token through every expert, kept where the router chose it: sum_a w_a * FFN_{e_a}(x)."""
+    E = w["wi"].shape[0]
+    gates_ME = jnp.einsum("MA,MAE->ME", weights_MA, jax.nn.one_hot(experts_MA, E))
+    out = 0.0
+    for e in range(E):
+        up = x_MD @ w["wi"][e] + w["wi_bias"][e][None]
+        if "wi_gate" in w:
+            h = moe._activate(activation, up, x_MD @ w["wi_gate"][e] + w["wi_gate_bias"][e][None])
+        else:
+            h = moe._activate(activation, up, None)
+        out = out + gates_ME[:, e : e + 1] * (h @ w["wo"][e] + w["wo_bias"][e][None])
+    return out
+
+
+def random_experts(rng, E, D, Fw, gated):
+    w = {"wi": rng.normal(size=(E, D, Fw)), "wo": rng.normal(size=(E, Fw, D)) / Fw**0.5}
+    w |= {"wi_bias": rng.normal(size=(E, Fw)), "wo_bias": rng.normal(size=(E, D))}
+    if gated:
+        w |= {"wi_gate": rng.normal(size=(E, D, Fw)), "wi_gate_bias": rng.normal(size=(E, Fw))}
+    return {k: jnp.asarray(v, jnp.float32) for k, v in w.items()}
+
+
+def test_dropless_and_capacity_dispatch_equal_a_naive_loop(activation="swiglu"):
+    """A gated activation with biases: every kernel of an expert (the ungated path is the models' below)."""
+    rng = np.random.default_rng(1)
+    B, T, D, Fw, E, k = 2, 6, 8, 16, 4, 2
+    w = random_experts(rng, E, D, Fw, activation == "swiglu")
+    x_BTD = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
+    weights, experts, _ = moe.route(jnp.asarray(rng.normal(size=(B, T, E)), jnp.float32), k, "topk_softmax")
+    flat = lambda a: a.reshape(B * T, *a.shape[2:])
+    want = naive_moe(flat(x_BTD), flat(weights), flat(experts), w, activation)
+
+    @jax.jit
+    def outputs(x_BTD, weights, w):  # one compile: dropless (sort + ragged_dot) and the naive loop, with
+        # gradients w.r.t. the input, the router weights and the kernels; capacity with room for every pair
+        dropless = lambda x, g, w: moe.moe_dropless(flat(x), flat(g), flat(experts), w, activation)
+        naive = lambda x, g, w: naive_moe(flat(x), flat(g), flat(experts), w, activation)
+        probe = jax.random.normal(jax.random.key(0), (B * T, D))
+        grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * probe), argnums=(0, 1, 2))(x_BTD, weights, w)
+                 for f in (dropless, naive)]  # fmt: skip
+        dispatch, combine, dropped, assigned = moe.dispatch_capacity(weights, experts, E, T * k)  # P = T * k
+        roomy = moe.moe_capacity(x_BTD, dispatch, combine, w, activation)
+        return dropless(x_BTD, weights, w), grads, flat(roomy), dropped, assigned
+
+    got, (grads, want_grads), roomy, dropped, assigned = outputs(x_BTD, weights, w)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), grads, want_grads)
+    assert (float(dropped), float(assigned)) == (0.0, B * T * k)  # capacity with room for all == dropless
+    np.testing.assert_allclose(roomy, want, rtol=1e-5, atol=1e-5)
+
+    # two slots per expert: pairs past them are dropped, first choices first, then in token order (GShard)
+    P = 2
+    dispatch, combine, dropped, _ = moe.dispatch_capacity(weights, experts, E, P)
+    kept = np.zeros((B, T, k), bool)
+    for b in range(B):
+        used = np.zeros(E, int)
+        for a in range(k):
+            for t in range(T):
+                e = int(experts[b, t, a])
+                kept[b, t, a] = used[e] < P
+                used[e] += 1
+    assert float(dropped) == (~kept).sum() > 0
+    kept_weights = jnp.where(jnp.asarray(kept), weights, 0.0)  # a dropped pair adds nothing
+    got = moe.moe_capacity(x_BTD, dispatch, combine, w, activation)
+    np.testing.assert_allclose(flat(got), naive_moe(flat(x_BTD), flat(kept_weights), flat(experts), w, activation),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_dropped_tokens_pass_through_the_residual_and_padding_takes_no_slot():
+    cfg = C.tiny("decoder_only", norm_position="pre", moe=C.MoEConfig(num_experts=2, experts_per_token=1,
+                 capacity_factor=0.25, router_noise=0.1))  # fmt: skip
+    layer, residual = moe.MoEFeedForward(cfg, rngs=nnx.Rngs(0)), Residual(cfg, rngs=nnx.Rngs(1))
+    x_BTD = jax.random.normal(jax.random.key(0), (2, 8, cfg.d_model))
+    live_BT = jnp.arange(8)[None, :] < jnp.array([[8], [3]])
+
+    @nnx.jit
+    def run(layer, residual, x_BTD):  # one compile
+        # T=8, k=1, E=2, factor 0.25: one slot per expert and row, so at least 6 of 8 tokens of a row are dropped
+        y_BTD, aux = residual(x_BTD, lambda h: layer(h), None, has_aux=True)
+        _, experts, _ = moe.route(jnp.einsum("BTD,DE->BTE", residual.norm(x_BTD), layer.router[...]), 1)
+        padded = layer(x_BTD, None, live_BT)[1]  # padding takes no slot and is not counted
+        noisy = [layer(x_BTD, key)[0] for key in (None, jax.random.key(3))]  # router noise only when training
+        return y_BTD, aux, experts, padded, noisy
+
+    y_BTD, aux, experts, padded, (quiet, noisy) = run(layer, residual, x_BTD)
+    served = np.zeros((2, 8), bool)
+    for b in range(2):
+        for e in range(2):
+            first = np.flatnonzero(np.asarray(experts[b, :, 0]) == e)
+            served[b, first[:1]] = True
+    np.testing.assert_array_equal(np.asarray(y_BTD)[~served], np.asarray(x_BTD)[~served])  # unchanged
+    assert not np.allclose(np.asarray(y_BTD)[served], np.asarray(x_BTD)[served])
+    assert float(aux["dropped"]) == 16 - served.sum() and float(aux["assigned"]) == 16
+    assert float(padded["assigned"]) == 11
+    assert not np.allclose(quiet, noisy)
+
+
+MODES = [  # (mode, objective, MoE and model choices): the three modes, scanned and unrolled, both dispatches
+    ("decoder_only", "lm", dict(every=2, capacity_factor=1.5, router="topk_softmax"), dict(activation="swiglu")),
+    ("encoder_only", "mlm", dict(shared_experts=1, router_noise=0.01), dict(scan_layers=True, remat="full")),
+    ("encoder_decoder", "seq2seq", dict(capacity_factor=2.0), dict(scan_layers=True, norm_position="pre")),
+]
+
+
+def toy_batch(objective, B=4, T=8, V=16):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(2, V, (B, T)).astype(np.int32)
+    batch = {"inputs": tokens, "targets": tokens, "weights": np.ones((B, T), np.float32)}
+    if objective == "lm":
+        batch["inputs"] = np.concatenate([np.ones((B, 1), np.int32), tokens[:, :-1]], 1)
+    if objective == "seq2seq":
+        batch |= {"src": tokens[:, ::-1].copy(), "src_lengths": np.array([T, T, 5, 3], np.int32)}
+        batch["inputs"] = np.concatenate([np.ones((B, 1), np.int32), tokens[:, :-1]], 1)
+    return batch
+
+
+@pytest.mark.parametrize("mode,objective,moe_kw,model_kw", MODES, ids=[m[0] for m in MODES])
+def test_moe_model_trains_in_each_mode(mode, objective, moe_kw, model_kw):
+    moe_cfg = C.MoEConfig(num_experts=4, experts_per_token=2, z_loss_weight=1e-3, aux_loss_weight=1e-2, **moe_kw)
+    model = C.tiny(mode, vocab_size=16, moe=moe_cfg, **model_kw)
+    cfg = C.Config(model=model, data=C.DataConfig(max_len=8), train=C.TrainConfig(
+        objective=objective, batch_size=4, learning_rate=1e-2, warmup_steps=0, schedule="constant"))  # fmt: skip
+    graphdef, state, optimizer = init_state(cfg)
+    step, _ = make_steps(graphdef, cfg, optimizer)
+    batch = toy_batch(objective)
+    if objective == "seq2seq":  # both stacks scanned and unrolled: the same parameters give the same logits
+        args = (batch["src"], batch["inputs"]) if objective == "seq2seq" else (batch["inputs"],)
+        kw = {"lengths": batch["src_lengths"]} if objective == "seq2seq" else {}
+        logits = jax.jit(
+            lambda weights: [f(nnx.merge(graphdef, weights))(*args, **kw) for f in (lambda m: m, unrolled)]
+        )
+        np.testing.assert_allclose(*logits(state.weights), rtol=1e-5, atol=1e-5)
+    step = jax.jit(step)
+    losses = []
+    for _ in range(5):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0] - 0.3, losses
+    # the loss is the cross-entropy plus the weighted router losses; the metrics say each
+    want = metrics["nll"] + 1e-3 * metrics["router_z_loss"] + 1e-2 * metrics["load_balance_loss"]
+    np.testing.assert_allclose(metrics["loss"], want, rtol=1e-6)
+    assert metrics["load_balance_loss"] >= 2 - 1e-4  # k at best (perfect balance)
+    assert metrics["router_z_loss"] > 0
+    dropped = float(metrics["dropped_fraction"])
+    assert dropped == 0.0 if not moe_cfg.capacity_factor else 0.0 <= dropped < 1.0
+
+
+def test_moe_config_errors_name_the_field():
+    base = C.Config(model=C.tiny("decoder_only"), data=C.DataConfig(max_len=16))
+    cases = {
+        "model.moe.experts_per_token": ["model.moe.num_experts=4", "model.moe.experts_per_token=5"],
+        "model.moe.every": ["model.moe.num_experts=4", "model.moe.every=2", "model.scan_layers=true"],
+        "model.moe.capacity_factor": ["model.moe.capacity_factor=-1"],
+        "model.moe.router": ["model.moe.router=mixtral"],
+        "model.moe.bogus": ["model.moe.bogus=1"],
+        "lora.targets": ["model.moe.num_experts=4", "lora.rank=2", "lora.targets=q,wi"],
+    }
+    for field, overrides in cases.items():
+        with pytest.raises(C.ConfigError, match=field.replace(".", r"\.")):
+            C.apply_overrides(base, overrides)
+    # a saved config (JSON) reads back with its moe section; an unknown key in it is named
+    cfg = C.apply_overrides(base, ["model.moe.num_experts=4", "model.moe.capacity_factor=1.25"])
+    assert C.from_dict(cfg.to_dict()) == cfg
+    bad = cfg.to_dict()
+    bad["model"]["moe"]["experts"] = 3
+    with pytest.raises(C.ConfigError, match=r"model\.moe\.experts"):
+        C.from_dict(bad)
+    # resuming: routing choices may change, the experts' shapes may not
+    check_compatible(cfg, C.apply_overrides(cfg, ["model.moe.capacity_factor=0", "model.moe.router_noise=0.1"]), "ckpt")
+    with pytest.raises(C.ConfigError, match=r"model\.moe\.num_experts: checkpoint 4, config 8"):
+        check_compatible(cfg, C.apply_overrides(cfg, ["model.moe.num_experts=8"]), "ckpt")
+
+
+def test_flops_count_the_router_and_the_experts_a_token_uses():
+    from jaxformer.train import flops_per_example
+
+    dense = C.tiny("encoder_decoder", d_ff=32)
+    with_moe = lambda **kw: dense.replace(moe=C.MoEConfig(**kw))
+    T, S, L, D = 8, 6, 2, dense.d_model
+    base = flops_per_example(dense, "seq2seq", S, T)
+    # E experts, k of them per token, each as wide as the dense FFN: the router's 2·D·E and (k - 1) more FFNs
+    for E, k, every in ((4, 1, 1), (8, 2, 1), (8, 2, 2)):
+        moe_layers = L // every  # per stack
+        router, ffn = 2 * D * E, 2 * D * 32 * 2
+        extra = 3 * moe_layers * (S + T) * (router + (k - 1) * ffn)  # 3 x forward, encoder (S) and decoder (T)
+        got = flops_per_example(with_moe(num_experts=E, experts_per_token=k, every=every), "seq2seq", S, T)
+        assert got == base + extra
