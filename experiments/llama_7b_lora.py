@@ -4,9 +4,9 @@ A full fine-tune (float32 weights, gradients and Adam moments: 16 bytes a parame
 
 Plan both on any machine:
 
-    jaxformer plan --config experiments/llama_7b_lora.py --target gpu-h100x1 --no-largest
-    jaxformer plan --config experiments/llama_7b_lora.py --target gpu-h100x1 --no-largest --set lora.rank=0
-    jaxformer plan --config experiments/llama_7b_lora.py --target gpu-h100x1 --no-largest --set lora.base=int8
+    jaxformer plan --config experiments/llama_7b_lora.py --target gpu-h100:1x1 --no-largest
+    jaxformer plan --config experiments/llama_7b_lora.py --target gpu-h100:1x1 --no-largest --set lora.rank=0
+    jaxformer plan --config experiments/llama_7b_lora.py --target gpu-h100:1x1 --no-largest --set lora.base=int8
 
 With pretrained weights (a Hugging Face Llama directory), import them with the adapters, then train:
 
