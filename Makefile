@@ -33,7 +33,16 @@ docs: setup $(VENV)/.docs
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 	@echo "docs: open file://$(CURDIR)/site/index.html (or serve with live reload: $(BIN)/mkdocs serve)"
 
+# tests/test_gpu.py with XLA's GPU compiler (deviceless H100s), in a virtualenv of its own (.venv-gpu-plan):
+# the CUDA plugin's driver notices on a machine without a GPU stay out of the main suite's output.
+test-gpu-plan:
+	$(PYTHON) -m venv .venv-gpu-plan
+	.venv-gpu-plan/bin/pip install --quiet --upgrade pip
+	.venv-gpu-plan/bin/pip install --quiet -e ".[test,gpu-plan]"
+	.venv-gpu-plan/bin/python -c "import jax_cuda12_plugin"  # installed: the tests must not skip
+	.venv-gpu-plan/bin/pytest -q -p no:cacheprovider tests/test_gpu.py
+
 gpu-check: setup  # on a machine with an NVIDIA GPU and a CUDA build of jax (see scripts/gpu_check.sh)
 	PYTHON=$(BIN)/python bash scripts/gpu_check.sh
 
-.PHONY: setup demo test docs gpu-check
+.PHONY: setup demo test test-gpu-plan docs gpu-check

@@ -533,9 +533,9 @@ API_CASES = [
     # LoRA built in code: the section refuses what the command line does, and the rank against the model.
     api_case(
         "LoRAConfig unknown target",
-        lambda m, p: jf.config.LoRAConfig(rank=8, targets=("q", "embed")),
+        lambda m, p: jf.config.LoRAConfig(rank=8, targets=("q", "qkv")),
         ConfigError,
-        r"lora\.targets: unknown 'embed' \(valid: q, k, v, o, wi, wi_gate, wo\)",
+        r"lora\.targets: unknown 'qkv' \(valid: q, k, v, o, wi, wi_gate, wo, embed, head\)",
     ),
     api_case(
         "LoRA rank above a projection's width",

@@ -10,6 +10,7 @@ import json
 import random
 import string
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -81,12 +82,20 @@ def test_import_hf_lora_instruction_fine_tune_generate_export_hf(tmp_path, capsy
     assert cli.main(["import-hf", str(source), "--workdir", str(workdir), *sets]) == 0
     run_cfg = from_dict(json.loads((workdir / "config.json").read_text()))
     assert run_cfg.lora.rank == 8 and run_cfg.data.template == "alpaca" and run_cfg.data.tokenizer == "hf"
+    # Step 0 is the checkpoint plus fresh adapters: its weights as the base, the same logits.
+    graphdef, start, _ = restore_workdir(run_cfg, workdir)
+    x = [jnp.asarray(np.random.default_rng(0).integers(0, 300, (2, 12)), jnp.int32)] * (1 + (family == "t5"))
+    pretrained = hf.load_hf(source)
+    np.testing.assert_array_equal(nnx.merge(graphdef, start.weights)(*x), pretrained(*x))
+    jax.tree.map(np.testing.assert_array_equal, start.frozen, nnx.state(pretrained, nnx.Param))
     before = eval_loss(workdir, capsys)
     assert before > 0, "the held-out split scores no response token (a window too short for the template?)"
 
     assert cli.main(["train", "--workdir", str(workdir)]) == 0
-    log = capsys.readouterr().out
-    assert "parameters: " in log and " trained of " in log
+    trained_of = [line for line in capsys.readouterr().out.splitlines() if line.startswith("parameters: ")]
+    adapters = sum(v[...].size for _, v in nnx.to_flat_state(start.params))
+    total = adapters + sum(v[...].size for _, v in nnx.to_flat_state(start.frozen))
+    assert trained_of == [f"parameters: {adapters:,} trained of {total:,} ({adapters / total:.4%})"]
     after = eval_loss(workdir, capsys)
     assert after < before, f"held-out response loss {before:.3f} at step 0, {after:.3f} after 50 LoRA steps"
 
@@ -107,9 +116,9 @@ def test_import_hf_lora_instruction_fine_tune_generate_export_hf(tmp_path, capsy
     assert cli.main(["export-hf", "--workdir", str(workdir), str(out)]) == 0
     graphdef, state, _ = restore_workdir(run_cfg, workdir)
     assert int(state.step) == 50
+    jax.tree.map(np.testing.assert_array_equal, state.frozen, start.frozen)  # the base never moved
     merged = jf.lora.merge(nnx.merge(graphdef, state.weights))
-    x = [jnp.asarray(np.random.default_rng(0).integers(0, 300, (2, 12)), jnp.int32)] * (1 + (family == "t5"))
     exported = hf.load_hf(out)
     assert not any(True for _ in jf.lora.adapters(exported))  # a plain model: the adapters folded in
     np.testing.assert_allclose(exported(*x), merged(*x), atol=1e-5, rtol=1e-5)
-    assert not np.allclose(exported(*x), hf.load_hf(source)(*x))
+    assert not np.allclose(exported(*x), pretrained(*x))
