@@ -179,6 +179,9 @@ class ModelConfig:
     # With mesh.context > 1, attention over the split sequence: "ring" passes key/value blocks around
     # the context axis (never more than two on a device); "allgather" gathers them all first.
     context_attention: Literal["ring", "allgather"] = "ring"
+    # How the steps lay a causal sequence over the context axis: "contiguous" blocks, or "zigzag" (each
+    # device holds blocks i and 2n-1-i of 2n: the same share of the causal triangle, so no device idles).
+    context_layout: Literal["contiguous", "zigzag"] = "contiguous"
     # float32 matmuls: "default" leaves JAX's setting (GPUs then use TF32, ~1e-3 off float32; TPUs
     # bfloat16 passes); "high" / "highest" ask for more. bfloat16 compute is unaffected.
     matmul_precision: Literal["default", "high", "highest"] = "default"
@@ -817,6 +820,12 @@ class Config:
                 "context parallelism applies no attention dropout: set model.attention_dropout_rate to 0")  # fmt: skip
         for field, length in (("data.max_len", d.max_len), ("data.src_max_len", d.src_len)):
             require(length % m.context == 0, field, f"{length} is not divisible by mesh.context={m.context}")
+        if model.context_layout == "zigzag":
+            require(self.train.objective in ("lm", "seq2seq"), "model.context_layout",
+                    f"zigzag balances causal attention; objective={self.train.objective!r} attends both ways: "
+                    "use 'contiguous'")  # fmt: skip
+            require(d.max_len % (2 * m.context) == 0, "data.max_len",
+                    f"{d.max_len} is not divisible by 2 x mesh.context={m.context} (zigzag's 2n blocks)")  # fmt: skip
 
     def _check_lora(self) -> None:
         """The rank against the widths of the projections adapted (known only with the model)."""

@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 
 from jaxformer import functional as F
-from jaxformer import moe, sharding
+from jaxformer import moe, ring, sharding
 from jaxformer.config import Config, ModelConfig, TrainConfig
 from jaxformer.layers import check_batch_ids, without_id_checks
 from jaxformer.models import Transformer
@@ -56,6 +56,31 @@ def hidden_states(model: Transformer, objective: str, batch: dict, dropout_rng: 
     return model.hidden(
         batch["inputs"], segments=batch.get("segments"), positions=batch.get("positions"), dropout_rng=dropout_rng
     )
+
+
+# The arrays of a causal sequence (lm; seq2seq's target side), and the positions that say its order.
+CAUSAL_SIDE = {"lm": (("inputs", "targets", "weights", "segments"), "positions"),
+               "seq2seq": (("inputs", "targets", "weights", "tgt_segments"), "tgt_positions")}  # fmt: skip
+
+
+def laid_out(batch: dict, objective: str, layout: str) -> dict:
+    """`batch` with its causal sequence in the order `model.context_layout` lays it over the mesh's
+    context axis (see `ring.layout_order`), its positions moved with it (made 0..T-1 where the data
+    gave none), so that attention masks and positional encodings are the unpermuted sequence's. The
+    summed loss and metrics do not depend on the order; contiguous (or no context axis) is `batch`."""
+    n = sharding.context_ways()
+    if n == 1 or layout == "contiguous" or objective not in CAUSAL_SIDE:
+        return batch
+    keys, positions = CAUSAL_SIDE[objective]
+    B, T = batch["inputs"].shape
+    order = jnp.asarray(ring.layout_order(T, n, layout))
+    out = dict(batch)
+    if positions not in batch:
+        out[positions] = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    for key in (*keys, positions):
+        if key in out:
+            out[key] = jnp.take(out[key], order, axis=1)
+    return out
 
 
 def loss_chunk(cfg: TrainConfig, B: int, T: int, V: int, shards: tuple[int, int] = (1, 1)) -> int | None:
@@ -93,6 +118,7 @@ def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Ar
             weights = batch["weights"] if "weights" in batch else jnp.ones(labels.shape, jnp.float32)
             sums = F.cross_entropy_sums(classify_logits(model, batch, dropout_rng), labels, weights, **smoothing)
         else:
+            batch = laid_out(batch, cfg.objective, model.cfg.context_layout)
             h_BTD = hidden_states(model, cfg.objective, batch, dropout_rng)
             labels_BT = batch["targets"]
             shards = sharding.shard_counts(("batch", "vocab"))  # the logits' rows and columns one device holds

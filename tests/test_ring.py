@@ -79,6 +79,56 @@ def case_errors(seed, strategy, n, layout, causal, T, S, lengths, segments, data
     }
 
 
+def zigzag_training_errors(mode: str) -> dict:
+    """The summed loss and the gradients of a (deterministic) step's loss with the sequence laid out
+    zig-zag over a context axis of 4 beside a data axis of 2, against one device, contiguous."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxformer import config as C
+    from jaxformer import sharding
+    from jaxformer.models import Transformer
+    from jaxformer.train import laid_out, loss_sums
+
+    objective = {"decoder_only": "lm", "encoder_decoder": "seq2seq"}[mode]
+    cfg = C.Config(
+        model=C.tiny(mode, num_heads=4, context_layout="zigzag"), data=C.DataConfig(max_len=16),
+        train=C.TrainConfig(objective=objective, batch_size=4), mesh=C.MeshConfig(data=2, context=4),
+    )  # fmt: skip
+    ids = lambda seed: jax.random.randint(jax.random.key(seed), (4, 16), 3, 32)
+    segments = jnp.where(jnp.arange(16) < 10, 1, 2) * jnp.ones((4, 1), jnp.int32)  # two documents a row
+    positions = jnp.where(jnp.arange(16) < 10, jnp.arange(16), jnp.arange(16) - 10) * jnp.ones((4, 1), jnp.int32)
+    batch = {"inputs": ids(1), "targets": ids(2), "weights": (ids(3) > 8).astype(jnp.float32)}
+    if mode == "decoder_only":  # packed rows: segments and their own positions move with the tokens
+        batch |= {"segments": segments, "positions": positions}
+    else:
+        batch |= {"src": ids(4), "src_lengths": jnp.array([16, 12, 16, 5])}
+    model = Transformer(cfg.model, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss(params):
+        return loss_sums(nnx.merge(graphdef, params), cfg.train, batch, None)
+
+    (ref, ref_sums), ref_grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    mesh = sharding.make_mesh(cfg.mesh)
+    with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
+        step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+        (got, sums), grads = step(params)
+        permutes = step.lower(params).as_text().count("collective_permute")
+        key = "positions" if mode == "decoder_only" else "tgt_positions"
+        laid = laid_out(batch, objective, "zigzag")[key][0].tolist()  # the order the step feeds the model
+    return {
+        "loss": float(abs(got - ref) / abs(ref)),
+        "correct": float(abs(sums["correct"] - ref_sums["correct"])),
+        "grad": max(
+            float(jnp.abs(a - b).max()) for a, b in zip(*map(jax.tree.leaves, (grads, ref_grads)), strict=True)
+        ),
+        "permutes": permutes,
+        "laid_out": laid,
+    }
+
+
 def run_cases() -> dict:
     import jax
     import jax.numpy as jnp
@@ -86,6 +136,7 @@ def run_cases() -> dict:
     from jaxformer import ring
 
     out = {name: case_errors(i, *case) for i, (name, *case) in enumerate(CASES)}
+    out |= {f"zigzag {mode}": zigzag_training_errors(mode) for mode in ("decoder_only", "encoder_decoder")}
     mesh = jax.make_mesh((4,), ("context",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
     x = jnp.zeros((1, 30, 2, 8))
     try:
@@ -110,6 +161,18 @@ def test_context_parallel_attention_equals_one_device(errors, case):
     assert errors[case]["grad"] <= 1e-5 * max(1.0, errors[case]["grad_scale"]), errors[case]
 
 
+@pytest.mark.parametrize("mode", ["decoder_only", "encoder_decoder"])
+def test_a_zigzag_layout_trains_as_one_device(errors, mode):
+    """The step's loss (packed rows; seq2seq with padded sources) and its gradients with the causal
+    sequence laid zig-zag over 4 devices (`model.context_layout`), against one device."""
+    r = errors[f"zigzag {mode}"]
+    assert r["loss"] <= 1e-5 and r["correct"] == 0 and r["grad"] <= 1e-5, r
+    assert r["permutes"] > 0, "ring attention over the context axis"
+    zigzag = [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]  # device i: blocks i and 7 - i of 8
+    packed = [p if p < 10 else p - 10 for p in zigzag]  # decoder_only's rows hold two documents
+    assert r["laid_out"] == (packed if mode == "decoder_only" else zigzag)
+
+
 def test_a_sequence_the_context_axis_does_not_divide_is_refused(errors):
     assert errors["indivisible"] == "queries: length 30 is not divisible by the context axis (context=4)"
 
@@ -119,3 +182,25 @@ if __name__ == "__main__":
 
     jax.config.update("jax_default_matmul_precision", "highest")
     print(json.dumps(run_cases()))
+
+
+def test_what_context_parallelism_cannot_split_is_refused_naming_the_field():
+    from jaxformer import config as C
+
+    def build(objective="lm", max_len=16, **model):
+        mode = {"lm": "decoder_only", "mlm": "encoder_only", "seq2seq": "encoder_decoder"}[objective]
+        return C.Config(
+            model=C.tiny(mode, **model), data=C.DataConfig(max_len=max_len),
+            train=C.TrainConfig(objective=objective, batch_size=4), mesh=C.MeshConfig(data=1, context=4),
+        )  # fmt: skip
+
+    build(context_layout="zigzag")  # 16 positions: 8 blocks of 2
+    for kwargs, message in (
+        (dict(objective="mlm", context_layout="zigzag"), r"model.context_layout: zigzag balances causal attention"),
+        (dict(max_len=12, context_layout="zigzag"), r"data.max_len: 12 is not divisible by 2 x mesh.context=4"),
+        (dict(max_len=18), r"data.max_len: 18 is not divisible by mesh.context=4"),
+        (dict(position="relative"), r"mesh.context: context parallelism takes no relative position bias"),
+        (dict(attention_dropout_rate=0.1), r"mesh.context: context parallelism applies no attention dropout"),
+    ):
+        with pytest.raises(C.ConfigError, match=message):
+            build(**kwargs)
