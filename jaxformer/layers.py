@@ -25,16 +25,10 @@ from jaxformer import functional as F
 from jaxformer import moe as M
 from jaxformer import quant, ring
 from jaxformer.config import ModelConfig
-from jaxformer.sharding import activation_spec, constrain, context_ways
+from jaxformer.sharding import activation_spec, constrain, context_ways, param
 
 Array = jax.Array
 init = nnx.initializers
-
-
-def param(rngs: nnx.Rngs, initializer, shape: tuple[int, ...], names: tuple[str | None, ...]) -> nnx.Param:
-    """A float32 parameter annotated with logical axis names (sharded later, not at creation)."""
-    annotated = nnx.with_partitioning(initializer, names, eager_sharding=False)
-    return nnx.Param(annotated(rngs.params(), shape, jnp.float32))
 
 
 @jax.custom_vjp

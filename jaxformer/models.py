@@ -342,24 +342,18 @@ class Transformer(nnx.Module):
         src_ids_BS: Array | None,
         tgt_ids_BT: Array,
         *,
-        src_lengths: Array | None = None,
-        src_segments: Array | None = None,
-        tgt_lengths: Array | None = None,
-        tgt_segments: Array | None = None,
-        tgt_positions: Array | None = None,
-        dropout_rng: Array | None = None,
         log_softmax: bool = False,
+        **kwargs,
     ) -> Array:
-        """Decoder input ids [B, T] (and the memory in encoder_decoder mode) -> logits [B, T, V].
+        """Decoder input ids [B, T] (and the memory in encoder_decoder mode) -> logits [B, T, V]:
+        `decoder_states`, with its keywords (src_lengths, src_segments, tgt_lengths, tgt_segments,
+        tgt_positions, dropout_rng), then the output layer (log-probabilities with `log_softmax`).
 
         The target needs no padding mask (causal attention never looks past a query); `tgt_lengths`
         only lets a fused kernel skip padded keys. The memory's padding is `src_lengths` (or
         `src_segments`; with neither, trailing `pad_id`s of `src_ids_BS`).
         """
-        h_BTD = self.decoder_states(
-            memory_BSD, src_ids_BS, tgt_ids_BT, src_lengths=src_lengths, src_segments=src_segments,
-            tgt_lengths=tgt_lengths, tgt_segments=tgt_segments, tgt_positions=tgt_positions, dropout_rng=dropout_rng,
-        )  # fmt: skip
+        h_BTD = self.decoder_states(memory_BSD, src_ids_BS, tgt_ids_BT, **kwargs)
         return self.lm_head(h_BTD, log_softmax=log_softmax)
 
     @in_precision

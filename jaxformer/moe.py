@@ -29,16 +29,10 @@ from flax import nnx
 
 from jaxformer import functional as F
 from jaxformer.config import ModelConfig
-from jaxformer.sharding import constrain
+from jaxformer.sharding import constrain, param
 
 Array = jax.Array
 RouterOrder = Literal["softmax_topk", "topk_softmax"]
-
-
-def param(rngs: nnx.Rngs, initializer, shape: tuple[int, ...], names: tuple[str | None, ...]) -> nnx.Param:
-    """A float32 parameter with logical axis names, as `layers.param` makes them (layers imports this module)."""
-    annotated = nnx.with_partitioning(initializer, names, eager_sharding=False)
-    return nnx.Param(annotated(rngs.params(), shape, jnp.float32))
 
 
 # ----------------------------------------------------------------------------- routing
@@ -158,7 +152,7 @@ def moe_capacity(x_BTD: Array, dispatch_BTEP: Array, combine_BTEP: Array, w: dic
     up_BEPF = dense(x_BEPD, "wi", "BEPD,EDF->BEPF")
     gate_BEPF = dense(x_BEPD, "wi_gate", "BEPD,EDF->BEPF") if "wi_gate" in w else None
     out_BEPD = constrain(dense(_activate(activation, up_BEPF, gate_BEPF), "wo", "BEPF,EFD->BEPD"), SLOTS)
-    return constrain(jnp.einsum("BTEP,BEPD->BTD", combine_BTEP.astype(dt), out_BEPD), ("batch", None, None))
+    return constrain(jnp.einsum("BTEP,BEPD->BTD", combine_BTEP.astype(dt), out_BEPD), ("batch", "length", None))
 
 
 def dense_ffn(x_BTD: Array, w: dict, activation: str) -> Array:

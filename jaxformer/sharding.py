@@ -27,6 +27,7 @@ import os
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -167,12 +168,22 @@ def use(mesh: jax.sharding.Mesh, rules: tuple):
 # ----------------------------------------------------------------------------- shardings
 
 
+def param(rngs: nnx.Rngs, initializer, shape: tuple[int, ...], names: tuple[str | None, ...]) -> nnx.Param:
+    """A float32 parameter annotated with logical axis names (sharded later, not at creation)."""
+    annotated = nnx.with_partitioning(initializer, names, eager_sharding=False)
+    return nnx.Param(annotated(rngs.params(), shape, jnp.float32))
+
+
+def _ways(mesh, axes) -> int:
+    """How many devices a dimension on mesh axis (or axes, or None) `axes` is split over."""
+    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+
+
 def shard_counts(names: tuple[str | None, ...]) -> tuple[int, ...]:
     """How many ways the rules and mesh in effect split each logical axis (1s outside them): what a
     traced step divides a global shape by for the part one device holds."""
-    spec, sizes = activation_spec(names), jax.sharding.get_abstract_mesh().shape
-    axes = [spec[i] if i < len(spec) else None for i in range(len(names))]
-    return tuple(math.prod(sizes[a] for a in ((ax,) if isinstance(ax, str) else ax or ())) for ax in axes)
+    spec, mesh = activation_spec(names), jax.sharding.get_abstract_mesh()
+    return tuple(_ways(mesh, spec[i] if i < len(spec) else None) for i in range(len(names)))
 
 
 def logical_to_spec(names: tuple[str | None, ...]) -> PartitionSpec:
@@ -194,9 +205,8 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if not nn.get_logical_axis_rules() or mesh.empty:
         return x
-    ways = lambda axes: math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
     spec = logical_to_spec(names)
-    spec = PartitionSpec(*(a if n % ways(a) == 0 else None for n, a in zip(x.shape, spec, strict=False)))
+    spec = PartitionSpec(*(a if n % _ways(mesh, a) == 0 else None for n, a in zip(x.shape, spec, strict=False)))
     return jax.lax.with_sharding_constraint(x, spec)
 
 

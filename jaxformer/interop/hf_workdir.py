@@ -137,11 +137,16 @@ def export_hf(workdir, out, adapter: bool = False) -> pathlib.Path:
     ours = hf.config_to_hf(cfg.model, family)  # raises, naming the fields, if no family expresses the model
     extra = {k: v for k, v in original.items() if k not in ours and k not in ("torch_dtype", "dtype")}
     hf.save_hf(model, out, family=family, extra_config=extra)
+    _copy_tokenizer(hf_dir, out)
+    return out
+
+
+def _copy_tokenizer(hf_dir: pathlib.Path, out: pathlib.Path, *also_skip: str) -> None:
+    """The imported directory's files beside the weights (tokenizer and the like), but the configs we write."""
     if hf_dir.is_dir():
         for f in _files_beside_weights(hf_dir):
-            if f.name not in (hf.CONFIG, hf.ADAPTER_CONFIG):
+            if f.name not in (hf.CONFIG, hf.ADAPTER_CONFIG, *also_skip):
                 shutil.copyfile(f, out / f.name)
-    return out
 
 
 def _export_adapter(model, cfg: Config, family: str | None, hf_dir: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
@@ -152,8 +157,5 @@ def _export_adapter(model, cfg: Config, family: str | None, hf_dir: pathlib.Path
     if base is None and (hf_dir / hf.CONFIG).is_file():
         base = json.loads((hf_dir / hf.CONFIG).read_text()).get("_name_or_path") or None
     hf.save_peft(model, cfg.lora, out, family=family, base=base)
-    if hf_dir.is_dir():
-        for f in _files_beside_weights(hf_dir):
-            if f.name not in (hf.CONFIG, hf.ADAPTER_CONFIG, "generation_config.json"):
-                shutil.copyfile(f, out / f.name)
+    _copy_tokenizer(hf_dir, out, "generation_config.json")  # an adapter directory holds no model settings
     return out
