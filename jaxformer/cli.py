@@ -1,5 +1,5 @@
 """`jaxformer train | prepare | eval | generate | translate | export | import-hf | export-hf | plan | sweep | plot |
-check`."""
+check | config`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,26 @@ import dataclasses
 import json
 import pathlib
 import sys
+import textwrap
 import warnings
+
+SET_HELP = "override a config field (repeat for more; `jaxformer config` lists the fields)"
+# One example per subcommand, shown under its --help and in docs/cli.md (tests/test_cli_help.py parses each).
+EXAMPLES = {
+    "train": "jaxformer train --config experiments/lm_shakespeare.py --workdir runs/lm_shakespeare",
+    "prepare": "jaxformer prepare --config experiments/translate_en_de.py --workdir runs/translate_en_de",
+    "eval": "jaxformer eval --workdir runs/translate_en_de --set decode.beam_size=4",
+    "export": "jaxformer export --workdir runs/lm_shakespeare --out exported/lm_shakespeare",
+    "import-hf": "jaxformer import-hf gpt2 --workdir runs/gpt2_shakespeare --set train.steps=500",
+    "export-hf": "jaxformer export-hf --workdir runs/gpt2_shakespeare gpt2_shakespeare",
+    "generate": 'jaxformer generate --workdir runs/lm_shakespeare --prompt "KING HENRY:" --set decode.temperature=0.7',
+    "translate": 'jaxformer translate --workdir runs/translate_en_de --src "Click the OK button."',
+    "sweep": "jaxformer sweep experiments/sweeps/copy_task.py --workdir sweeps/copy_task --workers 2",
+    "plan": "jaxformer plan --config experiments/gpt2_1p3b.py --target tpu-v5p:4x4x4",
+    "plot": "jaxformer plot --workdir runs/lm_shakespeare",
+    "check": "jaxformer check",
+    "config": "jaxformer config experiments/lm_shakespeare.py --set train.steps=5",
+}
 
 
 class CommandError(Exception):
@@ -287,6 +306,22 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_config(args) -> int:
+    """Every config field of an experiment (or a workdir's config.json) with its value, type and meaning."""
+    from jaxformer.config import apply_overrides, load_experiment, read_config
+    from jaxformer.config_reference import describe
+
+    path = pathlib.Path(args.experiment)
+    saved = path / "config.json" if path.is_dir() else path
+    if path.is_dir() and not saved.is_file():
+        raise CommandError(f"{path} is a directory without config.json: give experiments/NAME.py or a training workdir")
+    if saved.suffix == ".json" and not saved.is_file():
+        raise CommandError(f"{saved} does not exist")
+    cfg = read_config(saved) if saved.suffix == ".json" else load_experiment(args.experiment)
+    print(describe(apply_overrides(cfg, args.set or [])))
+    return 0
+
+
 def cmd_check(args) -> int:
     """The install works on this machine: its devices, then a forward pass of each mode (parameters, logits)."""
     import jax
@@ -329,35 +364,40 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train an experiment in a workdir")
     train.add_argument("--config", help="experiments/NAME.py (default: the workdir's own config.json)")
-    train.add_argument("--workdir", required=True)
-    train.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")
+    train.add_argument(
+        "--workdir", required=True, help="the run's directory: checkpoints, logs, config.json; rerun to resume"
+    )
+    train.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help=SET_HELP)
     train.add_argument("--quiet", action="store_true", help="no progress output (the final report still prints)")
     train.add_argument("--profile-steps", metavar="A:B", help="trace steps A..B-1 into WORKDIR/profile")
     prep = sub.add_parser("prepare", help="tokenize an experiment's corpus once, into shards on disk (train reuses it)")
     prep.add_argument("--config", help="experiments/NAME.py (default: the workdir's own config.json)")
     prep.add_argument("--workdir", required=True, help="the training workdir (the tokenizer and WORKDIR/data)")
-    prep.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")
+    prep.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help=SET_HELP)
     prep.add_argument("--quiet", action="store_true", help="no progress bar")
     prep.add_argument(
         "--clean", action="store_true",
         help="then remove the caches beside it that no existing workdir uses (and killed builds' leftovers)",
     )  # fmt: skip
     ev = sub.add_parser("eval", help="evaluate the model saved in a workdir on held-out data")
-    ev.add_argument("--workdir", required=True)
-    ev.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE")
+    ev.add_argument("--workdir", required=True, help="a training workdir: its latest checkpoint and config.json")
+    ev.add_argument(
+        "--set", action="append", metavar="SECTION.FIELD=VALUE",
+        help="override a field of the workdir's config (e.g. decode.beam_size=4)",
+    )  # fmt: skip
     exp = sub.add_parser("export", help="write the latest parameters and config for jaxformer.load_model")
-    exp.add_argument("--workdir", required=True)
-    exp.add_argument("--out", required=True)
+    exp.add_argument("--workdir", required=True, help="a training workdir: its latest checkpoint")
+    exp.add_argument("--out", required=True, help="the directory to write (parameters, config.json, tokenizer)")
     imp = sub.add_parser("import-hf", help="make a workdir at step 0 from a Hugging Face model directory")
     imp.add_argument("dir", help="config.json + model.safetensors (or a sharded index) + tokenizer.json")
-    imp.add_argument("--workdir", required=True)
+    imp.add_argument("--workdir", required=True, help="the new workdir (step 0 holds the imported weights)")
     imp.add_argument("--config", help="experiments/NAME.py: data and training settings (default: by the mode)")
-    imp.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")
+    imp.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help=SET_HELP)
     imp.add_argument(
         "--adapter", metavar="DIR", help="a PEFT LoRA adapter of this base (GPT-2, Llama, BERT, BART, T5): its adapters"
     )
     exh = sub.add_parser("export-hf", help="write a workdir's latest checkpoint as a Hugging Face model directory")
-    exh.add_argument("--workdir", required=True)
+    exh.add_argument("--workdir", required=True, help="a training workdir: its latest checkpoint and tokenizer")
     exh.add_argument("out", help="the directory to write")
     exh.add_argument("--adapter", action="store_true", help="the LoRA adapters alone, as a PEFT adapter directory")
     for name, what, help_text, example in (
@@ -403,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # one worker of a --workers N sweep
     pn = sub.add_parser("plan", help="compile the training step for the mesh ahead of time: per-device memory, fit")
     pn.add_argument("--config", required=True, help="experiments/NAME.py")
-    pn.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")
+    pn.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help=SET_HELP)
     pn.add_argument(
         "--target",
         help="tpu-TOPOLOGY (tpu-v5p:4x4x4, tpu-v5e:16x16: the TPU compiler, needs jaxformer[tpu]), "
@@ -439,9 +479,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pn.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl = sub.add_parser("plot", help="draw a run's loss and eval curves to a PNG")
-    pl.add_argument("--workdir", required=True)
+    pl.add_argument("--workdir", required=True, help="a training workdir: its metrics.jsonl")
     pl.add_argument("--out", help="PNG path (default: WORKDIR/curves.png)")
     sub.add_parser("check", help="check the install: this machine's devices and a forward pass of each mode")
+    cf = sub.add_parser("config", help="print every config field of an experiment with its value, type and meaning")
+    cf.add_argument("experiment", help="experiments/NAME.py, a workdir, or a saved config.json")
+    cf.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field first")
+    # Each subcommand's --help: its one-line description, then an example (EXAMPLES).
+    (choices,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    helps = {a.dest: a.help for a in choices._choices_actions}
+    for name, command in sub.choices.items():
+        command.description = command.description or helps[name][:1].upper() + helps[name][1:] + "."
+        command.description = textwrap.fill(command.description, 100)
+        command.epilog = f"example:\n  {EXAMPLES[name]}" if name in EXAMPLES else None
+        command.formatter_class = argparse.RawDescriptionHelpFormatter
     return parser
 
 
@@ -462,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
             "import-hf": cmd_import_hf,
             "export-hf": cmd_export_hf,
             "check": cmd_check,
+            "config": cmd_config,
             "generate": cmd_generate,
             "translate": cmd_generate,
             "sweep": cmd_sweep,

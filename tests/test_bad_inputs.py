@@ -363,6 +363,9 @@ CLI_CASES = [
     cli_case("export-hf --workdir {empty} {tmp}/out", r"\S+config\.json does not exist"),
     cli_case("export-hf --workdir {copy} {tmp}/out", r"no Hugging Face family expresses this model"),
     cli_case("plot --workdir {empty}", r"\S+metrics\.jsonl does not exist"),
+    cli_case("config {tmp}/missing.py", r"experiment file \S+missing\.py does not exist"),
+    cli_case("config {empty}", r"\S+ is a directory without config\.json: give experiments/NAME\.py or a training"),
+    cli_case("config experiments/copy_task.py --set train.stepz=5", r"train\.stepz: unknown field \(known: "),
     cli_case(
         "generate --workdir {mlm} --prompt KING", r"`generate` needs a decoder_only model; \S+mlm holds encoder_only"
     ),
