@@ -4,6 +4,9 @@
 
 BERT-style encoder (post-norm, learned positions, GELU) over bytes, pooled at the
 leading [CLS] (BOS) token. A few minutes on 2 CPU cores.
+
+Time and output: 800 steps, a few minutes on 2 CPU cores; the held-out accuracy at the end (step 800)
+is the figure to read (the evaluation of step 400 is earlier); exact times and accuracies: not measured.
 """
 
 from jaxformer.config import Config, DataConfig, ModelConfig, TrainConfig

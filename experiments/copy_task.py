@@ -4,6 +4,9 @@
 
 Converges in ~400 steps (under a minute on 2 CPU cores); then greedy decoding copies
 held-out sequences exactly. `--set data.source=reverse` trains the reverse task instead.
+
+Time and output: 400 steps, under a minute on 2 CPU cores; the copies are worth reading at the end
+(step 400). At which earlier step they become exact: not measured.
 """
 
 from jaxformer.config import Config, DataConfig, DecodeConfig, ModelConfig, TrainConfig

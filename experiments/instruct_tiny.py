@@ -7,6 +7,10 @@ letters, the first letter; written by scripts/make_instruct_tasks.py) in the Alp
 examples packed a row. A few minutes on 2 CPU cores. Then:
     jaxformer generate --workdir runs/instruct_tiny --prompt "Upper: hello"
 which writes the prompt in the template and stops at the end of the response.
+
+Time and output: 600 steps, about a minute on 2 CPU cores; the held-out response loss falls from 5.7
+to 2.9 nats per token, best at step 200 (the 480 training records are memorised after that), so the
+answers are worth reading from step 200 on.
 """
 
 import pathlib

@@ -7,6 +7,10 @@ held-out perplexity beside a unigram baseline. Then:
     jaxformer generate --workdir runs/lm_shakespeare --prompt "KING HENRY:"
 For a longer run on an accelerator:
     --set train.steps=5000 --set model.num_decoder_layers=6 --set model.d_model=384
+
+Time and output: 800 steps, about 8-10 minutes on 2 CPU cores; the samples and the held-out
+perplexity at the end (step 800, near 6 beside the unigram model's 29) are the output to read. The
+samples printed at the evaluation of step 400 come from a model half-trained; their quality: not measured.
 """
 
 from jaxformer.config import Config, DataConfig, DecodeConfig, ModelConfig, TrainConfig

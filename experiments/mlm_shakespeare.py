@@ -1,6 +1,9 @@
 """Encoder-only masked-LM pretraining (BERT's 15% / 80-10-10 masking) on Shakespeare, byte level.
 
-jaxformer train --config experiments/mlm_shakespeare.py --workdir runs/mlm_shakespeare
+    jaxformer train --config experiments/mlm_shakespeare.py --workdir runs/mlm_shakespeare
+
+Time and output: 800 steps on 2 CPU cores, time not measured; the held-out masked-token loss and
+accuracy at the evaluations of steps 400 and 800 are its output (there is no text to read).
 """
 
 from jaxformer.config import Config, DataConfig, ModelConfig, TrainConfig

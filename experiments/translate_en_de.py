@@ -8,6 +8,11 @@
 The paper's recipe shrunk: post-norm, sinusoidal positions, ReLU, one shared
 SentencePiece vocabulary and embedding matrix, Adam (0.9, 0.98, 1e-9) with the noam
 schedule, label smoothing 0.1, length-bucketed batches. About 25 minutes on 2 CPU cores.
+
+Time and output: 1500 steps at about 1 s a step on 2 CPU cores. A model stopped early translates
+poorly and may print only punctuation: after 60 steps a translation is `..` (the frequent tokens are
+learned first); that is an undertrained model, not a bug. Translations are worth reading at the end
+(step 1500, BLEU from `jaxformer eval`); at which step they start to be: not measured.
 """
 
 from jaxformer.config import Config, DataConfig, DecodeConfig, ModelConfig, TrainConfig

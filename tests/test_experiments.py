@@ -54,6 +54,8 @@ def test_every_experiment_validates_and_documents_its_command(name):
     assert isinstance(load_experiment(path), Config)  # all sections validated on construction
     doc = ast.get_docstring(ast.parse(pathlib.Path(path).read_text()))
     assert f"jaxformer train --config {path} --workdir runs/{name}" in doc
+    # How long it takes on 2 CPU cores and when its output is worth reading (a figure, or "not measured").
+    assert "Time and output:" in doc and "2 CPU cores" in doc, f"{path}: say how long it takes and when to read it"
 
 
 def test_check_names_the_devices_and_runs_each_mode(capsys):
