@@ -33,6 +33,13 @@ def lift(p: Array, x: Array) -> Array:
     """Give parameter `p` (trailing axes of `x`) leading singleton axes to x's rank.
 
     Explicit broadcasting keeps code valid under jax_numpy_rank_promotion="raise".
+
+    Args:
+        p: a parameter whose axes are the trailing axes of `x` (e.g. a norm scale [D]).
+        x: the array it is combined with (e.g. activations [B, T, D]).
+
+    Returns:
+        `p` reshaped to x's rank, with leading axes of size 1 (e.g. [1, 1, D]).
     """
     return p.reshape((1,) * (x.ndim - p.ndim) + p.shape)
 
@@ -72,7 +79,18 @@ class Mask:
     q_offset: Array | None = None
 
     def dense(self, T: int, S: int) -> Array | None:
-        """The boolean mask [B or 1, 1, T, S] this structure means (None: everything is visible)."""
+        """The boolean mask [B or 1, 1, T, S] this structure means (None: everything is visible).
+
+        Args:
+            T: number of queries.
+            S: number of keys.
+
+        Returns:
+            The boolean mask [B or 1, 1, T, S] (True = may attend), or None when nothing is masked.
+
+        Raises:
+            ValueError: only one of q_segments and kv_segments is given.
+        """
         t_1T1, s_11S = jnp.arange(T)[None, :, None], jnp.arange(S)[None, None, :]
         parts = []  # each [B or 1, T or 1, S or 1]
         if self.causal:
@@ -96,7 +114,14 @@ class Mask:
 
     def live_queries(self, T: int) -> Array | None:
         """[B, T] False where a query sees no key (padding rows; their output is zero), from the
-        lengths alone; None when every query sees a key or segments decide it (see `dense`)."""
+        lengths alone; None when every query sees a key or segments decide it (see `dense`).
+
+        Args:
+            T: number of queries.
+
+        Returns:
+            [B, T] boolean, or None.
+        """
         live = None
         if self.q_lengths is not None:
             live = jnp.arange(T)[None, :] < self.q_lengths[:, None]
@@ -107,7 +132,14 @@ class Mask:
 
 
 def as_mask(mask: Mask | Array | None) -> Mask | Array | None:
-    """A dense boolean array passes as it is; a Mask with nothing in it becomes None."""
+    """A dense boolean array passes as it is; a Mask with nothing in it becomes None.
+
+    Args:
+        mask: a `Mask`, a dense boolean array broadcastable to [B, H, T, S], or None.
+
+    Returns:
+        The array unchanged, the Mask, or None for an empty Mask or None.
+    """
     if isinstance(mask, Mask) and not mask.causal and not jax.tree.leaves(mask):
         return None
     return mask
@@ -116,7 +148,14 @@ def as_mask(mask: Mask | Array | None) -> Mask | Array | None:
 def causal_cache_mask(positions_BT: Array | None) -> Mask:
     """Self-attention over a KV cache whose slot s holds position s: the query at position p sees
     slots 0..p. `positions_BT` None means a prefill from position 0 (the plain causal mask, which
-    fused kernels take); one new position per row ([B, 1]) is a per-row key length."""
+    fused kernels take); one new position per row ([B, 1]) is a per-row key length.
+
+    Args:
+        positions_BT: [B, T] positions of the queries, or None for a prefill from position 0.
+
+    Returns:
+        The `Mask` (causal, with a per-row key length or offset).
+    """
     if positions_BT is None:
         return Mask(causal=True)
     if positions_BT.shape[1] == 1:
@@ -139,7 +178,18 @@ def _log_fallback(reason: str) -> None:
 def fused_attention_args(mask: Mask | Array | None, B: int, T: int, S: int) -> dict:
     """The keyword arguments of `jax.nn.dot_product_attention` that say `mask`: `is_causal` and
     per-row lengths where the structure allows, a dense `mask` only for what structure cannot say
-    to it (segments, a causal offset over several queries, or a dense array given by the caller)."""
+    to it (segments, a causal offset over several queries, or a dense array given by the caller).
+
+    Args:
+        mask: a `Mask`, a dense boolean array broadcastable to [B, H, T, S], or None.
+        B: batch size.
+        T: number of queries.
+        S: number of keys.
+
+    Returns:
+        Keyword arguments for `jax.nn.dot_product_attention`: `is_causal`, `query_seq_lengths`,
+        `key_value_seq_lengths` and `mask`, as the structure needs.
+    """
     if mask is None:
         return {}
     if not isinstance(mask, Mask):  # a dense array from the caller
@@ -356,6 +406,10 @@ def dot_product_attention(
 
     Returns:
       out_BTHK in the dtype of v (and the weights if requested).
+
+    Raises:
+        ValueError: H is not a multiple of G, keys and values differ in shape, or the implementation
+            asked for cannot serve the call (weights or dropout from a fused kernel, splash off TPU).
     """
     B, T, H, K = q_BTHK.shape
     G = k_BSGK.shape[2 if kv_layout == "BSGK" else 1]
@@ -412,6 +466,14 @@ def dropout(x: Array, rate: float, rng: Array | None) -> Array:
     """Inverted dropout: zero with probability `rate`, scale the rest by 1/(1-rate).
 
     The identity when `rng` is None or `rate` is 0 (evaluation).
+
+    Args:
+        x: any array.
+        rate: probability of zeroing an element, in [0, 1).
+        rng: a PRNG key, or None (evaluation: no dropout).
+
+    Returns:
+        An array of x's shape and dtype.
     """
     if rng is None or rate == 0.0:
         return x
@@ -423,26 +485,60 @@ def dropout(x: Array, rate: float, rng: Array | None) -> Array:
 
 
 def padding_mask(tokens_BS: Array, pad_id: int = 0) -> Array:
-    """Key mask from token ids: [B, 1, 1, S], True where the key is not padding."""
+    """Key mask from token ids: [B, 1, 1, S], True where the key is not padding.
+
+    Args:
+        tokens_BS: [B, S] token ids.
+        pad_id: the id that marks padding.
+
+    Returns:
+        [B, 1, 1, S] boolean.
+    """
     return (tokens_BS != pad_id)[:, None, None, :]
 
 
 def causal_mask(T: int, S: int | None = None, offset: int = 0) -> Array:
-    """[1, 1, T, S] lower-triangular mask: query t sees keys s <= t + offset."""
+    """[1, 1, T, S] lower-triangular mask: query t sees keys s <= t + offset.
+
+    Args:
+        T: number of queries.
+        S: number of keys (None: T).
+        offset: the key index of query 0.
+
+    Returns:
+        [1, 1, T, S] boolean.
+    """
     S = T if S is None else S
     q_pos = jnp.arange(T)[:, None] + offset
     return (jnp.arange(S)[None, :] <= q_pos)[None, None]
 
 
 def cross_attention_mask(q_tokens_BT: Array, kv_tokens_BS: Array, pad_id: int = 0) -> Array:
-    """[B, 1, T, S]: True where neither the query nor the key is padding."""
+    """[B, 1, T, S]: True where neither the query nor the key is padding.
+
+    Args:
+        q_tokens_BT: [B, T] query token ids.
+        kv_tokens_BS: [B, S] key token ids.
+        pad_id: the id that marks padding.
+
+    Returns:
+        [B, 1, T, S] boolean.
+    """
     q_live = (q_tokens_BT != pad_id)[:, None, :, None]
     kv_live = (kv_tokens_BS != pad_id)[:, None, None, :]
     return q_live & kv_live
 
 
 def segment_mask(q_segments_BT: Array, kv_segments_BS: Array) -> Array:
-    """[B, 1, T, S] for packed sequences: attend only within the same segment (0 = padding)."""
+    """[B, 1, T, S] for packed sequences: attend only within the same segment (0 = padding).
+
+    Args:
+        q_segments_BT: [B, T] segment ids of the queries (0 = padding).
+        kv_segments_BS: [B, S] segment ids of the keys.
+
+    Returns:
+        [B, 1, T, S] boolean.
+    """
     same = q_segments_BT[:, None, :, None] == kv_segments_BS[:, None, None, :]
     return same & (kv_segments_BS != 0)[:, None, None, :]
 
@@ -452,6 +548,15 @@ def write_rows(buffer_BS: Array, new_BT: Array, start_B: Array, axis: int = 1) -
     cache, 1 for [B, S, ...], 2 for heads-major [B, G, S, K]); the other axes are kept.
 
     Starts must leave room: like `lax.dynamic_update_slice`, a start past S - T is clamped.
+
+    Args:
+        buffer_BS: the buffer, [B, S, ...] (or [B, G, S, K] with axis=2).
+        new_BT: the rows to write, the buffer's shape with T in place of S.
+        start_B: [B] int, where each row's slice starts.
+        axis: the slot axis.
+
+    Returns:
+        The updated buffer, its shape and dtype.
     """
     row_axis = axis - 1  # inside one row
     write = lambda buf, new, start: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), start, row_axis)
@@ -459,7 +564,14 @@ def write_rows(buffer_BS: Array, new_BT: Array, start_B: Array, axis: int = 1) -
 
 
 def combine_masks(*masks: Array | None) -> Array | None:
-    """Logical AND of the masks that are not None (None if all are)."""
+    """Logical AND of the masks that are not None (None if all are).
+
+    Args:
+        *masks: boolean arrays broadcastable to one another, or None.
+
+    Returns:
+        Their AND, or None.
+    """
     present = [m for m in masks if m is not None]
     if not present:
         return None
@@ -473,7 +585,19 @@ def combine_masks(*masks: Array | None) -> Array | None:
 
 
 def sinusoidal_positions(length: int, d_model: int, max_timescale: float = 10_000.0) -> Array:
-    """The paper's table [T, D]: PE(p, 2i) = sin(p / 10000^(2i/D)), PE(p, 2i+1) = cos(...)."""
+    """The paper's table [T, D]: PE(p, 2i) = sin(p / 10000^(2i/D)), PE(p, 2i+1) = cos(...).
+
+    Args:
+        length: T, the number of positions.
+        d_model: D, even.
+        max_timescale: the base of the wavelengths (the paper's 10000).
+
+    Returns:
+        [T, D] float32.
+
+    Raises:
+        ValueError: `d_model` is odd.
+    """
     if d_model % 2:
         raise ValueError(f"sinusoidal positions need an even d_model, got {d_model}")
     pos_T1 = jnp.arange(length, dtype=jnp.float32)[:, None]
@@ -488,6 +612,17 @@ def apply_rope(x_BTHK: Array, positions_BT: Array, base: float = 10_000.0) -> Ar
 
     Feature pairs (i, i + K/2) are rotated by angle pos * base^(-2i/K), so the dot
     product of a rotated query and key depends only on their relative position.
+
+    Args:
+        x_BTHK: queries or keys, [B, T, H, K] (K even).
+        positions_BT: [B, T] positions of the tokens.
+        base: the base of the rotary frequencies.
+
+    Returns:
+        [B, T, H, K] in x's dtype.
+
+    Raises:
+        ValueError: K is odd.
     """
     K = x_BTHK.shape[-1]
     if K % 2:
@@ -503,7 +638,17 @@ def apply_rope(x_BTHK: Array, positions_BT: Array, base: float = 10_000.0) -> Ar
 def relative_position_buckets(relative_S: Array, *, bidirectional: bool, num_buckets: int, max_distance: int) -> Array:
     """T5's buckets (Raffel et al. 2020) of relative positions key - query: exact below half the
     buckets, logarithmic up to `max_distance`, the last bucket beyond. Bidirectional: half the
-    buckets for keys after the query; otherwise keys after the query share bucket 0."""
+    buckets for keys after the query; otherwise keys after the query share bucket 0.
+
+    Args:
+        relative_S: relative positions (key - query), any shape.
+        bidirectional: keys after the query get buckets of their own (an encoder).
+        num_buckets: the number of buckets.
+        max_distance: distances beyond it share the last bucket.
+
+    Returns:
+        int32 buckets, the shape of `relative_S`.
+    """
     n = num_buckets
     offset = 0
     if bidirectional:
@@ -523,7 +668,18 @@ def relative_position_buckets(relative_S: Array, *, bidirectional: bool, num_buc
 def relative_position_bias(
     q_positions_BT: Array, kv_positions_BS: Array, table_NH: Array, *, bidirectional: bool, max_distance: int
 ) -> Array:
-    """Attention logits bias [B, H, T, S] from a learned table [num_buckets, H] of relative positions."""
+    """Attention logits bias [B, H, T, S] from a learned table [num_buckets, H] of relative positions.
+
+    Args:
+        q_positions_BT: [B, T] positions of the queries.
+        kv_positions_BS: [B, S] positions of the keys.
+        table_NH: [num_buckets, H] learned bias per bucket and head.
+        bidirectional: as in `relative_position_buckets`.
+        max_distance: as in `relative_position_buckets`.
+
+    Returns:
+        [B, H, T, S] float32 bias.
+    """
     relative_BTS = kv_positions_BS[:, None, :] - q_positions_BT[:, :, None]
     buckets_BTS = relative_position_buckets(
         relative_BTS, bidirectional=bidirectional, num_buckets=table_NH.shape[0], max_distance=max_distance
@@ -535,27 +691,64 @@ def relative_position_bias(
 
 
 def relu(x: Array) -> Array:
-    """The paper's FFN activation."""
+    """The paper's FFN activation.
+
+    Args:
+        x: any array.
+
+    Returns:
+        max(x, 0), x's shape.
+    """
     return jax.nn.relu(x)
 
 
 def gelu(x: Array) -> Array:
-    """GELU, tanh approximation (GPT-2's "gelu_new", T5 v1.1's gated GELU)."""
+    """GELU, tanh approximation (GPT-2's "gelu_new", T5 v1.1's gated GELU).
+
+    Args:
+        x: any array.
+
+    Returns:
+        GELU(x), x's shape.
+    """
     return jax.nn.gelu(x, approximate=True)
 
 
 def gelu_exact(x: Array) -> Array:
-    """GELU as defined, x * Phi(x) with the erf (BERT, BART: Hugging Face's "gelu")."""
+    """GELU as defined, x * Phi(x) with the erf (BERT, BART: Hugging Face's "gelu").
+
+    Args:
+        x: any array.
+
+    Returns:
+        GELU(x), x's shape.
+    """
     return jax.nn.gelu(x, approximate=False)
 
 
 def swiglu(gate: Array, up: Array) -> Array:
-    """SwiGLU (Shazeer 2020): silu(x W_gate) * (x W_up)."""
+    """SwiGLU (Shazeer 2020): silu(x W_gate) * (x W_up).
+
+    Args:
+        gate: x W_gate, [B, T, F].
+        up: x W_up, [B, T, F].
+
+    Returns:
+        [B, T, F].
+    """
     return jax.nn.silu(gate) * up
 
 
 def geglu(gate: Array, up: Array) -> Array:
-    """GEGLU (Shazeer 2020): gelu(x W_gate) * (x W_up), tanh GELU as in T5 v1.1."""
+    """GEGLU (Shazeer 2020): gelu(x W_gate) * (x W_up), tanh GELU as in T5 v1.1.
+
+    Args:
+        gate: x W_gate, [B, T, F].
+        up: x W_up, [B, T, F].
+
+    Returns:
+        [B, T, F].
+    """
     return gelu(gate) * up
 
 
@@ -567,7 +760,17 @@ GATED_ACTIVATIONS = {"swiglu": swiglu, "geglu": geglu}
 
 
 def layer_norm(x: Array, scale: Array | None, bias: Array | None, eps: float = 1e-6) -> Array:
-    """LayerNorm over the last axis; statistics in float32 for bfloat16 inputs."""
+    """LayerNorm over the last axis; statistics in float32 for bfloat16 inputs.
+
+    Args:
+        x: [..., D].
+        scale: [D] gain, or None.
+        bias: [D] bias, or None.
+        eps: added to the variance.
+
+    Returns:
+        x's shape and dtype.
+    """
     x32 = x.astype(jnp.float32)
     mean = x32.mean(-1, keepdims=True)
     var = jnp.square(x32 - mean).mean(-1, keepdims=True)
@@ -580,7 +783,16 @@ def layer_norm(x: Array, scale: Array | None, bias: Array | None, eps: float = 1
 
 
 def rms_norm(x: Array, scale: Array | None, eps: float = 1e-6) -> Array:
-    """RMSNorm (Zhang & Sennrich 2019) over the last axis; statistics in float32."""
+    """RMSNorm (Zhang & Sennrich 2019) over the last axis; statistics in float32.
+
+    Args:
+        x: [..., D].
+        scale: [D] gain, or None.
+        eps: added to the mean square.
+
+    Returns:
+        x's shape and dtype.
+    """
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps)
     if scale is not None:
@@ -596,6 +808,15 @@ def segment_pool(x_BSD: Array, segments_BS: Array, num_segments: int, how: Liter
     [CLS]) or the mean of its tokens ("mean"), in float32; zeros for a segment a row does not hold.
 
     N = num_segments; segment ids are 1..N, 0 is padding.
+
+    Args:
+        x_BSD: [B, S, D] hidden states.
+        segments_BS: [B, S] segment ids (0 = padding).
+        num_segments: N, the segments a row may hold.
+        how: "first" or "mean".
+
+    Returns:
+        [B, N, D] float32.
     """
     ids_N = jnp.arange(1, num_segments + 1)
     member_BNS = segments_BS[:, None, :] == ids_N[None, :, None]
@@ -630,6 +851,13 @@ def cross_entropy(
     Returns:
       (loss_BT, weights_BT): the per-token loss, zeroed where weights are 0, and
       the float32 weights (all ones if none were given).
+
+    Args:
+        logits_BTV: [B, T, V] logits.
+        labels_BT: [B, T] int labels.
+        weights_BT: [B, T] weights (0 = ignore), or None for all ones.
+        label_smoothing: eps, the probability mass spread over the V classes.
+        z_loss: the weight of log(Z)^2.
     """
     # Written from log Z and the label's logit, never a [B, T, V] log-softmax: its extra passes over
     # the logits (and their gradient) cost ~10% of a small LM's training step.
@@ -646,7 +874,15 @@ def cross_entropy(
 
 
 def label_logits(logits_BTV: Array, labels_BT: Array) -> Array:
-    """The logit of each label: [B, T]."""
+    """The logit of each label: [B, T].
+
+    Args:
+        logits_BTV: [B, T, V] logits.
+        labels_BT: [B, T] int labels.
+
+    Returns:
+        [B, T], the logits' dtype.
+    """
     return jnp.take_along_axis(logits_BTV, labels_BT[..., None], axis=-1)[..., 0]
 
 
@@ -654,6 +890,13 @@ def top1_correct(logits_BTV: Array, labels_BT: Array) -> Array:
     """[B, T] bool: the label's logit is the largest (a tie counts as correct).
 
     One max over V, shared with the loss's log-sum-exp, instead of an argmax's second pass.
+
+    Args:
+        logits_BTV: [B, T, V] logits.
+        labels_BT: [B, T] int labels.
+
+    Returns:
+        [B, T] boolean.
     """
     return label_logits(logits_BTV, labels_BT) >= logits_BTV.max(-1)
 
@@ -662,7 +905,18 @@ def cross_entropy_sums(
     logits_BTV: Array, labels_BT: Array, weights_BT: Array, *, label_smoothing: float = 0.0, z_loss: float = 0.0
 ) -> dict[str, Array]:
     """The summed loss (smoothed, with z-loss), summed unsmoothed NLL (for perplexity), summed top-1
-    hits and summed weight of a batch of logits: what a step adds up and divides by the count."""
+    hits and summed weight of a batch of logits: what a step adds up and divides by the count.
+
+    Args:
+        logits_BTV: [B, T, V] logits.
+        labels_BT: [B, T] int labels.
+        weights_BT: [B, T] weights (0 = ignore).
+        label_smoothing: as in `cross_entropy`.
+        z_loss: as in `cross_entropy`.
+
+    Returns:
+        Scalars (float32) "loss", "nll", "correct" and "weight".
+    """
     loss, w = cross_entropy(logits_BTV, labels_BT, weights_BT, label_smoothing=label_smoothing, z_loss=z_loss)
     nll, _ = cross_entropy(logits_BTV, labels_BT, weights_BT)  # shares log Z with the loss once XLA fuses them
     correct = top1_correct(logits_BTV.astype(jnp.float32), labels_BT).astype(jnp.float32) * w
@@ -694,6 +948,18 @@ def chunked_cross_entropy(
     but it differentiates any `head` without a hand-written gradient (LoRA, biases, the MLM
     transform, sharding constraints), and evaluation pays nothing for it.
     Same float32 numerics as the plain loss; only the order of the sums differs.
+
+    Args:
+        h_BTD: [B, T, D] final hidden states.
+        head: hidden states [B, t, D] -> logits [B, t, V].
+        labels_BT: [B, T] int labels.
+        weights_BT: [B, T] weights (0 = ignore).
+        chunk: positions per chunk, or None for one call.
+        label_smoothing: as in `cross_entropy`.
+        z_loss: as in `cross_entropy`.
+
+    Returns:
+        The sums of `cross_entropy_sums`: "loss", "nll", "correct", "weight".
     """
     sums = functools.partial(cross_entropy_sums, label_smoothing=label_smoothing, z_loss=z_loss)
     B, T = labels_BT.shape
