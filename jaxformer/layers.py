@@ -42,6 +42,12 @@ def materialized_grad(x: Array) -> Array:
     gradient materialises it (~17%). An optimization barrier does not survive to the fusion pass,
     but no fusion crosses a conditional: the gradient passes through one whose two branches are
     the identity. Other backends get the gradient unchanged.
+
+    Args:
+        x: any array.
+
+    Returns:
+        `x` unchanged.
     """
     return x
 
@@ -55,14 +61,32 @@ materialized_grad.defvjp(lambda x: (x, None), _materialized_grad_bwd)
 
 
 def split_rng(rng: Array | None, n: int) -> list[Array | None]:
-    """n independent keys from `rng`, or n Nones when running deterministically."""
+    """n independent keys from `rng`, or n Nones when running deterministically.
+
+    Args:
+        rng: a PRNG key, or None.
+        n: the number of keys.
+
+    Returns:
+        A list of n keys (or n Nones).
+    """
     return [None] * n if rng is None else list(jax.random.split(rng, n))
 
 
 def project(module: nnx.Module, name: str, spec: str, x: Array) -> Array:
     """einsum(spec, x, module.<name>) in the compute dtype. A kernel stored in int8 beside its
     `<name>_scale` (a LoRA run's frozen base, `lora.quantize_base`) is dequantized here, in the layer
-    that reads it: one layer at a time in a scanned stack, and again in the backward (`quant.einsum`)."""
+    that reads it: one layer at a time in a scanned stack, and again in the backward (`quant.einsum`).
+
+    Args:
+        module: the layer holding the kernel (and its `<name>_scale` when quantized).
+        name: the kernel's attribute name ("q", "wo", ...).
+        spec: the einsum, in the legend's letters ("BTD,DHK->BTHK").
+        x: the input, in the compute dtype.
+
+    Returns:
+        The einsum's output, in the compute dtype.
+    """
     dt = module.cfg.dtype
     scale = getattr(module, f"{name}_scale", None)
     if scale is None:
@@ -75,7 +99,18 @@ def adapted(module: nnx.Module, name: str, x: Array, y: Array, dropout_rng: Arra
     """y = x @ module.<name>, plus the update of its LoRA adapter (`jaxformer.lora`) if it has one.
 
     The adapter's dropout key is folded from the sublayer's with the kernel's name: the masks of
-    the layer's own dropout stay what they are without LoRA."""
+    the layer's own dropout stay what they are without LoRA.
+
+    Args:
+        module: the layer holding kernel `name` (and its adapter, if any).
+        name: the kernel's attribute name.
+        x: the input the kernel was applied to.
+        y: x @ the kernel, as computed by the caller.
+        dropout_rng: the sublayer's dropout key, or None.
+
+    Returns:
+        `y` plus the adapter's update, y's shape.
+    """
     adapter = getattr(module, f"{name}_lora", None)
     if adapter is None:
         return y
@@ -124,6 +159,19 @@ def as_token_ids(ids, name: str = "ids", *, vocab_size: int | None = None, rank:
     The one conversion of token ids at the public boundary: a TypeError for floats, bools, text or None
     (nothing is rounded or wrapped), a ValueError for another rank, ragged rows or no ids at all, and,
     with `vocab_size`, for an id outside [0, vocab_size) on concrete values. Each names `name`.
+
+    Args:
+        ids (ArrayLike): token ids: nested lists, a NumPy or a JAX array.
+        name: what the error messages call them.
+        vocab_size: V; given, ids outside [0, V) are refused (on concrete values).
+        rank: 2 ([B, T]), 1 ([T]) or 0 (one id).
+
+    Returns:
+        An int32 array of that rank.
+
+    Raises:
+        TypeError: floats, bools, text or None.
+        ValueError: another rank, ragged rows, no ids, or an id outside [0, vocab_size).
     """
     if isinstance(ids, (jax.Array, np.ndarray, np.generic)):
         if not jnp.issubdtype(ids.dtype, jnp.integer):
@@ -142,7 +190,18 @@ def as_token_ids(ids, name: str = "ids", *, vocab_size: int | None = None, rank:
 def check_batch_ids(batch: dict, cfg: ModelConfig) -> dict:
     """The host batch, once no token array (`src`, `inputs`, `targets`) holds an id outside [0, V);
     otherwise a ValueError naming the key. Nothing is checked with `cfg.check_token_ids` off.
-    Training checks every batch here, so its jitted steps need no callback."""
+    Training checks every batch here, so its jitted steps need no callback.
+
+    Args:
+        batch: the host batch: "src", "inputs", "targets" [B, T] and others.
+        cfg: the model's config (V, check_token_ids).
+
+    Returns:
+        `batch`, unchanged.
+
+    Raises:
+        ValueError: a token id outside [0, V), naming the key.
+    """
     if cfg.check_token_ids:
         for key in ("src", "inputs", "targets"):
             if key in batch:
@@ -152,7 +211,14 @@ def check_batch_ids(batch: dict, cfg: ModelConfig) -> dict:
 
 def without_id_checks(model: nnx.Module) -> nnx.Module:
     """`model` with its embeddings' id checks off, for jitted code whose ids were checked on the
-    host (training batches) or come from the model itself (generation): no host callback per call."""
+    host (training batches) or come from the model itself (generation): no host callback per call.
+
+    Args:
+        model: a model (or any module holding `Embed`s).
+
+    Returns:
+        The same model, its embeddings' checks off.
+    """
     for _, module in nnx.iter_modules(model):
         if isinstance(module, Embed):
             module.cfg = dataclasses.replace(module.cfg, check_token_ids=False)
@@ -167,6 +233,13 @@ def check_token_ids(ids: Array, vocab_size: int) -> None:
     its own ("INTERNAL: CpuCallback error ...") and whose last is ours: wrap the jitted function in
     `checked` to get our ValueError instead. Off with `ModelConfig.check_token_ids=False` (or
     `without_id_checks`) once ids are validated on the host: no callback, no check in the program.
+
+    Args:
+        ids: token ids, any shape.
+        vocab_size: V.
+
+    Raises:
+        ValueError: an id outside [0, V), on concrete values (see above under a trace).
     """
     if isinstance(ids, jax.core.Tracer):
         jax.debug.callback(functools.partial(_raise_kept, vocab_size=vocab_size), ids)
@@ -207,6 +280,15 @@ def checked(fn: Callable) -> Callable:
     `debug_check` is a no-op there: silent clamping); jax 0.10.2 has `error_check` only privately
     and it stays silent until `raise_if_error()` is called. This keeps the callback that stops the
     program and gives its error back as ours, under jit, grad, vmap and scan alike.
+
+    Args:
+        fn: any function, usually jitted.
+
+    Returns:
+        A function with fn's signature and results, ready (`jax.block_until_ready`).
+
+    Raises:
+        ValueError: an `Embed` got a token id outside [0, V) inside `fn`.
     """
 
     @functools.wraps(fn)
@@ -227,7 +309,12 @@ def checked(fn: Callable) -> Callable:
 
 
 class Embed(nnx.Module):
-    """Token embedding, times sqrt(D) as in the paper; `attend` gives tied output logits."""
+    """Token embedding, times sqrt(D) as in the paper; `attend` gives tied output logits.
+
+    Args:
+        cfg: the model's config (V, D, scale_embeddings, dtypes).
+        rngs: the initialisation keys.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -246,7 +333,14 @@ class Embed(nnx.Module):
         return x_BTD * math.sqrt(cfg.d_model) if cfg.scale_embeddings else x_BTD
 
     def attend(self, x_BTD: Array) -> Array:
-        """Logits against the embedding matrix: [B, T, D] -> [B, T, V] (vocab-parallel under TP)."""
+        """Logits against the embedding matrix: [B, T, D] -> [B, T, V] (vocab-parallel under TP).
+
+        Args:
+            x_BTD: [B, T, D] hidden states.
+
+        Returns:
+            [B, T, V] logits.
+        """
         logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, self.embedding[...].astype(self.cfg.dtype))
         if (adapter := getattr(self, "embedding_lora", None)) is not None:  # the adapted embedding, transposed
             logits_BTV = logits_BTV + adapter.attend(x_BTD.astype(self.cfg.dtype))
@@ -255,7 +349,12 @@ class Embed(nnx.Module):
 
 class PositionalEncoding(nnx.Module):
     """Adds absolute positions: `sinusoidal` (paper), `learned` (position p at table row
-    p + `position_offset`); `rope`, `relative` and `none` act inside attention and add nothing."""
+    p + `position_offset`); `rope`, `relative` and `none` act inside attention and add nothing.
+
+    Args:
+        cfg: the model's config (position, max_len, position_offset, D).
+        rngs: the initialisation keys.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -275,7 +374,13 @@ class PositionalEncoding(nnx.Module):
 
 
 class RelativePositionBias(nnx.Module):
-    """T5's attention logits bias: a learned [buckets, H] table read at bucketed key - query distances."""
+    """T5's attention logits bias: a learned [buckets, H] table read at bucketed key - query distances.
+
+    Args:
+        cfg: the model's config (relative_buckets, relative_max_distance, H).
+        bidirectional: keys after the query get buckets of their own (an encoder's self-attention).
+        rngs: the initialisation keys.
+    """
 
     def __init__(self, cfg: ModelConfig, *, bidirectional: bool, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -295,7 +400,12 @@ class RelativePositionBias(nnx.Module):
 
 
 class Norm(nnx.Module):
-    """LayerNorm or RMSNorm over D, statistics in float32."""
+    """LayerNorm or RMSNorm over D, statistics in float32.
+
+    Args:
+        cfg: the model's config (norm, norm_eps, D).
+        rngs: the initialisation keys.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -314,6 +424,11 @@ class MultiHeadAttention(nnx.Module):
 
     Projections are einsums over kernels shaped [D, H, K] (queries), [D, G, K] (keys,
     values) and [H, K, D] (output), so heads are a real axis that tensor parallelism shards.
+
+    Args:
+        cfg: the model's config (D, H, G, K, position, attention_impl, dropout).
+        cross: cross-attention: keys and values from the memory, no positions applied to them.
+        rngs: the initialisation keys.
     """
 
     def __init__(self, cfg: ModelConfig, *, cross: bool = False, rngs: nnx.Rngs):
@@ -343,7 +458,16 @@ class MultiHeadAttention(nnx.Module):
     def project_kv(
         self, kv_BSD: Array, positions_BS: Array | None = None, dropout_rng: Array | None = None
     ) -> tuple[Array, Array]:
-        """Keys and values [B, S, G, K] of the inputs attended to (RoPE applied at `positions_BS`)."""
+        """Keys and values [B, S, G, K] of the inputs attended to (RoPE applied at `positions_BS`).
+
+        Args:
+            kv_BSD: [B, S, D] the inputs attended to.
+            positions_BS: [B, S] their positions (for RoPE), or None.
+            dropout_rng: the adapters' dropout key, or None.
+
+        Returns:
+            (k_BSGK, v_BSGK).
+        """
         k_BSGK = self._project(kv_BSD, "k", dropout_rng)
         v_BSGK = self._project(kv_BSD, "v", dropout_rng)
         if self.use_rope:
@@ -382,12 +506,27 @@ class MultiHeadAttention(nnx.Module):
     # them in place, where [B, S, G, K] would be transposed in full at every step.
 
     def empty_cache(self, batch: int, length: int) -> dict:
-        """A self-attention KV cache of `length` slots: {"k", "v"}: zeros [B, G, length, K]."""
+        """A self-attention KV cache of `length` slots: {"k", "v"}: zeros [B, G, length, K].
+
+        Args:
+            batch: B.
+            length: the slots, S_max.
+
+        Returns:
+            {"k", "v"}: zeros [B, G, length, K] in the compute dtype.
+        """
         zeros = jnp.zeros((batch, self.cfg.kv_heads, length, self.cfg.dim_per_head), self.cfg.dtype)
         return {"k": zeros, "v": zeros}
 
     def memory_cache(self, memory_BSD: Array) -> dict:
-        """Cross-attention keys and values of the memory, once per source: {"k", "v"}: [B, G, S, K]."""
+        """Cross-attention keys and values of the memory, once per source: {"k", "v"}: [B, G, S, K].
+
+        Args:
+            memory_BSD: [B, S, D] the encoder's output.
+
+        Returns:
+            {"k", "v"}: [B, G, S, K].
+        """
         return dict(zip("kv", (jnp.swapaxes(a, 1, 2) for a in self.project_kv(memory_BSD)), strict=True))
 
     def extend(
@@ -399,6 +538,13 @@ class MultiHeadAttention(nnx.Module):
         keys and values are written into `cache` ({"k", "v"}: [B, G, S_max, K]) at those
         slots, and each query attends to the cache under `mask` (`functional.causal_cache_mask`).
         Returns (y [B, T, D], the updated cache).
+
+        Args:
+            x_BTD: [B, T, D] the new positions.
+            cache: {"k", "v"}: [B, G, S_max, K].
+            mask: which cache slots each query sees.
+            positions_BT: [B, T] the new positions' indices.
+            bias: attention logits bias broadcastable to [B, H, T, S_max], or None.
         """
         start_B = positions_BT[:, 0]
         new = dict(zip("kv", self.project_kv(x_BTD, positions_BT), strict=True))  # [B, T, G, K]
@@ -460,7 +606,12 @@ class MultiHeadAttention(nnx.Module):
 
 
 class FeedForward(nnx.Module):
-    """Position-wise feed-forward D -> F -> D with ReLU (paper), GELU, or gated SwiGLU."""
+    """Position-wise feed-forward D -> F -> D with ReLU (paper), GELU, or gated SwiGLU.
+
+    Args:
+        cfg: the model's config (D, F, activation, use_bias, dropout).
+        rngs: the initialisation keys.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -504,6 +655,10 @@ class Residual(nnx.Module):
 
     post (paper):  LayerNorm(x + Dropout(Sublayer(x)))
     pre (Annotated Transformer, GPT-2):  x + Dropout(Sublayer(LayerNorm(x)))
+
+    Args:
+        cfg: the model's config (norm_position, norm, dropout_rate).
+        rngs: the initialisation keys.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -529,7 +684,16 @@ class Residual(nnx.Module):
 
 
 def feed_forward(cfg: ModelConfig, moe: bool, rngs: nnx.Rngs) -> nnx.Module:
-    """A layer's feed-forward: the mixture of experts (`jaxformer.moe`) if `moe`, else the dense one."""
+    """A layer's feed-forward: the mixture of experts (`jaxformer.moe`) if `moe`, else the dense one.
+
+    Args:
+        cfg: the model's config (its `moe` section for the experts).
+        moe: whether this layer is a mixture of experts.
+        rngs: the initialisation keys.
+
+    Returns:
+        A `FeedForward` or a `moe.MoEFeedForward`.
+    """
     return M.MoEFeedForward(cfg, rngs=rngs) if moe else FeedForward(cfg, rngs=rngs)
 
 
@@ -542,7 +706,13 @@ def _ffn_sublayer(layer: nnx.Module, x_BTD: Array, mask, r_ffn: Array | None) ->
 
 
 class EncoderLayer(nnx.Module):
-    """Self-attention then feed-forward (dense, or a mixture of experts with `moe`), each wrapped in `Residual`."""
+    """Self-attention then feed-forward (dense, or a mixture of experts with `moe`), each wrapped in `Residual`.
+
+    Args:
+        cfg: the model's config.
+        moe: the feed-forward is a mixture of experts.
+        rngs: the initialisation keys.
+    """
 
     def __init__(self, cfg: ModelConfig, *, moe: bool = False, rngs: nnx.Rngs):
         self.self_attn = MultiHeadAttention(cfg, rngs=rngs)
@@ -573,7 +743,14 @@ class EncoderLayer(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Masked self-attention, cross-attention over the encoder memory (when `cross`), feed-forward."""
+    """Masked self-attention, cross-attention over the encoder memory (when `cross`), feed-forward.
+
+    Args:
+        cfg: the model's config.
+        cross: with cross-attention over the encoder memory (encoder_decoder).
+        moe: the feed-forward is a mixture of experts.
+        rngs: the initialisation keys.
+    """
 
     def __init__(self, cfg: ModelConfig, *, cross: bool, moe: bool = False, rngs: nnx.Rngs):
         self.self_attn = MultiHeadAttention(cfg, rngs=rngs)
@@ -643,6 +820,12 @@ class LayerStack(nnx.Module):
     builds layer i (scanned: every layer is built as layer 0, so all must be alike; `ModelConfig`
     refuses MoE on every N-th layer with scan_layers). The summed statistics of the MoE layers
     (`jaxformer.moe`) go to `moe.collect` at each call.
+
+    Args:
+        cfg: the model's config (scan_layers, remat).
+        make_layer: (rngs, i) -> layer i.
+        num_layers: L.
+        rngs: the initialisation keys.
     """
 
     def __init__(
@@ -700,19 +883,39 @@ class LayerStack(nnx.Module):
     def unstacked(self) -> list[nnx.Module]:
         """The layers as a list; scanned layers are sliced out of their stacked parameters, here at
         every call (XLA does not hoist the slices out of a decoding loop: `generate` and `translate`
-        slice once, before it, with `models.unrolled`)."""
+        slice once, before it, with `models.unrolled`).
+
+        Returns:
+            The L layers.
+        """
         if not self.cfg.scan_layers:
             return list(self.layers)
         graphdef, state = nnx.split(self.layers)
         return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(self.num_layers)]
 
     def map_layers(self, fn: Callable[[nnx.Module], object]) -> list:
-        """[fn(layer) for every layer]."""
+        """[fn(layer) for every layer].
+
+        Args:
+            fn: a function of one layer.
+
+        Returns:
+            The L results.
+        """
         return [fn(layer) for layer in self.unstacked()]
 
     def extend(self, x_BTD: Array, cache: list, **kwargs) -> tuple[Array, list]:
         """Decoding: x (new positions) through every layer with its entry of `cache`; returns
-        (x, the caches with every layer's "self" entry updated)."""
+        (x, the caches with every layer's "self" entry updated).
+
+        Args:
+            x_BTD: [B, T, D] the new positions.
+            cache: one dict per layer ({"self": {"k", "v"}, and "cross" with memory}).
+            **kwargs (object): passed to each layer's `extend` (mask, positions_BT, bias, ...).
+
+        Returns:
+            (x_BTD, the updated caches).
+        """
         updated = []
         for layer, layer_cache in zip(self.unstacked(), cache, strict=True):
             x_BTD, self_cache = layer(x_BTD, cache=layer_cache, **kwargs)
@@ -721,5 +924,13 @@ class LayerStack(nnx.Module):
 
     def reorder_cache(self, cache: list, rows_B: Array) -> list:
         """Row i of every layer's self-attention cache takes row rows_B[i]'s (beam search); the
-        memory's keys and values, the same for every beam of a source, stay."""
+        memory's keys and values, the same for every beam of a source, stay.
+
+        Args:
+            cache: one dict per layer, as `extend` takes.
+            rows_B: [B] int, the row each row takes.
+
+        Returns:
+            The reordered caches.
+        """
         return [{**c, "self": jax.tree.map(lambda a: jnp.take(a, rows_B, axis=0), c["self"])} for c in cache]
