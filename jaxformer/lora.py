@@ -54,13 +54,31 @@ def lora_update(x: Array, a: Array, b: Array, scale: float) -> Array:
 
     x [..., in...] contracts its last `a.ndim - 1` axes with A [in..., R]; B is [R, out...].
     Two thin matmuls: the [in, out] product A @ B is never formed.
+
+    Args:
+        x: [..., in...] the kernel's input.
+        a: A [in..., R].
+        b: B [R, out...].
+        scale: alpha / rank.
+
+    Returns:
+        [..., out...], x's dtype.
     """
     h = jnp.tensordot(x, a.astype(x.dtype), axes=a.ndim - 1)  # [..., R]
     return jnp.tensordot(h, b.astype(x.dtype), axes=1) * jnp.asarray(scale, x.dtype)  # [..., out...]
 
 
 def lora_kernel(a: Array, b: Array, scale: float) -> Array:
-    """The update A @ B * scale as a kernel [in..., out...] (what `merge` adds to W)."""
+    """The update A @ B * scale as a kernel [in..., out...] (what `merge` adds to W).
+
+    Args:
+        a: A [in..., R].
+        b: B [R, out...].
+        scale: alpha / rank.
+
+    Returns:
+        [in..., out...].
+    """
     return jnp.tensordot(a, b, axes=1) * scale
 
 
@@ -69,10 +87,26 @@ def lora_kernel(a: Array, b: Array, scale: float) -> Array:
 
 class Adapter(nnx.Module):
     """A [lead..., in..., R] and B [lead..., R, out...] of one kernel; `lead` is the scanned stack's
-    layers axis when there is one. They carry the kernel's logical axis names, so they shard as it does."""
+    layers axis when there is one. They carry the kernel's logical axis names, so they shard as it does.
+
+    Args:
+        kernel: the adapted kernel [lead..., in..., out...] (its shape and logical names).
+        rank_of_kernel: how many leading (layers) axes it has.
+        num_in: how many input axes follow them.
+        cfg: the LoRA section (rank R, alpha, dropout).
+        keys: [lead...] PRNG keys for A's initialisation.
+    """
 
     def __init__(self, kernel: nnx.Param, rank_of_kernel: int, num_in: int, cfg: LoRAConfig, keys: Array):
-        """`keys` [lead...]: one per layer of a scanned stack (a scalar key otherwise)."""
+        """`keys` [lead...]: one per layer of a scanned stack (a scalar key otherwise).
+
+        Args:
+            kernel: the adapted kernel [lead..., in..., out...] (its shape and logical names).
+            rank_of_kernel: how many leading (layers) axes it has.
+            num_in: how many input axes follow them.
+            cfg: the LoRA section (rank R, alpha, dropout).
+            keys: [lead...] PRNG keys for A's initialisation.
+        """
         shape = kernel.shape
         names = tuple(kernel.get_metadata().get("out_sharding") or (None,) * len(shape))
         lead = len(shape) - rank_of_kernel
@@ -93,12 +127,27 @@ class Adapter(nnx.Module):
         return lora_update(x, self.a[...], self.b[...], self.scale)
 
     def lookup(self, ids: Array, dtype) -> Array:
-        """An embedding's update for token ids [...]: rows of A @ B * scale, [..., D] (no dropout on ids)."""
+        """An embedding's update for token ids [...]: rows of A @ B * scale, [..., D] (no dropout on ids).
+
+        Args:
+            ids: token ids [...].
+            dtype (jnp.dtype): the compute dtype.
+
+        Returns:
+            [..., D].
+        """
         rows = jnp.take(self.a[...], ids, axis=0).astype(dtype)  # [..., R]
         return jnp.tensordot(rows, self.b[...].astype(dtype), axes=1) * jnp.asarray(self.scale, dtype)
 
     def attend(self, x: Array) -> Array:
-        """A tied output projection's update, x @ (A @ B * scale)^T: [..., D] -> [..., V], two thin matmuls."""
+        """A tied output projection's update, x @ (A @ B * scale)^T: [..., D] -> [..., V], two thin matmuls.
+
+        Args:
+            x: [..., D] hidden states.
+
+        Returns:
+            [..., V] logits update.
+        """
         h = jnp.tensordot(x, self.b[...].astype(x.dtype), axes=[[-1], [1]])  # [..., R]
         return jnp.tensordot(h, self.a[...].astype(x.dtype), axes=[[-1], [1]]) * jnp.asarray(self.scale, x.dtype)
 
@@ -115,6 +164,13 @@ def add_adapters(model: nnx.Module, cfg: LoRAConfig) -> nnx.Module:
 
     A's keys come from `cfg.seed` and the adapter's place (layer i of a scanned stack draws as the
     unrolled stack's layer i does), never from the model's stream.
+
+    Args:
+        model: a model built by `models.build_model`.
+        cfg: the LoRA section (rank, targets, stacks, seed).
+
+    Returns:
+        The same model.
     """
     if not cfg.enabled:
         return model
@@ -140,12 +196,26 @@ def add_adapters(model: nnx.Module, cfg: LoRAConfig) -> nnx.Module:
 
 
 def hash_path(path: tuple) -> int:
-    """A stable 31-bit number for a module path (Python's `hash` of strings changes per process)."""
+    """A stable 31-bit number for a module path (Python's `hash` of strings changes per process).
+
+    Args:
+        path: a module path (strings and ints).
+
+    Returns:
+        An int in [0, 2^31).
+    """
     return zlib.crc32("/".join(map(str, path)).encode()) & 0x7FFFFFFF
 
 
 def adapters(model: nnx.Module):
-    """(module, kernel name, Adapter) for every adapter in `model`."""
+    """(module, kernel name, Adapter) for every adapter in `model`.
+
+    Args:
+        model: a model.
+
+    Returns:
+        Iterator[tuple]: an iterator of (module, kernel name, `Adapter`).
+    """
     for _, module in nnx.iter_modules(model):
         for kind, kernels in KERNELS.items():
             if isinstance(module, kind):
@@ -156,7 +226,14 @@ def adapters(model: nnx.Module):
 
 def kernels(model: nnx.Module):
     """(module, kernel name, the number of its input axes, its leading (layers) axes) for every projection
-    of the layer stacks (attention and feed-forward; not the embedding or the output head)."""
+    of the layer stacks (attention and feed-forward; not the embedding or the output head).
+
+    Args:
+        model: a model.
+
+    Returns:
+        Iterator[tuple]: an iterator of (module, kernel name, number of input axes, number of leading axes).
+    """
     for _, module in nnx.iter_modules(model):
         for kind, names in KERNELS.items():
             if isinstance(module, kind) and kind in (MultiHeadAttention, FeedForward):
@@ -166,7 +243,14 @@ def kernels(model: nnx.Module):
 
 
 def quantized(model: nnx.Module):
-    """(module, kernel name) for every kernel stored in int8 (`quantize_base`)."""
+    """(module, kernel name) for every kernel stored in int8 (`quantize_base`).
+
+    Args:
+        model: a model.
+
+    Returns:
+        Iterator[tuple]: an iterator of (module, kernel name).
+    """
     return [(m, name) for m, name, _, _ in kernels(model) if isinstance(getattr(m, f"{name}_scale", None), QuantScale)]
 
 
@@ -174,7 +258,15 @@ def quantize_base(model: nnx.Module, cfg: LoRAConfig) -> nnx.Module:
     """`model` with every projection kernel (attention q, k, v, o; feed-forward wi, wi_gate, wo; of every
     stack, adapted or not) stored in int8 beside a `QuantScale`, in place; nothing unless `cfg.base` is
     "int8". The scale [lead..., 1 (in axes), out...] carries the kernel's names with None on its input
-    axes, so it shards as the kernel's output channels do."""
+    axes, so it shards as the kernel's output channels do.
+
+    Args:
+        model: a model.
+        cfg: the LoRA section (its `base`).
+
+    Returns:
+        The same model.
+    """
     if cfg.base != "int8":
         return model
     for module, name, num_in, lead in list(kernels(model)):
@@ -193,7 +285,14 @@ def quantize_base(model: nnx.Module, cfg: LoRAConfig) -> nnx.Module:
 def merge(model: nnx.Module) -> nnx.Module:
     """`model` with every adapter folded into its kernel (W + A @ B * scale, kept in W's dtype) and
     removed, and every int8 kernel dequantized (to float32), in place: a plain model for export and
-    inference, as fast as the base."""
+    inference, as fast as the base.
+
+    Args:
+        model: a model with adapters (or int8 kernels).
+
+    Returns:
+        The same model.
+    """
     for module, name in quantized(model):
         kernel = getattr(module, name)
         kernel.set_value(quant.dequantize(kernel[...], getattr(module, f"{name}_scale")[...], jnp.float32))
@@ -213,7 +312,15 @@ def merge(model: nnx.Module) -> nnx.Module:
 def partition(params: nnx.State, dtype) -> tuple[nnx.State, nnx.State]:
     """(trainable adapters, frozen base in `dtype`) of a model's parameters: the base is only read,
     so it is kept in the compute dtype, with no float32 master copy; int8 kernels and their float32
-    scales (`quantize_base`) stay as they are."""
+    scales (`quantize_base`) stay as they are.
+
+    Args:
+        params: the model's parameters (`nnx.state(model, nnx.Param)`).
+        dtype (jnp.dtype): the compute dtype the frozen base is kept in.
+
+    Returns:
+        (trainable, frozen) states.
+    """
     trainable, frozen = nnx.split_state(params, nnx.LoRAParam, ...)
     floating = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
     scales = lambda v: isinstance(v, QuantScale)

@@ -48,6 +48,14 @@ def route(logits_ME: Array, k: int, order: RouterOrder = "softmax_topk") -> tupl
     Returns:
       (weights [..., A] float32, experts [..., A] int32, probs [..., E] float32: the full softmax,
       which the load-balancing loss reads).
+
+    Args:
+        logits_ME: router logits [..., E] (M tokens).
+        k: A, experts per token.
+        order: "softmax_topk" or "topk_softmax".
+
+    Raises:
+        ValueError: an unknown `order`.
     """
     logits_ME = logits_ME.astype(jnp.float32)
     probs_ME = jax.nn.softmax(logits_ME, axis=-1)
@@ -67,7 +75,15 @@ def _live_or_ones(live_M: Array | None, shape: tuple[int, ...]) -> Array:
 
 def router_z_loss(logits_ME: Array, live_M: Array | None = None) -> Array:
     """ST-MoE's router z-loss (Zoph et al. 2022): the mean over (live) tokens of log(sum_e exp l_e)^2,
-    which keeps router logits small (a softmax of large logits rounds badly)."""
+    which keeps router logits small (a softmax of large logits rounds badly).
+
+    Args:
+        logits_ME: router logits [M, E].
+        live_M: [M] True for real tokens, or None (all).
+
+    Returns:
+        A float32 scalar.
+    """
     log_z_M = jax.nn.logsumexp(logits_ME.astype(jnp.float32), axis=-1)
     live_M = _live_or_ones(live_M, log_z_M.shape)
     return jnp.sum(jnp.square(log_z_M) * live_M) / jnp.maximum(live_M.sum(), 1.0)
@@ -77,7 +93,16 @@ def load_balance_loss(probs_ME: Array, experts_MA: Array, live_M: Array | None =
     """Switch's load-balancing loss (Fedus et al. 2021, eq. 4): E * sum_e f_e * P_e, with f_e the
     fraction of (live) tokens sent to expert e (each of a token's k choices counts, as in Mixtral's
     and MaxText's; the f_e sum to k) and P_e the mean router probability of e. Its minimum under
-    uniform routing is k (1 for Switch's top-1)."""
+    uniform routing is k (1 for Switch's top-1).
+
+    Args:
+        probs_ME: router probabilities [M, E].
+        experts_MA: [M, A] int, each token's experts.
+        live_M: [M] True for real tokens, or None (all).
+
+    Returns:
+        A float32 scalar.
+    """
     E = probs_ME.shape[-1]
     live_M = _live_or_ones(live_M, probs_ME.shape[:-1])
     n = jnp.maximum(live_M.sum(), 1.0)
@@ -91,7 +116,17 @@ def load_balance_loss(probs_ME: Array, experts_MA: Array, live_M: Array | None =
 
 
 def capacity(tokens: int, k: int, num_experts: int, factor: float) -> int:
-    """Slots per expert for a group of `tokens`: ceil(factor * tokens * k / E), at least 1."""
+    """Slots per expert for a group of `tokens`: ceil(factor * tokens * k / E), at least 1.
+
+    Args:
+        tokens: tokens in a group (T of a row).
+        k: experts per token.
+        num_experts: E.
+        factor: the capacity factor.
+
+    Returns:
+        P, slots per expert.
+    """
     return max(1, math.ceil(factor * tokens * k / num_experts))
 
 
@@ -105,6 +140,13 @@ def dispatch_capacity(
     Returns:
       (dispatch [B, T, E, P] 0/1 float32: token t fills slot p of expert e, combine [B, T, E, P]:
       the same times the router weight, dropped pairs (a count), assigned pairs (a count)).
+
+    Args:
+        weights_BTA: [B, T, A] router weights.
+        experts_BTA: [B, T, A] int experts.
+        num_experts: E.
+        slots: P.
+        live_BT: [B, T] True for real tokens, or None (all).
     """
     B, T, A = experts_BTA.shape
     E, P = num_experts, slots
@@ -139,7 +181,18 @@ SLOTS = ("expert_batch", "expert", None, None)  # [B, E, P, D]: rows over data/f
 def moe_capacity(x_BTD: Array, dispatch_BTEP: Array, combine_BTEP: Array, w: dict, activation: str) -> Array:
     """The experts over their slots: gather [B, E, P, D], each expert's FFN, and the weighted sum back
     to [B, T, D]. A token no expert kept gets zeros. `w`: wi [E, D, F], wo [E, F, D], wi_gate for
-    gated activations, and optionally wi_bias, wi_gate_bias [E, F], wo_bias [E, D]."""
+    gated activations, and optionally wi_bias, wi_gate_bias [E, F], wo_bias [E, D].
+
+    Args:
+        x_BTD: [B, T, D] inputs.
+        dispatch_BTEP: [B, T, E, P] 0/1 dispatch.
+        combine_BTEP: [B, T, E, P] combine weights.
+        w: the experts' kernels (above).
+        activation: the FFN's activation ("relu", "gelu", "swiglu", ...).
+
+    Returns:
+        [B, T, D].
+    """
     dt = x_BTD.dtype
     # Under expert parallelism the slots move to their expert's devices (an all-to-all) and back.
     x_BEPD = constrain(jnp.einsum("BTEP,BTD->BEPD", dispatch_BTEP.astype(dt), x_BTD), SLOTS)
@@ -156,7 +209,16 @@ def moe_capacity(x_BTD: Array, dispatch_BTEP: Array, combine_BTEP: Array, w: dic
 
 
 def dense_ffn(x_BTD: Array, w: dict, activation: str) -> Array:
-    """One dense FFN (the shared experts): wi [D, F], wo [F, D], wi_gate for gated activations."""
+    """One dense FFN (the shared experts): wi [D, F], wo [F, D], wi_gate for gated activations.
+
+    Args:
+        x_BTD: [B, T, D] inputs.
+        w: the kernels (above).
+        activation: the FFN's activation.
+
+    Returns:
+        [B, T, D].
+    """
     dt = x_BTD.dtype
     up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, w["wi"].astype(dt))
     gate_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, w["wi_gate"].astype(dt)) if "wi_gate" in w else None
@@ -169,7 +231,18 @@ def dense_ffn(x_BTD: Array, w: dict, activation: str) -> Array:
 def moe_dropless(x_MD: Array, weights_MA: Array, experts_MA: Array, w: dict, activation: str) -> Array:
     """Every token through its k experts: token-expert pairs sorted by expert, each expert's rows
     multiplied by its own kernel in one grouped matmul (`jax.lax.ragged_dot`), the outputs put back
-    in token order and summed with the router weights. [M, D] -> [M, D]; `w` as in `moe_capacity`."""
+    in token order and summed with the router weights. [M, D] -> [M, D]; `w` as in `moe_capacity`.
+
+    Args:
+        x_MD: [M, D] tokens.
+        weights_MA: [M, A] router weights.
+        experts_MA: [M, A] int experts.
+        w: the experts' kernels.
+        activation: the FFN's activation.
+
+    Returns:
+        [M, D].
+    """
     M, A = experts_MA.shape
     dt = x_MD.dtype
     E = w["wi"].shape[0]
@@ -197,7 +270,15 @@ def moe_dropless(x_MD: Array, weights_MA: Array, experts_MA: Array, w: dict, act
 
 def live_tokens(mask, T: int) -> Array | None:
     """[B, T] True for tokens that are not padding, read off a self-attention `Mask` (packed rows'
-    segments, or key lengths, which for self-attention are the row lengths); None: all are live."""
+    segments, or key lengths, which for self-attention are the row lengths); None: all are live.
+
+    Args:
+        mask (functional.Mask | Array | None): the self-attention mask.
+        T: the length.
+
+    Returns:
+        [B, T] boolean, or None.
+    """
     if not isinstance(mask, F.Mask):
         return None
     if mask.q_segments is not None:
@@ -209,7 +290,12 @@ def live_tokens(mask, T: int) -> Array | None:
 
 class MoEFeedForward(nnx.Module):
     """A router and E expert FFNs (D -> F -> D each, the activation of the dense FFN), optionally beside
-    `shared_experts` dense ones every token takes. Kernels are stacked on a leading `expert` axis."""
+    `shared_experts` dense ones every token takes. Kernels are stacked on a leading `expert` axis.
+
+    Args:
+        cfg: the model's config (its `moe` section, D, F, activation).
+        rngs: the initialisation keys.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -237,7 +323,14 @@ class MoEFeedForward(nnx.Module):
             self.shared_wo = param(rngs, dense_kernel, (S, D), ("mlp", "embed"))
 
     def kernels(self, prefix: str = "") -> dict:
-        """The experts' kernels by name (wi, wi_gate, wo and biases); with prefix="shared_", the shared FFN's."""
+        """The experts' kernels by name (wi, wi_gate, wo and biases); with prefix="shared_", the shared FFN's.
+
+        Args:
+            prefix: "" for the experts, "shared_" for the shared FFN.
+
+        Returns:
+            name -> array.
+        """
         names = ("wi", "wi_gate", "wo", "wi_bias", "wi_gate_bias", "wo_bias")
         return {name: getattr(self, prefix + name)[...] for name in names if hasattr(self, prefix + name)}
 
@@ -294,7 +387,11 @@ def collect():
 
     Each layer stack with MoE layers reports its sums once per call (`report`); `totals(reports)`
     adds them up. Nothing is kept on the model (its state stays its parameters), and a forward
-    pass outside `collect` reports nothing."""
+    pass outside `collect` reports nothing.
+
+    Returns:
+        ContextManager[list]: a context manager yielding the list the reports go to.
+    """
     reports: list = []
     token = _reports.set(reports)
     try:
@@ -304,14 +401,26 @@ def collect():
 
 
 def report(sums: dict, layers: int) -> None:
-    """A stack's summed statistics over its `layers` MoE layers, to the `collect` in progress (if any)."""
+    """A stack's summed statistics over its `layers` MoE layers, to the `collect` in progress (if any).
+
+    Args:
+        sums: the summed statistics (router losses, drop counts) of the stack's MoE layers.
+        layers: how many MoE layers they cover.
+    """
     reports = _reports.get()
     if reports is not None:
         reports.append((sums, layers))
 
 
 def totals(reports: list) -> tuple[dict, int]:
-    """(the reports' sums added up, the number of MoE layers they cover)."""
+    """(the reports' sums added up, the number of MoE layers they cover).
+
+    Args:
+        reports: (sums, layers) pairs from `collect`.
+
+    Returns:
+        (sums, layers).
+    """
     if not reports:
         return {}, 0
     sums = jax.tree.map(lambda *xs: sum(xs), *(s for s, _ in reports))

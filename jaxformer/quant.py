@@ -35,7 +35,15 @@ PROJECTION = "int8_projection"  # the name of `einsum`'s output, which remat's `
 
 
 def quantize(w: Array, in_axes: tuple[int, ...]) -> tuple[Array, Array]:
-    """(q int8 like w, scale float32 [w's shape with `in_axes` of size 1]): symmetric absmax per output channel."""
+    """(q int8 like w, scale float32 [w's shape with `in_axes` of size 1]): symmetric absmax per output channel.
+
+    Args:
+        w: a float kernel, e.g. [D, H, K].
+        in_axes: its input (contracted) axes.
+
+    Returns:
+        (q int8 of w's shape, scale float32).
+    """
     absmax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=in_axes, keepdims=True)  # [1..., out...]
     scale = jnp.where(absmax > 0, absmax / INT8_MAX, 1.0)  # an all-zero channel stays zero, without 0/0
     q = jnp.clip(jnp.round(w.astype(jnp.float32) / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8)
@@ -43,7 +51,16 @@ def quantize(w: Array, in_axes: tuple[int, ...]) -> tuple[Array, Array]:
 
 
 def dequantize(q: Array, scale: Array, dtype) -> Array:
-    """q * scale in `dtype` (the product in float32, rounded once)."""
+    """q * scale in `dtype` (the product in float32, rounded once).
+
+    Args:
+        q: int8 kernel.
+        scale: float32 scale, broadcastable to q.
+        dtype (jnp.dtype): the result's dtype.
+
+    Returns:
+        q's shape in `dtype`.
+    """
     return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
@@ -53,6 +70,16 @@ def einsum(spec: str, x: Array, q: Array, scale: Array, dtype) -> Array:
 
     `spec` is "x,w->y" where every letter of x appears in w or y (a projection), so the input's
     gradient is the einsum "y,w->x" of y's gradient and the kernel, dequantized anew in the backward.
+
+    Args:
+        spec: the einsum, "x,w->y" in the legend's letters.
+        x: the input.
+        q: the int8 kernel.
+        scale: its float32 scale.
+        dtype (jnp.dtype): the compute dtype.
+
+    Returns:
+        y in `dtype`.
     """
     return jnp.einsum(spec, x, dequantize(q, scale, dtype))
 
