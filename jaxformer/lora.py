@@ -214,7 +214,7 @@ def adapters(model: nnx.Module):
         model: a model.
 
     Returns:
-        Iterator[tuple]: an iterator of (module, kernel name, `Adapter`).
+        items (Iterator[tuple]): an iterator of (module, kernel name, `Adapter`).
     """
     for _, module in nnx.iter_modules(model):
         for kind, kernels in KERNELS.items():
@@ -232,7 +232,7 @@ def kernels(model: nnx.Module):
         model: a model.
 
     Returns:
-        Iterator[tuple]: an iterator of (module, kernel name, number of input axes, number of leading axes).
+        items (Iterator[tuple]): an iterator of (module, kernel name, number of input axes, number of leading axes).
     """
     for _, module in nnx.iter_modules(model):
         for kind, names in KERNELS.items():
@@ -249,7 +249,7 @@ def quantized(model: nnx.Module):
         model: a model.
 
     Returns:
-        Iterator[tuple]: an iterator of (module, kernel name).
+        items (Iterator[tuple]): an iterator of (module, kernel name).
     """
     return [(m, name) for m, name, _, _ in kernels(model) if isinstance(getattr(m, f"{name}_scale", None), QuantScale)]
 

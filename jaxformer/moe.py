@@ -390,7 +390,7 @@ def collect():
     pass outside `collect` reports nothing.
 
     Returns:
-        ContextManager[list]: a context manager yielding the list the reports go to.
+        reports (ContextManager[list]): a context manager yielding the list the reports go to.
     """
     reports: list = []
     token = _reports.set(reports)
