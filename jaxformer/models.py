@@ -40,7 +40,14 @@ init = nnx.initializers
 
 
 def default_positions(ids_BT: Array) -> Array:
-    """Positions 0..T-1 for every row: [B, T]."""
+    """Positions 0..T-1 for every row: [B, T].
+
+    Args:
+        ids_BT: [B, T] token ids.
+
+    Returns:
+        [B, T] int32.
+    """
     return jnp.broadcast_to(jnp.arange(ids_BT.shape[1]), ids_BT.shape)
 
 
@@ -50,20 +57,45 @@ def trailing_padding_lengths(ids_BT: Array, pad_id: int) -> Array:
     Only a source given without lengths is read this way (a convenience for `model(ids)`); a
     pad id inside a row stays a token. The data pipeline passes lengths, and a decoder never
     needs them: causal attention never looks past a query.
+
+    Args:
+        ids_BT: [B, T] token ids.
+        pad_id: the padding id.
+
+    Returns:
+        [B] int32.
     """
     index_BT = default_positions(ids_BT) + 1
     return jnp.max(jnp.where(ids_BT != pad_id, index_BT, 0), axis=1).astype(jnp.int32)
 
 
 def self_attention_mask(lengths_B: Array | None, segments_BT: Array | None, causal: bool) -> F.Mask:
-    """Self-attention: causal for a decoder; padding from segments (packed rows) or key lengths."""
+    """Self-attention: causal for a decoder; padding from segments (packed rows) or key lengths.
+
+    Args:
+        lengths_B: [B] row lengths, or None.
+        segments_BT: [B, T] segment ids of packed rows, or None.
+        causal: a decoder's mask.
+
+    Returns:
+        The `functional.Mask`.
+    """
     if segments_BT is not None:
         return F.Mask(causal=causal, q_segments=segments_BT, kv_segments=segments_BT)
     return F.Mask(causal=causal, kv_lengths=lengths_B)
 
 
 def memory_mask(src_lengths_B: Array | None, tgt_segments_BT: Array | None, src_segments_BS: Array | None) -> F.Mask:
-    """Cross-attention: which source positions each target position may attend to."""
+    """Cross-attention: which source positions each target position may attend to.
+
+    Args:
+        src_lengths_B: [B] source lengths, or None.
+        tgt_segments_BT: [B, T] target segments of packed rows, or None.
+        src_segments_BS: [B, S] source segments of packed rows, or None.
+
+    Returns:
+        The `functional.Mask`.
+    """
     if src_segments_BS is not None:
         return F.Mask(q_segments=tgt_segments_BT, kv_segments=src_segments_BS)
     return F.Mask(kv_lengths=src_lengths_B)
@@ -74,6 +106,14 @@ class TransformerStack(nnx.Module):
     and a final norm if pre-norm. T5's relative-position bias is computed once here for every layer.
 
     The encoder and the decoder are this with their own layer and mask (see `Encoder`, `Decoder`).
+
+    Args:
+        cfg: the model's config.
+        embed: the token embedding (shared between stacks when `share_embeddings`).
+        make_layer (Callable[[nnx.Rngs, int], nnx.Module]): (rngs, i) -> layer i.
+        num_layers: L.
+        causal: a decoder's self-attention.
+        rngs: the initialisation keys.
     """
 
     def __init__(self, cfg: ModelConfig, embed: Embed, make_layer, num_layers: int, *, causal: bool, rngs: nnx.Rngs):
@@ -92,7 +132,19 @@ class TransformerStack(nnx.Module):
             self.final_norm = Norm(cfg, rngs=rngs)
 
     def embed_inputs(self, ids_BT: Array, positions_BT: Array, token_types_BT: Array | None) -> Array:
-        """Token embeddings + absolute positions + token types, normed if `embed_norm`: [B, T, D]."""
+        """Token embeddings + absolute positions + token types, normed if `embed_norm`: [B, T, D].
+
+        Args:
+            ids_BT: [B, T] token ids.
+            positions_BT: [B, T] positions.
+            token_types_BT: [B, T] token types, or None.
+
+        Returns:
+            [B, T, D] in the compute dtype.
+
+        Raises:
+            ValueError: token types given to a model without them.
+        """
         x_BTD = self.positions(self.embed(ids_BT), positions_BT)
         if hasattr(self, "token_types"):
             types_BT = jnp.zeros_like(ids_BT) if token_types_BT is None else token_types_BT
@@ -102,7 +154,15 @@ class TransformerStack(nnx.Module):
         return self.embed_norm(x_BTD) if self.cfg.embed_norm else x_BTD
 
     def position_bias(self, q_positions_BT: Array, kv_positions_BS: Array) -> dict:
-        """The layers' `position_bias` keyword: T5's relative bias [B, H, T, S], or nothing."""
+        """The layers' `position_bias` keyword: T5's relative bias [B, H, T, S], or nothing.
+
+        Args:
+            q_positions_BT: [B, T] query positions.
+            kv_positions_BS: [B, S] key positions.
+
+        Returns:
+            {"position_bias": [B, H, T, S]} or {}.
+        """
         if self.cfg.position != "relative":
             return {}
         return {"position_bias": self.relative_bias(q_positions_BT, kv_positions_BS)}
@@ -141,6 +201,12 @@ class TransformerStack(nnx.Module):
 
         Cache slot s holds position s, so a position sees the slots up to itself. Returns
         (hidden states [B, T, D], the layers' caches with their self-attention entries updated).
+
+        Args:
+            ids_BT: [B, T] new token ids.
+            positions_BT: [B, T] their positions, or None.
+            cache: the layers' caches.
+            **layer_inputs (object): passed to every layer (memory keys and mask).
         """
         mask = F.causal_cache_mask(positions_BT)
         positions_BT = default_positions(ids_BT) if positions_BT is None else positions_BT
@@ -153,7 +219,16 @@ class TransformerStack(nnx.Module):
 
 
 def Encoder(cfg: ModelConfig, embed: Embed, *, rngs: nnx.Rngs) -> TransformerStack:
-    """Bidirectional self-attention layers over the source: ids [B, S] -> memory [B, S, D]."""
+    """Bidirectional self-attention layers over the source: ids [B, S] -> memory [B, S, D].
+
+    Args:
+        cfg: the model's config.
+        embed: the token embedding.
+        rngs: the initialisation keys.
+
+    Returns:
+        The encoder's `TransformerStack`.
+    """
     return TransformerStack(
         cfg,
         embed,
@@ -165,7 +240,17 @@ def Encoder(cfg: ModelConfig, embed: Embed, *, rngs: nnx.Rngs) -> TransformerSta
 
 
 def Decoder(cfg: ModelConfig, embed: Embed, *, cross: bool, rngs: nnx.Rngs) -> TransformerStack:
-    """Causal layers; with `cross`, each also attends to the encoder memory (pass memory_BSD, memory_mask)."""
+    """Causal layers; with `cross`, each also attends to the encoder memory (pass memory_BSD, memory_mask).
+
+    Args:
+        cfg: the model's config.
+        embed: the token embedding.
+        cross: with cross-attention (encoder_decoder).
+        rngs: the initialisation keys.
+
+    Returns:
+        The decoder's `TransformerStack`.
+    """
     return TransformerStack(
         cfg,
         embed,
@@ -181,7 +266,14 @@ def Decoder(cfg: ModelConfig, embed: Embed, *, cross: bool, rngs: nnx.Rngs) -> T
 
 class LMHead(nnx.Module):
     """Vocabulary logits [B, T, V]: tied to an embedding (x E^T, times D^-0.5 first with
-    `scale_tied_logits`) or an untied kernel; plus a bias with `logits_bias`."""
+    `scale_tied_logits`) or an untied kernel; plus a bias with `logits_bias`.
+
+    Args:
+        cfg: the model's config.
+        tied_to: the embedding whose matrix gives the logits, or None for a kernel of its own.
+        bias: a vocabulary bias.
+        rngs: the initialisation keys.
+    """
 
     def __init__(self, cfg: ModelConfig, tied_to: Embed | None, *, bias: bool = False, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -206,7 +298,13 @@ class LMHead(nnx.Module):
 
 class MaskedLMHead(nnx.Module):
     """BERT's masked-LM head: dense D->D, GELU (exact if the model's is), norm, then vocabulary
-    logits plus a bias."""
+    logits plus a bias.
+
+    Args:
+        cfg: the model's config.
+        tied_to: the embedding whose matrix gives the logits, or None.
+        rngs: the initialisation keys.
+    """
 
     def __init__(self, cfg: ModelConfig, tied_to: Embed | None, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -227,7 +325,12 @@ class MaskedLMHead(nnx.Module):
 
 class ClassificationHead(nnx.Module):
     """Sequence classification: pool ([CLS] token or masked mean), dense + tanh, dropout, logits [B, C];
-    packed rows (`segments_BS`) pool each segment: logits [B, N, C]."""
+    packed rows (`segments_BS`) pool each segment: logits [B, N, C].
+
+    Args:
+        cfg: the model's config (num_classes C, pooling).
+        rngs: the initialisation keys.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -264,7 +367,14 @@ class ClassificationHead(nnx.Module):
 
 
 def in_precision(method):
-    """Trace a Transformer method under its `cfg.matmul_precision` ("default": JAX's own setting)."""
+    """Trace a Transformer method under its `cfg.matmul_precision` ("default": JAX's own setting).
+
+    Args:
+        method (Callable): a method of `Transformer`.
+
+    Returns:
+        method (Callable): the method, wrapped.
+    """
 
     @functools.wraps(method)
     def wrapped(self, *args, **kwargs):
@@ -288,6 +398,10 @@ class Transformer(nnx.Module):
                        or memory = model.encode(src_ids); model.decode(memory, src_ids, tgt_ids)
     `model(...)` is `model.head(model.hidden(...))`: the final hidden states [B, T, D], then the output
     layer, which the chunked loss applies a few positions at a time.
+
+    Args:
+        cfg: the model's config.
+        rngs: the initialisation keys.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -310,7 +424,16 @@ class Transformer(nnx.Module):
 
     def src_lengths(self, src_ids_BS: Array, src_lengths: Array | None, src_segments: Array | None = None):
         """[B] source lengths: as given, or the rows taken as right-padded with `pad_id`; None for
-        packed rows (their segments say the padding)."""
+        packed rows (their segments say the padding).
+
+        Args:
+            src_ids_BS: [B, S] source ids.
+            src_lengths: [B] lengths, or None.
+            src_segments: [B, S] segments of packed rows, or None.
+
+        Returns:
+            lengths (Array | None): [B] int32, or None.
+        """
         if src_segments is not None or src_lengths is not None:
             return src_lengths
         return trailing_padding_lengths(as_token_ids(src_ids_BS, "src_ids"), self.cfg.pad_id)
@@ -328,7 +451,19 @@ class Transformer(nnx.Module):
     ) -> Array:
         """Source ids [B, S] -> memory [B, S, D]. Padding: `src_lengths` [B] or `src_segments` [B, S]
         (packed rows); with neither, trailing `pad_id`s are padding. `src_token_types` [B, S]: BERT's
-        sentence A/B ids (type_vocab_size > 0; zeros when not given)."""
+        sentence A/B ids (type_vocab_size > 0; zeros when not given).
+
+        Args:
+            src_ids_BS: [B, S] source ids.
+            src_lengths: [B] source lengths, or None.
+            src_segments: [B, S] segment ids of packed rows, or None.
+            src_positions: [B, S] positions, or None (0..S-1).
+            src_token_types: [B, S] token types, or None.
+            dropout_rng: the dropout key, or None (evaluation).
+
+        Returns:
+            [B, S, D] memory in the compute dtype.
+        """
         src_lengths = self.src_lengths(src_ids_BS, src_lengths, src_segments)
         return self.encoder(
             src_ids_BS, lengths=src_lengths, segments=src_segments, positions=src_positions,
@@ -352,6 +487,16 @@ class Transformer(nnx.Module):
         The target needs no padding mask (causal attention never looks past a query); `tgt_lengths`
         only lets a fused kernel skip padded keys. The memory's padding is `src_lengths` (or
         `src_segments`; with neither, trailing `pad_id`s of `src_ids_BS`).
+
+        Args:
+            memory_BSD: [B, S, D] the encoder's output (encoder_decoder), or None (decoder_only).
+            src_ids_BS: [B, S] source ids (for the source padding), or None.
+            tgt_ids_BT: [B, T] decoder input ids.
+            log_softmax: return log-probabilities instead of logits.
+            **kwargs (object): `decoder_states`' keywords.
+
+        Returns:
+            [B, T, V].
         """
         h_BTD = self.decoder_states(memory_BSD, src_ids_BS, tgt_ids_BT, **kwargs)
         return self.lm_head(h_BTD, log_softmax=log_softmax)
@@ -370,7 +515,22 @@ class Transformer(nnx.Module):
         tgt_positions: Array | None = None,
         dropout_rng: Array | None = None,
     ) -> Array:
-        """`decode` up to the output layer: the decoder's final hidden states [B, T, D]."""
+        """`decode` up to the output layer: the decoder's final hidden states [B, T, D].
+
+        Args:
+            memory_BSD: [B, S, D] the encoder's output, or None (decoder_only).
+            src_ids_BS: [B, S] source ids, or None.
+            tgt_ids_BT: [B, T] decoder input ids.
+            src_lengths: [B] source lengths, or None.
+            src_segments: [B, S] source segments of packed rows, or None.
+            tgt_lengths: [B] target lengths (lets a fused kernel skip padding), or None.
+            tgt_segments: [B, T] target segments of packed rows, or None.
+            tgt_positions: [B, T] target positions, or None (0..T-1).
+            dropout_rng: the dropout key, or None.
+
+        Returns:
+            [B, T, D].
+        """
         cross_mask = None
         if memory_BSD is not None:
             cross_mask = memory_mask(
@@ -400,6 +560,19 @@ class Transformer(nnx.Module):
 
         {"layers": per layer {"self": {"k", "v"}: [B, G, length, K], "memory": {"k", "v"}: [B, G, S, K]},
          "memory_mask": a `Mask` of the source lengths}, "layers" a list (see `LayerStack.extend`).
+
+        Args:
+            batch: B.
+            length: the target positions the cache holds.
+            memory_BSD: [B, S, D] the encoder's output (encoder_decoder), or None.
+            src_ids_BS: [B, S] source ids (for the source padding), or None.
+            src_lengths: [B] source lengths, or None.
+
+        Returns:
+            cache (dict): the cache (above).
+
+        Raises:
+            ValueError: an encoder_only model, or a memory given to (or missing from) the wrong mode.
         """
         cfg = self.cfg
         if cfg.mode == "encoder_only":
@@ -419,12 +592,29 @@ class Transformer(nnx.Module):
     @in_precision
     def decode_step(self, cache: dict, ids_BT: Array, positions_BT: Array | None) -> tuple[Array, dict]:
         """Logits [B, T, V] of new decoder positions and the updated cache: a prompt from position 0
-        (`positions_BT` None, a prefill), or new tokens at `positions_BT` [B, T] (one per row per step)."""
+        (`positions_BT` None, a prefill), or new tokens at `positions_BT` [B, T] (one per row per step).
+
+        Args:
+            cache: the decoding cache.
+            ids_BT: [B, T] new ids.
+            positions_BT: [B, T] their positions, or None (a prefill).
+
+        Returns:
+            (logits [B, T, V], the updated cache).
+        """
         h_BTD, layers = self.decoder.extend(ids_BT, positions_BT, cache["layers"], memory_mask=cache.get("memory_mask"))
         return self.lm_head(h_BTD), {**cache, "layers": layers}
 
     def reorder_cache(self, cache: dict, rows_B: Array) -> dict:
-        """Beam search: row i of the decoding cache takes row rows_B[i]'s history."""
+        """Beam search: row i of the decoding cache takes row rows_B[i]'s history.
+
+        Args:
+            cache: the decoding cache.
+            rows_B: [B] int, the row each row takes.
+
+        Returns:
+            The reordered cache.
+        """
         return {**cache, "layers": self.decoder.stack.reorder_cache(cache["layers"], rows_B)}
 
     @in_precision
@@ -441,7 +631,23 @@ class Transformer(nnx.Module):
     ) -> Array:
         """encoder_only with num_classes > 0: class logits [B, C]; for packed rows (`src_segments`,
         ids 1..N, with `src_positions` from 0 in each) the logits of each segment [B, N, C],
-        N = `num_segments`; a segment a row does not hold is pooled as zeros (give its label no weight)."""
+        N = `num_segments`; a segment a row does not hold is pooled as zeros (give its label no weight).
+
+        Args:
+            src_ids_BS: [B, S] source ids.
+            src_lengths: [B] source lengths, or None.
+            src_segments: [B, S] segment ids of packed rows (1..N), or None.
+            src_positions: [B, S] positions, or None.
+            src_token_types: [B, S] token types, or None.
+            num_segments: N, with `src_segments`.
+            dropout_rng: the dropout key, or None.
+
+        Returns:
+            [B, C] (or [B, N, C] for packed rows) logits.
+
+        Raises:
+            ValueError: the model has no classes, or only one of `src_segments` and `num_segments` is given.
+        """
         if self.cfg.num_classes == 0:
             raise ValueError("classify() needs model.num_classes > 0 (mode='encoder_only')")
         if (src_segments is None) != (num_segments is None):
@@ -460,7 +666,14 @@ class Transformer(nnx.Module):
     def head(self, h_BTD: Array) -> Array:
         """The mode's language-model output layer: final hidden states [B, T, D] -> logits [B, T, V]
         (the masked-LM head in encoder_only mode, with its transform). Token-wise, so a chunked loss
-        (`functional.chunked_cross_entropy`) applies it to a few positions at a time."""
+        (`functional.chunked_cross_entropy`) applies it to a few positions at a time.
+
+        Args:
+            h_BTD: [B, T, D] final hidden states.
+
+        Returns:
+            [B, T, V] logits.
+        """
         return self.mlm_head(h_BTD) if self.cfg.mode == "encoder_only" else self.lm_head(h_BTD)
 
     @in_precision
@@ -490,6 +703,25 @@ class Transformer(nnx.Module):
         `lengths` [B] (or `segments`) say which of `ids` are padding: the source's in encoder
         modes, where they default to trailing `pad_id`s; a decoder-only model needs none.
         `token_types` [B, S]: the source's token types (encoder modes with type_vocab_size > 0).
+
+        Args:
+            ids: [B, S] source ids (encoder modes) or [B, T] decoder ids (decoder_only).
+            tgt_ids: [B, T] decoder input ids (encoder_decoder), or None.
+            lengths: [B] lengths of `ids`, or None.
+            segments: segment ids of `ids` (packed rows), or None.
+            positions: positions of `ids`, or None.
+            token_types: token types of `ids`, or None.
+            tgt_lengths: [B] target lengths, or None.
+            tgt_segments: [B, T] target segments, or None.
+            tgt_positions: [B, T] target positions, or None.
+            dropout_rng: the dropout key, or None.
+
+        Returns:
+            [B, T, D] (encoder_only: [B, S, D]).
+
+        Raises:
+            ValueError: the mode's inputs are not those given (token types to decoder_only, batch sizes
+                that differ, a missing or extra `tgt_ids`).
         """
         if token_types is not None and self.cfg.mode == "decoder_only":
             raise ValueError("mode='decoder_only' takes no token types")
@@ -534,6 +766,15 @@ def unrolled(model: Transformer) -> Transformer:
 
     Decoding runs the layers one by one; slicing them here, before a decoding loop, does it once,
     where slicing inside the loop would copy every weight at every step.
+
+    Args:
+        model: a Transformer.
+
+    Returns:
+        A Transformer sharing its parameters.
+
+    Raises:
+        ValueError: the model still holds LoRA adapters or an int8 base.
     """
     if not model.cfg.scan_layers:
         return model
@@ -553,12 +794,30 @@ def unrolled(model: Transformer) -> Transformer:
 
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
-    """A freshly initialised Transformer for `cfg` (parameters on the default device)."""
+    """A freshly initialised Transformer for `cfg` (parameters on the default device).
+
+    Args:
+        cfg: the model's config (`jaxformer.tiny()`, `paper_base()`, ...).
+        seed: the initialisation seed.
+
+    Returns:
+        The model.
+
+    Raises:
+        TypeError: `cfg` is not a ModelConfig.
+    """
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"build_model takes a ModelConfig (e.g. jaxformer.tiny()), got {type(cfg).__name__}")
     return Transformer(cfg, rngs=nnx.Rngs(params=seed))
 
 
 def count_params(model: nnx.Module) -> int:
-    """Number of parameters; a shared embedding counts once."""
+    """Number of parameters; a shared embedding counts once.
+
+    Args:
+        model: any module.
+
+    Returns:
+        The count.
+    """
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

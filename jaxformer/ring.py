@@ -46,6 +46,14 @@ class Where(NamedTuple):
     q_segments_BT, kv_segments_BS: packed documents (0 = padding key); None: one document a row.
     kv_lengths_B: keys at positions >= length are padding; None: none are.
     q_lengths_B: queries at positions >= length see nothing (their output is zero); None: all see.
+
+    Attributes:
+        q_index_BT: [B, T] each local query's position in the whole sequence.
+        kv_index_BS: [B, S] each local key's position in the whole sequence.
+        q_segments_BT: [B, T] the queries' packed documents, or None.
+        kv_segments_BS: [B, S] the keys' packed documents (0 = padding), or None.
+        kv_lengths_B: [B] key lengths, or None.
+        q_lengths_B: [B] query lengths, or None.
     """
 
     q_index_BT: Array
@@ -111,6 +119,19 @@ def ring_attention(
     Call inside `jax.shard_map`: q, k, v, `where` are this device's blocks ([B, T, H, K] and
     [B, S, G, K], H % G == 0); `axis_name` is the ring's mesh axis, of `axis_size` devices. A query
     that sees no key gets a zero output. Returns [B, T, H, K] in q's dtype.
+
+    Args:
+        q_BTHK: [B, T, H, K] this device's queries.
+        k_BSGK: [B, S, G, K] this device's keys.
+        v_BSGK: [B, S, G, K] this device's values.
+        where: the positions and masks of this device's blocks.
+        axis_name: the ring's mesh axis.
+        axis_size: the number of devices on it.
+        causal: query t sees keys s <= t (positions in the whole sequence).
+        scale (float): the logits' factor (1/sqrt(K) for the paper's attention).
+
+    Returns:
+        [B, T, H, K] in q's dtype.
     """
     return _ring_forward(q_BTHK, k_BSGK, v_BSGK, where, axis_name, axis_size, causal, scale)[0]
 
@@ -205,7 +226,20 @@ def allgather_attention(
     q_BTHK: Array, k_BSGK: Array, v_BSGK: Array, where: Where, axis_name: str, causal: bool, scale
 ) -> Array:
     """The same result as `ring_attention`, by gathering every key and value block first (autodiff:
-    the gather's transpose sums the key/value gradients back onto their devices)."""
+    the gather's transpose sums the key/value gradients back onto their devices).
+
+    Args:
+        q_BTHK: [B, T, H, K] this device's queries.
+        k_BSGK: [B, S, G, K] this device's keys.
+        v_BSGK: [B, S, G, K] this device's values.
+        where: the positions and masks of this device's blocks.
+        axis_name: the context mesh axis.
+        causal: query t sees keys s <= t (positions in the whole sequence).
+        scale (float): the logits' factor.
+
+    Returns:
+        [B, T, H, K] in q's dtype.
+    """
     gather = lambda x: jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
     k, v = gather(k_BSGK), gather(v_BSGK)
     meta = tuple(gather(x) for x in _kv_meta(where))
@@ -225,7 +259,19 @@ def allgather_attention(
 
 def layout_order(T: int, n: int, layout: Layout) -> np.ndarray:
     """The sequence's positions in the order they are laid over `n` devices (device i holds the i-th
-    of n equal blocks): `contiguous` 0..T-1; `zigzag` blocks i and 2n-1-i of 2n; `striped` t = i mod n."""
+    of n equal blocks): `contiguous` 0..T-1; `zigzag` blocks i and 2n-1-i of 2n; `striped` t = i mod n.
+
+    Args:
+        T: the sequence length.
+        n: the devices on the context axis.
+        layout: "contiguous", "zigzag" or "striped".
+
+    Returns:
+        [T] int positions.
+
+    Raises:
+        ValueError: an unknown layout, or T not divisible as the layout needs (2n for zigzag, n for striped).
+    """
     if layout == "contiguous":
         return np.arange(T)
     if layout == "zigzag":
@@ -265,6 +311,29 @@ def context_attention(
     `spec_BTHK`: the mesh axes of the batch and heads dimensions (its length entry is ignored), so
     that each device attends only its rows and heads, as data and tensor parallelism lay them out.
     Raises ValueError when the axis does not divide T or S.
+
+    Args:
+        q_BTHK: [B, T, H, K] queries, the whole (global) arrays sharded over `axis`.
+        k_BSGK: [B, S, G, K] keys.
+        v_BSGK: [B, S, G, K] values.
+        mesh: the mesh (None: the one in context).
+        axis: the mesh axis the sequence is split over.
+        strategy: "ring" (pass key/value blocks around) or "allgather" (gather them first).
+        causal: query t sees keys s <= t by position.
+        q_index_BT: [B, T] the queries' positions, or None (0..T-1).
+        kv_index_BS: [B, S] the keys' positions, or None (0..S-1).
+        q_segments_BT: [B, T] packed documents of the queries, or None.
+        kv_segments_BS: [B, S] packed documents of the keys (0 = padding), or None.
+        kv_lengths_B: [B] key lengths, or None.
+        q_lengths_B: [B] query lengths, or None.
+        scale: the logits' factor, None: 1/sqrt(K).
+        spec_BTHK: the PartitionSpec of [B, T, H, K] activations.
+
+    Returns:
+        [B, T, H, K] in q's dtype, sharded as q.
+
+    Raises:
+        ValueError: the axis does not divide T or S, or only one of the segment arrays is given.
     """
     n = (mesh or jax.sharding.get_abstract_mesh()).shape[axis]
     B, T, _, K = q_BTHK.shape
