@@ -23,7 +23,16 @@ class ConfigError(ValueError):
 
 
 def require(ok: bool, field: str, message: str) -> None:
-    """Raise ConfigError naming `field` unless `ok`."""
+    """Raise ConfigError naming `field` unless `ok`.
+
+    Args:
+        ok: the condition that must hold.
+        field: the dotted field the message names ("model.d_model").
+        message: what is wrong and what is expected.
+
+    Raises:
+        ConfigError: `ok` is false.
+    """
     if not ok:
         raise ConfigError(f"{field}: {message}")
 
@@ -37,7 +46,15 @@ def _check_choice(cfg, field: str, prefix: str) -> None:
 
 
 def check_field_types(cfg, prefix: str) -> None:
-    """Check each field's value against its annotation (int, float, bool, str, Literal, Optional)."""
+    """Check each field's value against its annotation (int, float, bool, str, Literal, Optional).
+
+    Args:
+        cfg (object): a config section (a dataclass).
+        prefix: its section name, for the messages ("model").
+
+    Raises:
+        ConfigError: a field's value does not match its annotation, naming the field.
+    """
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         value, hint = getattr(cfg, f.name), hints[f.name]
@@ -127,7 +144,14 @@ class MoEConfig:
         return self.num_experts > 0
 
     def is_moe_layer(self, index: int) -> bool:
-        """Whether layer `index` (from 0, in its stack) has the MoE feed-forward."""
+        """Whether layer `index` (from 0, in its stack) has the MoE feed-forward.
+
+        Args:
+            index: the layer's index in its stack.
+
+        Returns:
+            True for an MoE layer.
+        """
         return self.enabled and (index + 1) % self.every == 0
 
 
@@ -288,6 +312,17 @@ class ModelConfig:
         return self.d_model // self.num_heads if self.head_dim is None else self.head_dim
 
     def replace(self, **changes) -> ModelConfig:
+        """The config with `changes` applied, validated again.
+
+        Args:
+            **changes (object): field=value pairs.
+
+        Returns:
+            A new ModelConfig.
+
+        Raises:
+            ConfigError: a changed field's value is invalid.
+        """
         return dataclasses.replace(self, **changes)
 
 
@@ -295,12 +330,28 @@ class ModelConfig:
 
 
 def paper_base(vocab_size: int = 37_000, **overrides) -> ModelConfig:
-    """The paper's base model: D=512, H=8, F=2048, 6+6 layers, post-norm, ~63M params at V=37k."""
+    """The paper's base model: D=512, H=8, F=2048, 6+6 layers, post-norm, ~63M params at V=37k.
+
+    Args:
+        vocab_size: V.
+        **overrides (object): other fields to change.
+
+    Returns:
+        The ModelConfig.
+    """
     return ModelConfig(vocab_size=vocab_size, **overrides)
 
 
 def paper_big(vocab_size: int = 37_000, **overrides) -> ModelConfig:
-    """The paper's big model: D=1024, H=16, F=4096, dropout 0.3."""
+    """The paper's big model: D=1024, H=16, F=4096, dropout 0.3.
+
+    Args:
+        vocab_size: V.
+        **overrides (object): other fields to change.
+
+    Returns:
+        The ModelConfig.
+    """
     kw = dict(d_model=1024, num_heads=16, d_ff=4096, dropout_rate=0.3)
     return ModelConfig(vocab_size=vocab_size, **(kw | overrides))
 
@@ -311,7 +362,15 @@ def paper_big(vocab_size: int = 37_000, **overrides) -> ModelConfig:
 
 def bert_base(vocab_size: int = 30_522, **overrides) -> ModelConfig:
     """BERT-base (Devlin et al. 2019): 12 post-norm layers of D=768, learned positions, token types,
-    a norm on the embeddings, exact GELU, masked-LM head tied to the embeddings; 110M params."""
+    a norm on the embeddings, exact GELU, masked-LM head tied to the embeddings; 110M params.
+
+    Args:
+        vocab_size: V.
+        **overrides (object): other fields to change.
+
+    Returns:
+        The ModelConfig.
+    """
     kw = dict(
         mode="encoder_only", d_model=768, num_heads=12, d_ff=3072, num_encoder_layers=12,
         num_decoder_layers=0, max_len=512, position="learned", activation="gelu_exact", norm_eps=1e-12,
@@ -322,7 +381,15 @@ def bert_base(vocab_size: int = 30_522, **overrides) -> ModelConfig:
 
 def gpt2_small(vocab_size: int = 50_257, **overrides) -> ModelConfig:
     """GPT-2 small (Radford et al. 2019): 12 pre-norm layers of D=768, learned positions, tanh GELU,
-    tied embeddings; 124M params."""
+    tied embeddings; 124M params.
+
+    Args:
+        vocab_size: V.
+        **overrides (object): other fields to change.
+
+    Returns:
+        The ModelConfig.
+    """
     kw = dict(
         mode="decoder_only", d_model=768, num_heads=12, d_ff=3072, num_encoder_layers=0,
         num_decoder_layers=12, max_len=1024, position="learned", activation="gelu",
@@ -333,7 +400,15 @@ def gpt2_small(vocab_size: int = 50_257, **overrides) -> ModelConfig:
 
 def bart_base(vocab_size: int = 50_265, **overrides) -> ModelConfig:
     """BART-base (Lewis et al. 2020): 6+6 post-norm layers of D=768, learned positions at offset 2,
-    norms on the embeddings, exact GELU, shared tied embeddings, a final logits bias; 139M params."""
+    norms on the embeddings, exact GELU, shared tied embeddings, a final logits bias; 139M params.
+
+    Args:
+        vocab_size: V.
+        **overrides (object): other fields to change.
+
+    Returns:
+        The ModelConfig.
+    """
     kw = dict(
         d_model=768, num_heads=12, d_ff=3072, num_encoder_layers=6, num_decoder_layers=6, max_len=1024,
         position="learned", position_offset=2, activation="gelu_exact", norm_eps=1e-5,
@@ -344,7 +419,15 @@ def bart_base(vocab_size: int = 50_265, **overrides) -> ModelConfig:
 
 def t5_small(vocab_size: int = 32_128, **overrides) -> ModelConfig:
     """T5-small v1.0 (Raffel et al. 2020): 6+6 pre-RMSNorm layers of D=512, relative position
-    buckets, unscaled attention, no biases, ReLU, tied output scaled by D^-0.5; 60M params."""
+    buckets, unscaled attention, no biases, ReLU, tied output scaled by D^-0.5; 60M params.
+
+    Args:
+        vocab_size: V.
+        **overrides (object): other fields to change.
+
+    Returns:
+        The ModelConfig.
+    """
     kw = dict(
         d_model=512, num_heads=8, head_dim=64, d_ff=2048, num_encoder_layers=6, num_decoder_layers=6,
         position="relative", norm="rmsnorm", norm_position="pre", norm_eps=1e-6, use_bias=False,
@@ -354,7 +437,15 @@ def t5_small(vocab_size: int = 32_128, **overrides) -> ModelConfig:
 
 
 def t5_v1_1_small(vocab_size: int = 32_128, **overrides) -> ModelConfig:
-    """T5 v1.1 small: as T5 but gated GELU, D=512 F=1024 8+8 layers of 6 heads, untied output; 77M params."""
+    """T5 v1.1 small: as T5 but gated GELU, D=512 F=1024 8+8 layers of 6 heads, untied output; 77M params.
+
+    Args:
+        vocab_size: V.
+        **overrides (object): other fields to change.
+
+    Returns:
+        The ModelConfig.
+    """
     kw = dict(
         num_heads=6, d_ff=1024, num_encoder_layers=8, num_decoder_layers=8, activation="geglu",
         tie_output=False, scale_tied_logits=False,
@@ -364,7 +455,15 @@ def t5_v1_1_small(vocab_size: int = 32_128, **overrides) -> ModelConfig:
 
 def llama(vocab_size: int = 32_000, **overrides) -> ModelConfig:
     """Llama 2 7B (Touvron et al. 2023): 32 pre-RMSNorm layers of D=4096, RoPE, SwiGLU F=11008,
-    no biases, untied output; set num_kv_heads for grouped-query variants (Llama 3 8B: 8)."""
+    no biases, untied output; set num_kv_heads for grouped-query variants (Llama 3 8B: 8).
+
+    Args:
+        vocab_size: V.
+        **overrides (object): other fields to change.
+
+    Returns:
+        The ModelConfig.
+    """
     kw = dict(
         mode="decoder_only", d_model=4096, num_heads=32, d_ff=11_008, num_encoder_layers=0,
         num_decoder_layers=32, max_len=4096, position="rope", activation="swiglu", norm="rmsnorm",
@@ -375,7 +474,16 @@ def llama(vocab_size: int = 32_000, **overrides) -> ModelConfig:
 
 
 def tiny(mode: str = "encoder_decoder", vocab_size: int = 32, **overrides) -> ModelConfig:
-    """A few-thousand-parameter model of any mode for tests and smoke runs."""
+    """A few-thousand-parameter model of any mode for tests and smoke runs.
+
+    Args:
+        mode: "encoder_only", "decoder_only" or "encoder_decoder".
+        vocab_size: V.
+        **overrides (object): other fields to change.
+
+    Returns:
+        The ModelConfig.
+    """
     kw = dict(
         mode=mode, d_model=16, num_heads=2, d_ff=32, max_len=32, dropout_rate=0.0,
         num_encoder_layers=0 if mode == "decoder_only" else 2,
@@ -614,6 +722,17 @@ class DecodeConfig:
         )
 
     def replace(self, **changes) -> DecodeConfig:
+        """The config with `changes` applied, validated again.
+
+        Args:
+            **changes (object): field=value pairs.
+
+        Returns:
+            A new DecodeConfig.
+
+        Raises:
+            ConfigError: a changed field's value is invalid.
+        """
         return dataclasses.replace(self, **changes)
 
 
@@ -890,6 +1009,11 @@ class Config:
             )
 
     def to_dict(self) -> dict:
+        """The config as nested dicts of plain values (what config.json holds).
+
+        Returns:
+            section -> field -> value.
+        """
         return dataclasses.asdict(self)
 
 
@@ -905,14 +1029,34 @@ SECTIONS = {
 
 
 def from_dict(d: dict) -> Config:
-    """Rebuild a Config from `to_dict()` output (e.g. a run's saved config.json)."""
+    """Rebuild a Config from `to_dict()` output (e.g. a run's saved config.json).
+
+    Args:
+        d: section -> field -> value.
+
+    Returns:
+        The Config.
+
+    Raises:
+        ConfigError: an unknown section or field, or an invalid value.
+    """
     unknown = set(d) - set(SECTIONS)
     require(not unknown, ", ".join(sorted(unknown)), "unknown config section")
     return Config(**{name: _section(name, d.get(name, {})) for name in SECTIONS})
 
 
 def read_config(path) -> Config:
-    """A saved config.json (a workdir's, an export's) as a Config; ConfigError naming the file if it is not one."""
+    """A saved config.json (a workdir's, an export's) as a Config; ConfigError naming the file if it is not one.
+
+    Args:
+        path (str | pathlib.Path): the config.json.
+
+    Returns:
+        The Config.
+
+    Raises:
+        ConfigError: the file is not JSON or not a valid config, naming it.
+    """
     path = pathlib.Path(path)
     try:
         values = json.loads(path.read_bytes())
@@ -937,7 +1081,19 @@ def _section(name: str, values: dict):
 
 
 def call_file(path: str, function: str, what: str):
-    """Run the Python file at `path` and return its `function()`; ConfigError if either is missing."""
+    """Run the Python file at `path` and return its `function()`; ConfigError if either is missing.
+
+    Args:
+        path: the Python file.
+        function: the name of the function to call.
+        what: what the file is, for the messages ("experiment", "sweep").
+
+    Returns:
+        result (object): what the function returns.
+
+    Raises:
+        ConfigError: the file is missing, not Python, has a syntax error, or lacks the function.
+    """
     import importlib.util
 
     file = pathlib.Path(path)
@@ -957,7 +1113,17 @@ def call_file(path: str, function: str, what: str):
 
 
 def load_experiment(path: str) -> Config:
-    """Run experiments/NAME.py and return its `get_config()`."""
+    """Run experiments/NAME.py and return its `get_config()`.
+
+    Args:
+        path: the experiment file.
+
+    Returns:
+        The Config.
+
+    Raises:
+        ConfigError: the file is missing or invalid, or get_config() returns no Config.
+    """
     cfg = call_file(path, "get_config", "experiment")
     if not isinstance(cfg, Config):
         raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, not jaxformer.config.Config")
@@ -966,7 +1132,17 @@ def load_experiment(path: str) -> Config:
 
 def field_hint(dotted: str):
     """The type annotation of the field `section.field` (or `section.field.subfield` inside a
-    nested section such as `model.moe`) names; ConfigError naming it if none."""
+    nested section such as `model.moe`) names; ConfigError naming it if none.
+
+    Args:
+        dotted: "section.field" or "section.field.subfield".
+
+    Returns:
+        hint (type): the annotation.
+
+    Raises:
+        ConfigError: no such field, or the name is a section.
+    """
     parts = dotted.strip().split(".")
     require(len(parts) >= 2 and parts[0] in SECTIONS, dotted, f"a field is section.field ({', '.join(SECTIONS)})")
     cls = SECTIONS[parts[0]]
@@ -980,7 +1156,18 @@ def field_hint(dotted: str):
 
 
 def with_values(cfg: Config, values: dict) -> Config:
-    """`cfg` with fields replaced: {"section.field": value} (or "section.field.subfield"); the result is validated."""
+    """`cfg` with fields replaced: {"section.field": value} (or "section.field.subfield"); the result is validated.
+
+    Args:
+        cfg: the config.
+        values: "section.field" -> value.
+
+    Returns:
+        A new, validated Config.
+
+    Raises:
+        ConfigError: an unknown field or an invalid value.
+    """
     d = cfg.to_dict()
     for dotted, value in values.items():
         field_hint(dotted)
@@ -993,7 +1180,17 @@ def with_values(cfg: Config, values: dict) -> Config:
 
 
 def parse_overrides(overrides: list[str]) -> dict:
-    """`section.field=value` strings as {"section.field": value}, each parsed by the field's type."""
+    """`section.field=value` strings as {"section.field": value}, each parsed by the field's type.
+
+    Args:
+        overrides: "section.field=value" strings.
+
+    Returns:
+        "section.field" -> parsed value.
+
+    Raises:
+        ConfigError: a string without "=", an unknown field, or a value its type cannot parse.
+    """
     values = {}
     for item in overrides:
         require("=" in item, item, "an override is section.field=value")
@@ -1003,7 +1200,18 @@ def parse_overrides(overrides: list[str]) -> dict:
 
 
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
-    """Apply `section.field=value` overrides; values are parsed by the field's type and validated."""
+    """Apply `section.field=value` overrides; values are parsed by the field's type and validated.
+
+    Args:
+        cfg: the config.
+        overrides: "section.field=value" strings (`--set`).
+
+    Returns:
+        A new, validated Config.
+
+    Raises:
+        ConfigError: an unknown field or an invalid value, naming it.
+    """
     return with_values(cfg, parse_overrides(overrides))
 
 

@@ -34,7 +34,16 @@ Array = jax.Array
 
 
 def classify_logits(model: Transformer, batch: dict, dropout_rng: Array | None) -> Array:
-    """Class logits [B, C] ([B, N, C] for packed rows, one per segment)."""
+    """Class logits [B, C] ([B, N, C] for packed rows, one per segment).
+
+    Args:
+        model: an encoder_only Transformer with classes.
+        batch: the device batch ("src" [B, S], lengths or segments).
+        dropout_rng: the dropout key, or None.
+
+    Returns:
+        [B, C] (or [B, N, C]) logits.
+    """
     packed = "src_segments" in batch  # labels [B, N]: N, the segments a row may hold, is static
     return model.classify(
         batch["src"], src_lengths=batch.get("src_lengths"), src_segments=batch.get("src_segments"),
@@ -45,7 +54,17 @@ def classify_logits(model: Transformer, batch: dict, dropout_rng: Array | None) 
 
 def hidden_states(model: Transformer, objective: str, batch: dict, dropout_rng: Array | None) -> Array:
     """The final hidden states [B, T, D] of a token objective (lm, seq2seq, mlm), which `model.head`
-    maps to its logits [B, T, V]."""
+    maps to its logits [B, T, V].
+
+    Args:
+        model: the Transformer.
+        objective: "lm", "seq2seq" or "mlm".
+        batch: the device batch.
+        dropout_rng: the dropout key, or None.
+
+    Returns:
+        [B, T, D].
+    """
     if objective == "seq2seq":  # padding is said by the data, never read off a token id
         return model.hidden(
             batch["src"], batch["inputs"], lengths=batch.get("src_lengths"), segments=batch.get("src_segments"),
@@ -67,7 +86,16 @@ def laid_out(batch: dict, objective: str, layout: str) -> dict:
     """`batch` with its causal sequence in the order `model.context_layout` lays it over the mesh's
     context axis (see `ring.layout_order`), its positions moved with it (made 0..T-1 where the data
     gave none), so that attention masks and positional encodings are the unpermuted sequence's. The
-    summed loss and metrics do not depend on the order; contiguous (or no context axis) is `batch`."""
+    summed loss and metrics do not depend on the order; contiguous (or no context axis) is `batch`.
+
+    Args:
+        batch: the device batch.
+        objective: the training objective.
+        layout: "contiguous", "zigzag" or "striped".
+
+    Returns:
+        The batch, reordered.
+    """
     n = sharding.context_ways()
     if n == 1 or layout == "contiguous" or objective not in CAUSAL_SIDE:
         return batch
@@ -86,7 +114,18 @@ def laid_out(batch: dict, objective: str, layout: str) -> dict:
 def loss_chunk(cfg: TrainConfig, B: int, T: int, V: int, shards: tuple[int, int] = (1, 1)) -> int | None:
     """Positions per chunk of the chunked loss for a [B, T] (micro-)batch and V classes, split
     `shards` = (batch, vocabulary) ways over the devices (`train.loss_chunk`, `train.max_logits_mib`
-    count what one device holds); None: the plain loss. Chunks are made equal, so the last pads little."""
+    count what one device holds); None: the plain loss. Chunks are made equal, so the last pads little.
+
+    Args:
+        cfg: the train section (loss_chunk, max_logits_mib).
+        B: batch rows.
+        T: positions.
+        V: classes.
+        shards: (batch, vocabulary) ways the logits are split.
+
+    Returns:
+        Positions per chunk, or None.
+    """
     rows, columns = -(-B // shards[0]), -(-V // shards[1])  # one device's rows and vocabulary columns
     if cfg.loss_chunk == "auto":
         if cfg.max_logits_mib * 2**20 >= rows * T * columns * 4:
@@ -110,7 +149,17 @@ def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Ar
     (each a mean over the MoE layers) times their weights in `model.moe`; the metrics add both
     (token-weighted, as the loss) and the dropped and assigned token-expert pairs. Under `grad_accum`
     each micro-batch routes on its own: its router losses are its own means, weighted by the tokens
-    it counts (the load-balancing loss, a product of two batch means, has no exact split)."""
+    it counts (the load-balancing loss, a product of two batch means, has no exact split).
+
+    Args:
+        model: the Transformer.
+        cfg: the train section.
+        batch: the device batch.
+        dropout_rng: the dropout key, or None.
+
+    Returns:
+        (summed loss, summed metrics).
+    """
     smoothing = {"label_smoothing": cfg.label_smoothing, "z_loss": cfg.z_loss}
     with moe.collect() as reports:
         if cfg.objective == "classify":  # packed: labels [B, N], weights 1 for the segments a row holds
@@ -139,6 +188,14 @@ def make_steps(graphdef: nnx.GraphDef, cfg: Config, optimizer: optax.GradientTra
 
     They do not check token ids (a host callback per step would also keep them out of JAX's
     persistent compilation cache): check host batches with `layers.check_batch_ids`, as `fit` does.
+
+    Args:
+        graphdef: the model's graph (`nnx.split`).
+        cfg: the run's config.
+        optimizer: the optax transformation.
+
+    Returns:
+        steps (tuple[Callable, Callable]): (train_step, eval_step).
     """
     tcfg = cfg.train
     schedule = learning_rate_schedule(tcfg, cfg.model.d_model)
@@ -190,19 +247,40 @@ def make_steps(graphdef: nnx.GraphDef, cfg: Config, optimizer: optax.GradientTra
 
 def parameter_counts(state: TrainState) -> tuple[int, int]:
     """(trained, total): the state's trained parameters (all, or LoRA's adapters) and all of them (a
-    tied embedding counts once, as the state holds it once)."""
+    tied embedding counts once, as the state holds it once).
+
+    Args:
+        state: the train state.
+
+    Returns:
+        (trained, total).
+    """
     count = lambda params: sum(x.size for x in jax.tree.leaves(params))
     return count(state.params), count(state.weights)
 
 
 def parameters_line(state: TrainState) -> str:
-    """ "parameters: N trained of M (x%)", as training logs it and each sweep trial reports it."""
+    """ "parameters: N trained of M (x%)", as training logs it and each sweep trial reports it.
+
+    Args:
+        state: the train state.
+
+    Returns:
+        The line.
+    """
     trained, total = parameter_counts(state)
     return f"parameters: {trained:,} trained of {total:,} ({trained / total:.4%})"
 
 
 def summarize(sums: dict) -> dict:
-    """Means from summed metrics: loss, accuracy, perplexity (from the unsmoothed NLL)."""
+    """Means from summed metrics: loss, accuracy, perplexity (from the unsmoothed NLL).
+
+    Args:
+        sums: summed metrics ("loss", "nll", "correct", "weight", ...).
+
+    Returns:
+        Mean metrics.
+    """
     count = jnp.maximum(sums["count"], 1.0)
     nll = sums["nll"] / count
     means = {
@@ -219,7 +297,17 @@ def summarize(sums: dict) -> dict:
 
 
 def jit_steps(train_step, eval_step, state: TrainState, mesh: jax.sharding.Mesh | None):
-    """jit both steps once: the state donated, and with a mesh explicit in/out shardings."""
+    """jit both steps once: the state donated, and with a mesh explicit in/out shardings.
+
+    Args:
+        train_step (Callable): from `make_steps`.
+        eval_step (Callable): from `make_steps`.
+        state: the train state (its shardings).
+        mesh: the mesh, or None (one device).
+
+    Returns:
+        steps (tuple[Callable, Callable]): the jitted (train_step, eval_step).
+    """
     if mesh is None:
         return jax.jit(train_step, donate_argnums=0), jax.jit(eval_step)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
@@ -239,6 +327,15 @@ def flops_per_example(cfg: ModelConfig, objective: str, src_len: int, tgt_len: i
     attention scores and values 2 * 2 * H * K * context (full context for the encoder and
     cross-attention, T for decoder self-attention as it is computed unmasked); plus the
     output head 2 * D * V per predicted token. Embedding lookups and norms are ignored.
+
+    Args:
+        cfg: the model's config.
+        objective: the training objective.
+        src_len: source tokens (S).
+        tgt_len: target tokens (T).
+
+    Returns:
+        FLOPs.
     """
     D, H, G, K, Fw, V = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head, cfg.d_ff, cfg.vocab_size
     proj = 2 * D * (2 * H * K + 2 * G * K)
@@ -265,7 +362,17 @@ def flops_per_example(cfg: ModelConfig, objective: str, src_len: int, tgt_len: i
 
 
 def evaluate(eval_step, state, fetch, num_batches: int) -> dict:
-    """Mean metrics over the first `num_batches` batches given by `fetch(i)`."""
+    """Mean metrics over the first `num_batches` batches given by `fetch(i)`.
+
+    Args:
+        eval_step (Callable): (state, batch) -> summed metrics.
+        state (TrainState): the train state.
+        fetch (Callable[[int], dict]): i -> the i-th evaluation batch.
+        num_batches: how many batches.
+
+    Returns:
+        Mean metrics.
+    """
     totals = None
     for i in range(num_batches):
         sums = eval_step(state, fetch(i))
@@ -274,7 +381,14 @@ def evaluate(eval_step, state, fetch, num_batches: int) -> dict:
 
 
 def real_fraction(batch: dict) -> tuple[float, float]:
-    """(real tokens, token slots) of a host batch: how much of what the step computes is not padding."""
+    """(real tokens, token slots) of a host batch: how much of what the step computes is not padding.
+
+    Args:
+        batch: the host batch.
+
+    Returns:
+        (real tokens, token slots).
+    """
     if "src" not in batch:  # lm, mlm: every window position is text
         ids = batch["inputs"]
         return float(ids.size if "segments" not in batch else (batch["segments"] > 0).sum()), float(ids.size)
@@ -285,7 +399,15 @@ def real_fraction(batch: dict) -> tuple[float, float]:
 
 
 def batch_cost(cfg: Config, batch: dict) -> tuple[float, float]:
-    """(target tokens, model FLOPs) of a host batch, from its contents and actual shapes."""
+    """(target tokens, model FLOPs) of a host batch, from its contents and actual shapes.
+
+    Args:
+        cfg: the run's config.
+        batch: the host batch.
+
+    Returns:
+        (target tokens, FLOPs).
+    """
     objective = cfg.train.objective
     src_len = batch["src"].shape[1] if "src" in batch else batch["inputs"].shape[1]
     tgt_len = batch["inputs"].shape[1] if "inputs" in batch else 0
@@ -353,6 +475,21 @@ def fit(
     "complete" when the workdir had already reached `train.steps` (nothing is trained or evaluated).
     A save that cannot be written (disk full, read-only) raises `checkpoint.CheckpointWriteError`
     naming the last complete checkpoint, which a rerun resumes from.
+
+    Args:
+        cfg: the run's config.
+        workdir: the run's directory.
+        quiet: no progress output.
+        on_eval: called after each evaluation; True stops the run.
+        profile_steps: (A, B) steps to trace, or None.
+
+    Returns:
+        "state", "eval", "preempted", "stopped", "complete" and the pieces `jaxformer eval` reuses.
+
+    Raises:
+        NonFiniteLoss: a non-finite loss with `train.on_nonfinite="stop"`.
+        checkpoint.CheckpointWriteError: a checkpoint cannot be written.
+        ConfigError: the config does not fit the data or the mesh.
     """
     sharding.initialize_distributed(cfg.mesh)
     mesh = sharding.make_mesh(cfg.mesh)
