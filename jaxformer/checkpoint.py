@@ -52,6 +52,12 @@ def write_failure(error: BaseException | None) -> int | None:
 
     orbax raises it as an OSError from its own writes, and as tensorstore's ValueError
     (`RESOURCE_EXHAUSTED: ... No space left on device [os_error_code='28']`) from the arrays'.
+
+    Args:
+        error: the exception, or None.
+
+    Returns:
+        The errno, or None.
     """
     seen = set()
     while error is not None and id(error) not in seen:
@@ -114,7 +120,14 @@ RUNTIME_MOE_FIELDS = {"router", "capacity_factor", "router_noise", "z_loss_weigh
 
 
 def model_layout(model) -> dict:
-    """The model fields that shape the parameters, model.moe's spelled `moe.FIELD`."""
+    """The model fields that shape the parameters, model.moe's spelled `moe.FIELD`.
+
+    Args:
+        model (ModelConfig): the model section.
+
+    Returns:
+        field -> value.
+    """
     fields = dataclasses.asdict(model)
     moe = fields.pop("moe")
     fields |= {f"moe.{k}": v for k, v in moe.items() if k not in RUNTIME_MOE_FIELDS}
@@ -127,6 +140,15 @@ class Checkpointer:
 
     `read_only=True` (eval, generate, translate, export) changes nothing on disk: no directory
     is created and a damaged checkpoint is skipped, not set aside.
+
+    Args:
+        workdir: the run's directory (checkpoints in WORKDIR/checkpoints).
+        cfg: the run's config (its `checkpoint` section).
+        read_only: change nothing on disk.
+
+    Raises:
+        FileNotFoundError: read_only and no checkpoint in the workdir.
+        OSError: the checkpoint directory cannot be written.
     """
 
     def __init__(self, workdir: str | pathlib.Path, cfg: Config, *, read_only: bool = False):
@@ -167,7 +189,15 @@ class Checkpointer:
 
     def save(self, state, *, metrics: dict | None = None) -> None:
         """Start saving `state` (asynchronously unless configured otherwise), once the save before
-        it has finished. CheckpointWriteError if this save or that one cannot be written."""
+        it has finished. CheckpointWriteError if this save or that one cannot be written.
+
+        Args:
+            state (TrainState): the train state.
+            metrics: the evaluation metrics (for `checkpoint.best_metric`), or None.
+
+        Raises:
+            CheckpointWriteError: this save or the one before it cannot be written.
+        """
         step = int(state.step)
         self.wait()  # orbax would wait for it inside its save, reporting its failure as this one's
         meta = {"config": self.cfg.to_dict(), "data": {"step": step, "seed": self.cfg.train.seed}}
@@ -181,7 +211,11 @@ class Checkpointer:
             )
 
     def wait(self) -> None:
-        """Wait for the save in flight; CheckpointWriteError if it could not be written."""
+        """Wait for the save in flight; CheckpointWriteError if it could not be written.
+
+        Raises:
+            CheckpointWriteError: the save cannot be written.
+        """
         step, self.saving = self.saving, None
         with self._write_failures_of(step):
             self.manager.wait_until_finished()
@@ -215,6 +249,7 @@ class Checkpointer:
             raise error from e
 
     def close(self) -> None:
+        """Wait for the save in flight, then release the manager."""
         self.manager.close()
 
     def restore_latest(self, like):
@@ -222,6 +257,12 @@ class Checkpointer:
 
         A checkpoint that fails to restore is moved to `corrupt-<step>` (never deleted)
         with a warning, and the previous one is tried. Returns None if there is none.
+
+        Args:
+            like (TrainState): a state of the same structure, its arrays (or abstract arrays) sharded as wanted.
+
+        Returns:
+            state (TrainState | None): the restored state, or None.
         """
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
         for step in sorted(self.manager.all_steps(), reverse=True):
@@ -286,7 +327,18 @@ def _quiet_abandoned_io() -> None:
 
 
 def saved_config(meta, step: int) -> Config:
-    """The config in a checkpoint's metadata; ValueError if the metadata is not what `save` writes."""
+    """The config in a checkpoint's metadata; ValueError if the metadata is not what `save` writes.
+
+    Args:
+        meta (dict): the checkpoint's metadata.
+        step: its step.
+
+    Returns:
+        The Config.
+
+    Raises:
+        ValueError: the metadata holds no valid config, or a data position of another step.
+    """
     if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
         raise ValueError("its metadata holds no config")
     data = meta.get("data")
@@ -299,13 +351,27 @@ def saved_config(meta, step: int) -> Config:
 
 
 def optimizer_layout(train) -> dict:
-    """The train fields that shape the optimizer state (a different one cannot restore)."""
+    """The train fields that shape the optimizer state (a different one cannot restore).
+
+    Args:
+        train (TrainConfig): the train section.
+
+    Returns:
+        field -> value.
+    """
     return {"optimizer": train.optimizer, "on_nonfinite": train.on_nonfinite, "clip_norm > 0": train.clip_norm > 0}
 
 
 def lora_layout(lora) -> dict:
     """The lora fields that shape the state (alpha, dropout and seed only change numbers; base stores
-    the frozen kernels in int8 with their scales, in the checkpoint)."""
+    the frozen kernels in int8 with their scales, in the checkpoint).
+
+    Args:
+        lora (LoRAConfig): the lora section.
+
+    Returns:
+        field -> value.
+    """
     if not lora.enabled:
         return {"rank": 0}
     return {"rank": lora.rank, "targets": lora.targets, "stacks": lora.stacks, "base": lora.base}
@@ -313,7 +379,16 @@ def lora_layout(lora) -> dict:
 
 def check_compatible(saved: Config, current: Config, where) -> None:
     """Refuse to resume when the model's shapes or the optimizer state's layout differ from the
-    checkpoint's, listing the fields (rather than set the checkpoint aside as unreadable)."""
+    checkpoint's, listing the fields (rather than set the checkpoint aside as unreadable).
+
+    Args:
+        saved: the checkpoint's config.
+        current: the run's config.
+        where (str | pathlib.Path): the checkpoint, for the message.
+
+    Raises:
+        ConfigError: the shapes or layouts differ, listing the fields.
+    """
     a, b = model_layout(saved.model), model_layout(current.model)
     diff = [f"model.{k}: checkpoint {a[k]!r}, config {b[k]!r}" for k in a if a[k] != b[k]]
     a, b = optimizer_layout(saved.train), optimizer_layout(current.train)
@@ -332,7 +407,13 @@ def check_compatible(saved: Config, current: Config, where) -> None:
 
 def start_workdir(workdir: str | pathlib.Path, cfg: Config, state) -> None:
     """Make `workdir` a training workdir that resumes from `state` (its step's checkpoint and
-    config.json), as `train` leaves one: what `import-hf` writes for pretrained weights."""
+    config.json), as `train` leaves one: what `import-hf` writes for pretrained weights.
+
+    Args:
+        workdir: the new workdir.
+        cfg: the run's config.
+        state (TrainState): the state to resume from.
+    """
     ckpt = Checkpointer(workdir, cfg)
     ckpt.save(state)
     ckpt.wait()
@@ -344,7 +425,18 @@ def start_workdir(workdir: str | pathlib.Path, cfg: Config, state) -> None:
 
 
 def restore_workdir(cfg, workdir: str | pathlib.Path):
-    """(graphdef, state, optimizer) of the latest checkpoint in a training workdir."""
+    """(graphdef, state, optimizer) of the latest checkpoint in a training workdir.
+
+    Args:
+        cfg (Config): the run's config.
+        workdir: the training workdir.
+
+    Returns:
+        restored (tuple): (graphdef, TrainState, optax optimizer).
+
+    Raises:
+        FileNotFoundError: the workdir holds no checkpoint.
+    """
     graphdef, state, optimizer = init_state(cfg)
     ckpt = Checkpointer(workdir, cfg, read_only=True)  # a training run may be writing there
     state = ckpt.restore_latest(state)
@@ -355,7 +447,18 @@ def restore_workdir(cfg, workdir: str | pathlib.Path):
 
 
 def export(workdir: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path:
-    """Write the latest checkpoint's parameters (no optimizer state) and config to `out`."""
+    """Write the latest checkpoint's parameters (no optimizer state) and config to `out`.
+
+    Args:
+        workdir: the training workdir.
+        out: the directory to write.
+
+    Returns:
+        `out`.
+
+    Raises:
+        FileNotFoundError: no config.json or no checkpoint in the workdir.
+    """
     workdir, out = pathlib.Path(workdir), pathlib.Path(out).absolute()
     config_file = workdir / "config.json"
     if not config_file.is_file():
@@ -381,7 +484,17 @@ def export(workdir: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path
 
 
 def load_model(directory: str | pathlib.Path):
-    """A ready `Transformer` from an exported directory (see `export`), for use in any JAX code."""
+    """A ready `Transformer` from an exported directory (see `export`), for use in any JAX code.
+
+    Args:
+        directory: a directory `export` wrote.
+
+    Returns:
+        model (Transformer): the model.
+
+    Raises:
+        FileNotFoundError: the directory, its config.json or its parameters are missing.
+    """
     from jaxformer.models import Transformer
 
     directory = pathlib.Path(directory).absolute()

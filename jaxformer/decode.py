@@ -45,6 +45,10 @@ class Generation(NamedTuple):
     tokens: [B, n, N] generated ids, best first, EOS included, `pad_id` after it.
     scores: [B, n] beam search: length-penalised log-probability log P / ((5 + len) / 6) ** alpha;
       greedy and sampling: the log-probability of the sequence under the model.
+
+    Attributes:
+        tokens: [B, n, N] generated ids (n outputs per row, N positions).
+        scores: [B, n] their scores.
     """
 
     tokens: np.ndarray
@@ -55,7 +59,15 @@ class Generation(NamedTuple):
 
 
 def top_k_filter(logits_BV: Array, k: int) -> Array:
-    """Logits outside the k largest of each row set to -inf (k = 0: unchanged)."""
+    """Logits outside the k largest of each row set to -inf (k = 0: unchanged).
+
+    Args:
+        logits_BV: [B, V] logits.
+        k: how many to keep per row (0: all).
+
+    Returns:
+        [B, V].
+    """
     if k == 0 or k >= logits_BV.shape[-1]:
         return logits_BV
     kth_B1 = jax.lax.top_k(logits_BV, k)[0][:, -1:]
@@ -64,7 +76,15 @@ def top_k_filter(logits_BV: Array, k: int) -> Array:
 
 def top_p_filter(logits_BV: Array, p: float) -> Array:
     """Nucleus filter (Holtzman et al. 2020): keep the smallest set of most likely tokens whose
-    probability mass reaches p (always at least the most likely one); the rest get -inf."""
+    probability mass reaches p (always at least the most likely one); the rest get -inf.
+
+    Args:
+        logits_BV: [B, V] logits.
+        p: the probability mass to keep, in (0, 1].
+
+    Returns:
+        [B, V].
+    """
     if p >= 1.0:
         return logits_BV
     sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
@@ -80,6 +100,16 @@ def sample_logits(logits_BV: Array, rng: Array, temperature: float = 1.0, top_k:
 
     Row b draws with its own key, fold_in(rng, b), so its token depends on its logits alone,
     never on the other rows of the batch.
+
+    Args:
+        logits_BV: [B, V] logits.
+        rng: the PRNG key.
+        temperature: divides the logits (> 0).
+        top_k: keep the k largest (0: all).
+        top_p: keep the nucleus of this mass (1: all).
+
+    Returns:
+        tokens (Array): [B] int32.
     """
     logits_BV = logits_BV.astype(jnp.float32) / temperature
     logits_BV = top_p_filter(top_k_filter(logits_BV, top_k), top_p)
@@ -88,7 +118,15 @@ def sample_logits(logits_BV: Array, rng: Array, temperature: float = 1.0, top_k:
 
 
 def length_penalty(length: Array, alpha: float) -> Array:
-    """GNMT's lp(Y) = ((5 + |Y|) / 6) ** alpha (Wu et al. 2016), used by the paper with alpha 0.6."""
+    """GNMT's lp(Y) = ((5 + |Y|) / 6) ** alpha (Wu et al. 2016), used by the paper with alpha 0.6.
+
+    Args:
+        length: the lengths, any shape.
+        alpha: the exponent (0: no penalty).
+
+    Returns:
+        lp, length's shape, float32.
+    """
     return ((5.0 + length) / 6.0) ** alpha
 
 
@@ -102,6 +140,12 @@ class Stepper(NamedTuple):
     step(carry, tokens_B, positions_B) -> (logits_BV, carry): after tokens placed at positions.
     reorder(carry, rows_B) -> carry: row i takes row rows_B[i]'s history (beam search).
     length: the positions it holds, prompts and new tokens (a row's last position is length - 1).
+
+    Attributes:
+        start: (prompt_BP, lengths_B) -> (logits_BV, carry).
+        step: (carry, tokens_B, positions_B) -> (logits_BV, carry).
+        reorder: (carry, rows_B) -> carry.
+        length: the positions it holds.
     """
 
     start: Callable
@@ -116,7 +160,17 @@ def _at(x_BT_, index_B: Array) -> Array:
 
 
 def cached_stepper(model, length: int, memory_BSD: Array | None, src_lengths_B: Array | None) -> Stepper:
-    """Prefill once, then one position per step against a KV cache of `length` slots."""
+    """Prefill once, then one position per step against a KV cache of `length` slots.
+
+    Args:
+        model (Transformer): the model (see `decodable`).
+        length: the positions of the cache.
+        memory_BSD: [B, S, D] the encoder's output (encoder_decoder), or None.
+        src_lengths_B: [B] source lengths, or None.
+
+    Returns:
+        The `Stepper`.
+    """
 
     def start(prompt_BP, lengths_B):
         cache = model.init_cache(prompt_BP.shape[0], length, memory_BSD, src_lengths=src_lengths_B)
@@ -132,7 +186,17 @@ def cached_stepper(model, length: int, memory_BSD: Array | None, src_lengths_B: 
 
 def recompute_stepper(model, length: int, memory_BSD: Array | None, src_lengths_B: Array | None) -> Stepper:
     """No cache: every step runs the decoder over the whole (static) buffer of `length` ids
-    (and the output layer at the one position whose logits are needed)."""
+    (and the output layer at the one position whose logits are needed).
+
+    Args:
+        model (Transformer): the model.
+        length: the positions of the buffer.
+        memory_BSD: [B, S, D] the encoder's output, or None.
+        src_lengths_B: [B] source lengths, or None.
+
+    Returns:
+        The `Stepper`.
+    """
 
     cross_mask = None if memory_BSD is None else memory_mask(src_lengths_B, None, None)
 
@@ -158,6 +222,20 @@ def sample_search(stepper, prompt_BP, lengths_B, max_new_B, num_new: int, choose
     """Greedy or sampled decoding: `choose(logits_BV, key) -> tokens_B` at each step.
 
     Returns (tokens [B, num_new], log-probabilities [B] of the chosen sequences).
+
+    Args:
+        stepper (Stepper): the model.
+        prompt_BP (Array): [B, P] prompts, right-padded.
+        lengths_B (Array): [B] prompt lengths.
+        max_new_B (Array): [B] most new tokens per row.
+        num_new: N, the new positions of the output.
+        choose (Callable): (logits_BV, key) -> tokens_B.
+        eos_id: the end-of-sequence id.
+        pad_id: the id written after EOS.
+        rng (Array): the PRNG key.
+
+    Returns:
+        result (tuple[Array, Array]): (tokens [B, N], log-probabilities [B]).
     """
     B = prompt_BP.shape[0]
     logits_BV, carry = stepper.start(prompt_BP, lengths_B)
@@ -190,6 +268,20 @@ def beam_search(stepper, prompt_BP, lengths_B, max_new_B, num_new: int, W: int, 
     the row's W best finished sequences (scored log P / lp(length)), and the W best that
     do not end live on. A row stops once its best live beam, even at the longest length, cannot
     beat its worst finished sequence. Returns (tokens [B, W, num_new], scores [B, W]), best first.
+
+    Args:
+        stepper (Stepper): the model, over [B * W] rows.
+        prompt_BP (Array): [B * W, P] prompts, right-padded.
+        lengths_B (Array): [B * W] prompt lengths.
+        max_new_B (Array): [B * W] most new tokens per row.
+        num_new: N, the new positions of the output.
+        W: the beam size.
+        alpha: the length penalty's exponent.
+        eos_id: the end-of-sequence id.
+        pad_id: the id written after EOS.
+
+    Returns:
+        result (tuple[Array, Array]): (tokens [B, W, N], scores [B, W]).
     """
     BW = prompt_BP.shape[0]
     B = BW // W
@@ -240,7 +332,14 @@ def beam_search(stepper, prompt_BP, lengths_B, max_new_B, num_new: int, W: int, 
 def decodable(model):
     """`model` as the decoding loop runs it: LoRA adapters folded into their kernels (`lora.merge`, on
     a copy: one matmul a projection; an int8 base dequantized) and scanned stacks unrolled
-    (`models.unrolled`: sliced once)."""
+    (`models.unrolled`: sliced once).
+
+    Args:
+        model (Transformer): the model.
+
+    Returns:
+        model (Transformer): the model to decode with (`model` itself when nothing is to fold or unroll).
+    """
     if any(lora.adapters(model)) or lora.quantized(model):  # an int8 base: float kernels again
         model = lora.merge(nnx.clone(model))
     return unrolled(model)
@@ -338,6 +437,20 @@ def generate(model, prompts: Sequence[Sequence[int]], settings: DecodeConfig = D
 
     Rows may differ in length; a row stops at EOS, after max_new_tokens, or at the model's
     maximum length. `rng` (a key) overrides `settings.seed` for sampling.
+
+    Args:
+        model (Transformer): a decoder_only model.
+        prompts: B lists of ids (or an array [B, T]).
+        settings: strategy, lengths, sampling and beam settings.
+        eos_id (int | None): the end-of-sequence id, or None (never stop early).
+        rng (Array | None): a PRNG key, or None (settings.seed).
+
+    Returns:
+        generation (Generation): tokens [B, n, N] and scores [B, n].
+
+    Raises:
+        TypeError: prompts that are not id lists, or settings that are not a DecodeConfig.
+        ValueError: not a decoder_only model, no prompts, or a prompt too long for model.max_len.
     """
     if model.cfg.mode != "decoder_only":
         raise ValueError(f"generate() continues prompts of a decoder_only model; this one is {model.cfg.mode}")
@@ -355,7 +468,22 @@ def generate(model, prompts: Sequence[Sequence[int]], settings: DecodeConfig = D
 
 def translate(model, sources: Sequence[Sequence[int]], settings: DecodeConfig = DEFAULTS, *, bos_id, eos_id):
     """encoder_decoder: outputs for each source (a list of ids), up to source length + settings.extra_len
-    tokens (the paper's limit with extra_len=50) and the model's maximum length."""
+    tokens (the paper's limit with extra_len=50) and the model's maximum length.
+
+    Args:
+        model (Transformer): an encoder_decoder model.
+        sources: B lists of ids (or an array [B, S]).
+        settings: strategy, lengths, sampling and beam settings.
+        bos_id (int): the id every output starts with.
+        eos_id (int | None): the end-of-sequence id.
+
+    Returns:
+        generation (Generation): tokens [B, n, N] and scores [B, n].
+
+    Raises:
+        TypeError: sources that are not id lists, settings that are not a DecodeConfig, or no bos_id.
+        ValueError: not an encoder_decoder model, no sources, or a source too long for model.max_len.
+    """
     if model.cfg.mode != "encoder_decoder":
         raise ValueError(f"translate() needs an encoder_decoder model; this one is {model.cfg.mode}")
     _check_settings(settings)
@@ -377,13 +505,35 @@ def translate(model, sources: Sequence[Sequence[int]], settings: DecodeConfig = 
 
 
 def strip_after_eos(ids, eos_id) -> list[int]:
-    """The ids of one output before its first EOS."""
+    """The ids of one output before its first EOS.
+
+    Args:
+        ids (Sequence[int]): one output's ids.
+        eos_id (int | None): the end-of-sequence id, or None.
+
+    Returns:
+        The ids before the first EOS.
+    """
     ids = as_token_ids(ids, "ids", rank=1).tolist() if len(ids) else []
     return ids[: ids.index(eos_id)] if eos_id is not None and eos_id in ids else ids
 
 
 def encode_texts(tok, texts: Sequence[str], what: str, eos: bool = False) -> list[list[int]]:
-    """Texts -> id lists (with EOS appended if asked); rejects text the tokenizer cannot represent."""
+    """Texts -> id lists (with EOS appended if asked); rejects text the tokenizer cannot represent.
+
+    Args:
+        tok (Tokenizer): the tokenizer.
+        texts: the texts.
+        what: what they are, for the messages ("prompt", "source").
+        eos: append EOS.
+
+    Returns:
+        One id list per text.
+
+    Raises:
+        TypeError: not a list of texts.
+        ValueError: a text the tokenizer cannot represent, naming its index.
+    """
     if isinstance(texts, str) or not isinstance(texts, Sequence):
         raise TypeError(f"{what}s: a list of texts, got {'None' if texts is None else type(texts).__name__}")
     rows = []
@@ -402,7 +552,17 @@ def encode_texts(tok, texts: Sequence[str], what: str, eos: bool = False) -> lis
 
 
 def translate_texts(model, tok, sources: Sequence[str] | Sequence[Sequence[int]], settings: DecodeConfig) -> list:
-    """Source texts (or id lists ending in EOS) -> output texts; with num_return > 1, a list per source."""
+    """Source texts (or id lists ending in EOS) -> output texts; with num_return > 1, a list per source.
+
+    Args:
+        model (Transformer): an encoder_decoder model.
+        tok (Tokenizer): its tokenizer.
+        sources: texts, or id lists ending in EOS.
+        settings: the decoding settings.
+
+    Returns:
+        One text (or a list of num_return texts) per source.
+    """
     texts = len(_iterable(sources, "source")) > 0 and all(isinstance(s, str) for s in sources)
     rows = encode_texts(tok, sources, "source", eos=True) if texts else sources
     out = translate(model, rows, settings, bos_id=tok.bos_id, eos_id=tok.eos_id)
@@ -422,6 +582,16 @@ def continue_texts(model, tok, prompts: Sequence[str], settings: DecodeConfig, s
     `EmptyContinuation` saying why, rather than handing back an empty string in silence: beam
     search's likeliest sequence often is the shortest (Holtzman et al. 2020), and the empty
     one is as short as it gets.
+
+    Args:
+        model (Transformer): a decoder_only model.
+        tok (Tokenizer): its tokenizer.
+        prompts: the texts to continue.
+        settings: the decoding settings.
+        stop_at_eos: stop at the end of a paragraph.
+
+    Returns:
+        One continuation (or a list of num_return) per prompt.
     """
     eos_id = tok.eos_id if stop_at_eos else None
     out = generate(model, encode_texts(tok, prompts, "prompt"), settings, eos_id=eos_id)
@@ -440,7 +610,18 @@ def continue_texts(model, tok, prompts: Sequence[str], settings: DecodeConfig, s
 def answer_texts(model, tok, prompts: Sequence[str], settings: DecodeConfig, template: str) -> list:
     """Instructions -> responses: each prompt written in the training data's template (an empty
     response to follow), generation stopped at EOS, and the template's end marker taken off. A
-    decoder-only model continues the templated prompt; an encoder-decoder reads it as its source."""
+    decoder-only model continues the templated prompt; an encoder-decoder reads it as its source.
+
+    Args:
+        model (Transformer): a model trained on instruction data.
+        tok (Tokenizer): its tokenizer.
+        prompts: the instructions.
+        settings: the decoding settings.
+        template: the data's template name ("alpaca", "chatml", ...).
+
+    Returns:
+        One response (or a list of num_return) per prompt.
+    """
     from jaxformer.data import templates
 
     t = templates.get(template)
@@ -469,7 +650,16 @@ def _why_empty(prompt: int, ids: list[int], eos_id, settings: DecodeConfig, stop
 
 
 def sample_texts(model, cfg, data) -> tuple[list[str], list[str]]:
-    """A few (input, model output) pairs from held-out data, for logs; generation follows `cfg.decode`."""
+    """A few (input, model output) pairs from held-out data, for logs; generation follows `cfg.decode`.
+
+    Args:
+        model (Transformer): the model.
+        cfg (Config): the run's config (`train.num_samples`, `decode`).
+        data (object): the run's data (`data.Batches`), its held-out split and tokenizer.
+
+    Returns:
+        (inputs, outputs).
+    """
     tok, objective, L = data.tokenizer, cfg.train.objective, cfg.data.max_len
     sources = data.sample_sources[: cfg.train.num_samples]
     if objective == "seq2seq":
