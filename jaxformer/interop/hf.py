@@ -78,24 +78,63 @@ class Rule:
 
 
 def same(theirs: str, ours: str) -> Rule:
-    """A tensor stored as jaxformer stores it: `theirs` -> `ours`, shape unchanged."""
+    """A tensor stored as jaxformer stores it: `theirs` -> `ours`, shape unchanged.
+
+    Args:
+        theirs: the checkpoint's name.
+        ours: our parameter path.
+
+    Returns:
+        The `Rule`.
+    """
     return Rule(theirs, (ours,))
 
 
 def dense(theirs: str, ours: str, *, bias: bool, inputs: int = 1, layout: str = "linear") -> list[Rule]:
-    """A projection: `theirs.weight` -> ours, `theirs.bias` -> ours_bias."""
+    """A projection: `theirs.weight` -> ours, `theirs.bias` -> ours_bias.
+
+    Args:
+        theirs: the checkpoint module's name (without ".weight").
+        ours: our kernel's path.
+        bias: the module has a bias.
+        inputs: how many leading axes of our kernel are input features.
+        layout: "linear" ([out, in]) or "conv1d" ([in, out]).
+
+    Returns:
+        The rules of the weight (and bias).
+    """
     rules = [Rule(f"{theirs}.weight", (ours,), layout, inputs)]
     return [*rules, Rule(f"{theirs}.bias", (f"{ours}_bias",), "vector")] if bias else rules
 
 
 def norm(theirs: str, ours: str, *, bias: bool, names: tuple[str, str] = ("weight", "bias")) -> list[Rule]:
-    """A norm: `theirs.weight` -> ours.scale and, with `bias`, `theirs.bias` -> ours.bias (`names` renames them)."""
+    """A norm: `theirs.weight` -> ours.scale and, with `bias`, `theirs.bias` -> ours.bias (`names` renames them).
+
+    Args:
+        theirs: the checkpoint module's name.
+        ours: our norm's path.
+        bias: the norm has a bias.
+        names: the checkpoint's names of the scale and the bias.
+
+    Returns:
+        The rules.
+    """
     rules = [same(f"{theirs}.{names[0]}", f"{ours}.scale")]
     return [*rules, same(f"{theirs}.{names[1]}", f"{ours}.bias")] if bias else rules
 
 
 def attention(theirs: str, ours: str, names: tuple[str, str, str, str], *, bias: bool) -> list[Rule]:
-    """Separate q, k, v, output projections named `names` under `theirs`."""
+    """Separate q, k, v, output projections named `names` under `theirs`.
+
+    Args:
+        theirs: the checkpoint attention module's name.
+        ours: our attention's path.
+        names: the checkpoint's names of the q, k, v and output projections.
+        bias: the projections have biases.
+
+    Returns:
+        The rules.
+    """
     out = []
     for name, mine in zip(names, "qkvo", strict=True):
         out += dense(f"{theirs}.{name}", f"{ours}.{mine}", bias=bias, inputs=2 if mine == "o" else 1)
@@ -103,7 +142,19 @@ def attention(theirs: str, ours: str, names: tuple[str, str, str, str], *, bias:
 
 
 def to_ours(tensor: np.ndarray, rule: Rule, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
-    """The checkpoint tensor as our parameters of `shapes`."""
+    """The checkpoint tensor as our parameters of `shapes`.
+
+    Args:
+        tensor: the checkpoint tensor.
+        rule: its rule.
+        shapes: the shapes of our parameters it fills.
+
+    Returns:
+        Our parameters, float32.
+
+    Raises:
+        UnsupportedCheckpoint: the tensor's size does not match the shapes, naming it.
+    """
     if rule.layout in ("linear", "conv1d"):
         in_out = tensor.T if rule.layout == "linear" else tensor
         parts = np.split(in_out, len(shapes), axis=1)
@@ -120,7 +171,15 @@ def to_ours(tensor: np.ndarray, rule: Rule, shapes: list[tuple[int, ...]]) -> li
 
 
 def to_theirs(arrays: list[np.ndarray], rule: Rule) -> np.ndarray:
-    """Our parameters as the checkpoint's tensor (the inverse of `to_ours`)."""
+    """Our parameters as the checkpoint's tensor (the inverse of `to_ours`).
+
+    Args:
+        arrays: our parameters the rule names.
+        rule: the rule.
+
+    Returns:
+        The checkpoint tensor.
+    """
     if rule.layout in ("linear", "conv1d"):
         in_out = np.concatenate([a.reshape(math.prod(a.shape[: rule.inputs]), -1) for a in arrays], axis=1)
         return np.ascontiguousarray(in_out.T if rule.layout == "linear" else in_out)
@@ -168,7 +227,16 @@ def _same_on_both_sides(hf: dict, encoder_key: str, decoder_key: str):
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """One model family: its config.json both ways and its tensor rules."""
+    """One model family: its config.json both ways and its tensor rules.
+
+    Attributes:
+        model_type: config.json's model_type ("gpt2", "llama", ...).
+        prefix: the base model's prefix, which bare-model checkpoints leave out.
+        to_config: config.json -> ModelConfig fields.
+        from_config: ModelConfig -> config.json fields.
+        rules: ModelConfig -> the tensor rules.
+        ignore: regexes of tensors with no place in jaxformer.
+    """
 
     model_type: str
     prefix: str  # the base model's prefix, which bare-model checkpoints leave out ("transformer.", "bert.")
@@ -473,7 +541,18 @@ def _read_json(directory: str | pathlib.Path, name: str, what: str) -> tuple[pat
 
 
 def read_hf_config(directory: str | pathlib.Path) -> dict:
-    """The directory's config.json, checked to name a family jaxformer reads."""
+    """The directory's config.json, checked to name a family jaxformer reads.
+
+    Args:
+        directory: the Hugging Face model directory.
+
+    Returns:
+        The config.json contents.
+
+    Raises:
+        FileNotFoundError: no config.json.
+        UnsupportedCheckpoint: not JSON, or a model_type jaxformer does not read.
+    """
     path, hf = _read_json(directory, CONFIG, "a Hugging Face model directory")
     family = hf.get("model_type") if isinstance(hf, dict) else None
     if family not in FAMILIES:
@@ -483,7 +562,18 @@ def read_hf_config(directory: str | pathlib.Path) -> dict:
 
 
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
-    """A ModelConfig from a config.json's contents; `overrides` replace fields (dtype, scan_layers, ...)."""
+    """A ModelConfig from a config.json's contents; `overrides` replace fields (dtype, scan_layers, ...).
+
+    Args:
+        hf: config.json's contents.
+        **overrides (object): ModelConfig fields to replace.
+
+    Returns:
+        The ModelConfig.
+
+    Raises:
+        UnsupportedCheckpoint: an unsupported family or setting, or a field missing, named.
+    """
     hf = {key: value for key, value in hf.items() if value is not None}  # null = absent
     try:
         return ModelConfig(**(FAMILIES[hf["model_type"]].to_config(hf) | overrides))
@@ -492,7 +582,18 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
 
 
 def config_to_hf(cfg: ModelConfig, family: str | None = None) -> dict:
-    """config.json contents for `cfg`, in `family` or the one family that expresses it exactly."""
+    """config.json contents for `cfg`, in `family` or the one family that expresses it exactly.
+
+    Args:
+        cfg: the model's config.
+        family: "gpt2", "llama", "bert", "bart", "t5", or None (the one that fits).
+
+    Returns:
+        config.json contents.
+
+    Raises:
+        UnsupportedCheckpoint: the family cannot express the model, listing the differences.
+    """
     family = family or family_of(cfg)
     hf = FAMILIES[family].from_config(cfg) | {"model_type": family}
     if not _expresses(family, cfg):
@@ -533,7 +634,17 @@ def _expresses(family: str, cfg: ModelConfig) -> bool:
 
 def family_of(cfg: ModelConfig) -> str:
     """The family whose config.json says exactly `cfg` (round trip equal); else an error listing the
-    fields each family would change."""
+    fields each family would change.
+
+    Args:
+        cfg: the model's config.
+
+    Returns:
+        The family's model_type.
+
+    Raises:
+        UnsupportedCheckpoint: no family expresses the model.
+    """
     for name in FAMILIES:
         if _expresses(name, cfg):
             return name
@@ -550,7 +661,15 @@ class SafetensorsReader:
 
     A shard is memory-mapped only while one of its tensors is copied out: the pages of a mapping
     that stays open count in the process's resident memory until it closes, so shards kept open
-    for the whole load would hold every byte read so far (the whole checkpoint by the end)."""
+    for the whole load would hold every byte read so far (the whole checkpoint by the end).
+
+    Args:
+        directory: the directory with model.safetensors or model.safetensors.index.json.
+
+    Raises:
+        FileNotFoundError: neither file, or a shard the index lists, exists.
+        UnsupportedCheckpoint: the index lists tensors its shards lack.
+    """
 
     def __init__(self, directory: str | pathlib.Path):
         directory = pathlib.Path(directory)
@@ -573,6 +692,11 @@ class SafetensorsReader:
                 raise UnsupportedCheckpoint(f"{INDEX} lists tensors its shards lack: {missing[:5]}")
 
     def names(self) -> list[str]:
+        """The tensors' names, sorted.
+
+        Returns:
+            The names.
+        """
         return sorted(self.where)
 
     def __getitem__(self, name: str) -> np.ndarray:
@@ -628,6 +752,19 @@ def load_hf(
     `mesh` (and the logical-axis rules in effect, `jaxformer.sharding.use`; the default rules
     otherwise), each tensor goes straight to its shards. Parameters of a task head the checkpoint
     lacks keep a fresh initialisation, with a warning; any other missing or unplaced tensor is an error.
+
+    Args:
+        directory: the Hugging Face model directory.
+        mesh: the mesh to place the parameters on, or None (the default device).
+        adapter: a PEFT LoRA adapter directory of this base, or None.
+        **overrides (object): ModelConfig fields to replace.
+
+    Returns:
+        The model.
+
+    Raises:
+        FileNotFoundError: a file of the directory is missing.
+        UnsupportedCheckpoint: a setting or tensor jaxformer cannot place, named.
     """
     from jaxformer import sharding
 
@@ -770,7 +907,21 @@ def save_hf(
     """Write `model` as a Hugging Face model directory: config.json (+ `extra_config`, e.g. special
     token ids) and safetensors in the hub's PyTorch naming, float32, in shards of at most
     `max_shard_bytes` with an index when it is larger. Scanned or unrolled, any sharding: one
-    tensor at a time is gathered to the host."""
+    tensor at a time is gathered to the host.
+
+    Args:
+        model: the model.
+        directory: the directory to write.
+        family: the family to write it as, or None (the one that fits).
+        extra_config: more config.json fields, or None.
+        max_shard_bytes: the largest safetensors file.
+
+    Returns:
+        `directory`.
+
+    Raises:
+        UnsupportedCheckpoint: no family expresses the model.
+    """
     from safetensors.numpy import save_file
 
     cfg = model.cfg
@@ -840,7 +991,15 @@ PEFT_PLAIN = (
 
 @dataclasses.dataclass(frozen=True)
 class PeftModule:
-    """One adaptable hub module of one layer: its full name, its name in target_modules, the rule of its weight."""
+    """One adaptable hub module of one layer: its full name, its name in target_modules, the rule of its weight.
+
+    Attributes:
+        name: the module's full name ("transformer.h.0.attn.c_attn").
+        target: its name in target_modules ("c_attn").
+        rule: the rule of its weight (ours: the kernels it holds).
+        pattern: a regex of its name in every layer, the base model's prefix left out.
+        suffix: its name after the layer index ("attn.c_attn").
+    """
 
     name: str  # "transformer.h.0.attn.c_attn"
     target: str  # "c_attn"
@@ -850,7 +1009,18 @@ class PeftModule:
 
 
 def peft_modules(family: str, cfg: ModelConfig) -> list[PeftModule]:
-    """Every module of the model that `PEFT_MODULES` lets a PEFT adapter adapt, layer by layer."""
+    """Every module of the model that `PEFT_MODULES` lets a PEFT adapter adapt, layer by layer.
+
+    Args:
+        family: the base's model_type.
+        cfg: the base's config.
+
+    Returns:
+        The modules.
+
+    Raises:
+        UnsupportedCheckpoint: a family PEFT adapters are not read for.
+    """
     if family not in PEFT_MODULES:
         raise UnsupportedCheckpoint(
             f"PEFT adapters for {family} are not supported (jaxformer reads {list(PEFT_MODULES)})"
@@ -892,7 +1062,20 @@ def _targeted(target_modules, name: str, prefix: str = "") -> bool:
 def read_peft_config(directory: str | pathlib.Path, family: str, cfg: ModelConfig):
     """The LoRAConfig of the PEFT adapter in `directory` for a `family` model of `cfg`: rank, alpha,
     dropout, and the targets and stacks its target_modules adapt. What jaxformer's LoRA cannot
-    express (DoRA, per-module ranks, biases, modules to save, ...) fails with the field named."""
+    express (DoRA, per-module ranks, biases, modules to save, ...) fails with the field named.
+
+    Args:
+        directory: the PEFT adapter directory.
+        family: the base's model_type.
+        cfg: the base's config.
+
+    Returns:
+        lora (LoRAConfig): the adapter's LoRA section.
+
+    Raises:
+        FileNotFoundError: no adapter_config.json.
+        UnsupportedCheckpoint: a setting jaxformer's LoRA cannot express, named.
+    """
     from jaxformer import lora
     from jaxformer.config import LORA_TARGETS, LoRAConfig
 
@@ -955,7 +1138,21 @@ def _adapts(module: PeftModule, lora_cfg) -> bool:
 
 def load_peft(model: Transformer, directory: str | pathlib.Path, *, family: str, mesh=None) -> Transformer:
     """`model` (a `family` base) with the PEFT LoRA adapter in `directory` added (in place): its config
-    read by `read_peft_config`, its tensors checked against the base's shapes, the tensor named if not."""
+    read by `read_peft_config`, its tensors checked against the base's shapes, the tensor named if not.
+
+    Args:
+        model: the base model.
+        directory: the PEFT adapter directory.
+        family: the base's model_type.
+        mesh (jax.sharding.Mesh | None): the mesh to place the adapters on, or None.
+
+    Returns:
+        `model`, with the adapters.
+
+    Raises:
+        FileNotFoundError: no adapter_model.safetensors.
+        UnsupportedCheckpoint: a tensor missing, unplaced, or of the wrong shape, named.
+    """
     from jaxformer import lora
 
     cfg, directory = model.cfg, pathlib.Path(directory)
@@ -1029,7 +1226,21 @@ def save_peft(
     adapter_config.json and adapter_model.safetensors in peft's naming (A [r, in], B [out, r]),
     for the hub model `base` (base_model_name_or_path). A fused hub module whose parts hold one
     shared A is written at rank R; parts with their own A as one adapter of rank n*R, A stacked and
-    B block-diagonal, with peft's rank_pattern and alpha_pattern keeping the scale alpha / R."""
+    B block-diagonal, with peft's rank_pattern and alpha_pattern keeping the scale alpha / R.
+
+    Args:
+        model: the model with adapters.
+        lora_cfg (LoRAConfig): the LoRA section they were made with.
+        directory: the directory to write.
+        family: the family, or None (the one that fits).
+        base: the hub name of the base (base_model_name_or_path), or None.
+
+    Returns:
+        `directory`.
+
+    Raises:
+        UnsupportedCheckpoint: no adapters, or none that PEFT can name.
+    """
     from safetensors.numpy import save_file
 
     from jaxformer.config import LORA_MODEL_TARGETS
