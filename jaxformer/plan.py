@@ -56,7 +56,17 @@ from jaxformer.train import flops_per_example, make_steps
 @dataclasses.dataclass(frozen=True)
 class Target:
     """What to plan for: `count` devices of `chip`: a TPU slice's or GPU hosts' compile-only devices,
-    or fake CPUs."""
+    or fake CPUs.
+
+    Attributes:
+        name: as given: "tpu-v5p:4x4x4", "gpu-h100:2x8"
+        chip: the chip's row of the chip table (memory, peak, bandwidth).
+        count: the number of devices.
+        topology: the libtpu topology of a TPU target ("v5p:4x4x4")
+        gpu: the GPU XLA's GPU compiler compiles for (a key of gpu.SPECS: "h100")
+        hosts: a GPU target's machines, count // hosts GPUs each
+        note: why a GPU target is planned on fake CPUs
+    """
 
     name: str  # as given: "tpu-v5p:4x4x4", "gpu-h100:2x8"
     chip: chips.Chip
@@ -72,7 +82,11 @@ class Target:
         return self.topology is None and self.gpu is None
 
     def devices(self) -> list | None:
-        """The compile-only devices of the TPU slice or GPU hosts (None: this process's own, fake CPUs)."""
+        """The compile-only devices of the TPU slice or GPU hosts (None: this process's own, fake CPUs).
+
+        Returns:
+            devices (list | None): the compile-only devices, or None.
+        """
         from jaxformer import gpu, tpu
 
         if self.gpu:
@@ -99,7 +113,17 @@ def _gpu_target(name: str, chip: chips.Chip, hosts: int, per_host: int) -> Targe
 
 def parse_target(name: str) -> Target:
     """ "tpu-v4:4x4x8" (any topology libtpu names: v4, v5e, v5p, v6e), "gpu-h100:4x8" (4 hosts of 8
-    GPUs: h100, h200, a100-40g, a100-80g), or "gpu-CHIPxN" (N GPUs of one host, any GPU of the chip table)."""
+    GPUs: h100, h200, a100-40g, a100-80g), or "gpu-CHIPxN" (N GPUs of one host, any GPU of the chip table).
+
+    Args:
+        name: the target, as `--target` takes it.
+
+    Returns:
+        The `Target`.
+
+    Raises:
+        ConfigError: an unknown chip or topology, named.
+    """
     if name.startswith("tpu-"):
         from jaxformer import tpu
 
@@ -132,7 +156,46 @@ def parse_target(name: str) -> Target:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Per-device bytes of one compiled training step, and what follows for a device memory."""
+    """Per-device bytes of one compiled training step, and what follows for a device memory.
+
+    Attributes:
+        devices: the number of devices planned for.
+        mesh: the mesh's axis sizes, by name.
+        batch_size: the global batch the figures are for.
+        parameters: this device's shards of the trained parameters (LoRA: the adapters)
+        optimizer_state: this device's shards of the optimizer state, bytes.
+        gradients: the parameters' size: float32 gradients, sharded alike
+        activations: XLA's temporaries less the gradients: activations kept for the backward pass, workspace
+        arguments: XLA's memory analysis of the compiled step, per device
+        outputs: the step's outputs, bytes per device.
+        aliased: outputs written into donated arguments
+        temporaries: XLA's temporaries, bytes per device.
+        code: the compiled program, bytes.
+        peak: arguments + outputs - aliased + temporaries + code
+        flops_per_device: XLA's cost analysis of the partitioned step (NaN: none, a deviceless GPU compile)
+        model_flops: the model's FLOPs per step, all devices (3 x forward, as MFU counts them)
+        device_memory: the memory of one device, bytes (None: not known).
+        fits: whether the peak fits in device_memory (None: not known).
+        largest_batch: the largest batch (a multiple of the batch shards) that fits
+        refused_batch: the smallest batch the search found not to fit (None: none tried)
+        target: "tpu-v5p:4x4x4", "gpu-h100x8"; None: this process's devices
+        chip: the chip table's name, when the devices are a chip it knows
+        eval_peak: the evaluation step's peak bytes per device, same batch
+        bytes_accessed: per device and step, XLA's cost analysis (else arguments + outputs)
+        tokens_per_step: predicted (target) tokens of a global batch
+        compute_seconds: flops_per_device / the chip's dense peak in the compute dtype
+        memory_seconds: bytes_accessed / the chip's memory bandwidth
+        step_seconds: roofline lower bound: the larger of the two
+        tokens_per_second: at that bound: an upper bound
+        mfu_ceiling: model FLOPs / (devices x peak x step_seconds)
+        compile_seconds: all compiles of this plan (train, eval, the batches tried)
+        cached_steps: steps whose figures were read from the plan cache, not compiled
+        requested_batch: the configured batch; batch_size differs when it did not compile
+        over_memory: the TPU compiler's refusal of the configured batch
+        attention_kernels: fused attention kernels in the training step: splash (TPU), cuDNN's (GPU)
+        frozen: LoRA: this device's shards of the frozen base, in the compute dtype (or int8)
+        frozen_storage: LoRA: how the frozen base is stored ("bfloat16"; "int8 + float32 scales")
+    """
 
     devices: int
     mesh: dict
@@ -172,11 +235,20 @@ class Plan:
     frozen_storage: str = ""  # LoRA: how the frozen base is stored ("bfloat16"; "int8 + float32 scales")
 
     def as_dict(self) -> dict:
-        """The plan's fields, a figure nobody gave (NaN: XLA's FLOPs from a deviceless GPU compile) as None."""
+        """The plan's fields, a figure nobody gave (NaN: XLA's FLOPs from a deviceless GPU compile) as None.
+
+        Returns:
+            field -> value.
+        """
         nan = lambda v: isinstance(v, float) and math.isnan(v)
         return {k: None if nan(v) else v for k, v in dataclasses.asdict(self).items()}
 
     def table(self) -> str:
+        """The plan as the table `jaxformer plan` prints: each figure per device, with its share of memory.
+
+        Returns:
+            The table, one string of lines.
+        """
         gb = lambda b: f"{b / 1e9:9.3f} GB"
         share = lambda b: f"   {100 * b / self.device_memory:5.1f}% of memory" if self.device_memory else ""
         mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items())
@@ -241,7 +313,14 @@ def kernel_calls(lowered_text: str) -> int:
 
     Counted here rather than in the compiled program's text: on a slice with SparseCores (v5p) the
     TPU compiler offloads embedding gathers as async ops that jaxlib's HLO reader refuses (a RET_CHECK
-    with a C++ stack trace on stderr) when asked for that text."""
+    with a C++ stack trace on stderr) when asked for that text.
+
+    Args:
+        lowered_text: the lowered program's StableHLO text.
+
+    Returns:
+        The count.
+    """
     own: dict[str, int] = {}
     calls: dict[str, list[str]] = {}
     name = None
@@ -263,12 +342,29 @@ def kernel_calls(lowered_text: str) -> int:
 
 
 def cudnn_calls(compiled_text: str) -> int:
-    """cuDNN fused attention calls (forward and backward, `__cudnn$fmha...`) in a compiled GPU program's text."""
+    """cuDNN fused attention calls (forward and backward, `__cudnn$fmha...`) in a compiled GPU program's text.
+
+    Args:
+        compiled_text: the compiled program's HLO text.
+
+    Returns:
+        The count.
+    """
     return len(re.findall(r'custom_call_target="__cudnn\$fmha', compiled_text))
 
 
 def parse_bytes(text: str) -> float:
-    """ "80GB", "80 GiB", "16G", "1.5e10" -> bytes (GB = 1e9, GiB = 2**30)."""
+    """ "80GB", "80 GiB", "16G", "1.5e10" -> bytes (GB = 1e9, GiB = 2**30).
+
+    Args:
+        text: a size.
+
+    Returns:
+        Bytes.
+
+    Raises:
+        ConfigError: not a size.
+    """
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\s*(?:([kmgt])(i?)b?|b?)\s*", text, re.IGNORECASE)
     if not m:
         raise ConfigError(f"--device-memory: cannot read {text!r} as a size (e.g. 80GB, 16GiB)")
@@ -278,7 +374,16 @@ def parse_bytes(text: str) -> float:
 
 
 def abstract_batch(cfg: Config, batch_size: int, mesh) -> dict:
-    """ShapeDtypeStructs of a global training batch of `cfg`'s objective, sharded over the batch axes."""
+    """ShapeDtypeStructs of a global training batch of `cfg`'s objective, sharded over the batch axes.
+
+    Args:
+        cfg: the run's config.
+        batch_size: the global batch.
+        mesh (jax.sharding.Mesh): the mesh.
+
+    Returns:
+        key -> jax.ShapeDtypeStruct ([B, T] and others).
+    """
     d, objective = cfg.data, cfg.train.objective
     rows = sharding.batch_sharding(mesh)
     shaped = lambda *shape, dtype=np.int32: jax.ShapeDtypeStruct((batch_size, *shape), dtype, sharding=rows)
@@ -296,7 +401,15 @@ def abstract_batch(cfg: Config, batch_size: int, mesh) -> dict:
 
 
 def with_shardings(abstract, shardings):
-    """The abstract state (or parameters) with each leaf's sharding: what `jit(...).lower` compiles for."""
+    """The abstract state (or parameters) with each leaf's sharding: what `jit(...).lower` compiles for.
+
+    Args:
+        abstract (object): a pytree of ShapeDtypeStructs.
+        shardings (object): the same pytree of shardings.
+
+    Returns:
+        tree (object): the pytree of sharded ShapeDtypeStructs.
+    """
     leaves, treedef = jax.tree.flatten(abstract)
     shaped = zip(leaves, jax.tree.leaves(shardings), strict=True)
     return treedef.unflatten([jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in shaped])
@@ -328,6 +441,23 @@ def plan(
     hears of each compile. Up to `jobs` steps compile side by side, each on its own thread: the
     evaluation step beside the training step, and the search's next try beside the one that would
     follow it. Each compiled step's figures are kept in `cache_dir()`.
+
+    Args:
+        cfg: the run's config.
+        device_memory: bytes of one device, or None (the target chip's, or unknown).
+        batch_size: the global batch, or None (`train.batch_size`).
+        target: the TPU slice or GPUs, or None (this process's devices).
+        largest: search for the largest batch that fits.
+        progress (Callable[[str], None] | None): told of each compile, or None.
+        within: the search's precision, a fraction.
+        jobs: compiles side by side.
+
+    Returns:
+        The `Plan`.
+
+    Raises:
+        ConfigError: the mesh does not fit the target, or no batch fits, named.
+        ValueError: jobs < 1.
     """
     if jobs < 1:
         raise ValueError(f"jobs: at least one compile at a time, got {jobs}")
@@ -457,7 +587,19 @@ def plan(
 @dataclasses.dataclass(frozen=True)
 class Compiled:
     """What a plan reads from one compiled step, per device: XLA's memory and cost analyses, the
-    fused attention kernels, or the TPU compiler's refusal of a program over its memory."""
+    fused attention kernels, or the TPU compiler's refusal of a program over its memory.
+
+    Attributes:
+        arguments: arguments, bytes per device.
+        outputs: outputs, bytes per device.
+        aliased: outputs written into donated arguments
+        temporaries: temporaries, bytes per device.
+        code: the compiled program, bytes.
+        flops: XLA's FLOPs per device (NaN: none).
+        bytes_accessed: XLA's bytes accessed per device (NaN: none).
+        kernels: Pallas kernel calls in the step (`kernel_calls`), or cuDNN attention calls (`cudnn_calls`)
+        refused: the compiler's out-of-memory message: nothing else is known
+    """
 
     arguments: int = 0
     outputs: int = 0
@@ -476,7 +618,15 @@ class Compiled:
 
     @classmethod
     def of(cls, lowered, gpu: bool = False) -> Compiled:
-        """The figures of `lowered` compiled; `gpu`: for GPUs, whose attention kernels show in the compiled text."""
+        """The figures of `lowered` compiled; `gpu`: for GPUs, whose attention kernels show in the compiled text.
+
+        Args:
+            lowered (jax.stages.Lowered): a lowered step.
+            gpu: compiled for GPUs.
+
+        Returns:
+            The figures.
+        """
         try:
             compiled = lowered.compile()
         except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program over its HBM
@@ -497,7 +647,11 @@ class Compiled:
 def cache_dir() -> pathlib.Path | None:
     """Where the figures of compiled steps are kept: $JAXFORMER_PLAN_CACHE (empty: nowhere), else
     $XDG_CACHE_HOME/jaxformer/plan or ~/.cache/jaxformer/plan. A plan compiled once is read back in
-    seconds; a TPU compile-only executable cannot be kept by JAX's own cache (it cannot be loaded)."""
+    seconds; a TPU compile-only executable cannot be kept by JAX's own cache (it cannot be loaded).
+
+    Returns:
+        The directory, or None (nothing kept).
+    """
     if (path := os.environ.get("JAXFORMER_PLAN_CACHE")) is not None:
         return pathlib.Path(path) if path else None
     return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "jaxformer" / "plan"

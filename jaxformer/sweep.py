@@ -70,7 +70,11 @@ EVAL_METRICS = {"loss": "minimize", "nll": "minimize", "perplexity": "minimize",
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """One of the given values (any type the field takes)."""
+    """One of the given values (any type the field takes).
+
+    Args:
+        *values (object): the values.
+    """
 
     values: tuple
 
@@ -80,7 +84,14 @@ class Choice:
 
 @dataclasses.dataclass(frozen=True)
 class Range:
-    """A number in [low, high], uniform or log-uniform; integers for an int field (`step` apart)."""
+    """A number in [low, high], uniform or log-uniform; integers for an int field (`step` apart).
+
+    Attributes:
+        low: the lowest value.
+        high: the highest value.
+        log: log-uniform.
+        step: the spacing of an int field's values.
+    """
 
     low: float
     high: float
@@ -90,6 +101,23 @@ class Range:
 
 @dataclasses.dataclass(frozen=True)
 class Sweep:
+    """A hyperparameter search over an experiment: what `get_sweep()` of a sweep file returns.
+
+    Attributes:
+        base: experiment name (experiments/NAME.py) or a path to one.
+        space: "section.field" -> `Choice` or `Range`, the fields searched.
+        fixed: "section.field" -> value, the same in every trial.
+        strategy: "grid", "random" or "tpe".
+        trials: the number of trials.
+        metric: an eval metric training reports: loss, nll, perplexity, accuracy.
+        direction: "minimize" or "maximize"; None: the metric's natural one.
+        prune: median pruner over the evaluations reported during training.
+        seed: the seed of the planned trials and of TPE.
+        heartbeat: seconds; a trial whose worker has been silent 3 heartbeats is retried.
+        patience: seconds a worker waits for a lost database to come back before it stops.
+        devices: accelerators per trial: `--workers auto` runs one worker per `devices` of them.
+    """
+
     base: str  # experiment name (experiments/NAME.py) or a path to one
     space: dict[str, Choice | Range]
     fixed: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -115,7 +143,15 @@ def _numeric(hint) -> type | None:
 
 
 def check(sweep: Sweep, base: Config) -> None:
-    """Every mistake a sweep file can make, named, before any trial starts."""
+    """Every mistake a sweep file can make, named, before any trial starts.
+
+    Args:
+        sweep: the sweep.
+        base: its base config.
+
+    Raises:
+        ConfigError: an empty or invalid space, a field both searched and fixed, a bad setting, named.
+    """
     require(sweep.space, "space", "is empty: name at least one field to search over")
     require(sweep.trials >= 1, "trials", f"must be >= 1, got {sweep.trials}")
     require(sweep.heartbeat >= 1, "heartbeat", f"must be >= 1 second, got {sweep.heartbeat}")
@@ -150,7 +186,19 @@ def check(sweep: Sweep, base: Config) -> None:
 def load(path: str | pathlib.Path, overrides: list[str] = (), trials: int | None = None) -> tuple[Sweep, Config]:
     """The sweep of a sweep file and its (fixed-overridden) base config, checked. `overrides`
     (`section.field=value`, the command line's --set) join the sweep's fixed values and `trials`
-    replaces its count: a sweep shrunk to try it (a few short trials) without editing its file."""
+    replaces its count: a sweep shrunk to try it (a few short trials) without editing its file.
+
+    Args:
+        path: the sweep file.
+        overrides: "section.field=value" strings fixed in every trial.
+        trials: the number of trials, or None (the file's).
+
+    Returns:
+        (sweep, base config).
+
+    Raises:
+        ConfigError: the file, an override or the sweep is invalid, named.
+    """
     sweep = call_file(path, "get_sweep", "sweep")
     require(isinstance(sweep, Sweep), "get_sweep()", f"returned {type(sweep).__name__}, not jaxformer.sweep.Sweep")
     given = parse_overrides(list(overrides))
@@ -181,6 +229,15 @@ def _values(sweep: Sweep, params: dict) -> dict:
 
 
 def storage_url(workdir: pathlib.Path, storage: str | None) -> str:
+    """The Optuna storage URL: `storage`, else a SQLite file in the sweep's workdir.
+
+    Args:
+        workdir: the sweep's directory.
+        storage: a storage URL, or None.
+
+    Returns:
+        The URL.
+    """
     return storage or f"sqlite:///{workdir.resolve() / 'sweep.db'}"
 
 
@@ -297,7 +354,14 @@ def _startup(sweep: Sweep) -> int:
 def planned_trials(sweep: Sweep) -> list[dict]:
     """The sweep's trials as Optuna stores their parameters (choices by index), fixed up front
     from `sweep.seed`: the grid's points in a shuffled order, or random draws; TPE's trials after
-    its random start are `{}`, sampled when they start, from the results then known."""
+    its random start are `{}`, sampled when they start, from the results then known.
+
+    Args:
+        sweep: the sweep.
+
+    Returns:
+        One parameter dict per trial.
+    """
     import optuna
 
     if sweep.strategy == "grid":
@@ -320,7 +384,22 @@ def open_study(sweep: Sweep, name: str, url: str, create: bool = False, worker: 
     made with its planned trials queued (the one command that wins the race to create it queues
     them; the others wait for the queue).
     TPE samples with a seed drawn from (sweep.seed, trials so far, `worker`): workers started
-    together, or a sweep started again, would otherwise propose the same parameters."""
+    together, or a sweep started again, would otherwise propose the same parameters.
+
+    Args:
+        sweep: the sweep.
+        name: the study's name.
+        url: the storage URL.
+        create: create the study (and queue its planned trials).
+        worker: what makes this worker's TPE seed its own.
+        storage (optuna.storages.BaseStorage | None): an open storage, or None (open `url`).
+
+    Returns:
+        study (optuna.Study): the study.
+
+    Raises:
+        ConfigError: no such study yet, or one with another definition.
+    """
     import numpy as np
     import optuna
 
@@ -424,7 +503,17 @@ def _heartbeat(storage, trial_id: int, interval: float):
 def work(sweep: Sweep, base: Config, workdir: pathlib.Path, url: str, name: str, worker: int = 0, shared=False):
     """Take trials from the sweep's queue and train them until the queue is empty and no trial
     runs anywhere (a dead worker's trial comes back to the queue). `worker` numbers this machine's
-    processes; a `shared` storage may have workers on other machines too."""
+    processes; a `shared` storage may have workers on other machines too.
+
+    Args:
+        sweep: the sweep.
+        base: its base config.
+        workdir: the sweep's directory.
+        url: the storage URL.
+        name: the study's name.
+        worker: this worker's number on this machine.
+        shared (bool): the storage is shared with other machines.
+    """
     import optuna
 
     from jaxformer.observe import curve, read_metrics
@@ -506,7 +595,11 @@ def work(sweep: Sweep, base: Config, workdir: pathlib.Path, url: str, name: str,
 
 def local_devices() -> tuple[str, list[str]]:
     """This machine's accelerator platform and device (GPU) or chip (TPU) ids as the pinning
-    variables name them, asked of JAX in a child process (so this one holds no accelerator)."""
+    variables name them, asked of JAX in a child process (so this one holds no accelerator).
+
+    Returns:
+        (platform, ids).
+    """
     probe = (
         "import jax; ds = jax.local_devices(); chips = {tuple(getattr(d, 'coords', None) or (d.id,)) for d in ds}; "
         "print(ds[0].platform, len(chips) if ds[0].platform == 'tpu' else len(ds))"
@@ -524,7 +617,19 @@ TPU_CHIP_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1"}  # chips of one worker, a
 
 def pin(platform: str, ids: list[str], per_trial: int) -> list[dict[str, str]]:
     """The environment of each worker of one machine: one worker per `per_trial` devices, each
-    seeing only its own (devices left over are idle). CPU: one worker, nothing pinned."""
+    seeing only its own (devices left over are idle). CPU: one worker, nothing pinned.
+
+    Args:
+        platform: "cpu", "gpu" or "tpu".
+        ids: the device ids.
+        per_trial: devices per trial.
+
+    Returns:
+        One environment (variable -> value) per worker.
+
+    Raises:
+        ConfigError: more devices per trial than the machine has, or a platform with no pinning.
+    """
     if platform == "cpu":
         return [{}]
     require(
@@ -561,7 +666,24 @@ def run(
 ) -> list:
     """`jaxformer sweep`: check the sweep, run it with `workers` processes (`auto`: one per
     accelerator group), report the results. (`worker=i`: be worker i of a multi-process sweep:
-    run trials, report nothing.) `overrides` and `trials` shrink or change it (see `load`)."""
+    run trials, report nothing.) `overrides` and `trials` shrink or change it (see `load`).
+
+    Args:
+        path: the sweep file.
+        workdir: the sweep's directory.
+        workers: processes on this machine, or "auto".
+        storage: a storage URL, or None (SQLite in the workdir).
+        worker: be worker i of a multi-process sweep, or None.
+        overrides: "section.field=value" strings fixed in every trial.
+        trials: the number of trials, or None.
+
+    Returns:
+        The results' rows (see `results`).
+
+    Raises:
+        ConfigError: the sweep or the worker count is invalid.
+        SystemExit: a worker process failed.
+    """
     if workers != "auto" and workers < 1:
         raise ConfigError(f"--workers: must be >= 1 or auto, got {workers}")
     sweep, base = load(path, overrides, trials)
@@ -597,7 +719,20 @@ def run(
 
 def status(path: str, workdir: str, storage: str | None = None, overrides: list[str] = ()) -> dict:
     """`jaxformer sweep --status`: trials done / running / pruned / failed, the best so far and
-    an ETA, read from the storage (starts nothing). Returns the counts printed."""
+    an ETA, read from the storage (starts nothing). Returns the counts printed.
+
+    Args:
+        path: the sweep file.
+        workdir: the sweep's directory.
+        storage: a storage URL, or None.
+        overrides: as `run` takes them.
+
+    Returns:
+        The counts by state.
+
+    Raises:
+        ConfigError: no sweep in the workdir yet.
+    """
     import datetime
 
     sweep, _ = load(path, overrides)
@@ -660,7 +795,17 @@ def _duration(seconds: float) -> str:
 
 def results(sweep: Sweep, name: str, url: str, root: pathlib.Path) -> list[dict]:
     """One row per trial, best first (complete by objective, then pruned, then failed); also
-    written to root/results.csv and drawn to root/objective.png and root/loss_curves.png."""
+    written to root/results.csv and drawn to root/objective.png and root/loss_curves.png.
+
+    Args:
+        sweep: the sweep.
+        name: the study's name.
+        url: the storage URL.
+        root: the sweep's directory.
+
+    Returns:
+        The rows.
+    """
     study = open_study(sweep, name, url)
     rank = {"COMPLETE": 0, "PRUNED": 1, "RUNNING": 2, "WAITING": 2, "FAIL": 3}
     sign = 1 if sweep.goal == "minimize" else -1
@@ -697,6 +842,12 @@ def _replacing(path: pathlib.Path):
 
 
 def print_table(rows: list[dict], sweep: Sweep) -> None:
+    """Print the results' rows as a table: trial, state, metric, the searched fields, steps, workdir.
+
+    Args:
+        rows: the rows of `results`.
+        sweep: the sweep.
+    """
     columns = ["trial", "state", sweep.metric, *sweep.space, "steps", "workdir"]
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
     cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
@@ -708,7 +859,13 @@ def print_table(rows: list[dict], sweep: Sweep) -> None:
 
 def plot(rows: list[dict], sweep: Sweep, root: pathlib.Path) -> None:
     """objective.png: the objective against each parameter (complete trials filled, pruned hollow);
-    loss_curves.png: each trial's eval loss against step."""
+    loss_curves.png: each trial's eval loss against step.
+
+    Args:
+        rows: the rows of `results`.
+        sweep: the sweep.
+        root: the directory to write the PNGs to.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
