@@ -545,6 +545,9 @@ class MultiHeadAttention(nnx.Module):
             mask: which cache slots each query sees.
             positions_BT: [B, T] the new positions' indices.
             bias: attention logits bias broadcastable to [B, H, T, S_max], or None.
+
+        Returns:
+            (y_BTD, the updated cache).
         """
         start_B = positions_BT[:, 0]
         new = dict(zip("kv", self.project_kv(x_BTD, positions_BT), strict=True))  # [B, T, G, K]

@@ -207,6 +207,9 @@ class TransformerStack(nnx.Module):
             positions_BT: [B, T] their positions, or None.
             cache: the layers' caches.
             **layer_inputs (object): passed to every layer (memory keys and mask).
+
+        Returns:
+            (h_BTD, the updated caches).
         """
         mask = F.causal_cache_mask(positions_BT)
         positions_BT = default_positions(ids_BT) if positions_BT is None else positions_BT

@@ -513,6 +513,10 @@ def work(sweep: Sweep, base: Config, workdir: pathlib.Path, url: str, name: str,
         name: the study's name.
         worker: this worker's number on this machine.
         shared (bool): the storage is shared with other machines.
+
+    Raises:
+        SystemExit: code 0 when a trial was preempted (SIGTERM) after saving: the worker stops and
+            another resumes the trial.
     """
     import optuna
 

@@ -1,9 +1,9 @@
 """Docstrings complete where the API reference shows them: every public function, method and class of each
 module with a page in docs/api/ has a docstring whose Args (Google style, as mkdocstrings renders it) name
-every parameter of its signature, and griffe (the reader the docs site uses, run here on the source, no
-JAX imported) has nothing to warn about in it: the strict site build would fail on the same warnings.
-
-Returns and Raises are written where a function returns or raises something, but not checked here.
+every parameter of its signature, a Returns section when its return annotation is not None, a Raises
+section when its body raises, and griffe (the reader the docs site uses, run here on the source, no JAX
+imported) has nothing to warn about in it: the strict site build would fail on the same warnings.
+*args and **kwargs may go undocumented; a dataclass's fields count as documented under Attributes.
 """
 
 import logging
@@ -70,7 +70,8 @@ def test_public_names_have_complete_docstrings(package, module):
             if not obj.docstring:
                 problems.append(f"{obj.path}: no docstring")
                 continue
-            documented = _documented(obj.docstring.parse("google"))
+            sections = obj.docstring.parse("google")
+            documented, kinds = _documented(sections), {s.kind.value for s in sections}
             parameters = obj.parameters if obj.is_function or obj.is_class else []
             missing = [
                 p.name
@@ -81,6 +82,11 @@ def test_public_names_have_complete_docstrings(package, module):
             ]
             if missing:
                 problems.append(f"{obj.path}: Args does not document {', '.join(missing)}")
+            if obj.is_function and "property" not in obj.labels:
+                if str(obj.returns or "None") != "None" and "returns" not in kinds:
+                    problems.append(f"{obj.path}: returns {obj.returns}, but its docstring has no Returns")
+                if re.search(r"^\s+raise \w", "\n".join(obj.lines), re.M) and "raises" not in kinds:
+                    problems.append(f"{obj.path}: raises, but its docstring has no Raises")
     finally:
         logger.removeHandler(handler)
     problems += [f"griffe: {w}" for w in warnings]
