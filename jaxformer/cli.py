@@ -360,7 +360,11 @@ def _print_report(objective: str, report: dict) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `jaxformer` command line: one subcommand each (docs/cli.md is generated from it)."""
-    parser = argparse.ArgumentParser(prog="jaxformer", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="jaxformer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="jaxformer COMMAND --help: what a command does, its options and an example.\n"
+        "jaxformer config EXPERIMENT: every config field with its value, type and meaning.",
+    )  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train an experiment in a workdir")
     train.add_argument("--config", help="experiments/NAME.py (default: the workdir's own config.json)")

@@ -104,7 +104,8 @@ def config_page() -> str:
         "A run is one frozen `jaxformer.config.Config`: a section per table below, each a frozen dataclass "
         "checked when it is built, so a wrong name, type or value fails with the field named before anything "
         "compiles. An experiment file returns one; `--set SECTION.FIELD=VALUE` on the [command line](cli.md) "
-        "overrides a field (tuples as comma-separated values, `None` as `none`). "
+        "overrides a field (tuples as comma-separated values, `None` as `none`); `jaxformer config EXPERIMENT "
+        "[--set ...]` prints every field with the value it takes in that run, its type and this meaning. "
         "The classes and helpers are in the [API reference](api/config.md).",
         "",
     ]
