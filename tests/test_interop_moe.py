@@ -10,7 +10,10 @@ other direction, transformers reading what `save_hf` writes: `make_moe_golden.py
 
 import dataclasses
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -23,6 +26,21 @@ from jaxformer.interop import hf
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 FAMILIES = {"mixtral": "mixtral", "switch": "switch_transformers"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sharded_load():
+    """The 8-device sharded loads (tests/sharded_worker.py hf_moe), started first in a process of its
+    own (the device count is fixed when JAX starts) so that it runs while the tests below do."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    worker = pathlib.Path(__file__).parent / "sharded_worker.py"
+    proc = subprocess.Popen([sys.executable, str(worker), "hf_moe", str(GOLDEN)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    yield proc
+    if proc.poll() is None:  # bounded: never leave a worker behind
+        proc.kill()
+        proc.communicate()
 
 
 @pytest.fixture(scope="module")
@@ -193,3 +211,18 @@ def test_what_jaxformer_cannot_express_is_refused_naming_the_field():
     # Switch's sparse layers every other one cannot be scanned (one layer body): refused, naming the field.
     with pytest.raises(ConfigError, match=r"model\.moe\.every: every=2 with scan_layers=True"):
         hf.config_from_hf(_golden_config("switch"), scan_layers=True)
+
+
+def test_a_sharded_load_onto_an_expert_axis_equals_one_device(sharded_load):
+    """Mixtral (unrolled and scanned) and Switch loaded straight onto fsdp=2 x expert=4: every parameter
+    equal to a one-device load, the experts split by expert (and fsdp), Mixtral's logits transformers'."""
+    out, err = sharded_load.communicate(timeout=600)
+    assert sharded_load.returncode == 0, err[-4000:]
+    r = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    assert r["mixtral_logits_diff"] < 1e-5
+    for name in ("mixtral", "mixtral_scanned", "switch"):
+        assert r[name]["max_abs_diff"] == 0.0 and r[name]["devices"] == list(range(8)), name
+    assert r["mixtral"]["specs"]["decoder.stack.layers.0.ffn.wi"] == "('expert', 'fsdp')"  # [E, D, F]
+    assert r["mixtral_scanned"]["specs"]["decoder.stack.layers.ffn.wi"] == "(None, 'expert', 'fsdp', 'tensor')"
+    assert r["switch"]["specs"]["encoder.stack.layers.1.ffn.wi"] == "('expert', 'fsdp', 'tensor')"  # sparse
+    assert r["switch"]["specs"]["encoder.stack.layers.0.ffn.wi"] == "('fsdp', 'tensor')"  # dense [D, F]
