@@ -8,7 +8,7 @@
     python tests/sharded_worker.py moe                     # MoE training with expert parallelism vs 1 device
     python tests/sharded_worker.py hf_moe GOLDEN           # Mixtral, Switch loaded onto fsdp=2 x expert=4
 
-Prints one JSON line of results for tests/test_sharding.py to check.
+Prints one JSON line of results for tests/test_sharding.py (hf_moe: tests/test_interop_moe.py) to check.
 """
 
 from __future__ import annotations
