@@ -116,7 +116,9 @@ class CheckpointWriteError(OSError):
 # Model fields that do not change the parameters' shapes or layout: a run may resume with them changed.
 RUNTIME_MODEL_FIELDS = {"dtype", "attention_impl", "remat", "check_token_ids", "dropout_rate", "attention_dropout_rate"}
 # Of model.moe: how tokens are routed and weighed, not which parameters there are.
-RUNTIME_MOE_FIELDS = {"router", "capacity_factor", "router_noise", "z_loss_weight", "aux_loss_weight"}
+RUNTIME_MOE_FIELDS = {
+    "router", "capacity_factor", "expert_capacity", "router_noise", "z_loss_weight", "aux_loss_weight"
+}  # fmt: skip
 
 
 def model_layout(model) -> dict:

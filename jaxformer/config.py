@@ -111,6 +111,9 @@ class MoEConfig:
     # 0 = dropless (tokens sorted by expert, a grouped matmul); > 0: each expert takes at most
     # ceil(capacity_factor * T * k / E) tokens of a row, the rest skip the FFN (Switch: 1.25)
     capacity_factor: float = 0.0
+    # > 0: each expert takes at most this many tokens of a row, whatever the row's length (Hugging Face
+    # Switch Transformers' expert_capacity); instead of capacity_factor, which must then be 0
+    expert_capacity: int = 0
     router_noise: float = 0.0  # Switch's jitter: router inputs times U(1 - eps, 1 + eps) while training
     z_loss_weight: float = 0.0  # router z-loss (ST-MoE: 1e-3): mean log(sum exp logits)^2
     aux_loss_weight: float = 0.0  # load-balancing loss (Switch: 1e-2): E * sum_e f_e P_e
@@ -131,6 +134,13 @@ class MoEConfig:
         for name in ("capacity_factor", "z_loss_weight", "aux_loss_weight"):
             value = getattr(self, name)
             require(0 <= value < math.inf, f"{p}.{name}", f"must be >= 0, got {value}")
+        require(self.expert_capacity >= 0, f"{p}.expert_capacity", f"must be >= 0, got {self.expert_capacity}")
+        require(
+            not (self.expert_capacity and self.capacity_factor),
+            f"{p}.expert_capacity",
+            f"expert_capacity={self.expert_capacity} and capacity_factor={self.capacity_factor} both set the "
+            "capacity: give one (the other 0)",
+        )
         require(0 <= self.router_noise < 1, f"{p}.router_noise", f"must be in [0, 1), got {self.router_noise}")
         if self.num_experts:
             require(

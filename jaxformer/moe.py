@@ -357,8 +357,9 @@ class MoEFeedForward(nnx.Module):
             "load_balance_loss": load_balance_loss(probs_BTE, experts_BTA, live_BT),
         }
         w = self.kernels()
-        if moe.capacity_factor:
-            slots = capacity(T, k, E, moe.capacity_factor)
+        if moe.capacity_factor or moe.expert_capacity:
+            # expert_capacity: fixed slots per row (an expert gets at most T pairs of a row: more is waste)
+            slots = min(moe.expert_capacity, T) if moe.expert_capacity else capacity(T, k, E, moe.capacity_factor)
             dispatch_BTEP, combine_BTEP, dropped, assigned = dispatch_capacity(
                 weights_BTA, experts_BTA, E, slots, live_BT
             )

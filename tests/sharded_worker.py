@@ -6,8 +6,9 @@
     python tests/sharded_worker.py remesh DIR              # save under FSDP=8, restore on DP=4 and on 1
     python tests/sharded_worker.py hf DIR                  # a Hugging Face checkpoint loaded onto FSDP=4 x TP=2
     python tests/sharded_worker.py moe                     # MoE training with expert parallelism vs 1 device
+    python tests/sharded_worker.py hf_moe GOLDEN           # Mixtral, Switch loaded onto fsdp=2 x expert=4
 
-Prints one JSON line of results for tests/test_sharding.py to check.
+Prints one JSON line of results for tests/test_sharding.py (hf_moe: tests/test_interop_moe.py) to check.
 """
 
 from __future__ import annotations
@@ -288,6 +289,49 @@ def hf_sharded(directory: str) -> dict:
     return out
 
 
+def hf_moe_sharded(golden: str) -> dict:
+    """The golden Mixtral (unrolled and scanned) and Switch checkpoints loaded straight onto an
+    fsdp=2 x expert=4 mesh: Mixtral's logits against transformers' (the golden file), every
+    parameter against the same checkpoint loaded onto one device, and where the experts landed."""
+    import pathlib
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxformer import sharding
+    from jaxformer.config import MeshConfig
+    from jaxformer.interop.hf import load_hf
+
+    def flat(model):
+        return {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+    mesh_cfg = MeshConfig(fsdp=2, expert=4)
+    mesh = sharding.make_mesh(mesh_cfg)
+    out = {}
+    for name, family, scan in (("mixtral", "mixtral", False), ("mixtral_scanned", "mixtral", True),
+                               ("switch", "switch", False)):  # fmt: skip
+        directory = pathlib.Path(golden) / family
+        reference = flat(load_hf(directory, scan_layers=scan))
+        with sharding.use(mesh, sharding.rules_for(mesh_cfg)):
+            model = load_hf(directory, mesh=mesh, scan_layers=scan)
+            if name == "mixtral":
+                ref = np.load(directory / "logits.npz")
+                with jax.default_matmul_precision("highest"):
+                    logits = nnx.jit(lambda m, ids: m(ids))(model, jnp.asarray(ref["input_ids"]))
+                out["mixtral_logits_diff"] = float(np.abs(np.asarray(logits) - ref["logits"]).max())
+        params = flat(model)
+        out[name] = {
+            "max_abs_diff": max(
+                float(np.abs(np.asarray(v) - np.asarray(reference[k])).max()) for k, v in params.items()
+            ),
+            "specs": {
+                k: str(tuple(v.sharding.spec)) for k, v in params.items() if k.endswith(("ffn.wi", "ffn.router"))
+            },
+            "devices": sorted({d.id for v in params.values() for d in v.sharding.device_set}),
+        }
+    return out
+
+
 def data_shares(mesh_shape, cache_dir: str) -> dict:
     """This process's rows of a few global batches of real data (pairs, bucketed; MLM, masked per
     row), read through the loader as `fit` reads them: {objective: [[example index, ...], ...]} and
@@ -332,6 +376,8 @@ def main() -> None:
         jax.distributed.shutdown()
     elif task == "hf":
         print(json.dumps(hf_sharded(sys.argv[2])))
+    elif task == "hf_moe":
+        print(json.dumps(hf_moe_sharded(sys.argv[2])))
     elif task == "moe":
         print(json.dumps(moe()))
     elif task == "remesh":

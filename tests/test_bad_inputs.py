@@ -66,6 +66,9 @@ def places(tmp_path_factory):
             "exp.py": "from jaxformer.config import TrainConfig\ndef get_config():\n    return TrainConfig(steps=0)\n"
         },
         "unknown_family": {"config.json": json.dumps({"model_type": "mamba", "vocab_size": 8})},
+        # Mixture-of-experts checkpoints asking for what jaxformer's MoE cannot do (the golden models' configs).
+        "mixtral_top5": {"config.json": json.dumps(_golden_config("mixtral") | {"num_experts_per_tok": 5})},
+        "switch_router_bias": {"config.json": json.dumps(_golden_config("switch") | {"router_bias": True})},
         "no_weights": {
             "config.json": json.dumps(
                 {"model_type": "gpt2", "vocab_size": 16, "n_embd": 8, "n_head": 2, "n_layer": 1, "n_positions": 16}
@@ -96,6 +99,10 @@ def places(tmp_path_factory):
     (root / "a_file").write_text("not a directory\n")
     peft = _peft_adapters(root)
     return {**{k: str(v) for k, v in paths.items()}, "tmp": str(root), **{k: str(root / k) for k in files}, **peft}
+
+
+def _golden_config(name: str) -> dict:
+    return json.loads((pathlib.Path(__file__).parent / "golden" / name / "config.json").read_text())
 
 
 def _peft_adapters(root):
@@ -161,6 +168,11 @@ CLI_CASES = [
     cli_case(TRAIN + "mesh.context=3", r"data\.max_len: 10 is not divisible by mesh\.context=3"),
     cli_case(TRAIN + "model.context_attention=stripes", r"model\.context_attention: 'stripes' is not one of the"),
     cli_case(TRAIN + "model.moe.num_experts=-1", r"model\.moe\.num_experts: must be >= 0 \(0 = dense\), got -1"),
+    cli_case(TRAIN + "model.moe.expert_capacity=-2", r"model\.moe\.expert_capacity: must be >= 0, got -2"),
+    cli_case(
+        TRAIN + "model.moe.expert_capacity=4 --set model.moe.capacity_factor=1.25",
+        r"model\.moe\.expert_capacity: expert_capacity=4 and capacity_factor=1\.25 both set the capacity",
+    ),
     cli_case(TRAIN + "train.loss_chunk=-5", r"train\.loss_chunk: must be tokens per chunk >= 0 \(0 = never chunk\)"),
     cli_case(TRAIN + "model.position=rotary", r"model\.position: 'rotary' is not one of the choices"),
     cli_case(TRAIN + "model.activation=swish", r"model\.activation: 'swish' is not one of the choices"),
@@ -411,6 +423,13 @@ CLI_CASES = [
         r"\S+no_weights holds neither model\.safetensors nor model\.safetensors\.index\.json",
     ),
     cli_case("import-hf {garbage} --workdir {tmp}/never", r"\S+config\.json is not JSON \(Expecting property name"),
+    cli_case(
+        "import-hf {mixtral_top5} --workdir {tmp}/never",
+        r"config\.json: num_experts_per_tok=5 must be in \[1, num_local_experts=4\]",
+    ),
+    cli_case(
+        "import-hf {switch_router_bias} --workdir {tmp}/never", r"config\.json: router_bias=True is not supported"
+    ),
     cli_case(
         "import-hf {peft_base} --workdir {tmp}/never --adapter {peft_other_base}",
         r"\S+adapter_model\.safetensors: base_model\.model\.transformer\.h\.0\.attn\.c_attn\.lora_A\.weight has shape "

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out: GPT-2, Llama, BERT, BART and T5.
+"""Hugging Face checkpoints in and out: GPT-2, Llama, BERT, BART, T5, and the mixtures of experts
+Mixtral and Switch Transformers.
 
 A Hugging Face model directory holds `config.json` and the weights in the hub's PyTorch naming,
 in `model.safetensors` or in shards listed by `model.safetensors.index.json`:
@@ -14,10 +15,11 @@ Each family is a table (`FAMILIES`): how its `config.json` reads as a `ModelConf
 one `Rule` per checkpoint tensor naming the jaxformer parameter(s) it is and how the layout
 changes. jaxformer's parameter paths are those of `nnx.to_flat_state(nnx.state(model))` for
 unrolled layers (docs/parameters.md); scanned stacks hold the same tensors stacked on a
-leading layer axis. Tensors are read one at a time, converted on the host and placed on their
-devices before the next is read (a scanned stack filled there layer by layer), so the host holds
-one tensor at a time, never the whole model. A checkpoint option jaxformer cannot express fails
-with the field named.
+leading layer axis. A mixture-of-experts layer stacks its experts' kernels on a leading expert
+axis: a rule's `ours` path ending in `[{e}]` is expert e's slice of it. Tensors are read one at a
+time, converted on the host and placed on their devices before the next is read (a stack filled
+there slice by slice), so the host holds one tensor at a time, never the whole model. A
+checkpoint option jaxformer cannot express fails with the field named.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxformer.config import ConfigError, ModelConfig
+from jaxformer.config import ConfigError, ModelConfig, MoEConfig
 from jaxformer.models import Transformer
 
 log = logging.getLogger("jaxformer.interop")
@@ -69,12 +71,16 @@ class Rule:
         "linear" (torch Linear [out, in]), "conv1d" (GPT-2's Conv1D [in, out]).
       inputs: linear/conv1d: how many leading axes of ours are input features (2 for an
         attention output [H, K, D]).
+      layers: the layers of its stack it is in: "all", or only those whose feed-forward is
+        "dense" or "moe" (`model.moe.every`). "{e}" in `theirs` stands for the expert index, and
+        `ours` then ends in "[{e}]": that expert's slice of the stacked kernel.
     """
 
     theirs: str
     ours: tuple[str, ...]
     layout: Literal["same", "vector", "row", "linear", "conv1d"] = "same"
     inputs: int = 1
+    layers: Literal["all", "dense", "moe"] = "all"
 
 
 def same(theirs: str, ours: str) -> Rule:
@@ -320,14 +326,21 @@ def _llama_hf(cfg: ModelConfig) -> dict:
     )  # fmt: skip
 
 
-def _llama_rules(cfg: ModelConfig) -> list[Rule]:
+def _llama_mlp(h: str, L: str) -> list[Rule]:
+    rules = []
+    for theirs, ours in (("gate_proj", "wi_gate"), ("up_proj", "wi"), ("down_proj", "wo")):
+        rules += dense(f"{h}.mlp.{theirs}", f"{L}.ffn.{ours}", bias=False)
+    return rules
+
+
+def _llama_rules(cfg: ModelConfig, ffn: Callable[[str, str], list[Rule]] = _llama_mlp) -> list[Rule]:
+    """Llama's tensors; `ffn(theirs, ours)` gives a layer's feed-forward rules (Mixtral's are experts)."""
     h, L = "model.layers.{i}", "decoder.stack.layers.{i}"
     rules = [same("model.embed_tokens.weight", "decoder.embed.embedding")]
     rules += norm(f"{h}.input_layernorm", f"{L}.self_attn_res.norm", bias=False)
     rules += attention(f"{h}.self_attn", f"{L}.self_attn", ("q_proj", "k_proj", "v_proj", "o_proj"), bias=False)
     rules += norm(f"{h}.post_attention_layernorm", f"{L}.ffn_res.norm", bias=False)
-    for theirs, ours in (("gate_proj", "wi_gate"), ("up_proj", "wi"), ("down_proj", "wo")):
-        rules += dense(f"{h}.mlp.{theirs}", f"{L}.ffn.{ours}", bias=False)
+    rules += ffn(h, L)
     rules += norm("model.norm", "decoder.final_norm", bias=False)
     return rules + ([] if cfg.tie_output else [Rule("lm_head.weight", ("lm_head.kernel",), "linear")])
 
@@ -467,7 +480,17 @@ def _t5_hf(cfg: ModelConfig) -> dict:
     )  # fmt: skip
 
 
-def _t5_rules(cfg: ModelConfig) -> list[Rule]:
+def _t5_ffn(cfg: ModelConfig, f: str, L: str) -> list[Rule]:
+    if cfg.activation == "geglu":
+        rules = dense(f"{f}.DenseReluDense.wi_0", f"{L}.ffn.wi_gate", bias=False)
+        rules += dense(f"{f}.DenseReluDense.wi_1", f"{L}.ffn.wi", bias=False)
+    else:
+        rules = dense(f"{f}.DenseReluDense.wi", f"{L}.ffn.wi", bias=False)
+    return rules + dense(f"{f}.DenseReluDense.wo", f"{L}.ffn.wo", bias=False)
+
+
+def _t5_rules(cfg: ModelConfig, ffn: Callable[[ModelConfig, str, str], list[Rule]] = _t5_ffn) -> list[Rule]:
+    """T5's tensors; `ffn(cfg, theirs, ours)` gives a layer's feed-forward rules (Switch's are experts)."""
     rules = [same("shared.weight", "decoder.embed.embedding")]
     qkvo = ("q", "k", "v", "o")
     for side in ("encoder", "decoder"):
@@ -482,15 +505,130 @@ def _t5_rules(cfg: ModelConfig) -> list[Rule]:
             rules += attention(f"{h}.{n}.{theirs}", f"{L}.{ours}", qkvo, bias=False)
             rules += norm(f"{h}.{n}.layer_norm", f"{L}.{ours}_res.norm", bias=False)
         f = f"{h}.{len(sublayers)}"
-        if cfg.activation == "geglu":
-            rules += dense(f"{f}.DenseReluDense.wi_0", f"{L}.ffn.wi_gate", bias=False)
-            rules += dense(f"{f}.DenseReluDense.wi_1", f"{L}.ffn.wi", bias=False)
-        else:
-            rules += dense(f"{f}.DenseReluDense.wi", f"{L}.ffn.wi", bias=False)
-        rules += dense(f"{f}.DenseReluDense.wo", f"{L}.ffn.wo", bias=False)
+        rules += ffn(cfg, f, L)
         rules += norm(f"{f}.layer_norm", f"{L}.ffn_res.norm", bias=False)
         rules += norm(f"{side}.final_layer_norm", f"{side}.final_norm", bias=False)
     return rules + ([] if cfg.tie_output else [Rule("lm_head.weight", ("lm_head.kernel",), "linear")])
+
+
+# ----------------------------------------------------------------------------- mixtures of experts
+
+
+def _experts(hf: dict, num_key: str) -> int:
+    """The checkpoint's expert count (`num_key`), checked."""
+    E = hf[num_key]
+    if not isinstance(E, int) or E < 1:
+        raise UnsupportedCheckpoint(f"config.json: {num_key}={E!r} must be a positive number of experts")
+    return E
+
+
+def _mixtral_config(hf: dict) -> dict:
+    # Mixtral's jitter (training only) scales the experts' inputs too, jaxformer's router_noise the router's alone.
+    _require(hf, "router_jitter_noise", (0, 0.0), 0.0)
+    sliding, longest = hf.get("sliding_window"), _get(hf, "max_position_embeddings", 2048)
+    if sliding is not None and sliding < longest:
+        raise UnsupportedCheckpoint(
+            f"config.json: sliding_window={sliding} (< max_position_embeddings={longest}) is not supported: "
+            "jaxformer's attention sees the whole causal prefix"
+        )
+    k = hf["num_experts_per_tok"]
+    E = _experts(hf, "num_local_experts")
+    if not isinstance(k, int) or not 1 <= k <= E:
+        raise UnsupportedCheckpoint(f"config.json: num_experts_per_tok={k!r} must be in [1, num_local_experts={E}]")
+    # transformers adds the load-balancing loss only with output_router_logits.
+    aux = float(_get(hf, "router_aux_loss_coef", 0.001)) if hf.get("output_router_logits") else 0.0
+    moe = MoEConfig(num_experts=E, experts_per_token=k, router="topk_softmax", aux_loss_weight=aux)
+    return _llama_config(hf) | dict(moe=moe)
+
+
+def _mixtral_hf(cfg: ModelConfig) -> dict:
+    moe = cfg.moe
+    hf = {k: v for k, v in _llama_hf(cfg).items() if k not in ("attention_bias", "mlp_bias")}
+    return hf | dict(
+        architectures=["MixtralForCausalLM"], num_local_experts=moe.num_experts,
+        num_experts_per_tok=moe.experts_per_token, router_jitter_noise=0.0, sliding_window=None,
+        output_router_logits=moe.aux_loss_weight > 0, router_aux_loss_coef=moe.aux_loss_weight,
+    )  # fmt: skip
+
+
+def _mixtral_experts(h: str, L: str) -> list[Rule]:
+    """Mixtral's sparse block: the router (gate) [E, D] and per expert w1 (the SiLU-gated half), w3 (up),
+    w2 (down), each expert's slice of our stacked kernels."""
+    m = f"{h}.block_sparse_moe"
+    rules = [Rule(f"{m}.gate.weight", (f"{L}.ffn.router",), "linear")]
+    for theirs, ours in (("w1", "wi_gate"), ("w3", "wi"), ("w2", "wo")):
+        rules.append(Rule(f"{m}.experts.{{e}}.{theirs}.weight", (f"{L}.ffn.{ours}[{{e}}]",), "linear"))
+    return rules
+
+
+def _switch_sparse_layers(num_layers: int, num_sparse: int) -> set[int]:
+    """The layers transformers makes sparse: every `step`-th from layer 1, step = num_layers // num_sparse
+    (num_sparse=0 gives step = num_layers, which still makes layer 1 sparse; step 1: every layer)."""
+    step = num_layers // num_sparse if num_sparse > 0 else num_layers
+    return {i for i in range(num_layers) if step > 0 and (step == 1 or i % step == 1)}
+
+
+def _moe_layers(num_layers: int, every: int) -> set[int]:
+    return {i for i in range(num_layers) if (i + 1) % every == 0}
+
+
+def _switch_config(hf: dict) -> dict:
+    _require(hf, "router_bias", (False,), False)
+    _require(hf, "router_dtype", ("float32",), "float32")  # jaxformer's router runs in float32
+    E = _experts(hf, "num_experts")
+    enc, dec = hf["num_layers"], _get(hf, "num_decoder_layers", hf["num_layers"])
+    theirs = (_switch_sparse_layers(enc, _get(hf, "num_sparse_encoder_layers", 3)),
+              _switch_sparse_layers(dec, _get(hf, "num_sparse_decoder_layers", 3)))  # fmt: skip
+    every = next((n for n in range(1, max(enc, dec) + 2) if (_moe_layers(enc, n), _moe_layers(dec, n)) == theirs), 0)
+    if not every:
+        raise UnsupportedCheckpoint(
+            f"config.json: num_sparse_encoder_layers / num_sparse_decoder_layers make layers {sorted(theirs[0])} "
+            f"(encoder) and {sorted(theirs[1])} (decoder) sparse: jaxformer's model.moe.every makes layers "
+            "every-1, 2*every-1, ... of both stacks sparse"
+        )
+    capacity = _get(hf, "expert_capacity", 64)
+    if not isinstance(capacity, int) or capacity < 1:
+        raise UnsupportedCheckpoint(f"config.json: expert_capacity={capacity!r} must be a positive number of tokens")
+    moe = MoEConfig(
+        num_experts=E, experts_per_token=1, every=every, router="softmax_topk", expert_capacity=capacity,
+        router_noise=float(_get(hf, "router_jitter_noise", 0.01)),
+        z_loss_weight=float(_get(hf, "router_z_loss_coef", 0.001)),
+        aux_loss_weight=float(_get(hf, "router_aux_loss_coef", 0.001)),
+    )  # fmt: skip
+    activation = ACTIVATIONS[_require(hf, "dense_act_fn", tuple(ACTIVATIONS), "relu")]
+    return _t5_config({k: v for k, v in hf.items() if k != "feed_forward_proj"}) | dict(activation=activation, moe=moe)
+
+
+def _switch_hf(cfg: ModelConfig) -> dict:
+    moe = cfg.moe
+    sparse = {}
+    for key, layers in (("num_sparse_encoder_layers", cfg.num_encoder_layers),
+                        ("num_sparse_decoder_layers", cfg.num_decoder_layers)):  # fmt: skip
+        ours = _moe_layers(layers, moe.every)
+        # The count of sparse layers when it says them (it may not: HF's num_sparse=0 makes layer 1 sparse).
+        counts = (len(ours), *range(layers + 1))
+        n = next((n for n in counts if _switch_sparse_layers(layers, n) == ours), None)
+        if n is None:
+            raise UnsupportedCheckpoint(f"model.moe.every={moe.every}: no {key} makes layers {sorted(ours)} sparse")
+        sparse[key] = n
+    hf = {k: v for k, v in _t5_hf(cfg.replace(activation="relu")).items() if k != "feed_forward_proj"}
+    return hf | sparse | dict(
+        architectures=["SwitchTransformersForConditionalGeneration"], dense_act_fn=ACTIVATION_NAMES[cfg.activation],
+        num_experts=moe.num_experts, expert_capacity=moe.expert_capacity, router_bias=False, router_dtype="float32",
+        router_jitter_noise=moe.router_noise, router_z_loss_coef=moe.z_loss_weight,
+        router_aux_loss_coef=moe.aux_loss_weight, router_ignore_padding_tokens=False,
+    )  # fmt: skip
+
+
+def _switch_ffn(cfg: ModelConfig, f: str, L: str) -> list[Rule]:
+    """Switch's feed-forward: dense (`mlp.wi`, `mlp.wo`) or sparse (a router and experts), per layer."""
+    dense_ffn = dense(f"{f}.mlp.wi", f"{L}.ffn.wi", bias=False) + dense(f"{f}.mlp.wo", f"{L}.ffn.wo", bias=False)
+    rules = [dataclasses.replace(r, layers="dense") for r in dense_ffn]
+    rules.append(Rule(f"{f}.mlp.router.classifier.weight", (f"{L}.ffn.router",), "linear", layers="moe"))
+    for name in ("wi", "wo"):
+        rules.append(Rule(f"{f}.mlp.experts.expert_{{e}}.{name}.weight", (f"{L}.ffn.{name}[{{e}}]",), "linear",
+                          layers="moe"))  # fmt: skip
+    return rules
 
 
 TIED_COPIES = (r"^(model\.)?(encoder|decoder)\.embed_tokens\.weight$", r"^lm_head\.weight$")
@@ -504,6 +642,11 @@ FAMILIES = {
                            r"^bert\.pooler\.")),
     "bart": Family("bart", "model.", _bart_config, _bart_hf, _bart_rules, ignore=TIED_COPIES),
     "t5": Family("t5", "", _t5_config, _t5_hf, _t5_rules, ignore=TIED_COPIES),
+    "mixtral": Family("mixtral", "model.", _mixtral_config, _mixtral_hf,
+                      lambda cfg: _llama_rules(cfg, _mixtral_experts),
+                      ignore=(r"rotary_emb\.inv_freq$", r"^lm_head\.weight$")),
+    "switch_transformers": Family("switch_transformers", "", _switch_config, _switch_hf,
+                                  lambda cfg: _t5_rules(cfg, _switch_ffn), ignore=TIED_COPIES),
 }  # fmt: skip
 
 # PEFT LoRA adapters: per family, each hub module peft adapts (as `target_modules` names it) and the
@@ -721,7 +864,8 @@ def _open(path: pathlib.Path):
 
 
 def _expand(rules: list[Rule], cfg: ModelConfig) -> Iterator[tuple[Rule, int | None]]:
-    """(rule with the layer index filled in, that index or None) for every layer of its stack."""
+    """(rule with the layer and expert indices filled in, the layer index or None) for every layer of
+    its stack that it is in (`Rule.layers`), and every expert."""
     for rule in rules:
         if "{i}" not in rule.theirs:
             yield rule, None
@@ -729,13 +873,30 @@ def _expand(rules: list[Rule], cfg: ModelConfig) -> Iterator[tuple[Rule, int | N
         side = rule.ours[0].split(".")[0]
         layers = cfg.num_encoder_layers if side == "encoder" else cfg.num_decoder_layers
         for i in range(layers):
-            yield Rule(rule.theirs.format(i=i), tuple(o.format(i=i) for o in rule.ours), rule.layout, rule.inputs), i
+            if rule.layers != "all" and cfg.moe.is_moe_layer(i) != (rule.layers == "moe"):
+                continue
+            for e in range(cfg.moe.num_experts) if "{e}" in rule.theirs else (None,):
+                ours = tuple(o.format(i=i, e=e) for o in rule.ours)
+                yield dataclasses.replace(rule, theirs=rule.theirs.format(i=i, e=e), ours=ours), i
 
 
 def _stacked_path(path: str) -> tuple[str, int | None]:
     """An unrolled path in a scanned model: ("encoder.stack.layers.q", 3) for "encoder.stack.layers.3.q"."""
     match = re.match(r"^(.*\.layers)\.(\d+)\.(.*)$", path)
     return (f"{match[1]}.{match[3]}", int(match[2])) if match else (path, None)
+
+
+def _locate(path: str, scanned: bool) -> tuple[str, tuple[int, ...]]:
+    """Where a rule's (unrolled) path lives: the parameter and the leading indices of its slice in it.
+    "decoder.stack.layers.3.ffn.wi[1]" is ("decoder.stack.layers.3.ffn.wi", (1,)) unrolled, and
+    ("decoder.stack.layers.ffn.wi", (3, 1)) scanned (the layer axis first, then the expert axis)."""
+    match = re.fullmatch(r"(.*)\[(\d+)\]", path)
+    path, index = (match[1], (int(match[2]),)) if match else (path, ())
+    if scanned:
+        stacked, layer = _stacked_path(path)
+        if layer is not None:
+            return stacked, (layer, *index)
+    return path, index
 
 
 def load_hf(
@@ -785,8 +946,8 @@ def load_hf(
         if rule.theirs not in names:
             continue  # reported below as missing parameters
         used.add(rule.theirs)
-        targets = [_stacked_path(o) for o in rule.ours] if cfg.scan_layers else [(o, None) for o in rule.ours]
-        shapes = [flat[p].shape[1:] if i is not None else flat[p].shape for p, i in targets]
+        targets = [_locate(o, cfg.scan_layers) for o in rule.ours]
+        shapes = [flat[p].shape[len(index) :] for p, index in targets]
         arrays = to_ours(reader[names[rule.theirs]], rule, shapes)
         filled |= _fill(arrays, targets, pending, flat, placement)
         del arrays  # before the next tensor is read
@@ -806,8 +967,9 @@ def load_hf(
 
 
 def _fill(arrays: list[np.ndarray], targets: list, pending: dict, flat: dict, placement: dict) -> dict:
-    """Place a checkpoint tensor's parameter arrays (by path); a scanned layer's goes into its
-    stack in `pending`, on the stack's devices, and a stack with every layer in is done.
+    """Place a checkpoint tensor's parameter arrays (by path); a slice of a stacked parameter (a
+    scanned layer's, an expert's) goes into its stack in `pending`, on the stack's devices, and a
+    stack with every slice in is done.
 
     A function of its own so that no host array outlives this tensor: a loop variable would keep
     the last one alive while the next tensor is read.
@@ -815,15 +977,15 @@ def _fill(arrays: list[np.ndarray], targets: list, pending: dict, flat: dict, pl
     placed = {}
     for (path, index), array in zip(targets, arrays, strict=True):
         sharding = placement.get(path)
-        if index is None:
+        if not index:
             placed[path] = _place(array, sharding)
             continue
-        if path not in pending:  # its first layer: the stack, zeros, straight on its devices
+        if path not in pending:  # its first slice: the stack, zeros, straight on its devices
             pending[path] = (jnp.zeros(flat[path].shape, jnp.float32, device=sharding), set())
         stack, done = pending.pop(path)
-        stack = _set_layer(stack, _place(array, _layer_sharding(sharding)), index, sharding)
+        stack = _set_layer(stack, _place(array, _layer_sharding(sharding, len(index))), index, sharding)
         done.add(index)
-        if len(done) == stack.shape[0]:
+        if len(done) == math.prod(stack.shape[: len(index)]):
             placed[path] = stack
         else:
             pending[path] = (stack, done)
@@ -831,18 +993,20 @@ def _fill(arrays: list[np.ndarray], targets: list, pending: dict, flat: dict, pl
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
-def _set_layer(stack: jax.Array, layer: jax.Array, index, sharding) -> jax.Array:
-    """stack[index] = layer, written in place (the stack is donated), laid out as `sharding`: a
-    scanned stack filled layer by layer on its devices, never whole on the host."""
-    stack = jax.lax.dynamic_update_index_in_dim(stack, layer, index, 0)
+def _set_layer(stack: jax.Array, layer: jax.Array, index: tuple, sharding) -> jax.Array:
+    """stack[index] = layer (`index` the leading indices: layer, expert), written in place (the stack
+    is donated), laid out as `sharding`: a stack filled slice by slice on its devices, never whole on
+    the host. The indices are traced: one compiled program serves every slice."""
+    start = (*index, *(0,) * layer.ndim)
+    stack = jax.lax.dynamic_update_slice(stack, layer.reshape((1,) * len(index) + layer.shape), start)
     return stack if sharding is None else jax.lax.with_sharding_constraint(stack, sharding)
 
 
-def _layer_sharding(stacked):
-    """The sharding of one layer of a stack sharded as `stacked` (its leading axis dropped)."""
+def _layer_sharding(stacked, leading: int):
+    """The sharding of one slice of a stack sharded as `stacked` (its `leading` axes dropped)."""
     if stacked is None:
         return None
-    return jax.sharding.NamedSharding(stacked.mesh, jax.sharding.PartitionSpec(*stacked.spec[1:]))
+    return jax.sharding.NamedSharding(stacked.mesh, jax.sharding.PartitionSpec(*stacked.spec[leading:]))
 
 
 def _key(part: str):
@@ -958,20 +1122,15 @@ def save_hf(
 
 
 def _param_shape(flat: dict, path: str, cfg: ModelConfig) -> tuple[int, ...]:
-    if cfg.scan_layers:
-        stacked, index = _stacked_path(path)
-        if index is not None:
-            return flat[stacked].shape[1:]
-    return flat[path].shape
+    stacked, index = _locate(path, cfg.scan_layers)
+    return flat[stacked].shape[len(index) :]
 
 
 def _host_param(flat: dict, path: str, cfg: ModelConfig) -> np.ndarray:
-    """One parameter (one layer's slice of a scanned stack) gathered to the host as float32."""
-    if cfg.scan_layers:
-        stacked, index = _stacked_path(path)
-        if index is not None:
-            return np.asarray(jax.device_get(flat[stacked][...][index]), np.float32)
-    return np.asarray(jax.device_get(flat[path][...]), np.float32)
+    """One parameter (one layer's or expert's slice of a stack) gathered to the host as float32."""
+    stacked, index = _locate(path, cfg.scan_layers)
+    value = flat[stacked][...]
+    return np.asarray(jax.device_get(value[index] if index else value), np.float32)
 
 
 # ----------------------------------------------------------------------------- PEFT adapters

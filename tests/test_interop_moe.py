@@ -1,0 +1,228 @@
+"""Mixtral and Switch Transformers checkpoints in and out, against transformers' PyTorch models.
+
+CI has no torch: scripts/make_moe_golden.py (run by hand with torch and transformers) wrote tiny
+random models as transformers saves them and transformers' logits on fixed inputs
+(tests/golden/mixtral, tests/golden/switch). Here `load_hf` must give those logits, `save_hf` must
+write back the same tensors and config fields, and one MoE layer of each imported model must equal
+a NumPy transcription of its published routing read straight off the checkpoint's tensors. (The
+other direction, transformers reading what `save_hf` writes: `make_moe_golden.py export` / `check`.)
+"""
+
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from jaxformer.config import ConfigError
+from jaxformer.interop import hf
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+FAMILIES = {"mixtral": "mixtral", "switch": "switch_transformers"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sharded_load():
+    """The 8-device sharded loads (tests/sharded_worker.py hf_moe), started first in a process of its
+    own (the device count is fixed when JAX starts) so that it runs while the tests below do."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    worker = pathlib.Path(__file__).parent / "sharded_worker.py"
+    proc = subprocess.Popen([sys.executable, str(worker), "hf_moe", str(GOLDEN)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    yield proc
+    if proc.poll() is None:  # bounded: never leave a worker behind
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def imported():
+    """Each golden model loaded by `load_hf` (unrolled), with its reference arrays."""
+    return {name: (hf.load_hf(GOLDEN / name), np.load(GOLDEN / name / "logits.npz")) for name in FAMILIES}
+
+
+def logits_of(model, ref):
+    """The model's logits on the golden inputs, compiled (one program; op by op is many times slower)."""
+    with jax.default_matmul_precision("highest"):
+        if model.cfg.mode == "decoder_only":
+            return np.asarray(nnx.jit(lambda m, ids: m(ids))(model, ref["input_ids"]))
+        lengths = ref["attention_mask"].sum(1)
+        run = nnx.jit(lambda m, src, tgt, lengths: m(src, tgt, lengths=lengths))
+        return np.asarray(run(model, ref["input_ids"], ref["decoder_input_ids"], lengths))
+
+
+def flat_params(model) -> dict:
+    return {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def test_imported_models_give_transformers_logits(imported):
+    """Mixtral (top-2 of 4, dropless) unrolled and scanned; Switch (top-1, layer 1 of each stack sparse,
+    padded encoder rows) with expert_capacity 8 (nothing dropped) and 2 (tokens of both stacks dropped,
+    where transformers and jaxformer both give an overflowing token no expert output)."""
+    mixtral, ref = imported["mixtral"]
+    assert mixtral.cfg.moe.router == "topk_softmax" and mixtral.cfg.moe.experts_per_token == 2
+    np.testing.assert_allclose(logits_of(mixtral, ref), ref["logits"], atol=1e-5, rtol=0)
+    # Scanned: stacks [L, E, ...] filled expert by expert hold the unrolled layers' parameters, stacked
+    # (scanned == unrolled forward passes: test_models.py).
+    scanned = hf.load_hf(GOLDEN / "mixtral", scan_layers=True)
+    unrolled = flat_params(mixtral)
+    for path, value in flat_params(scanned).items():
+        if ".layers." not in path:
+            np.testing.assert_array_equal(value, unrolled[path])
+            continue
+        head, tail = path.split(".layers.")
+        layers = [unrolled[f"{head}.layers.{i}.{tail}"] for i in range(value.shape[0])]
+        np.testing.assert_array_equal(value, np.stack(layers), err_msg=path)
+
+    switch, ref = imported["switch"]
+    moe = switch.cfg.moe
+    assert (moe.every, moe.experts_per_token, moe.expert_capacity, moe.router) == (2, 1, 8, "softmax_topk")
+    np.testing.assert_allclose(logits_of(switch, ref), ref["logits"], atol=1e-5, rtol=0)
+    assert ref["dropped"].min() > 0  # the golden's dropping case drops tokens in both stacks
+    capacity = int(ref["dropping_capacity"])
+    dropping = hf.load_hf(GOLDEN / "switch", moe=dataclasses.replace(moe, expert_capacity=capacity))
+    got = logits_of(dropping, ref)
+    np.testing.assert_allclose(got, ref["logits_dropping"], atol=1e-5, rtol=0)
+    assert np.abs(got - ref["logits"]).max() > 0.1  # the drops matter: a case that compares something
+
+
+def test_save_hf_writes_back_the_checkpoint(imported, tmp_path):
+    """The same tensors (names, shapes, values exactly) and config fields as transformers wrote; the
+    scanned Mixtral writes the same tensors as the unrolled one."""
+    models = {name: model for name, (model, _) in imported.items()}
+    models["mixtral_scanned"] = hf.load_hf(GOLDEN / "mixtral", scan_layers=True)
+    for name, model in models.items():
+        golden = GOLDEN / name.removesuffix("_scanned")
+        out = hf.save_hf(model, tmp_path / name)
+        theirs, ours = load_file(golden / hf.WEIGHTS), load_file(out / hf.WEIGHTS)
+        assert sorted(ours) == sorted(theirs), name
+        for tensor, value in theirs.items():
+            np.testing.assert_array_equal(ours[tensor], value, err_msg=f"{name}: {tensor}")
+        their_config = json.loads((golden / hf.CONFIG).read_text())
+        our_config = json.loads((out / hf.CONFIG).read_text())
+        assert our_config["model_type"] == FAMILIES[name.removesuffix("_scanned")]
+        skip = ("transformers_version", "dtype", "torch_dtype", "encoder_sparse_step", "decoder_sparse_step",
+                "router_aux_loss_coef" if not their_config.get("output_router_logits", True) else "")  # fmt: skip
+        # (Mixtral without output_router_logits adds no load-balancing loss: save_hf writes its weight as 0.)
+        differ = {k: (v, our_config[k]) for k, v in their_config.items()
+                  if k in our_config and k not in skip and our_config[k] != v}  # fmt: skip
+        assert not differ, f"{name}: {differ}"
+        moe_keys = {"mixtral": ("num_local_experts", "num_experts_per_tok", "router_jitter_noise"),
+                    "switch": ("num_experts", "expert_capacity", "num_sparse_encoder_layers",
+                               "num_sparse_decoder_layers", "router_jitter_noise", "router_z_loss_coef")}  # fmt: skip
+        assert all(k in our_config for k in moe_keys[name.removesuffix("_scanned")]), name
+        assert hf.config_from_hf(our_config) == hf.config_from_hf(their_config)
+
+
+def np_softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_one_moe_layer_equals_the_published_routing(imported):
+    """Layer 1's MoE feed-forward of each imported model on random inputs, against NumPy from the
+    checkpoint's own tensors: Mixtral (Jiang et al. 2024): softmax over all E router logits, top-2,
+    renormalised, sum of w_e * W2_e (silu(W1_e x) * W3_e x); Switch (Fedus et al. 2021): softmax,
+    top-1, the expert's output times its probability, tokens past `expert_capacity` in row order get zeros."""
+    rng = np.random.default_rng(0)
+    B, T, D = 2, 8, 16
+    x = rng.normal(size=(B, T, D)).astype(np.float32)
+    silu = lambda a: a / (1 + np.exp(-a))
+
+    t = load_file(GOLDEN / "mixtral" / hf.WEIGHTS)
+    m = "model.layers.1.block_sparse_moe"
+    probs = np_softmax(np.einsum("BTD,ED->BTE", x.astype(np.float64), t[f"{m}.gate.weight"]))
+    top = np.argsort(-probs, axis=-1)[..., :2]
+    weights = np.take_along_axis(probs, top, -1)
+    weights /= weights.sum(-1, keepdims=True)
+    want = np.zeros((B, T, D))
+    for b, s, a in np.ndindex(B, T, 2):
+        w = {n: t[f"{m}.experts.{top[b, s, a]}.{n}.weight"].astype(np.float64) for n in ("w1", "w2", "w3")}
+        want[b, s] += weights[b, s, a] * w["w2"] @ (silu(w["w1"] @ x[b, s]) * (w["w3"] @ x[b, s]))
+    model = imported["mixtral"][0]
+    with jax.default_matmul_precision("highest"):
+        got, _ = nnx.jit(lambda layer, x: layer(x))(model.decoder.stack.layers[1].ffn, x)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+
+    t = load_file(GOLDEN / "switch" / hf.WEIGHTS)
+    m = "encoder.block.1.layer.1.mlp"
+    capacity = 3
+    probs = np_softmax(np.einsum("BTD,ED->BTE", x.astype(np.float64), t[f"{m}.router.classifier.weight"]))
+    want, dropped = np.zeros((B, T, D)), 0
+    for b in range(B):
+        taken = np.zeros(probs.shape[-1], int)
+        for s in range(T):
+            e = probs[b, s].argmax()
+            taken[e] += 1
+            if taken[e] > capacity:
+                dropped += 1
+                continue
+            wi, wo = (t[f"{m}.experts.expert_{e}.{n}.weight"].astype(np.float64) for n in ("wi", "wo"))
+            want[b, s] = probs[b, s, e] * wo @ np.maximum(wi @ x[b, s], 0)
+    assert dropped > 0
+    model = imported["switch"][0]
+    layer = model.encoder.stack.layers[1].ffn
+    cfg, layer.cfg = layer.cfg, layer.cfg.replace(moe=dataclasses.replace(layer.cfg.moe, expert_capacity=capacity))
+    try:
+        with jax.default_matmul_precision("highest"):
+            got, aux = nnx.jit(lambda layer, x: layer(x))(layer, x)
+    finally:
+        layer.cfg = cfg
+    assert float(aux["dropped"]) == dropped
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+
+
+def _golden_config(name: str) -> dict:
+    return json.loads((GOLDEN / name / hf.CONFIG).read_text())
+
+
+REFUSED = [  # (golden, config.json changes, the message naming the field)
+    ("mixtral", {"num_experts_per_tok": 5}, r"num_experts_per_tok=5 must be in \[1, num_local_experts=4\]"),
+    ("mixtral", {"num_local_experts": 0}, r"num_local_experts=0 must be a positive number of experts"),
+    ("mixtral", {"router_jitter_noise": 0.1}, r"router_jitter_noise=0\.1 is not supported"),
+    ("mixtral", {"sliding_window": 4}, r"sliding_window=4 \(< max_position_embeddings=32\) is not supported"),
+    ("mixtral", {"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported"),
+    ("switch", {"router_bias": True}, r"router_bias=True is not supported"),
+    ("switch", {"router_dtype": "bfloat16"}, r"router_dtype='bfloat16' is not supported"),
+    ("switch", {"expert_capacity": 0}, r"expert_capacity=0 must be a positive number of tokens"),
+    ("switch", {"dense_act_fn": "silu"}, r"dense_act_fn='silu' is not supported"),
+    ("switch", {"num_layers": 6, "num_decoder_layers": 6, "num_sparse_encoder_layers": 2,
+                "num_sparse_decoder_layers": 2},
+     r"num_sparse_encoder_layers / num_sparse_decoder_layers make layers \[1, 4\] \(encoder\)"),
+]  # fmt: skip
+
+
+def test_what_jaxformer_cannot_express_is_refused_naming_the_field():
+    for name, changes, message in REFUSED:
+        with pytest.raises(hf.UnsupportedCheckpoint, match=message):
+            hf.config_from_hf(_golden_config(name) | changes)
+    # Out: a Mixtral-like model with capacity dropping has no family (Mixtral is dropless).
+    cfg = hf.config_from_hf(_golden_config("mixtral"))
+    with pytest.raises(hf.UnsupportedCheckpoint, match=r"mixtral: moe=MoEConfig\(.*capacity_factor=1\.25"):
+        hf.family_of(cfg.replace(moe=dataclasses.replace(cfg.moe, capacity_factor=1.25)))
+    # Switch's sparse layers every other one cannot be scanned (one layer body): refused, naming the field.
+    with pytest.raises(ConfigError, match=r"model\.moe\.every: every=2 with scan_layers=True"):
+        hf.config_from_hf(_golden_config("switch"), scan_layers=True)
+
+
+def test_a_sharded_load_onto_an_expert_axis_equals_one_device(sharded_load):
+    """Mixtral (unrolled and scanned) and Switch loaded straight onto fsdp=2 x expert=4: every parameter
+    equal to a one-device load, the experts split by expert (and fsdp), Mixtral's logits transformers'."""
+    out, err = sharded_load.communicate(timeout=600)
+    assert sharded_load.returncode == 0, err[-4000:]
+    r = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    assert r["mixtral_logits_diff"] < 1e-5
+    for name in ("mixtral", "mixtral_scanned", "switch"):
+        assert r[name]["max_abs_diff"] == 0.0 and r[name]["devices"] == list(range(8)), name
+    assert r["mixtral"]["specs"]["decoder.stack.layers.0.ffn.wi"] == "('expert', 'fsdp')"  # [E, D, F]
+    assert r["mixtral_scanned"]["specs"]["decoder.stack.layers.ffn.wi"] == "(None, 'expert', 'fsdp', 'tensor')"
+    assert r["switch"]["specs"]["encoder.stack.layers.1.ffn.wi"] == "('expert', 'fsdp', 'tensor')"  # sparse
+    assert r["switch"]["specs"]["encoder.stack.layers.0.ffn.wi"] == "('fsdp', 'tensor')"  # dense [D, F]
