@@ -9,6 +9,7 @@ table (a CPU, a new chip) gets its peak from a matmul probe in the compute dtype
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import time
@@ -81,7 +82,8 @@ def peak_flops(dtype: str, override: float = 0.0, min_seconds: float = 0.0) -> t
     """(peak FLOP/s of one device for matmuls in `dtype`, where the number comes from).
 
     `override` (train.peak_flops) if set; else the table's entry for this device; else a matmul
-    probe in `dtype` on it (CPUs and chips the table does not know).
+    probe in `dtype` on it (CPUs and chips the table does not know), measured once per process
+    unless `min_seconds` asks for a longer one.
     """
     if override:
         return override, "train.peak_flops"
@@ -89,7 +91,15 @@ def peak_flops(dtype: str, override: float = 0.0, min_seconds: float = 0.0) -> t
     chip = lookup(kind)
     if chip is not None:
         return chip.peak(dtype), f"{chip.name} {dtype} dense peak, {chip.source}"
-    return measure_peak_flops(dtype, min_seconds=min_seconds), f"{dtype} matmul probe on {kind}"
+    probe = _probe(kind, dtype) if not min_seconds else measure_peak_flops(dtype, min_seconds=min_seconds)
+    return probe, f"{dtype} matmul probe on {kind}"
+
+
+@functools.cache
+def _probe(device_kind: str, dtype: str) -> float:
+    """The probe, once per process and device kind: every training run in a process (a sweep's trials,
+    a notebook's runs) shares it instead of spending ~1 s of CPU on six 2048^3 matmuls each."""
+    return measure_peak_flops(dtype)
 
 
 def device_memory_bytes() -> float | None:
