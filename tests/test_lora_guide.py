@@ -1,5 +1,5 @@
-"""The README's LoRA walk-through, command for command: a (tiny) GPT-2 directory -> `import-hf` with
-LoRA and the user's instruction JSONL in a template -> `train` -> `generate` -> `export-hf`; and the
+"""The LoRA walk-through of docs/guides/fine-tuning.md, command for command: a (tiny) GPT-2 directory ->
+`import-hf` with LoRA and the user's instruction JSONL in a template -> `train` -> `generate` -> `export-hf`; and the
 same for a tiny T5, whose encoder reads the templated prompt and whose decoder writes the response.
 
 The pretrained model is a random tiny GPT-2 written by `save_hf` with a byte-level BPE
@@ -71,7 +71,7 @@ def test_import_hf_lora_instruction_fine_tune_generate_export_hf(tmp_path, capsy
     data = tmp_path / "my_instructions.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in instruction_records(400)))
 
-    # The README's commands, with tiny training settings.
+    # The guide's commands, with tiny training settings.
     settings = [
         "data.source=files", f"data.files={data}", "data.format=jsonl", "data.template=alpaca", "data.max_len=63",
         "lora.rank=8", "lora.targets=q,k,v,o", "train.learning_rate=1e-2", "train.warmup_steps=5",

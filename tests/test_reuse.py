@@ -1,4 +1,8 @@
-"""The public API is enough to build and train a user's own NNX module (the README's example)."""
+"""The public API is enough to build and train a user's own NNX module: the example of
+docs/guides/concepts.md ("Using the pieces in your own JAX code"), taken from the page as written."""
+
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -6,24 +10,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-import jaxformer as jf
-from jaxformer import functional as F
-
-
-class MyClassifier(nnx.Module):
-    def __init__(self, rngs):
-        cfg = jf.tiny("encoder_only", d_model=32, num_heads=4)
-        self.embed = nnx.Embed(100, 32, rngs=rngs)
-        self.block = jf.EncoderLayer(cfg, rngs=rngs)  # one of our layers
-        self.query = nnx.Param(jax.random.normal(rngs.params(), (1, 1, 4, 8)))
-        self.out = nnx.Linear(32, 2, rngs=rngs)
-
-    def __call__(self, ids):  # [B, S]
-        x = self.block(self.embed(ids), mask=F.padding_mask(ids), positions_BT=jnp.zeros_like(ids))
-        k = x.reshape(*x.shape[:2], 4, 8)  # [B, S, H, K]
-        q = jnp.broadcast_to(self.query[...], (x.shape[0], 1, 4, 8))
-        pooled = F.dot_product_attention(q, k, k, mask=F.padding_mask(ids))  # our attention
-        return self.out(pooled.reshape(x.shape[0], 32))
+GUIDE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "guides" / "concepts.md"
+(EXAMPLE,) = [b for b in re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S) if "class MyClassifier" in b]
+_namespace = {}
+exec(compile(EXAMPLE, str(GUIDE), "exec"), _namespace)
+MyClassifier = _namespace["MyClassifier"]
 
 
 def test_user_module_trains_one_step_with_plain_optax():
