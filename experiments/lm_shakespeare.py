@@ -2,7 +2,7 @@
 
     jaxformer train --config experiments/lm_shakespeare.py --workdir runs/lm_shakespeare
 
-The README's main job: about 8 minutes on 2 CPU cores, ending with sampled text and
+`make demo`'s job: about 8 minutes on 2 CPU cores, ending with sampled text and
 held-out perplexity beside a unigram baseline. Then:
     jaxformer generate --workdir runs/lm_shakespeare --prompt "KING HENRY:"
 For a longer run on an accelerator:

@@ -224,7 +224,7 @@ class ModelConfig:
     # matmul outputs, the elementwise rest recomputed; "full": nothing, the layer recomputed. "auto":
     # "dots_saveable" when scanned, "none" unrolled: a scan stores each kept value of every layer as a
     # loop output, and with "none" its temporaries were 1.5-2x the unrolled stack's once activations
-    # dominate them (TPU compiler; README, "Scanned layers").
+    # dominate them (TPU compiler; docs/guides/accelerators.md, "Scanned layers").
     remat: Literal["auto", "none", "full", "dots_saveable"] = "auto"
     check_token_ids: bool = True  # reject ids outside [0, V): a host callback under jit; fit checks on the host
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)  # mixture of experts (num_experts=0: dense)
