@@ -47,6 +47,13 @@ def test_routing_and_losses_equal_the_papers_equations():
     # top-k balance: each of a token's k choices counts (f sums to k, as in Mixtral's and MaxText's loss)
     f2 = np.array([(top2 == i).any(-1).mean() for i in range(E)])
     np.testing.assert_allclose(moe.load_balance_loss(p, e), E * np.sum(f2 * probs.mean(0)), rtol=1e-5)
+    # observability: the tokens that chose each expert (every choice counts: they sum to k per token)
+    # and the router's entropy, against a NumPy count on this fixed routing
+    np.testing.assert_array_equal(
+        moe.expert_load(e, E, jnp.asarray(live)), np.bincount(top2[live].ravel(), minlength=E)
+    )
+    entropy = -(probs * np.log(probs)).sum(-1)
+    np.testing.assert_allclose(moe.router_entropy(p, jnp.asarray(live)), entropy[live].sum(), rtol=1e-5)
     # ST-MoE (Zoph et al. 2022): z-loss = mean over tokens of log(sum_e exp logits)^2
     log_z = np.log(np.exp(logits.astype(np.float64)).sum(-1))
     np.testing.assert_allclose(
@@ -198,6 +205,15 @@ def test_moe_model_trains_in_each_mode(mode, objective, moe_kw, model_kw):
     np.testing.assert_allclose(metrics["loss"], want, rtol=1e-6)
     assert metrics["load_balance_loss"] >= 2 - 1e-4  # k at best (perfect balance)
     assert metrics["router_z_loss"] > 0
+    # each MoE layer's expert load: the share of its tokens that chose each expert, summing to k = 2
+    layers = sum(
+        moe_cfg.is_moe_layer(i) for n in (model.num_encoder_layers, model.num_decoder_layers) for i in range(n)
+    )
+    loads = {key: float(v) for key, v in metrics.items() if key.startswith("expert_load/")}
+    assert set(loads) == {f"expert_load/{l}/{e}" for l in range(layers) for e in range(4)}
+    for l in range(layers):
+        assert sum(loads[f"expert_load/{l}/{e}"] for e in range(4)) == pytest.approx(2.0, abs=1e-5)
+    assert 0 < float(metrics["router_entropy"]) <= np.log(4) + 1e-6
     dropped = float(metrics["dropped_fraction"])
     assert dropped == 0.0 if not moe_cfg.capacity_factor else 0.0 <= dropped < 1.0
 
@@ -269,3 +285,28 @@ def test_generation_with_moe_layers(mode):
         assert out.tokens.shape[:2] == (2, n) and ((out.tokens >= 0) & (out.tokens < V)).all()
         assert np.isfinite(out.scores).all()
     assert not np.array_equal(cached.tokens[0], cached.tokens[1])
+
+
+def test_plot_draws_expert_load_when_the_run_has_moe(tmp_path):
+    """`jaxformer plot` adds a row of expert-load panels (one per MoE layer) under the curves."""
+    import json
+    import struct
+
+    from jaxformer.observe import plot_run
+
+    rows = []
+    for step in (0, 10, 20):
+        loads = {f"expert_load/{l}/{e}": (0.5 + 0.1 * (e - 1.5) * step / 20) for l in range(2) for e in range(4)}
+        rows.append({"step": step, "split": "train", "loss": 3.0 - 0.05 * step, "learning_rate": 1e-3, **loads})
+    rows.append({"step": 20, "split": "eval", "loss": 2.2, "accuracy": 0.3})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sizes = {}
+    for name, keep in (("moe", lambda k: True), ("dense", lambda k: not k.startswith("expert_load/"))):
+        workdir = tmp_path / name
+        workdir.mkdir()
+        (workdir / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if keep(k)}) + "\n"
+                                                       for r in rows))  # fmt: skip
+        png = plot_run(workdir).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+        sizes[name] = struct.unpack(">II", png[16:24])  # the IHDR chunk: width, height
+    assert sizes["moe"][0] == sizes["dense"][0] and sizes["moe"][1] == 2 * sizes["dense"][1]  # a second row
