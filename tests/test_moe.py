@@ -61,6 +61,28 @@ def test_routing_and_losses_equal_the_papers_equations():
     )
 
 
+def test_ties_route_to_the_lower_expert_and_the_aux_losses_have_their_finite_difference_gradients():
+    # ties: top-k keeps the lower expert index first, as a stable sort of -logits does, in both orders
+    logits = np.array([[1.0, 2.0, 2.0, 0.5], [0.0, 0.0, 0.0, 0.0], [3.0, -1.0, 3.0, 3.0]], np.float32)
+    want = np.argsort(-logits, axis=-1, kind="stable")[:, :2]
+    for order in ("softmax_topk", "topk_softmax"):
+        np.testing.assert_array_equal(moe.route(jnp.asarray(logits), 2, order)[1], want)
+    # the router losses' gradients w.r.t. the logits (through the softmax; the top-k choice is piecewise
+    # constant, and these logits are apart by far more than eps) against central finite differences
+    from jax.test_util import check_grads
+
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(6, 4)) * 2, jnp.float32)
+    live = jnp.asarray([1, 1, 0, 1, 1, 1], bool)
+
+    def balance(logits_ME):
+        _, experts_MA, probs_ME = moe.route(logits_ME, 2, "softmax_topk")
+        return moe.load_balance_loss(probs_ME, experts_MA, live)
+
+    for loss in (balance, lambda l: moe.router_z_loss(l, live)):
+        check_grads(loss, (logits,), order=1, modes=("rev",), eps=1e-2, atol=2e-3, rtol=2e-3)
+
+
 def naive_moe(x_MD, weights_MA, experts_MA, w, activation):
     """Every token through every expert, kept where the router chose it: sum_a w_a * FFN_{e_a}(x)."""
     E = w["wi"].shape[0]
