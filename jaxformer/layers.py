@@ -821,8 +821,8 @@ class LayerStack(nnx.Module):
 
     Layer i draws its dropout keys from fold_in(dropout_rng, i) in both forms. `make_layer(rngs, i)`
     builds layer i (scanned: every layer is built as layer 0, so all must be alike; `ModelConfig`
-    refuses MoE on every N-th layer with scan_layers). The summed statistics of the MoE layers
-    (`jaxformer.moe`) go to `moe.collect` at each call.
+    refuses MoE on every N-th layer with scan_layers). The statistics of the MoE layers, one row
+    per layer (`jaxformer.moe`), go to `moe.collect` at each call.
 
     Args:
         cfg: the model's config (scan_layers, remat).
@@ -867,8 +867,8 @@ class LayerStack(nnx.Module):
                 return apply(graphdef, state_i, x_BTD, index, kwargs)
 
             x_BTD, aux = jax.lax.scan(body, x_BTD, (state, jnp.arange(self.num_layers)))
-            if aux is not None:  # every layer is MoE: its statistics per layer, summed
-                M.report(jax.tree.map(lambda a: a.sum(0), aux), self.moe_layers)
+            if aux is not None:  # every layer is MoE: its statistics, one row per layer
+                M.report(aux)
             return x_BTD
         sums = []
         for index, layer in enumerate(self.layers):
@@ -876,7 +876,7 @@ class LayerStack(nnx.Module):
             x_BTD, aux = apply(graphdef, state, x_BTD, index, kwargs)
             sums += [] if aux is None else [aux]
         if sums:
-            M.report(jax.tree.map(lambda *xs: sum(xs), *sums), self.moe_layers)
+            M.report(jax.tree.map(lambda *xs: jnp.stack(xs), *sums))
         return x_BTD
 
     # Decoding runs the layers one by one, scanned or not, each with a cache of its own that a step

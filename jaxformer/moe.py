@@ -112,6 +112,40 @@ def load_balance_loss(probs_ME: Array, experts_MA: Array, live_M: Array | None =
     return E * jnp.sum(f_E * P_E)
 
 
+def expert_load(experts_MA: Array, num_experts: int, live_M: Array | None = None) -> Array:
+    """How many (live) tokens chose each expert, each of a token's k choices counted.
+
+    The counts sum to k times the live tokens; dropped pairs are included: this is the router's choice.
+
+    Args:
+        experts_MA: [..., A] the chosen experts of each token (M: any leading token dims).
+        num_experts: E.
+        live_M: [...] 1 for a real token, 0 for padding (None: all real).
+
+    Returns:
+        [E] token counts.
+    """
+    live_M = _live_or_ones(live_M, experts_MA.shape[:-1])
+    sent_ME = jax.nn.one_hot(experts_MA, num_experts, dtype=jnp.float32).sum(-2)  # [..., E]
+    return jnp.einsum("...E,...->E", sent_ME, live_M)
+
+
+def router_entropy(probs_ME: Array, live_M: Array | None = None) -> Array:
+    """The summed entropy -sum_e p_e log p_e (nats) of the (live) tokens' router probabilities.
+
+    A uniform router gives log E per token, one sure of its expert 0.
+
+    Args:
+        probs_ME: [..., E] router probabilities.
+        live_M: [...] 1 for a real token, 0 for padding (None: all real).
+
+    Returns:
+        [] the sum over live tokens.
+    """
+    entropy_M = -jnp.sum(jax.scipy.special.xlogy(probs_ME, probs_ME), axis=-1)
+    return jnp.sum(entropy_M * _live_or_ones(live_M, entropy_M.shape))
+
+
 # ----------------------------------------------------------------------------- capacity dispatch
 
 
@@ -338,7 +372,9 @@ class MoEFeedForward(nnx.Module):
         self, x_BTD: Array, dropout_rng: Array | None = None, live_BT: Array | None = None
     ) -> tuple[Array, dict]:
         """[B, T, D] -> ([B, T, D], aux): aux holds this layer's router z-loss and load-balancing loss
-        (means over live tokens) and its dropped and assigned token-expert pairs (counts).
+        (means over live tokens), its dropped and assigned token-expert pairs (counts), the tokens
+        each expert was chosen by (`load`, [E]), the router entropy summed over live tokens and
+        the live tokens (`tokens`).
 
         `dropout_rng` (training) drives the router noise; `live_BT` False marks padding, which the
         losses skip and which takes no expert slot."""
@@ -355,6 +391,9 @@ class MoEFeedForward(nnx.Module):
         aux = {
             "router_z_loss": router_z_loss(logits_BTE, live_BT),
             "load_balance_loss": load_balance_loss(probs_BTE, experts_BTA, live_BT),
+            "load": expert_load(experts_BTA, E, live_BT),  # [E] token counts
+            "entropy": router_entropy(probs_BTE, live_BT),  # summed over tokens
+            "tokens": jnp.asarray(B * T if live_BT is None else jnp.sum(live_BT), jnp.float32),
         }
         w = self.kernels()
         if moe.capacity_factor or moe.expert_capacity:
@@ -386,9 +425,9 @@ _reports: contextvars.ContextVar[list | None] = contextvars.ContextVar("moe_repo
 def collect():
     """Gather the MoE statistics of the forward passes traced inside: `with collect() as reports:`.
 
-    Each layer stack with MoE layers reports its sums once per call (`report`); `totals(reports)`
-    adds them up. Nothing is kept on the model (its state stays its parameters), and a forward
-    pass outside `collect` reports nothing.
+    Each layer stack with MoE layers reports its layers' statistics once per call (`report`);
+    `totals(reports)` stacks them. Nothing is kept on the model (its state stays its parameters),
+    and a forward pass outside `collect` reports nothing.
 
     Returns:
         reports (ContextManager[list]): a context manager yielding the list the reports go to.
@@ -401,28 +440,29 @@ def collect():
         _reports.reset(token)
 
 
-def report(sums: dict, layers: int) -> None:
-    """A stack's summed statistics over its `layers` MoE layers, to the `collect` in progress (if any).
+def report(per_layer: dict) -> None:
+    """A stack's statistics, one row per MoE layer, to the `collect` in progress (if any).
 
     Args:
-        sums: the summed statistics (router losses, drop counts) of the stack's MoE layers.
-        layers: how many MoE layers they cover.
+        per_layer: the statistics (router losses, drop counts, expert loads, entropy, tokens) of the
+            stack's MoE layers, each leaf [L, ...].
     """
     reports = _reports.get()
     if reports is not None:
-        reports.append((sums, layers))
+        reports.append(per_layer)
 
 
 def totals(reports: list) -> tuple[dict, int]:
-    """(the reports' sums added up, the number of MoE layers they cover).
+    """(the reports' statistics stacked over every MoE layer, the number L of MoE layers).
 
     Args:
-        reports: (sums, layers) pairs from `collect`.
+        reports: the per-layer dicts from `collect`, in the order the stacks ran (an encoder's before
+            its decoder's).
 
     Returns:
-        (sums, layers).
+        (stacked, L): each leaf [L, ...], and L.
     """
     if not reports:
         return {}, 0
-    sums = jax.tree.map(lambda *xs: sum(xs), *(s for s, _ in reports))
-    return sums, sum(n for _, n in reports)
+    stacked = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *reports)
+    return stacked, int(stacked["tokens"].shape[0])

@@ -93,6 +93,9 @@ METRICS = {
     "router_z_loss": ("router z-loss", "{:.4f}".format),
     "load_balance_loss": ("load-balancing loss", "{:.4f}".format),
     "dropped_fraction": ("dropped tokens", "{:.2%}".format),
+    "router_entropy": ("router entropy", "{:.4f}".format),  # nats per token: log E when uniform
+    # expert_load/<l>/<e>: the share of MoE layer l's tokens that chose expert e (a layer's sum to k)
+    "expert_load": ("expert load", "{:.2%}".format),
 }
 
 
@@ -246,15 +249,31 @@ def curve(records: list[dict], split: str, metric: str) -> tuple[list[int], list
     return [s for s, _ in rows], [v for _, v in rows]
 
 
+def expert_loads(records: list[dict]) -> dict[int, list[int]]:
+    """{MoE layer: its experts} named by the run's `expert_load/<layer>/<expert>` metrics (empty: no MoE)."""
+    layers: dict[int, set] = {}
+    for r in records:
+        for key in r:
+            if key.startswith("expert_load/"):
+                layer, expert = key.split("/")[1:]
+                layers.setdefault(int(layer), set()).add(int(expert))
+    return {layer: sorted(experts) for layer, experts in sorted(layers.items())}
+
+
 def plot_run(workdir: str | pathlib.Path, out: str | pathlib.Path | None = None) -> pathlib.Path:
-    """Loss (train and eval), eval accuracy and learning rate against step, to a PNG."""
+    """Loss (train and eval), eval accuracy and learning rate against step, to a PNG. A run with
+    MoE layers gets a second row: each MoE layer's expert load (the share of its tokens that chose
+    each expert, one line per expert) over training."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     records = read_metrics(workdir)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    loads = expert_loads(records)
+    fig = plt.figure(figsize=(15, 8 if loads else 4), layout="constrained")
+    top, bottom = fig.subfigures(2, 1) if loads else (fig, None)
+    axes = top.subplots(1, 3)
     for split in ("train", "eval"):
         axes[0].plot(*curve(records, split, "loss"), label=f"{split} loss", marker="o" if split == "eval" else None)
     axes[0].set(xlabel="step", ylabel="loss", yscale="log", title="loss")
@@ -263,8 +282,14 @@ def plot_run(workdir: str | pathlib.Path, out: str | pathlib.Path | None = None)
     axes[1].set(xlabel="step", ylabel="token accuracy", title="eval accuracy")
     axes[2].plot(*curve(records, "train", "learning_rate"))
     axes[2].set(xlabel="step", ylabel="learning rate", title="learning rate")
+    if loads:
+        panels = bottom.subplots(1, len(loads), squeeze=False)[0]
+        for ax, (layer, experts) in zip(panels, loads.items(), strict=True):
+            for e in experts:
+                ax.plot(*curve(records, "train", f"expert_load/{layer}/{e}"), label=f"expert {e}")
+            ax.set(xlabel="step", ylabel="share of tokens", title=f"expert load, MoE layer {layer}")
+        panels[-1].legend(fontsize="small")
     fig.suptitle(str(workdir))
-    fig.tight_layout()
     out = pathlib.Path(out) if out else pathlib.Path(workdir) / "curves.png"
     fig.savefig(out, dpi=100)
     plt.close(fig)

@@ -42,6 +42,7 @@ import math
 import os
 import pathlib
 import re
+import tempfile
 import time
 
 import jax
@@ -195,6 +196,8 @@ class Plan:
         attention_kernels: fused attention kernels in the training step: splash (TPU), cuDNN's (GPU)
         frozen: LoRA: this device's shards of the frozen base, in the compute dtype (or int8)
         frozen_storage: LoRA: how the frozen base is stored ("bfloat16"; "int8 + float32 scales")
+        collectives: {kind: (bytes, ops)} per device of the step's collectives (MoE under expert
+            parallelism; None: not counted)
     """
 
     devices: int
@@ -231,6 +234,10 @@ class Plan:
     requested_batch: int | None = None  # the configured batch; batch_size differs when it did not compile
     over_memory: str | None = None  # the TPU compiler's refusal of the configured batch
     attention_kernels: int = 0  # fused attention kernels in the training step: splash (TPU), cuDNN's (GPU)
+    # MoE under expert parallelism (mesh.expert > 1): the training step's collectives, {kind: (bytes per
+    # device, ops)} from the compiled program (a loop's body once), the all-to-all among them carrying
+    # tokens to their experts and back where the compiler chose it; None: not counted
+    collectives: dict | None = None
     frozen: int = 0  # LoRA: this device's shards of the frozen base, in the compute dtype (or int8)
     frozen_storage: str = ""  # LoRA: how the frozen base is stored ("bfloat16"; "int8 + float32 scales")
 
@@ -279,6 +286,9 @@ class Plan:
             tpu = (self.chip or "").startswith("TPU")
             kind = "splash kernels" if tpu else "cuDNN fused attention"
             lines.append(f"  attention          {kind}: {self.attention_kernels} {'Pallas' if tpu else 'custom'} calls")
+        if self.collectives is not None:
+            moved = ", ".join(f"{kind} {b / 1e9:.4f} GB ({n} ops)" for kind, (b, n) in self.collectives.items() if n)
+            lines.append(f"  collectives        per step: {moved or 'none'} (a loop's body once)")
         n, fmt = self.devices, lambda x: observe.value("flops", x)
         flops = lambda per_device: f"{fmt(per_device)} per device, {fmt(per_device * n)} in all"
         costed = math.isfinite(self.flops_per_device)
@@ -351,6 +361,37 @@ def cudnn_calls(compiled_text: str) -> int:
         The count.
     """
     return len(re.findall(r'custom_call_target="__cudnn\$fmha', compiled_text))
+
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+               "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
+
+
+COLLECTIVES = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute")
+
+
+def collective_bytes(compiled_text: str) -> dict[str, tuple[int, int]]:
+    """The collectives in a compiled (partitioned) HLO module's text, by kind.
+
+    Each op's result shapes (one device's buffers; an async op's `-done`) are summed; a loop's body is
+    counted once.
+
+    Args:
+        compiled_text: the compiled module's text (several modules may be joined).
+
+    Returns:
+        {kind: (bytes, ops)} for each kind in `COLLECTIVES`.
+    """
+    out = {kind: (0, 0) for kind in COLLECTIVES}
+    kinds = "|".join(COLLECTIVES)
+    for m in re.finditer(rf"= (\([^=]*?\)|\w+\[[\d,]*\](?:\{{[^}}]*\}})?) ({kinds})(?:-done)?\(", compiled_text):
+        size = sum(
+            DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+            for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
+        )
+        total, ops = out[m.group(2)]
+        out[m.group(2)] = (total + size, ops + 1)
+    return out
 
 
 def parse_bytes(text: str) -> float:
@@ -481,6 +522,7 @@ def plan(
         train, evaluate = make_steps(graphdef, cfg, optimizer)
         train_step = jax.jit(train, out_shardings=(shardings, None), donate_argnums=0)
         shards = math.prod(mesh.shape[a] for a in sharding.BATCH)
+        experts = cfg.model.moe.num_experts > 0 and mesh.shape["expert"] > 1  # count the all-to-all
         compiled: dict[int, concurrent.futures.Future] = {}  # batch -> the training step's figures
         cached = 0
 
@@ -511,7 +553,7 @@ def plan(
 
             def compile_() -> Compiled:
                 start = time.perf_counter()
-                figures = Compiled.of(lowered, gpu=mesh.devices.flat[0].platform == "gpu")
+                figures = Compiled.of(lowered, gpu=mesh.devices.flat[0].platform == "gpu", collectives=experts)
                 busy.append((start, time.perf_counter()))
                 _give_back_memory()
                 if progress:
@@ -580,6 +622,7 @@ def plan(
         chip=chip.name if chip else None, eval_peak=None if evaluated.refused else evaluated.peak,
         bytes_accessed=accessed, tokens_per_step=tokens, compile_seconds=compile_seconds, cached_steps=cached,
         requested_batch=requested, over_memory=over_memory, attention_kernels=step.kernels, frozen=frozen,
+        collectives=step.collectives,
         frozen_storage="int8 kernels + float32 scales" if cfg.lora.base == "int8" else cfg.model.dtype, **roofline,
     )  # fmt: skip
 
@@ -598,6 +641,7 @@ class Compiled:
         flops: XLA's FLOPs per device (NaN: none).
         bytes_accessed: XLA's bytes accessed per device (NaN: none).
         kernels: Pallas kernel calls in the step (`kernel_calls`), or cuDNN attention calls (`cudnn_calls`)
+        collectives: {kind: (bytes, ops)} (`collective_bytes`); None: not counted
         refused: the compiler's out-of-memory message: nothing else is known
     """
 
@@ -609,6 +653,7 @@ class Compiled:
     flops: float = math.nan
     bytes_accessed: float = math.nan
     kernels: int = 0  # Pallas kernel calls in the step (`kernel_calls`), or cuDNN attention calls (`cudnn_calls`)
+    collectives: dict | None = None  # {kind: (bytes, ops)} (`collective_bytes`); None: not counted
     refused: str | None = None  # the compiler's out-of-memory message: nothing else is known
 
     @property
@@ -617,18 +662,27 @@ class Compiled:
         return self.arguments + self.outputs - self.aliased + self.temporaries + self.code
 
     @classmethod
-    def of(cls, lowered, gpu: bool = False) -> Compiled:
-        """The figures of `lowered` compiled; `gpu`: for GPUs, whose attention kernels show in the compiled text.
+    def of(cls, lowered, gpu: bool = False, collectives: bool = False) -> Compiled:
+        """The figures of `lowered` compiled.
 
         Args:
             lowered (jax.stages.Lowered): a lowered step.
-            gpu: compiled for GPUs.
+            gpu: compiled for GPUs, whose attention kernels show in the compiled text.
+            collectives: count the collectives in the compiled text (asked only of MoE steps under
+                expert parallelism). The compiler writes the program's text itself: v5p's compiled text
+                of a SparseCore-offloaded gather makes jaxlib print a stack trace (see `kernel_calls`).
 
         Returns:
             The figures.
         """
+        directory = tempfile.TemporaryDirectory() if collectives else contextlib.nullcontext()
         try:
-            compiled = lowered.compile()
+            with directory as dump:  # the compiler writes the program's text itself: on v5p (SparseCore
+                # offload) jaxlib cannot read a compiled program back (`kernel_calls`)
+                options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": ".*_step"}
+                compiled = lowered.compile(options if collectives else None)
+                texts = sorted(pathlib.Path(dump).glob("*after_optimizations.txt")) if collectives else []
+                moved = collective_bytes("\n".join(path.read_text() for path in texts)) if collectives else None
         except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program over its HBM
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
@@ -637,6 +691,7 @@ class Compiled:
         cost = compiled.cost_analysis() or {}  # none from XLA's GPU compiler without a GPU
         cost = (cost[0] if cost else {}) if isinstance(cost, list) else cost
         return cls(
+            collectives=moved,
             arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
             temporaries=m.temp_size_in_bytes, code=m.generated_code_size_in_bytes,
             flops=float(cost.get("flops", math.nan)), bytes_accessed=float(cost.get("bytes accessed", math.nan)),

@@ -147,7 +147,8 @@ def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Ar
 
     With MoE layers the loss adds, per counted token, the router z-loss and the load-balancing loss
     (each a mean over the MoE layers) times their weights in `model.moe`; the metrics add both
-    (token-weighted, as the loss) and the dropped and assigned token-expert pairs. Under `grad_accum`
+    (token-weighted, as the loss), the dropped and assigned token-expert pairs, the router entropy and
+    each MoE layer's tokens per expert (`summarize` makes them fractions). Under `grad_accum`
     each micro-batch routes on its own: its router losses are its own means, weighted by the tokens
     it counts (the load-balancing loss, a product of two batch means, has no exact split).
 
@@ -173,13 +174,17 @@ def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Ar
             shards = sharding.shard_counts(("batch", "vocab"))  # the logits' rows and columns one device holds
             chunk = loss_chunk(cfg, *labels_BT.shape, model.cfg.vocab_size, shards)
             sums = F.chunked_cross_entropy(h_BTD, model.head, labels_BT, batch["weights"], chunk=chunk, **smoothing)
-    aux, layers = moe.totals(reports)
-    if layers:  # a micro-batch's MoE losses weigh as many tokens as it counts: accumulation stays a token mean
+    per_layer, layers = moe.totals(reports)
+    if layers:
+        aux = jax.tree.map(
+            lambda a: a.sum(0), per_layer
+        )  # a micro-batch's MoE losses weigh as many tokens as it counts: accumulation stays a token mean
         mcfg = model.cfg.moe
         z, balance = (aux[name] / layers * sums["count"] for name in ("router_z_loss", "load_balance_loss"))
         sums["loss"] = sums["loss"] + mcfg.z_loss_weight * z + mcfg.aux_loss_weight * balance
         sums |= {"router_z_loss": z, "load_balance_loss": balance, "moe_dropped": aux["dropped"],
-                 "moe_assigned": aux["assigned"]}  # fmt: skip
+                 "moe_assigned": aux["assigned"], "moe_entropy": aux["entropy"], "moe_tokens": aux["tokens"],
+                 "moe_load": per_layer["load"], "moe_layer_tokens": per_layer["tokens"]}  # fmt: skip
     return sums["loss"], sums
 
 
@@ -293,6 +298,14 @@ def summarize(sums: dict) -> dict:
     if "moe_assigned" in sums:  # MoE: router losses (means over MoE layers) and the share of pairs dropped
         means |= {name: sums[name] / count for name in ("router_z_loss", "load_balance_loss")}
         means["dropped_fraction"] = sums["moe_dropped"] / jnp.maximum(sums["moe_assigned"], 1.0)
+        means["router_entropy"] = sums["moe_entropy"] / jnp.maximum(sums["moe_tokens"], 1.0)  # nats per token
+        # expert_load/<MoE layer>/<expert>: the fraction of the layer's tokens that chose the expert (each
+        # of a token's k choices counts: a layer's fractions sum to k), layers numbered in the order they
+        # run, the encoder's first
+        load_LE = sums["moe_load"] / jnp.maximum(sums["moe_layer_tokens"], 1.0)[:, None]
+        means |= {
+            f"expert_load/{l}/{e}": load_LE[l, e] for l in range(load_LE.shape[0]) for e in range(load_LE.shape[1])
+        }
     return means
 
 

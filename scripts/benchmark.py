@@ -291,6 +291,48 @@ PEER_ARCH = {  # jaxformer set up as each peer's architecture: same shapes, norm
 }
 
 
+def moe_vs_dense(args) -> None:
+    """`--moe E,K`: a dense model beside MoE models of equal *active* parameters (E experts of width
+    4D/K, K per token: a token meets 4D hidden units, as in the dense FFN of width 4D; the router's
+    D x E aside), with a capacity (`--capacity-factor`) and dropless, per mode of `--modes`, in one
+    process, interleaved rounds: tokens/s of each and its ratio to the dense model's."""
+    E, k = (int(x) for x in args.moe.split(","))
+    if (4 * args.d_model) % k:
+        raise SystemExit(f"--moe {args.moe}: K={k} must divide the dense width 4 x --d-model = {4 * args.d_model}")
+    experts = dict(num_experts=E, experts_per_token=k, expert_d_ff=4 * args.d_model // k, router="topk_softmax")
+    runs = {
+        "dense": C.MoEConfig(),
+        f"moe capacity {args.capacity_factor}": C.MoEConfig(capacity_factor=args.capacity_factor, **experts),
+        "moe dropless": C.MoEConfig(capacity_factor=0.0, **experts),
+    }
+    print(
+        f"moe vs dense: E={E} K={k} experts of width {4 * args.d_model // k} vs a dense FFN of {4 * args.d_model}; "
+        f"D={args.d_model} H={args.heads} L={args.layers} V={args.vocab} T={args.seq} B={args.batch} {args.dtype}; "
+        f"device {jax.devices()[0].device_kind}; median of {args.rounds} interleaved rounds of {args.steps} steps"
+    )
+    print(f"{'mode':16s} {'run':22s} {'params':>9s} {'tokens/s':>9s} {'step ms':>9s} {'vs dense':>8s}")
+    for mode in args.modes.split(","):
+        objective = OBJECTIVE[mode]
+        batch = jax.device_put(synthetic_batch(objective, args.batch, args.seq, args.vocab))
+        steps, states, params = {}, {}, {}
+        for name, moe in runs.items():
+            cfg = C.Config(
+                model=model_config(mode, args, moe=moe),
+                train=C.TrainConfig(objective=objective, batch_size=args.batch),
+                data=C.DataConfig(max_len=args.seq),
+            )
+            graphdef, state, optimizer = init_state(cfg)
+            step = jax.jit(make_steps(graphdef, cfg, optimizer)[0], donate_argnums=0)
+            steps[name], states[name] = _compiled(step, state, batch)[0], state
+            params[name] = sum(x.size for x in jax.tree.leaves(state.params))
+        _timed_rounds(steps, states, batch, 1, 2)  # warm-up
+        step_s = _timed_rounds(steps, states, batch, args.rounds, args.steps)
+        for name in runs:
+            tokens = args.batch * args.seq / step_s[name]
+            print(f"{mode:16s} {name:22s} {params[name] / 1e6:8.2f}M {tokens:9.0f} {1e3 * step_s[name]:9.1f} "
+                  f"{step_s['dense'] / step_s[name]:7.2f}x")  # fmt: skip
+
+
 def _timed_rounds(fns: dict, state: dict, batch, rounds: int, steps: int) -> dict:
     """Step time of each fn, median over `rounds` rounds of `steps` steps; the fns take turns each
     round so that machine noise hits them alike."""
@@ -556,6 +598,8 @@ def main() -> None:
     p.add_argument("--loss-chunk", type=int, default=0, help="plain loss vs chunks of this many tokens, interleaved")
     p.add_argument("--rounds", type=int, default=3, help="compare, lora, loss-chunk: interleaved rounds")
     p.add_argument("--dropout", type=float, default=0.1, help="compare: residual/embedding dropout")
+    p.add_argument("--moe", help="E,K: dense vs MoE (E experts, K a token) of equal active parameters, interleaved")
+    p.add_argument("--capacity-factor", type=float, default=1.25, help="moe: the capacity run's factor")
     args = p.parse_args()
     tpu.compile_only_without_chips()  # with the tpu extra on a machine without chips: no libtpu errors
     if args.checkpoint_overhead:
@@ -569,6 +613,9 @@ def main() -> None:
         return
     if args.loss_chunk:
         chunked_vs_plain_loss(args)
+        return
+    if args.moe:
+        moe_vs_dense(args)
         return
     if args.gpt2_step:
         print(json.dumps(gpt2_step(**json.loads(args.gpt2_step))))

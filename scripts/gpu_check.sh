@@ -13,6 +13,10 @@
 #   gpt2_big the same at batch 24 and 32, scanned (auto) and scanned with full remat; then unrolled
 #            and scanned without remat (what "auto" avoids) at batch 8, without torch
 #   decode   decoding ms/token at batch 1 and 32 (D=1024, L=12, bf16)
+#   moe      mixture of experts against dense at equal active parameters, decoder-only and
+#            encoder-decoder (D=1024, L=8 per stack, T=1024, B=8, bf16): the dense FFN (4D) beside 8
+#            experts of width 2D, 2 a token, with a capacity of 1.25 and dropless (jax.lax.ragged_dot),
+#            interleaved rounds: tokens/s and the ratio to dense (`scripts/benchmark.py --moe 8,2`)
 #   plan     `jaxformer plan`'s predictions for the peaks gpt2 and gpt2_big measure (the 1.3B shape,
 #            unrolled and scanned without remat at batch 8, scanned dots_saveable and without remat at
 #            16): XLA's GPU compiler for an H100 without using it (--target gpu-h100:1x1, as from a CPU
@@ -39,7 +43,7 @@ run() {  # run NAME CMD...: show and keep the output; remember a failure, go on
 }
 
 parts=("${@:2}")
-[ ${#parts[@]} -gt 0 ] || parts=(device gpt2 gpt2_big decode plan tests)
+[ ${#parts[@]} -gt 0 ] || parts=(device gpt2 gpt2_big decode moe plan tests)
 shape=(${GPT2_SHAPE:---d-model 2048 --heads 16 --layers 24 --vocab 50304 --seq 1024 --steps 10} --attention auto)
 for part in "${parts[@]}"; do
   case $part in
@@ -54,6 +58,9 @@ for part in "${parts[@]}"; do
     decode)
       run decode "$py" scripts/benchmark.py --decode --modes decoder_only --d-model 1024 --heads 16 --layers 12 \
         --vocab 50304 --dtype bfloat16 --attention auto --decode-lengths 256 --decode-batches 1,32 --recompute-lengths "" ;;
+    moe)
+      run moe "$py" scripts/benchmark.py --moe 8,2 --modes decoder_only,encoder_decoder --d-model 1024 --heads 16 \
+        --layers 8 --vocab 32000 --seq 1024 --batch 8 --dtype bfloat16 --attention auto --steps 5 --rounds 3 ;;
     plan)
       for config in "unrolled_b8 scan_layers=false remat=none 8" "scanned_none_b8 scan_layers=true remat=none 8" \
         "scanned_dots_b16 scan_layers=true remat=dots_saveable 16" "scanned_none_b16 scan_layers=true remat=none 16"; do
@@ -64,7 +71,7 @@ for part in "${parts[@]}"; do
         CUDA_VISIBLE_DEVICES=0 run "plan_${name}_on_this_gpu" "$py" -m jaxformer.cli plan "${flags[@]}"
       done ;;
     tests) run tests "$py" -m pytest -n 4 --dist loadfile -q -ra ;;
-    *) echo "gpu_check: no part named $part (device, gpt2, gpt2_big, decode, plan, tests)" >&2; exit 2 ;;
+    *) echo "gpu_check: no part named $part (device, gpt2, gpt2_big, decode, moe, plan, tests)" >&2; exit 2 ;;
   esac
 done
 echo "== gpu_check done (status $status); logs in $out/"

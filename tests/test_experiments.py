@@ -36,6 +36,8 @@ def test_copy_task_is_learnt_and_eval_agrees(copy_run, capsys):
     "name",
     [
         "lm_shakespeare",
+        "moe_shakespeare",
+        "switch_translate",
         "translate_en_de",
         "classify_lohelp",
         "mlm_shakespeare",

@@ -520,13 +520,18 @@ def test_resuming_with_another_optimizer_layout_is_refused_not_set_aside(tmp_pat
 
 
 def corpus_command(workdir, corpus, pack):
-    """A tiny LM on a user's JSONL corpus: 24 steps of 8 windows, an epoch is longer."""
+    """A tiny LM on a user's JSONL corpus: 24 steps of 8 windows, an epoch is longer. Packed, its
+    feed-forward is a mixture of experts with a capacity and router noise (drawn per step: a resumed
+    run must draw the same), so its exact resume covers MoE training too."""
     sets = [
         "data.source=files", f"data.files={corpus}", f"data.pack={pack}", "data.max_examples=0", "data.max_len=32",
         "model.max_len=32", "model.d_model=32", "model.num_heads=2", "model.d_ff=64", "model.num_decoder_layers=1",
         "train.steps=24", "train.batch_size=8", "checkpoint.every=8", "train.log_every=1", "train.eval_every=24",
         "train.eval_batches=2", "train.num_samples=0", "train.warmup_steps=2", "train.peak_flops=1e13",
     ]  # fmt: skip
+    if pack:
+        sets += ["model.moe.num_experts=4", "model.moe.capacity_factor=1.25", "model.moe.router_noise=0.1",
+                 "model.moe.aux_loss_weight=0.01", "model.moe.z_loss_weight=0.001"]  # fmt: skip
     args = ["train", "--config", "experiments/lm_shakespeare.py", "--workdir", str(workdir), "--quiet"]
     return [sys.executable, "-m", "jaxformer.cli", *args, *(x for s in sets for x in ("--set", s))]
 

@@ -47,11 +47,40 @@ def test_routing_and_losses_equal_the_papers_equations():
     # top-k balance: each of a token's k choices counts (f sums to k, as in Mixtral's and MaxText's loss)
     f2 = np.array([(top2 == i).any(-1).mean() for i in range(E)])
     np.testing.assert_allclose(moe.load_balance_loss(p, e), E * np.sum(f2 * probs.mean(0)), rtol=1e-5)
+    # observability: the tokens that chose each expert (every choice counts: they sum to k per token)
+    # and the router's entropy, against a NumPy count on this fixed routing
+    np.testing.assert_array_equal(
+        moe.expert_load(e, E, jnp.asarray(live)), np.bincount(top2[live].ravel(), minlength=E)
+    )
+    entropy = -(probs * np.log(probs)).sum(-1)
+    np.testing.assert_allclose(moe.router_entropy(p, jnp.asarray(live)), entropy[live].sum(), rtol=1e-5)
     # ST-MoE (Zoph et al. 2022): z-loss = mean over tokens of log(sum_e exp logits)^2
     log_z = np.log(np.exp(logits.astype(np.float64)).sum(-1))
     np.testing.assert_allclose(
         moe.router_z_loss(jnp.asarray(logits), jnp.asarray(live)), np.mean(log_z[live] ** 2), rtol=1e-5
     )
+
+
+def test_ties_route_to_the_lower_expert_and_the_aux_losses_have_their_finite_difference_gradients():
+    # ties: top-k keeps the lower expert index first, as a stable sort of -logits does, in both orders
+    logits = np.array([[1.0, 2.0, 2.0, 0.5], [0.0, 0.0, 0.0, 0.0], [3.0, -1.0, 3.0, 3.0]], np.float32)
+    want = np.argsort(-logits, axis=-1, kind="stable")[:, :2]
+    for order in ("softmax_topk", "topk_softmax"):
+        np.testing.assert_array_equal(moe.route(jnp.asarray(logits), 2, order)[1], want)
+    # the router losses' gradients w.r.t. the logits (through the softmax; the top-k choice is piecewise
+    # constant, and these logits are apart by far more than eps) against central finite differences
+    from jax.test_util import check_grads
+
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(6, 4)) * 2, jnp.float32)
+    live = jnp.asarray([1, 1, 0, 1, 1, 1], bool)
+
+    def balance(logits_ME):
+        _, experts_MA, probs_ME = moe.route(logits_ME, 2, "softmax_topk")
+        return moe.load_balance_loss(probs_ME, experts_MA, live)
+
+    for loss in (balance, lambda l: moe.router_z_loss(l, live)):
+        check_grads(loss, (logits,), order=1, modes=("rev",), eps=1e-2, atol=2e-3, rtol=2e-3)
 
 
 def naive_moe(x_MD, weights_MA, experts_MA, w, activation):
@@ -198,6 +227,15 @@ def test_moe_model_trains_in_each_mode(mode, objective, moe_kw, model_kw):
     np.testing.assert_allclose(metrics["loss"], want, rtol=1e-6)
     assert metrics["load_balance_loss"] >= 2 - 1e-4  # k at best (perfect balance)
     assert metrics["router_z_loss"] > 0
+    # each MoE layer's expert load: the share of its tokens that chose each expert, summing to k = 2
+    layers = sum(
+        moe_cfg.is_moe_layer(i) for n in (model.num_encoder_layers, model.num_decoder_layers) for i in range(n)
+    )
+    loads = {key: float(v) for key, v in metrics.items() if key.startswith("expert_load/")}
+    assert set(loads) == {f"expert_load/{l}/{e}" for l in range(layers) for e in range(4)}
+    for l in range(layers):
+        assert sum(loads[f"expert_load/{l}/{e}"] for e in range(4)) == pytest.approx(2.0, abs=1e-5)
+    assert 0 < float(metrics["router_entropy"]) <= np.log(4) + 1e-6
     dropped = float(metrics["dropped_fraction"])
     assert dropped == 0.0 if not moe_cfg.capacity_factor else 0.0 <= dropped < 1.0
 
@@ -242,3 +280,61 @@ def test_flops_count_the_router_and_the_experts_a_token_uses():
         extra = 3 * moe_layers * (S + T) * (router + (k - 1) * ffn)  # 3 x forward, encoder (S) and decoder (T)
         got = flops_per_example(with_moe(num_experts=E, experts_per_token=k, every=every), "seq2seq", S, T)
         assert got == base + extra
+
+
+@pytest.mark.parametrize("mode", ["decoder_only", "encoder_decoder"])
+def test_generation_with_moe_layers(mode):
+    """Dropless MoE in every layer: greedy decoding with the KV cache gives the tokens and scores of
+    recomputing the whole prefix at each step; sampling (decoder-only) and beam search (encoder-decoder)
+    run and give valid tokens."""
+    from jaxformer import decode
+    from jaxformer.models import build_model
+
+    V, BOS, EOS = 20, 1, 2
+    moe_cfg = C.MoEConfig(num_experts=4, experts_per_token=2, router="topk_softmax")
+    model = build_model(C.tiny(mode, vocab_size=V, max_len=32, moe=moe_cfg, activation="swiglu"), seed=1)
+    rows = [[5, 9, 3], [7, 4, 11, 6, 8, 12, 3]]  # of different lengths
+
+    def run(**settings):
+        settings = C.DecodeConfig(max_new_tokens=6, extra_len=4, **settings)
+        if mode == "decoder_only":
+            return decode.generate(model, rows, settings, eos_id=EOS)
+        return decode.translate(model, rows, settings, bos_id=BOS, eos_id=EOS)
+
+    cached, recomputed = run(strategy="greedy"), run(strategy="greedy", use_cache=False)
+    np.testing.assert_array_equal(cached.tokens, recomputed.tokens)
+    np.testing.assert_allclose(cached.scores, recomputed.scores, atol=1e-5)
+    # one search more per mode (the compiles are this test's cost): sampling for the LM, beam search for translation
+    out, n = (
+        (run(strategy="sample", top_k=5, seed=3), 1)
+        if mode == "decoder_only"
+        else (run(strategy="beam", beam_size=3, num_return=2), 2)
+    )
+    assert out.tokens.shape[:2] == (2, n) and ((out.tokens >= 0) & (out.tokens < V)).all()
+    assert np.isfinite(out.scores).all()
+    assert not np.array_equal(cached.tokens[0], cached.tokens[1])
+
+
+def test_plot_draws_expert_load_when_the_run_has_moe(tmp_path):
+    """`jaxformer plot` adds a row of expert-load panels (one per MoE layer) under the curves."""
+    import json
+    import struct
+
+    from jaxformer.observe import plot_run
+
+    rows = []
+    for step in (0, 10, 20):
+        loads = {f"expert_load/{l}/{e}": (0.5 + 0.1 * (e - 1.5) * step / 20) for l in range(2) for e in range(4)}
+        rows.append({"step": step, "split": "train", "loss": 3.0 - 0.05 * step, "learning_rate": 1e-3, **loads})
+    rows.append({"step": 20, "split": "eval", "loss": 2.2, "accuracy": 0.3})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sizes = {}
+    for name, keep in (("moe", lambda k: True), ("dense", lambda k: not k.startswith("expert_load/"))):
+        workdir = tmp_path / name
+        workdir.mkdir()
+        (workdir / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if keep(k)}) + "\n"
+                                                       for r in rows))  # fmt: skip
+        png = plot_run(workdir).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+        sizes[name] = struct.unpack(">II", png[16:24])  # the IHDR chunk: width, height
+    assert sizes["moe"][0] == sizes["dense"][0] and sizes["moe"][1] == 2 * sizes["dense"][1]  # a second row

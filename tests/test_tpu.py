@@ -155,3 +155,23 @@ def test_profiling_stands_down_in_a_process_that_compiled_for_a_slice(target, tm
     profiler.after(0, None)
     profiler.stop()
     assert not (tmp_path / "profile").exists()
+
+
+def test_a_moe_plan_counts_the_collectives_of_expert_parallelism(capfd):
+    """A decoder with MoE layers on v5p (8 chips, experts split 4 ways): the plan reads the training
+    step's collectives from the compiled program, which the compiler writes out itself (jaxlib cannot
+    read v5p's compiled text back), with no stack trace; the experts' weights move (all-gathers) and
+    the gradients are reduced. A plan without an expert axis does not count them."""
+    from jaxformer.config import MoEConfig
+
+    moe = MoEConfig(num_experts=8, experts_per_token=2, capacity_factor=1.25)
+    base = tiny_tpu("decoder_only", data=2, expert=4)
+    cfg = dataclasses.replace(base, model=base.model.replace(moe=moe))
+    capfd.readouterr()
+    planned = plan(cfg, target=parse_target("tpu-v5p:2x2x2"), largest=False, jobs=1)
+    err = capfd.readouterr().err
+    assert "Begin stack trace" not in err and "RET_CHECK" not in err, err
+    moved = planned.collectives
+    assert set(moved) == {"all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute"}
+    assert moved["all-reduce"][1] > 0 and sum(b for b, _ in moved.values()) > 0
+    assert "collectives        per step: " in planned.table()
