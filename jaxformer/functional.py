@@ -444,22 +444,36 @@ def dot_product_attention(
     S = k_BSGK.shape[2 if kv_layout == "BGSK" else 1]
     dense = mask.dense(T, S) if isinstance(mask, Mask) else mask
     R = H // G
-    q_BTGRK = q_BTHK.reshape(B, T, G, R, K)
+    # Multi-head attention (G == H) contracts over the heads as they are: the size-1 group axis of the
+    # grouped form costs XLA:CPU a transposed copy of a [B, H, T, S] block per product and gradient.
+    q_spec, kv_spec, w_spec = ("BTHK", kv_layout.replace("G", "H"), "BHTS") if R == 1 else ("BTGRK", kv_layout, "BGRTS")
+    q = q_BTHK if R == 1 else q_BTHK.reshape(B, T, G, R, K)
     # Logits and softmax in float32 whatever the compute dtype: bfloat16 exp/sum lose too much.
-    logits_BGRTS = jnp.einsum(f"BTGRK,{kv_layout}->BGRTS", q_BTGRK, k_BSGK, preferred_element_type=jnp.float32)
-    logits_BHTS = logits_BGRTS.reshape(B, H, T, -1) * (1 / math.sqrt(K) if scale is None else scale)
+    logits = jnp.einsum(f"{q_spec},{kv_spec}->{w_spec}", q, k_BSGK, preferred_element_type=jnp.float32)
+    logits_BHTS = logits.reshape(B, H, T, -1) * (1 / math.sqrt(K) if scale is None else scale)
     if bias is not None:
         logits_BHTS = logits_BHTS + bias.astype(jnp.float32)
     if dense is not None:
         logits_BHTS = jnp.where(dense, logits_BHTS, jnp.finfo(jnp.float32).min)
     weights_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
-    if dense is not None:  # a fully masked row would be uniform; zero it instead.
+    if dense is not None and not _every_query_sees_a_key(mask):  # a fully masked row would be uniform: zero it
         weights_BHTS = jnp.where(dense, weights_BHTS, 0.0)
-    probs_BHTS = dropout(weights_BHTS, dropout_rate, dropout_rng)
-    probs_BGRTS = probs_BHTS.reshape(B, G, R, T, -1).astype(v_BSGK.dtype)
-    out_BTGRK = jnp.einsum(f"BGRTS,{kv_layout}->BTGRK", probs_BGRTS, v_BSGK)
-    out_BTHK = out_BTGRK.reshape(B, T, H, K)
+    probs_BHTS = dropout(weights_BHTS, dropout_rate, dropout_rng).astype(v_BSGK.dtype)
+    probs = probs_BHTS if R == 1 else probs_BHTS.reshape(B, G, R, T, -1)
+    out = jnp.einsum(f"{w_spec},{kv_spec}->{q_spec}", probs, v_BSGK)
+    out_BTHK = out.reshape(B, T, H, K)
     return (out_BTHK, weights_BHTS) if return_weights else out_BTHK
+
+
+def _every_query_sees_a_key(mask: Mask | Array | None) -> bool:
+    """Whether `mask` (structure) lets every query see at least one key: causal alone (query t sees key
+    0), so no row of its softmax needs zeroing. Lengths, segments, a causal offset or a dense array may
+    leave a query with none."""
+    if not isinstance(mask, Mask):
+        return mask is None
+    return mask.causal and all(
+        x is None for x in (mask.q_lengths, mask.kv_lengths, mask.q_segments, mask.kv_segments, mask.q_offset)
+    )
 
 
 def dropout(x: Array, rate: float, rng: Array | None) -> Array:
