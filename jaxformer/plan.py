@@ -49,7 +49,7 @@ import numpy as np
 
 from jaxformer import chips, observe, sharding
 from jaxformer.config import Config, ConfigError
-from jaxformer.state import state_factory
+from jaxformer.state import state_factory, state_shardings
 from jaxformer.train import flops_per_example, make_steps
 
 
@@ -170,6 +170,10 @@ class Plan:
     attention_kernels: int = 0  # fused attention kernels in the training step: splash (TPU), cuDNN's (GPU)
     frozen: int = 0  # LoRA: this device's shards of the frozen base, in the compute dtype (or int8)
     frozen_storage: str = ""  # LoRA: how the frozen base is stored ("bfloat16"; "int8 + float32 scales")
+    optimizer_on_host: bool = False  # train.offload_optimizer: the optimizer state waits in host memory
+    host_arguments: int = 0  # the compiled step's bytes in host memory, per device (offloaded state, activations)
+    host_outputs: int = 0
+    host_temporaries: int = 0
 
     def as_dict(self) -> dict:
         """The plan's fields, a figure nobody gave (NaN: XLA's FLOPs from a deviceless GPU compile) as None."""
@@ -193,7 +197,7 @@ class Plan:
                 else []
             ),
             f"  {'adapters' if self.frozen else 'parameters':19}{gb(self.parameters)}",
-            f"  optimizer state    {gb(self.optimizer_state)}",
+            f"  optimizer state    {gb(self.optimizer_state)}{'   (in host memory)' if self.optimizer_on_host else ''}",
             f"  gradients          {gb(self.gradients)}   (the parameters' size)",
             f"  activations        {gb(self.activations)}   (XLA's temporaries less the gradients)",
             f"  compiled step      arguments {self.arguments / 1e9:.3f} GB, outputs {self.outputs / 1e9:.3f} GB "
@@ -201,6 +205,11 @@ class Plan:
             f"code {self.code / 1e9:.3f} GB",
             f"  peak               {gb(self.peak)}{share(self.peak)}",
         ]
+        if self.host_arguments or self.host_outputs or self.host_temporaries:
+            lines.append(
+                f"  host memory        arguments {self.host_arguments / 1e9:.3f} GB, outputs "
+                f"{self.host_outputs / 1e9:.3f} GB, temporaries {self.host_temporaries / 1e9:.3f} GB (not in the peak)"
+            )
         if self.eval_peak is not None:
             lines.append(f"  eval step peak     {gb(self.eval_peak)}{share(self.eval_peak)}")
         if self.attention_kernels:
@@ -346,7 +355,7 @@ def plan(
     with sharding.use(mesh, sharding.rules_for(cfg.mesh)), concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         graphdef, create, optimizer = state_factory(cfg)
         abstract = jax.eval_shape(create)
-        shardings = sharding.state_shardings(abstract, mesh)
+        shardings = state_shardings(cfg, abstract, mesh)
         state = with_shardings(abstract, shardings)
         train, evaluate = make_steps(graphdef, cfg, optimizer)
         train_step = jax.jit(train, out_shardings=(shardings, None), donate_argnums=0)
@@ -450,7 +459,9 @@ def plan(
         chip=chip.name if chip else None, eval_peak=None if evaluated.refused else evaluated.peak,
         bytes_accessed=accessed, tokens_per_step=tokens, compile_seconds=compile_seconds, cached_steps=cached,
         requested_batch=requested, over_memory=over_memory, attention_kernels=step.kernels, frozen=frozen,
-        frozen_storage="int8 kernels + float32 scales" if cfg.lora.base == "int8" else cfg.model.dtype, **roofline,
+        frozen_storage="int8 kernels + float32 scales" if cfg.lora.base == "int8" else cfg.model.dtype,
+        optimizer_on_host=cfg.train.offload_optimizer, host_arguments=step.host_arguments,
+        host_outputs=step.host_outputs, host_temporaries=step.host_temporaries, **roofline,
     )  # fmt: skip
 
 
@@ -468,6 +479,9 @@ class Compiled:
     bytes_accessed: float = math.nan
     kernels: int = 0  # Pallas kernel calls in the step (`kernel_calls`), or cuDNN attention calls (`cudnn_calls`)
     refused: str | None = None  # the compiler's out-of-memory message: nothing else is known
+    host_arguments: int = 0  # the same in host memory (offloaded optimizer state, activations)
+    host_outputs: int = 0
+    host_temporaries: int = 0
 
     @property
     def peak(self) -> int:
@@ -489,6 +503,8 @@ class Compiled:
         return cls(
             arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
             temporaries=m.temp_size_in_bytes, code=m.generated_code_size_in_bytes,
+            host_arguments=m.host_argument_size_in_bytes, host_outputs=m.host_output_size_in_bytes,
+            host_temporaries=m.host_temp_size_in_bytes,
             flops=float(cost.get("flops", math.nan)), bytes_accessed=float(cost.get("bytes accessed", math.nan)),
             kernels=cudnn_calls(compiled.as_text()) if gpu else kernel_calls(lowered.as_text()),
         )  # fmt: skip

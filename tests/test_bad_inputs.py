@@ -161,6 +161,8 @@ CLI_CASES = [
     cli_case(TRAIN + "mesh.context=3", r"data\.max_len: 10 is not divisible by mesh\.context=3"),
     cli_case(TRAIN + "model.context_attention=stripes", r"model\.context_attention: 'stripes' is not one of the"),
     cli_case(TRAIN + "model.moe.num_experts=-1", r"model\.moe\.num_experts: must be >= 0 \(0 = dense\), got -1"),
+    cli_case(TRAIN + "model.remat=offload", r"model\.remat: 'offload' is not one of the choices: .*'offload_dots'"),
+    cli_case(TRAIN + "train.offload_optimizer=maybe", r"train\.offload_optimizer: "),
     cli_case(TRAIN + "train.loss_chunk=-5", r"train\.loss_chunk: must be tokens per chunk >= 0 \(0 = never chunk\)"),
     cli_case(TRAIN + "model.position=rotary", r"model\.position: 'rotary' is not one of the choices"),
     cli_case(TRAIN + "model.activation=swish", r"model\.activation: 'swish' is not one of the choices"),
