@@ -208,7 +208,8 @@ class Plan:
         if self.host_arguments or self.host_outputs or self.host_temporaries:
             lines.append(
                 f"  host memory        arguments {self.host_arguments / 1e9:.3f} GB, outputs "
-                f"{self.host_outputs / 1e9:.3f} GB, temporaries {self.host_temporaries / 1e9:.3f} GB (not in the peak)"
+                f"{self.host_outputs / 1e9:.3f} GB, temporaries {self.host_temporaries / 1e9:.3f} GB (not in the "
+                "device's peak, which is at least the compiler's own estimate with offload)"
             )
         if self.eval_peak is not None:
             lines.append(f"  eval step peak     {gb(self.eval_peak)}{share(self.eval_peak)}")
@@ -482,11 +483,16 @@ class Compiled:
     host_arguments: int = 0  # the same in host memory (offloaded optimizer state, activations)
     host_outputs: int = 0
     host_temporaries: int = 0
+    compiler_peak: int = 0  # the compiler's own estimate of the device's peak (its heap simulation), if it gives one
 
     @property
     def peak(self) -> int:
-        """Bytes held at once: arguments, outputs not written into donated arguments, temporaries, code."""
-        return self.arguments + self.outputs - self.aliased + self.temporaries + self.code
+        """Bytes held at once: arguments, outputs not written into donated arguments, temporaries, code;
+        with host offload, at least the compiler's own estimate (the copies' device buffers: an
+        offloaded optimizer state is updated on the device beside the copy it came from)."""
+        held = self.arguments + self.outputs - self.aliased + self.temporaries + self.code
+        offloaded = self.host_arguments or self.host_outputs or self.host_temporaries
+        return max(held, self.compiler_peak) if offloaded else held
 
     @classmethod
     def of(cls, lowered, gpu: bool = False) -> Compiled:
@@ -504,7 +510,7 @@ class Compiled:
             arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
             temporaries=m.temp_size_in_bytes, code=m.generated_code_size_in_bytes,
             host_arguments=m.host_argument_size_in_bytes, host_outputs=m.host_output_size_in_bytes,
-            host_temporaries=m.host_temp_size_in_bytes,
+            host_temporaries=m.host_temp_size_in_bytes, compiler_peak=getattr(m, "peak_memory_in_bytes", 0),
             flops=float(cost.get("flops", math.nan)), bytes_accessed=float(cost.get("bytes accessed", math.nan)),
             kernels=cudnn_calls(compiled.as_text()) if gpu else kernel_calls(lowered.as_text()),
         )  # fmt: skip
