@@ -9,6 +9,11 @@ while the MoE holds 4x the FFN parameters. Its dense counterpart, run side by si
     jaxformer train --config experiments/lm_shakespeare.py --workdir runs/lm_shakespeare
 A capacity of 1.25 (the faster dispatch on CPU; `--set model.moe.capacity_factor=0` is dropless),
 ST-MoE's z-loss and Switch's load-balancing loss at their papers' weights.
+
+Time and output: 800 steps, as lm_shakespeare; on 2 CPU cores the MoE step ran at 0.57x the dense
+step's tokens/s (both runs side by side), so about twice the dense run's 8-10 minutes alone. At 300
+steps its held-out cross-entropy was 2.34 against the dense model's 2.42 (docs/guides/moe.md); the
+samples and perplexity at the end are the output to read.
 """
 
 import dataclasses

@@ -9,6 +9,11 @@ dense counterpart of equal *active* parameters:
     jaxformer train --config experiments/translate_en_de.py --workdir runs/translate_en_de
 Capacity factor 1.25 (tokens past an expert's slots pass through the residual), router jitter
 0.01, load-balancing loss 1e-2 and z-loss 1e-3. Eval and translate as for translate_en_de.py.
+
+Time and output: 1500 steps; on 2 CPU cores its step ran at 0.81x the dense translate_en_de's
+tokens/s (side by side), so about 1.2 s a step. As for translate_en_de, an early model prints
+punctuation (`..`) rather than German: translations are worth reading at the end; after 250 steps
+neither model translated yet (BLEU 0.02 here, 0.0 dense; docs/guides/moe.md).
 """
 
 import dataclasses

@@ -224,8 +224,11 @@ class ModelConfig:
     # matmul outputs, the elementwise rest recomputed; "full": nothing, the layer recomputed. "auto":
     # "dots_saveable" when scanned, "none" unrolled: a scan stores each kept value of every layer as a
     # loop output, and with "none" its temporaries were 1.5-2x the unrolled stack's once activations
-    # dominate them (TPU compiler; docs/guides/accelerators.md, "Scanned layers").
-    remat: Literal["auto", "none", "full", "dots_saveable"] = "auto"
+    # dominate them (TPU compiler; docs/guides/accelerators.md, "Scanned layers"). Host offload (where
+    # the backend has host memory it can copy to in the step: TPU, GPU; on CPU nothing moves):
+    # "offload_dots" keeps what "dots_saveable" keeps in host memory; "offload_inputs" is "full" with
+    # each layer's input kept there (docs/guides/long-context.md).
+    remat: Literal["auto", "none", "full", "dots_saveable", "offload_dots", "offload_inputs"] = "auto"
     check_token_ids: bool = True  # reject ids outside [0, V): a host callback under jit; fit checks on the host
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)  # mixture of experts (num_experts=0: dense)
 
@@ -545,6 +548,10 @@ class TrainConfig:
     # shards, would exceed max_logits_mib, in chunks whose logits fit in it.
     loss_chunk: int | Literal["auto"] = "auto"  # tokens per chunk on a device; 0 = never; "auto" (see above)
     max_logits_mib: float = 256.0  # "auto" chunks when a device's float32 logits would exceed this
+    # The optimizer state (Adam's two moments, 8 bytes a parameter) in host memory (pinned_host) between
+    # steps: each step copies it to the device for the update and back (host-device bandwidth every step);
+    # the device holds it only while the step runs, from when the compiler schedules the copy. CPU: nothing moves.
+    offload_optimizer: bool = False  # the optimizer state waits in host memory between steps
     mlm_probability: float = 0.15  # BERT: 15% of tokens; 80% [MASK], 10% random, 10% unchanged
     seed: int = 0  # parameters' initialisation and every step's dropout / masking keys (folded in from the step)
     log_every: int = 25  # steps between metric lines (and TensorBoard points)

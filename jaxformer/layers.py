@@ -807,10 +807,18 @@ class DecoderLayer(nnx.Module):
 
 # ----------------------------------------------------------------------------- stacks
 
+LAYER_INPUT = "layer_input"  # the name of each layer's input in a stack, which "offload_inputs" keeps on the host
+_TO_HOST = dict(offload_src="device", offload_dst="pinned_host")
 REMAT_POLICIES = {
     "full": None,  # save nothing, recompute the whole layer in the backward pass
     "dots_saveable": jax.checkpoint_policies.save_from_both_policies(  # keep matmul outputs (int8 kernels' too)
         jax.checkpoint_policies.dots_saveable, jax.checkpoint_policies.save_only_these_names(quant.PROJECTION)
+    ),
+    # The values "dots_saveable" keeps, moved to host memory in the forward pass and back for the backward.
+    "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims(**_TO_HOST),
+    # "full", but each layer's input (what a recomputation starts from) waits in host memory, not the device's.
+    "offload_inputs": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT], **_TO_HOST
     ),
 }
 
@@ -851,6 +859,7 @@ class LayerStack(nnx.Module):
         """Runs x through every layer; kwargs (masks, positions, memory) go to each layer."""
 
         def apply(graphdef, state, x_BTD, index, kwargs):  # -> (x, MoE statistics or None)
+            x_BTD = checkpoint_name(x_BTD, LAYER_INPUT)
             rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, index)
             return nnx.merge(graphdef, state)(x_BTD, dropout_rng=rng, with_aux=True, **kwargs)
 

@@ -50,7 +50,7 @@ import numpy as np
 
 from jaxformer import chips, observe, sharding
 from jaxformer.config import Config, ConfigError
-from jaxformer.state import state_factory
+from jaxformer.state import state_factory, state_shardings
 from jaxformer.train import flops_per_example, make_steps
 
 
@@ -198,6 +198,10 @@ class Plan:
         frozen_storage: LoRA: how the frozen base is stored ("bfloat16"; "int8 + float32 scales")
         collectives: {kind: (bytes, ops)} per device of the step's collectives (MoE under expert
             parallelism; None: not counted)
+        optimizer_on_host: train.offload_optimizer: the optimizer state waits in host memory
+        host_arguments: the compiled step's arguments in host memory, bytes per device (offloaded state)
+        host_outputs: its outputs in host memory, bytes per device
+        host_temporaries: its temporaries in host memory, bytes per device (offloaded activations)
     """
 
     devices: int
@@ -240,6 +244,10 @@ class Plan:
     collectives: dict | None = None
     frozen: int = 0  # LoRA: this device's shards of the frozen base, in the compute dtype (or int8)
     frozen_storage: str = ""  # LoRA: how the frozen base is stored ("bfloat16"; "int8 + float32 scales")
+    optimizer_on_host: bool = False  # train.offload_optimizer: the optimizer state waits in host memory
+    host_arguments: int = 0  # the compiled step's bytes in host memory, per device (offloaded state, activations)
+    host_outputs: int = 0
+    host_temporaries: int = 0
 
     def as_dict(self) -> dict:
         """The plan's fields, a figure nobody gave (NaN: XLA's FLOPs from a deviceless GPU compile) as None.
@@ -272,7 +280,7 @@ class Plan:
                 else []
             ),
             f"  {'adapters' if self.frozen else 'parameters':19}{gb(self.parameters)}",
-            f"  optimizer state    {gb(self.optimizer_state)}",
+            f"  optimizer state    {gb(self.optimizer_state)}{'   (in host memory)' if self.optimizer_on_host else ''}",
             f"  gradients          {gb(self.gradients)}   (the parameters' size)",
             f"  activations        {gb(self.activations)}   (XLA's temporaries less the gradients)",
             f"  compiled step      arguments {self.arguments / 1e9:.3f} GB, outputs {self.outputs / 1e9:.3f} GB "
@@ -280,6 +288,12 @@ class Plan:
             f"code {self.code / 1e9:.3f} GB",
             f"  peak               {gb(self.peak)}{share(self.peak)}",
         ]
+        if self.host_arguments or self.host_outputs or self.host_temporaries:
+            lines.append(
+                f"  host memory        arguments {self.host_arguments / 1e9:.3f} GB, outputs "
+                f"{self.host_outputs / 1e9:.3f} GB, temporaries {self.host_temporaries / 1e9:.3f} GB (not in the "
+                "device's peak, which is at least the compiler's own estimate with offload)"
+            )
         if self.eval_peak is not None:
             lines.append(f"  eval step peak     {gb(self.eval_peak)}{share(self.eval_peak)}")
         if self.attention_kernels:
@@ -517,7 +531,7 @@ def plan(
     with sharding.use(mesh, sharding.rules_for(cfg.mesh)), concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         graphdef, create, optimizer = state_factory(cfg)
         abstract = jax.eval_shape(create)
-        shardings = sharding.state_shardings(abstract, mesh)
+        shardings = state_shardings(cfg, abstract, mesh)
         state = with_shardings(abstract, shardings)
         train, evaluate = make_steps(graphdef, cfg, optimizer)
         train_step = jax.jit(train, out_shardings=(shardings, None), donate_argnums=0)
@@ -623,7 +637,9 @@ def plan(
         bytes_accessed=accessed, tokens_per_step=tokens, compile_seconds=compile_seconds, cached_steps=cached,
         requested_batch=requested, over_memory=over_memory, attention_kernels=step.kernels, frozen=frozen,
         collectives=step.collectives,
-        frozen_storage="int8 kernels + float32 scales" if cfg.lora.base == "int8" else cfg.model.dtype, **roofline,
+        frozen_storage="int8 kernels + float32 scales" if cfg.lora.base == "int8" else cfg.model.dtype,
+        optimizer_on_host=cfg.train.offload_optimizer, host_arguments=step.host_arguments,
+        host_outputs=step.host_outputs, host_temporaries=step.host_temporaries, **roofline,
     )  # fmt: skip
 
 
@@ -642,6 +658,10 @@ class Compiled:
         bytes_accessed: XLA's bytes accessed per device (NaN: none).
         kernels: Pallas kernel calls in the step (`kernel_calls`), or cuDNN attention calls (`cudnn_calls`)
         collectives: {kind: (bytes, ops)} (`collective_bytes`); None: not counted
+        host_arguments: arguments in host memory, bytes per device (offloaded optimizer state)
+        host_outputs: outputs in host memory, bytes per device
+        host_temporaries: temporaries in host memory, bytes per device (offloaded activations)
+        compiler_peak: the compiler's own estimate of the device's peak (its heap simulation); 0: none
         refused: the compiler's out-of-memory message: nothing else is known
     """
 
@@ -655,11 +675,19 @@ class Compiled:
     kernels: int = 0  # Pallas kernel calls in the step (`kernel_calls`), or cuDNN attention calls (`cudnn_calls`)
     collectives: dict | None = None  # {kind: (bytes, ops)} (`collective_bytes`); None: not counted
     refused: str | None = None  # the compiler's out-of-memory message: nothing else is known
+    host_arguments: int = 0  # the same in host memory (offloaded optimizer state, activations)
+    host_outputs: int = 0
+    host_temporaries: int = 0
+    compiler_peak: int = 0  # the compiler's own estimate of the device's peak (its heap simulation), if it gives one
 
     @property
     def peak(self) -> int:
-        """Bytes held at once: arguments, outputs not written into donated arguments, temporaries, code."""
-        return self.arguments + self.outputs - self.aliased + self.temporaries + self.code
+        """Bytes held at once: arguments, outputs not written into donated arguments, temporaries, code;
+        with host offload, at least the compiler's own estimate (the copies' device buffers: an
+        offloaded optimizer state is updated on the device beside the copy it came from)."""
+        held = self.arguments + self.outputs - self.aliased + self.temporaries + self.code
+        offloaded = self.host_arguments or self.host_outputs or self.host_temporaries
+        return max(held, self.compiler_peak) if offloaded else held
 
     @classmethod
     def of(cls, lowered, gpu: bool = False, collectives: bool = False) -> Compiled:
@@ -694,6 +722,8 @@ class Compiled:
             collectives=moved,
             arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
             temporaries=m.temp_size_in_bytes, code=m.generated_code_size_in_bytes,
+            host_arguments=m.host_argument_size_in_bytes, host_outputs=m.host_output_size_in_bytes,
+            host_temporaries=m.host_temp_size_in_bytes, compiler_peak=getattr(m, "peak_memory_in_bytes", 0),
             flops=float(cost.get("flops", math.nan)), bytes_accessed=float(cost.get("bytes accessed", math.nan)),
             kernels=cudnn_calls(compiled.as_text()) if gpu else kernel_calls(lowered.as_text()),
         )  # fmt: skip

@@ -121,5 +121,15 @@ def init_state(cfg: Config, mesh: jax.sharding.Mesh | None = None):
     graphdef, create, optimizer = state_factory(cfg)
     if mesh is None:
         return graphdef, create(), optimizer
-    shardings = sharding.state_shardings(jax.eval_shape(create), mesh)
+    shardings = state_shardings(cfg, jax.eval_shape(create), mesh)
     return graphdef, jax.jit(create, out_shardings=shardings)(), optimizer
+
+
+def state_shardings(cfg: Config, abstract_state: TrainState, mesh: jax.sharding.Mesh) -> TrainState:
+    """The NamedShardings of `cfg`'s state on `mesh` (`sharding.state_shardings`), the optimizer state's
+    in host memory with `train.offload_optimizer`."""
+    shardings = sharding.state_shardings(abstract_state, mesh)
+    if not cfg.train.offload_optimizer:
+        return shardings
+    on_host = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings.opt_state)
+    return shardings.replace(opt_state=on_host)

@@ -236,7 +236,12 @@ def make_steps(graphdef: nnx.GraphDef, cfg: Config, optimizer: optax.GradientTra
         count = jnp.maximum(sums["count"], 1.0)
         finite_loss = jnp.isfinite(sums["loss"])  # a non-finite loss makes the step non-finite, whatever its grads
         grads = jax.tree.map(lambda g: jnp.where(finite_loss, g / count, jnp.nan), grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        opt_state = state.opt_state
+        if tcfg.offload_optimizer:  # host memory to the device for the update, and back after it
+            opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
+        updates, opt_state = optimizer.update(grads, opt_state, state.params)
+        if tcfg.offload_optimizer:
+            opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
         params = optax.apply_updates(state.params, updates)
         metrics = summarize(sums) | {"grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step)}
         if tcfg.on_nonfinite == "skip":  # optax.apply_if_finite kept params and optimizer state on such a step

@@ -21,6 +21,12 @@
 #            unrolled and scanned without remat at batch 8, scanned dots_saveable and without remat at
 #            16): XLA's GPU compiler for an H100 without using it (--target gpu-h100:1x1, as from a CPU
 #            machine), then on this machine's first GPU itself (autotuned), to set beside the measured peaks
+#   long     long context on one GPU: the 1.3B shape at T=16384, batch 1, scanned, one step measured in a
+#            process of its own (scripts/long_context_step.py: peak bytes in use, XLA's device and host
+#            bytes, step time) with the plain loss, the chunked loss, remat "offload_inputs" and
+#            train.offload_optimizer; then `jaxformer plan`'s prediction for the plain and chunked steps,
+#            deviceless (--target gpu-h100:1x1) and on this GPU. (Ring attention needs a context axis of
+#            2 or more devices: on one GPU only the loss and the offload options apply.) LONG_T: another T
 #   tests    the test suite on the GPU (4 workers; conftest pins float32 matmul precision and stops each
 #            worker preallocating GPU memory), with the GPU-only check that cuDNN flash attention is
 #            in the compiled training step
@@ -43,7 +49,7 @@ run() {  # run NAME CMD...: show and keep the output; remember a failure, go on
 }
 
 parts=("${@:2}")
-[ ${#parts[@]} -gt 0 ] || parts=(device gpt2 gpt2_big decode moe plan tests)
+[ ${#parts[@]} -gt 0 ] || parts=(device gpt2 gpt2_big decode moe plan long tests)
 shape=(${GPT2_SHAPE:---d-model 2048 --heads 16 --layers 24 --vocab 50304 --seq 1024 --steps 10} --attention auto)
 for part in "${parts[@]}"; do
   case $part in
@@ -70,8 +76,24 @@ for part in "${parts[@]}"; do
         run "plan_$name" "$py" -m jaxformer.cli plan "${flags[@]}" --target gpu-h100:1x1
         CUDA_VISIBLE_DEVICES=0 run "plan_${name}_on_this_gpu" "$py" -m jaxformer.cli plan "${flags[@]}"
       done ;;
+    long)
+      T=${LONG_T:-16384}
+      long=(--config experiments/gpt2_1p3b.py --set "data.max_len=$T" --set "model.max_len=$T" --set train.batch_size=1
+        --set mesh.data=1 --set mesh.fsdp=1)
+      for config in "plain remat=full loss_chunk=0 false" "chunked remat=full loss_chunk=auto false" \
+        "chunked_offload_inputs remat=offload_inputs loss_chunk=auto false" \
+        "chunked_offload_optimizer remat=full loss_chunk=auto true"; do
+        read -r name remat chunk opt <<<"$config"
+        flags=("${long[@]}" --set "model.$remat" --set "train.$chunk" --set "train.offload_optimizer=$opt")
+        XLA_PYTHON_CLIENT_MEM_FRACTION=.95 run "long_${T}_$name" "$py" scripts/long_context_step.py "${flags[@]}"
+        if [ "$opt" = false ] && [ "${remat#remat=}" = full ]; then
+          run "long_${T}_${name}_plan" "$py" -m jaxformer.cli plan "${flags[@]}" --no-largest --target gpu-h100:1x1
+          CUDA_VISIBLE_DEVICES=0 run "long_${T}_${name}_plan_on_this_gpu" "$py" -m jaxformer.cli plan "${flags[@]}" \
+            --no-largest
+        fi
+      done ;;
     tests) run tests "$py" -m pytest -n 4 --dist loadfile -q -ra ;;
-    *) echo "gpu_check: no part named $part (device, gpt2, gpt2_big, decode, moe, plan, tests)" >&2; exit 2 ;;
+    *) echo "gpu_check: no part named $part (device, gpt2, gpt2_big, decode, moe, plan, long, tests)" >&2; exit 2 ;;
   esac
 done
 echo "== gpu_check done (status $status); logs in $out/"

@@ -173,6 +173,8 @@ CLI_CASES = [
         TRAIN + "model.moe.expert_capacity=4 --set model.moe.capacity_factor=1.25",
         r"model\.moe\.expert_capacity: expert_capacity=4 and capacity_factor=1\.25 both set the capacity",
     ),
+    cli_case(TRAIN + "model.remat=offload", r"model\.remat: 'offload' is not one of the choices: .*'offload_dots'"),
+    cli_case(TRAIN + "train.offload_optimizer=maybe", r"train\.offload_optimizer: "),
     cli_case(TRAIN + "train.loss_chunk=-5", r"train\.loss_chunk: must be tokens per chunk >= 0 \(0 = never chunk\)"),
     cli_case(TRAIN + "model.position=rotary", r"model\.position: 'rotary' is not one of the choices"),
     cli_case(TRAIN + "model.activation=swish", r"model\.activation: 'swish' is not one of the choices"),

@@ -175,3 +175,32 @@ def test_a_moe_plan_counts_the_collectives_of_expert_parallelism(capfd):
     assert set(moved) == {"all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute"}
     assert moved["all-reduce"][1] > 0 and sum(b for b, _ in moved.values()) > 0
     assert "collectives        per step: " in planned.table()
+
+
+def test_host_offload_moves_bytes_off_the_device(target):
+    """remat "offload_inputs" and train.offload_optimizer, compiled by the TPU compiler: each layer's
+    input (rows x T x D in bfloat16) waits in host memory, and Adam's two moments are host arguments:
+    the device's arguments are the parameters and the batch alone. (The guide gives the figures beside
+    a step without offload: the device's temporaries fall by most of the layer inputs with
+    "offload_inputs" alone. On CPU nothing moves: tests/test_train.py checks the values.)"""
+    from jaxformer.plan import Compiled, abstract_batch
+    from jaxformer.state import state_shardings
+    from jaxformer.train import make_steps
+
+    base = tiny_tpu("decoder_only", data=4)  # 2 rows a chip
+    L, D = 4, base.model.d_model
+    model = base.model.replace(d_ff=4 * D, num_decoder_layers=L, scan_layers=True, remat="offload_inputs")
+    cfg = dataclasses.replace(base, model=model, train=dataclasses.replace(base.train, offload_optimizer=True))
+    mesh = sharding.make_mesh(cfg.mesh, target.devices())
+    with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
+        graphdef, create, optimizer = state_factory(cfg)
+        abstract = jax.eval_shape(create)
+        shardings = state_shardings(cfg, abstract, mesh)
+        step = jax.jit(make_steps(graphdef, cfg, optimizer)[0], out_shardings=(shardings, None), donate_argnums=0)
+        offloaded = Compiled.of(step.lower(with_shardings(abstract, shardings), abstract_batch(cfg, 8, mesh)))
+    size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    params, moments, batch = size(abstract.params), size(abstract.opt_state), 2 * T * 4 * 3  # data=4: all whole
+    layer_inputs = L * 2 * T * D * 2  # bfloat16
+    assert layer_inputs <= offloaded.host_temporaries <= 2 * layer_inputs  # (the compiler may double-buffer)
+    assert moments <= offloaded.host_arguments <= moments + 4096
+    assert params <= offloaded.arguments <= params + batch + 4096  # no moments on the device between steps

@@ -268,3 +268,33 @@ def test_loss_chunk_sizes_and_validation():
     for field, value in (("loss_chunk", -1), ("loss_chunk", "big"), ("loss_chunk", 1.5), ("max_logits_mib", 0)):
         with pytest.raises(C.ConfigError, match=rf"train\.{field}: "):
             C.TrainConfig(**{field: value})
+
+
+def test_host_offload_options_train_exactly_as_without_them():
+    """remat "offload_dots" / "offload_inputs" and train.offload_optimizer change where values wait
+    between uses, never a value: three steps give the same losses and parameters as the on-device
+    policies they stand for ("dots_saveable", "full"). With offload_optimizer the optimizer state lives
+    in pinned host memory between steps. (CPU moves no bytes; tests/test_tpu.py shows the TPU compiler's.)"""
+    from jaxformer import sharding
+    from jaxformer.train import jit_steps
+
+    def run(remat, offload_optimizer=False):
+        model = C.tiny("decoder_only", vocab_size=16, scan_layers=True, remat=remat)
+        train = C.TrainConfig(objective="lm", batch_size=8, offload_optimizer=offload_optimizer)
+        cfg = C.Config(model=model, data=C.DataConfig(max_len=8), train=train)
+        mesh = sharding.make_mesh(cfg.mesh)
+        with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
+            graphdef, state, optimizer = init_state(cfg, mesh)
+            step, _ = jit_steps(*make_steps(graphdef, cfg, optimizer), state, mesh)
+            losses = []
+            for i in range(3):
+                state, metrics = step(state, lm_batch(seed=i))
+                losses.append(float(metrics["loss"]))
+        kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)}
+        return losses, jax.tree.map(np.asarray, state.params), kinds
+
+    for offloaded, on_device in [(("offload_dots",), ("dots_saveable",)), (("offload_inputs", True), ("full",))]:
+        (losses, params, kinds), (ref_losses, ref_params, ref_kinds) = run(*offloaded), run(*on_device)
+        assert losses == ref_losses, offloaded
+        jax.tree.map(np.testing.assert_array_equal, params, ref_params)
+        assert ref_kinds == {"device"} and kinds == ({"pinned_host"} if offloaded[1:] else {"device"})

@@ -51,7 +51,7 @@ def import_hf(source, workdir, experiment: str | None = None, overrides: list[st
     LoRA adapter in `adapter`: the lora section is the adapter's); returns its Config."""
     from jaxformer import lora, sharding
     from jaxformer.checkpoint import start_workdir
-    from jaxformer.state import start_state, state_factory
+    from jaxformer.state import start_state, state_factory, state_shardings
 
     source, workdir = pathlib.Path(source), pathlib.Path(workdir)
     theirs = hf.read_hf_config(source)
@@ -94,7 +94,7 @@ def import_hf(source, workdir, experiment: str | None = None, overrides: list[st
         if adapter is not None:  # its base_model_name_or_path, for export-hf --adapter
             shutil.copyfile(pathlib.Path(adapter) / hf.ADAPTER_CONFIG, hf_dir / hf.ADAPTER_CONFIG)
         _, create, optimizer = state_factory(cfg)
-        shardings = sharding.state_shardings(jax.eval_shape(create), mesh)
+        shardings = state_shardings(cfg, jax.eval_shape(create), mesh)
         state = jax.jit(lambda p: start_state(cfg, p, optimizer), out_shardings=shardings)(nnx.state(model, nnx.Param))
         del model
         start_workdir(workdir, cfg, state)
