@@ -220,6 +220,14 @@ def allgather_attention(
     return _ungrouped(out).astype(q_BTHK.dtype)
 
 
+def _row_and_head_axes(mesh_shape, spec_BTHK: tuple, B: int, H: int, G: int) -> tuple:
+    """The mesh axes of the batch and heads dimensions in `spec_BTHK`, each kept only where it divides
+    them (a batch of 3 samples on a data axis of 4 stays whole on each device, as `constrain` leaves it)."""
+    b_axes, _, h_axes, _ = tuple(spec_BTHK) + (None,) * (4 - len(spec_BTHK))
+    ways = lambda axes: int(np.prod([mesh_shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ())]))
+    return (b_axes if B % ways(b_axes) == 0 else None), (h_axes if H % ways(h_axes) == G % ways(h_axes) == 0 else None)
+
+
 # ----------------------------------------------------------------------------- decoding over a sharded cache
 
 
@@ -267,13 +275,14 @@ def cache_attention(
     are combined exactly by log-sum-exp: m* = pmax(m), o = psum(o e^(m - m*)) / psum(l e^(m - m*)),
     an all-reduce of [B, H, T, K] a layer. Returns (out [B, T, H, K], the cache's keys, values).
     """
-    n = (mesh or jax.sharding.get_abstract_mesh()).shape[axis]
-    (B, T, _, K), S = q_BTHK.shape, k_BGSK.shape[2]
+    mesh_shape = (mesh or jax.sharding.get_abstract_mesh()).shape
+    n = mesh_shape[axis]
+    (B, T, H, K), (G, S) = q_BTHK.shape, k_BGSK.shape[1:3]
     q_index_BT = jnp.zeros((B, T), jnp.int32) if q_index_BT is None else q_index_BT  # (None: not causal)
     if S % n:
         raise ValueError(f"cache: {S} slots are not divisible by the context axis ({axis}={n})")
     scale = K**-0.5 if scale is None else scale
-    b_axes, _, h_axes, _ = tuple(spec_BTHK) + (None,) * (4 - len(spec_BTHK))
+    b_axes, h_axes = _row_and_head_axes(mesh_shape, spec_BTHK, B, H, G)
     q_spec, cache_spec, ids_spec = P(b_axes, None, h_axes, None), P(b_axes, h_axes, axis, None), P(b_axes, None)
     lengths_spec = None if kv_lengths_B is None else P(b_axes)
     new_specs = None if new_kv is None else (q_spec, q_spec)
@@ -351,12 +360,14 @@ def context_attention(
     The arrays hold the sequence in its laid-out order (see `layout_order`); `q_index_BT` and
     `kv_index_BS` give each token's position in the sequence (default: 0..T-1, contiguous).
     `spec_BTHK`: the mesh axes of the batch and heads dimensions (its length entry is ignored), so
-    that each device attends only its rows and heads, as data and tensor parallelism lay them out.
+    that each device attends only its rows and heads, as data and tensor parallelism lay them out
+    (an axis that does not divide them is left out).
     Raises ValueError when the axis does not divide T or S.
     """
-    n = (mesh or jax.sharding.get_abstract_mesh()).shape[axis]
-    B, T, _, K = q_BTHK.shape
-    S = k_BSGK.shape[1]
+    mesh_shape = (mesh or jax.sharding.get_abstract_mesh()).shape
+    n = mesh_shape[axis]
+    B, T, H, K = q_BTHK.shape
+    S, G = k_BSGK.shape[1:3]
     for what, length in (("queries", T), ("keys", S)):
         if length % n:
             raise ValueError(f"{what}: length {length} is not divisible by the context axis ({axis}={n})")
@@ -367,7 +378,7 @@ def context_attention(
     where = Where(q_index_BT.astype(jnp.int32), kv_index_BS.astype(jnp.int32), q_segments_BT, kv_segments_BS,
                   kv_lengths_B, q_lengths_B)  # fmt: skip
     scale = K**-0.5 if scale is None else scale
-    b_axes, _, h_axes, _ = tuple(spec_BTHK) + (None,) * (4 - len(spec_BTHK))
+    b_axes, h_axes = _row_and_head_axes(mesh_shape, spec_BTHK, B, H, G)
     x_spec, ids_spec = P(b_axes, axis, h_axes, None), P(b_axes, axis)
     given = lambda x, spec: None if x is None else spec
     where_specs = Where(
