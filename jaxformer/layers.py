@@ -433,7 +433,7 @@ class MultiHeadAttention(nnx.Module):
             q_BTHK, cache["k"], cache["v"], q_index_BT=positions_BT, causal=True, new_kv=(new["k"], new["v"]),
             scale=None if self.cfg.scale_attention else 1.0, spec_BTHK=activation_spec(("batch", None, "heads", None)),
         )  # fmt: skip
-        return self._out(out_BTHK, None), {"k": k, "v": v}
+        return self._out(out_BTHK, None), {"k": constrain(k, CACHE), "v": constrain(v, CACHE)}
 
     def _queries(self, x_BTD: Array, positions_BT: Array, dropout_rng: Array | None) -> Array:
         q_BTHK = self._project(x_BTD, "q", dropout_rng)

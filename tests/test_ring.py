@@ -157,22 +157,22 @@ def decoding_errors(mode: str, data: int) -> dict:
     ids = lambda seed, T: jax.random.randint(jax.random.key(seed), (B, T), 3, 32)
     src, src_lengths = ids(5, P), jnp.array([16, 11, 3, 16])
 
-    @jax.jit
-    def prefill(params):
-        model = nnx.merge(graphdef, params)
-        if mode == "decoder_only":
-            return model.decode_step(model.init_cache(B, L), ids(6, P), None)
-        memory = model.encode(src, src_lengths=src_lengths)
-        cache = model.init_cache(B, L, memory, src_lengths=src_lengths)
-        return model.decode_step(cache, jnp.ones((B, 1), jnp.int32), None)
+    def greedy():  # its own jitted functions each time: traced under the mesh in effect, or none
+        @jax.jit
+        def prefill(params):
+            model = nnx.merge(graphdef, params)
+            if mode == "decoder_only":
+                return model.decode_step(model.init_cache(B, L), ids(6, P), None)
+            memory = model.encode(src, src_lengths=src_lengths)
+            cache = model.init_cache(B, L, memory, src_lengths=src_lengths)
+            return model.decode_step(cache, jnp.ones((B, 1), jnp.int32), None)
 
-    @jax.jit
-    def step(params, cache, tokens_B, position):
-        model = nnx.merge(graphdef, params)
-        logits_B1V, cache = model.decode_step(cache, tokens_B[:, None], jnp.full((B, 1), position))
-        return logits_B1V[:, 0], cache
+        @jax.jit
+        def step(params, cache, tokens_B, position):
+            model = nnx.merge(graphdef, params)
+            logits_B1V, cache = model.decode_step(cache, tokens_B[:, None], jnp.full((B, 1), position))
+            return logits_B1V[:, 0], cache
 
-    def greedy():
         logits, cache = prefill(params)
         logits, position, out = logits[:, -1], logits.shape[1], {"logits": [], "tokens": []}
         tokens = jnp.argmax(logits, -1)
