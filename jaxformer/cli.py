@@ -53,6 +53,23 @@ def _load_config(args, exported: str | None = None):
     return apply_overrides(cfg, args.set or [])
 
 
+def _context_mesh(cfg, *trees):
+    """Evaluation and generation with `mesh.context` > 1 run under the training's mesh, so sequences (and
+    decoding's caches) are split by position as training split them; otherwise as before, unsharded.
+    Returns (a context manager, `trees` placed on that mesh, whole on every device)."""
+    import contextlib
+
+    if cfg.mesh.context == 1:
+        return contextlib.nullcontext(), trees
+    import jax
+
+    from jaxformer import sharding
+
+    mesh = sharding.make_mesh(cfg.mesh)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return sharding.use(mesh, sharding.rules_for(cfg.mesh)), jax.device_put(trees, replicated)
+
+
 def cmd_train(args) -> int:
     import jax
 
@@ -139,7 +156,9 @@ def cmd_eval(args) -> int:
     step = int(state.step)
     print(f"evaluating the checkpoint of step {step} on held-out data")
     _, eval_step = make_steps(graphdef, cfg, optimizer)
-    report = evaluate_model(cfg, graphdef, state.weights, data, jax.jit(eval_step), state)
+    on_mesh, (state,) = _context_mesh(cfg, state)
+    with on_mesh:
+        report = evaluate_model(cfg, graphdef, state.weights, data, jax.jit(eval_step), state)
     _print_report(cfg.train.objective, report)
     print(f"\nsaved to {_save_report(args.workdir, step, cfg, report)}")
     return 0
@@ -201,8 +220,10 @@ def cmd_generate(args) -> int:
                 f"model.max_len={L} holds the longest prompt ({longest} tokens) and its continuation",
                 file=sys.stderr,
             )
+    on_mesh, (params,) = _context_mesh(cfg, nnx.state(model))
+    nnx.update(model, params)
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, on_mesh:
             warnings.simplefilter("always", decode.EmptyContinuation)
             if template != "none":
                 outs = decode.answer_texts(model, tok, texts, decoding, template)

@@ -32,7 +32,7 @@ from jaxformer import lora
 from jaxformer.config import DecodeConfig
 from jaxformer.layers import as_token_ids, without_id_checks
 from jaxformer.models import memory_mask, unrolled
-from jaxformer.sharding import constrain
+from jaxformer.sharding import constrain, context_ways
 
 Array = jax.Array
 NEG_INF = -jnp.inf
@@ -196,9 +196,17 @@ def recompute_stepper(model, length: int, memory_BSD: Array | None, src_lengths_
 
     Returns:
         The `Stepper`.
+
+    Raises:
+        ValueError: under a context axis that does not divide `length`.
     """
 
     cross_mask = None if memory_BSD is None else memory_mask(src_lengths_B, None, None)
+    if length % (n := context_ways()):  # the buffer runs through ring attention like a training sequence
+        raise ValueError(
+            f"decode.use_cache=False with a context axis of {n}: the buffer of {length} positions (prompt and new "
+            f"tokens) must be divisible by it; use the cache (decode.use_cache=True), which takes any length"
+        )
 
     def logits_at(buffer_BL, filled_B, index_B):
         h_BLD = model.decoder(buffer_BL, lengths=filled_B, memory_BSD=memory_BSD, memory_mask=cross_mask)

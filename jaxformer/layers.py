@@ -29,6 +29,7 @@ from jaxformer.sharding import activation_spec, constrain, context_ways, param
 
 Array = jax.Array
 init = nnx.initializers
+CACHE = ("batch", "heads", "length", None)  # a KV cache [B, G, S, K] split by position on the context axis
 
 
 @jax.custom_vjp
@@ -505,6 +506,8 @@ class MultiHeadAttention(nnx.Module):
     # Decoding caches hold keys and values heads-major, [B, G, S, K]: the attention products read
     # them in place, where [B, S, G, K] would be transposed in full at every step.
 
+    # With a context axis, a cache is split by position: slot s on the device holding block s // (S / n).
+
     def empty_cache(self, batch: int, length: int) -> dict:
         """A self-attention KV cache of `length` slots: {"k", "v"}: zeros [B, G, length, K].
 
@@ -516,6 +519,7 @@ class MultiHeadAttention(nnx.Module):
             {"k", "v"}: zeros [B, G, length, K] in the compute dtype.
         """
         zeros = jnp.zeros((batch, self.cfg.kv_heads, length, self.cfg.dim_per_head), self.cfg.dtype)
+        zeros = constrain(zeros, CACHE) if context_ways() > 1 else zeros
         return {"k": zeros, "v": zeros}
 
     def memory_cache(self, memory_BSD: Array) -> dict:
@@ -527,7 +531,8 @@ class MultiHeadAttention(nnx.Module):
         Returns:
             {"k", "v"}: [B, G, S, K].
         """
-        return dict(zip("kv", (jnp.swapaxes(a, 1, 2) for a in self.project_kv(memory_BSD)), strict=True))
+        kv = (jnp.swapaxes(a, 1, 2) for a in self.project_kv(memory_BSD))
+        return dict(zip("kv", (constrain(a, CACHE) if context_ways() > 1 else a for a in kv), strict=True))
 
     def extend(
         self, x_BTD: Array, cache: dict, *, mask: F.Mask, positions_BT: Array, bias: Array | None = None
@@ -551,6 +556,8 @@ class MultiHeadAttention(nnx.Module):
         """
         start_B = positions_BT[:, 0]
         new = dict(zip("kv", self.project_kv(x_BTD, positions_BT), strict=True))  # [B, T, G, K]
+        if context_ways() > 1:  # the cache's slots are split over the mesh's context axis
+            return self._extend_context(x_BTD, cache, new, mask, positions_BT)
         cache = {
             name: constrain(F.write_rows(cache[name], jnp.swapaxes(new[name], 1, 2), start_B, axis=2),
                             ("batch", "heads", None, None))
@@ -558,17 +565,46 @@ class MultiHeadAttention(nnx.Module):
         }  # fmt: skip
         return self._attend(x_BTD, cache["k"], cache["v"], "BGSK", mask, bias, positions_BT, None, False), cache
 
+    def _extend_context(self, x_BTD, cache, new, mask, positions_BT) -> tuple[Array, dict]:
+        """`extend` with the cache's slots split over the context axis (`cache_spec`). A prompt the axis
+        divides, from position 0 (a prefill), runs as training does: ring (or all-gather) attention
+        over its own keys, which then fill the cache's first slots (one reshard). Fewer new positions
+        (a decoding step) are on every device: each attends to the slots it holds, the partial softmaxes
+        combined by log-sum-exp (`ring.cache_attention`), and the device holding their slots writes them."""
+        q_BTHK = self._queries(x_BTD, positions_BT, None)
+        T, n = x_BTD.shape[1], context_ways()
+        if mask.causal and mask.q_offset is None and T % n == 0 and T > 1:  # a prefill the axis divides
+            out_BTHK = self._context_attention(q_BTHK, new["k"], new["v"], mask, None, positions_BT, positions_BT)
+            write = lambda c, x: jax.lax.dynamic_update_slice_in_dim(c, jnp.swapaxes(x, 1, 2).astype(c.dtype), 0, 2)
+            cache = {name: constrain(write(cache[name], new[name]), CACHE) for name in "kv"}
+            return self._out(out_BTHK, None), cache
+        out_BTHK, k, v = ring.cache_attention(
+            q_BTHK, cache["k"], cache["v"], q_index_BT=positions_BT, causal=True, new_kv=(new["k"], new["v"]),
+            scale=None if self.cfg.scale_attention else 1.0, spec_BTHK=activation_spec(("batch", None, "heads", None)),
+        )  # fmt: skip
+        return self._out(out_BTHK, None), {"k": constrain(k, CACHE), "v": constrain(v, CACHE)}
+
+    def _queries(self, x_BTD: Array, positions_BT: Array, dropout_rng: Array | None) -> Array:
+        q_BTHK = self._project(x_BTD, "q", dropout_rng)
+        return F.apply_rope(q_BTHK, positions_BT, self.cfg.rope_base) if self.use_rope else q_BTHK
+
     def _attend(
         self, x_BTD, k, v, kv_layout, mask, bias, positions_BT, dropout_rng, return_weights, kv_positions_BS=None
     ):
         cfg = self.cfg
-        q_BTHK = self._project(x_BTD, "q", dropout_rng)
-        if self.use_rope:
-            q_BTHK = F.apply_rope(q_BTHK, positions_BT, cfg.rope_base)
+        q_BTHK = self._queries(x_BTD, positions_BT, dropout_rng)
         if kv_layout == "BSGK" and context_ways() > 1:  # the sequence is split over the mesh's context axis
             return self._out(
                 self._context_attention(q_BTHK, k, v, mask, bias, positions_BT, kv_positions_BS), dropout_rng
             )
+        if context_ways() > 1:  # decoding's cross-attention: the source's keys and values split by position
+            if bias is not None or not isinstance(mask, F.Mask) or mask.causal or mask.kv_segments is not None:
+                raise ValueError("context parallelism decodes over a memory masked by its lengths only")
+            out_BTHK, _, _ = ring.cache_attention(
+                q_BTHK, k, v, q_index_BT=positions_BT, causal=False, kv_lengths_B=mask.kv_lengths,
+                scale=None if cfg.scale_attention else 1.0, spec_BTHK=activation_spec(("batch", None, "heads", None)),
+            )  # fmt: skip
+            return self._out(out_BTHK, dropout_rng)
         result = F.dot_product_attention(
             q_BTHK, k, v,
             kv_layout=kv_layout,

@@ -33,7 +33,7 @@ from jaxformer.layers import (
     param,
     split_rng,
 )
-from jaxformer.sharding import constrain
+from jaxformer.sharding import constrain, context_ways
 
 Array = jax.Array
 init = nnx.initializers
@@ -564,6 +564,9 @@ class Transformer(nnx.Module):
         {"layers": per layer {"self": {"k", "v"}: [B, G, length, K], "memory": {"k", "v"}: [B, G, S, K]},
          "memory_mask": a `Mask` of the source lengths}, "layers" a list (see `LayerStack.extend`).
 
+        Under a mesh with a context axis of n devices both are split by position (`layers.CACHE`), the
+        self-attention's `length` rounded up to a multiple of n.
+
         Args:
             batch: B.
             length: the target positions the cache holds.
@@ -583,8 +586,11 @@ class Transformer(nnx.Module):
         if (memory_BSD is None) != (cfg.mode == "decoder_only"):
             raise ValueError(f"mode={cfg.mode} {'takes no' if memory_BSD is not None else 'needs a'} memory")
 
+        n = context_ways()
+        slots = -(-length // n) * n  # split by position over a context axis: whole blocks (the last few unused)
+
         def layer_cache(layer):
-            cache = {"self": layer.self_attn.empty_cache(batch, length)}
+            cache = {"self": layer.self_attn.empty_cache(batch, slots)}
             return cache if memory_BSD is None else cache | {"memory": layer.cross_attn.memory_cache(memory_BSD)}
 
         cache = {"layers": self.decoder.stack.map_layers(layer_cache)}

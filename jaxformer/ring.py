@@ -254,6 +254,122 @@ def allgather_attention(
     return _ungrouped(out).astype(q_BTHK.dtype)
 
 
+def _row_and_head_axes(mesh_shape, spec_BTHK: tuple, B: int, H: int, G: int) -> tuple:
+    """The mesh axes of the batch and heads dimensions in `spec_BTHK`, each kept only where it divides
+    them (a batch of 3 samples on a data axis of 4 stays whole on each device, as `constrain` leaves it)."""
+    b_axes, _, h_axes, _ = tuple(spec_BTHK) + (None,) * (4 - len(spec_BTHK))
+    ways = lambda axes: int(np.prod([mesh_shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ())]))
+    return (b_axes if B % ways(b_axes) == 0 else None), (h_axes if H % ways(h_axes) == G % ways(h_axes) == 0 else None)
+
+
+# ----------------------------------------------------------------------------- decoding over a sharded cache
+
+
+def _write_local(cache_BGSK: Array, new_BTGK: Array, slots_BS: Array, q_index_BT: Array) -> Array:
+    """This device's cache slots (`slots_BS`: their positions) with the new keys or values written
+    where a new position is one of them: one slot a step (T = 1) in place, more by matching."""
+    new_BGTK = jnp.swapaxes(new_BTGK, 1, 2).astype(cache_BGSK.dtype)
+    if new_BTGK.shape[1] == 1:
+        local_B = q_index_BT[:, 0] - slots_BS[:, 0]  # where the one new position falls in this block
+        inside_B = (local_B >= 0) & (local_B < cache_BGSK.shape[2])
+        at_B = jnp.clip(local_B, 0, cache_BGSK.shape[2] - 1)
+
+        def write(buf_GSK, new_GTK, at, inside):
+            old_GTK = jax.lax.dynamic_slice_in_dim(buf_GSK, at, 1, axis=1)
+            return jax.lax.dynamic_update_slice_in_dim(buf_GSK, jnp.where(inside, new_GTK, old_GTK), at, axis=1)
+
+        return jax.vmap(write)(cache_BGSK, new_BGTK, at_B, inside_B)
+    match_BST = slots_BS[:, :, None] == q_index_BT[:, None, :]
+    written_BGSK = jnp.einsum("BST,BGTK->BGSK", match_BST.astype(cache_BGSK.dtype), new_BGTK)
+    return jnp.where(match_BST.any(-1)[:, None, :, None], written_BGSK, cache_BGSK)
+
+
+def cache_attention(
+    q_BTHK: Array,
+    k_BGSK: Array,
+    v_BGSK: Array,
+    *,
+    q_index_BT: Array | None,
+    causal: bool,
+    kv_lengths_B: Array | None = None,
+    new_kv: tuple[Array, Array] | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    axis: str = "context",
+    scale: float | None = None,
+    spec_BTHK: tuple = (),
+) -> tuple[Array, Array, Array]:
+    """Decoding: a few new queries (the same on every device of `axis`) attend to a KV cache whose
+    slots are split over `axis` ([B, G, S, K] heads-major, slot s holds position s, device i the
+    i-th block of S / n slots); nothing of the cache moves.
+
+    `new_kv` (keys and values [B, T, G, K] of the queries' own positions `q_index_BT`) are first
+    written into the cache by the device that holds their slots. Each device then attends its
+    queries to its own slots (causal: slot <= the query's position; `kv_lengths_B`: slots past a
+    row's length are padding) and keeps the partial softmax (max m, sum l, output o); the blocks
+    are combined exactly by log-sum-exp: m* = pmax(m), o = psum(o e^(m - m*)) / psum(l e^(m - m*)),
+    an all-reduce of [B, H, T, K] a layer.
+
+    Args:
+        q_BTHK: [B, T, H, K] the new queries, whole on every device of `axis`.
+        k_BGSK: [B, G, S, K] the cached keys, slots split over `axis`.
+        v_BGSK: [B, G, S, K] the cached values, split alike.
+        q_index_BT: [B, T] the queries' positions (None: not causal, all 0).
+        causal: a query sees the slots at or before its position.
+        kv_lengths_B: [B] filled slots of each row (the rest are padding), or None.
+        new_kv: (k_BTGK, v_BTGK) of the queries' own positions, written into the cache first, or None.
+        mesh: the mesh (None: the one in context).
+        axis: the mesh axis the cache's slots are split over.
+        scale: the logits' scale (None: K**-0.5).
+        spec_BTHK: the queries' partition spec, for the row and head axes the mesh splits.
+
+    Returns:
+        (out_BTHK, k_BGSK, v_BGSK): the attention output and the cache with `new_kv` written.
+
+    Raises:
+        ValueError: S is not divisible by the axis's size.
+    """
+    mesh_shape = (mesh or jax.sharding.get_abstract_mesh()).shape
+    n = mesh_shape[axis]
+    (B, T, H, K), (G, S) = q_BTHK.shape, k_BGSK.shape[1:3]
+    q_index_BT = jnp.zeros((B, T), jnp.int32) if q_index_BT is None else q_index_BT  # (None: not causal)
+    if S % n:
+        raise ValueError(f"cache: {S} slots are not divisible by the context axis ({axis}={n})")
+    scale = K**-0.5 if scale is None else scale
+    b_axes, h_axes = _row_and_head_axes(mesh_shape, spec_BTHK, B, H, G)
+    q_spec, cache_spec, ids_spec = P(b_axes, None, h_axes, None), P(b_axes, h_axes, axis, None), P(b_axes, None)
+    lengths_spec = None if kv_lengths_B is None else P(b_axes)
+    new_specs = None if new_kv is None else (q_spec, q_spec)
+
+    def local(q_BTHK, k_BGSK, v_BGSK, q_index_BT, kv_lengths_B, new_kv):
+        B, G, S_local, _ = k_BGSK.shape
+        first = jax.lax.axis_index(axis) * S_local
+        slots_BS = jnp.broadcast_to(first + jnp.arange(S_local, dtype=jnp.int32), (B, S_local))
+        if new_kv is not None:
+            new_k, new_v = new_kv
+            k_BGSK = _write_local(k_BGSK, new_k, slots_BS, q_index_BT)
+            v_BGSK = _write_local(v_BGSK, new_v, slots_BS, q_index_BT)
+        vis = _visible(Where(q_index_BT, slots_BS, kv_lengths_B=kv_lengths_B), (slots_BS, None), causal)
+        q = _grouped(q_BTHK, G)  # [B, G, R, T, K]
+        s = jnp.einsum("BGRTK,BGSK->BGRTS", q, k_BGSK, preferred_element_type=jnp.float32) * scale
+        s = jnp.where(vis, s, NEG)
+        m = s.max(-1)  # [B, G, R, T]
+        p = jnp.where(vis, jnp.exp(s - m[..., None]), 0.0)
+        o = jnp.einsum("BGRTS,BGSK->BGRTK", p.astype(v_BGSK.dtype), v_BGSK, preferred_element_type=jnp.float32)
+        m_all = jax.lax.pmax(m, axis)
+        corr = jnp.exp(m - m_all)
+        o, l = jax.lax.psum((o * corr[..., None], p.sum(-1) * corr), axis)
+        out = jnp.where((l > 0)[..., None], o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+        return _ungrouped(out).astype(q_BTHK.dtype), k_BGSK, v_BGSK
+
+    f = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(q_spec, cache_spec, cache_spec, ids_spec, lengths_spec, new_specs),
+        out_specs=(q_spec, cache_spec, cache_spec),
+    )
+    return f(q_BTHK, k_BGSK, v_BGSK, q_index_BT.astype(jnp.int32), kv_lengths_B, new_kv)
+
+
 # ----------------------------------------------------------------------------- layouts and the wrapper
 
 
@@ -309,7 +425,8 @@ def context_attention(
     The arrays hold the sequence in its laid-out order (see `layout_order`); `q_index_BT` and
     `kv_index_BS` give each token's position in the sequence (default: 0..T-1, contiguous).
     `spec_BTHK`: the mesh axes of the batch and heads dimensions (its length entry is ignored), so
-    that each device attends only its rows and heads, as data and tensor parallelism lay them out.
+    that each device attends only its rows and heads, as data and tensor parallelism lay them out
+    (an axis that does not divide them is left out).
     Raises ValueError when the axis does not divide T or S.
 
     Args:
@@ -335,9 +452,10 @@ def context_attention(
     Raises:
         ValueError: the axis does not divide T or S, or only one of the segment arrays is given.
     """
-    n = (mesh or jax.sharding.get_abstract_mesh()).shape[axis]
-    B, T, _, K = q_BTHK.shape
-    S = k_BSGK.shape[1]
+    mesh_shape = (mesh or jax.sharding.get_abstract_mesh()).shape
+    n = mesh_shape[axis]
+    B, T, H, K = q_BTHK.shape
+    S, G = k_BSGK.shape[1:3]
     for what, length in (("queries", T), ("keys", S)):
         if length % n:
             raise ValueError(f"{what}: length {length} is not divisible by the context axis ({axis}={n})")
@@ -348,7 +466,7 @@ def context_attention(
     where = Where(q_index_BT.astype(jnp.int32), kv_index_BS.astype(jnp.int32), q_segments_BT, kv_segments_BS,
                   kv_lengths_B, q_lengths_B)  # fmt: skip
     scale = K**-0.5 if scale is None else scale
-    b_axes, _, h_axes, _ = tuple(spec_BTHK) + (None,) * (4 - len(spec_BTHK))
+    b_axes, h_axes = _row_and_head_axes(mesh_shape, spec_BTHK, B, H, G)
     x_spec, ids_spec = P(b_axes, axis, h_axes, None), P(b_axes, axis)
     given = lambda x, spec: None if x is None else spec
     where_specs = Where(

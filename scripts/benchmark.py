@@ -8,6 +8,8 @@ and decoding speed with and without the KV cache.
     python scripts/benchmark.py --lora 16 --modes decoder_only --d-model 512 --heads 8 --layers 6 --seq 256 --batch 8
                                                       # full fine-tuning vs LoRA rank 16 on q,k,v,o, interleaved
     python scripts/benchmark.py --loss-chunk 512 --modes decoder_only --vocab 50257   # chunked vs plain loss
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/benchmark.py --context-attention \
+        ring,allgather,none --lengths 1024,2048,4096 --modes decoder_only --batch 8   # long context (8 CPU devices)
     python scripts/benchmark.py --matmul-floor --vocab 8192 --modes decoder_only   # the step's products timed alone
     python scripts/benchmark.py --gpt2-vs-torch --d-model 2048 --heads 16 --layers 24 --vocab 50304 --seq 1024 \
         --attention auto --batches 8,16    # the 1.3B GPT-2 shape beside torch.compile (scripts/gpu_check.sh)
@@ -333,6 +335,59 @@ def moe_vs_dense(args) -> None:
                   f"{step_s['dense'] / step_s[name]:7.2f}x")  # fmt: skip
 
 
+def context_parallel(args) -> None:
+    """Long context: the training step with the sequence split over every device by ring attention and
+    by all-gather attention (`mesh.context` = the device count), and without a context axis ("none":
+    the same devices as data parallelism, each holding whole rows), at each of `--lengths`, in one
+    process, interleaved rounds. Per device: step time and the compiled step's temporaries and
+    arguments (XLA's memory analysis), each beside none's; `--steps 0` compiles and runs nothing."""
+    from jaxformer import sharding
+    from jaxformer.train import jit_steps
+
+    mode, n = args.modes.split(",")[0], jax.device_count()
+    objective = OBJECTIVE[mode]
+    strategies = args.context_attention.split(",")
+    print(
+        f"context parallelism: {mode} D={args.d_model} H={args.heads} L={args.layers} V={args.vocab} B={args.batch} "
+        f"{args.dtype} attention={args.attention}, {n} {jax.devices()[0].platform} devices; "
+        f"median of {args.rounds} interleaved rounds of {args.steps} steps"
+    )
+    print(f"{'T':>6s} {'attention':10s} {'step ms':>9s} {'temp MB':>9s} {'args MB':>9s}   vs none: step, temp")
+    for T in (int(x) for x in args.lengths.split(",")):
+        steps, states, batches, memory = {}, {}, {}, {}
+        for strategy in strategies:
+            axes = C.MeshConfig(data=n) if strategy == "none" else C.MeshConfig(data=1, context=n)
+            attention = "ring" if strategy == "none" else strategy
+            cfg = C.Config(
+                model=model_config(mode, args, max_len=T, context_attention=attention),
+                train=C.TrainConfig(objective=objective, batch_size=args.batch),
+                data=C.DataConfig(max_len=T), mesh=axes,
+            )  # fmt: skip
+            mesh = sharding.make_mesh(cfg.mesh)
+            with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
+                graphdef, state, optimizer = init_state(cfg, mesh)
+                train_step = jit_steps(*make_steps(graphdef, cfg, optimizer), state, mesh)[0]
+                batch = sharding.global_batch(synthetic_batch(objective, args.batch, T, args.vocab), mesh, args.batch)
+                compiled = train_step.lower(state, batch).compile()
+            m = compiled.memory_analysis()
+            memory[strategy] = (m.temp_size_in_bytes / 2**20, m.argument_size_in_bytes / 2**20)
+            steps[strategy], states[strategy], batches[strategy] = compiled, state, batch
+        times = {k: [float("nan")] for k in steps}  # --steps 0: compiled memory only, nothing run
+        for r in range(args.rounds + 1 if args.steps else 0):  # round 0 warms up
+            for name, fn in steps.items():
+                t = time.perf_counter()
+                for _ in range(args.steps):
+                    states[name], out = fn(states[name], batches[name])
+                jax.block_until_ready(out)
+                if r:
+                    times[name].append((time.perf_counter() - t) / args.steps)
+        step_s = {k: statistics.median(v[1:] if args.steps else v) for k, v in times.items()}
+        for name in strategies:
+            (temp, argm), base = memory[name], memory.get("none")
+            ratio = f"{step_s[name] / step_s['none']:5.2f}x, {temp / base[0]:5.2f}x" if base else ""
+            print(f"{T:6d} {name:10s} {1e3 * step_s[name]:9.1f} {temp:9.1f} {argm:9.1f}   {ratio}")
+
+
 def _timed_rounds(fns: dict, state: dict, batch, rounds: int, steps: int) -> dict:
     """Step time of each fn, median over `rounds` rounds of `steps` steps; the fns take turns each
     round so that machine noise hits them alike."""
@@ -596,6 +651,8 @@ def main() -> None:
     p.add_argument("--lora", type=int, default=0, help="full fine-tuning vs LoRA of this rank, interleaved")
     p.add_argument("--lora-targets", default="q,k,v,o", help="lora: the adapted projections")
     p.add_argument("--loss-chunk", type=int, default=0, help="plain loss vs chunks of this many tokens, interleaved")
+    p.add_argument("--context-attention", help="ring,allgather,none: training step with the sequence split, by each")
+    p.add_argument("--lengths", default="1024,2048,4096", help="context-attention: sequence lengths")
     p.add_argument("--rounds", type=int, default=3, help="compare, lora, loss-chunk: interleaved rounds")
     p.add_argument("--dropout", type=float, default=0.1, help="compare: residual/embedding dropout")
     p.add_argument("--moe", help="E,K: dense vs MoE (E experts, K a token) of equal active parameters, interleaved")
@@ -616,6 +673,9 @@ def main() -> None:
         return
     if args.moe:
         moe_vs_dense(args)
+        return
+    if args.context_attention:
+        context_parallel(args)
         return
     if args.gpt2_step:
         print(json.dumps(gpt2_step(**json.loads(args.gpt2_step))))

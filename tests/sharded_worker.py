@@ -26,9 +26,10 @@ STRATEGIES = {  # (data, fsdp, tensor[, context[, train.loss_chunk]])
     "fsdp4_tp2": (1, 4, 2),
     "fsdp4_tp2_chunked": (1, 4, 2, 1, 4),  # the loss in chunks of 4 tokens a device (its 2 rows x 2 positions)
     "dp2_cp4": (2, 1, 1, 4),  # each row's 8 positions split 4 ways, ring attention
-    "fsdp2_cp4": (1, 2, 1, 4),
+    "fsdp2_cp4_chunked": (1, 2, 1, 4, 8),  # the loss in chunks of 2 positions (a device's 4 rows) of a split length
 }
-GENERATE = ("dp8", "fsdp4_tp2")  # decoding under a mesh: batch over 8 devices; FSDP with tensor parallelism
+# decoding under a mesh: batch over 8 devices; FSDP with tensor parallelism; caches split by position
+GENERATE = ("dp8", "fsdp4_tp2", "dp2_cp4")
 
 
 def config(mode: str, mesh: tuple[int, ...]):
@@ -175,19 +176,23 @@ def moe() -> dict:
     from jaxformer import config as C
     from jaxformer import sharding
 
-    results = {}
+    results, refs = {}, {}
     for name, capacity_factor, mesh in (
         ("capacity", 1.0, dict(fsdp=2, expert=4)),
         ("dropless", 0.0, dict(data=2, expert=4)),
+        ("capacity_context", 1.0, dict(data=1, expert=4, context=2)),  # each row's positions split 2 ways
     ):
         base = config("decoder_only", (1, 1, 1))
         moe_cfg = C.MoEConfig(num_experts=4, experts_per_token=2, capacity_factor=capacity_factor,
                               z_loss_weight=1e-3, aux_loss_weight=1e-2)  # fmt: skip
         base = dataclasses.replace(base, model=base.model.replace(dropout_rate=0.0, moe=moe_cfg))
-        ref_losses, ref_state, _, _ = train(base, jax.devices()[:1])
+        if capacity_factor not in refs:  # one device's run, once per dispatch
+            ref_losses, ref_state, _, _ = train(base, jax.devices()[:1])
+            refs[capacity_factor] = ref_losses, gathered(ref_state.params)
+        ref_losses, ref = refs[capacity_factor]
         cfg = dataclasses.replace(base, mesh=C.MeshConfig(**mesh))
         losses, state, mesh_, _ = train(cfg)
-        ref, got = gathered(ref_state.params), gathered(state.params)
+        got = gathered(state.params)
         with sharding.use(mesh_, sharding.rules_for(cfg.mesh)):
             specs = {k: str(tuple(x.sharding.spec)) for k, x in zip(got, jax.tree.leaves(state.params), strict=True)}
         results[name] = {

@@ -129,6 +129,84 @@ def zigzag_training_errors(mode: str) -> dict:
     }
 
 
+def decoding_errors(mode: str, data: int) -> dict:
+    """Cached decoding with the caches split by position over a context axis of 4 (beside `data`
+    ways of batch): a prefill (decoder_only: a 16-token prompt through ring attention; encoder_decoder:
+    a 16-token source encoded over the axis, BOS first) then greedy steps, each step's logits against
+    one device's, and where the compiled step's collectives move bytes."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from jaxformer import config as C
+    from jaxformer import sharding
+    from jaxformer.layers import without_id_checks
+    from jaxformer.models import Transformer
+
+    B, P, L = 4, 16, 22  # L: positions in the cache, rounded up to 24 slots (6 a device)
+    cfg = C.Config(
+        model=C.tiny(mode, num_heads=4, num_kv_heads=2, num_decoder_layers=1, num_encoder_layers=int(data == 1)),
+        data=C.DataConfig(max_len=P),
+        train=C.TrainConfig(objective="lm" if mode == "decoder_only" else "seq2seq", batch_size=B),
+        mesh=C.MeshConfig(data=data, context=4),
+    )  # fmt: skip
+    graphdef, params = nnx.split(without_id_checks(Transformer(cfg.model, rngs=nnx.Rngs(0))))
+    ids = lambda seed, T: jax.random.randint(jax.random.key(seed), (B, T), 3, 32)
+    src, src_lengths = ids(5, P), jnp.array([16, 11, 3, 16])
+
+    def greedy():  # its own jitted functions each time: traced under the mesh in effect, or none
+        @jax.jit
+        def prefill(params):
+            model = nnx.merge(graphdef, params)
+            if mode == "decoder_only":
+                return model.decode_step(model.init_cache(B, L), ids(6, P), None)
+            memory = model.encode(src, src_lengths=src_lengths)
+            cache = model.init_cache(B, L, memory, src_lengths=src_lengths)
+            return model.decode_step(cache, jnp.ones((B, 1), jnp.int32), None)
+
+        @jax.jit
+        def step(params, cache, tokens_B, position):
+            model = nnx.merge(graphdef, params)
+            logits_B1V, cache = model.decode_step(cache, tokens_B[:, None], jnp.full((B, 1), position))
+            return logits_B1V[:, 0], cache
+
+        logits, cache = prefill(params)
+        logits, position, out = logits[:, -1], logits.shape[1], {"logits": [], "tokens": []}
+        tokens = jnp.argmax(logits, -1)
+        compiled = step.lower(params, cache, tokens, position).compile()
+        for t in range(3):
+            out["logits"].append(logits)
+            out["tokens"].append(tokens)
+            logits, cache = compiled(params, cache, tokens, position + t)
+            tokens = jnp.argmax(logits, -1)
+        return out, cache, compiled.as_text()
+
+    ref, *_ = greedy()
+    devices = jax.devices()[: data * 4]
+    with sharding.use(sharding.make_mesh(cfg.mesh, devices), sharding.rules_for(cfg.mesh)):
+        got, cache, hlo = greedy()
+    layer = cache["layers"][0]
+    specs = {"self": str(layer["self"]["k"].sharding.spec)}
+    if "memory" in layer:
+        specs["memory"] = str(layer["memory"]["k"].sharding.spec)
+    moved = {}  # collective -> the largest array it moves (bytes)
+    for kind, shapes in re.findall(r"= (.*?) (all-gather|all-reduce|collective-permute|all-to-all)(?:-start)?\(", hlo):
+        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", kind):
+            itemsize = 1 if dtype == "pred" else int(re.sub(r"\D", "", dtype)) // 8  # f32, s32, bf16
+            size = int(np.prod([int(d) for d in dims.split(",") if d])) * itemsize
+            moved[shapes] = max(moved.get(shapes, 0), size)
+    return {
+        "logits": max(float(jnp.abs(a - b).max()) for a, b in zip(got["logits"], ref["logits"], strict=True)),
+        "tokens_equal": all(bool((a == b).all()) for a, b in zip(got["tokens"], ref["tokens"], strict=True)),
+        "specs": specs,
+        "moved": moved,
+        "output_bytes": B * 4 * cfg.model.dim_per_head * 4,  # one position's attention output [B, H, K], f32
+    }
+
+
 def run_cases() -> dict:
     import jax
     import jax.numpy as jnp
@@ -137,6 +215,8 @@ def run_cases() -> dict:
 
     out = {name: case_errors(i, *case) for i, (name, *case) in enumerate(CASES)}
     out |= {f"zigzag {mode}": zigzag_training_errors(mode) for mode in ("decoder_only", "encoder_decoder")}
+    for mode, data in (("decoder_only", 2), ("encoder_decoder", 1)):
+        out[f"decode {mode}"] = decoding_errors(mode, data)
     mesh = jax.make_mesh((4,), ("context",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
     x = jnp.zeros((1, 30, 2, 8))
     try:
@@ -171,6 +251,19 @@ def test_a_zigzag_layout_trains_as_one_device(errors, mode):
     zigzag = [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]  # device i: blocks i and 7 - i of 8
     packed = [p if p < 10 else p - 10 for p in zigzag]  # decoder_only's rows hold two documents
     assert r["laid_out"] == (packed if mode == "decoder_only" else zigzag)
+
+
+@pytest.mark.parametrize("mode", ["decoder_only", "encoder_decoder"])
+def test_decoding_over_a_cache_split_by_position_equals_one_device(errors, mode):
+    """Prefill (decoder_only: ring attention over the prompt, data x context; encoder_decoder: the
+    source encoded over the context axis) and greedy steps against caches split over the context
+    axis give one device's logits and tokens; the caches are split by position, and a compiled step
+    moves nothing of them: its only collectives are the log-sum-exp all-reduces, each no larger than
+    one position's attention output."""
+    r = errors[f"decode {mode}"]
+    assert r["logits"] <= 1e-5 and r["tokens_equal"], r
+    assert all(spec.endswith("'context')") for spec in r["specs"].values()), r["specs"]
+    assert set(r["moved"]) == {"all-reduce"} and r["moved"]["all-reduce"] <= r["output_bytes"], r
 
 
 def test_a_sequence_the_context_axis_does_not_divide_is_refused(errors):

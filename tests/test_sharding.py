@@ -19,8 +19,9 @@ LOSS_RTOL, PARAM_RTOL = 1e-5, 1e-5
 MODES = ["decoder_only", "encoder_decoder", "encoder_only"]
 # Data parallelism and FSDP alone, and FSDP with tensor parallelism (data x tensor lays the batch
 # and the tensor axis out as FSDP x tensor does: that 2-D case is run once), also with the chunked loss
-# (against the plain loss on one device), and context parallelism beside data and FSDP.
-STRATEGIES = ["dp8", "fsdp8", "fsdp4_tp2", "fsdp4_tp2_chunked", "dp2_cp4", "fsdp2_cp4"]
+# (against the plain loss on one device), and context parallelism beside data, and beside FSDP with the
+# chunked loss over the split length.
+STRATEGIES = ["dp8", "fsdp8", "fsdp4_tp2", "fsdp4_tp2_chunked", "dp2_cp4", "fsdp2_cp4_chunked"]
 
 
 def worker(*args, devices=8, timeout=600):
@@ -73,11 +74,12 @@ def test_sharded_training_equals_one_device(strategies, mode, strategy):
     assert (r["ring_permutes"] > 0) == ("cp" in strategy), "ring attention where the sequence is split"
 
 
-@pytest.mark.parametrize("strategy", ["dp8", "fsdp4_tp2"])
+@pytest.mark.parametrize("strategy", ["dp8", "fsdp4_tp2", "dp2_cp4"])
 @pytest.mark.parametrize("mode", ["decoder_only", "encoder_decoder"])
 def test_sharded_generation_equals_one_device(strategies, mode, strategy):
     """Beam search (2 beams, 8 prompts of 1-5 tokens) with the parameters trained on the mesh, run on
-    the mesh, vs those trained on one device, run there (the two agree to 1e-5, see above)."""
+    the mesh, vs those trained on one device, run there (the two agree to 1e-5, see above); with a
+    context axis, the prompts (sources) are split by position and so are the caches the beams reorder."""
     r = strategies["strategies"][f"{mode}/{strategy}"]["generation"]
     assert r["tokens_equal"], r
     assert r["score_diff"] < 1e-4, r
@@ -105,9 +107,10 @@ def test_mesh_errors_name_what_is_wrong(strategies):
 def test_expert_parallel_moe_training_equals_one_device():
     """MoE layers with their experts split over `mesh.expert=4` (8 devices; the capacity dispatch's
     slots travel to their experts' devices, the dropless one is partitioned by XLA): the losses and
-    parameters of one device."""
+    parameters of one device; and the capacity dispatch with each row's positions split over
+    `mesh.context=2` beside the experts."""
     r = result(worker("moe"))
-    for name in ("capacity", "dropless"):
+    for name in ("capacity", "dropless", "capacity_context"):
         assert r[name]["loss_rel"] < LOSS_RTOL and r[name]["param_rel"] < PARAM_RTOL, (name, r[name])
     specs = r["capacity"]["specs"]
     wi = next(v for k, v in specs.items() if k.endswith("ffn']['wi'].value") or k.endswith("ffn.wi"))
