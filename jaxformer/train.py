@@ -175,10 +175,8 @@ def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Ar
             chunk = loss_chunk(cfg, *labels_BT.shape, model.cfg.vocab_size, shards)
             sums = F.chunked_cross_entropy(h_BTD, model.head, labels_BT, batch["weights"], chunk=chunk, **smoothing)
     per_layer, layers = moe.totals(reports)
-    if layers:
-        aux = jax.tree.map(
-            lambda a: a.sum(0), per_layer
-        )  # a micro-batch's MoE losses weigh as many tokens as it counts: accumulation stays a token mean
+    if layers:  # a micro-batch's MoE losses weigh as many tokens as it counts: accumulation stays a token mean
+        aux = jax.tree.map(lambda a: a.sum(0), per_layer)  # summed over the MoE layers
         mcfg = model.cfg.moe
         z, balance = (aux[name] / layers * sums["count"] for name in ("router_z_loss", "load_balance_loss"))
         sums["loss"] = sums["loss"] + mcfg.z_loss_weight * z + mcfg.aux_loss_weight * balance

@@ -115,6 +115,9 @@ def test_expert_parallel_moe_training_equals_one_device():
     specs = r["capacity"]["specs"]
     wi = next(v for k, v in specs.items() if k.endswith("ffn']['wi'].value") or k.endswith("ffn.wi"))
     assert wi.startswith("('expert', 'fsdp'"), specs  # [E, D, F]: experts over `expert`, D over `fsdp`
+    # The capacity dispatch's [B, E, P, D] slots go to their experts' devices and come back: all-to-all
+    # in the partitioned step, forward and backward, in each MoE layer.
+    assert r["capacity"]["all_to_all"] >= 2, r["capacity"]
 
 
 def free_port() -> int:
