@@ -45,13 +45,35 @@ def test_cli_page_lists_every_command_and_option():
 
 
 def test_every_config_field_has_a_meaning():
-    from jaxformer import config
     from jaxformer.config_reference import field_docs
 
-    for section, cls in config.SECTIONS.items():
+    for section, cls in pages.config_sections():
         docs = field_docs(cls)
         missing = [f.name for f in dataclasses.fields(cls) if not docs[f.name][1]]
         assert not missing, f"{section}.{missing}: say what each field means in a `# comment` beside it"
+
+
+def test_config_page_has_a_table_per_section_nested_ones_too():
+    """Every field of every section, nested ones (`model.moe`) under their own dotted heading, walked
+    here from the Config's fields, not from the script's list of sections."""
+    from jaxformer import config
+
+    text = (ROOT / "docs" / "config.md").read_text()
+    found = []
+
+    def walk(name: str, obj) -> None:
+        found.append(name)
+        heading = f"## `{name}`: `{type(obj).__name__}`\n"
+        assert heading in text, f"docs/config.md has no table for {name}"
+        table = text.split(heading, 1)[1].split("\n## ", 1)[0]
+        for f in dataclasses.fields(obj):
+            assert f"| `{f.name}` |" in table, f"docs/config.md: {name}.{f.name} is missing from its table"
+            if dataclasses.is_dataclass(getattr(obj, f.name)):
+                walk(f"{name}.{f.name}", getattr(obj, f.name))
+
+    for f in dataclasses.fields(config.Config):  # each section's defaults (a default Config is no valid run)
+        walk(f.name, f.default_factory())
+    assert "model.moe" in found and len(found) > len(config.SECTIONS), found
 
 
 def _public_names(module) -> list[str]:
