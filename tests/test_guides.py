@@ -9,10 +9,16 @@ Shell blocks (```bash, ```shell, ```sh and plain ``` blocks, `$ ` prompts includ
 command line is read by the real parser (`cli.build_parser`), its `--config` file exists (placeholders
 in capitals, `experiments/NAME.py`, excepted), and each `--set section.field=value` names a real field
 with a value its type takes (`config.parse_overrides`), applied to that experiment and validated with
-the others (`config.apply_overrides`). Broken links and anchors fail the strict build
-(tests/test_docs_site.py).
+the others (`config.apply_overrides`); every `python scripts/X.py` or `bash scripts/X.sh` names a
+script that exists. Each shell block is marked as a Python block is: `<!-- run -->` (its commands,
+`jaxformer` lines only, take seconds on a CPU: they are run, in an empty directory with
+`experiments/` beside it, and must succeed) or `<!-- long: REASON -->` (minutes of training, an
+accelerator, a download, a server, or a recorded output); an unmarked block fails. Broken links and
+anchors fail the strict build (tests/test_docs_site.py).
 """
 
+import contextlib
+import io
 import pathlib
 import re
 import shlex
@@ -72,6 +78,69 @@ def command_lines(body: str) -> list[str]:
     return out
 
 
+SHELL_MARKER = re.compile(r"<!-- run -->|<!-- long: \S.* -->")
+
+
+def test_every_shell_block_runs_or_says_why_not():
+    unmarked = [
+        f"{page.relative_to(ROOT)}:{line} {marker or '(no marker)'}"
+        for page in PAGES
+        for line, marker, _ in blocks(page, SHELL)
+        if not SHELL_MARKER.fullmatch(marker)
+    ]
+    assert not unmarked, "mark each shell block <!-- run --> or <!-- long: REASON -->:\n" + "\n".join(unmarked)
+
+
+def _commands(body: str) -> list[str]:
+    """The command lines of a shell block: continuation lines joined, comments and blank lines dropped."""
+    joined = re.sub(r"\\\n\s*", "", body)
+    return [s for line in joined.splitlines() if (s := line.strip().removeprefix("$ ")) and not s.startswith("#")]
+
+
+RUN_BLOCKS = [
+    pytest.param(body, id=f"{page.name}:{line}")
+    for page in PAGES
+    for line, marker, body in blocks(page, SHELL)
+    if marker == "<!-- run -->"
+]
+
+
+@pytest.mark.parametrize("body", RUN_BLOCKS)
+def test_shell_examples_run(body, tmp_path, monkeypatch):
+    """Each command of a run block, through `cli.main` in this process (no second JAX start-up): it
+    must succeed and print something; a `jaxformer config` line prints each value its --set gives."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "experiments").symlink_to(ROOT / "experiments")
+    for command in _commands(body):
+        assert command.startswith("jaxformer "), f"a run block holds jaxformer commands only: {command}"
+        argv = shlex.split(command.removeprefix("jaxformer "), comments=True)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            try:
+                status = cli.main(argv)
+            except SystemExit as e:  # --help
+                status = e.code
+        assert status in (0, None), f"{command}: exit status {status}"
+        assert out.getvalue().strip(), f"{command}: printed nothing"
+        if argv[0] == "config":
+            for setting in cli.build_parser().parse_args(argv).set or []:
+                field, value = setting.split("=", 1)
+                assert re.search(rf"^{re.escape(field)} = {re.escape(value)} ", out.getvalue(), re.M), setting
+
+
+def test_every_script_named_exists():
+    """`python scripts/X.py` and `bash scripts/X.sh` in any shell block (run or not) name real files."""
+    named, missing = 0, []
+    for page in PAGES:
+        for line, _, body in blocks(page, SHELL):
+            for script in re.findall(r"(?:python|bash) (scripts/\S+)", body):
+                named += 1
+                if not (ROOT / script).is_file():
+                    missing.append(f"{page.relative_to(ROOT)}:{line} {script}")
+    assert named > 5, f"only {named} scripts named: is the pattern still right?"
+    assert not missing, "\n".join(missing)
+
+
 def _placeholder(path: str) -> bool:
     return bool(re.search(r"\b[A-Z]{1,}\b", path))
 
@@ -80,9 +149,10 @@ def check_command(args: str) -> list[str]:
     """What is wrong with one command line (empty if nothing)."""
     argv = shlex.split(args, comments=True)
     try:
-        parsed = cli.build_parser().parse_args(argv)
-    except SystemExit:
-        return ["argparse refuses it"]
+        with contextlib.redirect_stdout(io.StringIO()):  # --help prints, then exits 0
+            parsed = cli.build_parser().parse_args(argv)
+    except SystemExit as e:
+        return [] if e.code == 0 and {"-h", "--help"} & set(argv) else ["argparse refuses it"]
     problems, sets = [], getattr(parsed, "set", None) or []
     try:
         parse_overrides(sets)
@@ -119,3 +189,7 @@ def test_the_checker_catches_rot():
     assert "train.steps" in check_command("train --workdir w --set train.steps=many")[0]
     assert "train.stepz" in check_command("train --workdir w --set train.stepz=3")[0]
     assert command_lines("$ jaxformer eval \\\n   --workdir w  # held out\nls\n") == ["eval --workdir w  # held out"]
+    assert check_command("train --help") == [] and check_command("--help") == []
+    block = "$ jaxformer eval \\\n  --workdir w\n# a comment\n\nls -l\n"
+    assert _commands(block) == ["jaxformer eval --workdir w", "ls -l"]
+    assert SHELL_MARKER.fullmatch("<!-- long: trains for minutes -->") and not SHELL_MARKER.fullmatch("<!-- long: -->")
