@@ -103,3 +103,26 @@ def test_site_builds_strict(tmp_path):
         module = importlib.import_module(target)
         missing = [n for n in _public_names(module) if f'id="{target}.{n}"' not in html]
         assert not missing, f"{page.name}: no entry for {missing}"
+
+
+def _paragraphs(text: str) -> list[str]:
+    """The prose paragraphs and code lines of a Markdown text, whitespace normalised, 60+ characters."""
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+    pieces = re.split(r"\n\s*\n|^```.*$", text, flags=re.M)
+    return [p for p in (" ".join(piece.split()) for piece in pieces) if len(p) >= 60]
+
+
+def test_no_readme_text_is_copied_into_the_site():
+    """The README is the first screen; the site's landing page includes its introduction and two commands
+    (pymdownx.snippets) rather than holding a copy, and no page repeats a paragraph of it."""
+    readme = _paragraphs((ROOT / "README.md").read_text())
+    assert len(readme) > 5, readme
+    copied = [
+        f"{page.relative_to(ROOT)}: {paragraph[:80]}..."
+        for page in sorted((ROOT / "docs").rglob("*.md"))
+        for paragraph in readme
+        if paragraph in " ".join(page.read_text().split())
+    ]
+    assert not copied, "say it once (include the README's section, or link to it):\n" + "\n".join(copied)
+    index = (ROOT / "docs" / "index.md").read_text()
+    assert '--8<-- "README.md:intro"' in index and '--8<-- "README.md:commands"' in index
