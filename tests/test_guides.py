@@ -30,7 +30,7 @@ from jaxformer.config import ConfigError, apply_overrides, load_experiment, pars
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "docs" / "index.md", *sorted((ROOT / "docs" / "guides").glob("*.md"))]
-FENCE = re.compile(r"^(?P<marker><!--.*?-->\n)?```(?P<lang>[a-z]*)\n(?P<body>.*?)^```$", re.M | re.S)
+FENCE = re.compile(r"^(?P<marker><!--[^\n]*?-->\n)?```(?P<lang>[a-z]*)\n(?P<body>.*?)^```$", re.M | re.S)
 SHELL = {"bash", "shell", "sh", "console", ""}
 
 
