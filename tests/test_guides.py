@@ -193,3 +193,31 @@ def test_the_checker_catches_rot():
     block = "$ jaxformer eval \\\n  --workdir w\n# a comment\n\nls -l\n"
     assert _commands(block) == ["jaxformer eval --workdir w", "ls -l"]
     assert SHELL_MARKER.fullmatch("<!-- long: trains for minutes -->") and not SHELL_MARKER.fullmatch("<!-- long: -->")
+
+
+def _time_and_output(path: pathlib.Path) -> str:
+    """An experiment's "Time and output:" paragraph, whitespace normalised."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return " ".join(doc.split("Time and output:", 1)[-1].split("\n\n", 1)[0].split())
+
+
+def test_training_guide_lists_every_experiment_with_its_steps_and_time():
+    """The table of docs/guides/training.md against experiments/*.py: one row each, the mode and steps
+    of its config, and a time that its docstring's "Time and output:" paragraph says word for word."""
+    text = (ROOT / "docs" / "guides" / "training.md").read_text()
+    header = "| experiment | mode | data | steps | time on 2 CPU cores |\n|---|---|---|---|---|\n"
+    table = text.split(header, 1)[1].split("\n\n", 1)[0]
+    rows = [[c.strip() for c in row.strip("|").split("|")] for row in table.splitlines()]
+    files = {p.stem: p for p in (ROOT / "experiments").glob("*.py")}
+    assert sorted(r[0].strip("`") for r in rows) == sorted(files), "one row per experiments/*.py"
+    wrong = []
+    for name, mode, _, steps, time in rows:
+        path = files[name.strip("`")]
+        cfg = load_experiment(str(path))
+        if mode.replace("-", "_") != cfg.model.mode or int(steps) != cfg.train.steps:
+            wrong.append(f"{name}: {mode}, {steps} steps; the file says {cfg.model.mode}, {cfg.train.steps}")
+        if time not in _time_and_output(path):
+            wrong.append(f"{name}: {time!r} is not in its docstring's 'Time and output:' paragraph")
+    assert not wrong, "\n".join(wrong)
