@@ -75,7 +75,7 @@ def split_rng(rng: Array | None, n: int) -> list[Array | None]:
 
 
 def project(module: nnx.Module, name: str, spec: str, x: Array) -> Array:
-    """einsum(spec, x, module.<name>) in the compute dtype. A kernel stored in int8 beside its
+    """`einsum(spec, x, module.<name>)` in the compute dtype. A kernel stored in int8 beside its
     `<name>_scale` (a LoRA run's frozen base, `lora.quantize_base`) is dequantized here, in the layer
     that reads it: one layer at a time in a scanned stack, and again in the backward (`quant.einsum`).
 
@@ -97,7 +97,7 @@ def project(module: nnx.Module, name: str, spec: str, x: Array) -> Array:
 
 
 def adapted(module: nnx.Module, name: str, x: Array, y: Array, dropout_rng: Array | None) -> Array:
-    """y = x @ module.<name>, plus the update of its LoRA adapter (`jaxformer.lora`) if it has one.
+    """`y = x @ module.<name>`, plus the update of its LoRA adapter (`jaxformer.lora`) if it has one.
 
     The adapter's dropout key is folded from the sublayer's with the kernel's name: the masks of
     the layer's own dropout stay what they are without LoRA.

@@ -172,7 +172,7 @@ def line(metrics: dict, keys) -> str:
 
 def report_lines(objective: str, report: dict) -> list[str]:
     """The held-out report as `train` and `eval` print it: `objective`'s figures on the test split
-    (report keys "test_<metric>"), each beside its baseline, then the translation figures.
+    (report keys `test_<metric>`), each beside its baseline, then the translation figures.
 
     Args:
         objective: the train section's objective.

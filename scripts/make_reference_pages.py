@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import html
 import pathlib
 import sys
 
@@ -25,6 +26,12 @@ WIDTH = 100  # usage lines are wrapped at this width whatever the terminal's (th
 def _cell(text: str) -> str:
     """Text safe inside a Markdown table cell: one line, pipes escaped."""
     return " ".join(text.split()).replace("|", "\\|")
+
+
+def _code_cell(text: str) -> str:
+    """Code inside a Markdown table cell. A backtick span would show an escaped pipe's backslash
+    (`int \\| None`), so it is an HTML <code> element with the pipe as an entity."""
+    return "<code>" + html.escape(" ".join(text.split()), quote=False).replace("|", "&#124;") + "</code>"
 
 
 # ----------------------------------------------------------------------------- the CLI
@@ -147,8 +154,8 @@ def config_page() -> str:
             if dataclasses.is_dataclass(default):  # a nested section: its own table below
                 shown = f"[its fields](#{_anchor(f'{section}.{f.name}', type(default))})"
             else:
-                shown = f"`{_cell(repr(default))}`"
-            lines.append(f"| `{f.name}` | `{_cell(annotation)}` | {shown} | {_cell(meaning)} |")
+                shown = _code_cell(repr(default))
+            lines.append(f"| `{f.name}` | {_code_cell(annotation)} | {shown} | {_cell(meaning)} |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
