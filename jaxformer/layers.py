@@ -952,6 +952,7 @@ REMAT_POLICIES = {
         names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT], **_TO_HOST
     ),
 }
+"""`model.remat` -> the `jax.checkpoint` policy of each layer ("none" and "auto" are resolved by `LayerStack`)."""
 
 
 class LayerStack(nnx.Module):

@@ -36,7 +36,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxformer.config import ConfigError, MeshConfig
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor", "context")
+"""The mesh's axes, in its order."""
 LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layers", "expert", "expert_batch")
+"""The names parameters and activations give their dimensions; the rules map them to mesh axes."""
 BATCH = ("data", "fsdp", "expert")  # the global batch is split over every axis that is not tensor parallel
 
 # logical axis -> mesh axis (None: replicated). Unlisted names (kv, layers) are replicated.
@@ -60,6 +62,7 @@ RULES = {
         *CP,
     ),
 }
+"""The named rules tables (`mesh.rules`; "default" is fsdp_tp): logical axis -> mesh axis, axes or None."""
 RULES["default"] = RULES["fsdp_tp"]  # axes of size 1 make it any of the others
 
 

@@ -7,11 +7,13 @@ resume trivial, and any process can read its rows of any step alone.
 
 Batch keys by objective (all int32 unless noted; weights float32), S the source width
 (data.src_max_len, else data.max_len) and T data.max_len, or smaller bucket widths:
-  lm        inputs [B, T], targets [B, T], weights [B, T]; instruction data (data.template): one
-            example a row, right-padded, weights 1 on the response's targets (its EOS too) only
-  seq2seq   src [B, S], src_lengths [B], inputs [B, T] (BOS + target[:-1]), targets [B, T], weights [B, T]
-  mlm       inputs [B, T] (masked), targets [B, T], weights [B, T] (1 on masked positions)
-  classify  src [B, S], src_lengths [B], label [B]
+
+- lm: inputs [B, T], targets [B, T], weights [B, T]; instruction data (data.template): one
+  example a row, right-padded, weights 1 on the response's targets (its EOS too) only
+- seq2seq: src [B, S], src_lengths [B], inputs [B, T] (BOS + `target[:-1]`), targets [B, T], weights [B, T]
+- mlm: inputs [B, T] (masked), targets [B, T], weights [B, T] (1 on masked positions)
+- classify: src [B, S], src_lengths [B], label [B]
+
 Packed (data.pack, training only): lm/mlm add segments [B, T] and positions [B, T] (instruction
 examples placed first-fit as pairs are, each its own segment); seq2seq has
 src_segments, src_positions [B, S] and tgt_segments, tgt_positions [B, T] instead of src_lengths;
@@ -40,7 +42,7 @@ class Batches:
 
     The order of an epoch is grain's lazy global shuffle of the example indices (`MapDataset.shuffle`,
     reseeded each epoch by `repeat`): nothing of size N is held, so memory stays flat as the corpus
-    grows. Batch i of an epoch takes positions i*B .. i*B+B-1 of that epoch's order. With `buckets`,
+    grows. Batch i of an epoch takes positions `i*B .. i*B+B-1` of that epoch's order. With `buckets`,
     an epoch's order is cut into chunks of 32 batches whose examples are sorted by the first bucket
     that holds them (then by how full they make it: the longest side over its width), and each
     batch is cut to the first bucket whose widths hold its longest source and target: few shapes
