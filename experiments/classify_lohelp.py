@@ -3,10 +3,12 @@
     jaxformer train --config experiments/classify_lohelp.py --workdir runs/classify_lohelp
 
 BERT-style encoder (post-norm, learned positions, GELU) over bytes, pooled at the
-leading [CLS] (BOS) token. A few minutes on 2 CPU cores.
+leading [CLS] (BOS) token.
 
-Time and output: 800 steps, a few minutes on 2 CPU cores; the held-out accuracy at the end (step 800)
-is the figure to read (the evaluation of step 400 is earlier); exact times and accuracies: not measured.
+Time and output: 800 steps on 2 CPU cores, time not measured (a run started 2026-11-26 on 2 cores
+shared with other work, load average ~9-12, trained at 1,200 tokens/s over its first 50 steps, which
+would make about 25 minutes; it was stopped there); the held-out accuracy at the end (step 800) is the
+figure to read (the evaluation of step 400 is earlier); the accuracies: not measured.
 """
 
 from jaxformer.config import Config, DataConfig, ModelConfig, TrainConfig

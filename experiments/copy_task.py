@@ -2,11 +2,14 @@
 
     jaxformer train --config experiments/copy_task.py --workdir runs/copy_task
 
-Converges in ~400 steps (under a minute on 2 CPU cores); then greedy decoding copies
-held-out sequences exactly. `--set data.source=reverse` trains the reverse task instead.
+Converges in ~400 steps; then greedy decoding copies held-out sequences exactly.
+`--set data.source=reverse` trains the reverse task instead.
 
-Time and output: 400 steps, under a minute on 2 CPU cores; the copies are worth reading at the end
-(step 400). At which earlier step they become exact: not measured.
+Time and output: 400 steps, 1 min 22 s on 2 CPU cores; measured 2026-11-26 on a 2-core machine
+shared with other work (load average ~9), evaluating every 50 steps: the held-out token accuracy
+(teacher-forced) was 65% at step 100, 97% at 150, 99.8% at 250 and 100% from 350, and at step 400
+greedy decoding copied every held-out sequence exactly, so the copies are worth reading from about
+step 350.
 """
 
 from jaxformer.config import Config, DataConfig, DecodeConfig, ModelConfig, TrainConfig

@@ -13,8 +13,9 @@ then train (on every host of a pod, `scripts/tpu_pod.sh` runs it there):
 Run locally (tiny shrink): --set model.d_model=64 --set model.num_heads=4 --set model.d_ff=256
     --set model.num_decoder_layers=2 --set data.max_len=128 --set model.max_len=128 --set train.batch_size=8
 
-Time and output: 100k steps on a pod slice; on 2 CPU cores only the tiny shrink, which checks the
-program (its samples are not worth reading). Time: not measured.
+Time and output: not a CPU run: 100k steps on a pod slice (time there not measured); on 2 CPU cores,
+plan only (`jaxformer plan`, above) and the tiny shrink, which checks the program (its samples are
+not worth reading).
 """
 
 from jaxformer.config import Config, DataConfig, MeshConfig, TrainConfig, gpt2_small

@@ -20,8 +20,9 @@ or, to try the program on a random base (nothing worth adapting):
 Run locally (tiny shrink): --set model.d_model=64 --set model.num_heads=4 --set model.d_ff=128
     --set model.num_decoder_layers=2 --set data.max_len=128 --set train.batch_size=8
 
-Time and output: 1000 steps on one 80 GB GPU; on 2 CPU cores only the tiny shrink, which checks the
-program (a random base: nothing worth reading). Time: not measured.
+Time and output: not a CPU run: 1000 steps on one 80 GB GPU (time there not measured); on 2 CPU cores,
+plan only (`jaxformer plan`, above) and the tiny shrink, which checks the program (a random base:
+nothing worth reading).
 """
 
 from jaxformer.config import Config, DataConfig, LoRAConfig, TrainConfig, llama

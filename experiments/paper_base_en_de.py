@@ -7,8 +7,9 @@ smoothing 0.1, Adam(0.9, 0.98, 1e-9), noam schedule with 4000 warmup steps, one 
 embedding matrix (source, target, output). bfloat16 compute, float32 parameters.
 Run locally (tiny shrink):  --set model.num_encoder_layers=1 --set model.num_decoder_layers=1 --set train.steps=20
 
-Time and output: 100k steps, for accelerators; on 2 CPU cores only the tiny shrink, which checks that the
-program runs (its translations are not worth reading). Time: not measured.
+Time and output: not a CPU run: 100k steps on accelerators (time there not measured); on 2 CPU cores,
+plan only (`jaxformer plan`) and the tiny shrink, which checks that the program runs (its translations
+are not worth reading).
 """
 
 from jaxformer.config import Config, DataConfig, TrainConfig, paper_base

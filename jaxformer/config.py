@@ -821,7 +821,9 @@ class LoRAConfig:
     rank: int = 0  # R: the adapters' inner width; 0 = no LoRA
     alpha: float = 16.0  # the update is scaled by alpha / rank, so a new rank needs no new learning rate
     dropout: float = 0.0  # dropout on the adapters' input while training (the paper's 0.05-0.1 for small data)
-    targets: tuple[str, ...] = ("q", "v")  # the projections adapted (the paper's choice: queries and values)
+    # The projections adapted (the paper's choice: queries and values): any of q, k, v, o (attention), wi,
+    # wi_gate, wo (feed-forward), embed (the token embedding, and a tied output with it), head (an untied output).
+    targets: tuple[str, ...] = ("q", "v")
     stacks: tuple[str, ...] = LORA_STACKS  # which stacks' q..wo get them: encoder, decoder (self-attention, FFN), cross
     seed: int = 0  # the adapters' own stream: the base draws the same numbers with LoRA on or off
     # How the frozen base's projection kernels are stored: "compute" (model.dtype) or "int8" (QLoRA-style:

@@ -75,7 +75,7 @@ def split_rng(rng: Array | None, n: int) -> list[Array | None]:
 
 
 def project(module: nnx.Module, name: str, spec: str, x: Array) -> Array:
-    """einsum(spec, x, module.<name>) in the compute dtype. A kernel stored in int8 beside its
+    """`einsum(spec, x, module.<name>)` in the compute dtype. A kernel stored in int8 beside its
     `<name>_scale` (a LoRA run's frozen base, `lora.quantize_base`) is dequantized here, in the layer
     that reads it: one layer at a time in a scanned stack, and again in the backward (`quant.einsum`).
 
@@ -97,7 +97,7 @@ def project(module: nnx.Module, name: str, spec: str, x: Array) -> Array:
 
 
 def adapted(module: nnx.Module, name: str, x: Array, y: Array, dropout_rng: Array | None) -> Array:
-    """y = x @ module.<name>, plus the update of its LoRA adapter (`jaxformer.lora`) if it has one.
+    """`y = x @ module.<name>`, plus the update of its LoRA adapter (`jaxformer.lora`) if it has one.
 
     The adapter's dropout key is folded from the sublayer's with the kernel's name: the masks of
     the layer's own dropout stay what they are without LoRA.
@@ -324,6 +324,17 @@ class Embed(nnx.Module):
         self.embedding = param(rngs, init.normal(std), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
 
     def __call__(self, ids_BT: Array) -> Array:
+        """Looks up the ids' rows (plus the LoRA adapter's), times sqrt(D) with `scale_embeddings`.
+
+        Args:
+            ids_BT: [B, T] token ids in [0, V).
+
+        Returns:
+            [B, T, D] embeddings in the compute dtype.
+
+        Raises:
+            ValueError: an id outside [0, V) with `check_token_ids` (see `check_token_ids` under jit).
+        """
         cfg = self.cfg
         if cfg.check_token_ids:
             check_token_ids(ids_BT, cfg.vocab_size)
@@ -364,6 +375,15 @@ class PositionalEncoding(nnx.Module):
             self.table = param(rngs, init.normal(0.02), (rows, cfg.d_model), (None, "embed"))
 
     def __call__(self, x_BTD: Array, positions_BT: Array) -> Array:
+        """Adds the encoding of each position (nothing for `rope`, `relative`, `none`).
+
+        Args:
+            x_BTD: [B, T, D] embeddings.
+            positions_BT: [B, T] each token's position in its sequence (restarting per packed segment).
+
+        Returns:
+            [B, T, D] x plus the positions' rows.
+        """
         cfg = self.cfg
         if cfg.position == "sinusoidal":
             table_TD = F.sinusoidal_positions(cfg.max_len, cfg.d_model)
@@ -389,7 +409,15 @@ class RelativePositionBias(nnx.Module):
         self.table = param(rngs, init.normal(0.02), (cfg.relative_buckets, cfg.num_heads), (None, "heads"))
 
     def __call__(self, q_positions_BT: Array, kv_positions_BS: Array) -> Array:
-        """[B, H, T, S] in float32."""
+        """The bias of each query-key pair from their distance.
+
+        Args:
+            q_positions_BT: [B, T] the queries' positions.
+            kv_positions_BS: [B, S] the keys' positions.
+
+        Returns:
+            [B, H, T, S] logits bias in float32.
+        """
         bias_BHTS = F.relative_position_bias(
             q_positions_BT, kv_positions_BS, self.table[...],
             bidirectional=self.bidirectional, max_distance=self.cfg.relative_max_distance,
@@ -415,6 +443,14 @@ class Norm(nnx.Module):
             self.bias = param(rngs, init.zeros, (cfg.d_model,), ("embed",))
 
     def __call__(self, x_BTD: Array) -> Array:
+        """Normalises each position over D.
+
+        Args:
+            x_BTD: [B, T, D] activations.
+
+        Returns:
+            [B, T, D] normalised and scaled (and shifted, for layernorm), in x's dtype.
+        """
         if self.cfg.norm == "rmsnorm":
             return F.rms_norm(x_BTD, self.scale[...], self.cfg.norm_eps)
         return F.layer_norm(x_BTD, self.scale[...], self.bias[...], self.cfg.norm_eps)
@@ -487,12 +523,27 @@ class MultiHeadAttention(nnx.Module):
         bias: Array | None = None,
         dropout_rng: Array | None = None,
         return_weights: bool = False,
-    ):
-        """Attend from x to memory (cross) or to x itself (memory None). Returns [B, T, D].
+    ) -> Array | tuple[Array, Array]:
+        """Attend from x to memory (cross) or to x itself (memory None).
 
-        `memory_kv` gives cross-attention keys and values already projected, heads-major
-        [B, G, S, K] (`memory_cache` of the memory), as decoding does once per source.
-        `bias` [B, H, T, S] is added to the logits (T5's relative positions).
+        Args:
+            x_BTD: [B, T, D] the queries' inputs.
+            memory_BSD: [B, S, D] the inputs attended to (cross-attention), or None for x itself.
+            mask: which keys each query sees (`functional.Mask`, or a boolean array broadcastable to
+                [B, H, T, S]), or None for all.
+            positions_BT: [B, T] the queries' positions (RoPE), or None.
+            kv_positions_BS: [B, S] the keys' positions; None: `positions_BT`.
+            memory_kv: cross-attention keys and values already projected, heads-major [B, G, S, K]
+                (`memory_cache` of the memory), as decoding does once per source; or None.
+            bias: [B, H, T, S] added to the logits (T5's relative positions), or None.
+            dropout_rng: the dropout key (attention weights, adapters), or None for no dropout.
+            return_weights: also return the attention weights (the reference path computes them).
+
+        Returns:
+            [B, T, D]; with `return_weights`, ([B, T, D], weights [B, H, T, S]).
+
+        Raises:
+            ValueError: under context parallelism, a memory masked other than by its lengths.
         """
         if memory_kv is not None:
             return self._attend(x_BTD, *memory_kv, "BGSK", mask, bias, positions_BT, dropout_rng, return_weights)
@@ -673,7 +724,15 @@ class FeedForward(nnx.Module):
         return y + F.lift(getattr(self, f"{name}_bias")[...].astype(dt), y) if self.cfg.use_bias else y
 
     def __call__(self, x_BTD: Array, dropout_rng: Array | None = None) -> Array:
-        """[B, T, D] -> [B, T, D]; `dropout_rng` drives the LoRA adapters' dropout only."""
+        """D -> F -> D at every position.
+
+        Args:
+            x_BTD: [B, T, D] activations.
+            dropout_rng: the LoRA adapters' dropout key (nothing else here drops out), or None.
+
+        Returns:
+            [B, T, D].
+        """
         # The activation's backward gets a buffer of its own: without a bias gradient to force one,
         # XLA:CPU fuses it into the transposed copy feeding wi's weight gradient (+17% step time).
         up_BTF = materialized_grad(self._dense(x_BTD, "wi", "BTD,DF->BTF", dropout_rng))
@@ -704,8 +763,20 @@ class Residual(nnx.Module):
         self.cfg = cfg
         self.norm = Norm(cfg, rngs=rngs)
 
-    def __call__(self, x_BTD: Array, sublayer: Callable, dropout_rng: Array | None, has_aux: bool = False):
-        """`sublayer` maps [B, T, D] to [B, T, D], or to ([B, T, D], aux) with `has_aux` (returned beside x)."""
+    def __call__(
+        self, x_BTD: Array, sublayer: Callable, dropout_rng: Array | None, has_aux: bool = False
+    ) -> Array | tuple[Array, object]:
+        """The sublayer wrapped in its residual connection, norm and dropout.
+
+        Args:
+            x_BTD: [B, T, D] the residual stream.
+            sublayer: maps [B, T, D] to [B, T, D], or to ([B, T, D], aux) with `has_aux`.
+            dropout_rng: the key of the dropout on the sublayer's output, or None for none.
+            has_aux: the sublayer returns (y, aux).
+
+        Returns:
+            [B, T, D]; with `has_aux`, ([B, T, D], aux).
+        """
 
         def run(h_BTD):
             y = sublayer(h_BTD)
@@ -768,9 +839,20 @@ class EncoderLayer(nnx.Module):
         position_bias: Array | None = None,
         dropout_rng: Array | None = None,
         with_aux: bool = False,
-    ):
-        """`position_bias` [B, H, T, T]: added to the self-attention logits (T5). With `with_aux`,
-        returns (x, the MoE statistics of the layer, None if its feed-forward is dense)."""
+    ) -> Array | tuple[Array, dict | None]:
+        """Self-attention then feed-forward, each with its residual.
+
+        Args:
+            x_BTD: [B, T, D] the residual stream.
+            mask: which keys each query sees (`functional.Mask` or a boolean array), or None for all.
+            positions_BT: [B, T] the tokens' positions.
+            position_bias: [B, H, T, T] added to the self-attention logits (T5), or None.
+            dropout_rng: the layer's dropout key, or None for no dropout.
+            with_aux: also return the layer's MoE statistics.
+
+        Returns:
+            [B, T, D]; with `with_aux`, ([B, T, D], the MoE statistics, None if the feed-forward is dense).
+        """
         r_attn, r_attn_res, r_ffn = split_rng(dropout_rng, 3)
 
         def attend(h_BTD):
@@ -813,12 +895,25 @@ class DecoderLayer(nnx.Module):
         dropout_rng: Array | None = None,
         cache: dict | None = None,
         with_aux: bool = False,
-    ):
-        """Returns [B, T, D]. Decoding passes `cache`: {"self": this layer's KV cache, "memory":
-        the memory's projected keys and values}; x then holds only the new positions and the
-        result is (x, the updated self-attention cache). `position_bias` [B, H, T, S]: added to
-        the self-attention logits (T5). With `with_aux` (no cache), returns (x, the MoE statistics
-        of the layer, None if its feed-forward is dense)."""
+    ) -> Array | tuple[Array, dict | None]:
+        """Masked self-attention, cross-attention over the memory (with `cross`), feed-forward.
+
+        Args:
+            x_BTD: [B, T, D] the residual stream (decoding: only the new positions).
+            mask: which keys each query sees in self-attention, or None for all.
+            positions_BT: [B, T] the tokens' positions.
+            memory_BSD: [B, S, D] the encoder's output (cross-attention), or None.
+            memory_mask: which memory positions each query sees, or None for all.
+            position_bias: [B, H, T, S] added to the self-attention logits (T5), or None.
+            dropout_rng: the layer's dropout key, or None for no dropout.
+            cache: decoding: {"self": this layer's KV cache, "memory": the memory's projected keys and
+                values}; None when training.
+            with_aux: also return the layer's MoE statistics (without a cache).
+
+        Returns:
+            [B, T, D]; with `cache`, ([B, T, D], the updated self-attention cache); with `with_aux`,
+                ([B, T, D], the MoE statistics, None if the feed-forward is dense).
+        """
         r_self, r_self_res, r_cross, r_cross_res, r_ffn = split_rng(dropout_rng, 5)
         kw = dict(mask=mask, positions_BT=positions_BT, bias=position_bias)
 
@@ -857,6 +952,7 @@ REMAT_POLICIES = {
         names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT], **_TO_HOST
     ),
 }
+"""`model.remat` -> the `jax.checkpoint` policy of each layer ("none" and "auto" are resolved by `LayerStack`)."""
 
 
 class LayerStack(nnx.Module):
@@ -892,7 +988,16 @@ class LayerStack(nnx.Module):
             self.layers = nnx.List([make_layer(nnx.Rngs(params=k), i) for i, k in enumerate(keys)])
 
     def __call__(self, x_BTD: Array, *, dropout_rng: Array | None = None, **kwargs) -> Array:
-        """Runs x through every layer; kwargs (masks, positions, memory) go to each layer."""
+        """Runs x through every layer; the MoE layers' statistics go to `moe.collect`.
+
+        Args:
+            x_BTD: [B, T, D] the residual stream.
+            dropout_rng: the stack's dropout key (layer i folds in i), or None for no dropout.
+            **kwargs (object): the layers' other arguments (mask, positions, memory), the same for each.
+
+        Returns:
+            [B, T, D] after the L layers.
+        """
 
         def apply(graphdef, state, x_BTD, index, kwargs):  # -> (x, MoE statistics or None)
             x_BTD = checkpoint_name(x_BTD, LAYER_INPUT)

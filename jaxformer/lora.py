@@ -122,7 +122,15 @@ class Adapter(nnx.Module):
         self.b = nnx.LoRAParam(b, out_sharding=(*names[:lead], None, *names[cut:]), eager_sharding=False)
 
     def __call__(self, x: Array, dropout_rng: Array | None = None) -> Array:
-        """The update of `x @ W` (dropout on x while training: `dropout_rng` given)."""
+        """The update of `x @ W`: dropout(x) @ A @ B * alpha / R.
+
+        Args:
+            x: [..., in...] the adapted projection's input.
+            dropout_rng: the dropout key on x while training, or None for no dropout.
+
+        Returns:
+            [..., out...] the update to add to `x @ W`.
+        """
         x = F.dropout(x, self.dropout, dropout_rng)
         return lora_update(x, self.a[...], self.b[...], self.scale)
 

@@ -178,10 +178,23 @@ class TransformerStack(nnx.Module):
         dropout_rng: Array | None = None,
         **layer_inputs,
     ) -> Array:
-        """Ids [B, T] -> hidden states [B, T, D]; `layer_inputs` (the decoder's memory) go to every layer.
+        """Ids [B, T] -> hidden states [B, T, D] through the embedding and the L layers.
 
-        Padding is `lengths` [B] (right-padded rows) or `segments` [B, T] (packed rows, 0 = padding).
-        `token_types` [B, T] (0 where not given) need `type_vocab_size` > 0.
+        Args:
+            ids_BT: [B, T] token ids.
+            lengths: [B] lengths of right-padded rows, or None.
+            segments: [B, T] segment ids of packed rows (0 = padding), or None.
+            positions: [B, T] positions; None: 0, 1, ... along each row.
+            token_types: [B, T] token types (0 where not given); need `type_vocab_size` > 0.
+            dropout_rng: the dropout key, or None for no dropout.
+            **layer_inputs (object): go to every layer (the decoder's memory_BSD and memory_mask).
+
+        Returns:
+            [B, T, D] hidden states (after the final norm in the pre-norm arrangement).
+
+        Raises:
+            ValueError: more than `max_len` positions with a sinusoidal or learned table, or token types
+                for a model without them.
         """
         cfg, ids_BT = self.cfg, as_token_ids(ids_BT)
         if positions is None and cfg.position in ("sinusoidal", "learned") and ids_BT.shape[1] > cfg.max_len:
@@ -287,6 +300,15 @@ class LMHead(nnx.Module):
             self.bias = param(rngs, init.zeros, (cfg.vocab_size,), ("vocab",))
 
     def __call__(self, x_BTD: Array, log_softmax: bool = False) -> Array:
+        """Hidden states to vocabulary logits.
+
+        Args:
+            x_BTD: [B, T, D] final hidden states.
+            log_softmax: return log-probabilities in float32 (the paper's Generator) instead of logits.
+
+        Returns:
+            [B, T, V] logits in the compute dtype, or log-probabilities in float32.
+        """
         dt = self.cfg.dtype
         if self.tied_to is not None:
             logits_BTV = self.tied_to.attend(x_BTD * self.cfg.d_model**-0.5 if self.cfg.scale_tied_logits else x_BTD)
@@ -318,6 +340,14 @@ class MaskedLMHead(nnx.Module):
         self.bias = param(rngs, init.zeros, (cfg.vocab_size,), ("vocab",))
 
     def __call__(self, x_BTD: Array) -> Array:
+        """Hidden states to masked-LM logits.
+
+        Args:
+            x_BTD: [B, T, D] the encoder's final hidden states.
+
+        Returns:
+            [B, T, V] logits.
+        """
         dt = self.cfg.dtype
         act = F.gelu_exact if self.cfg.activation == "gelu_exact" else F.gelu
         h_BTD = jnp.einsum("BTD,DE->BTE", x_BTD, self.transform[...].astype(dt))
@@ -350,6 +380,18 @@ class ClassificationHead(nnx.Module):
         segments_BS: Array | None = None,
         num_segments: int = 0,
     ) -> Array:
+        """Pools each row (or each packed segment) and maps it to class logits.
+
+        Args:
+            x_BSD: [B, S, D] the encoder's final hidden states.
+            lengths_B: [B] the rows' lengths (mean pooling skips padding), or None.
+            dropout_rng: the dropout key, or None for no dropout.
+            segments_BS: [B, S] segment ids of packed rows (0 = padding), or None.
+            num_segments: N, the most segments a packed row holds (with `segments_BS`).
+
+        Returns:
+            [B, C] logits; packed rows: [B, N, C].
+        """
         cfg, dt = self.cfg, self.cfg.dtype
         if segments_BS is not None:
             pooled_BD = F.segment_pool(x_BSD, segments_BS, num_segments, cfg.pooling).astype(dt)  # [B, N, D]
@@ -687,8 +729,17 @@ class Transformer(nnx.Module):
 
     @in_precision
     def __call__(self, ids: Array, tgt_ids: Array | None = None, **kwargs) -> Array:
-        """Logits of the mode's language-model objective (see the class docstring): `head(hidden(...))`,
-        with `hidden`'s keywords (lengths, segments, positions, token types, the target's, dropout_rng)."""
+        """Logits of the mode's language-model objective (see the class docstring): `head(hidden(...))`.
+
+        Args:
+            ids: [B, S] source ids (encoder modes) or [B, T] decoder ids (decoder_only).
+            tgt_ids: [B, T] decoder input ids (encoder_decoder), or None.
+            **kwargs (object): `hidden`'s keywords (lengths, segments, positions, token types, the target's,
+                dropout_rng).
+
+        Returns:
+            [B, T, V] logits (encoder_only: [B, S, V]) in the compute dtype.
+        """
         return self.head(self.hidden(ids, tgt_ids, **kwargs))
 
     @in_precision

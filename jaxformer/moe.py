@@ -371,13 +371,20 @@ class MoEFeedForward(nnx.Module):
     def __call__(
         self, x_BTD: Array, dropout_rng: Array | None = None, live_BT: Array | None = None
     ) -> tuple[Array, dict]:
-        """[B, T, D] -> ([B, T, D], aux): aux holds this layer's router z-loss and load-balancing loss
-        (means over live tokens), its dropped and assigned token-expert pairs (counts), the tokens
-        each expert was chosen by (`load`, [E]), the router entropy summed over live tokens and
-        the live tokens (`tokens`).
+        """Routes each token to its experts and sums their outputs, weighted by the router.
 
-        `dropout_rng` (training) drives the router noise; `live_BT` False marks padding, which the
-        losses skip and which takes no expert slot."""
+        Args:
+            x_BTD: [B, T, D] activations.
+            dropout_rng: the router noise's key (training), or None for no noise.
+            live_BT: [B, T] False marks padding, which the losses skip and which takes no expert slot;
+                None: every token is live.
+
+        Returns:
+            (y [B, T, D], aux), aux holding this layer's router z-loss and load-balancing loss (means
+                over live tokens), its dropped and assigned token-expert pairs (counts), the tokens each
+                expert was chosen by (`load`, [E]), the router entropy summed over live tokens and the
+                live tokens (`tokens`).
+        """
         cfg, moe = self.cfg, self.cfg.moe
         B, T, D = x_BTD.shape
         E, k = moe.num_experts, moe.experts_per_token

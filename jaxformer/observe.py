@@ -30,6 +30,10 @@ class MetricWriter:
     A run starting at step N (N = 0 for a fresh start, including a fallback to training from
     scratch) first drops the records the checkpoint does not contain (train steps >= N,
     evaluations after N), so the log of a resumed run equals that of an uninterrupted one.
+
+    Args:
+        workdir: the run's directory (metrics.jsonl, tensorboard/).
+        resume_step: N, the step the run starts from.
     """
 
     def __init__(self, workdir: pathlib.Path, resume_step: int = 0):
@@ -48,6 +52,13 @@ class MetricWriter:
         self.tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=resume_step if existed else None)
 
     def write(self, step: int, split: str, metrics: dict) -> None:
+        """One record: a JSONL line and a TensorBoard scalar per metric (`split/name`).
+
+        Args:
+            step: the training step.
+            split: "train" or "eval".
+            metrics: name -> number.
+        """
         values = {k: float(v) for k, v in metrics.items()}
         self.jsonl.write(json.dumps({"step": step, "split": split, **values}) + "\n")
         self.jsonl.flush()
@@ -55,6 +66,7 @@ class MetricWriter:
             self.tb.add_scalar(f"{split}/{k}", v, step)
 
     def close(self) -> None:
+        """Closes both files."""
         self.jsonl.close()
         self.tb.close()
 
@@ -63,10 +75,10 @@ class NullWriter:
     """What processes other than 0 write to."""
 
     def write(self, *args) -> None:
-        pass
+        """Nothing."""
 
     def close(self) -> None:
-        pass
+        """Nothing."""
 
 
 def _percent(x: float) -> str:
@@ -108,28 +120,67 @@ BASELINES = {
 
 
 def value(metric: str, x: float) -> str:
-    """`x` in `metric`'s format: 0.1234 accuracy -> "12.34%", mfu -> "12.3%", 12345.6 tokens_per_s -> "12,346"."""
+    """`x` in `metric`'s format: 0.1234 accuracy -> "12.34%", mfu -> "12.3%", 12345.6 tokens_per_s -> "12,346".
+
+    Args:
+        metric: a name in `METRICS`.
+        x: its value.
+
+    Returns:
+        The formatted value.
+    """
     return METRICS[metric][1](x)
 
 
 def show(metric: str, x: float) -> str:
-    """A metric as every command prints it: "loss 2.3456", "accuracy 87.50%", "MFU 14.0%"."""
+    """A metric as every command prints it: "loss 2.3456", "accuracy 87.50%", "MFU 14.0%".
+
+    Args:
+        metric: a name in `METRICS`.
+        x: its value.
+
+    Returns:
+        The metric's label and formatted value.
+    """
     return f"{METRICS[metric][0]} {value(metric, x)}"
 
 
 def shown(objective: str) -> tuple[str, ...]:
-    """The metrics an evaluation of `objective` prints: perplexity says nothing of a classifier's labels."""
+    """The metrics an evaluation of `objective` prints: perplexity says nothing of a classifier's labels.
+
+    Args:
+        objective: the train section's objective.
+
+    Returns:
+        The metric names.
+    """
     return ("loss", "nll", "accuracy") if objective == "classify" else ("loss", "perplexity", "accuracy")
 
 
 def line(metrics: dict, keys) -> str:
-    """ "loss 2.3456, tokens/s 12,345, MFU 14.0%": the `keys` that `metrics` holds, in order."""
+    """ "loss 2.3456, tokens/s 12,345, MFU 14.0%": the `keys` that `metrics` holds, in order.
+
+    Args:
+        metrics: name -> value.
+        keys (Iterable[str]): the names to show, in order.
+
+    Returns:
+        One line.
+    """
     return ", ".join(show(k, metrics[k]) for k in keys if k in metrics)
 
 
 def report_lines(objective: str, report: dict) -> list[str]:
     """The held-out report as `train` and `eval` print it: `objective`'s figures on the test split
-    (report keys "test_<metric>"), each beside its baseline, then the translation figures."""
+    (report keys `test_<metric>`), each beside its baseline, then the translation figures.
+
+    Args:
+        objective: the train section's objective.
+        report: the held-out report (`evaluate`).
+
+    Returns:
+        The lines to print.
+    """
     figures = [(m, f"test_{m}") for m in shown(objective)] + [(m, m) for m in ("bleu", "sequence_accuracy")]
     lines = []
     for m, key in figures:
@@ -145,7 +196,14 @@ def report_lines(objective: str, report: dict) -> list[str]:
 
 
 def environment(mesh: jax.sharding.Mesh) -> dict:
-    """Versions, devices, processes and mesh of this run."""
+    """Versions, devices, processes and mesh of this run.
+
+    Args:
+        mesh: the run's device mesh.
+
+    Returns:
+        name -> value, as written to the workdir.
+    """
     from jaxformer import sharding
 
     versions = {}
@@ -168,7 +226,17 @@ def environment(mesh: jax.sharding.Mesh) -> dict:
 
 
 def parse_steps(text: str | None) -> tuple[int, int] | None:
-    """'A:B' -> (A, B): steps A..B-1 (the `--profile-steps` form); None passes through."""
+    """'A:B' -> (A, B): steps A..B-1 (the `--profile-steps` form); None passes through.
+
+    Args:
+        text: "A:B", or None.
+
+    Returns:
+        (A, B), or None.
+
+    Raises:
+        ValueError: not two integers 0 <= A < B.
+    """
     if text is None:
         return None
     try:
@@ -185,6 +253,10 @@ class Profiler:
 
     `before(step)` is called before dispatching a step, `after(step, outputs)` once it is
     dispatched; the trace stops when step B-1 has finished running, not just been dispatched.
+
+    Args:
+        workdir: the run's directory (the trace goes to workdir/profile).
+        steps: (A, B), or None for no trace.
     """
 
     def __init__(self, workdir: pathlib.Path, steps: tuple[int, int] | None):
@@ -193,6 +265,11 @@ class Profiler:
         self.active = False
 
     def before(self, step: int) -> None:
+        """Starts the trace at step A (not in a process that compiled for a TPU it lacks).
+
+        Args:
+            step: the step about to be dispatched.
+        """
         if self.steps and step == self.steps[0]:
             from jaxformer import tpu
 
@@ -208,11 +285,18 @@ class Profiler:
             self.active = True
 
     def after(self, step: int, outputs) -> None:
+        """Stops the trace once step B-1 has run.
+
+        Args:
+            step: the step just dispatched.
+            outputs (Any): its outputs, waited for at step B-1.
+        """
         if self.active and step == self.steps[1] - 1:
             jax.block_until_ready(outputs)
             self.stop()
 
     def stop(self) -> None:
+        """Stops a running trace (a run that ends before step B)."""
         if self.active:
             jax.profiler.stop_trace()
             self.active = False
@@ -238,6 +322,18 @@ def _records(path: pathlib.Path) -> list[tuple[str, dict]]:
 
 
 def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
+    """The records of a run's metrics.jsonl (a partial last line dropped with a notice).
+
+    Args:
+        workdir: the run's directory.
+
+    Returns:
+        One dict per record: step, split and the metrics.
+
+    Raises:
+        FileNotFoundError: the workdir has no metrics.jsonl.
+        OSError: a line other than the last is not a record.
+    """
     path = pathlib.Path(workdir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {workdir} a training workdir?")
@@ -245,12 +341,29 @@ def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
 
 
 def curve(records: list[dict], split: str, metric: str) -> tuple[list[int], list[float]]:
+    """One metric of one split against step.
+
+    Args:
+        records: `read_metrics`'s records.
+        split: "train" or "eval".
+        metric: the metric's name.
+
+    Returns:
+        (steps, values).
+    """
     rows = [(r["step"], r[metric]) for r in records if r["split"] == split and metric in r]
     return [s for s, _ in rows], [v for _, v in rows]
 
 
 def expert_loads(records: list[dict]) -> dict[int, list[int]]:
-    """{MoE layer: its experts} named by the run's `expert_load/<layer>/<expert>` metrics (empty: no MoE)."""
+    """{MoE layer: its experts} named by the run's `expert_load/<layer>/<expert>` metrics (empty: no MoE).
+
+    Args:
+        records: `read_metrics`'s records.
+
+    Returns:
+        {layer: sorted expert indices}.
+    """
     layers: dict[int, set] = {}
     for r in records:
         for key in r:
@@ -263,7 +376,15 @@ def expert_loads(records: list[dict]) -> dict[int, list[int]]:
 def plot_run(workdir: str | pathlib.Path, out: str | pathlib.Path | None = None) -> pathlib.Path:
     """Loss (train and eval), eval accuracy and learning rate against step, to a PNG. A run with
     MoE layers gets a second row: each MoE layer's expert load (the share of its tokens that chose
-    each expert, one line per expert) over training."""
+    each expert, one line per expert) over training.
+
+    Args:
+        workdir: the run's directory.
+        out: the PNG's path; None: workdir/curves.png.
+
+    Returns:
+        The PNG's path.
+    """
     import matplotlib
 
     matplotlib.use("Agg")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -35,7 +36,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxformer.config import ConfigError, MeshConfig
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor", "context")
+"""The mesh's axes, in its order."""
 LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layers", "expert", "expert_batch")
+"""The names parameters and activations give their dimensions; the rules map them to mesh axes."""
 BATCH = ("data", "fsdp", "expert")  # the global batch is split over every axis that is not tensor parallel
 
 # logical axis -> mesh axis (None: replicated). Unlisted names (kv, layers) are replicated.
@@ -59,12 +62,23 @@ RULES = {
         *CP,
     ),
 }
+"""The named rules tables (`mesh.rules`; "default" is fsdp_tp): logical axis -> mesh axis, axes or None."""
 RULES["default"] = RULES["fsdp_tp"]  # axes of size 1 make it any of the others
 
 
 def rules_for(cfg: MeshConfig) -> tuple:
     """The rules table of a mesh config (a named one or the user's own), checked for conflicts
-    and completed: logical axes it does not name are replicated."""
+    and completed: logical axes it does not name are replicated.
+
+    Args:
+        cfg: the mesh section (rules, custom_rules).
+
+    Returns:
+        ((logical axis, mesh axes or None), ...) naming every logical axis.
+
+    Raises:
+        ConfigError: a logical axis mapped twice, or to a mesh axis that does not exist.
+    """
     rules = cfg.custom_rules if cfg.custom_rules is not None else RULES[cfg.rules]
     seen: dict[str, object] = {}
     for logical, target in rules:
@@ -86,6 +100,9 @@ def initialize_distributed(cfg: MeshConfig) -> None:
     Coordinator, process count and id come from the config or the environment
     (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); with none given on a
     TPU pod or under SLURM, JAX detects them itself (`mesh.distributed=true`).
+
+    Args:
+        cfg: the mesh section (coordinator_address, num_processes, process_id, distributed).
     """
     address = cfg.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
     if not (address or cfg.distributed):
@@ -110,12 +127,30 @@ def _said(name: str, size: int) -> bool:
 
 
 def axis_sizes(mesh: jax.sharding.Mesh) -> dict[str, int]:
-    """{axis: size} of a mesh as logs and reports say it (the expert and context axes only when used)."""
+    """{axis: size} of a mesh as logs and reports say it (the expert and context axes only when used).
+
+    Args:
+        mesh: the device mesh.
+
+    Returns:
+        {axis name: size}.
+    """
     return {name: size for name, size in mesh.shape.items() if _said(name, size)}
 
 
 def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int, int, int]:
-    """(data, fsdp, expert, tensor, context) with one -1 filled from the device count; errors name the fields."""
+    """(data, fsdp, expert, tensor, context) with one -1 filled from the device count.
+
+    Args:
+        cfg: the mesh section (data, fsdp, expert, tensor, context).
+        num_devices: the devices the mesh spans.
+
+    Returns:
+        The five axis sizes, their product `num_devices`.
+
+    Raises:
+        ConfigError: more than one -1, or sizes that do not make `num_devices` (the fields named).
+    """
     sizes = [cfg.data, cfg.fsdp, cfg.expert, cfg.tensor, cfg.context]
     if sizes.count(-1) > 1:
         raise ConfigError("mesh: at most one of data, fsdp, tensor, expert may be -1 (fill)")
@@ -136,6 +171,16 @@ def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
 
     With `dcn_data` > 1 (several slices or hosts linked by a slower network), the data axis
     is split into an outer DCN part and an inner ICI part (`mesh_utils.create_hybrid_device_mesh`).
+
+    Args:
+        cfg: the mesh section.
+        devices (Sequence[jax.Device] | None): the devices, or None for all of every process.
+
+    Returns:
+        The mesh, axes named `MESH_AXES`.
+
+    Raises:
+        ConfigError: `dcn_data` does not divide the data axis (and `mesh_shape`'s errors).
     """
     devices = jax.devices() if devices is None else list(devices)
     shape = mesh_shape(cfg, len(devices))
@@ -160,7 +205,12 @@ def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
 
 @contextlib.contextmanager
 def use(mesh: jax.sharding.Mesh, rules: tuple):
-    """Mesh and rules in effect: parameters created, steps traced and constraints applied under them."""
+    """Mesh and rules in effect: parameters created, steps traced and constraints applied under them.
+
+    Args:
+        mesh: the device mesh.
+        rules: the logical-axis rules (`rules_for`).
+    """
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         yield
 
@@ -169,7 +219,17 @@ def use(mesh: jax.sharding.Mesh, rules: tuple):
 
 
 def param(rngs: nnx.Rngs, initializer, shape: tuple[int, ...], names: tuple[str | None, ...]) -> nnx.Param:
-    """A float32 parameter annotated with logical axis names (sharded later, not at creation)."""
+    """A float32 parameter annotated with logical axis names (sharded later, not at creation).
+
+    Args:
+        rngs: the initialisation keys.
+        initializer (Callable): a `jax.nn.initializers` function (key, shape, dtype) -> array.
+        shape: the parameter's shape.
+        names: one logical axis name (or None) per dimension.
+
+    Returns:
+        The parameter.
+    """
     annotated = nnx.with_partitioning(initializer, names, eager_sharding=False)
     return nnx.Param(annotated(rngs.params(), shape, jnp.float32))
 
@@ -181,19 +241,40 @@ def _ways(mesh, axes) -> int:
 
 def shard_counts(names: tuple[str | None, ...]) -> tuple[int, ...]:
     """How many ways the rules and mesh in effect split each logical axis (1s outside them): what a
-    traced step divides a global shape by for the part one device holds."""
+    traced step divides a global shape by for the part one device holds.
+
+    Args:
+        names: one logical axis name (or None) per dimension.
+
+    Returns:
+        One count per name.
+    """
     spec, mesh = activation_spec(names), jax.sharding.get_abstract_mesh()
     return tuple(_ways(mesh, spec[i] if i < len(spec) else None) for i in range(len(names)))
 
 
 def logical_to_spec(names: tuple[str | None, ...]) -> PartitionSpec:
-    """Logical names -> PartitionSpec under the rules in effect."""
+    """Logical names -> PartitionSpec under the rules in effect.
+
+    Args:
+        names: one logical axis name (or None) per dimension.
+
+    Returns:
+        The PartitionSpec.
+    """
     return nn.logical_to_mesh_axes(names)
 
 
 def activation_spec(names: tuple[str | None, ...]) -> PartitionSpec:
     """The PartitionSpec of an activation with these logical names under the rules and mesh in
-    effect; empty outside them (kernels that run per shard take it, as `constrain` would split it)."""
+    effect; empty outside them (kernels that run per shard take it, as `constrain` would split it).
+
+    Args:
+        names: one logical axis name (or None) per dimension.
+
+    Returns:
+        The PartitionSpec.
+    """
     if not nn.get_logical_axis_rules() or jax.sharding.get_abstract_mesh().empty:
         return PartitionSpec()
     return logical_to_spec(names)
@@ -201,7 +282,15 @@ def activation_spec(names: tuple[str | None, ...]) -> PartitionSpec:
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     """Sharding constraint by logical names; a no-op outside a mesh and rules context. A dimension
-    its mesh axes do not divide (one new position a decoding step, on the context axis) is not split."""
+    its mesh axes do not divide (one new position a decoding step, on the context axis) is not split.
+
+    Args:
+        x: an activation.
+        names: one logical axis name (or None) per dimension of x.
+
+    Returns:
+        x, constrained.
+    """
     mesh = jax.sharding.get_abstract_mesh()
     if not nn.get_logical_axis_rules() or mesh.empty:
         return x
@@ -211,16 +300,27 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
 
 
 def context_ways() -> int:
-    """The size of the mesh's context axis in effect (1 outside a mesh): how many ways sequences split."""
+    """The size of the mesh's context axis in effect (1 outside a mesh): how many ways sequences split.
+
+    Returns:
+        The context axis's size.
+    """
     mesh = jax.sharding.get_abstract_mesh()
     return 1 if mesh.empty or "context" not in mesh.axis_names else mesh.shape["context"]
 
 
-def state_shardings(abstract_state, mesh: jax.sharding.Mesh):
+def state_shardings(abstract_state, mesh: jax.sharding.Mesh) -> Any:
     """NamedShardings of a (TrainState or params) pytree from its variables' logical names.
 
     Optimizer moments carry their parameter's names, so they inherit its sharding;
     scalars (step, counts) and the RNG are replicated.
+
+    Args:
+        abstract_state (Any): the pytree's shapes (`jax.eval_shape`), its variables carrying logical names.
+        mesh: the device mesh.
+
+    Returns:
+        A pytree of NamedShardings shaped like the state.
     """
     specs = nnx.get_partition_spec(abstract_state)
     specs = jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, specs, is_leaf=_is_var)
@@ -234,7 +334,15 @@ def _is_var(x) -> bool:
 
 
 def check_divisible(abstract_state, shardings) -> None:
-    """Every sharded dimension must divide by its mesh axes' size: name the array, dim and axis."""
+    """Every sharded dimension must divide by its mesh axes' size.
+
+    Args:
+        abstract_state (Any): the pytree's shapes.
+        shardings (Any): its NamedShardings, leaf for leaf.
+
+    Raises:
+        ConfigError: a dimension its mesh axes do not divide (the array, dimension and axes named).
+    """
     leaves = jax.tree_util.tree_leaves_with_path(abstract_state)
     for (path, leaf), sharding in zip(leaves, jax.tree.leaves(shardings), strict=True):
         mesh = sharding.mesh
@@ -250,11 +358,30 @@ def check_divisible(abstract_state, shardings) -> None:
 
 
 def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
+    """The sharding of a batch: its leading axis split over the batch axes (data, fsdp, expert).
+
+    Args:
+        mesh: the device mesh.
+
+    Returns:
+        The NamedSharding.
+    """
     return NamedSharding(mesh, PartitionSpec(BATCH))
 
 
 def process_rows(global_batch_size: int, mesh: jax.sharding.Mesh) -> slice:
-    """The rows of the global batch this process loads (its devices' share of the batch axes)."""
+    """The rows of the global batch this process loads (its devices' share of the batch axes).
+
+    Args:
+        global_batch_size: the batch over all processes.
+        mesh: the device mesh.
+
+    Returns:
+        This process's rows.
+
+    Raises:
+        ConfigError: the batch does not divide over the batch shards or the processes.
+    """
     shards = math.prod(mesh.shape[a] for a in BATCH)
     if global_batch_size % shards:
         raise ConfigError(
@@ -270,7 +397,16 @@ def process_rows(global_batch_size: int, mesh: jax.sharding.Mesh) -> slice:
 
 
 def global_batch(local: dict[str, np.ndarray], mesh: jax.sharding.Mesh, global_batch_size: int) -> dict:
-    """Assemble this process's rows into global arrays sharded over the batch axes."""
+    """Assemble this process's rows into global arrays sharded over the batch axes.
+
+    Args:
+        local: this process's rows (`process_rows`), by name.
+        mesh: the device mesh.
+        global_batch_size: the batch over all processes.
+
+    Returns:
+        The global arrays, by name.
+    """
     sharding = batch_sharding(mesh)
     return {
         k: jax.make_array_from_process_local_data(sharding, v, (global_batch_size, *v.shape[1:]))

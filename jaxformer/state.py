@@ -7,6 +7,7 @@ of the right shape) both build on it, and neither on the other.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -41,8 +42,18 @@ class TrainState:
 
 
 def learning_rate_schedule(cfg: TrainConfig, d_model: int) -> optax.Schedule:
-    """noam: lr * D^-0.5 * min(t^-0.5, t * warmup^-1.5) (paper, t counted from 1);
-    cosine: linear warmup to lr then cosine decay to 0 at `steps`; constant (with warmup)."""
+    """The learning rate at each step, by `cfg.schedule`.
+
+    noam: lr * D^-0.5 * min(t^-0.5, t * warmup^-1.5) (paper, t counted from 1); cosine: linear warmup
+    to lr then cosine decay to 0 at `steps`; constant (with warmup).
+
+    Args:
+        cfg: the train section (schedule, learning_rate, warmup_steps, steps).
+        d_model: D, which noam scales by.
+
+    Returns:
+        step -> learning rate.
+    """
     if cfg.schedule == "noam":
         w = max(cfg.warmup_steps, 1)
         rsqrt = lambda t: cfg.learning_rate * d_model**-0.5 * jnp.minimum((t + 1.0) ** -0.5, (t + 1.0) * w**-1.5)
@@ -56,7 +67,14 @@ def learning_rate_schedule(cfg: TrainConfig, d_model: int) -> optax.Schedule:
 
 
 def decay_mask(params: nnx.State) -> Any:
-    """True for weight matrices; False for norms' scales and all biases (never decayed)."""
+    """AdamW's weight-decay mask: True for weight matrices; False for norms' scales and all biases.
+
+    Args:
+        params: the trained parameters.
+
+    Returns:
+        A pytree of booleans shaped like `params`.
+    """
 
     def keep(path, _):
         name = str(path[-2].key if path and hasattr(path[-1], "name") else path[-1])
@@ -66,7 +84,16 @@ def decay_mask(params: nnx.State) -> Any:
 
 
 def make_optimizer(cfg: TrainConfig, d_model: int) -> optax.GradientTransformation:
-    """Clip by global norm, then Adam (paper: b1=0.9, b2=0.98, eps=1e-9) or AdamW with a decay mask."""
+    """Clip by global norm, then Adam (paper: b1=0.9, b2=0.98, eps=1e-9) or AdamW with a decay mask;
+    with `on_nonfinite="skip"`, a non-finite update is dropped.
+
+    Args:
+        cfg: the train section (optimizer, b1, b2, eps, weight_decay, clip_norm, schedule).
+        d_model: D, for the noam schedule.
+
+    Returns:
+        The optax transformation.
+    """
     schedule = learning_rate_schedule(cfg, d_model)
     if cfg.optimizer == "adam":
         opt = optax.adam(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
@@ -81,9 +108,16 @@ def make_optimizer(cfg: TrainConfig, d_model: int) -> optax.GradientTransformati
 # ----------------------------------------------------------------------------- initial state
 
 
-def state_factory(cfg: Config):
+def state_factory(cfg: Config) -> tuple[nnx.GraphDef, Callable[[], TrainState], optax.GradientTransformation]:
     """(graphdef, create, optimizer): `create()` builds the initial TrainState of `cfg`; nothing is
-    allocated until it runs (`jax.eval_shape(create)` gives its shapes, as the planner uses them)."""
+    allocated until it runs (`jax.eval_shape(create)` gives its shapes, as the planner uses them).
+
+    Args:
+        cfg: the run's config.
+
+    Returns:
+        (graphdef, create, optimizer).
+    """
     optimizer = make_optimizer(cfg.train, cfg.model.d_model)
 
     def build(seed: int) -> Transformer:  # the base, its adapters, its int8 kernels (lora.base="int8")
@@ -103,6 +137,14 @@ def start_state(cfg: Config, params: nnx.State, optimizer: optax.GradientTransfo
     With LoRA, `params` holds the adapters too (`lora.add_adapters`): they alone train and have an
     optimizer state; the rest becomes `frozen`, in the compute dtype (its kernels in int8 when `params`
     comes from a model through `lora.quantize_base`).
+
+    Args:
+        cfg: the run's config (train.seed, lora, model.dtype).
+        params: the model's parameters.
+        optimizer: the optimizer (`make_optimizer`).
+
+    Returns:
+        The TrainState at step 0.
     """
     rng = jax.random.key_data(jax.random.key(cfg.train.seed))
     frozen = None
@@ -111,12 +153,21 @@ def start_state(cfg: Config, params: nnx.State, optimizer: optax.GradientTransfo
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), rng, frozen)
 
 
-def init_state(cfg: Config, mesh: jax.sharding.Mesh | None = None):
+def init_state(
+    cfg: Config, mesh: jax.sharding.Mesh | None = None
+) -> tuple[nnx.GraphDef, TrainState, optax.GradientTransformation]:
     """(graphdef, TrainState, optimizer) for `cfg`.
 
     With a mesh (and the rules in effect, see `sharding.use`), parameters and optimizer
     state are created already sharded: the initialiser is jitted with the shardings the
     logical axis names give as `out_shardings`, so no array is ever whole on one device.
+
+    Args:
+        cfg: the run's config.
+        mesh: the device mesh, or None for unsharded arrays.
+
+    Returns:
+        (graphdef, state, optimizer).
     """
     graphdef, create, optimizer = state_factory(cfg)
     if mesh is None:
@@ -127,7 +178,16 @@ def init_state(cfg: Config, mesh: jax.sharding.Mesh | None = None):
 
 def state_shardings(cfg: Config, abstract_state: TrainState, mesh: jax.sharding.Mesh) -> TrainState:
     """The NamedShardings of `cfg`'s state on `mesh` (`sharding.state_shardings`), the optimizer state's
-    in host memory with `train.offload_optimizer`."""
+    in host memory with `train.offload_optimizer`.
+
+    Args:
+        cfg: the run's config (train.offload_optimizer).
+        abstract_state: the state's shapes (`jax.eval_shape`).
+        mesh: the device mesh.
+
+    Returns:
+        A TrainState of NamedShardings.
+    """
     shardings = sharding.state_shardings(abstract_state, mesh)
     if not cfg.train.offload_optimizer:
         return shardings

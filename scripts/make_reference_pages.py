@@ -2,8 +2,9 @@
 
 docs/cli.md      every `jaxformer` subcommand and option, from cli.build_parser() (argparse)
 docs/config.md   every config field with its type, default and meaning, one table per section
-                 (config.SECTIONS); the meaning is the field's `# comment` in jaxformer/config.py, read by
-                 jaxformer/config_reference.py (which `jaxformer config EXPERIMENT` prints from too)
+                 (config.SECTIONS, and each nested section such as `model.moe`); the meaning is the
+                 field's `# comment` in jaxformer/config.py, read by jaxformer/config_reference.py
+                 (which `jaxformer config EXPERIMENT` prints from too)
 
 python scripts/make_reference_pages.py            # rewrite both pages
 python scripts/make_reference_pages.py --check    # exit 1 if a committed page is stale (CI)
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import html
 import pathlib
 import sys
 
@@ -24,6 +26,12 @@ WIDTH = 100  # usage lines are wrapped at this width whatever the terminal's (th
 def _cell(text: str) -> str:
     """Text safe inside a Markdown table cell: one line, pipes escaped."""
     return " ".join(text.split()).replace("|", "\\|")
+
+
+def _code_cell(text: str) -> str:
+    """Code inside a Markdown table cell. A backtick span would show an escaped pipe's backslash
+    (`int \\| None`), so it is an HTML <code> element with the pipe as an entity."""
+    return "<code>" + html.escape(" ".join(text.split()), quote=False).replace("|", "&#124;") + "</code>"
 
 
 # ----------------------------------------------------------------------------- the CLI
@@ -92,8 +100,34 @@ def cli_page() -> str:
 # ----------------------------------------------------------------------------- the config
 
 
-def config_page() -> str:
+def _field_default(f: dataclasses.Field) -> object:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def config_sections() -> list[tuple[str, type]]:
+    """(dotted name, class) of every config section: config.SECTIONS, each followed by the sections
+    nested in it (a field whose default is itself a config dataclass, as `model.moe`)."""
     from jaxformer import config
+
+    out = []
+
+    def walk(name: str, cls: type) -> None:
+        out.append((name, cls))
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(_field_default(f)):
+                walk(f"{name}.{f.name}", type(_field_default(f)))
+
+    for section, cls in config.SECTIONS.items():
+        walk(section, cls)
+    return out
+
+
+def _anchor(name: str, cls: type) -> str:
+    """The heading id MkDocs' toc gives `## `name`: `cls``: lower case, punctuation dropped."""
+    return f"{name.replace('.', '')}-{cls.__name__.lower()}"
+
+
+def config_page() -> str:
     from jaxformer.config_reference import field_docs
 
     lines = [
@@ -109,15 +143,19 @@ def config_page() -> str:
         "The classes and helpers are in the [API reference](api/config.md).",
         "",
     ]
-    for section, cls in config.SECTIONS.items():
+    for section, cls in config_sections():
         docs = field_docs(cls)
         summary = " ".join((cls.__doc__ or "").split())
         lines += [f"## `{section}`: `{cls.__name__}`", "", summary, ""]
         lines += ["| field | type | default | meaning |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
             annotation, meaning = docs[f.name]
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"| `{f.name}` | `{_cell(annotation)}` | `{_cell(repr(default))}` | {_cell(meaning)} |")
+            default = _field_default(f)
+            if dataclasses.is_dataclass(default):  # a nested section: its own table below
+                shown = f"[its fields](#{_anchor(f'{section}.{f.name}', type(default))})"
+            else:
+                shown = _code_cell(repr(default))
+            lines.append(f"| `{f.name}` | {_code_cell(annotation)} | {shown} | {_cell(meaning)} |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 

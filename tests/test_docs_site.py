@@ -45,13 +45,35 @@ def test_cli_page_lists_every_command_and_option():
 
 
 def test_every_config_field_has_a_meaning():
-    from jaxformer import config
     from jaxformer.config_reference import field_docs
 
-    for section, cls in config.SECTIONS.items():
+    for section, cls in pages.config_sections():
         docs = field_docs(cls)
         missing = [f.name for f in dataclasses.fields(cls) if not docs[f.name][1]]
         assert not missing, f"{section}.{missing}: say what each field means in a `# comment` beside it"
+
+
+def test_config_page_has_a_table_per_section_nested_ones_too():
+    """Every field of every section, nested ones (`model.moe`) under their own dotted heading, walked
+    here from the Config's fields, not from the script's list of sections."""
+    from jaxformer import config
+
+    text = (ROOT / "docs" / "config.md").read_text()
+    found = []
+
+    def walk(name: str, obj) -> None:
+        found.append(name)
+        heading = f"## `{name}`: `{type(obj).__name__}`\n"
+        assert heading in text, f"docs/config.md has no table for {name}"
+        table = text.split(heading, 1)[1].split("\n## ", 1)[0]
+        for f in dataclasses.fields(obj):
+            assert f"| `{f.name}` |" in table, f"docs/config.md: {name}.{f.name} is missing from its table"
+            if dataclasses.is_dataclass(getattr(obj, f.name)):
+                walk(f"{name}.{f.name}", getattr(obj, f.name))
+
+    for f in dataclasses.fields(config.Config):  # each section's defaults (a default Config is no valid run)
+        walk(f.name, f.default_factory())
+    assert "model.moe" in found and len(found) > len(config.SECTIONS), found
 
 
 def _public_names(module) -> list[str]:
@@ -81,3 +103,26 @@ def test_site_builds_strict(tmp_path):
         module = importlib.import_module(target)
         missing = [n for n in _public_names(module) if f'id="{target}.{n}"' not in html]
         assert not missing, f"{page.name}: no entry for {missing}"
+
+
+def _paragraphs(text: str) -> list[str]:
+    """The prose paragraphs and code lines of a Markdown text, whitespace normalised, 60+ characters."""
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+    pieces = re.split(r"\n\s*\n|^```.*$", text, flags=re.M)
+    return [p for p in (" ".join(piece.split()) for piece in pieces) if len(p) >= 60]
+
+
+def test_no_readme_text_is_copied_into_the_site():
+    """The README is the first screen; the site's landing page includes its introduction and two commands
+    (pymdownx.snippets) rather than holding a copy, and no page repeats a paragraph of it."""
+    readme = _paragraphs((ROOT / "README.md").read_text())
+    assert len(readme) > 5, readme
+    copied = [
+        f"{page.relative_to(ROOT)}: {paragraph[:80]}..."
+        for page in sorted((ROOT / "docs").rglob("*.md"))
+        for paragraph in readme
+        if paragraph in " ".join(page.read_text().split())
+    ]
+    assert not copied, "say it once (include the README's section, or link to it):\n" + "\n".join(copied)
+    index = (ROOT / "docs" / "index.md").read_text()
+    assert '--8<-- "README.md:intro"' in index and '--8<-- "README.md:commands"' in index

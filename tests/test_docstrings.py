@@ -36,9 +36,10 @@ def package():
 
 
 def _public(obj):
-    """The public functions and classes an object defines (not imported ones), methods of classes too."""
+    """The public functions and classes an object defines (not imported ones), methods of classes too, and
+    `__call__` (a module's forward pass: the site shows it, mkdocs.yml's filters)."""
     for name, member in obj.members.items():
-        if member.is_alias or name.startswith("_"):
+        if member.is_alias or (name.startswith("_") and name != "__call__"):
             continue
         if member.is_function or member.is_class:
             yield member

@@ -56,8 +56,12 @@ def test_every_experiment_validates_and_documents_its_command(name):
     assert isinstance(load_experiment(path), Config)  # all sections validated on construction
     doc = ast.get_docstring(ast.parse(pathlib.Path(path).read_text()))
     assert f"jaxformer train --config {path} --workdir runs/{name}" in doc
-    # How long it takes on 2 CPU cores and when its output is worth reading (a figure, or "not measured").
+    # How long it takes on 2 CPU cores and when its output is worth reading: a time (minutes, or seconds a
+    # step), "time not measured" with its reason in brackets, or, for a model of an accelerator's size,
+    # "not a CPU run" first and what a CPU does with it.
     assert "Time and output:" in doc and "2 CPU cores" in doc, f"{path}: say how long it takes and when to read it"
+    said = " ".join(doc.split("Time and output:", 1)[1].split())
+    assert re.search(r"\d (min|minutes|s a step)\b|^not a CPU run: |time not measured \(", said), said
 
 
 def test_check_names_the_devices_and_runs_each_mode(capsys):

@@ -9,10 +9,16 @@ Shell blocks (```bash, ```shell, ```sh and plain ``` blocks, `$ ` prompts includ
 command line is read by the real parser (`cli.build_parser`), its `--config` file exists (placeholders
 in capitals, `experiments/NAME.py`, excepted), and each `--set section.field=value` names a real field
 with a value its type takes (`config.parse_overrides`), applied to that experiment and validated with
-the others (`config.apply_overrides`). Broken links and anchors fail the strict build
-(tests/test_docs_site.py).
+the others (`config.apply_overrides`); every `python scripts/X.py` or `bash scripts/X.sh` names a
+script that exists. Each shell block is marked as a Python block is: `<!-- run -->` (its commands,
+`jaxformer` lines only, take seconds on a CPU: they are run, in an empty directory with
+`experiments/` beside it, and must succeed) or `<!-- long: REASON -->` (minutes of training, an
+accelerator, a download, a server, or a recorded output); an unmarked block fails. Broken links and
+anchors fail the strict build (tests/test_docs_site.py).
 """
 
+import contextlib
+import io
 import pathlib
 import re
 import shlex
@@ -24,7 +30,7 @@ from jaxformer.config import ConfigError, apply_overrides, load_experiment, pars
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "docs" / "index.md", *sorted((ROOT / "docs" / "guides").glob("*.md"))]
-FENCE = re.compile(r"^(?P<marker><!--.*?-->\n)?```(?P<lang>[a-z]*)\n(?P<body>.*?)^```$", re.M | re.S)
+FENCE = re.compile(r"^(?P<marker><!--[^\n]*?-->\n)?```(?P<lang>[a-z]*)\n(?P<body>.*?)^```$", re.M | re.S)
 SHELL = {"bash", "shell", "sh", "console", ""}
 
 
@@ -72,6 +78,69 @@ def command_lines(body: str) -> list[str]:
     return out
 
 
+SHELL_MARKER = re.compile(r"<!-- run -->|<!-- long: \S.* -->")
+
+
+def test_every_shell_block_runs_or_says_why_not():
+    unmarked = [
+        f"{page.relative_to(ROOT)}:{line} {marker or '(no marker)'}"
+        for page in PAGES
+        for line, marker, _ in blocks(page, SHELL)
+        if not SHELL_MARKER.fullmatch(marker)
+    ]
+    assert not unmarked, "mark each shell block <!-- run --> or <!-- long: REASON -->:\n" + "\n".join(unmarked)
+
+
+def _commands(body: str) -> list[str]:
+    """The command lines of a shell block: continuation lines joined, comments and blank lines dropped."""
+    joined = re.sub(r"\\\n\s*", "", body)
+    return [s for line in joined.splitlines() if (s := line.strip().removeprefix("$ ")) and not s.startswith("#")]
+
+
+RUN_BLOCKS = [
+    pytest.param(body, id=f"{page.name}:{line}")
+    for page in PAGES
+    for line, marker, body in blocks(page, SHELL)
+    if marker == "<!-- run -->"
+]
+
+
+@pytest.mark.parametrize("body", RUN_BLOCKS)
+def test_shell_examples_run(body, tmp_path, monkeypatch):
+    """Each command of a run block, through `cli.main` in this process (no second JAX start-up): it
+    must succeed and print something; a `jaxformer config` line prints each value its --set gives."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "experiments").symlink_to(ROOT / "experiments")
+    for command in _commands(body):
+        assert command.startswith("jaxformer "), f"a run block holds jaxformer commands only: {command}"
+        argv = shlex.split(command.removeprefix("jaxformer "), comments=True)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            try:
+                status = cli.main(argv)
+            except SystemExit as e:  # --help
+                status = e.code
+        assert status in (0, None), f"{command}: exit status {status}"
+        assert out.getvalue().strip(), f"{command}: printed nothing"
+        if argv[0] == "config":
+            for setting in cli.build_parser().parse_args(argv).set or []:
+                field, value = setting.split("=", 1)
+                assert re.search(rf"^{re.escape(field)} = {re.escape(value)} ", out.getvalue(), re.M), setting
+
+
+def test_every_script_named_exists():
+    """`python scripts/X.py` and `bash scripts/X.sh` in any shell block (run or not) name real files."""
+    named, missing = 0, []
+    for page in PAGES:
+        for line, _, body in blocks(page, SHELL):
+            for script in re.findall(r"(?:python|bash) (scripts/\S+)", body):
+                named += 1
+                if not (ROOT / script).is_file():
+                    missing.append(f"{page.relative_to(ROOT)}:{line} {script}")
+    assert named > 5, f"only {named} scripts named: is the pattern still right?"
+    assert not missing, "\n".join(missing)
+
+
 def _placeholder(path: str) -> bool:
     return bool(re.search(r"\b[A-Z]{1,}\b", path))
 
@@ -80,9 +149,10 @@ def check_command(args: str) -> list[str]:
     """What is wrong with one command line (empty if nothing)."""
     argv = shlex.split(args, comments=True)
     try:
-        parsed = cli.build_parser().parse_args(argv)
-    except SystemExit:
-        return ["argparse refuses it"]
+        with contextlib.redirect_stdout(io.StringIO()):  # --help prints, then exits 0
+            parsed = cli.build_parser().parse_args(argv)
+    except SystemExit as e:
+        return [] if e.code == 0 and {"-h", "--help"} & set(argv) else ["argparse refuses it"]
     problems, sets = [], getattr(parsed, "set", None) or []
     try:
         parse_overrides(sets)
@@ -119,3 +189,35 @@ def test_the_checker_catches_rot():
     assert "train.steps" in check_command("train --workdir w --set train.steps=many")[0]
     assert "train.stepz" in check_command("train --workdir w --set train.stepz=3")[0]
     assert command_lines("$ jaxformer eval \\\n   --workdir w  # held out\nls\n") == ["eval --workdir w  # held out"]
+    assert check_command("train --help") == [] and check_command("--help") == []
+    block = "$ jaxformer eval \\\n  --workdir w\n# a comment\n\nls -l\n"
+    assert _commands(block) == ["jaxformer eval --workdir w", "ls -l"]
+    assert SHELL_MARKER.fullmatch("<!-- long: trains for minutes -->") and not SHELL_MARKER.fullmatch("<!-- long: -->")
+
+
+def _time_and_output(path: pathlib.Path) -> str:
+    """An experiment's "Time and output:" paragraph, whitespace normalised."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return " ".join(doc.split("Time and output:", 1)[-1].split("\n\n", 1)[0].split())
+
+
+def test_training_guide_lists_every_experiment_with_its_steps_and_time():
+    """The table of docs/guides/training.md against experiments/*.py: one row each, the mode and steps
+    of its config, and a time that its docstring's "Time and output:" paragraph says word for word."""
+    text = (ROOT / "docs" / "guides" / "training.md").read_text()
+    header = "| experiment | mode | data | steps | time on 2 CPU cores |\n|---|---|---|---|---|\n"
+    table = text.split(header, 1)[1].split("\n\n", 1)[0]
+    rows = [[c.strip() for c in row.strip("|").split("|")] for row in table.splitlines()]
+    files = {p.stem: p for p in (ROOT / "experiments").glob("*.py")}
+    assert sorted(r[0].strip("`") for r in rows) == sorted(files), "one row per experiments/*.py"
+    wrong = []
+    for name, mode, _, steps, time in rows:
+        path = files[name.strip("`")]
+        cfg = load_experiment(str(path))
+        if mode.replace("-", "_") != cfg.model.mode or int(steps) != cfg.train.steps:
+            wrong.append(f"{name}: {mode}, {steps} steps; the file says {cfg.model.mode}, {cfg.train.steps}")
+        if time not in _time_and_output(path):
+            wrong.append(f"{name}: {time!r} is not in its docstring's 'Time and output:' paragraph")
+    assert not wrong, "\n".join(wrong)

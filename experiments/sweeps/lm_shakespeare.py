@@ -1,4 +1,4 @@
-"""The Shakespeare language model's learning rate, dropout and width, by random search.
+r"""The Shakespeare language model's learning rate, dropout and width, by random search.
 
     jaxformer sweep experiments/sweeps/lm_shakespeare.py --workdir sweeps/lm_shakespeare --workers 2
     # many machines, one sweep: a PostgreSQL database as the storage, the same command on each
@@ -6,8 +6,8 @@
         --storage postgresql://USER:PASSWORD@HOST/DB
 
 Trials run half of the main job's steps and are judged by validation perplexity.
-Time: each trial 400 steps, about half of the main job's 8-10 minutes on 2 CPU cores (not measured);
-output: the study's table (`--status`), no samples.
+Time: each trial 400 steps, half of the main job's 800 (which take 8-10 minutes on 2 CPU cores; a
+trial's time not measured); output: the study's table (`--status`), no samples.
 """
 
 from jaxformer.sweep import Choice, Range, Sweep

@@ -7,11 +7,13 @@ resume trivial, and any process can read its rows of any step alone.
 
 Batch keys by objective (all int32 unless noted; weights float32), S the source width
 (data.src_max_len, else data.max_len) and T data.max_len, or smaller bucket widths:
-  lm        inputs [B, T], targets [B, T], weights [B, T]; instruction data (data.template): one
-            example a row, right-padded, weights 1 on the response's targets (its EOS too) only
-  seq2seq   src [B, S], src_lengths [B], inputs [B, T] (BOS + target[:-1]), targets [B, T], weights [B, T]
-  mlm       inputs [B, T] (masked), targets [B, T], weights [B, T] (1 on masked positions)
-  classify  src [B, S], src_lengths [B], label [B]
+
+- lm: inputs [B, T], targets [B, T], weights [B, T]; instruction data (data.template): one
+  example a row, right-padded, weights 1 on the response's targets (its EOS too) only
+- seq2seq: src [B, S], src_lengths [B], inputs [B, T] (BOS + `target[:-1]`), targets [B, T], weights [B, T]
+- mlm: inputs [B, T] (masked), targets [B, T], weights [B, T] (1 on masked positions)
+- classify: src [B, S], src_lengths [B], label [B]
+
 Packed (data.pack, training only): lm/mlm add segments [B, T] and positions [B, T] (instruction
 examples placed first-fit as pairs are, each its own segment); seq2seq has
 src_segments, src_positions [B, S] and tgt_segments, tgt_positions [B, T] instead of src_lengths;
@@ -40,11 +42,20 @@ class Batches:
 
     The order of an epoch is grain's lazy global shuffle of the example indices (`MapDataset.shuffle`,
     reseeded each epoch by `repeat`): nothing of size N is held, so memory stays flat as the corpus
-    grows. Batch i of an epoch takes positions i*B .. i*B+B-1 of that epoch's order. With `buckets`,
+    grows. Batch i of an epoch takes positions `i*B .. i*B+B-1` of that epoch's order. With `buckets`,
     an epoch's order is cut into chunks of 32 batches whose examples are sorted by the first bucket
     that holds them (then by how full they make it: the longest side over its width), and each
     batch is cut to the first bucket whose widths hold its longest source and target: few shapes
     to compile, little padding.
+
+    Attributes:
+        examples: the examples, or None for a synthetic task's `generate`.
+        batch_size: B, the global batch.
+        seed: the shuffle's and the masking's seed.
+        generate: (generator, B) -> a batch, for synthetic tasks.
+        transform: (batch, one generator per row) -> batch (MLM masking).
+        buckets: widths (one per side) a batch is cut to, ascending; empty: the full widths.
+        _chunk: the last chunk's batches, cached.
     """
 
     examples: Examples | None
@@ -63,6 +74,7 @@ class Batches:
 
     @property
     def num_examples(self) -> int:
+        """N, the examples of an epoch (0 for a synthetic task)."""
         return 0 if self.examples is None else len(self.examples)
 
     def __len__(self) -> int:
@@ -76,7 +88,14 @@ class Batches:
     def rows(self, step: int) -> np.ndarray | list[np.ndarray]:
         """[B] the example indices of the batch of `step` (sorted), or for packed examples the B rows'
         lists of examples; the batches of an epoch never repeat an example, and what does not fill
-        a batch at an epoch's end is left out."""
+        a batch at an epoch's end is left out.
+
+        Args:
+            step: the training step.
+
+        Returns:
+            [B] example indices, or B arrays of example indices (packed rows).
+        """
         B, N = self.batch_size, self.num_examples
         epoch, index = divmod(step, len(self))
         first = epoch * N  # grain's repeat reshuffles from each multiple of N on
@@ -109,6 +128,13 @@ class Batches:
         Batch-wide choices (the bucket width) are made before the part is cut, and random masking
         draws each row from its own generator (seed, step, row), so a process reads only its rows
         and the shares of all processes put together equal the whole batch.
+
+        Args:
+            step: the training step.
+            part: the rows to read, or None for all B.
+
+        Returns:
+            The batch's arrays by name (tokens, inputs, targets, weights, src, lengths, segments ...).
         """
         if self.examples is None:
             batch = self.generate(np.random.default_rng([self.seed, step]), self.batch_size)
@@ -131,6 +157,15 @@ class Batches:
 
         A grain `MapDataset` over the step numbers: batch s is `get(s, part)` whichever thread
         reads it and in whichever order, so a stream resumed at any step is the uninterrupted one.
+
+        Args:
+            start: the first step.
+            stop: the step after the last.
+            part: the rows to read, or None for all B.
+            prefetch: threads reading ahead; 0: read each batch when asked for.
+
+        Returns:
+            The batches, in step order.
         """
         import grain
 
@@ -142,7 +177,12 @@ class Batches:
 
 
 class Documents:
-    """One field of one split of a prepared corpus: document i is tokens[offsets[i]:offsets[i + 1]]."""
+    """One field of one split of a prepared corpus: document i is tokens[offsets[i]:offsets[i + 1]].
+
+    Args:
+        tokens (prepare.TokenFile): the split's tokens.
+        offsets: [N + 1] int64 where each document starts.
+    """
 
     def __init__(self, tokens, offsets: np.ndarray):
         self.tokens, self.offsets = tokens, offsets  # a prepare.TokenFile, [N + 1] int64
@@ -151,13 +191,38 @@ class Documents:
         return len(self.offsets) - 1
 
     def lengths(self, rows: np.ndarray) -> np.ndarray:
+        """The documents' lengths.
+
+        Args:
+            rows: [n] document indices.
+
+        Returns:
+            [n] int32.
+        """
         return (self.offsets[rows + 1] - self.offsets[rows]).astype(np.int32)
 
     def document(self, i: int) -> np.ndarray:
+        """Document i's tokens.
+
+        Args:
+            i: the document's index.
+
+        Returns:
+            [its length] int32.
+        """
         return self.tokens.read(self.offsets[i], self.offsets[i + 1])
 
     def padded(self, rows: np.ndarray, width: int, pad_id: int) -> np.ndarray:
-        """[len(rows), width] the documents of `rows`, right-padded with pad_id."""
+        """[len(rows), width] the documents of `rows`, right-padded with pad_id.
+
+        Args:
+            rows: [n] document indices.
+            width: the row width (no document is longer).
+            pad_id: the padding id.
+
+        Returns:
+            [n, width] int32.
+        """
         out = np.full((len(rows), width), pad_id, np.int32)
         for i, r in enumerate(rows):
             doc = self.tokens.read(self.offsets[r], self.offsets[r + 1])
@@ -172,6 +237,12 @@ class Windows:
     Packed (`segments`): each document in a window is its own segment, with positions from 0 at
     its first token in the window, so attention never crosses documents (the document boundaries
     come from the offsets index, not from token ids); an LM predicts no token of the next document.
+
+    Args:
+        docs: the split's documents.
+        width: tokens per window (an LM's T + 1: inputs and targets shifted by one).
+        objective: "lm" or "mlm".
+        segments: packed: segment ids and positions per document.
     """
 
     def __init__(self, docs: Documents, width: int, objective: str, segments: bool = False):
@@ -181,6 +252,15 @@ class Windows:
         return len(self.docs.tokens) // self.width
 
     def take(self, rows: np.ndarray, width: int | None = None) -> dict[str, np.ndarray]:
+        """The windows `rows`: lm: inputs, targets, weights [B, T]; mlm: tokens [B, T]; packed: segments, positions.
+
+        Args:
+            rows: [B] window indices.
+            width: unused (windows have one width); the batches' common signature.
+
+        Returns:
+            The batch's arrays by name.
+        """
         at_BW = rows[:, None] * self.width + np.arange(self.width)  # stream index of each slot
         windows = self.docs.tokens.rows(rows * self.width, self.width)
         out = {}
@@ -200,7 +280,15 @@ class Windows:
 
 
 class Pairs:
-    """seq2seq: (source, target) documents, each ending in EOS, at most S and T tokens."""
+    """seq2seq: (source, target) documents, each ending in EOS, at most S and T tokens.
+
+    Args:
+        src: the sources.
+        tgt: the targets.
+        S: the source width.
+        T: the target width.
+        tok (object): the tokenizer (pad and bos ids).
+    """
 
     def __init__(self, src: Documents, tgt: Documents, S: int, T: int, tok):
         self.src, self.tgt, self.tok = src, tgt, tok
@@ -210,21 +298,48 @@ class Pairs:
         return len(self.src)
 
     def side_lengths(self, rows: np.ndarray) -> np.ndarray:
-        """[2, len(rows)] source and target lengths."""
+        """[2, len(rows)] source and target lengths.
+
+        Args:
+            rows: [n] example indices.
+
+        Returns:
+            [2, n] int32.
+        """
         return np.stack([self.src.lengths(rows), self.tgt.lengths(rows)])
 
     def tokens(self) -> tuple[int, ...]:
-        """Tokens of each side in all (the packer's mean lengths)."""
+        """Tokens of each side in all (the packer's mean lengths).
+
+        Returns:
+            (source tokens, target tokens).
+        """
         return len(self.src.tokens), len(self.tgt.tokens)
 
     def take(self, rows: np.ndarray, widths: tuple[int, ...] | None = None) -> dict[str, np.ndarray]:
+        """The pairs `rows`, right-padded: src [B, S], inputs, targets, weights [B, T] and the lengths.
+
+        Args:
+            rows: [B] pair indices.
+            widths: (S, T) of a bucket, or None for the full widths.
+
+        Returns:
+            The batch's arrays by name.
+        """
         pad, (S, T) = self.tok.pad_id, widths or self.widths
         src, tgt = self.src.padded(rows, S, pad), self.tgt.padded(rows, T, pad)
         return _seq2seq_arrays(src, self.src.lengths(rows), tgt, self.tgt.lengths(rows), self.tok.bos_id, pad)
 
     def pack(self, rows: list[np.ndarray]) -> dict[str, np.ndarray]:
         """Packed rows: each row's pairs one after the other, source and target of a pair under the
-        same segment id (1, 2, ... in the row), positions from 0 in each."""
+        same segment id (1, 2, ... in the row), positions from 0 in each.
+
+        Args:
+            rows: B arrays of pair indices, one per row.
+
+        Returns:
+            The batch's arrays by name (src, inputs, targets, weights and their segments and positions).
+        """
         B, (S, T), tok = len(rows), self.widths, self.tok
         out = {k: np.zeros((B, S), np.int32) for k in ("src", "src_segments", "src_positions")}
         out |= {k: np.zeros((B, T), np.int32) for k in ("inputs", "targets", "tgt_segments", "tgt_positions")}
@@ -249,7 +364,14 @@ class Pairs:
 class Completions:
     """lm instruction data: an example is prompt + response + EOS cut to T + 1 tokens; its inputs are
     those tokens but the last, its targets all but the first, and its weights 1 where the target is a
-    response token (or the EOS): the model learns to answer, not to write prompts."""
+    response token (or the EOS): the model learns to answer, not to write prompts.
+
+    Args:
+        prompt: the prompts.
+        response: the responses (each ending in EOS).
+        T: the row width.
+        pad_id: the padding id.
+    """
 
     def __init__(self, prompt: Documents, response: Documents, T: int, pad_id: int):
         self.prompt, self.response, self.pad_id = prompt, response, pad_id
@@ -259,26 +381,61 @@ class Completions:
         return len(self.prompt)
 
     def side_lengths(self, rows: np.ndarray) -> np.ndarray:
-        """[1, len(rows)] the input slots of each example (its tokens, cut to T + 1, less one)."""
+        """[1, len(rows)] the input slots of each example (its tokens, cut to T + 1, less one).
+
+        Args:
+            rows: [n] example indices.
+
+        Returns:
+            [1, n].
+        """
         total = self.prompt.lengths(rows) + self.response.lengths(rows)
         return np.minimum(total, self.widths[0] + 1)[None] - 1
 
     def tokens(self) -> tuple[int, ...]:
+        """Input tokens in all (the packer's mean length).
+
+        Returns:
+            (tokens,).
+        """
         return (len(self.prompt.tokens) + len(self.response.tokens) - len(self),)
 
     def example(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(inputs [n], targets [n], weights [n]) of example i, n = its tokens (at most T + 1) - 1."""
+        """(inputs [n], targets [n], weights [n]) of example i, n = its tokens (at most T + 1) - 1.
+
+        Args:
+            i: the example's index.
+
+        Returns:
+            (inputs, targets, weights).
+        """
         prompt = self.prompt.document(i)
         tokens = np.concatenate([prompt, self.response.document(i)])[: self.widths[0] + 1]
         weights = (np.arange(1, len(tokens)) >= len(prompt)).astype(np.float32)  # target j is token j + 1
         return tokens[:-1], tokens[1:], weights
 
     def take(self, rows: np.ndarray, widths: tuple[int, ...] | None = None) -> dict[str, np.ndarray]:
+        """The examples `rows`, one per row, right-padded: inputs, targets, weights [B, T].
+
+        Args:
+            rows: [B] example indices.
+            widths: unused (instruction data is not bucketed); the batches' common signature.
+
+        Returns:
+            The batch's arrays by name.
+        """
         return self._rows([[r] for r in rows], segments=False)
 
     def pack(self, rows: list[np.ndarray]) -> dict[str, np.ndarray]:
         """Packed rows: each row's examples one after the other, each its own segment (1, 2, ... in
-        the row) with positions from 0."""
+        the row) with positions from 0.
+
+        Args:
+            rows: B arrays of example indices, one per row.
+
+        Returns:
+            The batch's arrays by name (inputs, targets, weights, segments, positions).
+        """
         return self._rows(rows, segments=True)
 
     def _rows(self, rows, segments: bool) -> dict[str, np.ndarray]:
@@ -300,7 +457,14 @@ class Completions:
 
 
 class Labelled:
-    """classify: BOS + text (at most S tokens) and the class index."""
+    """classify: BOS + text (at most S tokens) and the class index.
+
+    Args:
+        docs: the texts.
+        labels: [N] their class indices.
+        S: the row width.
+        pad_id: the padding id.
+    """
 
     def __init__(self, docs: Documents, labels: np.ndarray, S: int, pad_id: int):
         self.docs, self.labels, self.pad_id = docs, labels, pad_id
@@ -310,12 +474,34 @@ class Labelled:
         return len(self.docs)
 
     def side_lengths(self, rows: np.ndarray) -> np.ndarray:
+        """[1, len(rows)] the texts' lengths.
+
+        Args:
+            rows: [n] example indices.
+
+        Returns:
+            [1, n] int32.
+        """
         return self.docs.lengths(rows)[None]
 
     def tokens(self) -> tuple[int, ...]:
+        """Tokens in all (the packer's mean length).
+
+        Returns:
+            (tokens,).
+        """
         return (len(self.docs.tokens),)
 
     def take(self, rows: np.ndarray, widths: tuple[int, ...] | None = None) -> dict[str, np.ndarray]:
+        """The texts `rows`, right-padded: src [B, S], src_lengths [B], label [B].
+
+        Args:
+            rows: [B] text indices.
+            widths: (S,) of a bucket, or None for the full width.
+
+        Returns:
+            The batch's arrays by name.
+        """
         (S,) = widths or self.widths
         src = self.docs.padded(rows, S, self.pad_id)
         return {"src": src, "src_lengths": self.docs.lengths(rows), "label": np.asarray(self.labels[rows], np.int32)}
@@ -323,7 +509,15 @@ class Labelled:
     def pack(self, rows: list[np.ndarray], N: int) -> dict[str, np.ndarray]:
         """Packed rows of at most N texts: each text its segment (1, 2, ... in the row), positions
         from 0 in each; label [B, N] the class of segment n + 1 and weights [B, N] 1 where the row
-        holds that segment."""
+        holds that segment.
+
+        Args:
+            rows: B arrays of text indices, one per row.
+            N: the most texts a row holds (`data.max_segments`).
+
+        Returns:
+            The batch's arrays by name (src, src_segments, src_positions, label, weights).
+        """
         (S,) = self.widths
         out = {k: np.zeros((len(rows), S), np.int32) for k in ("src", "src_segments", "src_positions")}
         out["src"][:] = self.pad_id
@@ -351,6 +545,11 @@ class Packed:
     that fills first (from the corpus' mean lengths), or FILL of their segments: a little slack,
     so that few are left out. The epoch's last, partial chunk is packed into as many whole
     batches as its share of a chunk.
+
+    Args:
+        examples: the examples to pack.
+        batch_size: B.
+        max_segments: the most examples a row holds; None: as many as fit.
     """
 
     CHUNK = 8  # batches packed together: a larger chunk packs tighter (and costs more to plan)
@@ -371,16 +570,32 @@ class Packed:
 
     @property
     def batches_per_epoch(self) -> int:
+        """The whole batches an epoch packs into."""
         return self.full_chunks * self.CHUNK + self.tail_batches
 
     def chunk(self, c: int) -> tuple[int, int, int]:
-        """(start, stop, rows) of chunk c: its positions in the epoch's order and the rows they fill."""
+        """(start, stop, rows) of chunk c: its positions in the epoch's order and the rows they fill.
+
+        Args:
+            c: the chunk's index in the epoch.
+
+        Returns:
+            (start, stop, rows).
+        """
         if c < self.full_chunks:
             return c * self.per_chunk, (c + 1) * self.per_chunk, self.CHUNK * self.batch_size
         return c * self.per_chunk, len(self), self.tail_batches * self.batch_size
 
     def plan(self, idx: np.ndarray, rows: int) -> list[np.ndarray]:
-        """The examples `idx` placed into `rows` rows: [rows] arrays of example indices (sorted)."""
+        """The examples `idx` placed into `rows` rows by first-fit decreasing.
+
+        Args:
+            idx: [n] example indices.
+            rows: how many rows to fill.
+
+        Returns:
+            [rows] arrays of example indices (sorted); an example that fits no row is in none.
+        """
         lengths = self.examples.side_lengths(idx)  # [sides, n]
         free = np.repeat(self.widths[:, None], rows, axis=1)  # [sides, rows]
         room = np.full(rows, self.max_segments or len(idx))  # examples a row may still take
@@ -395,13 +610,29 @@ class Packed:
         return [np.asarray(sorted(p), np.int64) for p in placed]
 
     def take(self, rows: list[np.ndarray]) -> dict[str, np.ndarray]:
+        """The packed rows (`plan`'s output) as a batch.
+
+        Args:
+            rows: B arrays of example indices, one per row.
+
+        Returns:
+            The batch's arrays by name.
+        """
         if self.max_segments is None:
             return self.examples.pack(rows)
         return self.examples.pack(rows, self.max_segments)
 
 
 def fullness(examples: Pairs | Labelled | Completions, rows: np.ndarray) -> np.ndarray:
-    """[len(rows)] how full each example makes a row: its longest side over that side's width."""
+    """[len(rows)] how full each example makes a row: its longest side over that side's width.
+
+    Args:
+        examples: the examples.
+        rows: [n] example indices.
+
+    Returns:
+        [n] float64 in (0, 1].
+    """
     widths = np.asarray(examples.widths, np.float64)[:, None]
     return (examples.side_lengths(rows) / widths).max(axis=0)
 
@@ -411,6 +642,18 @@ Examples = Windows | Pairs | Packed | Labelled | Completions
 
 @dataclasses.dataclass
 class Dataset:
+    """The configured data: its tokenizer, the three splits batched by step, samples and labels.
+
+    Attributes:
+        tokenizer: the tokenizer the ids come from.
+        train: the training batches.
+        val: the validation batches.
+        test: the test batches.
+        sample_sources: a few held-out inputs for greedy samples at evaluation.
+        sample_references: their references.
+        labels: classification: the class names, by index.
+    """
+
     tokenizer: object
     train: Batches
     val: Batches
@@ -425,7 +668,21 @@ def build_dataset(
 ) -> Dataset:
     """The configured data, batched by step: prepared on disk the first time (`prepare.prepare`:
     read, checked, split, tokenized; SentencePiece trained in workdir), then memory-mapped.
-    `own`: the workdir's training (not a reader such as eval) records the cache it uses."""
+    `own`: the workdir's training (not a reader such as eval) records the cache it uses.
+
+    Args:
+        cfg: the run's config (data, train, model.vocab_size).
+        workdir: the run's directory (tokenizer, cache record), or None.
+        progress: print progress while preparing.
+        own: record the cache as the workdir's.
+
+    Returns:
+        The dataset.
+
+    Raises:
+        DataError: bad data, a tokenizer larger than the model's vocabulary, a split with fewer
+            sequences than a batch, or instruction data none of whose responses fits data.max_len.
+    """
     d, t = cfg.data, cfg.train
     if d.source in ("copy", "reverse"):  # config validation paired them with the symbols tokenizer, seq2seq
         return _synthetic(cfg)
@@ -491,7 +748,15 @@ def _check_answered(prompt: Documents, T: int, split: str, where: str) -> None:
 
 def bucket_widths(widths: tuple[int, ...], n: int) -> tuple[tuple[int, ...], ...]:
     """n buckets: bucket i holds each side's width (i + 1) / n of its full width, rounded up to a
-    multiple of 8 (repeats dropped); the last is the full widths."""
+    multiple of 8 (repeats dropped); the last is the full widths.
+
+    Args:
+        widths: each side's full width.
+        n: how many buckets (`data.length_buckets`).
+
+    Returns:
+        The buckets' widths, ascending.
+    """
     cut = lambda L, i: min(L, -(-L * (i + 1) // n // 8) * 8)
     return tuple(sorted({tuple(cut(L, i) for L in widths) for i in range(n)}))
 

@@ -57,19 +57,40 @@ NOT_IN_KEY = (
 
 
 def completions(cfg: Config) -> bool:
-    """Instruction data for a decoder-only LM: prompt and response stored apart, loss on the response."""
+    """Instruction data for a decoder-only LM: prompt and response stored apart, loss on the response.
+
+    Args:
+        cfg: the run's config.
+
+    Returns:
+        Whether `cfg` trains on completions.
+    """
     return cfg.train.objective == "lm" and cfg.data.template != "none"
 
 
 def fields_of(cfg: Config) -> tuple[str, ...]:
-    """The stored fields of an objective (the last field of classification is its label)."""
+    """The stored fields of an objective (the last field of classification is its label).
+
+    Args:
+        cfg: the run's config.
+
+    Returns:
+        The field names.
+    """
     if completions(cfg):
         return ("prompt", "response")
     return {"seq2seq": ("source", "target"), "classify": ("text",)}.get(cfg.train.objective, ("text",))
 
 
 def widths_of(cfg: Config) -> tuple[tuple[int, str] | None, ...]:
-    """Per stored field, (the width its documents are cut to, the setting that says it); None: not cut."""
+    """Per stored field, (the width its documents are cut to, the setting that says it); None: not cut.
+
+    Args:
+        cfg: the run's config.
+
+    Returns:
+        One entry per stored field.
+    """
     d, objective = cfg.data, cfg.train.objective
     if completions(cfg):  # prompt + response share the window: the pipeline cuts their sum
         return (None, None)
@@ -79,7 +100,14 @@ def widths_of(cfg: Config) -> tuple[tuple[int, str] | None, ...]:
 
 def key_settings(cfg: Config) -> dict:
     """The settings the prepared tokens depend on. An unset src_max_len is left out, so caches
-    prepared before it existed are found again; set to max_len, it is the same cache as unset."""
+    prepared before it existed are found again; set to max_len, it is the same cache as unset.
+
+    Args:
+        cfg: the run's config.
+
+    Returns:
+        name -> value, the cache key's settings.
+    """
     d = cfg.data
     settings = {k: v for k, v in dataclasses.asdict(d).items() if k not in NOT_IN_KEY}
     if d.src_max_len is None or d.src_max_len == d.max_len:
@@ -95,6 +123,10 @@ class TokenFile:
     Not memory-mapped: pages of a mapping that batches touch count in the process' resident
     memory, so a long run over a large corpus would look as if it held the corpus; reads leave
     them in the kernel's page cache only.
+
+    Args:
+        path: the `.bin` file.
+        dtype (np.dtype): its tokens' dtype.
     """
 
     def __init__(self, path: pathlib.Path, dtype: np.dtype):
@@ -110,7 +142,15 @@ class TokenFile:
             os.close(self.fd)
 
     def read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens start..stop-1 as int32."""
+        """Tokens start..stop-1 as int32.
+
+        Args:
+            start: the first token.
+            stop: the token after the last.
+
+        Returns:
+            [stop - start] int32.
+        """
         n = self.dtype.itemsize
         data = os.pread(self.fd, (int(stop) - int(start)) * n, int(start) * n)
         return np.frombuffer(data, self.dtype).astype(np.int32)
@@ -125,34 +165,77 @@ class TokenFile:
         return self.read(0, self.size) if dtype is None else self.read(0, self.size).astype(dtype)
 
     def rows(self, starts: np.ndarray, width: int) -> np.ndarray:
-        """[len(starts), width]: tokens start..start+width-1 of each start."""
+        """[len(starts), width]: tokens start..start+width-1 of each start.
+
+        Args:
+            starts: the first token of each row.
+            width: the tokens per row.
+
+        Returns:
+            [len(starts), width] int32.
+        """
         return np.stack([self.read(a, a + width) for a in starts]) if len(starts) else np.zeros((0, width), np.int32)
 
 
 @dataclasses.dataclass
 class Prepared:
-    """A prepared corpus, memory-mapped: the documents of each split and field, and the labels."""
+    """A prepared corpus, memory-mapped: the documents of each split and field, and the labels.
+
+    Attributes:
+        directory: the cache directory.
+        manifest: its manifest.json (dtype, labels, counts, samples).
+    """
 
     directory: pathlib.Path
     manifest: dict
 
     def documents(self, split: str, field: str) -> tuple[TokenFile, np.ndarray]:
-        """(tokens [total], offsets [N + 1]) of one split's field: nothing is read yet."""
+        """(tokens [total], offsets [N + 1]) of one split's field: nothing is read yet.
+
+        Args:
+            split: "train", "validation" or "test".
+            field: a stored field (`fields_of`).
+
+        Returns:
+            (tokens, offsets): document i is tokens[offsets[i]:offsets[i + 1]].
+        """
         tokens = TokenFile(self.directory / f"{split}.{field}.bin", np.dtype(self.manifest["dtype"]))
         return tokens, np.load(self.directory / f"{split}.{field}.offsets.npy", mmap_mode="r")
 
     def labels(self, split: str) -> np.ndarray:
+        """The label index of each document of a split (classification).
+
+        Args:
+            split: "train", "validation" or "test".
+
+        Returns:
+            [N] label indices, memory-mapped.
+        """
         return np.load(self.directory / f"{split}.label.npy", mmap_mode="r")
 
     @property
     def label_names(self) -> tuple[str, ...]:
+        """The label set, in index order."""
         return tuple(self.manifest["labels"])
 
     def samples(self) -> tuple[list[str], list]:
+        """The first test records' texts, for printing beside a model's outputs.
+
+        Returns:
+            (sources, references).
+        """
         return self.manifest["sample_sources"], self.manifest["sample_references"]
 
 
 def sha256(path: pathlib.Path) -> str:
+    """A file's SHA-256, read a block at a time.
+
+    Args:
+        path: the file.
+
+    Returns:
+        The hex digest.
+    """
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 22):
@@ -161,7 +244,15 @@ def sha256(path: pathlib.Path) -> str:
 
 
 def cache_root(cfg: Config, workdir) -> pathlib.Path:
-    """data.cache_dir, else WORKDIR/data, else a directory under the system's temporary one."""
+    """data.cache_dir, else WORKDIR/data, else a directory under the system's temporary one.
+
+    Args:
+        cfg: the run's config (data.cache_dir).
+        workdir (str | pathlib.Path | None): the run's directory, or None.
+
+    Returns:
+        The directory the prepared caches go under.
+    """
     if cfg.data.cache_dir:
         return pathlib.Path(cfg.data.cache_dir)
     if workdir is not None:
@@ -170,7 +261,15 @@ def cache_root(cfg: Config, workdir) -> pathlib.Path:
 
 
 def tokenizer_identity(cfg: Config, workdir) -> str | None:
-    """What identifies the tokenizer's ids: its kind, and the hash of its file (None: not trained yet)."""
+    """What identifies the tokenizer's ids: its kind, and the hash of its file (None: not trained yet).
+
+    Args:
+        cfg: the run's config (data.tokenizer).
+        workdir (str | pathlib.Path | None): the run's directory, or None for the current one.
+
+    Returns:
+        The identity, or None.
+    """
     kind = cfg.data.tokenizer
     if kind in ("byte", "symbols"):
         return kind
@@ -184,7 +283,20 @@ def prepare(cfg: Config, workdir=None, progress: bool = True, own: bool = True) 
 
     With a workdir and `own` (training, `jaxformer prepare`; not readers such as eval), the cache
     is recorded as the workdir's, and the one it recorded before is removed once this one is
-    ready, unless another workdir's record names it (see `use`)."""
+    ready, unless another workdir's record names it (see `use`).
+
+    Args:
+        cfg: the run's config.
+        workdir (str | pathlib.Path | None): the run's directory, or None.
+        progress: print progress while building.
+        own: record the cache as the workdir's.
+
+    Returns:
+        The prepared corpus.
+
+    Raises:
+        DataError: bad data (file and line named); nothing of the build is kept.
+    """
     d = cfg.data
     src = source_of(cfg)
     files = sources.expand(src.files)
@@ -327,7 +439,15 @@ def _record(root: pathlib.Path, workdir, key: str) -> _Record | None:
 
 
 def in_use(root: pathlib.Path, but=None) -> set[str]:
-    """The caches the records of existing workdirs (all but `but`'s) name, as in use or replaced."""
+    """The caches the records of existing workdirs (all but `but`'s) name, as in use or replaced.
+
+    Args:
+        root: the cache root.
+        but (str | pathlib.Path | None): a workdir whose record is left out, or None.
+
+    Returns:
+        The caches' keys.
+    """
     out = set()
     mine = _record_path(root, but) if but is not None else None
     for path in (root / RECORDS).glob("*.json"):
@@ -340,7 +460,16 @@ def in_use(root: pathlib.Path, but=None) -> set[str]:
 def use(root: pathlib.Path, key: str, workdir=None) -> Prepared:
     """Open the cache `key`. For a workdir: record it as the workdir's, and remove the caches its
     record names as replaced, unless another existing workdir's record names them. A run that has
-    a removed cache open goes on reading it (its open files outlive their names)."""
+    a removed cache open goes on reading it (its open files outlive their names).
+
+    Args:
+        root: the cache root.
+        key: the cache's key (its directory's name).
+        workdir (str | pathlib.Path | None): the workdir that owns it, or None (a reader).
+
+    Returns:
+        The prepared corpus.
+    """
     if workdir is None:
         return _open(root / key)
     _record(root, workdir, key)  # first: from now on no other workdir's run removes it
@@ -373,7 +502,14 @@ def clean(root: pathlib.Path) -> list[tuple[pathlib.Path, int]]:
     """Remove what no run needs under a cache root: complete caches no existing workdir's record
     names (as in use or being replaced), builds and removals killed on this host, and the records
     of workdirs that no longer exist. Builds in progress, and anything of another host's running
-    processes, are left alone. Returns each removed directory with its size in bytes."""
+    processes, are left alone.
+
+    Args:
+        root: the cache root.
+
+    Returns:
+        (directory, size in bytes) of each one removed.
+    """
     if not root.is_dir():
         return []
     for path in (root / RECORDS).glob("*.json"):
@@ -414,7 +550,16 @@ def _alive(pid: int) -> bool:
 
 
 def check_vocab(cfg: Config, tok, src: sources.Source) -> None:
-    """The tokenizer's ids must be the model's: a larger tokenizer would feed ids past the embedding."""
+    """The tokenizer's ids must be the model's: a larger tokenizer would feed ids past the embedding.
+
+    Args:
+        cfg: the run's config (model.vocab_size).
+        tok (object): the tokenizer.
+        src: the data, named in the error.
+
+    Raises:
+        DataError: the tokenizer has more ids than model.vocab_size.
+    """
     if tok.vocab_size > cfg.model.vocab_size:
         raise DataError(
             f"{', '.join(src.files)}: the {cfg.data.tokenizer} tokenizer has {tok.vocab_size} ids "
@@ -439,7 +584,21 @@ def _records(src: sources.Source, labels, max_examples: int) -> Iterator[tuple]:
 
 def split_assignment(n: int, val_fraction: float, test_fraction: float, seed: int, where) -> np.ndarray:
     """[n] int8: the split (0 train, 1 validation, 2 test) of each record, by a seeded permutation
-    (the same split as `sources.split` makes of a list)."""
+    (the same split as `sources.split` makes of a list).
+
+    Args:
+        n: the records.
+        val_fraction: the validation split's share.
+        test_fraction: the test split's share.
+        seed: the permutation's seed.
+        where (object): what the error names.
+
+    Returns:
+        [n] int8 split indices.
+
+    Raises:
+        DataError: a split would be empty.
+    """
     order = np.random.default_rng(seed).permutation(n)
     n_val, n_test = int(n * val_fraction), int(n * test_fraction)
     assign = np.zeros(n, np.int8)
@@ -534,7 +693,15 @@ def _limits(counts: list[int], max_examples: int) -> list[int]:
 
 def encode_flat(tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """(token ids of all `texts` one after the other [total] int32, the length of each [N] int64),
-    in one call where the tokenizer has a batch form (bytes: straight from the UTF-8 encoding)."""
+    in one call where the tokenizer has a batch form (bytes: straight from the UTF-8 encoding).
+
+    Args:
+        tok (object): the tokenizer.
+        texts: the documents.
+
+    Returns:
+        (tokens [total] int32, lengths [N] int64).
+    """
     if isinstance(tok, ByteTokenizer):
         data = [t.encode("utf-8") for t in texts]
         flat = np.frombuffer(b"".join(data), np.uint8).astype(np.int32) + tok.offset
@@ -550,7 +717,17 @@ def encode_flat(tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def add_special(flat: np.ndarray, lengths: np.ndarray, token: int, at_end: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Each document with `token` appended (EOS) or prepended (BOS)."""
+    """Each document with `token` appended (EOS) or prepended (BOS).
+
+    Args:
+        flat: [total] the documents' tokens one after the other.
+        lengths: [N] their lengths.
+        token: the id to add.
+        at_end: append (True) or prepend (False).
+
+    Returns:
+        (tokens [total + N], lengths + 1).
+    """
     lengths = lengths + 1
     ends = np.cumsum(lengths)
     where = ends - 1 if at_end else ends - lengths

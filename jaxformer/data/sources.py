@@ -40,18 +40,20 @@ class DataError(ValueError):
 class Source:
     """Where records come from and how they are read.
 
-    files: paths or glob patterns (each must match a file), read in sorted order.
-    format: one of FORMATS, or "auto" from the file name (.txt, .jsonl/.json, .tsv, .parquet;
-        a trailing .xz, .gz or .bz2 is decompressed).
-    fields: the names of the fields the objective reads (JSONL keys, TSV header columns, Parquet
-        columns); plain text has one field, the document.
-    unit: plain text only: a document is a "line" or a blank-line separated "paragraph".
-    labels: the label set (classification); empty: the sorted labels found in the files.
-    label_pattern: a regular expression whose first group is the label, searched in the label field.
-    other_labels: "error" (a label outside `labels` stops the run) or "drop" (the record is skipped).
-    min_words: records whose first field has fewer words are skipped; so is a record with an empty field.
-    template: instruction data (`templates.TEMPLATES`): `fields` are (prompt, response), or a record
-        holds chat `messages`; either becomes (prompt text, response text) written in the template.
+    Attributes:
+        files: paths or glob patterns (each must match a file), read in sorted order.
+        fields: the names of the fields the objective reads (JSONL keys, TSV header columns, Parquet
+            columns); plain text has one field, the document.
+        format: one of FORMATS, or "auto" from the file name (.txt, .jsonl/.json, .tsv, .parquet;
+            a trailing .xz, .gz or .bz2 is decompressed).
+        unit: plain text only: a document is a "line" or a blank-line separated "paragraph".
+        labels: the label set (classification); empty: the sorted labels found in the files.
+        label_pattern: a regular expression whose first group is the label, searched in the label field.
+        other_labels: "error" (a label outside `labels` stops the run) or "drop" (the record is skipped).
+        min_words: records whose first field has fewer words are skipped; so is a record with an empty
+            field.
+        template: instruction data (`templates.TEMPLATES`): `fields` are (prompt, response), or a record
+            holds chat `messages`; either becomes (prompt text, response text) written in the template.
     """
 
     files: tuple[str, ...]
@@ -77,7 +79,17 @@ SHIPPED = {
 
 
 def expand(patterns: tuple[str, ...]) -> list[pathlib.Path]:
-    """The files named by paths or glob patterns, each pattern's matches sorted; one that matches none fails."""
+    """The files named by paths or glob patterns, each pattern's matches sorted.
+
+    Args:
+        patterns: paths or glob patterns.
+
+    Returns:
+        The files.
+
+    Raises:
+        DataError: a path that is no file, or a pattern that matches none.
+    """
     out = []
     for pattern in patterns:
         matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
@@ -89,6 +101,18 @@ def expand(patterns: tuple[str, ...]) -> list[pathlib.Path]:
 
 
 def format_of(path: pathlib.Path, given: str) -> str:
+    """A file's format: `given`, or with "auto" the one its name says (a compression suffix skipped).
+
+    Args:
+        path: the file.
+        given: one of FORMATS, or "auto".
+
+    Returns:
+        One of FORMATS.
+
+    Raises:
+        DataError: "auto" and a name that says no format.
+    """
     if given != "auto":
         return given
     suffixes = [s for s in path.suffixes if s not in (".xz", ".gz", ".bz2")]
@@ -104,6 +128,17 @@ def read_lines(path: str | pathlib.Path, block: int = 1 << 24, part: Part | None
 
     Read and decoded a block of whole lines at a time: per-line reads dominate the time otherwise.
     `part`: only the bytes start..stop of an uncompressed file, whose first line is number first_line.
+
+    Args:
+        path: the file.
+        block: bytes read at a time.
+        part: the part of the file to read, or None for all of it.
+
+    Returns:
+        (line number, line without its end) pairs, one at a time.
+
+    Raises:
+        DataError: a line that is not UTF-8 (file, line and byte named), or a file that cannot be read.
     """
     path = pathlib.Path(path)
     opener = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}.get(path.suffix, open)
@@ -222,7 +257,14 @@ READERS = {"text": _text, "jsonl": _jsonl, "tsv": _tsv, "parquet": _parquet}
 
 @dataclasses.dataclass(frozen=True)
 class Part:
-    """Bytes start..stop (None: to the end) of one file, cut at a record boundary; its first line's number."""
+    """Bytes start..stop (None: to the end) of one file, cut at a record boundary; its first line's number.
+
+    Attributes:
+        path: the file.
+        start: the first byte.
+        stop: the byte after the last, or None for the end.
+        first_line: the number of the part's first line.
+    """
 
     path: str
     start: int = 0
@@ -233,7 +275,15 @@ class Part:
 def parts(src: Source, size: int) -> list[Part]:
     """The files of `src` cut into parts of about `size` bytes at record boundaries (a line end; a
     blank line for paragraphs), for readers in parallel; compressed and Parquet files stay whole.
-    first_line is left at 1: `count_lines` gives each part its own."""
+    first_line is left at 1: `count_lines` gives each part its own.
+
+    Args:
+        src: the source.
+        size: about how many bytes a part holds.
+
+    Returns:
+        The parts, in file order.
+    """
     out = []
     for path in expand(src.files):
         total = path.stat().st_size
@@ -257,7 +307,14 @@ def parts(src: Source, size: int) -> list[Part]:
 
 
 def count_lines(part: Part) -> int:
-    """Line ends in a part (the next part of its file starts that many lines further)."""
+    """Line ends in a part (the next part of its file starts that many lines further).
+
+    Args:
+        part: the part.
+
+    Returns:
+        The count.
+    """
     count = 0
     with open(part.path, "rb") as f:
         f.seek(part.start)
@@ -274,6 +331,18 @@ def iter_records(src: Source, labels: tuple[str, ...] | None = None, part: Part 
     With `labels` (classification) the last field becomes its index in `labels`; a label outside
     them fails or drops the record as `src.other_labels` says. A missing field, an empty file or a
     line that is not UTF-8 fails with the file and line named.
+
+    Args:
+        src: the source.
+        labels: the label set (classification), or None.
+        part: read only this part of one file, or None for every file.
+
+    Returns:
+        Records (where, field, ...), one at a time.
+
+    Raises:
+        DataError: a missing field, a label outside the set, an empty file or no records left (each
+            error names the file and line).
     """
     pattern = re.compile(src.label_pattern) if src.label_pattern else None
     index = None if labels is None else {name: i for i, name in enumerate(labels)}
@@ -322,18 +391,47 @@ def iter_records(src: Source, labels: tuple[str, ...] | None = None, part: Part 
 
 
 def label_set(src: Source) -> tuple[str, ...]:
-    """The declared labels, or the sorted labels found in the files (one pass over them)."""
+    """The declared labels, or the sorted labels found in the files (one pass over them).
+
+    Args:
+        src: the source.
+
+    Returns:
+        The labels.
+    """
     return src.labels or tuple(sorted({r[-1] for r in iter_records(src)}))
 
 
 def read(src: Source, labelled: bool = False) -> tuple[list[tuple], tuple[str, ...]]:
-    """All records of `src` in a list, and with `labelled` (the last field is a label) the label set."""
+    """All records of `src` in a list, and with `labelled` (the last field is a label) the label set.
+
+    Args:
+        src: the source.
+        labelled: the last field is a label.
+
+    Returns:
+        (records, labels), labels empty without `labelled`.
+    """
     labels = label_set(src) if labelled else None
     return list(iter_records(src, labels)), labels or ()
 
 
 def split(records: list, val_fraction: float, test_fraction: float, seed: int, path) -> tuple[list, list, list]:
-    """Deterministic train/validation/test split of `records` by a seeded permutation."""
+    """Deterministic train/validation/test split of `records` by a seeded permutation.
+
+    Args:
+        records: the records.
+        val_fraction: the validation split's share.
+        test_fraction: the test split's share.
+        seed: the permutation's seed.
+        path (object): what the error names (the data's files).
+
+    Returns:
+        (train, validation, test), each in the records' order.
+
+    Raises:
+        DataError: a split would be empty.
+    """
     order = np.random.default_rng(seed).permutation(len(records))
     n_val, n_test = int(len(records) * val_fraction), int(len(records) * test_fraction)
     parts = (order[n_val + n_test :], order[:n_val], order[n_val : n_val + n_test])
@@ -345,7 +443,17 @@ def split(records: list, val_fraction: float, test_fraction: float, seed: int, p
 
 
 def source_of(cfg: Config) -> Source:
-    """The configured data as a `Source`: a shipped corpus (its file replaced by `data.path`) or the user's files."""
+    """The configured data as a `Source`: a shipped corpus (its file replaced by `data.path`) or the user's files.
+
+    Args:
+        cfg: the run's config (data, train.objective).
+
+    Returns:
+        The source.
+
+    Raises:
+        DataError: a shipped corpus with fewer fields per record than the objective reads.
+    """
     d, objective = cfg.data, cfg.train.objective
     if d.source == "files":
         fields = d.fields or (("prompt", "response") if d.template != "none" else FIELDS[objective])

@@ -19,18 +19,38 @@ ROLES = ("system", "user", "assistant")
 @dataclasses.dataclass(frozen=True)
 class Template:
     """How each role's turn is written: `turns[role]` = (text before the content, text after it).
-    A prompt ends with the assistant's opening; a response is the content + `end`."""
+    A prompt ends with the assistant's opening; a response is the content + `end`.
+
+    Attributes:
+        name: the template's name (`data.template`).
+        turns: role -> (text before the content, text after it).
+        end: what ends a response (before the tokenizer's EOS).
+    """
 
     name: str
     turns: dict[str, tuple[str, str]]
     end: str
 
     def prompt(self, text: str) -> str:
-        """A single user prompt, ready for the response (what `generate` feeds the model)."""
+        """A single user prompt, ready for the response (what `generate` feeds the model).
+
+        Args:
+            text: the user's prompt.
+
+        Returns:
+            The prompt text, ending with the assistant's opening.
+        """
         return self.conversation([{"role": "user", "content": text}])
 
     def conversation(self, turns: list[dict]) -> str:
-        """Turns written out, then the assistant's opening: the prompt of the next response."""
+        """Turns written out, then the assistant's opening: the prompt of the next response.
+
+        Args:
+            turns: [{"role": ..., "content": ...}, ...].
+
+        Returns:
+            The prompt text.
+        """
         return (
             "".join(self.turns[t["role"]][0] + t["content"] + self.turns[t["role"]][1] for t in turns)
             + (self.turns["assistant"][0])
@@ -54,13 +74,37 @@ TEMPLATES = {
 
 
 def get(name: str) -> Template:
+    """A template by name (`TEMPLATES`).
+
+    Args:
+        name: "alpaca" or "chatml".
+
+    Returns:
+        The template.
+
+    Raises:
+        ValueError: an unknown name.
+    """
     if name not in TEMPLATES:
         raise ValueError(f"unknown template {name!r} (known: {', '.join(TEMPLATES)})")
     return TEMPLATES[name]
 
 
 def to_pair(template: Template, row: dict, fields: tuple[str, str], messages: str = "messages") -> tuple[str, str]:
-    """(prompt text, response text) of a record: `fields` (prompt, response) or its chat `messages`."""
+    """(prompt text, response text) of a record: `fields` (prompt, response) or its chat `messages`.
+
+    Args:
+        template: the template that writes the turns.
+        row: one record.
+        fields: the names of its prompt and response fields.
+        messages: the name of its chat field.
+
+    Returns:
+        (prompt text, response text + the template's end).
+
+    Raises:
+        ValueError: a missing or non-string field, or a chat that does not end with an assistant turn.
+    """
     prompt, response = fields
     if messages in row and not (prompt in row and response in row):
         return _chat_pair(template, row[messages], messages)

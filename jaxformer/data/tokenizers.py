@@ -28,16 +28,36 @@ class ByteTokenizer:
     vocab_size = 256 + offset
 
     def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes, each plus 4.
+
+        Args:
+            text: one text.
+
+        Returns:
+            Its ids.
+        """
         return [b + self.offset for b in text.encode("utf-8")]
 
     def decode(self, ids: Iterable[int]) -> str:
+        """The bytes of the ids past the specials, undecodable ones replaced.
+
+        Args:
+            ids: token ids.
+
+        Returns:
+            The text.
+        """
         # A model larger than the tokenizer (V padded to a multiple of 128) may sample ids past it: not text.
         data = bytes(i - self.offset for i in ids if self.offset <= i < self.vocab_size)
         return data.decode("utf-8", errors="replace")
 
 
 class SymbolTokenizer:
-    """Synthetic tasks (copy, reverse): pad 0, bos 1, symbols 2..V-1 written as numbers."""
+    """Synthetic tasks (copy, reverse): pad 0, bos 1, symbols 2..V-1 written as numbers.
+
+    Args:
+        vocab_size: V.
+    """
 
     pad_id, bos_id, first_real = 0, 1, 2
     eos_id = mask_id = None
@@ -46,6 +66,17 @@ class SymbolTokenizer:
         self.vocab_size = vocab_size
 
     def encode(self, text: str) -> list[int]:
+        """Numbers separated by spaces, each its own id.
+
+        Args:
+            text: one text.
+
+        Returns:
+            Its ids.
+
+        Raises:
+            ValueError: a token that is not a number.
+        """
         symbols = text.split()
         for s in symbols:
             if not s.isdecimal():
@@ -53,11 +84,27 @@ class SymbolTokenizer:
         return [int(s) for s in symbols]
 
     def decode(self, ids: Iterable[int]) -> str:
+        """The symbols as numbers separated by spaces (pad and bos dropped).
+
+        Args:
+            ids: token ids.
+
+        Returns:
+            The text.
+        """
         return " ".join(str(int(i)) for i in ids if i > self.bos_id)
 
 
 class SentencePieceTokenizer:
-    """A SentencePiece model (BPE or unigram) with pad 0, unk 1, bos 2, eos 3 and a [MASK] piece."""
+    """A SentencePiece model (BPE or unigram) with pad 0, unk 1, bos 2, eos 3 and a [MASK] piece.
+
+    Args:
+        model_file: the trained `.model` file.
+
+    Raises:
+        FileNotFoundError: no such file.
+        DataError: the file is not a SentencePiece model.
+    """
 
     pad_id, unk_id, bos_id, eos_id = 0, 1, 2, 3
     first_real = 4
@@ -82,7 +129,17 @@ class SentencePieceTokenizer:
         """Train on `texts` (the training split only) and save `model_file` (+ .vocab).
 
         The files are written under a temporary name and renamed into place: a training that fails
-        (DataError naming the data.spm_vocab_size that works) or is killed leaves no model behind."""
+        (DataError naming the data.spm_vocab_size that works) or is killed leaves no model behind.
+
+        Args:
+            texts: the training split's texts.
+            model_file: where the model goes.
+            vocab_size: V (`data.spm_vocab_size`).
+            model_type: "bpe" or "unigram".
+
+        Returns:
+            The trained tokenizer.
+        """
         import sentencepiece as spm
 
         model_file = pathlib.Path(model_file)
@@ -117,9 +174,25 @@ class SentencePieceTokenizer:
             raise DataError(_spm_failure(str(e), vocab_size)) from None
 
     def encode(self, text: str) -> list[int]:
+        """The text's pieces.
+
+        Args:
+            text: one text.
+
+        Returns:
+            Its ids.
+        """
         return self.sp.encode(text)
 
     def decode(self, ids: Iterable[int]) -> str:
+        """The pieces' text, specials and ids past the vocabulary dropped.
+
+        Args:
+            ids: token ids.
+
+        Returns:
+            The text.
+        """
         keep = [int(i) for i in ids if self.eos_id < int(i) < self.vocab_size or int(i) == self.unk_id]
         return self.sp.decode(keep)  # ids past the pieces (a larger model's) are no text, as specials are not
 
@@ -162,6 +235,13 @@ class HFTokenizer:
     without a padding token (GPT-2, Llama) pads with eos: which positions are padding is always
     said by lengths, never read off an id. Texts are encoded without the tokenizer's template
     ([CLS] ... [SEP], </s>): the data pipeline adds bos/eos as for every tokenizer.
+
+    Args:
+        directory: the model directory (tokenizer.json, config.json).
+
+    Raises:
+        FileNotFoundError: the directory has no tokenizer.json.
+        DataError: tokenizer.json cannot be read.
     """
 
     first_real = 0  # BERT's random replacements come from the whole vocabulary
@@ -200,14 +280,43 @@ class HFTokenizer:
         self.pad_id = pad if pad is not None else self.eos_id if self.eos_id is not None else 0
 
     def encode(self, text: str) -> list[int]:
+        """The text's ids, without the tokenizer's template.
+
+        Args:
+            text: one text.
+
+        Returns:
+            Its ids.
+        """
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int]) -> str:
+        """The ids' text, special tokens skipped.
+
+        Args:
+            ids: token ids.
+
+        Returns:
+            The text.
+        """
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
-def load_tokenizer(cfg: Config, workdir: str | pathlib.Path):
-    """The tokenizer a run in `workdir` was trained with (no corpus is read)."""
+def load_tokenizer(
+    cfg: Config, workdir: str | pathlib.Path
+) -> ByteTokenizer | SymbolTokenizer | SentencePieceTokenizer | HFTokenizer:
+    """The tokenizer a run in `workdir` was trained with (no corpus is read).
+
+    Args:
+        cfg: the run's config (data.tokenizer).
+        workdir: the run's directory (tokenizer.model, hf/).
+
+    Returns:
+        The tokenizer.
+
+    Raises:
+        DataError: a SentencePiece run whose workdir has no tokenizer.model yet.
+    """
     if cfg.data.tokenizer == "byte":
         return ByteTokenizer()
     if cfg.data.tokenizer == "symbols":
@@ -222,7 +331,13 @@ def load_tokenizer(cfg: Config, workdir: str | pathlib.Path):
 
 def train_tokenizer(cfg: Config, train_texts: Iterable[str], workdir) -> None:
     """SentencePiece, trained on the training split's texts into WORKDIR/tokenizer.model (once: a
-    resumed run keeps the tokenizer it was trained with)."""
+    resumed run keeps the tokenizer it was trained with); other tokenizers train nothing.
+
+    Args:
+        cfg: the run's config (data.tokenizer, spm_vocab_size, spm_model_type).
+        train_texts: the training split's texts.
+        workdir (str | pathlib.Path | None): the run's directory; None: the current one.
+    """
     model_file = pathlib.Path(workdir or ".") / "tokenizer.model"
     if cfg.data.tokenizer == "sentencepiece" and not model_file.is_file():
         SentencePieceTokenizer.train(train_texts, model_file, cfg.data.spm_vocab_size, cfg.data.spm_model_type)
