@@ -111,10 +111,17 @@ def laid_out(batch: dict, objective: str, layout: str) -> dict:
     return out
 
 
-def loss_chunk(cfg: TrainConfig, B: int, T: int, V: int, shards: tuple[int, int] = (1, 1)) -> int | None:
+def loss_chunk(
+    cfg: TrainConfig, B: int, T: int, V: int, shards: tuple[int, int] = (1, 1), length_ways: int = 1
+) -> int | None:
     """Positions per chunk of the chunked loss for a [B, T] (micro-)batch and V classes, split
-    `shards` = (batch, vocabulary) ways over the devices (`train.loss_chunk`, `train.max_logits_mib`
-    count what one device holds); None: the plain loss. Chunks are made equal, so the last pads little.
+    `shards` = (batch, vocabulary) ways over the devices and T `length_ways` ways (`mesh.context`);
+    `train.loss_chunk`, `train.max_logits_mib` count what one device holds. None: the plain loss.
+    Chunks are made equal, so the last pads little.
+
+    The plain loss's logits are split like the hidden states, T / length_ways positions a device, so
+    "auto" keeps it when those fit. A chunk is not split over the length: the scan over chunks
+    gathers the positions of each (every device computes every chunk), so its positions count whole.
 
     Args:
         cfg: the train section (loss_chunk, max_logits_mib).
@@ -122,13 +129,14 @@ def loss_chunk(cfg: TrainConfig, B: int, T: int, V: int, shards: tuple[int, int]
         T: positions.
         V: classes.
         shards: (batch, vocabulary) ways the logits are split.
+        length_ways: ways the positions are split (the context axis).
 
     Returns:
         Positions per chunk, or None.
     """
     rows, columns = -(-B // shards[0]), -(-V // shards[1])  # one device's rows and vocabulary columns
     if cfg.loss_chunk == "auto":
-        if cfg.max_logits_mib * 2**20 >= rows * T * columns * 4:
+        if cfg.max_logits_mib * 2**20 >= rows * -(-T // length_ways) * columns * 4:  # the plain loss's logits
             return None
         per_chunk = int(cfg.max_logits_mib * 2**20 // (rows * columns * 4))  # positions whose float32 logits fit
     elif cfg.loss_chunk == 0:
@@ -171,8 +179,9 @@ def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Ar
             batch = laid_out(batch, cfg.objective, model.cfg.context_layout)
             h_BTD = hidden_states(model, cfg.objective, batch, dropout_rng)
             labels_BT = batch["targets"]
-            shards = sharding.shard_counts(("batch", "vocab"))  # the logits' rows and columns one device holds
-            chunk = loss_chunk(cfg, *labels_BT.shape, model.cfg.vocab_size, shards)
+            # the logits' rows, positions and columns one device holds
+            rows, positions, columns = sharding.shard_counts(("batch", "length", "vocab"))
+            chunk = loss_chunk(cfg, *labels_BT.shape, model.cfg.vocab_size, (rows, columns), positions)
             sums = F.chunked_cross_entropy(h_BTD, model.head, labels_BT, batch["weights"], chunk=chunk, **smoothing)
     per_layer, layers = moe.totals(reports)
     if layers:  # a micro-batch's MoE losses weigh as many tokens as it counts: accumulation stays a token mean
