@@ -240,6 +240,29 @@ def decoding_errors(mode: str, data: int) -> dict:
     }
 
 
+def chunked_loss_gathers() -> dict:
+    """All-gathers in the compiled loss and gradient of `chunked_cross_entropy` over a length split 4
+    ways, with chunks cut from the whole length (blocks=1) or from each device's block (blocks=4)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxformer import functional as F
+
+    mesh = jax.make_mesh((4,), ("context",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+    split = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "context")))
+    B, T, D, V = 2, 64, 8, 32
+    h, labels, weights = split(jnp.ones((B, T, D))), split(jnp.ones((B, T), jnp.int32)), split(jnp.ones((B, T)))
+
+    def gathers(blocks: int) -> int:
+        loss = lambda h, w: F.chunked_cross_entropy(h, lambda x: x @ w, labels, weights, chunk=16, blocks=blocks)
+        step = jax.jit(jax.grad(lambda h, w: loss(h, w)["loss"], argnums=(0, 1)))
+        return step.lower(h, jnp.ones((D, V))).compile().as_text().count("all-gather(")
+
+    return {blocks: gathers(blocks) for blocks in (1, 4)}
+
+
 def run_cases() -> dict:
     import jax
     import jax.numpy as jnp
@@ -248,6 +271,7 @@ def run_cases() -> dict:
 
     out = {name: case_errors(i, *case) for i, (name, *case) in enumerate(CASES)}
     out |= {f"zigzag {mode}": zigzag_training_errors(mode) for mode in ("decoder_only", "encoder_decoder")}
+    out["chunked loss gathers"] = chunked_loss_gathers()
     for mode, data in (("decoder_only", 2), ("encoder_decoder", 1)):
         out[f"decode {mode}"] = decoding_errors(mode, data)
     mesh = jax.make_mesh((4,), ("context",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
@@ -298,6 +322,13 @@ def test_decoding_over_a_cache_split_by_position_equals_one_device(errors, mode)
     assert r["logits"] <= 1e-5 and r["tokens_equal"], r
     assert all(spec.endswith("'context')") for spec in r["specs"].values()), r["specs"]
     assert set(r["moved"]) == {"all-reduce"} and r["moved"]["all-reduce"] <= r["output_bytes"], r
+
+
+def test_the_chunked_loss_over_a_split_length_gathers_nothing(errors):
+    """Chunks cut from each device's block of positions stay split as the hidden states are; chunks of
+    the whole length gather each chunk's positions onto every device (and each computes every chunk).
+    Their values agree: tests/test_functional.py; a training step: tests/test_sharding.py."""
+    assert errors["chunked loss gathers"] == {"1": 1, "4": 0}, errors["chunked loss gathers"]
 
 
 def test_a_sequence_the_context_axis_does_not_divide_is_refused(errors):
