@@ -956,6 +956,12 @@ class Config:
                 "context parallelism takes no relative position bias (model.position='relative', T5)")  # fmt: skip
         require(model.attention_dropout_rate == 0, "mesh.context",
                 "context parallelism applies no attention dropout: set model.attention_dropout_rate to 0")  # fmt: skip
+        # Inside the ring each visiting block is attended densely (scores [B, H, T/n, S/n] a step): the
+        # backward needs each block's log-sum-exp with its gradient, which jax.nn's fused kernels do
+        # not give. Asking for one by name would be silently ignored: refuse it; "auto" means dense.
+        require(model.attention_impl not in ("cudnn", "splash"), "model.attention_impl",
+                f"{model.attention_impl!r}: a fused kernel is not used inside the ring (mesh.context="
+                f"{m.context}): each block is attended densely; use 'auto' or 'naive'")  # fmt: skip
         for field, length in (("data.max_len", d.max_len), ("data.src_max_len", d.src_len)):
             require(length % m.context == 0, field, f"{length} is not divisible by mesh.context={m.context}")
         if model.context_layout == "zigzag":

@@ -944,6 +944,7 @@ def chunked_cross_entropy(
     weights_BT: Array,
     *,
     chunk: int | None,
+    blocks: int = 1,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
 ) -> dict[str, Array]:
@@ -953,7 +954,11 @@ def chunked_cross_entropy(
     `head` maps hidden states [B, t, D] to logits [B, t, V] for any t (the model's output layer, whole:
     tied or untied, bias, a masked-LM transform); `chunk` None (or >= T) is the plain loss, one call.
     Chunks cut the length axis and keep the batch axis whole, so each chunk is sharded over the batch
-    (and the vocabulary) as the whole would be. T is padded to a multiple of `chunk` with weight 0.
+    (and the vocabulary) as the whole would be. A length split over devices (the context axis) in
+    `blocks` equal blocks is cut block by block: each chunk takes chunk / blocks positions of every
+    block, so it stays split as the hidden states are (chunks of the whole length would each gather
+    their positions onto every device, and every device would compute every chunk). Each block is
+    padded to a multiple of chunk / blocks with weight 0.
 
     The chunk body runs under `jax.checkpoint` inside `lax.scan`: the forward keeps only the running
     sums, and the backward recomputes each chunk's logits before taking their gradient (dW adds up in
@@ -968,20 +973,32 @@ def chunked_cross_entropy(
         head: hidden states [B, t, D] -> logits [B, t, V].
         labels_BT: [B, T] int labels.
         weights_BT: [B, T] weights (0 = ignore).
-        chunk: positions per chunk, or None for one call.
+        chunk: positions per chunk, or None for one call; a multiple of `blocks`.
+        blocks: the equal blocks the length axis is split in over devices (T and chunk divisible by it).
         label_smoothing: as in `cross_entropy`.
         z_loss: as in `cross_entropy`.
 
     Returns:
         The sums of `cross_entropy_sums`: "loss", "nll", "correct", "weight".
+
+    Raises:
+        ValueError: T or `chunk` is not divisible by `blocks`.
     """
     sums = functools.partial(cross_entropy_sums, label_smoothing=label_smoothing, z_loss=z_loss)
     B, T = labels_BT.shape
     if chunk is None or chunk >= T:
         return sums(head(h_BTD), labels_BT, weights_BT)
-    n = -(-T // chunk)  # chunks; the last one padded with weight 0
-    pad = lambda x: jnp.pad(x, [(0, 0), (0, n * chunk - T)] + [(0, 0)] * (x.ndim - 2))
-    split = lambda x: jnp.moveaxis(pad(x).reshape(B, n, chunk, *x.shape[2:]), 1, 0)  # [n, B, chunk, ...]
+    if T % blocks or chunk % blocks:
+        raise ValueError(f"length {T} and chunk {chunk} must be divisible by the blocks ({blocks})")
+    Tb, c = T // blocks, chunk // blocks  # positions of a block; of a block in a chunk
+    n = -(-Tb // c)  # chunks; each block's last part padded with weight 0
+
+    def split(x):  # [B, T, ...] -> [n, B, chunk, ...]: chunk i holds positions i*c..(i+1)*c-1 of every block
+        x = x.reshape(B, blocks, Tb, *x.shape[2:])
+        x = jnp.pad(x, [(0, 0), (0, 0), (0, n * c - Tb)] + [(0, 0)] * (x.ndim - 3))
+        x = jnp.moveaxis(x.reshape(B, blocks, n, c, *x.shape[3:]), 2, 0)  # [n, B, blocks, c, ...]
+        return x.reshape(n, B, chunk, *x.shape[4:])
+
     xs = (split(h_BTD), split(labels_BT), split(weights_BT.astype(jnp.float32)))  # [n, B, c, D], [n, B, c] x 2
 
     @functools.partial(jax.checkpoint, prevent_cse=False)  # inside scan, CSE cannot undo the recomputation

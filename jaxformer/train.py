@@ -111,32 +111,39 @@ def laid_out(batch: dict, objective: str, layout: str) -> dict:
     return out
 
 
-def loss_chunk(cfg: TrainConfig, B: int, T: int, V: int, shards: tuple[int, int] = (1, 1)) -> int | None:
+def loss_chunk(
+    cfg: TrainConfig, B: int, T: int, V: int, shards: tuple[int, int] = (1, 1), length_ways: int = 1
+) -> int | None:
     """Positions per chunk of the chunked loss for a [B, T] (micro-)batch and V classes, split
-    `shards` = (batch, vocabulary) ways over the devices (`train.loss_chunk`, `train.max_logits_mib`
-    count what one device holds); None: the plain loss. Chunks are made equal, so the last pads little.
+    `shards` = (batch, vocabulary) ways over the devices and T `length_ways` ways (`mesh.context`);
+    `train.loss_chunk`, `train.max_logits_mib` count what one device holds. None: the plain loss.
+    Chunks are made equal, so the last pads little; over a split length a chunk takes as many
+    positions of each device's block (`functional.chunked_cross_entropy`'s `blocks`), so the
+    chunk is a multiple of `length_ways`.
 
     Args:
         cfg: the train section (loss_chunk, max_logits_mib).
         B: batch rows.
-        T: positions.
+        T: positions (divisible by `length_ways`).
         V: classes.
         shards: (batch, vocabulary) ways the logits are split.
+        length_ways: ways the positions are split (the context axis).
 
     Returns:
         Positions per chunk, or None.
     """
-    rows, columns = -(-B // shards[0]), -(-V // shards[1])  # one device's rows and vocabulary columns
+    # one device's rows, positions and vocabulary columns
+    rows, positions, columns = -(-B // shards[0]), T // length_ways, -(-V // shards[1])
     if cfg.loss_chunk == "auto":
-        if cfg.max_logits_mib * 2**20 >= rows * T * columns * 4:
+        if cfg.max_logits_mib * 2**20 >= rows * positions * columns * 4:
             return None
         per_chunk = int(cfg.max_logits_mib * 2**20 // (rows * columns * 4))  # positions whose float32 logits fit
     elif cfg.loss_chunk == 0:
         return None
     else:
         per_chunk = cfg.loss_chunk // rows
-    n = -(-T // max(per_chunk, 1))
-    return None if n == 1 else -(-T // n)
+    n = -(-positions // max(per_chunk, 1))
+    return None if n == 1 else -(-positions // n) * length_ways
 
 
 def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Array | None) -> tuple[Array, dict]:
@@ -171,9 +178,13 @@ def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Ar
             batch = laid_out(batch, cfg.objective, model.cfg.context_layout)
             h_BTD = hidden_states(model, cfg.objective, batch, dropout_rng)
             labels_BT = batch["targets"]
-            shards = sharding.shard_counts(("batch", "vocab"))  # the logits' rows and columns one device holds
-            chunk = loss_chunk(cfg, *labels_BT.shape, model.cfg.vocab_size, shards)
-            sums = F.chunked_cross_entropy(h_BTD, model.head, labels_BT, batch["weights"], chunk=chunk, **smoothing)
+            # the ways the logits' rows, positions and columns are split over the devices
+            rows, blocks, columns = sharding.shard_counts(("batch", "length", "vocab"))
+            blocks = blocks if labels_BT.shape[1] % blocks == 0 else 1  # (a length the axis does not divide is whole)
+            chunk = loss_chunk(cfg, *labels_BT.shape, model.cfg.vocab_size, (rows, columns), blocks)
+            sums = F.chunked_cross_entropy(
+                h_BTD, model.head, labels_BT, batch["weights"], chunk=chunk, blocks=blocks, **smoothing
+            )
     per_layer, layers = moe.totals(reports)
     if layers:  # a micro-batch's MoE losses weigh as many tokens as it counts: accumulation stays a token mean
         aux = jax.tree.map(lambda a: a.sum(0), per_layer)  # summed over the MoE layers

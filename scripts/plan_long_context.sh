@@ -14,7 +14,7 @@ MESHES=(
   "context8|--set mesh.data=1 --set mesh.fsdp=1 --set mesh.context=8 --set train.batch_size=1"
 )
 LOSSES=("plain|--set train.loss_chunk=0" "chunked|--set train.loss_chunk=auto")
-EXTRA=${EXTRA:-}  # more overrides for every line (the offload rows: EXTRA="--set model.remat=offload ...")
+EXTRA=${EXTRA:-}  # more overrides for every line (offload: EXTRA="--set model.remat=offload_inputs --set train.offload_optimizer=true")
 TAG=${TAG:-}
 LENGTHS=("$@")
 [ $# -gt 0 ] || LENGTHS=(8192 32768 131072)

@@ -26,7 +26,8 @@ STRATEGIES = {  # (data, fsdp, tensor[, context[, train.loss_chunk]])
     "fsdp4_tp2": (1, 4, 2),
     "fsdp4_tp2_chunked": (1, 4, 2, 1, 4),  # the loss in chunks of 4 tokens a device (its 2 rows x 2 positions)
     "dp2_cp4": (2, 1, 1, 4),  # each row's 8 positions split 4 ways, ring attention
-    "fsdp2_cp4_chunked": (1, 2, 1, 4, 8),  # the loss in chunks of 2 positions (a device's 4 rows) of a split length
+    # the loss in chunks of 4 tokens a device (its 4 rows x 1 of its 2 positions): 2 chunks of a split length
+    "fsdp2_cp4_chunked": (1, 2, 1, 4, 4),
 }
 # decoding under a mesh: batch over 8 devices; FSDP with tensor parallelism; caches split by position
 GENERATE = ("dp8", "fsdp4_tp2", "dp2_cp4")

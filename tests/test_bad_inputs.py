@@ -167,6 +167,10 @@ CLI_CASES = [
     cli_case(TRAIN + "mesh.context=0", r"mesh\.context: must be positive, got 0"),
     cli_case(TRAIN + "mesh.context=3", r"data\.max_len: 10 is not divisible by mesh\.context=3"),
     cli_case(TRAIN + "model.context_attention=stripes", r"model\.context_attention: 'stripes' is not one of the"),
+    cli_case(
+        TRAIN + "mesh.context=2 --set model.attention_impl=splash",
+        r"model\.attention_impl: 'splash': a fused kernel is not used inside the ring \(mesh\.context=2\)",
+    ),
     cli_case(TRAIN + "model.moe.num_experts=-1", r"model\.moe\.num_experts: must be >= 0 \(0 = dense\), got -1"),
     cli_case(TRAIN + "model.moe.expert_capacity=-2", r"model\.moe\.expert_capacity: must be >= 0, got -2"),
     cli_case(

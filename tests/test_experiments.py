@@ -1,7 +1,14 @@
-"""End to end through the command line: the copy task is learnt, and eval reproduces train's figures."""
+"""End to end through the command line: the copy task is learnt, eval reproduces train's figures, and
+eval and translate with the sequence split over a context axis reproduce one device's."""
 
+import contextlib
+import io
+import os
 import pathlib
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -14,15 +21,18 @@ def figures(text: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def copy_run(tmp_path_factory):
+def copy_run(tmp_path_factory) -> tuple[pathlib.Path, dict[str, float]]:
+    """The copy task trained once for the module: its workdir and the held-out figures train printed."""
     workdir = tmp_path_factory.mktemp("copy")
-    return workdir
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["train", "--config", "experiments/copy_task.py", "--workdir", str(workdir)]) == 0
+    return workdir, figures(out.getvalue())
 
 
 def test_copy_task_is_learnt_and_eval_agrees(copy_run, capsys):
     """Acceptance: greedy decoding copies >= 99% of held-out sequences exactly (Annotated Transformer task)."""
-    assert cli.main(["train", "--config", "experiments/copy_task.py", "--workdir", str(copy_run)]) == 0
-    trained = figures(capsys.readouterr().out)
+    copy_run, trained = copy_run
     assert trained["sequence accuracy"] >= 99, trained
     assert (copy_run / "config.json").is_file() and (copy_run / "metrics.jsonl").is_file()
     assert any((copy_run / "tensorboard").iterdir())
@@ -30,6 +40,45 @@ def test_copy_task_is_learnt_and_eval_agrees(copy_run, capsys):
     evaluated = figures(capsys.readouterr().out)
     assert evaluated["sequence accuracy"] == trained["sequence accuracy"]
     assert evaluated["loss"] == pytest.approx(trained["loss"], rel=1e-6)
+
+
+SOURCES = ["2 3 4 5 6", "7 8 9 3 2 4 5 6 7"]
+ON_A_CONTEXT_AXIS = """
+import json, pathlib, sys
+import jax
+from jaxformer import cli
+w = pathlib.Path(sys.argv[1])
+print(jax.device_count(), "devices")
+assert cli.main(["eval", "--workdir", str(w), "--set", "mesh.context=2"]) == 0
+saved = json.loads((w / "config.json").read_text())  # translate takes the workdir's mesh (--set: decode only)
+(w / "config.json").write_text(json.dumps(saved | {"mesh": saved["mesh"] | {"context": 2}}))
+args = [a for src in sys.argv[2:] for a in ("--src", src)]
+assert cli.main(["translate", "--workdir", str(w), *args]) == 0
+"""
+
+
+def test_eval_and_translate_over_a_context_axis_equal_one_device(copy_run, tmp_path, capsys):
+    """`eval --set mesh.context=2` and `translate` from a workdir whose config has mesh.context=2, on 2
+    devices (the CLI's own mesh: sequences and the KV cache split by position, ring attention): the
+    held-out figures train printed, and one device's translations."""
+    workdir, trained = copy_run
+    assert cli.main(["translate", "--workdir", str(workdir), *(a for s in SOURCES for a in ("--src", s))]) == 0
+    one_device = capsys.readouterr().out
+    split = tmp_path / "copy"
+    shutil.copytree(workdir, split)  # eval saves its report in the workdir; translate reads its config
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-c", ON_A_CONTEXT_AXIS, str(split), *SOURCES],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.startswith("2 devices")
+    evaluated = figures(proc.stdout)
+    assert evaluated["sequence accuracy"] == trained["sequence accuracy"]
+    assert evaluated["loss"] == pytest.approx(trained["loss"], rel=1e-5)
+    translations = proc.stdout[proc.stdout.index(SOURCES[0] + "\n=>") :]
+    assert translations.strip() == one_device.strip() != ""
 
 
 @pytest.mark.parametrize(

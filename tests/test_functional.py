@@ -463,7 +463,7 @@ def test_chunked_cross_entropy_equals_the_plain_loss_value_and_gradient():
     """Chunks of 3 of T = 7 positions (the last padded with weight 0): the sums and the gradients of
     the hidden states and of the head's weights equal those of the loss on the whole logits; with
     label smoothing, z-loss, zero weights, tied (scaled) and untied (biased) heads; bfloat16 to its
-    precision."""
+    precision; a length split in 2 blocks, chunks taking positions of each."""
     B, T, D, V = 2, 7, 5, 13
     keys = jax.random.split(jax.random.key(0), 4)
     h = jax.random.normal(keys[0], (B, T, D))
@@ -478,20 +478,27 @@ def test_chunked_cross_entropy_equals_the_plain_loss_value_and_gradient():
     smooth = {"label_smoothing": 0.1, "z_loss": 1e-3}
 
     def plain(p, h, head):  # the loss on the whole logits, written out as the step wrote it before chunking
+        labels_, weights_ = labels[:, : h.shape[1]], weights[:, : h.shape[1]]
         logits = head(p, h)
-        loss, w = F.cross_entropy(logits, labels, weights, **smooth)
-        nll, _ = F.cross_entropy(logits, labels, weights)
-        correct = (F.top1_correct(logits.astype(jnp.float32), labels) * w).sum()
+        loss, w = F.cross_entropy(logits, labels_, weights_, **smooth)
+        nll, _ = F.cross_entropy(logits, labels_, weights_)
+        correct = (F.top1_correct(logits.astype(jnp.float32), labels_) * w).sum()
         return loss.sum(), {"loss": loss.sum(), "nll": nll.sum(), "correct": correct, "count": w.sum()}
 
-    def chunked(p, h, head, chunk):
-        sums = F.chunked_cross_entropy(h, functools.partial(head, p), labels, weights, chunk=chunk, **smooth)
+    def chunked(p, h, head, chunk, blocks=1):
+        labels_, weights_ = labels[:, : h.shape[1]], weights[:, : h.shape[1]]
+        head_p = functools.partial(head, p)
+        sums = F.chunked_cross_entropy(h, head_p, labels_, weights_, chunk=chunk, blocks=blocks, **smooth)
         return sums["loss"], sums
 
     @jax.jit
     def everything(params, h):
-        grad = lambda f, *a: jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(params, h, *a)
-        return {name: (grad(plain, head), grad(chunked, head, 3)) for name, head in heads.items()}
+        grad = lambda f, *a, h=h: jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(params, h, *a)
+        out = {name: (grad(plain, head), grad(chunked, head, 3)) for name, head in heads.items()}
+        # a length split in 2 blocks (a context axis): chunks of 2 + 2 positions, each block's 3 padded to 4
+        head = heads["untied + bias"]
+        out["2 blocks"] = (grad(plain, head, h=h[:, :6]), grad(chunked, head, 4, 2, h=h[:, :6]))
+        return out
 
     for name, (((_, want), want_grads), ((_, got), got_grads)) in everything(params, h).items():
         tol = 1e-2 if name == "bfloat16" else 1e-6
@@ -499,7 +506,8 @@ def test_chunked_cross_entropy_equals_the_plain_loss_value_and_gradient():
             np.testing.assert_allclose(got[k], want[k], rtol=tol, err_msg=f"{name}: {k}")
         for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
             np.testing.assert_allclose(g, w, rtol=tol, atol=tol * np.abs(w).max(), err_msg=name)
-        assert float(want["count"]) == float(weights.sum()) and float(want["loss"]) > float(want["nll"]) > 0
+        count = weights[:, :6].sum() if name == "2 blocks" else weights.sum()
+        assert float(want["count"]) == float(count) and float(want["loss"]) > float(want["nll"]) > 0
 
 
 def test_chunked_cross_entropy_compiles_to_a_fraction_of_the_plain_loss_memory():

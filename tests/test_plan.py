@@ -1,6 +1,7 @@
 """`jaxformer plan` against the real thing: on an 8-device CPU mesh, its per-device bytes equal those
 of the arrays training creates and of the step it compiles, and its largest batch is the edge of fit;
-the search for that edge against memory curves that bend as a TPU compiler's do; the plan cache."""
+the search for that edge against memory curves that bend as a TPU compiler's do; the plan cache; a
+context axis cutting the planned activations."""
 
 import json
 import math
@@ -62,6 +63,29 @@ def test_plan_equals_the_arrays_and_step_of_real_training_on_8_devices():
     assert r["planned"] == r["real"]  # parameters, optimizer state, compiled arguments and temporaries
     assert r["largest"] > 16 and r["largest"] % 8 == 0
     assert r["fits_at_largest"] and not r["fits_past_it"] and r["refused"] == r["largest"] + 8
+
+
+CONTEXT_WORKER = """
+import json, sys
+from jaxformer.config import apply_overrides, load_experiment
+from jaxformer.plan import plan
+base = apply_overrides(load_experiment("experiments/lm_shakespeare.py"), sys.argv[1:])
+planned = {name: plan(apply_overrides(base, mesh), largest=False) for name, mesh in
+           {"rows": ["mesh.data=8"], "context": ["mesh.data=1", "mesh.context=8"]}.items()}
+print(json.dumps({name: [p.activations, p.mesh] for name, p in planned.items()}))
+"""
+
+
+def test_a_context_axis_cuts_the_planned_activations_of_long_rows():
+    """8 rows of 256 tokens on 8 devices, a row a device (data=8) or each row split 8 ways (context=8):
+    a device holds as many tokens either way, but its attention scores fall from a row's [H, T, T] to
+    the ring's [rows, H, T/8, T/8] blocks, so the plan's activations a device fall."""
+    long_rows = ["model.max_len=256", "data.max_len=256", "train.batch_size=8"]  # after SMALL's: they win
+    out = run_on_8_devices("-c", CONTEXT_WORKER, *SMALL, *long_rows)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.splitlines()[-1])
+    assert r["rows"][1] == {"data": 8, "fsdp": 1, "tensor": 1} and r["context"][1]["context"] == 8
+    assert 0 < r["context"][0] < 0.75 * r["rows"][0], r
 
 
 def test_plan_command_prints_json_and_says_what_does_not_fit(tmp_path):

@@ -178,29 +178,43 @@ def test_a_moe_plan_counts_the_collectives_of_expert_parallelism(capfd):
 
 
 def test_host_offload_moves_bytes_off_the_device(target):
-    """remat "offload_inputs" and train.offload_optimizer, compiled by the TPU compiler: each layer's
-    input (rows x T x D in bfloat16) waits in host memory, and Adam's two moments are host arguments:
-    the device's arguments are the parameters and the batch alone. (The guide gives the figures beside
-    a step without offload: the device's temporaries fall by most of the layer inputs with
-    "offload_inputs" alone. On CPU nothing moves: tests/test_train.py checks the values.)"""
+    """remat "offload_inputs" and train.offload_optimizer, compiled by the TPU compiler beside the same
+    step without offload (remat "full"): each layer's input (rows x T x D in bfloat16) waits in host
+    memory, Adam's two moments become host arguments, the device's arguments fall by the moments to
+    the parameters and the batch, and the compiler's estimate of the device's peak falls. Without
+    offload nothing is on the host.
+
+    Not asserted: the device's temporaries. At this shape they rise with offload (4.5 -> 5.2 MB with
+    "offload_inputs" alone: the transfers' buffers outweigh 0.5 MB of layer inputs; "offload_dots"
+    against "dots_saveable" likewise, 4.6 -> 7.0 MB), where the guide's larger step shows them fall.
+    (On CPU nothing moves: tests/test_train.py checks the values.)"""
     from jaxformer.plan import Compiled, abstract_batch
     from jaxformer.state import state_shardings
     from jaxformer.train import make_steps
 
     base = tiny_tpu("decoder_only", data=4)  # 2 rows a chip
     L, D = 4, base.model.d_model
-    model = base.model.replace(d_ff=4 * D, num_decoder_layers=L, scan_layers=True, remat="offload_inputs")
-    cfg = dataclasses.replace(base, model=model, train=dataclasses.replace(base.train, offload_optimizer=True))
-    mesh = sharding.make_mesh(cfg.mesh, target.devices())
-    with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
-        graphdef, create, optimizer = state_factory(cfg)
-        abstract = jax.eval_shape(create)
-        shardings = state_shardings(cfg, abstract, mesh)
-        step = jax.jit(make_steps(graphdef, cfg, optimizer)[0], out_shardings=(shardings, None), donate_argnums=0)
-        offloaded = Compiled.of(step.lower(with_shardings(abstract, shardings), abstract_batch(cfg, 8, mesh)))
+    mesh = sharding.make_mesh(base.mesh, target.devices())
+
+    def compiled(remat: str, offload_optimizer: bool):
+        model = base.model.replace(d_ff=4 * D, num_decoder_layers=L, scan_layers=True, remat=remat)
+        train = dataclasses.replace(base.train, offload_optimizer=offload_optimizer)
+        cfg = dataclasses.replace(base, model=model, train=train)
+        with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
+            graphdef, create, optimizer = state_factory(cfg)
+            abstract = jax.eval_shape(create)
+            shardings = state_shardings(cfg, abstract, mesh)
+            step = jax.jit(make_steps(graphdef, cfg, optimizer)[0], out_shardings=(shardings, None), donate_argnums=0)
+            lowered = step.lower(with_shardings(abstract, shardings), abstract_batch(cfg, 8, mesh))
+        return Compiled.of(lowered), abstract
+
+    (plain, abstract), (offloaded, _) = compiled("full", False), compiled("offload_inputs", True)
     size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     params, moments, batch = size(abstract.params), size(abstract.opt_state), 2 * T * 4 * 3  # data=4: all whole
     layer_inputs = L * 2 * T * D * 2  # bfloat16
+    assert plain.host_arguments == plain.host_temporaries == 0
     assert layer_inputs <= offloaded.host_temporaries <= 2 * layer_inputs  # (the compiler may double-buffer)
     assert moments <= offloaded.host_arguments <= moments + 4096
+    assert moments <= plain.arguments - offloaded.arguments <= moments + 4096
     assert params <= offloaded.arguments <= params + batch + 4096  # no moments on the device between steps
+    assert 0 < offloaded.compiler_peak < plain.compiler_peak

@@ -246,6 +246,12 @@ def test_loss_chunk_sizes_and_validation():
     auto = C.TrainConfig()
     assert loss_chunk(auto, 8, 128, 8000) is None  # 31 MiB of logits: the plain loss
     assert loss_chunk(auto, 64, 1024, 50257, shards=(64, 1)) is None  # 196 MiB a device over 64 batch shards
+    # one 8k row of GPT-2's 50304 classes: 1.65 GB of logits whole, 0.21 GB a device over a context axis
+    # of 8 (the plain loss, as the long-context guide's plan says); over 4, 0.41 GB: chunks of 1024
+    # positions a device (2 chunks), 4 x 1024 of the split length
+    assert loss_chunk(auto, 1, 8192, 50304, length_ways=8) is None
+    assert loss_chunk(auto, 1, 8192, 50304) == 1171 and loss_chunk(auto, 1, 8192, 50304, length_ways=4) == 4 * 1024
+    assert loss_chunk(C.TrainConfig(loss_chunk=8), 8, 16, 50, shards=(2, 1), length_ways=4) == 8  # 2 a device
     for B, T, V, (rows, cols) in (
         (8, 1024, 50257, (1, 1)),
         (1, 32768, 128256, (1, 1)),
