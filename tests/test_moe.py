@@ -152,6 +152,43 @@ def test_dropless_and_capacity_dispatch_equal_a_naive_loop(activation="swiglu"):
                                rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
+@pytest.mark.parametrize("activation", ["relu", "swiglu"])
+def test_experts_with_the_dense_ffns_weights_equal_the_dense_ffn(activation):
+    """Every expert a copy of one dense `FeedForward` (biases too): the layer's output is g(x) * FFN(x),
+    g the sum of the token's combine weights. Mixtral's router (softmax over the top k) makes g = 1, so
+    the MoE layer equals the dense FFN, for top-1 and top-2. Switch's (top k of the full softmax, kept as
+    they are) makes g = the chosen experts' probabilities, which sum to less than 1 (unless k = E): the
+    layer equals the dense FFN scaled by them, with g read off a NumPy softmax of the router logits.
+    Both dispatches: dropless, and capacity with room for every pair (P = T * k)."""
+    from jaxformer.layers import FeedForward
+
+    E, B, T = 4, 2, 6
+    base = C.tiny("decoder_only", activation=activation, use_bias=True)
+    dense = FeedForward(base, rngs=nnx.Rngs(0))
+    for name in ("wi_bias", "wi_gate_bias", "wo_bias"):  # non-zero biases: they are copied too
+        if hasattr(dense, name):
+            b = getattr(dense, name)
+            b[...] = jax.random.normal(jax.random.key(len(name)), b.shape)
+    x_BTD = jax.random.normal(jax.random.key(1), (B, T, base.d_model))
+    want = np.asarray(dense(x_BTD))
+    for router in ("topk_softmax", "softmax_topk"):
+        for k in (1, 2):
+            for factor in (0.0, float(E)):  # dropless; capacity ceil(E * T * k / E) = T * k slots
+                cfg = base.replace(moe=C.MoEConfig(num_experts=E, experts_per_token=k, router=router,
+                                                   capacity_factor=factor))  # fmt: skip
+                layer = moe.MoEFeedForward(cfg, rngs=nnx.Rngs(2))
+                for name in ("wi", "wi_gate", "wo", "wi_bias", "wi_gate_bias", "wo_bias"):
+                    if hasattr(dense, name):
+                        kernel = getattr(dense, name)[...]
+                        getattr(layer, name)[...] = jnp.broadcast_to(kernel, (E, *kernel.shape))
+                got, aux = layer(x_BTD)
+                assert float(aux["dropped"]) == 0 and float(aux["assigned"]) == B * T * k
+                probs = np_softmax(np.einsum("BTD,DE->BTE", x_BTD, layer.router[...]).astype(np.float64))
+                g = 1.0 if router == "topk_softmax" else np.sort(probs, -1)[..., -k:].sum(-1, keepdims=True)
+                assert router == "topk_softmax" or (g < 1 - 1e-3).all()  # Switch's gates do not sum to 1 here
+                np.testing.assert_allclose(got, g * want, rtol=0, atol=1e-6, err_msg=f"{router} k={k} {factor=}")
+
+
 def test_dropped_tokens_pass_through_the_residual_and_padding_takes_no_slot():
     cfg = C.tiny("decoder_only", norm_position="pre", moe=C.MoEConfig(num_experts=2, experts_per_token=1,
                  capacity_factor=0.25, router_noise=0.1))  # fmt: skip
