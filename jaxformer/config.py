@@ -975,6 +975,11 @@ class Config:
             f"{', '.join(map(repr, ffn))}: LoRA on feed-forward kernels is not supported with model.moe "
             "(the experts' kernels are stacked [E, ...]); adapt the attention projections (q, k, v, o)",
         )
+        require(
+            not (lora.base == "int8" and model.moe.enabled),
+            "lora.base",
+            "'int8' cannot store the MoE layers' expert kernels (model.moe): use lora.base='compute'",
+        )
         for name in lora.targets:
             if name == "wi_gate" and model.activation not in ("swiglu", "geglu"):
                 require(False, "lora.targets", f"'wi_gate' exists only for gated activations, not {model.activation!r}")

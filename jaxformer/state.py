@@ -128,6 +128,7 @@ def init_state(cfg: Config, mesh: jax.sharding.Mesh | None = None):
 def state_shardings(cfg: Config, abstract_state: TrainState, mesh: jax.sharding.Mesh) -> TrainState:
     """The NamedShardings of `cfg`'s state on `mesh` (`sharding.state_shardings`), the optimizer state's
     in host memory with `train.offload_optimizer`."""
+    sharding.check_experts(mesh, cfg.mesh, cfg.model.moe.num_experts)
     shardings = sharding.state_shardings(abstract_state, mesh)
     if not cfg.train.offload_optimizer:
         return shardings
