@@ -308,13 +308,20 @@ class ModelConfig:
             f"{p}.num_classes",
             "a classification head needs mode='encoder_only'",
         )
-        moe = self.moe
-        require(
-            not (moe.enabled and self.scan_layers and moe.every > 1),
-            f"{p}.moe.every",
-            f"every={moe.every} with scan_layers=True: a scan repeats one layer, and MoE every {moe.every}-th layer "
-            "makes two kinds; set model.moe.every=1 or model.scan_layers=False",
-        )
+        if self.scan_layers and self.scan_block > 1:  # scanned in blocks of `every` layers: whole blocks only
+            for name in ("num_encoder_layers", "num_decoder_layers"):
+                require(
+                    getattr(self, name) % self.scan_block == 0,
+                    f"{p}.moe.every",
+                    f"every={self.moe.every} with scan_layers=True scans blocks of {self.moe.every} layers: "
+                    f"{p}.{name}={getattr(self, name)} is not a multiple; set scan_layers=False",
+                )
+
+    @property
+    def scan_block(self) -> int:
+        """Layers per block of a scanned stack: `moe.every` when MoE takes every N-th layer (N - 1 dense
+        layers, then the MoE one, scanned as one body), else 1 (every layer alike)."""
+        return self.moe.every if self.moe.enabled else 1
 
     @property
     def kv_heads(self) -> int:

@@ -197,10 +197,11 @@ def add_adapters(model: nnx.Module, cfg: LoRAConfig) -> nnx.Module:
             if name in kernels and hasattr(module, name):
                 kernel = getattr(module, name)
                 scanned = kernel.ndim > kernels[name][0]  # a leading layers axis
-                at = path.index("layers") + 1 if scanned else 0
-                places = (
-                    [(*path[:at], i, *path[at:], name) for i in range(kernel.shape[0])] if scanned else [(*path, name)]
-                )
+                places = [(*path, name)]
+                if scanned:  # keyed as unrolled layer i: (..., "layers", [j,] *rest), blocks of N, holds i = b * N + j
+                    at, N = path.index("layers") + 1, model.cfg.scan_block
+                    j, rest = (0, path[at:]) if N == 1 else (path[at], path[at + 1 :])
+                    places = [(*path[:at], b * N + j, *rest, name) for b in range(kernel.shape[0])]
                 keys = jnp.stack([jax.random.fold_in(root, hash_path(p)) for p in places])
                 setattr(module, f"{name}_lora", Adapter(kernel, *kernels[name], cfg, keys))
     return model

@@ -92,13 +92,28 @@ def test_imported_models_give_transformers_logits(imported):
     got = logits_of(dropping, ref)
     np.testing.assert_allclose(got, ref["logits_dropping"], atol=1e-5, rtol=0)
     assert np.abs(got - ref["logits"]).max() > 0.1  # the drops matter: a case that compares something
+    # Scanned in blocks of 2 layers (a dense one, then the sparse one): transformers' logits, and the
+    # same parameters as the unrolled load, each layer at its block and position
+    scanned = hf.load_hf(GOLDEN / "switch", scan_layers=True)
+    assert isinstance(scanned.encoder.stack.layers, nnx.List) and len(scanned.encoder.stack.layers) == 2
+    np.testing.assert_allclose(logits_of(scanned, ref), ref["logits"], atol=1e-5, rtol=0)
+    unrolled = flat_params(switch)
+    for path, value in flat_params(scanned).items():
+        if ".layers." not in path:
+            np.testing.assert_array_equal(value, unrolled[path])
+            continue
+        head, tail = path.split(".layers.")
+        j, tail = tail.split(".", 1)  # position j of block b is layer 2 b + j
+        layers = [unrolled[f"{head}.layers.{2 * b + int(j)}.{tail}"] for b in range(value.shape[0])]
+        np.testing.assert_array_equal(value, np.stack(layers), err_msg=path)
 
 
 def test_save_hf_writes_back_the_checkpoint(imported, tmp_path):
     """The same tensors (names, shapes, values exactly) and config fields as transformers wrote; the
-    scanned Mixtral writes the same tensors as the unrolled one."""
+    scanned Mixtral and Switch (in blocks of 2 layers) write the same tensors as the unrolled ones."""
     models = {name: model for name, (model, _) in imported.items()}
     models["mixtral_scanned"] = hf.load_hf(GOLDEN / "mixtral", scan_layers=True)
+    models["switch_scanned"] = hf.load_hf(GOLDEN / "switch", scan_layers=True)
     for name, model in models.items():
         golden = GOLDEN / name.removesuffix("_scanned")
         out = hf.save_hf(model, tmp_path / name)
@@ -208,9 +223,15 @@ def test_what_jaxformer_cannot_express_is_refused_naming_the_field():
     cfg = hf.config_from_hf(_golden_config("mixtral"))
     with pytest.raises(hf.UnsupportedCheckpoint, match=r"mixtral: moe=MoEConfig\(.*capacity_factor=1\.25"):
         hf.family_of(cfg.replace(moe=dataclasses.replace(cfg.moe, capacity_factor=1.25)))
-    # Switch's sparse layers every other one cannot be scanned (one layer body): refused, naming the field.
-    with pytest.raises(ConfigError, match=r"model\.moe\.every: every=2 with scan_layers=True"):
-        hf.config_from_hf(_golden_config("switch"), scan_layers=True)
+    # Switch's sparse layers every other one scan in blocks of 2: a stack of an odd depth cannot.
+    odd = _golden_config("switch") | {
+        "num_layers": 5,
+        "num_decoder_layers": 5,
+        "num_sparse_encoder_layers": 2,
+        "num_sparse_decoder_layers": 2,
+    }  # sparse layers 1 and 3 of 5
+    with pytest.raises(ConfigError, match=r"model\.moe\.every: every=2 with scan_layers=True scans blocks of 2"):
+        hf.config_from_hf(odd, scan_layers=True)
 
 
 def test_a_sharded_load_onto_an_expert_axis_equals_one_device(sharded_load):
