@@ -323,7 +323,7 @@ def hf_sharded(directory: str) -> dict:
 
 
 def hf_moe_sharded(golden: str) -> dict:
-    """The golden Mixtral (unrolled and scanned) and Switch checkpoints loaded straight onto an
+    """The golden Mixtral and Switch checkpoints (unrolled and scanned) loaded straight onto an
     fsdp=2 x expert=4 mesh: Mixtral's logits against transformers' (the golden file), every
     parameter against the same checkpoint loaded onto one device, and where the experts landed."""
     import pathlib
@@ -342,7 +342,7 @@ def hf_moe_sharded(golden: str) -> dict:
     mesh = sharding.make_mesh(mesh_cfg)
     out = {}
     for name, family, scan in (("mixtral", "mixtral", False), ("mixtral_scanned", "mixtral", True),
-                               ("switch", "switch", False)):  # fmt: skip
+                               ("switch", "switch", False), ("switch_scanned", "switch", True)):  # fmt: skip
         directory = pathlib.Path(golden) / family
         reference = flat(load_hf(directory, scan_layers=scan))
         with sharding.use(mesh, sharding.rules_for(mesh_cfg)):

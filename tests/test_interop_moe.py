@@ -235,15 +235,18 @@ def test_what_jaxformer_cannot_express_is_refused_naming_the_field():
 
 
 def test_a_sharded_load_onto_an_expert_axis_equals_one_device(sharded_load):
-    """Mixtral (unrolled and scanned) and Switch loaded straight onto fsdp=2 x expert=4: every parameter
+    """Mixtral and Switch (unrolled and scanned) loaded straight onto fsdp=2 x expert=4: every parameter
     equal to a one-device load, the experts split by expert (and fsdp), Mixtral's logits transformers'."""
     out, err = sharded_load.communicate(timeout=600)
     assert sharded_load.returncode == 0, err[-4000:]
     r = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     assert r["mixtral_logits_diff"] < 1e-5
-    for name in ("mixtral", "mixtral_scanned", "switch"):
+    for name in ("mixtral", "mixtral_scanned", "switch", "switch_scanned"):
         assert r[name]["max_abs_diff"] == 0.0 and r[name]["devices"] == list(range(8)), name
     assert r["mixtral"]["specs"]["decoder.stack.layers.0.ffn.wi"] == "('expert', 'fsdp')"  # [E, D, F]
     assert r["mixtral_scanned"]["specs"]["decoder.stack.layers.ffn.wi"] == "(None, 'expert', 'fsdp', 'tensor')"
     assert r["switch"]["specs"]["encoder.stack.layers.1.ffn.wi"] == "('expert', 'fsdp', 'tensor')"  # sparse
     assert r["switch"]["specs"]["encoder.stack.layers.0.ffn.wi"] == "('fsdp', 'tensor')"  # dense [D, F]
+    # scanned in blocks of 2: position 1 stacks the sparse layers [blocks, E, D, F], position 0 the dense ones
+    assert r["switch_scanned"]["specs"]["encoder.stack.layers.1.ffn.wi"] == "(None, 'expert', 'fsdp', 'tensor')"
+    assert r["switch_scanned"]["specs"]["encoder.stack.layers.0.ffn.wi"] == "(None, 'fsdp', 'tensor')"
