@@ -308,13 +308,20 @@ class ModelConfig:
             f"{p}.num_classes",
             "a classification head needs mode='encoder_only'",
         )
-        moe = self.moe
-        require(
-            not (moe.enabled and self.scan_layers and moe.every > 1),
-            f"{p}.moe.every",
-            f"every={moe.every} with scan_layers=True: a scan repeats one layer, and MoE every {moe.every}-th layer "
-            "makes two kinds; set model.moe.every=1 or model.scan_layers=False",
-        )
+        if self.scan_layers and self.scan_block > 1:  # scanned in blocks of `every` layers: whole blocks only
+            for name in ("num_encoder_layers", "num_decoder_layers"):
+                require(
+                    getattr(self, name) % self.scan_block == 0,
+                    f"{p}.moe.every",
+                    f"every={self.moe.every} with scan_layers=True scans blocks of {self.moe.every} layers: "
+                    f"{p}.{name}={getattr(self, name)} is not a multiple; set scan_layers=False",
+                )
+
+    @property
+    def scan_block(self) -> int:
+        """Layers per block of a scanned stack: `moe.every` when MoE takes every N-th layer (N - 1 dense
+        layers, then the MoE one, scanned as one body), else 1 (every layer alike)."""
+        return self.moe.every if self.moe.enabled else 1
 
     @property
     def kv_heads(self) -> int:
@@ -982,6 +989,11 @@ class Config:
             "lora.targets",
             f"{', '.join(map(repr, ffn))}: LoRA on feed-forward kernels is not supported with model.moe "
             "(the experts' kernels are stacked [E, ...]); adapt the attention projections (q, k, v, o)",
+        )
+        require(
+            not (lora.base == "int8" and model.moe.enabled),
+            "lora.base",
+            "'int8' cannot store the MoE layers' expert kernels (model.moe): use lora.base='compute'",
         )
         for name in lora.targets:
             if name == "wi_gate" and model.activation not in ("swiglu", "geglu"):

@@ -956,16 +956,19 @@ REMAT_POLICIES = {
 
 
 class LayerStack(nnx.Module):
-    """L identical layers, scanned (parameters stacked on a leading `layers` axis, one
-    compiled body, compile time flat in depth) or unrolled (a list); same outputs.
+    """L layers, scanned (parameters stacked on a leading `layers` axis, one compiled body, compile
+    time flat in depth) or unrolled (a list); same outputs.
 
     Layer i draws its dropout keys from fold_in(dropout_rng, i) in both forms. `make_layer(rngs, i)`
-    builds layer i (scanned: every layer is built as layer 0, so all must be alike; `ModelConfig`
-    refuses MoE on every N-th layer with scan_layers). The statistics of the MoE layers, one row
-    per layer (`jaxformer.moe`), go to `moe.collect` at each call.
+    builds layer i. Scanned, a stack whose layers are alike (no MoE, or MoE in every layer) is built
+    as layer 0 and stacked over L; MoE on every N-th layer (`model.moe.every` = N > 1) makes blocks of
+    N layers (N - 1 dense, then the MoE one, as layer i is MoE when (i + 1) % N == 0): `layers` is then
+    a list of N stacks, the j-th holding layer j of every block [L / N, ...] (layer i is block i // N,
+    position i % N), and the scan runs over blocks. The statistics of the MoE layers, one row per
+    layer (`jaxformer.moe`), go to `moe.collect` at each call.
 
     Args:
-        cfg: the model's config (scan_layers, remat).
+        cfg: the model's config (scan_layers, remat, moe.every).
         make_layer: (rngs, i) -> layer i.
         num_layers: L.
         rngs: the initialisation keys.
@@ -977,13 +980,15 @@ class LayerStack(nnx.Module):
         self.cfg = cfg
         self.num_layers = num_layers
         self.moe_layers = sum(cfg.moe.is_moe_layer(i) for i in range(num_layers))
+        self.block = cfg.scan_block if cfg.scan_layers else 1  # N layers per scanned block
         keys = jax.random.split(rngs.params(), num_layers)
         if cfg.scan_layers:
-            make = nnx.vmap(
-                lambda k: make_layer(nnx.Rngs(params=k), 0),
+            make = lambda j: nnx.vmap(  # layer j of a block, once per block, from unrolled layer i's key
+                lambda k: make_layer(nnx.Rngs(params=k), j),
                 in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"},
             )  # fmt: skip
-            self.layers = make(keys)
+            N = self.block
+            self.layers = make(0)(keys) if N == 1 else nnx.List([make(j)(keys[j::N]) for j in range(N)])
         else:
             self.layers = nnx.List([make_layer(nnx.Rngs(params=k), i) for i, k in enumerate(keys)])
 
@@ -1010,14 +1015,18 @@ class LayerStack(nnx.Module):
                 apply, policy=REMAT_POLICIES[remat], prevent_cse=not self.cfg.scan_layers, static_argnums=(0,)
             )
         if self.cfg.scan_layers:
-            graphdef, state = nnx.split(self.layers)
+            N = self.block
+            splits = [nnx.split(self.layers)] if N == 1 else [nnx.split(stack) for stack in self.layers]
+            graphdefs, states = [g for g, _ in splits], [s for _, s in splits]
 
-            def body(x_BTD, layer):
-                state_i, index = layer
-                return apply(graphdef, state_i, x_BTD, index, kwargs)
+            def body(x_BTD, block):  # layers b * N .. b * N + N - 1; the MoE one (if any) last
+                states_b, b = block
+                for j in range(N):
+                    x_BTD, aux = apply(graphdefs[j], states_b[j], x_BTD, b * N + j, kwargs)
+                return x_BTD, aux
 
-            x_BTD, aux = jax.lax.scan(body, x_BTD, (state, jnp.arange(self.num_layers)))
-            if aux is not None:  # every layer is MoE: its statistics, one row per layer
+            x_BTD, aux = jax.lax.scan(body, x_BTD, (states, jnp.arange(self.num_layers // N)))
+            if aux is not None:  # the MoE layers' statistics, one row per layer
                 M.report(aux)
             return x_BTD
         sums = []
@@ -1043,8 +1052,12 @@ class LayerStack(nnx.Module):
         """
         if not self.cfg.scan_layers:
             return list(self.layers)
-        graphdef, state = nnx.split(self.layers)
-        return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(self.num_layers)]
+        N = self.block
+        splits = [nnx.split(self.layers)] if N == 1 else [nnx.split(stack) for stack in self.layers]
+        return [
+            nnx.merge(splits[i % N][0], jax.tree.map(lambda a, b=i // N: a[b], splits[i % N][1]))
+            for i in range(self.num_layers)
+        ]
 
     def map_layers(self, fn: Callable[[nnx.Module], object]) -> list:
         """[fn(layer) for every layer].

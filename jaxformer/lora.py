@@ -24,9 +24,10 @@ from flax import nnx
 
 from jaxformer import functional as F
 from jaxformer import quant
-from jaxformer.config import LORA_MODEL_TARGETS, LoRAConfig
+from jaxformer.config import LORA_MODEL_TARGETS, ConfigError, LoRAConfig
 from jaxformer.layers import Embed, FeedForward, MultiHeadAttention
 from jaxformer.models import LMHead
+from jaxformer.moe import MoEFeedForward
 
 Array = jax.Array
 
@@ -179,9 +180,19 @@ def add_adapters(model: nnx.Module, cfg: LoRAConfig) -> nnx.Module:
 
     Returns:
         The same model.
+
+    Raises:
+        ConfigError: feed-forward targets (wi, wi_gate, wo) in a stack with MoE layers.
     """
     if not cfg.enabled:
         return model
+    ffn = [t for t in cfg.targets if t in KERNELS[FeedForward]]
+    if ffn and (stacks := _moe_stacks(model) & set(cfg.stacks)):  # Config refuses this too; models built in code
+        where, which = " and ".join(sorted(stacks)), ", ".join(map(repr, ffn))
+        raise ConfigError(
+            f"lora.targets: {which} would adapt the MoE layers of the {where} (model.moe), whose expert kernels "
+            "take no adapters: adapt the attention projections (q, k, v, o)"
+        )
     root = jax.random.key(cfg.seed)
     for path, module in list(nnx.iter_modules(model)):
         kernels = next((k for kind, k in KERNELS.items() if isinstance(module, kind)), None)
@@ -194,13 +205,19 @@ def add_adapters(model: nnx.Module, cfg: LoRAConfig) -> nnx.Module:
             if name in kernels and hasattr(module, name):
                 kernel = getattr(module, name)
                 scanned = kernel.ndim > kernels[name][0]  # a leading layers axis
-                at = path.index("layers") + 1 if scanned else 0
-                places = (
-                    [(*path[:at], i, *path[at:], name) for i in range(kernel.shape[0])] if scanned else [(*path, name)]
-                )
+                places = [(*path, name)]
+                if scanned:  # keyed as unrolled layer i: (..., "layers", [j,] *rest), blocks of N, holds i = b * N + j
+                    at, N = path.index("layers") + 1, model.cfg.scan_block
+                    j, rest = (0, path[at:]) if N == 1 else (path[at], path[at + 1 :])
+                    places = [(*path[:at], b * N + j, *rest, name) for b in range(kernel.shape[0])]
                 keys = jnp.stack([jax.random.fold_in(root, hash_path(p)) for p in places])
                 setattr(module, f"{name}_lora", Adapter(kernel, *kernels[name], cfg, keys))
     return model
+
+
+def _moe_stacks(model: nnx.Module) -> set[str]:
+    """The stacks (encoder, decoder) holding MoE layers, whose expert kernels are stacked [E, ...]."""
+    return {_stack_of(path) for path, m in nnx.iter_modules(model) if isinstance(m, MoEFeedForward)}
 
 
 def hash_path(path: tuple) -> int:
@@ -274,9 +291,17 @@ def quantize_base(model: nnx.Module, cfg: LoRAConfig) -> nnx.Module:
 
     Returns:
         The same model.
+
+    Raises:
+        ConfigError: "int8" for a model with MoE layers (their expert kernels have no int8 path).
     """
     if cfg.base != "int8":
         return model
+    if stacks := _moe_stacks(model):  # their float kernels would stay float, silently
+        raise ConfigError(
+            f"lora.base: 'int8' cannot store the MoE layers' expert kernels (model.moe, in the "
+            f"{' and '.join(sorted(stacks))}): use lora.base='compute'"
+        )
     for module, name, num_in, lead in list(kernels(model)):
         kernel = getattr(module, name)
         if hasattr(module, f"{name}_scale"):

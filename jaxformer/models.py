@@ -847,9 +847,11 @@ def unrolled(model: Transformer) -> Transformer:
             flat.append((path, var))
             continue
         at = path.index("layers") + 1  # (..., "stack", "layers", *rest) -> (..., "stack", "layers", i, *rest)
+        N = model.cfg.scan_block  # in blocks of N layers: (..., "layers", j, *rest) holds layers b * N + j
+        j, at_rest = (0, at) if N == 1 else (path[at], at + 1)
         names = var.get_metadata()["out_sharding"][1:]  # the leading "layers" axis is gone
-        flat += [((*path[:at], i, *path[at:]), var.replace(var[...][i], out_sharding=names))
-                 for i in range(var[...].shape[0])]  # fmt: skip
+        flat += [((*path[:at], b * N + j, *path[at_rest:]), var.replace(var[...][b], out_sharding=names))
+                 for b in range(var[...].shape[0])]  # fmt: skip
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 

@@ -166,6 +166,24 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int, int, i
     return tuple(sizes)
 
 
+def check_experts(mesh: jax.sharding.Mesh, cfg: MeshConfig, num_experts: int) -> None:
+    """The expert axis, as the mesh resolved it (a fill, -1, is known only with the devices), divides
+    the experts: Config checks a fixed mesh.expert, this the filled one.
+
+    Args:
+        mesh: the laid mesh.
+        cfg: the mesh section, as the user gave it.
+        num_experts: model.moe.num_experts (0: no MoE layers, nothing to check).
+
+    Raises:
+        ConfigError: naming mesh.expert and model.moe.num_experts.
+    """
+    ways = mesh.shape["expert"]
+    if num_experts and num_experts % ways:
+        asked = f"mesh.expert={cfg.expert}" + (f" fills to {ways}" if cfg.expert == -1 else "")
+        raise ConfigError(f"mesh.expert: {asked}, which does not divide model.moe.num_experts={num_experts}")
+
+
 def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
     """A (data, fsdp, expert, tensor, context) mesh of Auto axes over `devices` (default: all, every process).
 

@@ -187,7 +187,11 @@ def state_shardings(cfg: Config, abstract_state: TrainState, mesh: jax.sharding.
 
     Returns:
         A TrainState of NamedShardings.
+
+    Raises:
+        ConfigError: `mesh.expert` does not divide `model.moe.num_experts` once the mesh is laid.
     """
+    sharding.check_experts(mesh, cfg.mesh, cfg.model.moe.num_experts)
     shardings = sharding.state_shardings(abstract_state, mesh)
     if not cfg.train.offload_optimizer:
         return shardings

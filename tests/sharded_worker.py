@@ -78,6 +78,8 @@ def train(cfg, devices=None) -> tuple[list[float], object, object, object]:
         for batch in batches(cfg.model.mode):
             local = {k: v[rows] for k, v in batch.items()}  # each process feeds only its rows
             global_batch = sharding.global_batch(local, mesh, B)
+            if not losses and cfg.model.moe.enabled:  # the first step's gradients, before the step updates
+                train.first_grads = gathered(first_grads(graphdef, cfg, state, global_batch))
             if not losses:  # compiled once, the program's collectives counted
                 lowered = train_step.lower(state, global_batch)
                 step = lowered.compile()
@@ -87,6 +89,20 @@ def train(cfg, devices=None) -> tuple[list[float], object, object, object]:
             state, metrics = step(state, global_batch)
             losses.append(float(metrics["loss"]))
     return losses, state, mesh, graphdef
+
+
+def first_grads(graphdef, cfg, state, batch):
+    """The gradients of the mean loss (router losses included) at `state`, as the train step takes them
+    (no dropout or router noise: the MoE runs have none), under the mesh in effect."""
+    from flax import nnx
+
+    from jaxformer.train import loss_sums
+
+    def mean_loss(params):
+        loss, sums = loss_sums(nnx.merge(graphdef, params), cfg.train, batch, None)
+        return loss / sums["count"]
+
+    return jax.jit(jax.grad(mean_loss))(state.params)
 
 
 def generated(cfg, graphdef, state, mesh) -> dict | None:
@@ -193,11 +209,11 @@ def moe() -> dict:
         base = dataclasses.replace(base, model=base.model.replace(dropout_rate=0.0, moe=moe_cfg))
         if capacity_factor not in refs:  # one device's run, once per dispatch
             ref_losses, ref_state, _, _ = train(base, jax.devices()[:1])
-            refs[capacity_factor] = ref_losses, gathered(ref_state.params)
-        ref_losses, ref = refs[capacity_factor]
+            refs[capacity_factor] = ref_losses, gathered(ref_state.params), train.first_grads
+        ref_losses, ref, ref_grads = refs[capacity_factor]
         cfg = dataclasses.replace(base, mesh=C.MeshConfig(**mesh))
         losses, state, mesh_, _ = train(cfg)
-        got = gathered(state.params)
+        got, grads = gathered(state.params), train.first_grads
         with sharding.use(mesh_, sharding.rules_for(cfg.mesh)):
             specs = {k: str(tuple(x.sharding.spec)) for k, x in zip(got, jax.tree.leaves(state.params), strict=True)}
         results[name] = {
@@ -205,6 +221,13 @@ def moe() -> dict:
             "param_rel": max(
                 float(np.max(np.abs(got[k] - ref[k])) / (np.max(np.abs(ref[k])) + 1e-12))
                 for k in ref
+                if "k_bias" not in k
+            ),
+            # the first step's gradients, each relative to its largest entry (the key bias's is zero but for
+            # rounding, as above)
+            "grad_rel": max(
+                float(np.max(np.abs(grads[k] - ref_grads[k])) / (np.max(np.abs(ref_grads[k])) + 1e-12))
+                for k in ref_grads
                 if "k_bias" not in k
             ),
             "specs": specs,
@@ -301,7 +324,7 @@ def hf_sharded(directory: str) -> dict:
 
 
 def hf_moe_sharded(golden: str) -> dict:
-    """The golden Mixtral (unrolled and scanned) and Switch checkpoints loaded straight onto an
+    """The golden Mixtral and Switch checkpoints (unrolled and scanned) loaded straight onto an
     fsdp=2 x expert=4 mesh: Mixtral's logits against transformers' (the golden file), every
     parameter against the same checkpoint loaded onto one device, and where the experts landed."""
     import pathlib
@@ -320,7 +343,7 @@ def hf_moe_sharded(golden: str) -> dict:
     mesh = sharding.make_mesh(mesh_cfg)
     out = {}
     for name, family, scan in (("mixtral", "mixtral", False), ("mixtral_scanned", "mixtral", True),
-                               ("switch", "switch", False)):  # fmt: skip
+                               ("switch", "switch", False), ("switch_scanned", "switch", True)):  # fmt: skip
         directory = pathlib.Path(golden) / family
         reference = flat(load_hf(directory, scan_layers=scan))
         with sharding.use(mesh, sharding.rules_for(mesh_cfg)):

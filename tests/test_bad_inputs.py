@@ -8,6 +8,7 @@ Nothing here trains: the workdirs are written at step 0, once for the module.
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import pathlib
 import re
@@ -23,7 +24,7 @@ import pytest
 from flax import nnx
 
 import jaxformer as jf
-from jaxformer import cli, decode
+from jaxformer import cli, decode, lora
 from jaxformer.checkpoint import CheckpointWriteError
 from jaxformer.config import ConfigError, DecodeConfig, TrainConfig, apply_overrides, from_dict, load_experiment
 from jaxformer.data import DataError, HFTokenizer, SentencePieceTokenizer
@@ -173,6 +174,21 @@ CLI_CASES = [
     ),
     cli_case(TRAIN + "model.moe.num_experts=-1", r"model\.moe\.num_experts: must be >= 0 \(0 = dense\), got -1"),
     cli_case(TRAIN + "model.moe.expert_capacity=-2", r"model\.moe\.expert_capacity: must be >= 0, got -2"),
+    cli_case(
+        TRAIN + "model.moe.num_experts=6 --set mesh.expert=4",
+        r"mesh\.expert: expert=4 does not divide model\.moe\.num_experts=6",
+    ),
+    # mesh.expert=-1 is filled only once the devices are known: the mesh refuses it then, before any compile
+    # (on a compile-only TPU slice of 4 chips, so that the fill is not 1)
+    pytest.param(
+        "plan --config experiments/copy_task.py --target tpu-v5e:2x2 --set model.moe.num_experts=6 "
+        "--set mesh.data=1 --set mesh.expert=-1",
+        r"mesh\.expert: mesh\.expert=-1 fills to 4, which does not divide model\.moe\.num_experts=6",
+        2,
+        False,
+        id="plan mesh.expert=-1 fills to 4, 6 experts",
+        marks=pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu"),
+    ),
     cli_case(
         TRAIN + "model.moe.expert_capacity=4 --set model.moe.capacity_factor=1.25",
         r"model\.moe\.expert_capacity: expert_capacity=4 and capacity_factor=1\.25 both set the capacity",
@@ -564,6 +580,15 @@ def save_past_a_file_size_limit(places):
 
 
 LM, S2S = "decoder_only", "encoder_decoder"
+
+
+def moe_model():
+    """A decoder with MoE layers (every other one: its dense layers have FFN kernels LoRA could reach)."""
+    return jf.build_model(
+        jf.tiny("decoder_only", num_decoder_layers=2, moe=jf.config.MoEConfig(num_experts=2, every=2))
+    )
+
+
 TOKENS = types.SimpleNamespace(bos_id=1, eos_id=2)  # a tokenizer's special ids, for id lists given as sources
 API_CASES = [
     # LoRA built in code: the section refuses what the command line does, and the rank against the model.
@@ -582,6 +607,30 @@ API_CASES = [
         ),
         ConfigError,
         r"lora\.rank: rank=17 exceeds the width 16 of projection 'wo'",
+    ),
+    # LoRA on a mixture of experts built in code (Config refuses the same from a config): the experts' stacked
+    # kernels take neither adapters nor int8 storage, and skipping them would leave them silently full-rank/float.
+    api_case(
+        "LoRA wi on MoE layers",
+        lambda m, p: lora.add_adapters(moe_model(), jf.config.LoRAConfig(rank=2, targets=("q", "wi"))),
+        ConfigError,
+        r"lora\.targets: 'wi' would adapt the MoE layers of the decoder \(model\.moe\)",
+    ),
+    api_case(
+        "int8 base with MoE layers",
+        lambda m, p: lora.quantize_base(moe_model(), jf.config.LoRAConfig(rank=2, base="int8")),
+        ConfigError,
+        r"lora\.base: 'int8' cannot store the MoE layers' expert kernels \(model\.moe, in the decoder\)",
+    ),
+    api_case(
+        "Config: int8 base with MoE",
+        lambda m, p: jf.config.Config(
+            model=jf.tiny("decoder_only", moe=jf.config.MoEConfig(num_experts=2)),
+            train=TrainConfig(objective="lm"),
+            lora=jf.config.LoRAConfig(rank=2, base="int8"),
+        ),
+        ConfigError,
+        r"lora\.base: 'int8' cannot store the MoE layers' expert kernels \(model\.moe\)",
     ),
     # A workdir's or a pretrained model's tokenizer file, damaged: the libraries' own errors named no file.
     api_case(

@@ -92,13 +92,28 @@ def test_imported_models_give_transformers_logits(imported):
     got = logits_of(dropping, ref)
     np.testing.assert_allclose(got, ref["logits_dropping"], atol=1e-5, rtol=0)
     assert np.abs(got - ref["logits"]).max() > 0.1  # the drops matter: a case that compares something
+    # Scanned in blocks of 2 layers (a dense one, then the sparse one): transformers' logits, and the
+    # same parameters as the unrolled load, each layer at its block and position
+    scanned = hf.load_hf(GOLDEN / "switch", scan_layers=True)
+    assert isinstance(scanned.encoder.stack.layers, nnx.List) and len(scanned.encoder.stack.layers) == 2
+    np.testing.assert_allclose(logits_of(scanned, ref), ref["logits"], atol=1e-5, rtol=0)
+    unrolled = flat_params(switch)
+    for path, value in flat_params(scanned).items():
+        if ".layers." not in path:
+            np.testing.assert_array_equal(value, unrolled[path])
+            continue
+        head, tail = path.split(".layers.")
+        j, tail = tail.split(".", 1)  # position j of block b is layer 2 b + j
+        layers = [unrolled[f"{head}.layers.{2 * b + int(j)}.{tail}"] for b in range(value.shape[0])]
+        np.testing.assert_array_equal(value, np.stack(layers), err_msg=path)
 
 
 def test_save_hf_writes_back_the_checkpoint(imported, tmp_path):
     """The same tensors (names, shapes, values exactly) and config fields as transformers wrote; the
-    scanned Mixtral writes the same tensors as the unrolled one."""
+    scanned Mixtral and Switch (in blocks of 2 layers) write the same tensors as the unrolled ones."""
     models = {name: model for name, (model, _) in imported.items()}
     models["mixtral_scanned"] = hf.load_hf(GOLDEN / "mixtral", scan_layers=True)
+    models["switch_scanned"] = hf.load_hf(GOLDEN / "switch", scan_layers=True)
     for name, model in models.items():
         golden = GOLDEN / name.removesuffix("_scanned")
         out = hf.save_hf(model, tmp_path / name)
@@ -208,21 +223,30 @@ def test_what_jaxformer_cannot_express_is_refused_naming_the_field():
     cfg = hf.config_from_hf(_golden_config("mixtral"))
     with pytest.raises(hf.UnsupportedCheckpoint, match=r"mixtral: moe=MoEConfig\(.*capacity_factor=1\.25"):
         hf.family_of(cfg.replace(moe=dataclasses.replace(cfg.moe, capacity_factor=1.25)))
-    # Switch's sparse layers every other one cannot be scanned (one layer body): refused, naming the field.
-    with pytest.raises(ConfigError, match=r"model\.moe\.every: every=2 with scan_layers=True"):
-        hf.config_from_hf(_golden_config("switch"), scan_layers=True)
+    # Switch's sparse layers every other one scan in blocks of 2: a stack of an odd depth cannot.
+    odd = _golden_config("switch") | {
+        "num_layers": 5,
+        "num_decoder_layers": 5,
+        "num_sparse_encoder_layers": 2,
+        "num_sparse_decoder_layers": 2,
+    }  # sparse layers 1 and 3 of 5
+    with pytest.raises(ConfigError, match=r"model\.moe\.every: every=2 with scan_layers=True scans blocks of 2"):
+        hf.config_from_hf(odd, scan_layers=True)
 
 
 def test_a_sharded_load_onto_an_expert_axis_equals_one_device(sharded_load):
-    """Mixtral (unrolled and scanned) and Switch loaded straight onto fsdp=2 x expert=4: every parameter
+    """Mixtral and Switch (unrolled and scanned) loaded straight onto fsdp=2 x expert=4: every parameter
     equal to a one-device load, the experts split by expert (and fsdp), Mixtral's logits transformers'."""
     out, err = sharded_load.communicate(timeout=600)
     assert sharded_load.returncode == 0, err[-4000:]
     r = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     assert r["mixtral_logits_diff"] < 1e-5
-    for name in ("mixtral", "mixtral_scanned", "switch"):
+    for name in ("mixtral", "mixtral_scanned", "switch", "switch_scanned"):
         assert r[name]["max_abs_diff"] == 0.0 and r[name]["devices"] == list(range(8)), name
     assert r["mixtral"]["specs"]["decoder.stack.layers.0.ffn.wi"] == "('expert', 'fsdp')"  # [E, D, F]
     assert r["mixtral_scanned"]["specs"]["decoder.stack.layers.ffn.wi"] == "(None, 'expert', 'fsdp', 'tensor')"
     assert r["switch"]["specs"]["encoder.stack.layers.1.ffn.wi"] == "('expert', 'fsdp', 'tensor')"  # sparse
     assert r["switch"]["specs"]["encoder.stack.layers.0.ffn.wi"] == "('fsdp', 'tensor')"  # dense [D, F]
+    # scanned in blocks of 2: position 1 stacks the sparse layers [blocks, E, D, F], position 0 the dense ones
+    assert r["switch_scanned"]["specs"]["encoder.stack.layers.1.ffn.wi"] == "(None, 'expert', 'fsdp', 'tensor')"
+    assert r["switch_scanned"]["specs"]["encoder.stack.layers.0.ffn.wi"] == "(None, 'fsdp', 'tensor')"

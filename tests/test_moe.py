@@ -152,6 +152,43 @@ def test_dropless_and_capacity_dispatch_equal_a_naive_loop(activation="swiglu"):
                                rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
+@pytest.mark.parametrize("activation", ["relu", "swiglu"])
+def test_experts_with_the_dense_ffns_weights_equal_the_dense_ffn(activation):
+    """Every expert a copy of one dense `FeedForward` (biases too): the layer's output is g(x) * FFN(x),
+    g the sum of the token's combine weights. Mixtral's router (softmax over the top k) makes g = 1, so
+    the MoE layer equals the dense FFN, for top-1 and top-2. Switch's (top k of the full softmax, kept as
+    they are) makes g = the chosen experts' probabilities, which sum to less than 1 (unless k = E): the
+    layer equals the dense FFN scaled by them, with g read off a NumPy softmax of the router logits.
+    Both dispatches: dropless, and capacity with room for every pair (P = T * k)."""
+    from jaxformer.layers import FeedForward
+
+    E, B, T = 4, 2, 6
+    base = C.tiny("decoder_only", activation=activation, use_bias=True)
+    dense = FeedForward(base, rngs=nnx.Rngs(0))
+    for name in ("wi_bias", "wi_gate_bias", "wo_bias"):  # non-zero biases: they are copied too
+        if hasattr(dense, name):
+            b = getattr(dense, name)
+            b[...] = jax.random.normal(jax.random.key(len(name)), b.shape)
+    x_BTD = jax.random.normal(jax.random.key(1), (B, T, base.d_model))
+    want = np.asarray(dense(x_BTD))
+    for router in ("topk_softmax", "softmax_topk"):
+        for k in (1, 2):
+            for factor in (0.0, float(E)):  # dropless; capacity ceil(E * T * k / E) = T * k slots
+                cfg = base.replace(moe=C.MoEConfig(num_experts=E, experts_per_token=k, router=router,
+                                                   capacity_factor=factor))  # fmt: skip
+                layer = moe.MoEFeedForward(cfg, rngs=nnx.Rngs(2))
+                for name in ("wi", "wi_gate", "wo", "wi_bias", "wi_gate_bias", "wo_bias"):
+                    if hasattr(dense, name):
+                        kernel = getattr(dense, name)[...]
+                        getattr(layer, name)[...] = jnp.broadcast_to(kernel, (E, *kernel.shape))
+                got, aux = layer(x_BTD)
+                assert float(aux["dropped"]) == 0 and float(aux["assigned"]) == B * T * k
+                probs = np_softmax(np.einsum("BTD,DE->BTE", x_BTD, layer.router[...]).astype(np.float64))
+                g = 1.0 if router == "topk_softmax" else np.sort(probs, -1)[..., -k:].sum(-1, keepdims=True)
+                assert router == "topk_softmax" or (g < 1 - 1e-3).all()  # Switch's gates do not sum to 1 here
+                np.testing.assert_allclose(got, g * want, rtol=0, atol=1e-6, err_msg=f"{router} k={k} {factor=}")
+
+
 def test_dropped_tokens_pass_through_the_residual_and_padding_takes_no_slot():
     cfg = C.tiny("decoder_only", norm_position="pre", moe=C.MoEConfig(num_experts=2, experts_per_token=1,
                  capacity_factor=0.25, router_noise=0.1))  # fmt: skip
@@ -240,11 +277,95 @@ def test_moe_model_trains_in_each_mode(mode, objective, moe_kw, model_kw):
     assert dropped == 0.0 if not moe_cfg.capacity_factor else 0.0 <= dropped < 1.0
 
 
+SCANNED = [  # (mode, objective, MoE and model choices): MoE every other layer, scanned in blocks of 2 layers
+    ("decoder_only", "lm", dict(capacity_factor=1.5, router="topk_softmax"), dict(activation="swiglu")),
+    ("encoder_only", "mlm", dict(shared_experts=1), dict()),  # remat "auto": dots_saveable when scanned
+    ("encoder_decoder", "seq2seq", dict(capacity_factor=2.0), dict(norm_position="pre", remat="full")),
+]
+
+
+def test_scanned_blocks_of_every_layers_equal_unrolled(tmp_path):
+    """model.moe.every=2 with scan_layers: a stack scans blocks of 2 layers (a dense layer, then an MoE one;
+    4 layers, 2 blocks, in the decoder-only model, one block in the other modes' stacks).
+    Against the unrolled stack built from the same seed (without remat): the same parameters layer by
+    layer (each block position stacked over blocks), logits, loss (router losses included) and gradients;
+    the MoE statistics in the unrolled layers' order; LoRA adapters on attention keyed as the unrolled
+    layers'; a checkpoint of the scanned state restores exactly."""
+    from jaxformer import lora
+    from jaxformer.checkpoint import Checkpointer
+    from jaxformer.models import build_model
+    from jaxformer.state import make_optimizer, start_state
+    from jaxformer.train import loss_sums
+
+    flat = lambda tree: {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(tree)}
+    models = {}
+    for mode, objective, moe_kw, model_kw in SCANNED:
+        moe_cfg = C.MoEConfig(num_experts=4, experts_per_token=2, every=2, z_loss_weight=1e-3, aux_loss_weight=1e-2,
+                              **moe_kw)  # fmt: skip
+        L = 4 if mode == "decoder_only" else 2
+        depth = dict(num_encoder_layers=0 if mode == "decoder_only" else L,
+                     num_decoder_layers=0 if mode == "encoder_only" else L)  # fmt: skip
+        model_cfg = C.tiny(mode, vocab_size=16, moe=moe_cfg, scan_layers=True, **depth, **model_kw)
+        train_cfg = C.TrainConfig(objective=objective, batch_size=4)
+        scanned = build_model(model_cfg, seed=1)
+        plain = build_model(model_cfg.replace(scan_layers=False, remat="none"), seed=1)
+        stack = (scanned.decoder if mode != "encoder_only" else scanned.encoder).stack
+        assert len(stack.layers) == 2 and stack.layers[0].ffn.wi.shape == (L // 2, 16, 32)  # position 0: dense
+        assert stack.layers[1].ffn.wi.shape == (L // 2, 4, 16, 32)  # position 1: MoE [blocks, E, D, F]
+        want = flat(nnx.state(plain, nnx.Param))
+        got = flat(nnx.state(unrolled(scanned), nnx.Param))
+        assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want), mode
+        batch = toy_batch(objective)
+        args = (batch["src"], batch["inputs"]) if objective == "seq2seq" else (batch["inputs"],)
+
+        def run(model, batch=batch, args=args, train_cfg=train_cfg):  # the loss as training takes it and more
+            def mean_loss(model):
+                loss, sums = loss_sums(model, train_cfg, batch, None)
+                return loss / sums["count"], sums
+
+            (loss, sums), grads = nnx.value_and_grad(mean_loss, has_aux=True)(model)
+            return loss, sums, grads, model(*args)
+
+        (loss, sums, grads, logits), (want_loss, want_sums, want_grads, want_logits) = nnx.jit(
+            lambda a, b: (run(a), run(b))
+        )(scanned, plain)  # one compile
+        np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5, err_msg=mode)
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-6, err_msg=mode)
+        assert sums["moe_load"].shape == (L if mode == "encoder_decoder" else L // 2, 4)  # [MoE layers, E]
+        models[mode] = scanned, plain
+        np.testing.assert_array_equal(sums["moe_load"], want_sums["moe_load"], err_msg=mode)
+        got = flat(nnx.state(unrolled(nnx.merge(nnx.graphdef(scanned), grads)), nnx.Param))
+        for k, g in flat(want_grads).items():
+            np.testing.assert_allclose(got[k], g, rtol=1e-5, atol=1e-6, err_msg=f"{mode} {k}")
+    # LoRA on the attention of the decoder-only model's 2 blocks: adapters drawn as the unrolled layers' are
+    adapters = lambda m: flat(nnx.state(lora.add_adapters(m, C.LoRAConfig(rank=2, targets=("q", "v"))), nnx.LoRAParam))
+    got, want = (adapters(m) for m in models["decoder_only"])
+    assert len(got) == len(want) // 2  # a, b of q and v per block position, against per layer
+    for path, a in got.items():
+        at = path.index("layers")
+        for b in range(a.shape[0]):  # (..., "layers", j, ...) holds layer 2 b + j
+            np.testing.assert_array_equal(a[b], want[(*path[: at + 1], 2 * b + path[at + 1], *path[at + 2 :])])
+    # a checkpoint of the (encoder-decoder's) scanned state, stacks per block position, restores exactly
+    cfg = C.Config(model=model_cfg, data=C.DataConfig(max_len=8), train=train_cfg)
+    state = start_state(cfg, nnx.state(scanned, nnx.Param), make_optimizer(train_cfg, model_cfg.d_model))
+    ckpt = Checkpointer(tmp_path, cfg)
+    ckpt.save(state)
+    ckpt.wait()
+    restored = ckpt.restore_latest(jax.tree.map(jnp.zeros_like, state))
+    ckpt.close()
+    jax.tree.map(np.testing.assert_array_equal, restored, state)
+
+
 def test_moe_config_errors_name_the_field():
     base = C.Config(model=C.tiny("decoder_only"), data=C.DataConfig(max_len=16))
     cases = {
         "model.moe.experts_per_token": ["model.moe.num_experts=4", "model.moe.experts_per_token=5"],
-        "model.moe.every": ["model.moe.num_experts=4", "model.moe.every=2", "model.scan_layers=true"],
+        "model.moe.every": [
+            "model.moe.num_experts=4",
+            "model.moe.every=2",
+            "model.scan_layers=true",
+            "model.num_decoder_layers=3",
+        ],
         "model.moe.capacity_factor": ["model.moe.capacity_factor=-1"],
         "model.moe.router": ["model.moe.router=mixtral"],
         "model.moe.bogus": ["model.moe.bogus=1"],

@@ -106,12 +106,13 @@ def test_mesh_errors_name_what_is_wrong(strategies):
 
 def test_expert_parallel_moe_training_equals_one_device():
     """MoE layers with their experts split over `mesh.expert=4` (8 devices; the capacity dispatch's
-    slots travel to their experts' devices, the dropless one is partitioned by XLA): the losses and
-    parameters of one device; and the capacity dispatch with each row's positions split over
-    `mesh.context=2` beside the experts."""
+    slots travel to their experts' devices, the dropless one is partitioned by XLA): the losses, the first
+    step's gradients (<= 1e-5 of each parameter's largest) and the trained parameters of one device; and
+    the capacity dispatch with each row's positions split over `mesh.context=2` beside the experts."""
     r = result(worker("moe"))
     for name in ("capacity", "dropless", "capacity_context"):
         assert r[name]["loss_rel"] < LOSS_RTOL and r[name]["param_rel"] < PARAM_RTOL, (name, r[name])
+        assert r[name]["grad_rel"] <= 1e-5, (name, r[name]["grad_rel"])
     specs = r["capacity"]["specs"]
     wi = next(v for k, v in specs.items() if k.endswith("ffn']['wi'].value") or k.endswith("ffn.wi"))
     assert wi.startswith("('expert', 'fsdp'"), specs  # [E, D, F]: experts over `expert`, D over `fsdp`

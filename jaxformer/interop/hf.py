@@ -880,20 +880,27 @@ def _expand(rules: list[Rule], cfg: ModelConfig) -> Iterator[tuple[Rule, int | N
                 yield dataclasses.replace(rule, theirs=rule.theirs.format(i=i, e=e), ours=ours), i
 
 
-def _stacked_path(path: str) -> tuple[str, int | None]:
-    """An unrolled path in a scanned model: ("encoder.stack.layers.q", 3) for "encoder.stack.layers.3.q"."""
+def _stacked_path(path: str, block: int = 1) -> tuple[str, int | None]:
+    """An unrolled path in a scanned model: ("encoder.stack.layers.q", 3) for "encoder.stack.layers.3.q";
+    scanned in blocks of `block` layers (`ModelConfig.scan_block`, MoE every N-th layer), layer i is
+    position i % N of block i // N: ("encoder.stack.layers.1.q", 1) for layer 3 with N = 2."""
     match = re.match(r"^(.*\.layers)\.(\d+)\.(.*)$", path)
-    return (f"{match[1]}.{match[3]}", int(match[2])) if match else (path, None)
+    if not match:
+        return path, None
+    i = int(match[2])
+    position = "" if block == 1 else f".{i % block}"
+    return f"{match[1]}{position}.{match[3]}", i // block
 
 
-def _locate(path: str, scanned: bool) -> tuple[str, tuple[int, ...]]:
+def _locate(path: str, scanned: bool, block: int = 1) -> tuple[str, tuple[int, ...]]:
     """Where a rule's (unrolled) path lives: the parameter and the leading indices of its slice in it.
     "decoder.stack.layers.3.ffn.wi[1]" is ("decoder.stack.layers.3.ffn.wi", (1,)) unrolled, and
-    ("decoder.stack.layers.ffn.wi", (3, 1)) scanned (the layer axis first, then the expert axis)."""
+    ("decoder.stack.layers.ffn.wi", (3, 1)) scanned (the layer axis first, then the expert axis;
+    in blocks of `block` layers, `_stacked_path`)."""
     match = re.fullmatch(r"(.*)\[(\d+)\]", path)
     path, index = (match[1], (int(match[2]),)) if match else (path, ())
     if scanned:
-        stacked, layer = _stacked_path(path)
+        stacked, layer = _stacked_path(path, block)
         if layer is not None:
             return stacked, (layer, *index)
     return path, index
@@ -946,7 +953,7 @@ def load_hf(
         if rule.theirs not in names:
             continue  # reported below as missing parameters
         used.add(rule.theirs)
-        targets = [_locate(o, cfg.scan_layers) for o in rule.ours]
+        targets = [_locate(o, cfg.scan_layers, cfg.scan_block) for o in rule.ours]
         shapes = [flat[p].shape[len(index) :] for p, index in targets]
         arrays = to_ours(reader[names[rule.theirs]], rule, shapes)
         filled |= _fill(arrays, targets, pending, flat, placement)
@@ -1122,13 +1129,13 @@ def save_hf(
 
 
 def _param_shape(flat: dict, path: str, cfg: ModelConfig) -> tuple[int, ...]:
-    stacked, index = _locate(path, cfg.scan_layers)
+    stacked, index = _locate(path, cfg.scan_layers, cfg.scan_block)
     return flat[stacked].shape[len(index) :]
 
 
 def _host_param(flat: dict, path: str, cfg: ModelConfig) -> np.ndarray:
     """One parameter (one layer's or expert's slice of a stack) gathered to the host as float32."""
-    stacked, index = _locate(path, cfg.scan_layers)
+    stacked, index = _locate(path, cfg.scan_layers, cfg.scan_block)
     value = flat[stacked][...]
     return np.asarray(jax.device_get(value[index] if index else value), np.float32)
 
@@ -1355,7 +1362,7 @@ def load_peft(model: Transformer, directory: str | pathlib.Path, *, family: str,
     stacks: dict[str, dict[int, np.ndarray]] = {}
     values = {}
     for p, array in arrays.items():
-        stacked, index = _stacked_path(p) if cfg.scan_layers else (p, None)
+        stacked, index = _stacked_path(p, cfg.scan_block) if cfg.scan_layers else (p, None)
         if index is None:
             values[p] = array
         else:
@@ -1412,7 +1419,7 @@ def save_peft(
     cfg = model.cfg
     family = family or family_of(cfg)
     flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    has = lambda o: (_stacked_path(f"{o}_lora.a")[0] if cfg.scan_layers else f"{o}_lora.a") in flat
+    has = lambda o: (_stacked_path(f"{o}_lora.a", cfg.scan_block)[0] if cfg.scan_layers else f"{o}_lora.a") in flat
     tensors, targets, rank_pattern, alpha_pattern, chosen = {}, set(), {}, {}, []
     R, fan_in_fan_out = lora_cfg.rank, False
     for module in peft_modules(family, cfg):

@@ -81,6 +81,7 @@ def import_hf(source, workdir, experiment: str | None = None, overrides: list[st
     changed = {k: v for k, v in dataclasses.asdict(cfg.model).items() if v != imported_fields[k]}
 
     mesh = sharding.make_mesh(cfg.mesh)
+    sharding.check_experts(mesh, cfg.mesh, cfg.model.moe.num_experts)
     with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
         if adapter is not None:  # loaded before anything is written: an adapter that does not fit writes nothing
             model = hf.load_hf(source, mesh=mesh, adapter=adapter, **changed)
