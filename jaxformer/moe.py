@@ -358,9 +358,13 @@ def expert_parallel_plan(token_shape: tuple[int, ...]) -> dict | None:
     ([B, T] or [M]), or None where the experts are not split (or the tokens do not divide over the
     devices, as a few decoding rows may not: XLA's partitioner takes those).
 
+    Args:
+        token_shape: the tokens' leading dimensions, [B, T] (capacity) or [M] (dropless).
+
     Returns:
         {"expert": mesh axes of the experts, "ways": how many ways, "tokens": a PartitionSpec
-        entry per token dimension, "mlp": mesh axes of the experts' hidden width (summed over)}.
+        entry per token dimension, "mlp": mesh axes of the experts' hidden width (summed over),
+        "length": mesh axes of more than one device that split a row's positions}.
     """
     mesh = jax.sharding.get_abstract_mesh()
     # one name at a time: a spec of several names never repeats a mesh axis (batch holds `expert` too)
@@ -375,8 +379,10 @@ def expert_parallel_plan(token_shape: tuple[int, ...]) -> dict | None:
         n % math.prod(mesh.shape[a] for a in t) for n, t in zip(token_shape, tokens, strict=True)
     ):
         return None
-    mlp = tuple(a for a in mlp if a not in used and a not in expert)  # else the hidden width is gathered
-    return {"expert": expert, "ways": ways, "tokens": tokens, "mlp": mlp}
+    # Sums run over axes of more than one device only (XLA:CPU keeps an all-reduce over groups of one).
+    mlp = tuple(a for a in mlp if a not in used and a not in expert and mesh.shape[a] > 1)  # else gathered
+    split = tuple(a for a in length if mesh.shape[a] > 1)
+    return {"expert": expert, "ways": ways, "tokens": tokens, "mlp": mlp, "length": split}
 
 
 def _kernel_specs(w: dict, plan: dict) -> dict:
@@ -414,14 +420,14 @@ def capacity_expert_parallel(
     Returns:
         [B, T, D].
     """
-    expert, (batch, length), mlp = plan["expert"], plan["tokens"], plan["mlp"]
+    expert, (batch, length), mlp, split = plan["expert"], plan["tokens"], plan["mlp"], plan["length"]
     reduce = (lambda y: jax.lax.psum(y, mlp)) if mlp else (lambda y: y)
 
     def local(x_BTD, dispatch_BTEP, combine_BTEP, w):
         dt = x_BTD.dtype
         x_BEPD = jnp.einsum("BTEP,BTD->BEPD", dispatch_BTEP.astype(dt), x_BTD)
-        if length:  # a row's slots are filled from all its position shards
-            x_BEPD = jax.lax.psum(x_BEPD, length)
+        if split:  # a row's slots are filled from all its position shards
+            x_BEPD = jax.lax.psum(x_BEPD, split)
         x_BEPD = jax.lax.all_to_all(x_BEPD, expert, 1, 0, tiled=True)  # [B*N, E/N, P, D]: my experts' slots
         out_BEPD = _expert_ffn(x_BEPD, w, activation, reduce)
         out_BEPD = jax.lax.all_to_all(out_BEPD, expert, 0, 1, tiled=True)  # [B, E, P, D]: my rows' slots

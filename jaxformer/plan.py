@@ -398,7 +398,9 @@ def collective_bytes(compiled_text: str) -> dict[str, tuple[int, int]]:
     """
     out = {kind: (0, 0) for kind in COLLECTIVES}
     kinds = "|".join(COLLECTIVES)
-    for m in re.finditer(rf"= (\([^=]*?\)|\w+\[[\d,]*\](?:\{{[^}}]*\}})?) ({kinds})(?:-done)?\(", compiled_text):
+    # a tuple result: its elements (long tuples number theirs, /*index=5*/), up to the op's name
+    tuple_ = r"\((?:[^=]|/\*index=\d+\*/)*?\)"
+    for m in re.finditer(rf"= ({tuple_}|\w+\[[\d,]*\](?:\{{[^}}]*\}})?) ({kinds})(?:-done)?\(", compiled_text):
         size = sum(
             DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
             for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
