@@ -5,7 +5,7 @@
     python tests/sharded_worker.py singlehost              # the same run in one process, 8 devices
     python tests/sharded_worker.py remesh DIR              # save under FSDP=8, restore on DP=4 and on 1
     python tests/sharded_worker.py hf DIR                  # a Hugging Face checkpoint loaded onto FSDP=4 x TP=2
-    python tests/sharded_worker.py moe                     # MoE training with expert parallelism vs 1 device
+    python tests/sharded_worker.py moe                     # MoE loss and gradients, experts split, vs 1 device
     python tests/sharded_worker.py hf_moe GOLDEN           # Mixtral, Switch loaded onto fsdp=2 x expert=4
 
 Prints one JSON line of results for tests/test_sharding.py (hf_moe: tests/test_interop_moe.py) to check.
