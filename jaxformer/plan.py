@@ -759,6 +759,7 @@ def _cache_key(lowered, mesh) -> str:
         "versions": versions, "platform": device.platform, "device_kind": device.device_kind,
         "devices": [d.id for d in mesh.devices.flat], "mesh": sharding.axis_sizes(mesh),
         "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
+        "figures": 2,  # how the figures are read: 2 counts tuple all-reduces with numbered elements
         "jax": {k: str(jax.config.values[k]) for k in sorted(jax.config.values) if "optimization" in k
                 or "memory_fitting" in k or k == "jax_disable_most_optimizations"},
     }  # fmt: skip
