@@ -398,7 +398,9 @@ def collective_bytes(compiled_text: str) -> dict[str, tuple[int, int]]:
     """
     out = {kind: (0, 0) for kind in COLLECTIVES}
     kinds = "|".join(COLLECTIVES)
-    for m in re.finditer(rf"= (\([^=]*?\)|\w+\[[\d,]*\](?:\{{[^}}]*\}})?) ({kinds})(?:-done)?\(", compiled_text):
+    # a tuple result: its elements (long tuples number theirs, /*index=5*/), up to the op's name
+    tuple_ = r"\((?:[^=]|/\*index=\d+\*/)*?\)"
+    for m in re.finditer(rf"= ({tuple_}|\w+\[[\d,]*\](?:\{{[^}}]*\}})?) ({kinds})(?:-done)?\(", compiled_text):
         size = sum(
             DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
             for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
@@ -757,6 +759,7 @@ def _cache_key(lowered, mesh) -> str:
         "versions": versions, "platform": device.platform, "device_kind": device.device_kind,
         "devices": [d.id for d in mesh.devices.flat], "mesh": sharding.axis_sizes(mesh),
         "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
+        "figures": 2,  # how the figures are read: 2 counts tuple all-reduces with numbered elements
         "jax": {k: str(jax.config.values[k]) for k in sorted(jax.config.values) if "optimization" in k
                 or "memory_fitting" in k or k == "jax_disable_most_optimizations"},
     }  # fmt: skip

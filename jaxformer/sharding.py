@@ -42,10 +42,11 @@ LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "laye
 BATCH = ("data", "fsdp", "expert")  # the global batch is split over every axis that is not tensor parallel
 
 # logical axis -> mesh axis (None: replicated). Unlisted names (kv, layers) are replicated.
-# Expert parallelism (mesh.expert > 1): the experts' kernels are split by expert, and tokens travel
-# to their experts' devices (all-to-all) where the MoE layer constrains its [B, E, P, D] slots to
-# `expert_batch` x `expert`. Activations' sequence axis (`length`) is on `context`. An axis of size
-# 1 (the default for both) changes nothing.
+# Expert parallelism (mesh.expert > 1): the experts' kernels are split by expert, and the MoE layer
+# sends tokens to their experts' devices and back by an all-to-all in a shard_map (`moe.*_expert_parallel`);
+# `expert_batch` places the capacity dispatch's [B, E, P, D] slots where it is left to XLA's partitioner.
+# Activations' sequence axis (`length`) is on `context`. An axis of size 1 (the default for both)
+# changes nothing.
 EXPERT = (("expert", "expert"), ("expert_batch", ("data", "fsdp")))
 CP = (("length", "context"),)
 RULES = {

@@ -230,18 +230,20 @@ def test_gpu_targets_are_read_and_fall_back_to_fake_cpus_without_the_gpu_compile
 
 
 def test_collectives_are_counted_by_kind_from_the_compiled_text():
-    """Each op's result buffers, in bytes of its dtype; an async op counted once, at its `-done`."""
+    """Each op's result buffers, in bytes of its dtype; an async op counted once, at its `-done`; a
+    tuple as long as the TPU compiler's gradient all-reduces (its elements numbered from the 6th)."""
     from jaxformer.plan import collective_bytes
 
     text = """
   %all-to-all.10 = (f32[1,2,40,128]{3,2,1,0}, f32[1,2,40,128]{3,2,1,0}) all-to-all(%a, %b), dimensions={0}
   %ar = bf16[64,32]{1,0} all-reduce(%g), to_apply=%add
+  %ar.2 = (f32[]{:T(128)}, f32[8]{0:T(128)}, f32[], f32[], f32[], /*index=5*/f32[2,3]{1,0:T(8,128)}) all-reduce(%a)
   %cp-start = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(%x), source_target_pairs={{0,1}}
   %cp-done = f32[8]{0} collective-permute-done(%cp-start)
   %fusion = f32[8]{0} fusion(%cp-done), kind=kLoop, calls=%all-gather-like
 """
     got = collective_bytes(text)
     assert got["all-to-all"] == (2 * 2 * 40 * 128 * 4, 1)
-    assert got["all-reduce"] == (64 * 32 * 2, 1)
+    assert got["all-reduce"] == (64 * 32 * 2 + (4 + 8 * 4 + 3 * 4 + 6 * 4), 2)  # a long tuple numbers its elements
     assert got["collective-permute"] == (8 * 4, 1)
     assert got["all-gather"] == (0, 0) and got["reduce-scatter"] == (0, 0)

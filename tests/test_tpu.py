@@ -160,8 +160,9 @@ def test_profiling_stands_down_in_a_process_that_compiled_for_a_slice(target, tm
 def test_a_moe_plan_counts_the_collectives_of_expert_parallelism(capfd):
     """A decoder with MoE layers on v5p (8 chips, experts split 4 ways): the plan reads the training
     step's collectives from the compiled program, which the compiler writes out itself (jaxlib cannot
-    read v5p's compiled text back), with no stack trace; the experts' weights move (all-gathers) and
-    the gradients are reduced. A plan without an expert axis does not count them."""
+    read v5p's compiled text back), with no stack trace; the tokens travel to their experts' chips and
+    back by the MoE layer's explicit all-to-all (dispatch and combine, forward and backward: 4 a
+    layer), and the gradients are reduced. A plan without an expert axis does not count them."""
     from jaxformer.config import MoEConfig
 
     moe = MoEConfig(num_experts=8, experts_per_token=2, capacity_factor=1.25)
@@ -174,6 +175,7 @@ def test_a_moe_plan_counts_the_collectives_of_expert_parallelism(capfd):
     moved = planned.collectives
     assert set(moved) == {"all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute"}
     assert moved["all-reduce"][1] > 0 and sum(b for b, _ in moved.values()) > 0
+    assert moved["all-to-all"][1] == 4 * cfg.model.num_decoder_layers, moved
     assert "collectives        per step: " in planned.table()
 
 
