@@ -95,19 +95,11 @@ class Adapter(nnx.Module):
         rank_of_kernel: how many leading (layers) axes it has.
         num_in: how many input axes follow them.
         cfg: the LoRA section (rank R, alpha, dropout).
-        keys: [lead...] PRNG keys for A's initialisation.
+        keys: [lead...] PRNG keys for A's initialisation, one per layer of a scanned stack (a scalar
+            key otherwise).
     """
 
     def __init__(self, kernel: nnx.Param, rank_of_kernel: int, num_in: int, cfg: LoRAConfig, keys: Array):
-        """`keys` [lead...]: one per layer of a scanned stack (a scalar key otherwise).
-
-        Args:
-            kernel: the adapted kernel [lead..., in..., out...] (its shape and logical names).
-            rank_of_kernel: how many leading (layers) axes it has.
-            num_in: how many input axes follow them.
-            cfg: the LoRA section (rank R, alpha, dropout).
-            keys: [lead...] PRNG keys for A's initialisation.
-        """
         shape = kernel.shape
         names = tuple(kernel.get_metadata().get("out_sharding") or (None,) * len(shape))
         lead = len(shape) - rank_of_kernel
