@@ -221,3 +221,34 @@ def test_collectives_are_counted_by_kind_from_the_compiled_text():
     assert got["all-reduce"] == (64 * 32 * 2, 1)
     assert got["collective-permute"] == (8 * 4, 1)
     assert got["all-gather"] == (0, 0) and got["reduce-scatter"] == (0, 0)
+
+
+def test_bytes_moved_counts_what_xla_s_cost_analysis_counts_and_a_loop_once_a_trip():
+    """Where XLA gives its cost analysis (here, the CPU compiler), the count from the compiled text
+    agrees with it: a matmul's bytes exactly, and a scan of L matmuls with the loop's body counted once
+    (as XLA counts it) to within its scalars. `bytes_moved` counts the body once per trip instead: its
+    growth from 3 to 6 layers is 3 trips of the body, each at least the layer's input and weights read
+    and its output written (a dynamic slice of the stacked weights counted as the slice, not the stack)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxformer.plan import bytes_moved, hlo_ops
+
+    M, K = 64, 128
+    xla = lambda compiled: compiled.cost_analysis()["bytes accessed"]
+    a, b = jax.ShapeDtypeStruct((M, K), jnp.float32), jax.ShapeDtypeStruct((K, 2 * K), jnp.float32)
+    matmul = jax.jit(jnp.dot).lower(a, b).compile()
+    assert bytes_moved(matmul.as_text()) == xla(matmul) >= 4 * (M * K + K * 2 * K + M * 2 * K)
+
+    def stack(x, w):  # [M, K] through L layers [L, K, K]
+        return jax.lax.scan(lambda x, w_l: (jnp.tanh(x @ w_l), None), x, w)[0]
+
+    moved, body = {}, {}
+    for L in (3, 6):
+        compiled = jax.jit(stack).lower(a, jax.ShapeDtypeStruct((L, K, K), jnp.float32)).compile()
+        ops = hlo_ops(compiled.as_text())
+        assert sum(once for _, once, _ in ops) == pytest.approx(xla(compiled), abs=256)
+        moved[L], body[L] = bytes_moved(compiled.as_text()), sum(once for _, once, times in ops if times == L)
+    assert body[3] == body[6] >= 4 * (2 * M * K + K * K)
+    assert moved[6] - moved[3] == 3 * body[3]
+    assert body[6] < 4 * 6 * K * K  # a trip reads the slice, not the whole [6, K, K] stack
