@@ -20,7 +20,8 @@ Nothing is allocated: the state is abstract (shapes, dtypes and shardings), and 
 
 With a chip (a target, or a table entry for the devices), the plan adds a roofline lower bound on
 the step time (the larger of FLOPs / peak and bytes accessed / memory bandwidth, both per chip from
-the compiler's cost analysis), the tokens/s it implies and the MFU it leaves as a ceiling.
+the compiler's cost analysis, or the model's FLOPs and the bytes counted from the compiled program
+where it gives none), the tokens/s it implies and the MFU it leaves as a ceiling.
 
 The figures of each compiled step are kept on disk (`cache_dir()`): the TPU compiler takes from
 half a minute to two minutes per step of a real model, and the same plan again reads them back.
@@ -1012,7 +1013,7 @@ def _foretell(known: dict, batch: int) -> float:
     none: nothing, so that it is foretold to fit)."""
     points = sorted((b, p) for b, p in known.items() if math.isfinite(p))
     below, above = [x for x in points if x[0] < batch], [x for x in points if x[0] > batch]
-    pair = [*below[-1:], *above[:1]] if below and above else below[-2:]
+    pair = [*below[-1:], *above[:1]] if below and above else _rising(below)
     if len(pair) == 2:
         (b0, p0), (b1, p1) = pair
         return p0 + (p1 - p0) * (batch - b0) / (b1 - b0)
@@ -1020,13 +1021,24 @@ def _foretell(known: dict, batch: int) -> float:
     return nearest[0][1] * batch / nearest[0][0] if nearest else 0.0
 
 
+def _rising(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The last of the (batch, peak) points and the last before it with a lower peak: the line a
+    search extends. A compiler that rematerialises once over its memory limit (XLA's GPU compiler)
+    can give a larger batch the smaller peak; a line through those two would fall."""
+    if not points:
+        return []
+    lower = [x for x in points[:-1] if x[1] < points[-1][1]]
+    return [*lower[-1:], points[-1]]
+
+
 def _next_try(known: dict, shards: int, memory: float, start: int | None, within: float) -> int | None:
     """The batch to compile next given the peaks `known` (None: the search is done).
 
     Memory grows about linearly with the batch, but rows cost less at small batches (fixed
     buffers) and a TPU compiler's refusal understates the excess (it rematerialises harder near
-    its limit), so lines overshoot. Each try takes the lower of two lines' edges (through the two
-    largest batches that fit; between the largest that fits and the smallest that does not),
+    its limit), so lines overshoot. Each try takes the lower of two lines' edges (through the
+    largest batch that fits and the largest below it with a lower peak; between the largest that
+    fits and the smallest that does not),
     aimed just below it so that a fit can end the search; a gap wider than 4x is cut at its
     geometric middle, every try cuts at least an eighth of it, and once a fit is close to the
     lines' edge the next try is the one that would close the gap from above. The first try is
@@ -1039,8 +1051,8 @@ def _next_try(known: dict, shards: int, memory: float, start: int | None, within
     fits = below[-1]
     over = min((b for b, p in known.items() if p > memory and b > fits), default=None)
     edges = []  # where lines through known batches reach the memory
-    if len(below) > 1 and known[below[-1]] > known[below[-2]]:
-        (b0, b1), (p0, p1) = below[-2:], (known[below[-2]], known[below[-1]])
+    if len(rising := _rising([(b, known[b]) for b in below])) == 2:
+        (b0, p0), (b1, p1) = rising
         edges.append(b1 + (memory - p1) * (b1 - b0) / (p1 - p0))
     if over is not None and math.isfinite(known[over]):
         edges.append(fits + (memory - known[fits]) * (over - fits) / (known[over] - known[fits]))

@@ -118,6 +118,31 @@ def test_the_largest_batch_search_brackets_the_edge_within_its_tolerance_in_few_
     assert exact == edge // shards * shards and above == exact + shards
 
 
+def test_the_search_is_not_misled_by_a_compiler_that_rematerialises_over_its_limit():
+    """XLA's GPU compiler never refuses: past its own limit it rematerialises, so a batch just above the
+    limit can peak below one just under it (the 1.3B shape on 8 H100s: 78.4 GB at 2936, 72.5 GB at
+    2944). The search extends the line through the rising points, not the falling pair: the edge in
+    four rounds, no try past it by more than a fifth (it once doubled to 5888 and 11776)."""
+    import numpy as np
+
+    from jaxformer.plan import _largest_batch
+
+    memory, tried = 80e9, []
+
+    def peak(batch: int) -> float:  # the compiler's peaks at 512, 1024, 2936; then from 2944 to 3312
+        if batch <= 2936:
+            return float(np.interp(batch, [512, 1024, 2936], [16.343e9, 29.769e9, 78.378e9]))
+        return 72.481e9 + (80.034e9 - 72.481e9) * (batch - 2944) / (3264 - 2944)
+
+    def peaks_at(batches: list[int]) -> list[float]:
+        tried.append(batches)
+        return [peak(b) for b in batches]
+
+    fits, over = _largest_batch(peaks_at, 8, memory, start=512, within=0.02, jobs=2)
+    assert peak(fits) <= memory < peak(over) and over - fits <= 0.02 * over
+    assert len(tried) <= 4 and max(b for batches in tried for b in batches) < 1.2 * over, tried
+
+
 def test_a_refusal_gives_the_peak_it_implies():
     from jaxformer.plan import _refused_bytes
 
