@@ -1,10 +1,12 @@
 """A 1.3B GPT-2-shaped language model (D=2048, L=24, H=16, V=50304, T=1024) for a TPU pod slice or a
 multi-GPU node: the shape the GPU benchmark measures (scripts/gpu_check.sh), made a training run.
 
-Plan it first, on any machine (`pip install -e ".[tpu]"` brings the TPU compiler):
+Plan it first, on any machine (`pip install -e ".[tpu]"` brings the TPU compiler, `".[gpu-plan]"`
+XLA's GPU compiler; neither needs the chip):
 
     jaxformer plan --config experiments/gpt2_1p3b.py --target tpu-v5p:4x4x4   # v5p-128: 64 chips
     jaxformer plan --config experiments/gpt2_1p3b.py --target tpu-v5e:16x16   # v5e-256: 256 chips
+    jaxformer plan --config experiments/gpt2_1p3b.py --target gpu-h100:1x8    # one node of 8 H100 SXM
 
 then train (on every host of a pod, `scripts/tpu_pod.sh` runs it there):
 

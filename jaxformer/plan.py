@@ -11,7 +11,8 @@ Nothing is allocated: the state is abstract (shapes, dtypes and shardings), and 
   with `jaxformer[gpu-plan]` installed, XLA's GPU compiler for compile-only CUDA devices of XLA's
   description of that GPU, on any machine (`jaxformer.gpu`); cuDNN's fused attention is in the step.
   That compiler gives no cost analysis without a device: the FLOPs are the model's, and the bytes
-  accessed a lower bound (every argument read and every output written once).
+  accessed are counted from the compiled program (`bytes_moved`: each op's operands read and result
+  written once, a loop's body once a trip).
 - fake CPU devices (`--devices 64`, or a GPU target without the GPU compiler: N of them with the
   chip's memory and peak from the chip table). XLA's CPU compiler decides the buffers; a GPU's
   compiler fuses and schedules differently, so read those figures as the program's shape, not a
@@ -19,7 +20,8 @@ Nothing is allocated: the state is abstract (shapes, dtypes and shardings), and 
 
 With a chip (a target, or a table entry for the devices), the plan adds a roofline lower bound on
 the step time (the larger of FLOPs / peak and bytes accessed / memory bandwidth, both per chip from
-the compiler's cost analysis), the tokens/s it implies and the MFU it leaves as a ceiling.
+the compiler's cost analysis, or the model's FLOPs and the bytes counted from the compiled program
+where it gives none), the tokens/s it implies and the MFU it leaves as a ceiling.
 
 The figures of each compiled step are kept on disk (`cache_dir()`): the TPU compiler takes from
 half a minute to two minutes per step of a real model, and the same plan again reads them back.
@@ -182,7 +184,7 @@ class Plan:
         target: "tpu-v5p:4x4x4", "gpu-h100x8"; None: this process's devices
         chip: the chip table's name, when the devices are a chip it knows
         eval_peak: the evaluation step's peak bytes per device, same batch
-        bytes_accessed: per device and step, XLA's cost analysis (else arguments + outputs)
+        bytes_accessed: per device and step, XLA's cost analysis (else counted from the compiled program)
         tokens_per_step: predicted (target) tokens of a global batch
         compute_seconds: flops_per_device / the chip's dense peak in the compute dtype
         memory_seconds: bytes_accessed / the chip's memory bandwidth
@@ -226,7 +228,7 @@ class Plan:
     target: str | None = None  # "tpu-v5p:4x4x4", "gpu-h100x8"; None: this process's devices
     chip: str | None = None  # the chip table's name, when the devices are a chip it knows
     eval_peak: int | None = None  # the evaluation step's peak bytes per device, same batch
-    bytes_accessed: float | None = None  # per device and step, XLA's cost analysis (else arguments + outputs)
+    bytes_accessed: float | None = None  # per device and step, XLA's cost analysis (else counted from the program)
     tokens_per_step: int = 0  # predicted (target) tokens of a global batch
     compute_seconds: float | None = None  # flops_per_device / the chip's dense peak in the compute dtype
     memory_seconds: float | None = None  # bytes_accessed / the chip's memory bandwidth
@@ -310,7 +312,7 @@ class Plan:
         lines.append(f"FLOPs per step: {xla}; the model's {flops(self.model_flops / n)}")
         if self.step_seconds is not None:
             ceilings = {"tokens_per_s": self.tokens_per_second, "mfu": self.mfu_ceiling}
-            accessed = "accessed" if costed else "accessed at least: arguments read, outputs written"
+            accessed = "accessed" if costed else "moved, counted from the compiled program"
             lines.append(
                 f"roofline: step >= {self.step_seconds * 1e3:.2f} ms (compute {self.compute_seconds * 1e3:.2f} ms, "
                 f"memory {self.memory_seconds * 1e3:.2f} ms for {self.bytes_accessed / 1e9:.3f} GB {accessed}); "
@@ -401,13 +403,167 @@ def collective_bytes(compiled_text: str) -> dict[str, tuple[int, int]]:
     # a tuple result: its elements (long tuples number theirs, /*index=5*/), up to the op's name
     tuple_ = r"\((?:[^=]|/\*index=\d+\*/)*?\)"
     for m in re.finditer(rf"= ({tuple_}|\w+\[[\d,]*\](?:\{{[^}}]*\}})?) ({kinds})(?:-done)?\(", compiled_text):
-        size = sum(
-            DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
-            for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
-        )
+        size = shape_bytes(m.group(1))
         total, ops = out[m.group(2)]
         out[m.group(2)] = (total + size, ops + 1)
     return out
+
+
+# One instruction of compiled HLO text: name = shape opcode(operands), attributes.
+HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?) ([\w\-]+)\((.*)$")
+# Ops that move no data: names for buffers that are already there.
+HLO_PLUMBING = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id"}
+# Ops that read only their result's worth of an operand: a slice of it.
+HLO_SLICING = {"dynamic-slice", "slice", "gather"}
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape: an array ("bf16[8,128]{1,0}") or a tuple of them.
+
+    Args:
+        shape: the shape as the HLO text writes it.
+
+    Returns:
+        Bytes.
+    """
+    return sum(
+        DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape)
+    )
+
+
+def _operands(rest: str) -> list[str]:
+    """The operand names of an instruction: the text up to its closing parenthesis."""
+    depth, end = 0, len(rest)
+    for i, ch in enumerate(rest):
+        depth += ch == "("
+        if ch == ")":
+            if depth == 0:
+                end = i
+                break
+            depth -= 1
+    return re.findall(r"%([\w.\-]+)", rest[:end])
+
+
+def parse_hlo(text: str) -> tuple[dict[str, list[dict]], str | None]:
+    """The computations of an HLO module's text and the entry computation's name.
+
+    Args:
+        text: a (compiled) HLO module's text.
+
+    Returns:
+        ({computation: its instructions, each a dict of name, shape, op, operands, calls (the
+        computations it calls), kind (a fusion's), target (a custom call's), trips (a while loop's
+        known trip count, else 1)}, the entry's name or None).
+    """
+    computations, current, entry = {}, None, None
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            if m := re.match(r"^(ENTRY )?%?([\w.\-]+)", line):
+                current = m.group(2)
+                computations[current] = []
+                entry = current if m.group(1) else entry
+            continue
+        m = HLO_INSTRUCTION.match(line)
+        if m and current is not None:
+            name, shape, op, rest = m.groups()
+            called = re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=(\{[^}]*\}|%[\w.\-]+)", line)
+            target = re.search(r'custom_call_target="([^"]+)"', line)
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+            computations[current].append({
+                "name": name, "shape": shape, "op": op, "operands": _operands(rest),
+                "calls": [c for group in called for c in re.findall(r"%([\w.\-]+)", group)],
+                "kind": (re.search(r"kind=(\w+)", line) or [None, ""])[1], "target": target[1] if target else "",
+                "trips": int(trips.group(1)) if trips else 1, "root": line.lstrip().startswith("ROOT "),
+                "index": int(rest.split(")")[0]) if op == "parameter" and rest.split(")")[0].isdigit() else None,
+            })  # fmt: skip
+    return computations, entry
+
+
+def _moved(op: dict, computations: dict, size: dict) -> int:
+    """Bytes one top-level op reads and writes, once: its result and its operands, except what it
+    reads or writes only a slice of (a dynamic slice of a layer's weights out of a scan's stack; a
+    dynamic update in place, of which only the update moves) and a library call's scratch space."""
+    if op["op"] == "fusion" and op["calls"] and computations.get(op["calls"][0]):
+        inner = computations[op["calls"][0]]
+        params = {i["index"]: i["name"] for i in inner if i["op"] == "parameter"}  # operand index -> name
+        users: dict[str, list[dict]] = {}
+        for i in inner:
+            for o in i["operands"]:
+                users.setdefault(o, []).append(i)
+        inner_size = {i["name"]: shape_bytes(i["shape"]) for i in inner}
+        read = 0
+        for k, operand in enumerate(op["operands"]):
+            param = params.get(k)
+            uses = users.get(param, []) if param else []
+            sliced = [u for u in uses if u["op"] in HLO_SLICING and u["operands"][0] == param]
+            in_place = [u for u in uses if u["op"] == "dynamic-update-slice" and u["operands"][0] == param]
+            if uses and len(sliced) + len(in_place) == len(uses):  # only slices read (an update: only written)
+                read += sum(inner_size[u["name"]] for u in sliced)
+            else:
+                read += size.get(operand, 0)
+        by_name = {i["name"]: i for i in inner}
+        root = next((i for i in inner if i["root"]), inner[-1])
+        written = 0
+        for part in [by_name[o] for o in root["operands"] if o in by_name] if root["op"] == "tuple" else [root]:
+            in_place = part["op"] == "dynamic-update-slice"  # only the update is written
+            written += inner_size.get(part["operands"][1], 0) if in_place else inner_size[part["name"]]
+        return read + written
+    operands = [size.get(o, 0) for o in op["operands"]]
+    if op["op"] in HLO_SLICING:
+        return 2 * shape_bytes(op["shape"])
+    if op["op"] == "dynamic-update-slice":
+        return 2 * operands[1]
+    result = shape_bytes(op["shape"])
+    if op["op"] == "custom-call" and op["shape"].startswith("("):  # a library call: its u8/s8 scratch is not traffic
+        result -= sum(shape_bytes(s) for s in re.findall(r"[us]8\[[\d,]*\]", op["shape"]))
+    return result + sum(operands)
+
+
+def hlo_ops(text: str) -> list[tuple[dict, int, int]]:
+    """The top-level ops a compiled HLO module runs, from its entry through loops, calls and
+    branches (not inside fusions), with the bytes each moves once and how many times it runs.
+
+    Args:
+        text: a compiled HLO module's text.
+
+    Returns:
+        [(instruction as `parse_hlo` gives it, bytes moved once, times run)]: a while loop's body
+        times its known trip count (once when the compiler does not know it); each branch once.
+    """
+    computations, entry = parse_hlo(text)
+    size = {i["name"]: shape_bytes(i["shape"]) for c in computations.values() for i in c}
+    out = []
+
+    def walk(name: str, times: int, seen: frozenset) -> None:
+        for op in computations.get(name, []):
+            if op["op"] in HLO_PLUMBING:
+                continue
+            if op["op"] in ("while", "call", "conditional", "async-start"):
+                for called in op["calls"]:
+                    if called not in seen:
+                        walk(called, times * op["trips"], seen | {called})
+                continue
+            out.append((op, _moved(op, computations, size), times))
+
+    if entry is not None:
+        walk(entry, 1, frozenset({entry}))
+    return out
+
+
+def bytes_moved(text: str) -> float:
+    """Bytes a compiled program reads and writes in device memory, counted from its text: each
+    top-level op (a fusion, a library call, a copy, a collective) reads its operands and writes its
+    result once, a slice only the slice, an in-place update only the update, a loop's body once per
+    trip. Where XLA gives no cost analysis (its GPU compiler without a GPU), the roofline's memory term.
+
+    Args:
+        text: a compiled HLO module's text.
+
+    Returns:
+        Bytes per device and step.
+    """
+    return float(sum(moved * times for _, moved, times in hlo_ops(text)))
 
 
 def parse_bytes(text: str) -> float:
@@ -491,8 +647,9 @@ def plan(
     """Compile `cfg`'s training and evaluation steps for its mesh (abstract state) and report
     per-device bytes; with `device_memory`, whether it fits and the largest batch that does.
 
-    `target` lays the mesh over a TPU slice's compile-only devices (or, for a GPU, takes this
-    process's fake CPU devices) and brings the chip's memory, peak and bandwidth. `largest=False`
+    `target` lays the mesh over a TPU slice's or GPU hosts' compile-only devices (or, for a GPU
+    without XLA's GPU compiler installed, this process's fake CPU devices) and brings the chip's
+    memory, peak and bandwidth. `largest=False`
     skips the search for the largest batch (two or more compiles), which stops once the largest batch
     known to fit is within `within` (a fraction) of the smallest known not to; `progress(message)`
     hears of each compile. Up to `jobs` steps compile side by side, each on its own thread: the
@@ -613,8 +770,8 @@ def plan(
     compile_seconds = _union(busy)
     T = cfg.data.max_len
     flops, accessed = step.flops, step.bytes_accessed
-    if not math.isfinite(accessed):  # no cost analysis (XLA's GPU compiler without a GPU): a lower bound
-        accessed = float(step.arguments + step.outputs)
+    if not math.isfinite(accessed):  # no cost analysis (XLA's GPU compiler without a GPU): counted from its program
+        accessed = step.bytes_moved if math.isfinite(step.bytes_moved) else float(step.arguments + step.outputs)
     model_flops = flops_per_example(cfg.model, cfg.train.objective, cfg.data.src_len, T) * batch_size
     tokens = batch_size * (1 if cfg.train.objective == "classify" else T)
     roofline = {}
@@ -658,6 +815,8 @@ class Compiled:
         code: the compiled program, bytes.
         flops: XLA's FLOPs per device (NaN: none).
         bytes_accessed: XLA's bytes accessed per device (NaN: none).
+        bytes_moved: counted from the compiled program's text (`bytes_moved`), where XLA gives no
+            cost analysis (a GPU target); NaN: not counted
         kernels: Pallas kernel calls in the step (`kernel_calls`), or cuDNN attention calls (`cudnn_calls`)
         collectives: {kind: (bytes, ops)} (`collective_bytes`); None: not counted
         host_arguments: arguments in host memory, bytes per device (offloaded optimizer state)
@@ -674,6 +833,7 @@ class Compiled:
     code: int = 0
     flops: float = math.nan
     bytes_accessed: float = math.nan
+    bytes_moved: float = math.nan  # counted from the compiled text (`bytes_moved`) where XLA gives no cost analysis
     kernels: int = 0  # Pallas kernel calls in the step (`kernel_calls`), or cuDNN attention calls (`cudnn_calls`)
     collectives: dict | None = None  # {kind: (bytes, ops)} (`collective_bytes`); None: not counted
     refused: str | None = None  # the compiler's out-of-memory message: nothing else is known
@@ -720,6 +880,7 @@ class Compiled:
         m = compiled.memory_analysis()
         cost = compiled.cost_analysis() or {}  # none from XLA's GPU compiler without a GPU
         cost = (cost[0] if cost else {}) if isinstance(cost, list) else cost
+        text = compiled.as_text() if gpu else ""
         return cls(
             collectives=moved,
             arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
@@ -727,7 +888,8 @@ class Compiled:
             host_arguments=m.host_argument_size_in_bytes, host_outputs=m.host_output_size_in_bytes,
             host_temporaries=m.host_temp_size_in_bytes, compiler_peak=getattr(m, "peak_memory_in_bytes", 0),
             flops=float(cost.get("flops", math.nan)), bytes_accessed=float(cost.get("bytes accessed", math.nan)),
-            kernels=cudnn_calls(compiled.as_text()) if gpu else kernel_calls(lowered.as_text()),
+            bytes_moved=bytes_moved(text) if gpu and "bytes accessed" not in cost else math.nan,
+            kernels=cudnn_calls(text) if gpu else kernel_calls(lowered.as_text()),
         )  # fmt: skip
 
 
@@ -770,9 +932,12 @@ def _cache_key(lowered, mesh) -> str:
 def _cache_read(key: str) -> Compiled | None:
     directory = cache_dir()
     try:
-        return Compiled(**json.loads((directory / f"{key}.json").read_text())) if directory else None
-    except (OSError, ValueError, TypeError):  # absent, unreadable, or written by another version: compile
+        figures = json.loads((directory / f"{key}.json").read_text()) if directory else None
+    except (OSError, ValueError):  # absent or unreadable: compile
         return None
+    if not isinstance(figures, dict) or set(figures) != {f.name for f in dataclasses.fields(Compiled)}:
+        return None  # written by a version with other figures: compile
+    return Compiled(**figures)
 
 
 def _cache_write(key: str, figures: Compiled) -> None:
@@ -851,7 +1016,7 @@ def _foretell(known: dict, batch: int) -> float:
     none: nothing, so that it is foretold to fit)."""
     points = sorted((b, p) for b, p in known.items() if math.isfinite(p))
     below, above = [x for x in points if x[0] < batch], [x for x in points if x[0] > batch]
-    pair = [*below[-1:], *above[:1]] if below and above else below[-2:]
+    pair = [*below[-1:], *above[:1]] if below and above else _rising(below)
     if len(pair) == 2:
         (b0, p0), (b1, p1) = pair
         return p0 + (p1 - p0) * (batch - b0) / (b1 - b0)
@@ -859,13 +1024,24 @@ def _foretell(known: dict, batch: int) -> float:
     return nearest[0][1] * batch / nearest[0][0] if nearest else 0.0
 
 
+def _rising(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The last of the (batch, peak) points and the last before it with a lower peak: the line a
+    search extends. A compiler that rematerialises once over its memory limit (XLA's GPU compiler)
+    can give a larger batch the smaller peak; a line through those two would fall."""
+    if not points:
+        return []
+    lower = [x for x in points[:-1] if x[1] < points[-1][1]]
+    return [*lower[-1:], points[-1]]
+
+
 def _next_try(known: dict, shards: int, memory: float, start: int | None, within: float) -> int | None:
     """The batch to compile next given the peaks `known` (None: the search is done).
 
     Memory grows about linearly with the batch, but rows cost less at small batches (fixed
     buffers) and a TPU compiler's refusal understates the excess (it rematerialises harder near
-    its limit), so lines overshoot. Each try takes the lower of two lines' edges (through the two
-    largest batches that fit; between the largest that fits and the smallest that does not),
+    its limit), so lines overshoot. Each try takes the lower of two lines' edges (through the
+    largest batch that fits and the largest below it with a lower peak; between the largest that
+    fits and the smallest that does not),
     aimed just below it so that a fit can end the search; a gap wider than 4x is cut at its
     geometric middle, every try cuts at least an eighth of it, and once a fit is close to the
     lines' edge the next try is the one that would close the gap from above. The first try is
@@ -878,8 +1054,8 @@ def _next_try(known: dict, shards: int, memory: float, start: int | None, within
     fits = below[-1]
     over = min((b for b, p in known.items() if p > memory and b > fits), default=None)
     edges = []  # where lines through known batches reach the memory
-    if len(below) > 1 and known[below[-1]] > known[below[-2]]:
-        (b0, b1), (p0, p1) = below[-2:], (known[below[-2]], known[below[-1]])
+    if len(rising := _rising([(b, known[b]) for b in below])) == 2:
+        (b0, p0), (b1, p1) = rising
         edges.append(b1 + (memory - p1) * (b1 - b0) / (p1 - p0))
     if over is not None and math.isfinite(known[over]):
         edges.append(fits + (memory - known[fits]) * (over - fits) / (known[over] - known[fits]))

@@ -13,8 +13,9 @@ on embeddings and residuals), `scripts/peers.py`'s FlaxGPT2LMHeadModel, each wit
 AdamW (clipped), B x T tokens per step, mean cross-entropy.
 
 "Bytes" are XLA's cost analysis (CPU; the GPU path has none) and, on every target, a count from the
-compiled program itself: each top-level op's output and operands (a fusion reads its operands once),
-by kind of op. Counts are of top-level ops: a fusion counts once whatever it fuses.
+compiled program itself (`jaxformer.plan.hlo_ops`, what `jaxformer plan` reports for a GPU): each
+top-level op's result and operands (a fusion reads its operands once, a slice only the slice), by kind
+of op, a loop's body once per trip. Counts are of top-level ops: a fusion counts once whatever it fuses.
 """
 
 from __future__ import annotations
@@ -33,112 +34,54 @@ import benchmark
 import jax
 import peers
 
-from jaxformer import tpu
+from jaxformer import plan, tpu
 from jaxformer.train import flops_per_example
-
-ITEMSIZE = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-            "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}  # fmt: skip
-# One instruction of HLO text: name = shape opcode(operands), attributes.
-INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?) ([\w\-]+)\((.*)$")
-PLUMBING = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id"}
-
-
-def nbytes(shape: str) -> int:
-    """Bytes of an HLO shape (arrays or a tuple of them)."""
-    total = 0
-    for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape):
-        n = 1
-        for d in dims.split(","):
-            n *= int(d) if d else 1
-        total += ITEMSIZE.get(dtype, 4) * n
-    return total
-
-
-def operands_of(rest: str) -> list[str]:
-    """The operand names of an instruction: the text up to its closing parenthesis."""
-    depth, end = 0, len(rest)
-    for i, ch in enumerate(rest):
-        depth += ch == "("
-        if ch == ")":
-            if depth == 0:
-                end = i
-                break
-            depth -= 1
-    return re.findall(r"%([\w.\-]+)", rest[:end])
-
-
-def parse_hlo(text: str) -> dict[str, list[dict]]:
-    """Computation name -> its instructions: name, shape, op, operands, called computations, line."""
-    computations, current = {}, None
-    for line in text.splitlines():
-        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
-            current = re.match(r"^(?:ENTRY )?%?([\w.\-]+)", line).group(1)
-            computations[current] = []
-            continue
-        m = INSTRUCTION.match(line)
-        if m and current is not None:
-            name, shape, op, rest = m.groups()
-            calls = re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%([\w.\-]+)", line)
-            target = re.search(r'custom_call_target="([^"]+)"', line)
-            computations[current].append({
-                "name": name, "shape": shape, "op": op, "operands": operands_of(rest), "calls": calls,
-                "kind": (re.search(r"kind=(\w+)", line) or [None, ""])[1], "target": target[1] if target else "",
-            })  # fmt: skip
-    return computations
 
 
 def program_stats(text: str, B: int, T: int, V: int, D: int) -> dict:
     """Counts and bytes of the top-level ops of a compiled program (not those inside fusions)."""
-    comps = parse_hlo(text)
-    size = {i["name"]: nbytes(i["shape"]) for c in comps.values() for i in c}
-    fused = {c for comp in comps.values() for i in comp if i["op"] == "fusion" for c in i["calls"]}
+    comps, _ = plan.parse_hlo(text)
     inner_ops = lambda i: collections.Counter(j["op"] for c in i["calls"] for j in comps.get(c, []))
     s = collections.Counter()
     by_kind = collections.Counter()  # bytes by kind of top-level op
     logits_elements = B * T * V
-    for name, comp in comps.items():
-        if name in fused:
-            continue
-        for i in comp:
-            op = i["op"]
-            if op in PLUMBING:
-                continue
-            moved = size[i["name"]] + sum(size.get(o, 0) for o in i["operands"])
-            inner = inner_ops(i) if op == "fusion" else collections.Counter({op: 1})
-            if op == "fusion":
-                s["fusions"] += 1
-                s[f"fusions {i['kind']}"] += 1
-            gemm = "dot" in inner or "gemm" in i["target"] or "gemm" in " ".join(inner) or "__cublas" in i["target"]
-            if op == "custom-call" and i["target"].startswith("__cudnn"):
-                kind = "cuDNN"
-            elif gemm:
-                kind = "matmul"
-            elif inner.keys() & {"xor", "shift-right-logical", "rng-bit-generator", "rng"}:
-                kind = "dropout bits"
-            elif inner.keys() <= {"transpose", "copy", "bitcast", "parameter", "reshape", "broadcast"}:
-                kind = "transpose/copy"
-            elif inner.keys() & {"reduce", "reduce-window"}:
-                kind = "reduction"
-            else:
-                kind = "elementwise"
-            by_kind[kind] += moved
-            s[f"ops {kind}"] += 1
-            s["bytes"] += moved
-            for o in ("transpose", "copy"):
-                s[f"{o} ops"] += inner[o] > 0
-            s["conditionals"] += op == "conditional"
-            s["while loops"] += op == "while"
-            first = re.findall(r"\[([\d,]*)\]", i["shape"])
-            dims = [int(d) for d in first[0].split(",") if d] if first else []
-            elements = 1
-            for d in dims:
-                elements *= d
-            if elements == logits_elements and i["shape"].split("[")[0].lstrip("(") in ("f32", "bf16"):
-                s[f"[B,T,V] {i['shape'].split('[')[0].lstrip('(')} ops"] += 1
-            if "transpose" in inner and dims and len(dims) == 2 and (dims[0] in (V,) or dims[1] in (V,)):
-                s["transposes of a [V, .] array"] += 1
-            s["gathers"] += inner["gather"] > 0
-            s["scatters"] += inner["scatter"] > 0
+    for i, moved_once, times in plan.hlo_ops(text):
+        op, moved = i["op"], moved_once * times
+        inner = inner_ops(i) if op == "fusion" else collections.Counter({op: 1})
+        if op == "fusion":
+            s["fusions"] += 1
+            s[f"fusions {i['kind']}"] += 1
+        gemm = "dot" in inner or "gemm" in i["target"] or "gemm" in " ".join(inner) or "__cublas" in i["target"]
+        if op == "custom-call" and i["target"].startswith("__cudnn"):
+            kind = "cuDNN"
+        elif gemm:
+            kind = "matmul"
+        elif inner.keys() & {"xor", "shift-right-logical", "rng-bit-generator", "rng"}:
+            kind = "dropout bits"
+        elif inner.keys() <= {"transpose", "copy", "bitcast", "parameter", "reshape", "broadcast"}:
+            kind = "transpose/copy"
+        elif inner.keys() & {"reduce", "reduce-window"}:
+            kind = "reduction"
+        else:
+            kind = "elementwise"
+        by_kind[kind] += moved
+        s[f"ops {kind}"] += 1
+        s["bytes"] += moved
+        for o in ("transpose", "copy"):
+            s[f"{o} ops"] += inner[o] > 0
+        s["conditionals"] += op == "conditional"
+        s["while loops"] += op == "while"
+        first = re.findall(r"\[([\d,]*)\]", i["shape"])
+        dims = [int(d) for d in first[0].split(",") if d] if first else []
+        elements = 1
+        for d in dims:
+            elements *= d
+        if elements == logits_elements and i["shape"].split("[")[0].lstrip("(") in ("f32", "bf16"):
+            s[f"[B,T,V] {i['shape'].split('[')[0].lstrip('(')} ops"] += 1
+        if "transpose" in inner and dims and len(dims) == 2 and (dims[0] in (V,) or dims[1] in (V,)):
+            s["transposes of a [V, .] array"] += 1
+        s["gathers"] += inner["gather"] > 0
+        s["scatters"] += inner["scatter"] > 0
     s.update({f"bytes: {k}": v for k, v in by_kind.items()})
     return dict(s)
 

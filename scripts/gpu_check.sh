@@ -4,8 +4,15 @@
 #
 #   bash scripts/gpu_check.sh [OUT_DIR [PART ...]]   # or: make gpu-check
 #
-# The parts, each under 10 minutes on one H100 (all of them, in this order, when none is named):
+# The parts, each under 10 minutes on one H100 (all of them, in this order, when none is named; the
+# predictions first, so that they are on record before anything is measured):
 #   device   the device and versions
+#   plan     `jaxformer plan`'s predictions for the four peaks of the 1.3B shape the accelerators guide
+#            sets them beside (unrolled and scanned without remat at batch 8, scanned dots_saveable and
+#            without remat at 16): XLA's GPU compiler for an H100 without using it (--target gpu-h100:1x1,
+#            as from a CPU machine), then on this machine's first GPU itself (autotuned); then the one of
+#            the four no other part measures, scanned without remat at batch 16 (out of memory on 80 GB
+#            when last measured)
 #   gpt2     the 1.3B GPT-2 shape (D=2048 L=24 H=16 V=50304 T=1024), bf16, AdamW, no dropout, at batch
 #            8 and 16: jaxformer unrolled and scanned (remat "auto", which is dots_saveable when scanned)
 #            beside Hugging Face PyTorch GPT-2 + torch.compile, each in a process of its own: tokens/s,
@@ -17,10 +24,6 @@
 #            encoder-decoder (D=1024, L=8 per stack, T=1024, B=8, bf16): the dense FFN (4D) beside 8
 #            experts of width 2D, 2 a token, with a capacity of 1.25 and dropless (jax.lax.ragged_dot),
 #            interleaved rounds: tokens/s and the ratio to dense (`scripts/benchmark.py --moe 8,2`)
-#   plan     `jaxformer plan`'s predictions for the peaks gpt2 and gpt2_big measure (the 1.3B shape,
-#            unrolled and scanned without remat at batch 8, scanned dots_saveable and without remat at
-#            16): XLA's GPU compiler for an H100 without using it (--target gpu-h100:1x1, as from a CPU
-#            machine), then on this machine's first GPU itself (autotuned), to set beside the measured peaks
 #   long     long context on one GPU: the 1.3B shape at T=16384, batch 1, scanned, one step measured in a
 #            process of its own (scripts/long_context_step.py: peak bytes in use, XLA's device and host
 #            bytes, step time) with the plain loss, the chunked loss, remat "offload_inputs" and
@@ -49,7 +52,7 @@ run() {  # run NAME CMD...: show and keep the output; remember a failure, go on
 }
 
 parts=("${@:2}")
-[ ${#parts[@]} -gt 0 ] || parts=(device gpt2 gpt2_big decode moe plan long tests)
+[ ${#parts[@]} -gt 0 ] || parts=(device plan gpt2 gpt2_big decode moe long tests)
 shape=(${GPT2_SHAPE:---d-model 2048 --heads 16 --layers 24 --vocab 50304 --seq 1024 --steps 10} --attention auto)
 for part in "${parts[@]}"; do
   case $part in
@@ -75,7 +78,10 @@ for part in "${parts[@]}"; do
           --set "train.batch_size=$batch")
         run "plan_$name" "$py" -m jaxformer.cli plan "${flags[@]}" --target gpu-h100:1x1
         CUDA_VISIBLE_DEVICES=0 run "plan_${name}_on_this_gpu" "$py" -m jaxformer.cli plan "${flags[@]}"
-      done ;;
+      done
+      # Measured: the other three are gpt2's (unrolled 8, scanned 16) and gpt2_big's (scanned:none 8).
+      run plan_measured_scanned_none_b16 "$py" scripts/benchmark.py --gpt2-vs-torch "${shape[@]}" --batches 16 \
+        --stacks scanned:none --no-peer ;;
     long)
       T=${LONG_T:-16384}
       long=(--config experiments/gpt2_1p3b.py --set "data.max_len=$T" --set "model.max_len=$T" --set train.batch_size=1
@@ -93,7 +99,7 @@ for part in "${parts[@]}"; do
         fi
       done ;;
     tests) run tests "$py" -m pytest -n 4 --dist loadfile -q -ra ;;
-    *) echo "gpu_check: no part named $part (device, gpt2, gpt2_big, decode, moe, plan, long, tests)" >&2; exit 2 ;;
+    *) echo "gpu_check: no part named $part (device, plan, gpt2, gpt2_big, decode, moe, long, tests)" >&2; exit 2 ;;
   esac
 done
 echo "== gpu_check done (status $status); logs in $out/"
