@@ -86,6 +86,7 @@ def test_eval_and_translate_over_a_context_axis_equal_one_device(copy_run, tmp_p
     [
         "lm_shakespeare",
         "moe_shakespeare",
+        "moe_mlm_shakespeare",
         "switch_translate",
         "translate_en_de",
         "classify_lohelp",
