@@ -1,11 +1,14 @@
 """Sharded training in a process of its own (XLA_FLAGS must be set before JAX starts).
 
-    python tests/sharded_worker.py strategies MODE         # 8 devices: each strategy vs 1 device (train, generate)
+    python tests/sharded_worker.py strategies MODE [remesh DIR] [moe]  # 8 devices: each strategy vs 1 device
     python tests/sharded_worker.py multihost PID PORT      # one of two processes, 4 devices each
     python tests/sharded_worker.py singlehost              # the same run in one process, 8 devices
-    python tests/sharded_worker.py remesh DIR              # save under FSDP=8, restore on DP=4 and on 1
     python tests/sharded_worker.py hf DIR                  # a Hugging Face checkpoint loaded onto FSDP=4 x TP=2
     python tests/sharded_worker.py moe                     # MoE loss and gradients, experts split, vs 1 device
+
+`strategies` trains and generates with each strategy, and runs in the same process (a worker process
+costs seconds of imports before any work) the tasks named after the mode: `remesh DIR` (decoder_only:
+its FSDP=8 state saved to DIR, restored on DP=4 and on 1 device) and `moe`.
     python tests/sharded_worker.py hf_moe GOLDEN           # Mixtral, Switch loaded onto fsdp=2 x expert=4
 
 Prints one JSON line of results for tests/test_sharding.py (hf_moe: tests/test_interop_moe.py) to check.
@@ -152,7 +155,7 @@ def gathered(tree) -> dict:
     return {jax.tree_util.keystr(p): np.asarray(multihost_utils.process_allgather(x, tiled=True)) for p, x in flat}
 
 
-def strategies(mode: str) -> dict:
+def strategies(mode: str, remesh_dir: str | None = None) -> dict:
     from jaxformer import sharding
 
     results = {}
@@ -204,6 +207,8 @@ def strategies(mode: str) -> dict:
                 "score_diff": float(np.max(np.abs(np.subtract(out["scores"], ref_out["scores"])))),
             }
         results[f"{mode}/{name}"] = entry
+        if remesh_dir is not None and mode == "decoder_only" and name == "fsdp8":  # its trained state, saved
+            results["remesh"] = remesh(remesh_dir, state)
     return results
 
 
@@ -266,14 +271,14 @@ def errors() -> dict:
     return out
 
 
-def remesh(directory: str) -> dict:
-    """A checkpoint written under FSDP over 8 devices restores onto DP over 4 and onto 1 device."""
+def remesh(directory: str, state) -> dict:
+    """A checkpoint written under FSDP over 8 devices (`state`, trained by `strategies`) restores onto
+    DP over 4 and onto 1 device."""
     from jaxformer import sharding
     from jaxformer.checkpoint import Checkpointer
     from jaxformer.state import init_state
 
     cfg = config("decoder_only", (1, 8, 1))
-    _, state, _, _ = train(cfg)
     saved = gathered(state)
     ckpt = Checkpointer(directory, cfg)
     ckpt.save(state)
@@ -403,8 +408,12 @@ def data_shares(mesh_shape, cache_dir: str) -> dict:
 def main() -> None:
     task = sys.argv[1]
     if task == "strategies":
-        mode = sys.argv[2]
-        print(json.dumps({"strategies": strategies(mode), "errors": errors() if mode == "decoder_only" else {}}))
+        mode, more = sys.argv[2], sys.argv[3:]
+        remesh_dir = more[more.index("remesh") + 1] if "remesh" in more else None
+        out = {"strategies": strategies(mode, remesh_dir), "errors": errors() if mode == "decoder_only" else {}}
+        if "moe" in more:
+            out["moe"] = moe()
+        print(json.dumps(out))
     elif task == "multihost":
         pid, port = int(sys.argv[2]), int(sys.argv[3])
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -421,8 +430,6 @@ def main() -> None:
         print(json.dumps(hf_moe_sharded(sys.argv[2])))
     elif task == "moe":
         print(json.dumps(moe()))
-    elif task == "remesh":
-        print(json.dumps(remesh(sys.argv[2])))
     elif task == "singlehost":
         losses, state, _, _ = train(config("encoder_decoder", (2, 2, 2)))
         params = gathered(state.params)

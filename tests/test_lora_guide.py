@@ -45,16 +45,18 @@ def eval_loss(workdir, capsys) -> float:
     return json.loads(open(saved).read())["report"]["test_loss"]
 
 
-FAMILIES = {  # a tiny random model of each family, its special ids, and settings its experiment lacks
+# A tiny random model of each family (one layer a stack: every command builds and traces it anew, and
+# a second layer adds only time), its special ids, and settings its experiment lacks.
+FAMILIES = {
     "gpt2": (
-        jf.gpt2_small(vocab_size=300, d_model=32, num_heads=2, d_ff=64, max_len=64, num_decoder_layers=2),
+        jf.gpt2_small(vocab_size=300, d_model=32, num_heads=2, d_ff=64, max_len=64, num_decoder_layers=1),
         {"bos_token_id": 0, "eos_token_id": 0},
         [],
     ),
     "t5": (  # imported into the translation experiment: its noam schedule and beam search replaced
         jf.t5_small(
-            vocab_size=300, d_model=32, num_heads=2, head_dim=16, d_ff=64, num_encoder_layers=2,
-            num_decoder_layers=2,
+            vocab_size=300, d_model=32, num_heads=2, head_dim=16, d_ff=64, num_encoder_layers=1,
+            num_decoder_layers=1,
         ),
         {"pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0},
         ["data.src_max_len=48", "train.schedule=constant", "train.label_smoothing=0.0"],

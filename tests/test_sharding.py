@@ -50,14 +50,18 @@ def result(proc, timeout=600) -> dict:
 
 
 @pytest.fixture(scope="module")
-def strategies():
-    """One worker per mode, run side by side (compilation dominates their time)."""
-    procs = [worker("strategies", mode) for mode in MODES]
+def strategies(tmp_path_factory):
+    """One worker per mode, run side by side (compilation dominates their time). Each also runs what
+    would otherwise take a process of its own (seconds of imports before any work): decoder_only the
+    remesh check on its state trained under FSDP=8, encoder_only (it generates nothing) the MoE one."""
+    more = {"decoder_only": ["remesh", tmp_path_factory.mktemp("remesh")], "encoder_only": ["moe"]}
+    procs = [worker("strategies", mode, *more.get(mode, [])) for mode in MODES]
     merged = {"strategies": {}, "errors": {}}
     for proc in procs:
         r = result(proc)
         merged["strategies"].update(r["strategies"])
         merged["errors"].update(r["errors"])
+        merged.update({k: r[k] for k in ("moe",) if k in r})
     return merged
 
 
@@ -104,11 +108,11 @@ def test_mesh_errors_name_what_is_wrong(strategies):
     assert "batch_size=12 does not divide over the 8 batch shards" in e["batch"]
 
 
-def test_expert_parallel_moe_equals_one_device():
+def test_expert_parallel_moe_equals_one_device(strategies):
     """MoE layers with their experts split over `mesh.expert` (8 devices), both dispatches in the
     explicit all-to-all `shard_map` of `moe.*_expert_parallel`, beside data, FSDP, FSDP with tensor
     parallelism and context parallelism: the first batch's loss and gradients of one device."""
-    r = result(worker("moe"))
+    r = strategies["moe"]
     for name in ("capacity", "capacity_data", "dropless", "dropless_fsdp_tensor", "capacity_context"):
         assert r[name]["loss_rel"] < LOSS_RTOL, (name, r[name]["loss_rel"])
         worst = max(r[name]["grad_rel"].items(), key=lambda kv: kv[1])
@@ -154,8 +158,9 @@ def test_two_processes_equal_one_process(tmp_path):
                 assert halves[0]["arrays"][step][k] + halves[1]["arrays"][step][k] == v, (objective, step, k)
 
 
-def test_checkpoint_restores_onto_another_mesh(tmp_path):
-    r = result(worker("remesh", tmp_path))
+def test_checkpoint_restores_onto_another_mesh(strategies):
+    """decoder_only's state trained under FSDP=8 (by the fixture's worker), saved, restored on DP=4 and on 1."""
+    r = strategies["strategies"]["remesh"]
     assert r["dp4"]["equal"] and r["dp4"]["shardings_as_requested"] and r["dp4"]["devices"] == [0, 1, 2, 3]
     assert r["one"]["equal"] and r["one"]["shardings_as_requested"] and r["one"]["devices"] == [0]
 
