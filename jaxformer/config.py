@@ -551,14 +551,14 @@ class TrainConfig:
     # and dropped (and remade in the backward pass), so the whole [B, T, V] never exists; the same loss and
     # gradients for a little more time (the output layer's FLOPs x 4/3). loss_chunk: tokens per chunk on
     # each device (its rows of the micro-batch times a run of positions); 0 = never chunk; "auto" = chunk
-    # only when the float32 logits a device holds, B x T x V x 4 bytes over the batch and vocabulary
-    # shards, would exceed max_logits_mib, in chunks whose logits fit in it.
-    loss_chunk: int | Literal["auto"] = "auto"  # tokens per chunk on a device; 0 = never; "auto" (see above)
+    # only when the float32 logits a device holds, B x T x V x 4 bytes over the batch, context and
+    # vocabulary shards, would exceed max_logits_mib, in chunks whose logits fit in it.
+    loss_chunk: int | Literal["auto"] = "auto"
     max_logits_mib: float = 256.0  # "auto" chunks when a device's float32 logits would exceed this
     # The optimizer state (Adam's two moments, 8 bytes a parameter) in host memory (pinned_host) between
     # steps: each step copies it to the device for the update and back (host-device bandwidth every step);
     # the device holds it only while the step runs, from when the compiler schedules the copy. CPU: nothing moves.
-    offload_optimizer: bool = False  # the optimizer state waits in host memory between steps
+    offload_optimizer: bool = False
     mlm_probability: float = 0.15  # BERT: 15% of tokens; 80% [MASK], 10% random, 10% unchanged
     seed: int = 0  # parameters' initialisation and every step's dropout / masking keys (folded in from the step)
     log_every: int = 25  # steps between metric lines (and TensorBoard points)
