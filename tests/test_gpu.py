@@ -2,7 +2,8 @@
 without a GPU: each mode's training, evaluation and cached decoding steps compile with cuDNN's fused
 attention in them and no [B, H, T, S] score tensor, packed rows give cuDNN their segments as a bias
 broadcast over heads, what cuDNN refuses goes to XLA's path, the shipped descriptions of each GPU
-parse, and a scanned layer stack needs no more memory than an unrolled one. Skipped without the plugin."""
+parse, a scanned layer stack needs no more memory than an unrolled one, and host offload puts the layer
+inputs and Adam's moments in host memory. Skipped without the plugin."""
 
 import dataclasses
 import logging
@@ -223,3 +224,37 @@ def test_the_bytes_a_matmul_moves_are_its_operands_and_result():
     compiled = jax.jit(jnp.dot).lower(a, b).compile()
     assert compiled.cost_analysis() is None or "bytes accessed" not in compiled.cost_analysis()
     assert bytes_moved(compiled.as_text()) == 2 * (M * K + K * N + M * N)
+
+
+def test_host_offload_moves_bytes_off_the_h100(devices):
+    """As on TPU (tests/test_tpu.py): remat "offload_inputs" with train.offload_optimizer, compiled by XLA's
+    GPU compiler beside the same step without offload (remat "full"): each layer's input (rows x T x D in
+    bfloat16) waits in host memory, Adam's two moments are host arguments, and the device's arguments
+    fall by the moments. Without offload nothing is on the host. The device's peak is not asserted: at
+    such shapes the update's peak is the same with and without (docs/guides/long-context.md)."""
+    from jaxformer.plan import Compiled
+    from jaxformer.state import state_shardings
+
+    base = tiny_gpu("decoder_only", data=2)  # 4 rows a GPU
+    L, D = 2, base.model.d_model
+    mesh = sharding.make_mesh(base.mesh, devices)
+
+    def compiled(remat: str, offload_optimizer: bool):
+        model = base.model.replace(num_decoder_layers=L, scan_layers=True, remat=remat)
+        train = dataclasses.replace(base.train, offload_optimizer=offload_optimizer)
+        cfg = dataclasses.replace(base, model=model, train=train)
+        with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
+            graphdef, create, optimizer = state_factory(cfg)
+            abstract = jax.eval_shape(create)
+            shardings = state_shardings(cfg, abstract, mesh)
+            step = jax.jit(make_steps(graphdef, cfg, optimizer)[0], out_shardings=(shardings, None), donate_argnums=0)
+            lowered = step.lower(with_shardings(abstract, shardings), abstract_batch(cfg, 8, mesh))
+        return Compiled.of(lowered), abstract
+
+    (plain, abstract), (offloaded, _) = compiled("full", False), compiled("offload_inputs", True)
+    moments = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract.opt_state))
+    layer_inputs = L * 4 * T * D * 2  # bfloat16
+    assert plain.host_arguments == plain.host_temporaries == 0
+    assert layer_inputs <= offloaded.host_temporaries <= 2 * layer_inputs  # (the compiler may double-buffer)
+    assert moments <= offloaded.host_arguments <= moments + 4096
+    assert moments <= plain.arguments - offloaded.arguments <= moments + 4096
