@@ -27,10 +27,12 @@ STRATEGIES = {  # (data, fsdp, tensor[, context[, train.loss_chunk]])
     "dp8": (8, 1, 1),
     "fsdp8": (1, 8, 1),
     "fsdp4_tp2": (1, 4, 2),
-    "fsdp4_tp2_chunked": (1, 4, 2, 1, 4),  # the loss in chunks of 4 tokens a device (its 2 rows x 2 positions)
     "dp2_cp4": (2, 1, 1, 4),  # each row's 8 positions split 4 ways, ring attention
     # the loss in chunks of 4 tokens a device (its 4 rows x 1 of its 2 positions): 2 chunks of a split length
     "fsdp2_cp4_chunked": (1, 2, 1, 4, 4),
+    # tensor parallelism beside the split length (heads and vocabulary over `tensor`), the loss in chunks of
+    # 8 tokens a device (its 8 rows x 1 of its 2 positions, half the vocabulary): split both ways
+    "tp2_cp4_chunked": (1, 1, 2, 4, 8),
 }
 # decoding under a mesh: batch over 8 devices; FSDP with tensor parallelism; caches split by position
 GENERATE = ("dp8", "fsdp4_tp2", "dp2_cp4")

@@ -21,7 +21,7 @@ MODES = ["decoder_only", "encoder_decoder", "encoder_only"]
 # and the tensor axis out as FSDP x tensor does: that 2-D case is run once), also with the chunked loss
 # (against the plain loss on one device), and context parallelism beside data, and beside FSDP with the
 # chunked loss over the split length.
-STRATEGIES = ["dp8", "fsdp8", "fsdp4_tp2", "fsdp4_tp2_chunked", "dp2_cp4", "fsdp2_cp4_chunked"]
+STRATEGIES = ["dp8", "fsdp8", "fsdp4_tp2", "dp2_cp4", "fsdp2_cp4_chunked", "tp2_cp4_chunked"]
 
 
 def worker(*args, devices=8, timeout=600):
