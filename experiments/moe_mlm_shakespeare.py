@@ -8,7 +8,7 @@ taking the 2 best: 2 x 256 = 512 hidden units a token, as the dense mlm_shakespe
 so both have equal *active* parameters (the router's D x E aside). Its dense counterpart, run side
 by side at equal steps:
     jaxformer train --config experiments/mlm_shakespeare.py --workdir runs/mlm_shakespeare
-A capacity of 1.25, ST-MoE's z-loss and Switch's load-balancing loss at their papers' weights. The
+The experts, routing, capacity (1.25) and router losses are moe_shakespeare's, read from that file. The
 loss counts the masked positions only, but every position is routed (and competes for capacity).
 
 Time and output: 800 steps, as mlm_shakespeare; time not measured at the full schedule (300 steps
@@ -20,18 +20,11 @@ evaluations of steps 400 and 800 are its output (there is no text to read).
 import dataclasses
 import pathlib
 
-from jaxformer.config import MoEConfig, load_experiment
+from jaxformer.config import load_experiment
 
 
 def get_config():
-    dense = load_experiment(str(pathlib.Path(__file__).with_name("mlm_shakespeare.py")))
-    moe = MoEConfig(
-        num_experts=8,
-        experts_per_token=2,
-        router="topk_softmax",  # Mixtral
-        expert_d_ff=256,  # 2 experts x 256 = the dense d_ff of 512 per token
-        capacity_factor=1.25,
-        z_loss_weight=1e-3,  # ST-MoE
-        aux_loss_weight=1e-2,  # Switch
-    )
+    here = pathlib.Path(__file__)
+    dense = load_experiment(str(here.with_name("mlm_shakespeare.py")))
+    moe = load_experiment(str(here.with_name("moe_shakespeare.py"))).model.moe  # the same experts and routing
     return dataclasses.replace(dense, model=dense.model.replace(moe=moe))

@@ -52,7 +52,7 @@ import numpy as np
 
 from jaxformer import chips, observe, sharding
 from jaxformer.config import Config, ConfigError
-from jaxformer.state import state_factory, state_shardings
+from jaxformer.state import TrainState, state_factory, state_shardings
 from jaxformer.train import flops_per_example, make_steps
 
 
@@ -611,6 +611,27 @@ def abstract_batch(cfg: Config, batch_size: int, mesh) -> dict:
         target = {"tgt_segments": shaped(T), "tgt_positions": shaped(T)} if d.pack else {}
         return batch | {"src": shaped(S)} | source | target
     return batch | ({"segments": shaped(T), "positions": shaped(T)} if d.pack else {})
+
+
+def lower_train_step(cfg: Config, mesh, batch_size: int) -> tuple[jax.stages.Lowered, TrainState]:
+    """`cfg`'s training step lowered for `mesh` as training lays it out (the state's shardings, an
+    offloaded optimizer state in host memory, the state donated) on an abstract state and batch:
+    nothing is allocated. `Compiled.of(lowered)` gives its figures.
+
+    Args:
+        cfg: the run's config.
+        mesh (jax.sharding.Mesh): the mesh (real devices, fake CPU ones or a compile-only target's).
+        batch_size: the global batch.
+
+    Returns:
+        The lowered step and the abstract state (ShapeDtypeStructs).
+    """
+    with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
+        graphdef, create, optimizer = state_factory(cfg)
+        abstract = jax.eval_shape(create)
+        shardings = state_shardings(cfg, abstract, mesh)
+        step = jax.jit(make_steps(graphdef, cfg, optimizer)[0], out_shardings=(shardings, None), donate_argnums=0)
+        return step.lower(with_shardings(abstract, shardings), abstract_batch(cfg, batch_size, mesh)), abstract
 
 
 def with_shardings(abstract, shardings):

@@ -18,13 +18,9 @@ import argparse
 import dataclasses
 import time
 
-import jax
-
 from jaxformer import sharding
 from jaxformer.config import Config, DataConfig, MeshConfig, TrainConfig, tiny
-from jaxformer.plan import Compiled, abstract_batch, parse_target, with_shardings
-from jaxformer.state import state_factory, state_shardings
-from jaxformer.train import make_steps
+from jaxformer.plan import Compiled, lower_train_step, parse_target
 
 
 def main() -> None:
@@ -50,13 +46,8 @@ def main() -> None:
         remat, _, optimizer = run.partition("+")
         train = dataclasses.replace(base.train, offload_optimizer=optimizer == "optimizer")
         cfg = dataclasses.replace(base, model=base.model.replace(remat=remat), train=train)
-        with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
-            graphdef, create, opt = state_factory(cfg)
-            abstract = jax.eval_shape(create)
-            shardings = state_shardings(cfg, abstract, mesh)
-            step = jax.jit(make_steps(graphdef, cfg, opt)[0], out_shardings=(shardings, None), donate_argnums=0)
-            start = time.perf_counter()
-            c = Compiled.of(step.lower(with_shardings(abstract, shardings), abstract_batch(cfg, 8, mesh)))
+        start = time.perf_counter()
+        c = Compiled.of(lower_train_step(cfg, mesh, 8)[0])
         mb = lambda b: f"{b / 1e6:.1f}"
         figures = (c.arguments, c.temporaries, c.compiler_peak, c.host_arguments, c.host_temporaries)
         took = time.perf_counter() - start

@@ -232,8 +232,7 @@ def test_host_offload_moves_bytes_off_the_h100(devices):
     bfloat16) waits in host memory, Adam's two moments are host arguments, and the device's arguments
     fall by the moments. Without offload nothing is on the host. The device's peak is not asserted: at
     such shapes the update's peak is the same with and without (docs/guides/long-context.md)."""
-    from jaxformer.plan import Compiled
-    from jaxformer.state import state_shardings
+    from jaxformer.plan import Compiled, lower_train_step
 
     base = tiny_gpu("decoder_only", data=2)  # 4 rows a GPU
     L, D = 2, base.model.d_model
@@ -242,13 +241,7 @@ def test_host_offload_moves_bytes_off_the_h100(devices):
     def compiled(remat: str, offload_optimizer: bool):
         model = base.model.replace(num_decoder_layers=L, scan_layers=True, remat=remat)
         train = dataclasses.replace(base.train, offload_optimizer=offload_optimizer)
-        cfg = dataclasses.replace(base, model=model, train=train)
-        with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
-            graphdef, create, optimizer = state_factory(cfg)
-            abstract = jax.eval_shape(create)
-            shardings = state_shardings(cfg, abstract, mesh)
-            step = jax.jit(make_steps(graphdef, cfg, optimizer)[0], out_shardings=(shardings, None), donate_argnums=0)
-            lowered = step.lower(with_shardings(abstract, shardings), abstract_batch(cfg, 8, mesh))
+        lowered, abstract = lower_train_step(dataclasses.replace(base, model=model, train=train), mesh, 8)
         return Compiled.of(lowered), abstract
 
     (plain, abstract), (offloaded, _) = compiled("full", False), compiled("offload_inputs", True)

@@ -63,6 +63,23 @@ def flat_params(model) -> dict:
     return {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
+def assert_stacks_hold_the_layers(scanned, unrolled, block: int) -> None:
+    """Each parameter of the scanned model equals the unrolled model's: outside the stacks as it is,
+    inside them stacked over the blocks ([L / block, ...]; with blocks of several layers the stack of
+    position j holds layer block * b + j of block b)."""
+    layers_of = flat_params(unrolled)
+    for path, value in flat_params(scanned).items():
+        if ".layers." not in path:
+            np.testing.assert_array_equal(value, layers_of[path])
+            continue
+        head, tail = path.split(".layers.")
+        j = 0
+        if block > 1:
+            j, tail = tail.split(".", 1)
+        layers = [layers_of[f"{head}.layers.{block * b + int(j)}.{tail}"] for b in range(value.shape[0])]
+        np.testing.assert_array_equal(value, np.stack(layers), err_msg=path)
+
+
 def test_imported_models_give_transformers_logits(imported):
     """Mixtral (top-2 of 4, dropless) unrolled and scanned; Switch (top-1, layer 1 of each stack sparse,
     padded encoder rows) with expert_capacity 8 (nothing dropped) and 2 (tokens of both stacks dropped,
@@ -72,15 +89,7 @@ def test_imported_models_give_transformers_logits(imported):
     np.testing.assert_allclose(logits_of(mixtral, ref), ref["logits"], atol=1e-5, rtol=0)
     # Scanned: stacks [L, E, ...] filled expert by expert hold the unrolled layers' parameters, stacked
     # (scanned == unrolled forward passes: test_models.py).
-    scanned = hf.load_hf(GOLDEN / "mixtral", scan_layers=True)
-    unrolled = flat_params(mixtral)
-    for path, value in flat_params(scanned).items():
-        if ".layers." not in path:
-            np.testing.assert_array_equal(value, unrolled[path])
-            continue
-        head, tail = path.split(".layers.")
-        layers = [unrolled[f"{head}.layers.{i}.{tail}"] for i in range(value.shape[0])]
-        np.testing.assert_array_equal(value, np.stack(layers), err_msg=path)
+    assert_stacks_hold_the_layers(hf.load_hf(GOLDEN / "mixtral", scan_layers=True), mixtral, block=1)
 
     switch, ref = imported["switch"]
     moe = switch.cfg.moe
@@ -97,15 +106,7 @@ def test_imported_models_give_transformers_logits(imported):
     scanned = hf.load_hf(GOLDEN / "switch", scan_layers=True)
     assert isinstance(scanned.encoder.stack.layers, nnx.List) and len(scanned.encoder.stack.layers) == 2
     np.testing.assert_allclose(logits_of(scanned, ref), ref["logits"], atol=1e-5, rtol=0)
-    unrolled = flat_params(switch)
-    for path, value in flat_params(scanned).items():
-        if ".layers." not in path:
-            np.testing.assert_array_equal(value, unrolled[path])
-            continue
-        head, tail = path.split(".layers.")
-        j, tail = tail.split(".", 1)  # position j of block b is layer 2 b + j
-        layers = [unrolled[f"{head}.layers.{2 * b + int(j)}.{tail}"] for b in range(value.shape[0])]
-        np.testing.assert_array_equal(value, np.stack(layers), err_msg=path)
+    assert_stacks_hold_the_layers(scanned, switch, block=2)
 
 
 def test_save_hf_writes_back_the_checkpoint(imported, tmp_path):

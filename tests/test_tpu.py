@@ -190,9 +190,7 @@ def test_host_offload_moves_bytes_off_the_device(target):
     "offload_inputs" alone: the transfers' buffers outweigh 0.5 MB of layer inputs; "offload_dots"
     against "dots_saveable" likewise, 4.6 -> 7.0 MB), where the guide's larger step shows them fall.
     (On CPU nothing moves: tests/test_train.py checks the values.)"""
-    from jaxformer.plan import Compiled, abstract_batch
-    from jaxformer.state import state_shardings
-    from jaxformer.train import make_steps
+    from jaxformer.plan import Compiled, lower_train_step
 
     base = tiny_tpu("decoder_only", data=4)  # 2 rows a chip
     L, D = 4, base.model.d_model
@@ -201,13 +199,7 @@ def test_host_offload_moves_bytes_off_the_device(target):
     def compiled(remat: str, offload_optimizer: bool):
         model = base.model.replace(d_ff=4 * D, num_decoder_layers=L, scan_layers=True, remat=remat)
         train = dataclasses.replace(base.train, offload_optimizer=offload_optimizer)
-        cfg = dataclasses.replace(base, model=model, train=train)
-        with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
-            graphdef, create, optimizer = state_factory(cfg)
-            abstract = jax.eval_shape(create)
-            shardings = state_shardings(cfg, abstract, mesh)
-            step = jax.jit(make_steps(graphdef, cfg, optimizer)[0], out_shardings=(shardings, None), donate_argnums=0)
-            lowered = step.lower(with_shardings(abstract, shardings), abstract_batch(cfg, 8, mesh))
+        lowered, abstract = lower_train_step(dataclasses.replace(base, model=model, train=train), mesh, 8)
         return Compiled.of(lowered), abstract
 
     (plain, abstract), (offloaded, _) = compiled("full", False), compiled("offload_inputs", True)
