@@ -20,6 +20,11 @@ device block i and block 2n - 1 - i (Striped/zig-zag ring attention, as in Llama
 parallelism), so every device has the same share of the causal triangle; a block no query of a
 device sees is skipped there (`lax.cond`), in both passes.
 
+Inside the ring, a `BlockKernel` attends the queries to each visiting block: `DENSE` (XLA's
+einsums, a float32 [B, H, T, S] score block a step; any mask) or a fused kernel (`fused_kernel`:
+cuDNN's forward and backward calls on NVIDIA GPUs, `KERNELS["cudnn"]`), told each block's mask by
+its kind (`block_kind`: skipped, full, causal, zig-zag's half blocks, or a bias for the rest).
+
 The functions below run inside `jax.shard_map` with the sequence axis named `axis_name`;
 `context_attention` wraps them for arrays sharded over a mesh.
 """
@@ -27,6 +32,7 @@ The functions below run inside `jax.shard_map` with the sequence axis named `axi
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import jax
@@ -107,12 +113,277 @@ def _shift(tree, axis_name: str, n: int):
     return jax.lax.ppermute(tree, axis_name, [(i, (i + 1) % n) for i in range(n)])
 
 
+# ----------------------------------------------------------------------------- the kernel inside each block
+
+# What a visiting block's mask is, as a fused kernel can be told it (`block_kind`).
+SKIP, FULL, CAUSAL, KV_FRONT, Q_BACK, MASKED = range(6)
+
+
+def block_kind(vis: Array, causal: bool) -> Array:
+    """The kind of a visiting block's mask `vis` ([B, 1, 1, T, S], the same for every row): SKIP (no
+    query sees a key), FULL (all see all), CAUSAL (T = S and query t sees keys s <= t: a block on the
+    diagonal of a contiguous, zig-zag or striped layout), KV_FRONT (every query sees the first S/2 keys
+    and no other: zig-zag's blocks from earlier devices), Q_BACK (the last T/2 queries see every key,
+    the first none: zig-zag's blocks from later devices), else MASKED. Read off `vis` itself, so any
+    layout, padding or packing is classified exactly; only MASKED needs the mask as an array.
+
+    Args:
+        vis: [B, 1, 1, T, S] bool, which keys each query sees.
+        causal: whether the attention is causal (CAUSAL is looked for only then).
+
+    Returns:
+        int32 scalar, one of SKIP, FULL, CAUSAL, KV_FRONT, Q_BACK, MASKED.
+    """
+    T, S = vis.shape[-2:]
+    lead = (1,) * (vis.ndim - 2)
+    t_T1, s_1S = np.arange(T).reshape(*lead, T, 1), np.arange(S).reshape(*lead, 1, S)
+    tests = [(~vis.any(), SKIP), (vis.all(), FULL)]
+    if causal and T == S:
+        tests.append(((vis == (s_1S <= t_T1)).all(), CAUSAL))
+    if S % 2 == 0:
+        tests.append(((vis == (s_1S < S // 2)).all(), KV_FRONT))
+    if T % 2 == 0:
+        tests.append(((vis == (t_T1 >= T // 2)).all(), Q_BACK))
+    kind = jnp.int32(MASKED)
+    for test, k in reversed(tests):  # the first test that holds decides
+        kind = jnp.where(test, k, kind)
+    return kind
+
+
+class BlockKernel(NamedTuple):
+    """How the ring attends its queries to one visiting block, forward and backward.
+
+    `enter(x_BTHK, G)` puts queries (and the output and its gradient) into the kernel's layout once,
+    before the ring; `leave` takes the kernel's layout back to [B, T, H, K]. `fwd` and `bwd` take
+    (q, k_BSGK, v_BSGK, vis, kind, causal, scale): the device's queries in that layout, the visiting
+    keys and values, which keys each query sees (`vis`, [B, 1, 1, T, S]), its `block_kind` (never
+    SKIP) and whether the attention is causal (else the kind is never CAUSAL).
+    `fwd` returns (o, lse) in float32: the block's attention normalised over the keys each query sees
+    there, and its log-sum-exp (o's shape without its last dim); a query that sees none gets o = 0
+    and lse <= NEG / 2. `bwd` takes also (`seen(out, do)`, lse, do), from the whole attention's output,
+    log-sum-exp and output gradient, and returns this block's share of (dq, dk_BSGK, dv_BSGK),
+    float32: flash attention's backward told the final statistics rather than the block's own.
+
+    Attributes:
+        fwd: the forward of one block.
+        bwd: the backward of one block.
+        classify: whether the kernel needs the block's kind (else only SKIP is told apart).
+        enter: [B, T, H, K] -> the kernel's layout, given G key/value heads.
+        leave: the kernel's layout -> [B, T, H, K].
+        seen: what `bwd` is told of the whole output, once before the ring (out, do) -> ...: the output
+            itself, or what the kernel reads of it (XLA's: the rows' dO . O).
+    """
+
+    fwd: Callable
+    bwd: Callable
+    classify: bool
+    enter: Callable = lambda x_BTHK, G: x_BTHK
+    leave: Callable = lambda x_BTHK: x_BTHK
+    seen: Callable = lambda out, do: out
+
+
+def _dense_fwd(q_BGRTK, k_BSGK, v_BSGK, vis, kind, causal, scale):
+    s = _scores(q_BGRTK, k_BSGK, vis, scale)  # [B, G, R, T, S]
+    m = s.max(-1)  # [B, G, R, T]
+    p = jnp.where(vis, jnp.exp(s - m[..., None]), 0.0)
+    l = p.sum(-1)
+    o = jnp.einsum("BGRTS,BSGK->BGRTK", p.astype(v_BSGK.dtype), v_BSGK, preferred_element_type=jnp.float32)
+    seen = l > 0
+    l = jnp.where(seen, l, 1.0)
+    return jnp.where(seen[..., None], o / l[..., None], 0.0), jnp.where(seen, m + jnp.log(l), NEG)
+
+
+def _dense_bwd(q_BGRTK, k_BSGK, v_BSGK, vis, kind, causal, scale, d_BGRT, lse_BGRT, do_BGRTK):
+    """P = exp(S - lse), dV = P^T dO, dS = P (dO V^T - D) with D = rowsum(dO * O) (`d_BGRT`, from
+    `_rows_do_o` once before the ring), dQ = dS K scale, dK = dS^T Q scale."""
+    do, d = do_BGRTK.astype(jnp.float32), d_BGRT
+    s = _scores(q_BGRTK, k_BSGK, vis, scale)
+    p = jnp.where(vis, jnp.exp(s - lse_BGRT[..., None]), 0.0)  # [B, G, R, T, S]
+    dv = jnp.einsum("BGRTS,BGRTK->BSGK", p, do)
+    dp = jnp.einsum("BGRTK,BSGK->BGRTS", do, v_BSGK.astype(jnp.float32))
+    ds = p * (dp - d[..., None]) * scale
+    dq = jnp.einsum("BGRTS,BSGK->BGRTK", ds, k_BSGK.astype(jnp.float32))
+    dk = jnp.einsum("BGRTS,BGRTK->BSGK", ds, q_BGRTK.astype(jnp.float32))
+    return dq, dk, dv
+
+
+def _rows_do_o(out_BGRTK, do_BGRTK) -> Array:
+    return jnp.sum(do_BGRTK.astype(jnp.float32) * out_BGRTK.astype(jnp.float32), -1)  # [B, G, R, T]
+
+
+DENSE = BlockKernel(
+    _dense_fwd, _dense_bwd, classify=False, enter=lambda x, G: _grouped(x, G), leave=_ungrouped, seen=_rows_do_o
+)
+"""Each block attended by XLA's einsums, the query heads grouped by the key/value head they share
+([B, G, R, T, K]): scores [B, H, T, S] in float32 a step; any mask, any dtype."""
+
+
+def fused_kernel(fwd_call: Callable, bwd_call: Callable) -> BlockKernel:
+    """A `BlockKernel` from a fused attention's two calls, each block told its mask by kind: no mask
+    (FULL), the kernel's causal mask (CAUSAL), half the keys or half the queries sliced off (KV_FRONT,
+    Q_BACK), and only for MASKED a bias [B, 1, T, S]: 0 where a key is seen, a large negative number
+    where not (so a query that sees nothing in the block gets the mean of its values, and a
+    log-sum-exp far below NEG / 2, which `fwd` turns into o = 0, lse = NEG).
+
+    fwd_call(q_BTHK, k_BSGK, v_BSGK, bias_B1TS | None, causal, scale) -> (o_BTHK, lse_BHT)
+    bwd_call(q_BTHK, k_BSGK, v_BSGK, bias_B1TS | None, causal, scale, out_BTHK, lse_BHT, do_BTHK)
+        -> (dq_BTHK, dk_BSGK, dv_BSGK)
+
+    Args:
+        fwd_call: the kernel's forward, returning the output and log-sum-exp (natural log).
+        bwd_call: the kernel's backward from a given output and log-sum-exp.
+
+    Returns:
+        The BlockKernel.
+    """
+
+    def bias(vis, dtype):
+        return jnp.where(vis[:, 0], 0.0, FUSED_MASK_VALUE).astype(dtype)  # [B, 1, T, S]
+
+    def fwd(q_BTHK, k_BSGK, v_BSGK, vis, kind, causal, scale):
+        B, T, H, K = q_BTHK.shape
+        S = k_BSGK.shape[1]
+
+        def back(q_BTHK, k_BSGK, v_BSGK):  # the last T/2 queries; the first see nothing
+            o, lse = fwd_call(q_BTHK[:, T // 2 :], k_BSGK, v_BSGK, None, False, scale)
+            o = jnp.concatenate([jnp.zeros((B, T // 2, H, K), o.dtype), o], axis=1)
+            return o, jnp.concatenate([jnp.full((B, H, T // 2), NEG, lse.dtype), lse], axis=2)
+
+        branches = {
+            FULL: lambda q, k, v: fwd_call(q, k, v, None, False, scale),
+            CAUSAL: lambda q, k, v: fwd_call(q, k, v, None, True, scale),
+            KV_FRONT: lambda q, k, v: fwd_call(q, k[:, : S // 2], v[:, : S // 2], None, False, scale),
+            Q_BACK: back,
+            MASKED: lambda q, k, v: fwd_call(q, k, v, bias(vis, q.dtype), False, scale),
+        }
+        o, lse_BHT = jax.lax.switch(kind - FULL, [branches[k] for k in _kinds(T, S, causal)], q_BTHK, k_BSGK, v_BSGK)
+        lse = lse_BHT.astype(jnp.float32).transpose(0, 2, 1)  # [B, T, H]
+        seen = lse > NEG / 2
+        return jnp.where(seen[..., None], o.astype(jnp.float32), 0.0), jnp.where(seen, lse, NEG)
+
+    def bwd(q_BTHK, k_BSGK, v_BSGK, vis, kind, causal, scale, out_BTHK, lse_BTH, do_BTHK):
+        B, T, H, K = q_BTHK.shape
+        S, G = k_BSGK.shape[1:3]
+        out_BTHK, do_BTHK = out_BTHK.astype(q_BTHK.dtype), do_BTHK.astype(q_BTHK.dtype)
+        lse_BHT = lse_BTH.transpose(0, 2, 1)
+        call = lambda q, k, v, b, causal, o, lse, do: bwd_call(q, k, v, b, causal, scale, o, lse, do)
+
+        def front(q, k, v, o, lse, do):  # gradients of the first S/2 keys; the rest get none
+            dq, dk, dv = call(q, k[:, : S // 2], v[:, : S // 2], None, False, o, lse, do)
+            pad = lambda x: jnp.concatenate([x, jnp.zeros((B, S - S // 2, G, K), x.dtype)], axis=1)
+            return dq, pad(dk), pad(dv)
+
+        def back(q, k, v, o, lse, do):  # gradients of the last T/2 queries; the first get none
+            h = T // 2
+            dq, dk, dv = call(q[:, h:], k, v, None, False, o[:, h:], lse[:, :, h:], do[:, h:])
+            return jnp.concatenate([jnp.zeros((B, h, H, K), dq.dtype), dq], axis=1), dk, dv
+
+        branches = {
+            FULL: lambda q, k, v, o, lse, do: call(q, k, v, None, False, o, lse, do),
+            CAUSAL: lambda q, k, v, o, lse, do: call(q, k, v, None, True, o, lse, do),
+            KV_FRONT: front,
+            Q_BACK: back,
+            MASKED: lambda q, k, v, o, lse, do: call(q, k, v, bias(vis, q.dtype), False, o, lse, do),
+        }
+        grads = jax.lax.switch(
+            kind - FULL, [branches[k] for k in _kinds(T, S, causal)], q_BTHK, k_BSGK, v_BSGK, out_BTHK, lse_BHT, do_BTHK
+        )
+        return tuple(g.astype(jnp.float32) for g in grads)
+
+    return BlockKernel(fwd, bwd, classify=True)
+
+
+FUSED_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.bfloat16).max)  # cuDNN's own masked score in bfloat16
+
+
+def _kinds(T: int, S: int, causal: bool) -> list[int]:
+    """The kinds from FULL on, in order, those a block of T queries and S keys cannot be (`block_kind`
+    never gives them) served as MASKED so that `lax.switch` indexes them all."""
+    can = {FULL: True, CAUSAL: causal and T == S, KV_FRONT: S % 2 == 0, Q_BACK: T % 2 == 0, MASKED: True}
+    return [k if can[k] else MASKED for k in (FULL, CAUSAL, KV_FRONT, Q_BACK, MASKED)]
+
+
+def _cudnn_calls() -> tuple[Callable, Callable]:
+    """cuDNN's fused attention forward and backward primitives, as JAX binds them for
+    `jax.nn.dot_product_attention(implementation="cudnn")`: the backward takes the output and
+    log-sum-exp it is given, which the public function's gradient cannot be told (it also stops the
+    gradient of the log-sum-exp it returns). Private JAX API: `tests/test_gpu.py` compiles it for
+    H100s in CI, and `cudnn_unservable` says why it cannot serve a call instead of failing mid-trace."""
+    from jax._src.cudnn import fused_attention_stablehlo as cf
+
+    layout = cf.AttentionLayout.BTNH.value
+
+    def operands(q, k, v, bias):
+        unused = jnp.zeros(0, q.dtype)
+        return (q, k, v, unused if bias is None else bias) + (unused,) * 6
+
+    def params(bias, causal, scale):
+        return dict(
+            scale=scale, seed=0, dropout_rate=0.0, variadic_args=(bias is not None, False),
+            mask_type=cf.MaskType.CAUSAL if causal else cf.MaskType.NO_MASK, layout=layout,
+            sliding_window_length=None,
+        )  # fmt: skip
+
+    def fwd(q, k, v, bias, causal, scale):
+        out, lse_BHT = cf._dot_product_attention_fwd_p_wrapper.bind(
+            *operands(q, k, v, bias), **params(bias, causal, scale), is_training=True
+        )
+        return out, lse_BHT
+
+    def bwd(q, k, v, bias, causal, scale, out, lse_BHT, do):
+        grads = cf._dot_product_attention_bwd_p_wrapper.bind(
+            *operands(q, k, v, bias), lse_BHT, out, do, **params(bias, causal, scale)
+        )
+        return tuple(grads[:3])
+
+    return fwd, bwd
+
+
+def cudnn_unservable(q_BTHK: Array | jax.ShapeDtypeStruct, k_BSGK: Array | jax.ShapeDtypeStruct, n: int) -> str | None:
+    """Why cuDNN's fused attention cannot attend the ring's blocks of these (global) queries and keys
+    over `n` devices (None: it can): its dtypes, head dims and even block lengths, and a cuDNN JAX
+    can find.
+
+    Args:
+        q_BTHK: [B, T, H, K] the queries (arrays or shape-dtype structs).
+        k_BSGK: [B, S, G, K] the keys.
+        n: the devices on the context axis.
+
+    Returns:
+        The reason, or None.
+    """
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as cf
+
+        B, T, H, K = q_BTHK.shape
+        S, G = k_BSGK.shape[1:3]
+        q = jax.ShapeDtypeStruct((B, T // n, H, K), q_BTHK.dtype)
+        k = jax.ShapeDtypeStruct((B, S // n, G, K), k_BSGK.dtype)
+        bias = jax.ShapeDtypeStruct((B, 1, T // n, S // n), q_BTHK.dtype)
+        layout = cf.AttentionLayout.BTNH
+        cf.check_layout(q, k, k, bias, None, None, None, None, None, None, layout)
+        cf.check_is_flash_attention(q, k, k, layout.value, cf.check_cudnn_version(), True, True)
+    except (NotImplementedError, ValueError, RuntimeError, ImportError, AttributeError) as e:
+        return f"cuDNN flash attention cannot attend the ring's blocks: {e}"
+    return None
+
+
+KERNELS = {"dense": lambda: DENSE, "cudnn": lambda: fused_kernel(*_cudnn_calls())}
+
+
 # ----------------------------------------------------------------------------- ring
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def ring_attention(
-    q_BTHK: Array, k_BSGK: Array, v_BSGK: Array, where: Where, axis_name: str, axis_size: int, causal: bool, scale
+    q_BTHK: Array,
+    k_BSGK: Array,
+    v_BSGK: Array,
+    where: Where,
+    axis_name: str,
+    axis_size: int,
+    causal: bool,
+    scale,
+    kernel: BlockKernel = DENSE,
 ) -> Array:
     """softmax(Q K^T * scale, masked) V over the whole sequence, for this device's query block.
 
@@ -129,79 +400,78 @@ def ring_attention(
         axis_size: the number of devices on it.
         causal: query t sees keys s <= t (positions in the whole sequence).
         scale (float): the logits' factor (1/sqrt(K) for the paper's attention).
+        kernel: how each visiting block is attended (`DENSE`, or a fused kernel: `fused_kernel`).
 
     Returns:
         [B, T, H, K] in q's dtype.
     """
-    return _ring_forward(q_BTHK, k_BSGK, v_BSGK, where, axis_name, axis_size, causal, scale)[0]
+    return _ring(q_BTHK, k_BSGK, v_BSGK, where, axis_name, axis_size, causal, scale, kernel)
 
 
-def _ring_forward(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale):
-    G = k_BSGK.shape[2]
-    q = _grouped(q_BTHK, G)  # [B, G, R, T, K]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _ring(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale, kernel):
+    return _ring_forward(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale, kernel)[0]
 
-    def fold(carry, kv):  # one visiting block into the running softmax
-        o, m, l = carry
+
+def _kind(kernel: BlockKernel, vis: Array, causal: bool) -> Array:
+    return block_kind(vis, causal) if kernel.classify else jnp.where(vis.any(), MASKED, SKIP)
+
+
+def _ring_forward(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale, kernel):
+    q = kernel.enter(q_BTHK, k_BSGK.shape[2])  # in the kernel's layout
+
+    def fold(carry, kv):  # one visiting block into the running output and log-sum-exp
+        o, lse = carry
         k, v, meta = kv
         vis = _visible(where, meta, causal)
+        kind = _kind(kernel, vis, causal)
 
         def compute(_):
-            s = _scores(q, k, vis, scale)  # [B, G, R, T, S]
-            m_new = jnp.maximum(m, s.max(-1))
-            p = jnp.where(vis, jnp.exp(s - m_new[..., None]), 0.0)
-            corr = jnp.exp(m - m_new)
-            pv = jnp.einsum("BGRTS,BSGK->BGRTK", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-            return o * corr[..., None] + pv, m_new, l * corr + p.sum(-1)
+            o_blk, lse_blk = kernel.fwd(q, k, v, vis, kind, causal, scale)
+            lse_new = jnp.logaddexp(lse, lse_blk)
+            return o * jnp.exp(lse - lse_new)[..., None] + o_blk * jnp.exp(lse_blk - lse_new)[..., None], lse_new
 
-        return jax.lax.cond(vis.any(), compute, lambda _: (o, m, l), None)
+        return jax.lax.cond(kind != SKIP, compute, lambda _: (o, lse), None)
 
     # The loop carries vary over the mesh axes q varies over (shard_map's types): made "like" q.
-    o = jnp.zeros_like(q, jnp.float32)  # [B, G, R, T, K]
-    m = jnp.full_like(q[..., 0], NEG, jnp.float32)  # [B, G, R, T]
-    l = jnp.zeros_like(m)
+    o = jnp.zeros_like(q, jnp.float32)
+    lse = jnp.full_like(q[..., 0], NEG, jnp.float32)
     kv = (k_BSGK, v_BSGK, _kv_meta(where))
-    carry = fold((o, m, l), kv)
+    carry = fold((o, lse), kv)
 
     def step(_, state):
         carry, kv = state
         kv = _shift(kv, axis_name, n)
         return fold(carry, kv), kv
 
-    (o, m, l), _ = jax.lax.fori_loop(1, n, step, (carry, kv))
-    seen = l > 0
-    out = jnp.where(seen[..., None], o / jnp.where(seen, l, 1.0)[..., None], 0.0)
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)  # [B, G, R, T]
-    return _ungrouped(out).astype(q_BTHK.dtype), lse
+    (o, lse), _ = jax.lax.fori_loop(1, n, step, (carry, kv))
+    seen = lse > NEG / 2  # NEG plus the log of at most n blocks that saw nothing
+    out = kernel.leave(jnp.where(seen[..., None], o, 0.0))
+    return out.astype(q_BTHK.dtype), jnp.where(seen, lse, NEG)
 
 
-def _ring_fwd(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale):
-    out, lse = _ring_forward(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale)
+def _ring_fwd(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale, kernel):
+    out, lse = _ring_forward(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale, kernel)
     return out, (q_BTHK, k_BSGK, v_BSGK, where, out, lse)
 
 
-def _ring_bwd(axis_name, n, causal, scale, res, dout_BTHK):
-    """Flash attention's backward, block by block: P = exp(S - lse), dV = P^T dO, dS = P (dO V^T - D)
-    with D = rowsum(dO * O), dQ = dS K scale, dK = dS^T Q scale. dK and dV travel with their block."""
+def _ring_bwd(axis_name, n, causal, scale, kernel, res, dout_BTHK):
+    """A second trip around the ring: each visiting block's share of the gradients from the whole
+    attention's output and log-sum-exp (`BlockKernel.bwd`); dK and dV travel with their block."""
     q_BTHK, k_BSGK, v_BSGK, where, out_BTHK, lse = res
-    G = k_BSGK.shape[2]
-    q, do = _grouped(q_BTHK, G), _grouped(dout_BTHK, G).astype(jnp.float32)  # [B, G, R, T, K]
-    d = jnp.sum(do * _grouped(out_BTHK, G).astype(jnp.float32), -1)  # [B, G, R, T]
+    q, out, do = (kernel.enter(x, k_BSGK.shape[2]) for x in (q_BTHK, out_BTHK, dout_BTHK))
+    seen = kernel.seen(out, do)
 
     def step(_, state):
         dq, (k, v, meta, dk, dv) = state
         vis = _visible(where, meta, causal)
+        kind = _kind(kernel, vis, causal)
 
         def compute(_):
-            s = _scores(q, k, vis, scale)
-            p = jnp.where(vis, jnp.exp(s - lse[..., None]), 0.0)  # [B, G, R, T, S]
-            dv_blk = jnp.einsum("BGRTS,BGRTK->BSGK", p, do)
-            dp = jnp.einsum("BGRTK,BSGK->BGRTS", do, v.astype(jnp.float32))
-            ds = p * (dp - d[..., None]) * scale
-            dq_blk = jnp.einsum("BGRTS,BSGK->BGRTK", ds, k.astype(jnp.float32))
-            dk_blk = jnp.einsum("BGRTS,BGRTK->BSGK", ds, q.astype(jnp.float32))
+            dq_blk, dk_blk, dv_blk = kernel.bwd(q, k, v, vis, kind, causal, scale, seen, lse, do)
             return dq + dq_blk, dk + dk_blk, dv + dv_blk
 
-        dq, dk, dv = jax.lax.cond(vis.any(), compute, lambda _: (dq, dk, dv), None)
+        dq, dk, dv = jax.lax.cond(kind != SKIP, compute, lambda _: (dq, dk, dv), None)
         return dq, _shift((k, v, meta, dk, dv), axis_name, n)  # after n shifts each block is home
 
     zeros_kv = jnp.zeros_like(k_BSGK, jnp.float32)
@@ -209,14 +479,14 @@ def _ring_bwd(axis_name, n, causal, scale, res, dout_BTHK):
     state = (dq0, (k_BSGK, v_BSGK, _kv_meta(where), zeros_kv, zeros_kv))
     dq, (_, _, _, dk, dv) = jax.lax.fori_loop(0, n, step, state)
     return (
-        _ungrouped(dq).astype(q_BTHK.dtype),
+        kernel.leave(dq).astype(q_BTHK.dtype),
         dk.astype(k_BSGK.dtype),
         dv.astype(v_BSGK.dtype),
         jax.tree.map(lambda x: None if x is None else np.zeros(x.shape, jax.dtypes.float0), where),
     )
 
 
-ring_attention.defvjp(_ring_fwd, _ring_bwd)
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 # ----------------------------------------------------------------------------- all-gather
@@ -419,6 +689,7 @@ def context_attention(
     q_lengths_B: Array | None = None,
     scale: float | None = None,
     spec_BTHK: tuple = (),
+    kernel: Literal["dense", "cudnn"] | BlockKernel = "dense",
 ) -> Array:
     """Attention with T and S sharded over mesh axis `axis` of `mesh` (default: the mesh in context).
 
@@ -445,12 +716,16 @@ def context_attention(
         q_lengths_B: [B] query lengths, or None.
         scale: the logits' factor, None: 1/sqrt(K).
         spec_BTHK: the PartitionSpec of [B, T, H, K] activations.
+        kernel: what attends each block inside the ring: "dense" (XLA's einsums, any dtype and mask),
+            "cudnn" (cuDNN's fused attention, bfloat16/float16 on NVIDIA GPUs: see `cudnn_unservable`),
+            or a `BlockKernel` of your own (`fused_kernel` makes one from a fused attention's calls).
 
     Returns:
         [B, T, H, K] in q's dtype, sharded as q.
 
     Raises:
-        ValueError: the axis does not divide T or S, or only one of the segment arrays is given.
+        ValueError: the axis does not divide T or S, only one of the segment arrays is given, or a
+            fused kernel with the all-gather strategy or with blocks it cannot attend.
     """
     mesh_shape = (mesh or jax.sharding.get_abstract_mesh()).shape
     n = mesh_shape[axis]
@@ -459,6 +734,13 @@ def context_attention(
     for what, length in (("queries", T), ("keys", S)):
         if length % n:
             raise ValueError(f"{what}: length {length} is not divisible by the context axis ({axis}={n})")
+    if kernel != "dense" and strategy != "ring":
+        raise ValueError(f"kernel={kernel!r} attends the ring's blocks: the all-gather strategy is dense")
+    if kernel == "cudnn" and (why := cudnn_unservable(q_BTHK, k_BSGK, n)):
+        raise ValueError(why)
+    if isinstance(kernel, str) and kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {sorted(KERNELS)} or a BlockKernel, got {kernel!r}")
+    block_kernel = KERNELS[kernel]() if isinstance(kernel, str) else kernel
     q_index_BT = jnp.broadcast_to(jnp.arange(T), (B, T)) if q_index_BT is None else q_index_BT
     kv_index_BS = jnp.broadcast_to(jnp.arange(S), (B, S)) if kv_index_BS is None else kv_index_BS
     if (q_segments_BT is None) != (kv_segments_BS is None):
@@ -480,7 +762,7 @@ def context_attention(
 
     def local(q, k, v, where):
         if strategy == "ring":
-            return ring_attention(q, k, v, where, axis, n, causal, scale)
+            return ring_attention(q, k, v, where, axis, n, causal, scale, block_kernel)
         return allgather_attention(q, k, v, where, axis, causal, scale)
 
     f = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, where_specs), out_specs=x_spec)

@@ -39,20 +39,84 @@ CASES = [
     ("allgather4 causal zigzag", "allgather", 4, "zigzag", "zigzag", True, 32, 32, True, 1),
     ("allgather8 cross", "allgather", 8, "contiguous", "contiguous", False, 16, 32, True, 1),
     ("ring4 x data2 causal zigzag", "ring", 4, "zigzag", "zigzag", True, 32, 32, True, 2),
+] + [
+    # A fused kernel inside the ring (`ring.fused_kernel`), here with XLA standing in for cuDNN's two
+    # calls under the same contract (`_contract_fwd`, `_contract_bwd`): each block told its kind. Plain
+    # rows give the kinds that need no mask (contiguous: full, causal, skipped; zig-zag: causal and the
+    # two halves; striped: causal and masked); padded and packed ones send most blocks to the bias.
+    (f"fused ring{n} {kind} {layout}{' padded' if padded else ''}", "fused", n, layout,
+     "contiguous" if kind == "cross" else layout, causal, T, 32, padded and n > 2, 1, padded)
+    for kind, (causal, T, layouts) in KINDS.items() for n in (4,) for layout in layouts
+    for padded in (False, True)
 ]  # fmt: skip
+CASES = [c if len(c) == 11 else (*c, True) for c in CASES]  # (..., padded): q and kv lengths given
+
+
+def _contract_fwd(q_BTHK, k_BSGK, v_BSGK, bias, causal, scale):
+    """cuDNN's fused forward as `ring.fused_kernel` calls it, in XLA: masked scores are cuDNN's large
+    negative number (a row that sees nothing is uniform over its keys), the log-sum-exp is [B, H, T]."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxformer import ring
+
+    (T, H), (S, G) = q_BTHK.shape[1:3], k_BSGK.shape[1:3]
+    k, v = jnp.repeat(k_BSGK, H // G, axis=2), jnp.repeat(v_BSGK, H // G, axis=2)
+    s = jnp.einsum("BTHK,BSHK->BHTS", q_BTHK, k, preferred_element_type=jnp.float32) * scale
+    if bias is not None:
+        s = s + bias.astype(jnp.float32)
+    if causal:
+        s = jnp.where(jnp.tri(T, S, dtype=bool), s, ring.FUSED_MASK_VALUE)
+    lse = jax.nn.logsumexp(s, axis=-1)  # [B, H, T]
+    o = jnp.einsum("BHTS,BSHK->BTHK", jnp.exp(s - lse[..., None]), v.astype(jnp.float32))
+    return o.astype(q_BTHK.dtype), lse
+
+
+def _contract_bwd(q_BTHK, k_BSGK, v_BSGK, bias, causal, scale, out_BTHK, lse_BHT, do_BTHK):
+    """cuDNN's fused backward from the output and log-sum-exp it is given, in XLA."""
+    import jax.numpy as jnp
+
+    from jaxformer import ring
+
+    (B, T, H, K), (S, G) = q_BTHK.shape, k_BSGK.shape[1:3]
+    f32 = lambda x: x.astype(jnp.float32)
+    k, v = jnp.repeat(f32(k_BSGK), H // G, axis=2), jnp.repeat(f32(v_BSGK), H // G, axis=2)
+    s = jnp.einsum("BTHK,BSHK->BHTS", f32(q_BTHK), k) * scale
+    if bias is not None:
+        s = s + bias.astype(jnp.float32)
+    if causal:
+        s = jnp.where(jnp.tri(T, S, dtype=bool), s, ring.FUSED_MASK_VALUE)
+    p = jnp.exp(s - lse_BHT[..., None])
+    d = jnp.sum(f32(do_BTHK) * f32(out_BTHK), -1).transpose(0, 2, 1)  # [B, H, T]
+    dv = jnp.einsum("BHTS,BTHK->BSHK", p, f32(do_BTHK))
+    ds = p * (jnp.einsum("BTHK,BSHK->BHTS", f32(do_BTHK), v) - d[..., None]) * scale
+    dq = jnp.einsum("BHTS,BSHK->BTHK", ds, k)
+    dk = jnp.einsum("BHTS,BTHK->BSHK", ds, f32(q_BTHK))
+    per_group = lambda x: x.reshape(B, S, G, H // G, K).sum(3)
+    return dq.astype(q_BTHK.dtype), per_group(dk).astype(k_BSGK.dtype), per_group(dv).astype(v_BSGK.dtype)
+
+
+@functools.cache
+def contract_kernel():
+    from jaxformer import ring
+
+    return ring.fused_kernel(_contract_fwd, _contract_bwd)
 
 
 def _ours(mesh, strategy, causal, q, k, v, q_order, kv_order, q_lengths, kv_lengths, q_seg, kv_seg):
     """Context-parallel attention of the sequence laid out in `q_order` / `kv_order` (int arrays, so
-    that one compile serves every layout), its output put back in sequence order."""
+    that one compile serves every layout), its output put back in sequence order. Strategy "fused":
+    the ring with `contract_kernel` inside."""
     import jax.numpy as jnp
 
     from jaxformer import ring
 
     (B, T), S = q.shape[:2], k.shape[1]
     lay = lambda x, order: None if x is None else jnp.take(x, order, axis=1)
+    kernel = contract_kernel() if strategy == "fused" else "dense"
+    strategy = "ring" if strategy == "fused" else strategy
     o = ring.context_attention(
-        lay(q, q_order), lay(k, kv_order), lay(v, kv_order), mesh=mesh, strategy=strategy, causal=causal,
+        lay(q, q_order), lay(k, kv_order), lay(v, kv_order), mesh=mesh, strategy=strategy, causal=causal, kernel=kernel,
         q_index_BT=jnp.broadcast_to(q_order, (B, T)), kv_index_BS=jnp.broadcast_to(kv_order, (B, S)),
         q_segments_BT=lay(q_seg, q_order), kv_segments_BS=lay(kv_seg, kv_order),
         kv_lengths_B=kv_lengths, q_lengths_B=q_lengths, spec_BTHK=("data",),
@@ -84,7 +148,7 @@ def _jitted():  # one jit: its cache compiles each (side, mesh, strategy, causal
     return jax.jit(_out_and_grads, static_argnums=(0, 1))
 
 
-def case_errors(seed, strategy, n, q_layout, kv_layout, causal, T, S, segments, data) -> dict:
+def case_errors(seed, strategy, n, q_layout, kv_layout, causal, T, S, segments, data, padded) -> dict:
     """The largest differences from one device's attention, of the outputs and of the gradients."""
     import jax
     import jax.numpy as jnp
@@ -98,7 +162,7 @@ def case_errors(seed, strategy, n, q_layout, kv_layout, causal, T, S, segments, 
     q = jax.random.normal(kq, (B, T, H, K))
     k, v = jax.random.normal(kk, (B, S, G, K)), jax.random.normal(kv, (B, S, G, K))
     # the second row's last queries and keys are padding (by length), in every case
-    lengths = jnp.array([T, T - 3]), jnp.array([S, S - 5])
+    lengths = (jnp.array([T, T - 3]), jnp.array([S, S - 5])) if padded else (None, None)
     # two documents a row, the second ending early: trailing keys and queries are padding (segment 0)
     seg = lambda L: jnp.stack([jnp.where(jnp.arange(L) < L // 3, 1, 2), jnp.where(jnp.arange(L) < L - 6, 1, 0)])
     segs = (seg(T), seg(S)) if segments else (None, None)
@@ -362,3 +426,120 @@ def test_what_context_parallelism_cannot_split_is_refused_naming_the_field():
     ):
         with pytest.raises(C.ConfigError, match=message):
             build(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "layout, causal, kinds",
+    [
+        ("contiguous", True, {"SKIP", "FULL", "CAUSAL"}),
+        ("zigzag", True, {"CAUSAL", "KV_FRONT", "Q_BACK"}),
+        ("striped", True, {"CAUSAL", "MASKED"}),
+        ("striped", False, {"FULL"}),
+    ],
+)
+def test_each_layout_s_blocks_are_the_kinds_a_fused_kernel_needs_no_mask_for(layout, causal, kinds):
+    """`ring.block_kind` of every (device, visiting block) pair of a ring of 4 over 32 positions, from
+    the blocks' positions: the balanced zig-zag layout needs no mask array at all, striped one for the
+    blocks from later devices (keys strictly before the queries' own), and any padding makes one."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxformer import ring
+
+    n, T = 4, 32
+    blocks = ring.layout_order(T, n, layout).reshape(n, T // n)
+    names = {getattr(ring, k): k for k in ("SKIP", "FULL", "CAUSAL", "KV_FRONT", "Q_BACK", "MASKED")}
+
+    def kind(q_pos, kv_pos, kv_length=T):
+        vis = (kv_pos[None, :] <= q_pos[:, None]) if causal else np.ones((T // n, T // n), bool)
+        vis = vis & (kv_pos < kv_length)[None, :]
+        return names[int(ring.block_kind(jnp.asarray(vis)[None, None, None], causal))]
+
+    assert {kind(blocks[d], blocks[e]) for d in range(n) for e in range(n)} == kinds
+    assert "MASKED" in {kind(blocks[d], blocks[e], kv_length=T - 3) for d in range(n) for e in range(n)}
+
+
+def _block_contract_errors(kernel) -> dict:
+    """A device's queries (128 positions) against two visiting key blocks of 128, as a ring of two
+    lays a causal sequence of 256 zig-zag (device 0: its own block is CAUSAL, device 1's is Q_BACK;
+    device 1: device 0's block is KV_FRONT), bidirectional (FULL), and with the last 40 keys padding
+    (MASKED): each block attended by `kernel.fwd` and combined by log-sum-exp, then each block's
+    `kernel.bwd` told the whole output and log-sum-exp, against attention over all 256 keys at once
+    (`functional.dot_product_attention`, float32) and its autodiff. bfloat16 inputs. Returns the
+    largest errors relative to the largest reference value, by case."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxformer import functional as F
+    from jaxformer import ring
+
+    B, H, G, K, n = 2, 4, 2, 64, 2
+    order = ring.layout_order(256, n, "zigzag").reshape(n, 128)
+    kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(kq, (B, 128, H, K), jnp.bfloat16)
+    k, v = (jax.random.normal(x, (B, 256, G, K), jnp.bfloat16) for x in (kk, kv))
+    do = jax.random.normal(kd, (B, 128, H, K), jnp.bfloat16)
+    f32 = lambda x: x.astype(jnp.float32)
+    errors = {}
+    for case, device, causal, kv_length in [("zigzag device 0", 0, True, 256), ("zigzag device 1", 1, True, 256),
+                                            ("bidirectional", 0, False, 256), ("padded", 0, False, 216)]:  # fmt: skip
+        q_pos, kv_pos = order[device], np.concatenate([order[device], order[1 - device]])  # own block first
+        vis = (kv_pos[None, :] <= q_pos[:, None]) if causal else np.ones((128, 256), bool)
+        vis = jnp.asarray(vis & (kv_pos < kv_length)[None, :])[None, None, None]  # [1, 1, 1, T, 2S]
+        vis = jnp.broadcast_to(vis, (B, 1, 1, 128, 256))
+        blocks = [(slice(0, 128), vis[..., :128]), (slice(128, 256), vis[..., 128:])]
+
+        def reference(q, k, v, vis=vis):
+            return F.dot_product_attention(f32(q), f32(k), f32(v), mask=vis[:, 0], scale=K**-0.5)
+
+        out_ref, vjp = jax.vjp(reference, q, k, v)
+        grads_ref = vjp(f32(do))
+        parts, kinds = [], []
+        for sl, vis_blk in blocks:
+            kind = ring.block_kind(vis_blk, causal)
+            kinds.append(int(kind))
+            parts.append(kernel.fwd(q, k[:, sl], v[:, sl], vis_blk, kind, causal, K**-0.5))
+        lse = jnp.logaddexp(parts[0][1], parts[1][1])  # [B, T, H]
+        out = sum(o * jnp.exp(l - lse)[..., None] for o, l in parts)
+        shares = [
+            kernel.bwd(q, k[:, sl], v[:, sl], vis_blk, kind, causal, K**-0.5, out.astype(q.dtype), lse, do)
+            for (sl, vis_blk), kind in zip(blocks, kinds, strict=True)
+        ]  # (dq, dk, dv) of each block
+        dq_both, dk_by_block, dv_by_block = zip(*shares, strict=True)
+        grads = (sum(dq_both), jnp.concatenate(dk_by_block, axis=1), jnp.concatenate(dv_by_block, axis=1))
+        rel = lambda a, b: float(jnp.abs(f32(a) - f32(b)).max() / jnp.abs(f32(b)).max())
+        errors[case] = {
+            "kinds": kinds,
+            "out": rel(out, out_ref),
+            "grad": max(rel(a, b) for a, b in zip(grads, grads_ref, strict=True)),
+        }
+    return errors
+
+
+BLOCK_KINDS = {
+    "zigzag device 0": ["CAUSAL", "Q_BACK"],
+    "zigzag device 1": ["CAUSAL", "KV_FRONT"],
+    "bidirectional": ["FULL", "FULL"],
+    "padded": ["MASKED", "FULL"],
+}
+
+
+@pytest.mark.parametrize("kernel", ["contract", "cudnn"])
+def test_a_fused_kernel_s_blocks_combine_to_attention_over_all_keys(kernel):
+    """The block contract of `ring.fused_kernel`, on one device: with XLA standing in for cuDNN's two
+    calls (`_contract_fwd`, `_contract_bwd`) everywhere, and with cuDNN's own calls on an NVIDIA GPU
+    (the ring's context axis needs several devices; the contract does not). Outputs and gradients
+    within 2% of the largest reference value: bfloat16 blocks against float32 over all keys."""
+    import jax
+
+    from jaxformer import ring
+
+    if kernel == "cudnn" and jax.default_backend() != "gpu":
+        pytest.skip("cuDNN's fused attention needs an NVIDIA GPU")
+    errors = _block_contract_errors(contract_kernel() if kernel == "contract" else ring.KERNELS["cudnn"]())
+    names = {getattr(ring, k): k for k in ("SKIP", "FULL", "CAUSAL", "KV_FRONT", "Q_BACK", "MASKED")}
+    for case, e in errors.items():
+        assert [names[k] for k in e["kinds"]] == BLOCK_KINDS[case], case
+        assert e["out"] <= 2e-2 and e["grad"] <= 2e-2, (case, e)
+    print(errors)
