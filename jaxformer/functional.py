@@ -168,8 +168,12 @@ def causal_cache_mask(positions_BT: Array | None) -> Mask:
 _fallbacks_logged: set[str] = set()
 
 
-def _log_fallback(reason: str) -> None:
-    """Say once per reason why attention left the fused path."""
+def log_fallback(reason: str) -> None:
+    """Say once per reason why attention left the fused path (a warning on the "jaxformer" logger).
+
+    Args:
+        reason: what could not run fused, and what runs instead.
+    """
     if reason not in _fallbacks_logged:
         _fallbacks_logged.add(reason)
         logging.getLogger("jaxformer").warning("attention: %s", reason)
@@ -239,15 +243,27 @@ def _platform() -> str:
     return device.platform if device is not None else jax.default_backend()
 
 
-def _choose_backend(implementation: str, q_BTHK: Array, needs_reference: str | None) -> str:
+def choose_backend(implementation: str, q_BTHK: Array, needs_reference: str | None) -> str:
     """Which path runs: "naive", "xla", "cudnn" or "splash". "auto" takes cuDNN flash attention on
     GPU in bfloat16/float16, splash attention on TPU, XLA's fused attention elsewhere, and the
-    reference where weights or dropout on the probabilities are asked for; each fallback is logged once."""
+    reference where weights or dropout on the probabilities are asked for; each fallback is logged once.
+
+    Args:
+        implementation: the config's `attention_impl`.
+        q_BTHK: [B, T, H, K] the queries (their dtype decides cuDNN).
+        needs_reference: what only the reference path can do for this call, or None.
+
+    Returns:
+        "naive", "xla", "cudnn" or "splash".
+
+    Raises:
+        ValueError: a fused kernel asked for by name cannot do what `needs_reference` says.
+    """
     if needs_reference:
         if implementation in ("xla", "cudnn", "splash"):
             raise ValueError(f"implementation={implementation!r} cannot {needs_reference}; use 'naive' or 'auto'")
         if implementation == "auto":
-            _log_fallback(f"the reference path runs, since no fused kernel can {needs_reference}")
+            log_fallback(f"the reference path runs, since no fused kernel can {needs_reference}")
         return "naive"
     if implementation != "auto":
         return implementation
@@ -257,7 +273,7 @@ def _choose_backend(implementation: str, q_BTHK: Array, needs_reference: str | N
     if platform != "gpu":
         return "xla"
     if q_BTHK.dtype not in (jnp.bfloat16, jnp.float16):
-        _log_fallback(f"cuDNN flash attention needs bfloat16 or float16, not {q_BTHK.dtype}: XLA's path runs")
+        log_fallback(f"cuDNN flash attention needs bfloat16 or float16, not {q_BTHK.dtype}: XLA's path runs")
         return "xla"
     return "cudnn"
 
@@ -420,7 +436,7 @@ def dot_product_attention(
     mask = as_mask(mask)
     use_dropout = dropout_rate > 0.0 and dropout_rng is not None
     needs = "return weights" if return_weights else "apply dropout to probabilities" if use_dropout else None
-    backend = _choose_backend(implementation, q_BTHK, needs)
+    backend = choose_backend(implementation, q_BTHK, needs)
     if backend != "naive":
         if kv_layout == "BGSK":
             k_BSGK, v_BSGK = jnp.swapaxes(k_BSGK, 1, 2), jnp.swapaxes(v_BSGK, 1, 2)
@@ -431,13 +447,13 @@ def dot_product_attention(
                 return _splash(q_BTHK, k_BSGK, v_BSGK, mask, scale, spec_BTHK)
             if implementation == "splash":
                 raise ValueError(f"implementation='splash' cannot serve this call: {why}")
-            _log_fallback(f"{why}: XLA's path runs")
+            log_fallback(f"{why}: XLA's path runs")
             backend = "xla"
         if backend == "cudnn" and implementation == "auto":
             try:  # cuDNN's limits (head dim, lengths with a bias, GPU generation) are checked as it traces
                 return _fused(q_BTHK, k_BSGK, v_BSGK, mask, bias, scale, "cudnn")
             except (NotImplementedError, ValueError, RuntimeError) as e:
-                _log_fallback(f"cuDNN flash attention cannot serve this call ({e}): XLA's path runs")
+                log_fallback(f"cuDNN flash attention cannot serve this call ({e}): XLA's path runs")
                 backend = "xla"
         return _fused(q_BTHK, k_BSGK, v_BSGK, mask, bias, scale, backend)
 

@@ -680,11 +680,29 @@ class MultiHeadAttention(nnx.Module):
         mask = mask or F.Mask()
         return ring.context_attention(
             q_BTHK, k_BSGK, v_BSGK, strategy=self.cfg.context_attention, causal=mask.causal,
+            kernel=self._ring_kernel(q_BTHK, k_BSGK),
             q_index_BT=positions_BT, kv_index_BS=kv_positions_BS,
             q_segments_BT=mask.q_segments, kv_segments_BS=mask.kv_segments,
             kv_lengths_B=mask.kv_lengths, q_lengths_B=mask.q_lengths,
             scale=None if self.cfg.scale_attention else 1.0, spec_BTHK=activation_spec(("batch", None, "heads", None)),
         )  # fmt: skip
+
+    def _ring_kernel(self, q_BTHK: Array, k_BSGK: Array) -> str:
+        """What attends each block inside the ring: cuDNN's fused attention where `attention_impl`
+        chooses cuDNN (auto on a GPU in bfloat16) and it can take the blocks, else XLA's einsums
+        ("dense"; splash attention inside the ring is not built)."""
+        cfg = self.cfg
+        backend = F.choose_backend(cfg.attention_impl, q_BTHK, None)
+        if backend == "cudnn" and cfg.context_attention == "ring":
+            why = ring.cudnn_unservable(q_BTHK, k_BSGK, context_ways())
+            if why is None:
+                return "cudnn"
+            if cfg.attention_impl == "cudnn":
+                raise ValueError(f"model.attention_impl='cudnn': {why}")
+            F.log_fallback(f"{why}: each block is attended by XLA's einsums")
+        elif backend in ("cudnn", "splash"):
+            F.log_fallback(f"{backend} attention inside context parallelism: each block is attended by XLA's einsums")
+        return "dense"
 
     def _out(self, out_BTHK: Array, dropout_rng: Array | None) -> Array:
         """The heads' output projection: [B, T, H, K] -> [B, T, D] (row-parallel under TP)."""

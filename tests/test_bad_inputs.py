@@ -170,7 +170,11 @@ CLI_CASES = [
     cli_case(TRAIN + "model.context_attention=stripes", r"model\.context_attention: 'stripes' is not one of the"),
     cli_case(
         TRAIN + "mesh.context=2 --set model.attention_impl=splash",
-        r"model\.attention_impl: 'splash': a fused kernel is not used inside the ring \(mesh\.context=2\)",
+        r"model\.attention_impl: 'splash': splash attention is not used inside the ring \(mesh\.context=2\)",
+    ),
+    cli_case(
+        TRAIN + "mesh.context=2 --set model.attention_impl=cudnn --set model.context_attention=allgather",
+        r"model\.attention_impl: 'cudnn' attends the ring's blocks; model\.context_attention='allgather'",
     ),
     cli_case(TRAIN + "model.moe.num_experts=-1", r"model\.moe\.num_experts: must be >= 0 \(0 = dense\), got -1"),
     cli_case(TRAIN + "model.moe.expert_capacity=-2", r"model\.moe\.expert_capacity: must be >= 0, got -2"),

@@ -137,6 +137,55 @@ def test_cached_decoding_compiles_with_cudnn_fused_attention(mode, devices):
     assert not score_blocks(text) and not cache  # nothing [., ., ., T + 64]: no scores over the cache either
 
 
+def ring_gpu(mode: str, n: int, length: int = T, impl: str = "auto") -> Config:
+    """`tiny_gpu` with the sequence split over a context axis of `n` (zig-zag where attention is causal)."""
+    cfg = tiny_gpu(mode, context=n, data=1)
+    layout = "contiguous" if mode == "encoder_only" else "zigzag"
+    model = cfg.model.replace(max_len=length, attention_impl=impl, context_layout=layout)
+    return dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, max_len=length))
+
+
+def head_blocks(text: str, shapes: set[tuple[int, int]]) -> set[tuple[int, ...]]:
+    """The [B, H, t, s] arrays of the program with (t, s) one of `shapes`: a ring block's scores or
+    probabilities (a bias broadcast over heads, [B, 1, t, s], is not one)."""
+    found = {tuple(int(n) for n in m) for m in re.findall(r"\[(\d+),(\d+),(\d+),(\d+)\]", text)}
+    return {s for s in found if s[1] == H and s[2:] in shapes}
+
+
+@pytest.mark.parametrize("mode", ["encoder_only", "decoder_only", "encoder_decoder"])
+def test_the_ring_attends_each_block_with_cudnn_in_each_mode(mode):
+    """Context parallelism over 4 H100s (`ring.fused_kernel` with cuDNN's calls): the training step's
+    ring attends its blocks with cuDNN's forward and backward calls in every kind a block can be (no
+    mask, causal, zig-zag's halves, and a bias for the rest), evaluation with the forward ones; the
+    blocks travel by collective-permute, and no block of [B, H, t, s] scores is built, where the
+    dense blocks ("naive") build them."""
+    devices = parse_target("gpu-h100:1x4").devices()
+    train, evaluate = compiled_steps(ring_gpu(mode, 4), devices)
+    shapes = {(T // 4, T // 4), (T // 4, S // 4), (S // 4, S // 4)}
+    calls = {"fmhaSoftmax", "fmhaScaleBiasSoftmax"}
+    assert set(fused_calls(train)) == calls | {f"{c}Backward" for c in calls}
+    assert set(fused_calls(evaluate)) == calls
+    masks = set(re.findall(r'mask_type\\?"\s*:\s*\\?"(\w+)', train))
+    assert masks == ({"NO_MASK"} if mode == "encoder_only" else {"NO_MASK", "CAUSAL"})
+    assert "collective-permute" in train and not head_blocks(train, shapes) and not head_blocks(evaluate, shapes)
+    if mode == "decoder_only":
+        dense, _ = compiled_steps(ring_gpu(mode, 4, impl="naive"), devices)
+        assert not fused_calls(dense) and head_blocks(dense, shapes)
+
+
+def test_cudnn_inside_the_ring_needs_a_third_of_the_dense_blocks_temporaries():
+    """A decoder-only training step over 4096 positions on 4 H100s (zig-zag, 1024 a device, 8 rows):
+    XLA's GPU compiler lays out 129 MB of temporaries with cuDNN inside the ring against 389 MB with
+    dense blocks (float32 [8, 4, 1024, 1024] scores a step); at 16,384 positions 866 MB against
+    4.90 GB."""
+    devices = parse_target("gpu-h100:1x4").devices()
+    temporaries = {
+        impl: compiled_train_step(ring_gpu("decoder_only", 4, 4096, impl), devices).memory_analysis().temp_size_in_bytes
+        for impl in ("auto", "naive")
+    }
+    assert temporaries["auto"] < 0.4 * temporaries["naive"], temporaries
+
+
 def test_what_cudnn_refuses_runs_on_xla_s_path(devices, caplog):
     """ "auto" on an H100 (traced for it, lowered only): bfloat16 with head dim 64 goes to cuDNN; head dim
     20 (cuDNN wants a multiple of 8) and float32 (cuDNN computes in 16 bits) go to XLA's path, each said
