@@ -29,7 +29,8 @@
 #            bytes, step time) with the plain loss, the chunked loss, remat "offload_inputs" and
 #            train.offload_optimizer; then `jaxformer plan`'s prediction for the plain and chunked steps,
 #            deviceless (--target gpu-h100:1x1) and on this GPU. (Ring attention needs a context axis of
-#            2 or more devices: on one GPU only the loss and the offload options apply.) LONG_T: another T
+#            2 or more devices: on one GPU only the loss and the offload options apply; first, though,
+#            the test of cuDNN's calls as the ring's blocks use them.) LONG_T: another T
 #   tests    the test suite on the GPU (4 workers; conftest pins float32 matmul precision and stops each
 #            worker preallocating GPU memory), with the GPU-only check that cuDNN flash attention is
 #            in the compiled training step
@@ -83,6 +84,8 @@ for part in "${parts[@]}"; do
       run plan_measured_scanned_none_b16 "$py" scripts/benchmark.py --gpt2-vs-torch "${shape[@]}" --batches 16 \
         --stacks scanned:none --no-peer ;;
     long)
+      # first, cuDNN's calls as the ring's blocks use them, against attention over all keys
+      run long_ring_cudnn_blocks "$py" -m pytest -q -rs tests/test_ring.py -k fused_kernel_s_blocks
       T=${LONG_T:-16384}
       long=(--config experiments/gpt2_1p3b.py --set "data.max_len=$T" --set "model.max_len=$T" --set train.batch_size=1
         --set mesh.data=1 --set mesh.fsdp=1)
