@@ -172,6 +172,8 @@ class BlockKernel(NamedTuple):
         leave: the kernel's layout -> [B, T, H, K].
         seen: what `bwd` is told of the whole output, once before the ring (out, do) -> ...: the output
             itself, or what the kernel reads of it (XLA's: the rows' dO . O).
+        vma: whether the kernel's calls type the mesh axes their outputs vary over (`shard_map`'s
+            `check_vma`); Pallas calls do not.
     """
 
     fwd: Callable
@@ -180,6 +182,7 @@ class BlockKernel(NamedTuple):
     enter: Callable = lambda x_BTHK, G: x_BTHK
     leave: Callable = lambda x_BTHK: x_BTHK
     seen: Callable = lambda out, do: out
+    vma: bool = True
 
 
 def _dense_fwd(q_BGRTK, k_BSGK, v_BSGK, vis, kind, causal, scale):
@@ -218,7 +221,7 @@ DENSE = BlockKernel(
 ([B, G, R, T, K]): scores [B, H, T, S] in float32 a step; any mask, any dtype."""
 
 
-def fused_kernel(fwd_call: Callable, bwd_call: Callable) -> BlockKernel:
+def fused_kernel(fwd_call: Callable, bwd_call: Callable, tile: int = 1, vma: bool = True) -> BlockKernel:
     """A `BlockKernel` from a fused attention's two calls, each block told its mask by kind: no mask
     (FULL), the kernel's causal mask (CAUSAL), half the keys or half the queries sliced off (KV_FRONT,
     Q_BACK), and only for MASKED a bias [B, 1, T, S]: 0 where a key is seen, a large negative number
@@ -232,6 +235,8 @@ def fused_kernel(fwd_call: Callable, bwd_call: Callable) -> BlockKernel:
     Args:
         fwd_call: the kernel's forward, returning the output and log-sum-exp (natural log).
         bwd_call: the kernel's backward from a given output and log-sum-exp.
+        tile: lengths the kernel needs multiples of: a half block that is not one is MASKED instead.
+        vma: whether the calls type the mesh axes their outputs vary over (Pallas calls do not).
 
     Returns:
         The BlockKernel.
@@ -256,7 +261,9 @@ def fused_kernel(fwd_call: Callable, bwd_call: Callable) -> BlockKernel:
             Q_BACK: back,
             MASKED: lambda q, k, v: fwd_call(q, k, v, bias(vis, q.dtype), False, scale),
         }
-        o, lse_BHT = jax.lax.switch(kind - FULL, [branches[k] for k in _kinds(T, S, causal)], q_BTHK, k_BSGK, v_BSGK)
+        o, lse_BHT = jax.lax.switch(
+            kind - FULL, [branches[k] for k in _kinds(T, S, causal, tile)], q_BTHK, k_BSGK, v_BSGK
+        )
         lse = lse_BHT.astype(jnp.float32).transpose(0, 2, 1)  # [B, T, H]
         seen = lse > NEG / 2
         return jnp.where(seen[..., None], o.astype(jnp.float32), 0.0), jnp.where(seen, lse, NEG)
@@ -286,21 +293,227 @@ def fused_kernel(fwd_call: Callable, bwd_call: Callable) -> BlockKernel:
             MASKED: lambda q, k, v, o, lse, do: call(q, k, v, bias(vis, q.dtype), False, o, lse, do),
         }
         grads = jax.lax.switch(
-            kind - FULL, [branches[k] for k in _kinds(T, S, causal)], q_BTHK, k_BSGK, v_BSGK, out_BTHK, lse_BHT, do_BTHK
+            kind - FULL,
+            [branches[k] for k in _kinds(T, S, causal, tile)],
+            q_BTHK,
+            k_BSGK,
+            v_BSGK,
+            out_BTHK,
+            lse_BHT,
+            do_BTHK,
         )
         return tuple(g.astype(jnp.float32) for g in grads)
 
-    return BlockKernel(fwd, bwd, classify=True)
+    return BlockKernel(fwd, bwd, classify=True, vma=vma)
 
 
 FUSED_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.bfloat16).max)  # cuDNN's own masked score in bfloat16
 
 
-def _kinds(T: int, S: int, causal: bool) -> list[int]:
+def _kinds(T: int, S: int, causal: bool, tile: int) -> list[int]:
     """The kinds from FULL on, in order, those a block of T queries and S keys cannot be (`block_kind`
-    never gives them) served as MASKED so that `lax.switch` indexes them all."""
-    can = {FULL: True, CAUSAL: causal and T == S, KV_FRONT: S % 2 == 0, Q_BACK: T % 2 == 0, MASKED: True}
+    never gives them) or whose halves are not whole tiles served as MASKED, so that `lax.switch`
+    indexes them all."""
+    halves = lambda L: L % (2 * tile) == 0
+    can = {FULL: True, CAUSAL: causal and T == S, KV_FRONT: halves(S), Q_BACK: halves(T), MASKED: True}
     return [k if can[k] else MASKED for k in (FULL, CAUSAL, KV_FRONT, Q_BACK, MASKED)]
+
+
+def reference_fwd_call(
+    q_BTHK: Array, k_BSGK: Array, v_BSGK: Array, bias: Array | None, causal: bool, scale: float
+) -> tuple[Array, Array]:
+    """A fused attention's forward as `fused_kernel` calls it, in XLA's einsums, with cuDNN's
+    conventions: a masked score is `FUSED_MASK_VALUE` (a query that sees nothing gets the mean of the
+    values) and the log-sum-exp is [B, H, T] in float32. The contract's reference in tests, and what
+    attends the MASKED blocks of kernels that take no bias (splash).
+
+    Args:
+        q_BTHK: [B, T, H, K] queries.
+        k_BSGK: [B, S, G, K] keys.
+        v_BSGK: [B, S, G, K] values.
+        bias: [B, 1, T, S] added to the scores, or None.
+        causal: query t sees keys s <= t (T = S).
+        scale: the scores' factor.
+
+    Returns:
+        (o_BTHK in q's dtype, lse_BHT float32).
+    """
+    H, G = q_BTHK.shape[2], k_BSGK.shape[2]
+    k, v = jnp.repeat(k_BSGK, H // G, axis=2), jnp.repeat(v_BSGK, H // G, axis=2)  # [B, S, H, K]
+    s = _reference_scores(q_BTHK, k, bias, causal, scale)  # [B, H, T, S]
+    lse = jax.nn.logsumexp(s, axis=-1)
+    o = jnp.einsum("BHTS,BSHK->BTHK", jnp.exp(s - lse[..., None]), v.astype(jnp.float32))
+    return o.astype(q_BTHK.dtype), lse
+
+
+def reference_bwd_call(
+    q_BTHK: Array,
+    k_BSGK: Array,
+    v_BSGK: Array,
+    bias: Array | None,
+    causal: bool,
+    scale: float,
+    out_BTHK: Array,
+    lse_BHT: Array,
+    do_BTHK: Array,
+) -> tuple[Array, Array, Array]:
+    """A fused attention's backward from the output and log-sum-exp it is given, in XLA's einsums
+    (`reference_fwd_call`'s conventions).
+
+    Args:
+        q_BTHK: [B, T, H, K] queries.
+        k_BSGK: [B, S, G, K] keys.
+        v_BSGK: [B, S, G, K] values.
+        bias: [B, 1, T, S] added to the scores, or None.
+        causal: query t sees keys s <= t (T = S).
+        scale: the scores' factor.
+        out_BTHK: [B, T, H, K] the whole attention's output.
+        lse_BHT: [B, H, T] its log-sum-exp.
+        do_BTHK: [B, T, H, K] the output's gradient.
+
+    Returns:
+        (dq_BTHK, dk_BSGK, dv_BSGK) in the inputs' dtypes.
+    """
+    (B, _, H, K), (S, G) = q_BTHK.shape, k_BSGK.shape[1:3]
+    f32 = lambda x: x.astype(jnp.float32)
+    k, v = jnp.repeat(f32(k_BSGK), H // G, axis=2), jnp.repeat(f32(v_BSGK), H // G, axis=2)
+    p = jnp.exp(_reference_scores(q_BTHK, k, bias, causal, scale) - lse_BHT[..., None])  # [B, H, T, S]
+    d = jnp.sum(f32(do_BTHK) * f32(out_BTHK), -1).transpose(0, 2, 1)  # [B, H, T]
+    dv = jnp.einsum("BHTS,BTHK->BSHK", p, f32(do_BTHK))
+    ds = p * (jnp.einsum("BTHK,BSHK->BHTS", f32(do_BTHK), v) - d[..., None]) * scale
+    dq = jnp.einsum("BHTS,BSHK->BTHK", ds, k)
+    dk = jnp.einsum("BHTS,BTHK->BSHK", ds, f32(q_BTHK))
+    per_group = lambda x: x.reshape(B, S, G, H // G, K).sum(3)
+    return dq.astype(q_BTHK.dtype), per_group(dk).astype(k_BSGK.dtype), per_group(dv).astype(v_BSGK.dtype)
+
+
+def _reference_scores(q_BTHK, k_BSHK, bias, causal, scale) -> Array:
+    T, S = q_BTHK.shape[1], k_BSHK.shape[1]
+    s = jnp.einsum("BTHK,BSHK->BHTS", q_BTHK, k_BSHK, preferred_element_type=jnp.float32) * scale
+    if bias is not None:
+        s = s + bias.astype(jnp.float32)
+    return jnp.where(jnp.tri(T, S, dtype=bool), s, FUSED_MASK_VALUE) if causal else s
+
+
+MASKED_CHUNK = 128  # queries a step when XLA attends a masked block for a kernel that takes no bias
+
+
+def _chunks(x, n: int, axis: int) -> Array:
+    """x's `axis` split into n chunks, the chunk index first."""
+    return jnp.moveaxis(x.reshape(*x.shape[:axis], n, x.shape[axis] // n, *x.shape[axis + 1 :]), axis, 0)
+
+
+def _unchunked(x, axis: int) -> Array:
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])
+
+
+def _by_query_chunks_fwd(q_BTHK, k_BSGK, v_BSGK, bias_B1TS, scale):
+    """`reference_fwd_call` of a masked block, MASKED_CHUNK queries at a time: scores of [B, H, chunk, S]
+    a step, not [B, H, T, S] (which a compiler reserves even when the branch is never taken)."""
+    n = max(1, q_BTHK.shape[1] // MASKED_CHUNK) if q_BTHK.shape[1] % MASKED_CHUNK == 0 else 1
+    step = lambda qb: reference_fwd_call(qb[0], k_BSGK, v_BSGK, qb[1], False, scale)
+    o, lse = jax.lax.map(step, (_chunks(q_BTHK, n, 1), _chunks(bias_B1TS, n, 2)))
+    return _unchunked(o, 1), _unchunked(lse, 2)
+
+
+def _by_query_chunks_bwd(q_BTHK, k_BSGK, v_BSGK, bias_B1TS, scale, out_BTHK, lse_BHT, do_BTHK):
+    """`reference_bwd_call` of a masked block, MASKED_CHUNK queries at a time (dK and dV summed)."""
+    n = max(1, q_BTHK.shape[1] // MASKED_CHUNK) if q_BTHK.shape[1] % MASKED_CHUNK == 0 else 1
+
+    def step(dkv, chunk):
+        q, bias, out, lse, do = chunk
+        dq, dk, dv = reference_bwd_call(q, k_BSGK, v_BSGK, bias, False, scale, out, lse, do)
+        return (dkv[0] + dk.astype(jnp.float32), dkv[1] + dv.astype(jnp.float32)), dq
+
+    chunks = (_chunks(q_BTHK, n, 1), _chunks(bias_B1TS, n, 2), _chunks(out_BTHK, n, 1), _chunks(lse_BHT, n, 2))
+    zeros = jnp.zeros_like(k_BSGK, jnp.float32)
+    (dk, dv), dq = jax.lax.scan(step, (zeros, zeros), (*chunks, _chunks(do_BTHK, n, 1)))
+    return _unchunked(dq, 1), dk.astype(k_BSGK.dtype), dv.astype(v_BSGK.dtype)
+
+
+SPLASH_TILE = 128  # splash attention's tiles: a block's lengths (and zig-zag's halves) are multiples of it
+
+
+def _splash_calls(interpret: bool = False) -> tuple[Callable, Callable]:
+    """Splash attention's forward (its `save_residuals` mode: the output and log-sum-exp) and
+    backward (its dq/dkv kernels told a given output and log-sum-exp), per row under `vmap`, the key
+    heads repeated to the query heads. Splash takes masks as static structure only: blocks with a
+    bias (MASKED) go to `reference_fwd_call` / `reference_bwd_call`. Private JAX API, compiled for a
+    TPU slice in `tests/test_tpu.py`; `interpret`: Pallas's interpreter (any backend), for tests."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    def kernel(T: int, S: int, H: int, causal: bool):  # made in each trace: its mask tables are staged there
+        one = sm.CausalMask((T, S)) if causal else sm.FullMask((T, S))
+        return sk.make_splash_mha(
+            sm.MultiHeadMask([one] * H), block_sizes=sk.BlockSizes(*(SPLASH_TILE,) * 8), head_shards=1,
+            q_seq_shards=1, save_residuals=True, interpret=interpret,
+        )  # fmt: skip
+
+    def heads(q_BTHK, k_BSGK, v_BSGK, scale):  # [B, H, ., K], the queries scaled (splash takes no scale)
+        H, G = q_BTHK.shape[2], k_BSGK.shape[2]
+        q = jnp.swapaxes(q_BTHK * jnp.asarray(scale, q_BTHK.dtype), 1, 2)
+        return (q, *(jnp.swapaxes(jnp.repeat(x, H // G, axis=2), 1, 2) for x in (k_BSGK, v_BSGK)))
+
+    def fwd(q_BTHK, k_BSGK, v_BSGK, bias, causal, scale):
+        if bias is not None:
+            return _by_query_chunks_fwd(q_BTHK, k_BSGK, v_BSGK, bias, scale)
+        (T, H), S = q_BTHK.shape[1:3], k_BSGK.shape[1]
+        with jax.default_matmul_precision("default"):  # Mosaic multiplies bfloat16 tiles at their own
+            out_BHTK, (lse_BHT,) = jax.vmap(kernel(T, S, H, causal))(*heads(q_BTHK, k_BSGK, v_BSGK, scale))
+        return jnp.swapaxes(out_BHTK, 1, 2), lse_BHT
+
+    def bwd(q_BTHK, k_BSGK, v_BSGK, bias, causal, scale, out_BTHK, lse_BHT, do_BTHK):
+        if bias is not None:
+            return _by_query_chunks_bwd(q_BTHK, k_BSGK, v_BSGK, bias, scale, out_BTHK, lse_BHT, do_BTHK)
+        (B, T, H, K), (S, G) = q_BTHK.shape, k_BSGK.shape[1:3]
+        splash = kernel(T, S, H, causal)
+        kw = splash.kwargs
+
+        def row(q, k, v, o, lse, do):
+            res = (q, k, v, None, None, o, lse, _collapsed(splash.dq_mask_info), _collapsed(splash.dkv_mask_info))
+            grads = sk._splash_attention_bwd(
+                False, kw["mask_value"], kw["is_mqa"], kw["block_sizes"], None, kw["mask_function"],
+                kw["attn_logits_soft_cap"], kw["interpret"], res, do,
+            )  # fmt: skip
+            return grads[3:6]
+
+        q, k, v = heads(q_BTHK, k_BSGK, v_BSGK, scale)
+        with jax.default_matmul_precision("default"):
+            dq, dk, dv = jax.vmap(row)(q, k, v, jnp.swapaxes(out_BTHK, 1, 2), lse_BHT, jnp.swapaxes(do_BTHK, 1, 2))
+        per_group = lambda x_BHSK: jnp.swapaxes(x_BHSK, 1, 2).reshape(B, S, G, H // G, K).sum(3)
+        dq_BTHK = jnp.swapaxes(dq, 1, 2) * jnp.asarray(scale, dq.dtype)
+        return dq_BTHK, per_group(dk).astype(k_BSGK.dtype), per_group(dv).astype(v_BSGK.dtype)
+
+    return fwd, bwd
+
+
+def _collapsed(info):
+    """A mask info's partial mask blocks with their leading dims collapsed, as splash's kernels read
+    them (its jitted entry point does this before its forward; its backward is called here directly)."""
+    if info is None or info.partial_mask_blocks is None:
+        return info
+    blocks = info.partial_mask_blocks
+    return info._replace(partial_mask_blocks=blocks.reshape(-1, *blocks.shape[-2:]))
+
+
+def splash_unservable(q_BTHK: Array | jax.ShapeDtypeStruct, k_BSGK: Array | jax.ShapeDtypeStruct, n: int) -> str | None:
+    """Why splash attention cannot attend the ring's blocks of these (global) queries and keys over
+    `n` devices (None: it can): each block's lengths must be whole tiles.
+
+    Args:
+        q_BTHK: [B, T, H, K] the queries (arrays or shape-dtype structs).
+        k_BSGK: [B, S, G, K] the keys.
+        n: the devices on the context axis.
+
+    Returns:
+        The reason, or None.
+    """
+    T, S = q_BTHK.shape[1] // n, k_BSGK.shape[1] // n
+    if T % SPLASH_TILE or S % SPLASH_TILE:
+        return f"splash attention needs ring blocks of multiples of {SPLASH_TILE} positions, not {T} and {S}"
+    return None
 
 
 def _cudnn_calls() -> tuple[Callable, Callable]:
@@ -368,7 +581,17 @@ def cudnn_unservable(q_BTHK: Array | jax.ShapeDtypeStruct, k_BSGK: Array | jax.S
     return None
 
 
-KERNELS = {"dense": lambda: DENSE, "cudnn": lambda: fused_kernel(*_cudnn_calls())}
+KERNELS = {
+    "dense": lambda: DENSE,
+    "cudnn": lambda: fused_kernel(*_cudnn_calls()),
+    "splash": lambda: fused_kernel(*_splash_calls(), tile=SPLASH_TILE, vma=False),
+    "reference": lambda: fused_kernel(reference_fwd_call, reference_bwd_call),
+}
+"""The ring's kernels by name: XLA's einsums, cuDNN's and splash's fused attention, and the fused
+kernels' contract in XLA (`reference_fwd_call`), which serves tests on any backend."""
+
+UNSERVABLE = {"cudnn": cudnn_unservable, "splash": splash_unservable}
+"""Why a named fused kernel cannot attend the ring's blocks of (q_BTHK, k_BSGK) over n devices."""
 
 
 # ----------------------------------------------------------------------------- ring
@@ -689,7 +912,7 @@ def context_attention(
     q_lengths_B: Array | None = None,
     scale: float | None = None,
     spec_BTHK: tuple = (),
-    kernel: Literal["dense", "cudnn"] | BlockKernel = "dense",
+    kernel: Literal["dense", "cudnn", "splash", "reference"] | BlockKernel = "dense",
 ) -> Array:
     """Attention with T and S sharded over mesh axis `axis` of `mesh` (default: the mesh in context).
 
@@ -718,7 +941,9 @@ def context_attention(
         spec_BTHK: the PartitionSpec of [B, T, H, K] activations.
         kernel: what attends each block inside the ring: "dense" (XLA's einsums, any dtype and mask),
             "cudnn" (cuDNN's fused attention, bfloat16/float16 on NVIDIA GPUs: see `cudnn_unservable`),
-            or a `BlockKernel` of your own (`fused_kernel` makes one from a fused attention's calls).
+            "splash" (TPUs; blocks of whole tiles: `splash_unservable`), "reference" (the fused
+            kernels' contract in XLA), or a `BlockKernel` of your own (`fused_kernel` makes one from a
+            fused attention's two calls).
 
     Returns:
         [B, T, H, K] in q's dtype, sharded as q.
@@ -736,7 +961,7 @@ def context_attention(
             raise ValueError(f"{what}: length {length} is not divisible by the context axis ({axis}={n})")
     if kernel != "dense" and strategy != "ring":
         raise ValueError(f"kernel={kernel!r} attends the ring's blocks: the all-gather strategy is dense")
-    if kernel == "cudnn" and (why := cudnn_unservable(q_BTHK, k_BSGK, n)):
+    if kernel in UNSERVABLE and (why := UNSERVABLE[kernel](q_BTHK, k_BSGK, n)):
         raise ValueError(why)
     if isinstance(kernel, str) and kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {sorted(KERNELS)} or a BlockKernel, got {kernel!r}")
@@ -765,5 +990,6 @@ def context_attention(
             return ring_attention(q, k, v, where, axis, n, causal, scale, block_kernel)
         return allgather_attention(q, k, v, where, axis, causal, scale)
 
-    f = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, where_specs), out_specs=x_spec)
+    specs = dict(in_specs=(x_spec, x_spec, x_spec, where_specs), out_specs=x_spec)
+    f = jax.shard_map(local, mesh=mesh, check_vma=block_kernel.vma, **specs)
     return f(q_BTHK, k_BSGK, v_BSGK, where)

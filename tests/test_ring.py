@@ -41,7 +41,7 @@ CASES = [
     ("ring4 x data2 causal zigzag", "ring", 4, "zigzag", "zigzag", True, 32, 32, True, 2),
 ] + [
     # A fused kernel inside the ring (`ring.fused_kernel`), here with XLA standing in for cuDNN's two
-    # calls under the same contract (`_contract_fwd`, `_contract_bwd`): each block told its kind. Plain
+    # calls under the same contract (`ring.reference_fwd_call`): each block told its kind. Plain
     # rows give the kinds that need no mask (contiguous: full, causal, skipped; zig-zag: causal and the
     # two halves; striped: causal and masked); padded and packed ones send most blocks to the bias.
     (f"fused ring{n} {kind} {layout}{' padded' if padded else ''}", "fused", n, layout,
@@ -52,55 +52,13 @@ CASES = [
 CASES = [c if len(c) == 11 else (*c, True) for c in CASES]  # (..., padded): q and kv lengths given
 
 
-def _contract_fwd(q_BTHK, k_BSGK, v_BSGK, bias, causal, scale):
-    """cuDNN's fused forward as `ring.fused_kernel` calls it, in XLA: masked scores are cuDNN's large
-    negative number (a row that sees nothing is uniform over its keys), the log-sum-exp is [B, H, T]."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxformer import ring
-
-    (T, H), (S, G) = q_BTHK.shape[1:3], k_BSGK.shape[1:3]
-    k, v = jnp.repeat(k_BSGK, H // G, axis=2), jnp.repeat(v_BSGK, H // G, axis=2)
-    s = jnp.einsum("BTHK,BSHK->BHTS", q_BTHK, k, preferred_element_type=jnp.float32) * scale
-    if bias is not None:
-        s = s + bias.astype(jnp.float32)
-    if causal:
-        s = jnp.where(jnp.tri(T, S, dtype=bool), s, ring.FUSED_MASK_VALUE)
-    lse = jax.nn.logsumexp(s, axis=-1)  # [B, H, T]
-    o = jnp.einsum("BHTS,BSHK->BTHK", jnp.exp(s - lse[..., None]), v.astype(jnp.float32))
-    return o.astype(q_BTHK.dtype), lse
-
-
-def _contract_bwd(q_BTHK, k_BSGK, v_BSGK, bias, causal, scale, out_BTHK, lse_BHT, do_BTHK):
-    """cuDNN's fused backward from the output and log-sum-exp it is given, in XLA."""
-    import jax.numpy as jnp
-
-    from jaxformer import ring
-
-    (B, T, H, K), (S, G) = q_BTHK.shape, k_BSGK.shape[1:3]
-    f32 = lambda x: x.astype(jnp.float32)
-    k, v = jnp.repeat(f32(k_BSGK), H // G, axis=2), jnp.repeat(f32(v_BSGK), H // G, axis=2)
-    s = jnp.einsum("BTHK,BSHK->BHTS", f32(q_BTHK), k) * scale
-    if bias is not None:
-        s = s + bias.astype(jnp.float32)
-    if causal:
-        s = jnp.where(jnp.tri(T, S, dtype=bool), s, ring.FUSED_MASK_VALUE)
-    p = jnp.exp(s - lse_BHT[..., None])
-    d = jnp.sum(f32(do_BTHK) * f32(out_BTHK), -1).transpose(0, 2, 1)  # [B, H, T]
-    dv = jnp.einsum("BHTS,BTHK->BSHK", p, f32(do_BTHK))
-    ds = p * (jnp.einsum("BTHK,BSHK->BHTS", f32(do_BTHK), v) - d[..., None]) * scale
-    dq = jnp.einsum("BHTS,BSHK->BTHK", ds, k)
-    dk = jnp.einsum("BHTS,BTHK->BSHK", ds, f32(q_BTHK))
-    per_group = lambda x: x.reshape(B, S, G, H // G, K).sum(3)
-    return dq.astype(q_BTHK.dtype), per_group(dk).astype(k_BSGK.dtype), per_group(dv).astype(v_BSGK.dtype)
-
-
 @functools.cache
 def contract_kernel():
+    """`ring.fused_kernel` with XLA standing in for a fused attention's two calls, under cuDNN's
+    conventions (`ring.reference_fwd_call`)."""
     from jaxformer import ring
 
-    return ring.fused_kernel(_contract_fwd, _contract_bwd)
+    return ring.KERNELS["reference"]()
 
 
 def _ours(mesh, strategy, causal, q, k, v, q_order, kv_order, q_lengths, kv_lengths, q_seg, kv_seg):
@@ -460,11 +418,11 @@ def test_each_layout_s_blocks_are_the_kinds_a_fused_kernel_needs_no_mask_for(lay
 
 
 def _block_contract_errors(kernel) -> dict:
-    """A device's queries (128 positions) against two visiting key blocks of 128, as a ring of two
-    lays a causal sequence of 256 zig-zag (device 0: its own block is CAUSAL, device 1's is Q_BACK;
+    """A device's queries (256 positions) against two visiting key blocks of 256, as a ring of two
+    lays a causal sequence of 512 zig-zag (device 0: its own block is CAUSAL, device 1's is Q_BACK;
     device 1: device 0's block is KV_FRONT), bidirectional (FULL), and with the last 40 keys padding
     (MASKED): each block attended by `kernel.fwd` and combined by log-sum-exp, then each block's
-    `kernel.bwd` told the whole output and log-sum-exp, against attention over all 256 keys at once
+    `kernel.bwd` told the whole output and log-sum-exp, against attention over all 512 keys at once
     (`functional.dot_product_attention`, float32) and its autodiff. bfloat16 inputs. Returns the
     largest errors relative to the largest reference value, by case."""
     import jax
@@ -474,21 +432,22 @@ def _block_contract_errors(kernel) -> dict:
     from jaxformer import functional as F
     from jaxformer import ring
 
-    B, H, G, K, n = 2, 4, 2, 64, 2
-    order = ring.layout_order(256, n, "zigzag").reshape(n, 128)
+    B, H, G, K, n, L = 2, 4, 2, 64, 2, 256
+    order = ring.layout_order(2 * L, n, "zigzag").reshape(n, L)
     kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(kq, (B, 128, H, K), jnp.bfloat16)
-    k, v = (jax.random.normal(x, (B, 256, G, K), jnp.bfloat16) for x in (kk, kv))
-    do = jax.random.normal(kd, (B, 128, H, K), jnp.bfloat16)
+    q = jax.random.normal(kq, (B, L, H, K), jnp.bfloat16)
+    k, v = (jax.random.normal(x, (B, 2 * L, G, K), jnp.bfloat16) for x in (kk, kv))
+    do = jax.random.normal(kd, (B, L, H, K), jnp.bfloat16)
     f32 = lambda x: x.astype(jnp.float32)
     errors = {}
-    for case, device, causal, kv_length in [("zigzag device 0", 0, True, 256), ("zigzag device 1", 1, True, 256),
-                                            ("bidirectional", 0, False, 256), ("padded", 0, False, 216)]:  # fmt: skip
+    cases = [("zigzag device 0", 0, True, 2 * L), ("zigzag device 1", 1, True, 2 * L),
+             ("bidirectional", 0, False, 2 * L), ("padded", 0, False, 2 * L - 40)]  # fmt: skip
+    for case, device, causal, kv_length in cases:
         q_pos, kv_pos = order[device], np.concatenate([order[device], order[1 - device]])  # own block first
-        vis = (kv_pos[None, :] <= q_pos[:, None]) if causal else np.ones((128, 256), bool)
+        vis = (kv_pos[None, :] <= q_pos[:, None]) if causal else np.ones((L, 2 * L), bool)
         vis = jnp.asarray(vis & (kv_pos < kv_length)[None, :])[None, None, None]  # [1, 1, 1, T, 2S]
-        vis = jnp.broadcast_to(vis, (B, 1, 1, 128, 256))
-        blocks = [(slice(0, 128), vis[..., :128]), (slice(128, 256), vis[..., 128:])]
+        vis = jnp.broadcast_to(vis, (B, 1, 1, L, 2 * L))
+        blocks = [(slice(0, L), vis[..., :L]), (slice(L, 2 * L), vis[..., L:])]
 
         def reference(q, k, v, vis=vis):
             return F.dot_product_attention(f32(q), f32(k), f32(v), mask=vis[:, 0], scale=K**-0.5)
@@ -525,19 +484,29 @@ BLOCK_KINDS = {
 }
 
 
-@pytest.mark.parametrize("kernel", ["contract", "cudnn"])
-def test_a_fused_kernel_s_blocks_combine_to_attention_over_all_keys(kernel):
-    """The block contract of `ring.fused_kernel`, on one device: with XLA standing in for cuDNN's two
-    calls (`_contract_fwd`, `_contract_bwd`) everywhere, and with cuDNN's own calls on an NVIDIA GPU
-    (the ring's context axis needs several devices; the contract does not). Outputs and gradients
-    within 2% of the largest reference value: bfloat16 blocks against float32 over all keys."""
+@pytest.mark.parametrize("kernel", ["reference", "splash", "cudnn"])
+def test_a_fused_kernel_s_blocks_combine_to_attention_over_all_keys(kernel, monkeypatch):
+    """The block contract of `ring.fused_kernel`, on one device (the ring's context axis needs several
+    devices; the contract does not): with XLA standing in for a fused kernel's two calls
+    (`ring.reference_fwd_call`), with splash attention's own kernels run by Pallas's interpreter
+    (any backend; the half blocks are whole tiles of 128; its masked block, which splash cannot be
+    told, attended by XLA 64 queries at a time), and with cuDNN's calls on an NVIDIA GPU. Outputs
+    and gradients within 2% of the largest reference value: bfloat16 blocks against float32
+    attention over all keys."""
     import jax
 
     from jaxformer import ring
 
+    monkeypatch.setattr(ring, "MASKED_CHUNK", 64)  # 4 chunks of the 256 queries
+
     if kernel == "cudnn" and jax.default_backend() != "gpu":
         pytest.skip("cuDNN's fused attention needs an NVIDIA GPU")
-    errors = _block_contract_errors(contract_kernel() if kernel == "contract" else ring.KERNELS["cudnn"]())
+    kernels = {
+        "reference": contract_kernel,
+        "splash": lambda: ring.fused_kernel(*ring._splash_calls(interpret=True), tile=ring.SPLASH_TILE, vma=False),
+        "cudnn": ring.KERNELS["cudnn"],
+    }
+    errors = _block_contract_errors(kernels[kernel]())
     names = {getattr(ring, k): k for k in ("SKIP", "FULL", "CAUSAL", "KV_FRONT", "Q_BACK", "MASKED")}
     for case, e in errors.items():
         assert [names[k] for k in e["kinds"]] == BLOCK_KINDS[case], case
