@@ -209,7 +209,7 @@ class ModelConfig:
     pad_id: int = 0  # the padding token: written after EOS by decoding; a Hugging Face config's pad_token_id
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; parameters stay float32
     # auto: cuDNN flash attention on GPU, splash attention on TPU, XLA's fused attention elsewhere; with
-    # mesh.context > 1, cuDNN inside each ring block on GPU, XLA's einsums elsewhere
+    # mesh.context > 1 the same inside each ring block on GPU and TPU, XLA's einsums elsewhere
     attention_impl: Literal["naive", "auto", "xla", "cudnn", "splash"] = "naive"
     # With mesh.context > 1, attention over the split sequence: "ring" passes key/value blocks around
     # the context axis (never more than two on a device); "allgather" gathers them all first.
@@ -964,15 +964,13 @@ class Config:
                 "context parallelism takes no relative position bias (model.position='relative', T5)")  # fmt: skip
         require(model.attention_dropout_rate == 0, "mesh.context",
                 "context parallelism applies no attention dropout: set model.attention_dropout_rate to 0")  # fmt: skip
-        # Inside the ring cuDNN attends each visiting block (ring.fused_kernel); splash is not built
-        # there, nor any fused kernel in the all-gather strategy: asked for by name, refuse it rather
-        # than attend densely ("auto" falls back to XLA's einsums, and says so).
-        require(model.attention_impl != "splash", "model.attention_impl",
-                f"'splash': splash attention is not used inside the ring (mesh.context={m.context}): each "
-                "block is attended by XLA's einsums; use 'auto' or 'naive'")  # fmt: skip
-        require(model.attention_impl != "cudnn" or model.context_attention == "ring", "model.attention_impl",
-                "'cudnn' attends the ring's blocks; model.context_attention='allgather' attends densely: "
-                "use 'auto' or context_attention='ring'")  # fmt: skip
+        # Inside the ring cuDNN or splash attends each visiting block (ring.fused_kernel); the all-gather
+        # strategy attends densely: a fused kernel asked for by name there is refused rather than
+        # ignored ("auto" falls back to XLA's einsums, and says so).
+        fused = model.attention_impl in ("cudnn", "splash")
+        require(not fused or model.context_attention == "ring", "model.attention_impl",
+                f"{model.attention_impl!r} attends the ring's blocks; model.context_attention='allgather' "
+                "attends densely: use 'auto' or context_attention='ring'")  # fmt: skip
         for field, length in (("data.max_len", d.max_len), ("data.src_max_len", d.src_len)):
             require(length % m.context == 0, field, f"{length} is not divisible by mesh.context={m.context}")
         if model.context_layout == "zigzag":

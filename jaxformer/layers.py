@@ -688,20 +688,21 @@ class MultiHeadAttention(nnx.Module):
         )  # fmt: skip
 
     def _ring_kernel(self, q_BTHK: Array, k_BSGK: Array) -> str:
-        """What attends each block inside the ring: cuDNN's fused attention where `attention_impl`
-        chooses cuDNN (auto on a GPU in bfloat16) and it can take the blocks, else XLA's einsums
-        ("dense"; splash attention inside the ring is not built)."""
+        """What attends each block inside the ring: the fused kernel `attention_impl` chooses (auto:
+        cuDNN on a GPU in bfloat16, splash on a TPU) where it can take the blocks, else XLA's einsums
+        ("dense"; the all-gather strategy is dense)."""
         cfg = self.cfg
         backend = F.choose_backend(cfg.attention_impl, q_BTHK, None)
-        if backend == "cudnn" and cfg.context_attention == "ring":
-            why = ring.cudnn_unservable(q_BTHK, k_BSGK, context_ways())
-            if why is None:
-                return "cudnn"
-            if cfg.attention_impl == "cudnn":
-                raise ValueError(f"model.attention_impl='cudnn': {why}")
-            F.log_fallback(f"{why}: each block is attended by XLA's einsums")
-        elif backend in ("cudnn", "splash"):
-            F.log_fallback(f"{backend} attention inside context parallelism: each block is attended by XLA's einsums")
+        if backend not in ring.UNSERVABLE:
+            return "dense"
+        why = ring.UNSERVABLE[backend](q_BTHK, k_BSGK, context_ways())
+        if cfg.context_attention != "ring":
+            why = "the all-gather strategy attends densely"
+        if why is None:
+            return backend
+        if cfg.attention_impl == backend:
+            raise ValueError(f"model.attention_impl={backend!r}: {why}")
+        F.log_fallback(f"{why}: each block is attended by XLA's einsums")
         return "dense"
 
     def _out(self, out_BTHK: Array, dropout_rng: Array | None) -> Array:

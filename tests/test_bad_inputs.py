@@ -169,8 +169,8 @@ CLI_CASES = [
     cli_case(TRAIN + "mesh.context=3", r"data\.max_len: 10 is not divisible by mesh\.context=3"),
     cli_case(TRAIN + "model.context_attention=stripes", r"model\.context_attention: 'stripes' is not one of the"),
     cli_case(
-        TRAIN + "mesh.context=2 --set model.attention_impl=splash",
-        r"model\.attention_impl: 'splash': splash attention is not used inside the ring \(mesh\.context=2\)",
+        TRAIN + "mesh.context=2 --set model.attention_impl=splash --set model.context_attention=allgather",
+        r"model\.attention_impl: 'splash' attends the ring's blocks; model\.context_attention='allgather'",
     ),
     cli_case(
         TRAIN + "mesh.context=2 --set model.attention_impl=cudnn --set model.context_attention=allgather",
