@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 Array = jax.Array
 Layout = Literal["contiguous", "zigzag", "striped"]
 NEG = -1e30  # a masked score: finite, so a block with nothing visible gives exp(NEG - m) = 0, never NaN
+FUSED_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.bfloat16).max)  # a fused kernel's masked score (cuDNN's, bf16)
 
 
 class Where(NamedTuple):
@@ -305,9 +306,6 @@ def fused_kernel(fwd_call: Callable, bwd_call: Callable, tile: int = 1, vma: boo
         return tuple(g.astype(jnp.float32) for g in grads)
 
     return BlockKernel(fwd, bwd, classify=True, vma=vma)
-
-
-FUSED_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.bfloat16).max)  # cuDNN's own masked score in bfloat16
 
 
 def _kinds(T: int, S: int, causal: bool, tile: int) -> list[int]:
