@@ -36,6 +36,18 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # (the CUDA plugin's attempt ends in a traceback on stderr). Compiling for them still works. Inherited by
 # subprocesses (JAX_PLATFORMS=cpu).
 compile_only_without_chips()
+# This process (a test session's, or an xdist worker's) compiles for the CPU with XLA:CPU's elemental
+# emitters: its MLIR fusion emitters (the default) take 2.5x their CPU time to compile a tiny model's
+# gradient (4.6 s against 1.85 s for two). XLA reads XLA_FLAGS once, when the CPU backend starts: the
+# flag is gone again before any subprocess or libtpu (whose XLA aborts on a flag it lacks) reads them.
+# Both emitters compute the same functions, rounded alike to a few ulp but not always to the bit (tanh,
+# rsqrt, GELU op by op): a check made to the bit, or at the edge of its tolerance, for XLA:CPU as it
+# compiles by default compiles its program with `.lower(...).compile({"xla_cpu_use_fusion_emitters":
+# True})` (test_train) or runs in a subprocess (test_lora).
+_flags = os.environ["XLA_FLAGS"]
+os.environ["XLA_FLAGS"] = f"{_flags} --xla_cpu_use_fusion_emitters=false"
+jax.devices("cpu")
+os.environ["XLA_FLAGS"] = _flags
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -47,7 +59,9 @@ def compilation_cache(tmp_path_factory):
     root = root.parent if root.name.startswith("popen-gw") else root  # xdist: shared by the workers
     path = str(root / "jax-compilation-cache")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = path  # inherited by subprocesses
-    jax.config.update("jax_compilation_cache_dir", path)
+    # This session's own programs (elemental emitters, above) apart from the subprocesses' (default
+    # emitters): the cache's key names XLA_FLAGS, not the emitters a process compiled with.
+    jax.config.update("jax_compilation_cache_dir", f"{path}/elemental-emitters")
     # Every program, however quick to compile: the suite compiles thousands of small ones, many of
     # them again in each training run it starts and in each test that builds its own jit.
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
