@@ -20,7 +20,7 @@ demo: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -n 2 --dist loadfile -q --durations=20
+	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder -q --durations=20  # heaviest files first: tests/conftest.py
 
 # The documentation site into site/: the generated pages (config, CLI) rewritten from the code, then a
 # strict build (any warning fails, as in CI). NO_MKDOCS_2_WARNING: Material's end-of-life banner (mkdocs.yml).
