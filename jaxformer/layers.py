@@ -695,9 +695,10 @@ class MultiHeadAttention(nnx.Module):
         backend = F.choose_backend(cfg.attention_impl, q_BTHK, None)
         if backend not in ring.UNSERVABLE:
             return "dense"
-        why = ring.UNSERVABLE[backend](q_BTHK, k_BSGK, context_ways())
         if cfg.context_attention != "ring":
             why = "the all-gather strategy attends densely"
+        else:
+            why = ring.UNSERVABLE[backend](q_BTHK, k_BSGK, context_ways())
         if why is None:
             return backend
         if cfg.attention_impl == backend:

@@ -336,8 +336,8 @@ def reference_fwd_call(
     Returns:
         (o_BTHK in q's dtype, lse_BHT float32).
     """
-    H, G = q_BTHK.shape[2], k_BSGK.shape[2]
-    k, v = jnp.repeat(k_BSGK, H // G, axis=2), jnp.repeat(v_BSGK, H // G, axis=2)  # [B, S, H, K]
+    H = q_BTHK.shape[2]
+    k, v = _to_query_heads(k_BSGK, H), _to_query_heads(v_BSGK, H)  # [B, S, H, K]
     s = _reference_scores(q_BTHK, k, bias, causal, scale)  # [B, H, T, S]
     lse = jax.nn.logsumexp(s, axis=-1)
     o = jnp.einsum("BHTS,BSHK->BTHK", jnp.exp(s - lse[..., None]), v.astype(jnp.float32))
@@ -372,17 +372,27 @@ def reference_bwd_call(
     Returns:
         (dq_BTHK, dk_BSGK, dv_BSGK) in the inputs' dtypes.
     """
-    (B, _, H, K), (S, G) = q_BTHK.shape, k_BSGK.shape[1:3]
+    H, G = q_BTHK.shape[2], k_BSGK.shape[2]
     f32 = lambda x: x.astype(jnp.float32)
-    k, v = jnp.repeat(f32(k_BSGK), H // G, axis=2), jnp.repeat(f32(v_BSGK), H // G, axis=2)
+    k, v = _to_query_heads(f32(k_BSGK), H), _to_query_heads(f32(v_BSGK), H)
     p = jnp.exp(_reference_scores(q_BTHK, k, bias, causal, scale) - lse_BHT[..., None])  # [B, H, T, S]
     d = jnp.sum(f32(do_BTHK) * f32(out_BTHK), -1).transpose(0, 2, 1)  # [B, H, T]
     dv = jnp.einsum("BHTS,BTHK->BSHK", p, f32(do_BTHK))
     ds = p * (jnp.einsum("BTHK,BSHK->BHTS", f32(do_BTHK), v) - d[..., None]) * scale
     dq = jnp.einsum("BHTS,BSHK->BTHK", ds, k)
     dk = jnp.einsum("BHTS,BTHK->BSHK", ds, f32(q_BTHK))
-    per_group = lambda x: x.reshape(B, S, G, H // G, K).sum(3)
-    return dq.astype(q_BTHK.dtype), per_group(dk).astype(k_BSGK.dtype), per_group(dv).astype(v_BSGK.dtype)
+    return dq.astype(q_BTHK.dtype), _per_kv_head(dk, G).astype(k_BSGK.dtype), _per_kv_head(dv, G).astype(v_BSGK.dtype)
+
+
+def _to_query_heads(x_BSGK: Array, H: int) -> Array:
+    """Keys or values [B, S, G, K] repeated to the H query heads that share them: [B, S, H, K]."""
+    return jnp.repeat(x_BSGK, H // x_BSGK.shape[2], axis=2)
+
+
+def _per_kv_head(x_BSHK: Array, G: int) -> Array:
+    """Gradients [B, S, H, K] of `_to_query_heads`' copies, summed back to their G heads: [B, S, G, K]."""
+    B, S, H, K = x_BSHK.shape
+    return x_BSHK.reshape(B, S, G, H // G, K).sum(3)
 
 
 def _reference_scores(q_BTHK, k_BSHK, bias, causal, scale) -> Array:
@@ -406,10 +416,15 @@ def _unchunked(x, axis: int) -> Array:
     return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])
 
 
+def _query_chunks(T: int) -> int:
+    """How many MASKED_CHUNK-query chunks T queries make (1: T is not a multiple of it)."""
+    return max(1, T // MASKED_CHUNK) if T % MASKED_CHUNK == 0 else 1
+
+
 def _by_query_chunks_fwd(q_BTHK, k_BSGK, v_BSGK, bias_B1TS, scale):
     """`reference_fwd_call` of a masked block, MASKED_CHUNK queries at a time: scores of [B, H, chunk, S]
     a step, not [B, H, T, S] (which a compiler reserves even when the branch is never taken)."""
-    n = max(1, q_BTHK.shape[1] // MASKED_CHUNK) if q_BTHK.shape[1] % MASKED_CHUNK == 0 else 1
+    n = _query_chunks(q_BTHK.shape[1])
     step = lambda qb: reference_fwd_call(qb[0], k_BSGK, v_BSGK, qb[1], False, scale)
     o, lse = jax.lax.map(step, (_chunks(q_BTHK, n, 1), _chunks(bias_B1TS, n, 2)))
     return _unchunked(o, 1), _unchunked(lse, 2)
@@ -417,7 +432,7 @@ def _by_query_chunks_fwd(q_BTHK, k_BSGK, v_BSGK, bias_B1TS, scale):
 
 def _by_query_chunks_bwd(q_BTHK, k_BSGK, v_BSGK, bias_B1TS, scale, out_BTHK, lse_BHT, do_BTHK):
     """`reference_bwd_call` of a masked block, MASKED_CHUNK queries at a time (dK and dV summed)."""
-    n = max(1, q_BTHK.shape[1] // MASKED_CHUNK) if q_BTHK.shape[1] % MASKED_CHUNK == 0 else 1
+    n = _query_chunks(q_BTHK.shape[1])
 
     def step(dkv, chunk):
         q, bias, out, lse, do = chunk
@@ -450,9 +465,9 @@ def _splash_calls(interpret: bool = False) -> tuple[Callable, Callable]:
         )  # fmt: skip
 
     def heads(q_BTHK, k_BSGK, v_BSGK, scale):  # [B, H, ., K], the queries scaled (splash takes no scale)
-        H, G = q_BTHK.shape[2], k_BSGK.shape[2]
+        H = q_BTHK.shape[2]
         q = jnp.swapaxes(q_BTHK * jnp.asarray(scale, q_BTHK.dtype), 1, 2)
-        return (q, *(jnp.swapaxes(jnp.repeat(x, H // G, axis=2), 1, 2) for x in (k_BSGK, v_BSGK)))
+        return (q, *(jnp.swapaxes(_to_query_heads(x, H), 1, 2) for x in (k_BSGK, v_BSGK)))
 
     def fwd(q_BTHK, k_BSGK, v_BSGK, bias, causal, scale):
         if bias is not None:
@@ -465,7 +480,7 @@ def _splash_calls(interpret: bool = False) -> tuple[Callable, Callable]:
     def bwd(q_BTHK, k_BSGK, v_BSGK, bias, causal, scale, out_BTHK, lse_BHT, do_BTHK):
         if bias is not None:
             return _by_query_chunks_bwd(q_BTHK, k_BSGK, v_BSGK, bias, scale, out_BTHK, lse_BHT, do_BTHK)
-        (B, T, H, K), (S, G) = q_BTHK.shape, k_BSGK.shape[1:3]
+        (T, H), (S, G) = q_BTHK.shape[1:3], k_BSGK.shape[1:3]
         splash = kernel(T, S, H, causal)
         kw = splash.kwargs
 
@@ -480,7 +495,7 @@ def _splash_calls(interpret: bool = False) -> tuple[Callable, Callable]:
         q, k, v = heads(q_BTHK, k_BSGK, v_BSGK, scale)
         with jax.default_matmul_precision("default"):
             dq, dk, dv = jax.vmap(row)(q, k, v, jnp.swapaxes(out_BTHK, 1, 2), lse_BHT, jnp.swapaxes(do_BTHK, 1, 2))
-        per_group = lambda x_BHSK: jnp.swapaxes(x_BHSK, 1, 2).reshape(B, S, G, H // G, K).sum(3)
+        per_group = lambda x_BHSK: _per_kv_head(jnp.swapaxes(x_BHSK, 1, 2), G)
         dq_BTHK = jnp.swapaxes(dq, 1, 2) * jnp.asarray(scale, dq.dtype)
         return dq_BTHK, per_group(dk).astype(k_BSGK.dtype), per_group(dv).astype(v_BSGK.dtype)
 

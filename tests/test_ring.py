@@ -511,4 +511,3 @@ def test_a_fused_kernel_s_blocks_combine_to_attention_over_all_keys(kernel, monk
     for case, e in errors.items():
         assert [names[k] for k in e["kinds"]] == BLOCK_KINDS[case], case
         assert e["out"] <= 2e-2 and e["grad"] <= 2e-2, (case, e)
-    print(errors)
