@@ -813,18 +813,20 @@ class Residual(nnx.Module):
         return (x_BTD, aux) if has_aux else x_BTD
 
 
-def feed_forward(cfg: ModelConfig, moe: bool, rngs: nnx.Rngs) -> nnx.Module:
+def feed_forward(cfg: ModelConfig, moe: bool, rngs: nnx.Rngs, *, causal: bool) -> nnx.Module:
     """A layer's feed-forward: the mixture of experts (`jaxformer.moe`) if `moe`, else the dense one.
 
     Args:
         cfg: the model's config (its `moe` section for the experts).
         moe: whether this layer is a mixture of experts.
         rngs: the initialisation keys.
+        causal: the layer is a decoder's: the experts' capacity must not let a later token take an
+            earlier one's slot (`moe.dispatch_capacity`).
 
     Returns:
         A `FeedForward` or a `moe.MoEFeedForward`.
     """
-    return M.MoEFeedForward(cfg, rngs=rngs) if moe else FeedForward(cfg, rngs=rngs)
+    return M.MoEFeedForward(cfg, causal=causal, rngs=rngs) if moe else FeedForward(cfg, rngs=rngs)
 
 
 def _ffn_sublayer(layer: nnx.Module, x_BTD: Array, mask, r_ffn: Array | None) -> tuple[Array, dict | None]:
@@ -847,7 +849,7 @@ class EncoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, moe: bool = False, rngs: nnx.Rngs):
         self.self_attn = MultiHeadAttention(cfg, rngs=rngs)
         self.self_attn_res = Residual(cfg, rngs=rngs)
-        self.ffn = feed_forward(cfg, moe, rngs)
+        self.ffn = feed_forward(cfg, moe, rngs, causal=False)  # bidirectional: GShard's order of service
         self.ffn_res = Residual(cfg, rngs=rngs)
 
     def __call__(
@@ -899,7 +901,7 @@ class DecoderLayer(nnx.Module):
         if cross:
             self.cross_attn = MultiHeadAttention(cfg, cross=True, rngs=rngs)
             self.cross_attn_res = Residual(cfg, rngs=rngs)
-        self.ffn = feed_forward(cfg, moe, rngs)
+        self.ffn = feed_forward(cfg, moe, rngs, causal=True)  # no token's routing may depend on a later one
         self.ffn_res = Residual(cfg, rngs=rngs)
         self.cross = cross
 

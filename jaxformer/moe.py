@@ -6,7 +6,9 @@ Two dispatches compute the same thing when nothing is dropped:
 
   capacity  (GShard, Switch) each expert takes at most P tokens of a row; a token past them skips
             that expert (a token that all its experts refuse gets zeros: only the residual carries it).
-            Dense one-hot einsums of fixed shapes, [B, T, E, P].
+            Dense one-hot einsums of fixed shapes, [B, T, E, P]. Tokens are served in order, a token's
+            k choices together, in a decoder (causal: no token's routing depends on a later token);
+            first choices before second ones in an encoder (GShard's order).
   dropless  (MegaBlocks, MaxText's "sparse matmul") token-expert pairs sorted by expert and a
             grouped matmul (`jax.lax.ragged_dot`): nothing is dropped, no slot is wasted.
 
@@ -166,11 +168,30 @@ def capacity(tokens: int, k: int, num_experts: int, factor: float) -> int:
 
 
 def dispatch_capacity(
-    weights_BTA: Array, experts_BTA: Array, num_experts: int, slots: int, live_BT: Array | None = None
+    weights_BTA: Array,
+    experts_BTA: Array,
+    num_experts: int,
+    slots: int,
+    live_BT: Array | None = None,
+    *,
+    causal: bool = True,
 ) -> tuple[Array, Array, Array, Array]:
-    """Place each row's token-expert pairs in their expert's `slots` (P) slots, first come first served:
-    every token's first choice before any second choice, in token order (GShard, Switch). A pair
-    past its expert's P slots is dropped; padding (`live_BT` False) takes no slot.
+    """Place each row's token-expert pairs in their expert's `slots` (P) slots, first come first served.
+    A pair past its expert's P slots is dropped; padding (`live_BT` False) takes no slot.
+
+    The order of service:
+
+      causal (token-major): token by token, a token's k pairs together (they go to k different
+          experts, so their order among themselves does not matter): whether a pair of token t gets
+          a slot depends on the pairs of tokens 0..t alone. Required in a causal stack (a decoder):
+          no token's routing may depend on a later token, or the model sees the future through the
+          router during training.
+      not causal (choice-major, GShard, Switch): every token's first choice, in token order, before
+          any second choice. Under pressure it keeps the pairs of larger router weight, but a later
+          token's first choice can take the slot an earlier token's second choice would have had:
+          for bidirectional stacks (an encoder), where every token sees every other anyway.
+
+    With k = 1 the two orders are the same.
 
     Returns:
       (dispatch [B, T, E, P] 0/1 float32: token t fills slot p of expert e, combine [B, T, E, P]:
@@ -182,6 +203,7 @@ def dispatch_capacity(
         num_experts: E.
         slots: P.
         live_BT: [B, T] True for real tokens, or None (all).
+        causal: token-major order (a causal stack); False: choice-major (GShard's, a bidirectional one).
     """
     B, T, A = experts_BTA.shape
     E, P = num_experts, slots
@@ -189,10 +211,14 @@ def dispatch_capacity(
         jax.nn.one_hot(experts_BTA, E, dtype=jnp.int32)
         * _live_or_ones(live_BT, (B, T)).astype(jnp.int32)[:, :, None, None]
     )
-    # Priority: choice rank first, then token position: a running count over (A, T) per expert.
-    chose_BXE = jnp.swapaxes(chose_BTAE, 1, 2).reshape(B, A * T, E)  # X = (a, t) in that order
-    taken_BXE = jnp.cumsum(chose_BXE, axis=1) - 1  # the slot each pair would take in its expert
-    position_BTAE = jnp.swapaxes(taken_BXE.reshape(B, A, T, E), 1, 2)
+    # Priority: a running count per expert over the pairs in order of service, X = (t, a) or (a, t).
+    if causal:
+        taken_BXE = jnp.cumsum(chose_BTAE.reshape(B, T * A, E), axis=1) - 1  # the slot each pair would take
+        position_BTAE = taken_BXE.reshape(B, T, A, E)
+    else:
+        chose_BXE = jnp.swapaxes(chose_BTAE, 1, 2).reshape(B, A * T, E)
+        taken_BXE = jnp.cumsum(chose_BXE, axis=1) - 1
+        position_BTAE = jnp.swapaxes(taken_BXE.reshape(B, A, T, E), 1, 2)
     position_BTA = jnp.sum(position_BTAE * chose_BTAE, axis=-1)
     assigned_BTA = chose_BTAE.sum(-1) > 0
     kept_BTA = assigned_BTA & (position_BTA < P)
@@ -537,11 +563,15 @@ class MoEFeedForward(nnx.Module):
 
     Args:
         cfg: the model's config (its `moe` section, D, F, activation).
+        causal: the layer is in a causal stack (a decoder): a capacity serves tokens in order, each
+            token's k choices together, so no token's routing depends on a later token; False (an
+            encoder's layer): GShard's order, every first choice before any second (`dispatch_capacity`).
         rngs: the initialisation keys.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, causal: bool = True, rngs: nnx.Rngs):
         self.cfg = cfg
+        self.causal = causal
         moe = cfg.moe
         E, D, Fw = moe.num_experts, cfg.d_model, moe.expert_d_ff or cfg.d_ff
         self.gated = cfg.activation in F.GATED_ACTIVATIONS
@@ -616,7 +646,7 @@ class MoEFeedForward(nnx.Module):
             # expert_capacity: fixed slots per row (an expert gets at most T pairs of a row: more is waste)
             slots = min(moe.expert_capacity, T) if moe.expert_capacity else capacity(T, k, E, moe.capacity_factor)
             dispatch_BTEP, combine_BTEP, dropped, assigned = dispatch_capacity(
-                weights_BTA, experts_BTA, E, slots, live_BT
+                weights_BTA, experts_BTA, E, slots, live_BT, causal=self.causal
             )
             y_BTD = moe_capacity(x_BTD, dispatch_BTEP, combine_BTEP, w, cfg.activation)
         else:

@@ -12,7 +12,7 @@ from jaxformer import config as C
 from jaxformer import moe
 from jaxformer.checkpoint import check_compatible
 from jaxformer.layers import Residual
-from jaxformer.models import unrolled
+from jaxformer.models import build_model, unrolled
 from jaxformer.state import init_state
 from jaxformer.train import make_steps
 
@@ -134,22 +134,27 @@ def test_dropless_and_capacity_dispatch_equal_a_naive_loop(activation="swiglu"):
     assert (float(dropped), float(assigned)) == (0.0, B * T * k)  # capacity with room for all == dropless
     np.testing.assert_allclose(roomy, want, rtol=1e-5, atol=1e-5)
 
-    # two slots per expert: pairs past them are dropped, first choices first, then in token order (GShard)
+    # two slots per expert: pairs past them are dropped. A causal stack serves tokens in order, a token's
+    # k pairs together; a bidirectional one first choices first, then in token order (GShard)
     P = 2
-    dispatch, combine, dropped, _ = moe.dispatch_capacity(weights, experts, E, P)
-    kept = np.zeros((B, T, k), bool)
-    for b in range(B):
-        used = np.zeros(E, int)
-        for a in range(k):
-            for t in range(T):
+    kept_by_order = {}
+    order = {True: [(t, a) for t in range(T) for a in range(k)], False: [(t, a) for a in range(k) for t in range(T)]}
+    for causal, pairs in order.items():
+        dispatch, combine, dropped, assigned = moe.dispatch_capacity(weights, experts, E, P, causal=causal)
+        kept = np.zeros((B, T, k), bool)
+        for b in range(B):
+            used = np.zeros(E, int)
+            for t, a in pairs:
                 e = int(experts[b, t, a])
                 kept[b, t, a] = used[e] < P
                 used[e] += 1
-    assert float(dropped) == (~kept).sum() > 0
-    kept_weights = jnp.where(jnp.asarray(kept), weights, 0.0)  # a dropped pair adds nothing
-    got = moe.moe_capacity(x_BTD, dispatch, combine, w, activation)
-    np.testing.assert_allclose(flat(got), naive_moe(flat(x_BTD), flat(kept_weights), flat(experts), w, activation),
-                               rtol=1e-5, atol=1e-5)  # fmt: skip
+        assert float(dropped) == (~kept).sum() > 0 and float(assigned) == B * T * k, causal
+        kept_weights = jnp.where(jnp.asarray(kept), weights, 0.0)  # a dropped pair adds nothing
+        got = moe.moe_capacity(x_BTD, dispatch, combine, w, activation)
+        np.testing.assert_allclose(flat(got), naive_moe(flat(x_BTD), flat(kept_weights), flat(experts), w, activation),
+                                   rtol=1e-5, atol=1e-5, err_msg=f"{causal=}")  # fmt: skip
+        kept_by_order[causal] = kept
+    assert not np.array_equal(*kept_by_order.values())  # this routing tells the two orders apart
 
 
 @pytest.mark.parametrize("activation", ["relu", "swiglu"])
@@ -216,6 +221,59 @@ def test_dropped_tokens_pass_through_the_residual_and_padding_takes_no_slot():
     assert float(aux["dropped"]) == 16 - served.sum() and float(aux["assigned"]) == 16
     assert float(padded["assigned"]) == 11
     assert not np.allclose(quiet, noisy)
+
+
+CAUSAL_DISPATCH = {  # tight: T=12, E=4 gives 3 slots per expert for k=1 (6 for k=2) and 2: pairs are dropped
+    "capacity": dict(capacity_factor=1.0),
+    "expert_capacity": dict(expert_capacity=2),
+    "dropless": dict(),
+}
+
+
+@pytest.mark.parametrize("mode", ["decoder_only", "encoder_decoder"])
+def test_no_position_sees_a_later_token_through_the_router(mode):
+    """Causality through the experts: the tokens from position t on are replaced, and the logits at the
+    positions before t must not move, for each router x k (1, 2) x dispatch (a capacity factor, a
+    fixed expert capacity, dropless), with capacities tight enough that pairs are dropped (checked: a
+    capacity that drops nothing could not leak). In the encoder-decoder the edited tokens are the
+    decoder's (the targets) and the source is the same. Before the decoder's capacity served tokens
+    in order, a later token's first choice took the slot of an earlier token's second choice: k = 2
+    with a capacity moved earlier logits by up to 0.95 on these models. Every row is routed on its
+    own, so the original and the edited rows go in one batch; the 12 models in one compile."""
+    V, E, B, T, t = 16, 4, 4, 12, 6
+    cases = [(r, k, d) for r in ("softmax_topk", "topk_softmax") for k in (1, 2) for d in CAUSAL_DISPATCH]
+    depth = dict(num_encoder_layers=0 if mode == "decoder_only" else 1, num_decoder_layers=1)
+    models = [
+        build_model(C.tiny(mode, vocab_size=V, **depth, moe=C.MoEConfig(num_experts=E, experts_per_token=k, router=r,
+                                                                         **CAUSAL_DISPATCH[d])), seed=i)
+        for i, (r, k, d) in enumerate(cases)
+    ]  # fmt: skip
+    rng = np.random.default_rng(0)
+    ids = rng.integers(2, V, (B, T)).astype(np.int32)
+    edited = ids.copy()
+    edited[:, t:] = (ids[:, t:] - 2 + rng.integers(1, V - 2, (B, T - t))) % (V - 2) + 2  # every later token differs
+    rows = jnp.asarray(np.concatenate([ids, edited]))
+    src = jnp.asarray(np.tile(rng.integers(2, V, (B, 7)).astype(np.int32), (2, 1)))  # the same source for both
+
+    @nnx.jit
+    def run(models, rows):
+        out = []
+        for m in models:
+            with moe.collect() as reports:
+                logits = m(rows) if mode == "decoder_only" else m(src, rows)
+            out.append((logits, reports[-1]["dropped"].sum()))  # the decoder's report is the last
+        return out
+
+    leaks = {}
+    for (router, k, dispatch), (logits, dropped) in zip(cases, run(models, rows), strict=True):
+        name = f"{router} k={k} {dispatch}"
+        assert (float(dropped) > 0) == (dispatch != "dropless"), name
+        logits = np.asarray(logits)
+        assert np.abs(logits[B:, t:] - logits[:B, t:]).max() > 0.1, name  # the edit reached the later ones
+        leaks[name] = float(np.abs(logits[B:, :t] - logits[:B, :t]).max())
+    assert not {name: diff for name, diff in leaks.items() if diff > 1e-6}  # float noise at most (measured: 0)
+    if mode == "encoder_decoder":  # the encoder keeps GShard's order: first choices first
+        assert not models[0].encoder.stack.layers[0].ffn.causal and models[0].decoder.stack.layers[0].ffn.causal
 
 
 MODES = [  # (mode, objective, MoE and model choices): the three modes, scanned and unrolled, both dispatches
