@@ -602,7 +602,8 @@ def gpt2_vs_torch(args) -> None:
             runs["torch.compile GPT-2"] = [str(here.with_name("peers.py")), "torch_gpt2", json.dumps(shapes)]
         flops = flops_per_example(gpt2_shape(D, H, L, V, T), "lm", T, T) * B
         for name, cmd in runs.items():
-            out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=env)
+            torch_on = {"USE_TORCH": "1"} if name.startswith("torch") else {}  # peers.py sets 0 otherwise
+            out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=env | torch_on)
             if out.returncode:  # out of memory at this batch, or no torch: say so and go on
                 print(f"{name:36s} {B:3d} failed: {(out.stderr.strip().splitlines() or [''])[-1][:100]}")
                 continue

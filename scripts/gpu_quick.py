@@ -162,7 +162,7 @@ def main(out: pathlib.Path) -> int:
         return results[name]
 
     g, d = shape["gpt2"], shape["decode"]
-    step("device", [py, "-c", PROBE, json.dumps(shape)])
+    step("device", [py, "-c", PROBE, json.dumps(shape)], XLA_PYTHON_CLIENT_PREALLOCATE="false")  # reads, no work
     info = last_json(results["device"]["output"]) or {}
 
     node = "tests/test_ring.py::test_a_fused_kernel_s_blocks_combine_to_attention_over_all_keys[cudnn]"
@@ -180,7 +180,9 @@ def main(out: pathlib.Path) -> int:
     jax_run = json.dumps(run | {"attention": attention, "stack": stack})
     step("jaxformer", [py, "scripts/benchmark.py", "--gpt2-step", jax_run], XLA_PYTHON_CLIENT_MEM_FRACTION=".90")
     if info.get("cuda"):
-        step("torch", [py, "scripts/peers.py", "torch_gpt2", json.dumps(run)])
+        # peers.py turns transformers' torch models off (USE_TORCH=0) unless told otherwise: it is also
+        # imported by JAX processes; transformers 4.x reads that switch
+        step("torch", [py, "scripts/peers.py", "torch_gpt2", json.dumps(run)], USE_TORCH="1")
     else:
         why = "no torch" if info.get("torch") is None else "no CUDA device for torch"
         results["torch"] = {"rc": None, "seconds": 0.0, "output": "", "timed_out": False, "skipped": why}
