@@ -63,6 +63,8 @@ CAPS = {"device": 60, "ring": 75, "decode": 90, "jaxformer": 150, "torch": 240}
 DECODE_BATCHES = (1, 32)
 MIN_STEP_S = 15  # a step with less than this left of the budget is not started
 NO_TIME = "no time left"
+REMATS = ("", "auto", "none", "full", "dots_saveable", "offload_dots", "offload_inputs")  # model.remat
+ATTENTIONS = ("naive", "auto", "xla", "cudnn", "splash")  # model.attention_impl
 
 
 def run_step(name: str, cmd: list[str], cap: float, env: dict | None = None) -> dict:
@@ -138,15 +140,45 @@ print(json.dumps(info))
 """
 
 
+def settings(env) -> tuple[str, int, str, str, float]:
+    """(shape, batch, layer stack, attention, budget in seconds) from the QUICK_* variables, each checked
+    before anything runs: a wrong one stops the part with one line naming it."""
+    shape = env.get("QUICK_SHAPE", "1p3b")
+    if shape not in SHAPES:
+        raise SystemExit(f"gpu_quick: QUICK_SHAPE must be one of {', '.join(SHAPES)}, got {shape!r}")
+    batch, budget = env.get("QUICK_BATCH", str(SHAPES[shape]["batch"])), env.get("QUICK_BUDGET_S", "420")
+    if not batch.isdigit() or int(batch) < 1:
+        raise SystemExit(f"gpu_quick: QUICK_BATCH must be a positive whole number, got {batch!r}")
+    try:
+        budget_s = float(budget)
+    except ValueError:
+        budget_s = 0.0
+    if not budget_s > 0:
+        raise SystemExit(f"gpu_quick: QUICK_BUDGET_S must be a positive number of seconds, got {budget!r}")
+    stack = env.get("QUICK_STACK", "scanned")
+    layout, _, remat = stack.partition(":")
+    if layout not in ("unrolled", "scanned") or remat not in REMATS:
+        raise SystemExit(f"gpu_quick: QUICK_STACK must be unrolled or scanned, each with an optional "
+                         f":{'|'.join(r for r in REMATS if r)}, got {stack!r}")  # fmt: skip
+    attention = env.get("QUICK_ATTENTION", SHAPES[shape]["attention"])
+    if attention not in ATTENTIONS:
+        raise SystemExit(f"gpu_quick: QUICK_ATTENTION must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+    return shape, int(batch), stack, attention, budget_s
+
+
+def stack_text(stack: str) -> str:
+    """A layer stack as the table names it: "scanned" -> "scanned, remat auto (dots_saveable)"."""
+    layout, _, remat = stack.partition(":")
+    remat = remat or "auto"
+    if remat == "auto":
+        remat = f"auto ({'dots_saveable' if layout == 'scanned' else 'none'})"
+    return f"{layout}, remat {remat}"
+
+
 def main(out: pathlib.Path) -> int:
-    shape_name = os.environ.get("QUICK_SHAPE", "1p3b")
-    if shape_name not in SHAPES:
-        raise SystemExit(f"QUICK_SHAPE: one of {', '.join(SHAPES)}, got {shape_name!r}")
+    shape_name, B, stack, attention, budget = settings(os.environ)
     shape = SHAPES[shape_name]
-    B = int(os.environ.get("QUICK_BATCH", shape["batch"]))
-    stack = os.environ.get("QUICK_STACK", "scanned")
-    attention = os.environ.get("QUICK_ATTENTION", shape["attention"])
-    deadline = time.perf_counter() + float(os.environ.get("QUICK_BUDGET_S", 420))
+    deadline = time.perf_counter() + budget
     out.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -184,7 +216,7 @@ def main(out: pathlib.Path) -> int:
         # imported by JAX processes; transformers 4.x reads that switch
         step("torch", [py, "scripts/peers.py", "torch_gpt2", json.dumps(run)], USE_TORCH="1")
     else:
-        why = "no torch" if info.get("torch") is None else "no CUDA device for torch"
+        why = "the device probe failed" if not info else "no torch" if info["torch"] is None else "no CUDA for torch"
         results["torch"] = {"rc": None, "seconds": 0.0, "output": "", "timed_out": False, "skipped": why}
 
     rows, figures = table(results, info, shape_name, g, d, B, stack, attention)
@@ -219,7 +251,7 @@ def table(results: dict, info: dict, shape_name: str, g: dict, d: dict, B: int, 
     gpt2 = f"D={g['D']} L={g['L']} H={g['H']} V={g['V']} T={g['T']}, B={B}"
     speed = {}
     for name, label, setting in (
-        ("jaxformer", "jaxformer", f"{gpt2}, {stack} (remat auto unless named), attention {attention}, bf16"),
+        ("jaxformer", "jaxformer", f"{gpt2}, {stack_text(stack)}, attention {attention}, bf16"),
         ("torch", "torch.compile GPT2LMHeadModel", f"{gpt2}, sdpa, bf16 autocast"),
     ):
         r = results[name]

@@ -45,6 +45,22 @@ def test_quick_part_at_toy_shapes_prints_one_table_with_every_row(tmp_path):
     assert (tmp_path / "quick.log").read_text().count("== quick ") >= 8  # each step's start and end
 
 
+@pytest.mark.parametrize(
+    "name, value",
+    [("QUICK_SHAPE", "huge"), ("QUICK_BATCH", "0"), ("QUICK_BATCH", "8x"), ("QUICK_BUDGET_S", "soon"),
+     ("QUICK_STACK", "scanned:sometimes"), ("QUICK_STACK", "looped"), ("QUICK_ATTENTION", "flash")],
+)  # fmt: skip
+def test_a_wrong_setting_is_named_before_anything_runs(name, value):
+    with pytest.raises(SystemExit, match=f"^gpu_quick: {name} must be .*got '{value}'$"):
+        gpu_quick.settings({name: value})
+
+
+def test_the_default_settings_are_the_1p3b_shape_scanned_with_cudnn_at_batch_16():
+    assert gpu_quick.settings({}) == ("1p3b", 16, "scanned", "cudnn", 420.0)
+    assert gpu_quick.stack_text("scanned") == "scanned, remat auto (dots_saveable)"
+    assert gpu_quick.stack_text("unrolled") == "unrolled, remat auto (none)"
+
+
 def test_a_step_past_its_cap_is_stopped_with_the_processes_it_started(tmp_path):
     pid_file = tmp_path / "child"
     r = gpu_quick.run_step("sleepy", ["sh", "-c", f"echo started; sleep 60 & echo $! > {pid_file}; wait"], cap=2)
