@@ -35,12 +35,13 @@
 #            as from a CPU machine), then on this machine's first GPU itself (autotuned); then the one of
 #            the four no other part measures, scanned without remat at batch 16 (out of memory on 80 GB
 #            when last measured)
-#   quick    the headline figures, for a GPU lent for minutes (run it alone): one command of under 8
+#   quick    the headline figures, for a GPU at hand for minutes (run it alone): one command of under 8
 #            minutes on one H100 (scripts/gpu_quick.py; each step capped, 420 s in all, QUICK_BUDGET_S):
 #            the device; the cuDNN ring-block test (as `long` runs it, its cudnn case); decode ms/token
-#            at batch 1 and 32 (as `decode`, greedy only); the 1.3B shape's jaxformer configuration (scanned, remat
-#            "auto", cuDNN attention, bf16, batch 16: one compile, 9 timed steps) beside torch.compile
-#            of Hugging Face's GPT2LMHeadModel at the same batch: tokens/s, MFU, peak memory. One
+#            at batch 1 and 32 (as `decode`, greedy only); the 1.3B shape's jaxformer configuration
+#            (scanned, remat "auto", cuDNN attention, bf16, batch 16: one compile, 9 timed steps) beside
+#            torch.compile of Hugging Face's GPT2LMHeadModel at the same batch: tokens/s, MFU, peak
+#            memory (QUICK_BATCH, QUICK_STACK, QUICK_ATTENTION change the configuration). One
 #            markdown table at the end, also in OUT_DIR/quick.md (figures in quick.json, the steps'
 #            output in quick.log). QUICK_SHAPE=tiny runs the same path at toy shapes on a CPU
 #   gpt2     the 1.3B GPT-2 shape (D=2048 L=24 H=16 V=50304 T=1024), bf16, AdamW, no dropout, at batch
@@ -87,7 +88,8 @@ wheels=${WHEELS:-wheels}
 if compgen -G "$wheels/*.whl" >/dev/null; then
   site=${WHEEL_SITE:-/tmp/jaxformer-wheels}
   whls=("$wheels"/*.whl)
-  dupes=$(for w in "${whls[@]}"; do w=${w##*/}; echo "${w%%-*}"; done | tr 'A-Z-' 'a-z_' | sort | uniq -d | paste -sd ' ')
+  dupes=$(for w in "${whls[@]}"; do w=${w##*/}; echo "${w%%-*}"; done | tr 'A-Z-' 'a-z_' | sort | uniq -d |
+    paste -sd ' ')  # a wheel's name: distribution-version-...; one name twice is two versions
   if [ -n "$dupes" ]; then
     echo "gpu_check: two versions of one package in $wheels/ ($dupes): keep one of each" >&2
     exit 2

@@ -20,9 +20,10 @@ record whatever the expensive pair does:
     torch      Hugging Face PyTorch GPT2LMHeadModel + torch.compile at the same shape and batch, bf16
                autocast, fused AdamW (`scripts/peers.py torch_gpt2`; skipped without torch and CUDA)
 
-Batch 16, scanned with "auto": the layer stack the 1.3B experiment and the planner default to, and the
-largest batch measured to fit an H100 beside torch (36.0 GB peak; the accelerators guide's plan
-table). QUICK_BATCH, QUICK_STACK (e.g. "unrolled", "scanned:full") and QUICK_ATTENTION change them.
+Batch 16, scanned with "auto": the layer stack the 1.3B experiment and the planner default to, at the
+larger batch of the accelerators guide's measured peaks (36.0 GB at batch 16, by an earlier version);
+chosen, not measured to be the fastest. QUICK_BATCH, QUICK_STACK (e.g. "unrolled", "scanned:full") and
+QUICK_ATTENTION change them.
 
 It prints one markdown table and writes it to OUT_DIR/quick.md, with the figures as JSON in
 OUT_DIR/quick.json; the steps' own output goes to stdout (gpu_check.sh keeps it in quick.log).
