@@ -7,8 +7,8 @@
 #
 # On a machine that cannot reach a package index (jax with CUDA, torch and transformers installed, the
 # rest missing or older), carry jaxformer's other dependencies as wheels in a folder of the checkout
-# (`wheels/`, ignored by git; WHEELS names another). Make it where pip reaches the index, for the
-# machine's Python (`python3 --version` there; 3.12 on the machines this was written for):
+# (`wheels/`, ignored by git; WHEELS names another, WHEELS= none). Make it where pip reaches the index,
+# for the machine's Python (`python3 --version` there; 3.12 on the machines this was written for):
 #
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
@@ -84,8 +84,8 @@ run() {  # run NAME CMD...: show and keep the output; remember a failure, go on
 }
 
 # Carried wheels (see the top): installed before any part, without an index or dependency resolution.
-wheels=${WHEELS:-wheels}
-if compgen -G "$wheels/*.whl" >/dev/null; then
+wheels=${WHEELS-wheels}  # WHEELS= (empty): none, whatever wheels/ holds
+if [ -n "$wheels" ] && compgen -G "$wheels/*.whl" >/dev/null; then
   site=${WHEEL_SITE:-/tmp/jaxformer-wheels}
   whls=("$wheels"/*.whl)
   dupes=$(for w in "${whls[@]}"; do w=${w##*/}; echo "${w%%-*}"; done | tr 'A-Z-' 'a-z_' | sort | uniq -d |
