@@ -224,10 +224,10 @@ def chunked_vs_plain_loss(args) -> None:
 
 def decode_speed(args) -> None:
     """Decoding time of `--decode-lengths` new tokens from an 8-token prompt (or source), EOS never
-    stopping a row early: greedy and beam 4, at each `--decode-batches` batch size, with the KV cache
-    and (at `--recompute-lengths` and `--recompute-batches`) without it. Per-token time = run time /
-    new tokens; tokens/s counts the B output rows, not the beams. Weights are random: speed does
-    not depend on them."""
+    stopping a row early: greedy and beam 4 (`--decode-strategies`), at each `--decode-batches` batch
+    size, with the KV cache and (at `--recompute-lengths` and `--recompute-batches`) without it.
+    Per-token time = run time / new tokens; tokens/s counts the B output rows, not the beams. Weights
+    are random: speed does not depend on them."""
     from jaxformer.config import DecodeConfig
     from jaxformer.decode import generate, translate
     from jaxformer.models import build_model, count_params
@@ -257,7 +257,7 @@ def decode_speed(args) -> None:
         if mode == "encoder_decoder":
             run = functools.partial(translate, model, bos_id=1, eos_id=None)
 
-        for strategy, B, N in itertools.product(("greedy", "beam"), batches, lengths):
+        for strategy, B, N in itertools.product(args.decode_strategies.split(","), batches, lengths):
             rows = rng.integers(4, args.vocab, (B, P)).tolist()
             for use_cache in (True, False) if N in recompute and B in recompute_batches else (True,):
                 settings = DecodeConfig(
@@ -602,7 +602,8 @@ def gpt2_vs_torch(args) -> None:
             runs["torch.compile GPT-2"] = [str(here.with_name("peers.py")), "torch_gpt2", json.dumps(shapes)]
         flops = flops_per_example(gpt2_shape(D, H, L, V, T), "lm", T, T) * B
         for name, cmd in runs.items():
-            out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=env)
+            torch_on = {"USE_TORCH": "1"} if name.startswith("torch") else {}  # peers.py sets 0 otherwise
+            out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=env | torch_on)
             if out.returncode:  # out of memory at this batch, or no torch: say so and go on
                 print(f"{name:36s} {B:3d} failed: {(out.stderr.strip().splitlines() or [''])[-1][:100]}")
                 continue
@@ -639,6 +640,7 @@ def main() -> None:
     p.add_argument("--decode-lengths", default="64,256,1024", help="new tokens per run")
     p.add_argument("--recompute-lengths", default="64,256", help="lengths also run without the cache (slow)")
     p.add_argument("--decode-batches", default="1,8")
+    p.add_argument("--decode-strategies", default="greedy,beam", help="decode: greedy, beam or both")
     p.add_argument("--recompute-batches", default="1", help="batch sizes also run without the cache (slow)")
     p.add_argument("--repeats", type=int, default=3, help="decode: timed runs per setting (fewer past 20 s)")
     p.add_argument("--compare", action="store_true", help="side by side with Hugging Face Flax and PyTorch")

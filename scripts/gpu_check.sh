@@ -3,6 +3,28 @@
 # (`pip install -e ".[test,bench]"` with a CUDA build of jax: `pip install "jax[cuda12]"`):
 #
 #   bash scripts/gpu_check.sh [OUT_DIR [PART ...]]   # or: make gpu-check
+#   bash scripts/gpu_check.sh OUT_DIR quick          # the headline figures alone, under 8 minutes on one H100
+#
+# On a machine that cannot reach a package index (jax with CUDA, torch and transformers installed, the
+# rest missing or older), carry jaxformer's other dependencies as wheels in a folder of the checkout
+# (`wheels/`, ignored by git; WHEELS names another, WHEELS= none). Make it where pip reaches the index,
+# for the machine's Python (`python3 --version` there; 3.12 on the machines this was written for):
+#
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d wheels flax==0.12.8 optax==0.2.8 orbax-checkpoint==0.12.8
+#
+# (3.3 MB: what `quick` imports beyond jax, numpy, torch and transformers; their own needs, msgpack,
+# tensorstore, rich, treescope, etils, humanize, simplejson and the rest, are in the usual CUDA images.
+# The other parts need more: grain, array-record, portpicker, tensorboardX, optuna, alembic, sqlalchemy,
+# colorlog and mako, then pytest-xdist and transformers 4.57 for `tests`.) Copy the checkout with wheels/
+# in it to the GPU machine; there the script installs every wheel in it first, with no index and no
+# dependency resolution, into a folder of its own (WHEEL_SITE, default /tmp/jaxformer-wheels) put on
+# PYTHONPATH, so that nothing the machine has installed changes:
+#
+#   pip install --no-index --find-links wheels --no-deps --target /tmp/jaxformer-wheels wheels/*.whl
+#
+# Two versions of one package in wheels/ stop it before it installs anything.
 #
 # The parts, each under 10 minutes on one H100 (all of them, in this order, when none is named; the
 # predictions first, so that they are on record before anything is measured):
@@ -13,6 +35,15 @@
 #            as from a CPU machine), then on this machine's first GPU itself (autotuned); then the one of
 #            the four no other part measures, scanned without remat at batch 16 (out of memory on 80 GB
 #            when last measured)
+#   quick    the headline figures, for a GPU at hand for minutes (run it alone): one command of under 8
+#            minutes on one H100 (scripts/gpu_quick.py; each step capped, 420 s in all, QUICK_BUDGET_S):
+#            the device; the cuDNN ring-block test (as `long` runs it, its cudnn case); decode ms/token
+#            at batch 1 and 32 (as `decode`, greedy only); the 1.3B shape's jaxformer configuration
+#            (scanned, remat "auto", cuDNN attention, bf16, batch 16: one compile, 9 timed steps) beside
+#            torch.compile of Hugging Face's GPT2LMHeadModel at the same batch: tokens/s, MFU, peak
+#            memory (QUICK_BATCH, QUICK_STACK, QUICK_ATTENTION change the configuration). One
+#            markdown table at the end, also in OUT_DIR/quick.md (figures in quick.json, the steps'
+#            output in quick.log). QUICK_SHAPE=tiny runs the same path at toy shapes on a CPU
 #   gpt2     the 1.3B GPT-2 shape (D=2048 L=24 H=16 V=50304 T=1024), bf16, AdamW, no dropout, at batch
 #            8 and 16: jaxformer unrolled and scanned (remat "auto", which is dots_saveable when scanned)
 #            beside Hugging Face PyTorch GPT-2 + torch.compile, each in a process of its own: tokens/s,
@@ -37,7 +68,7 @@
 # Each part's output is also written to OUT_DIR (default gpu_check/). GPT2_SHAPE replaces the 1.3B
 # shape's flags (a smoke run on a CPU: GPT2_SHAPE="--d-model 64 --heads 4 --layers 2 --vocab 512 --seq 64").
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 out=${1:-gpu_check}
 mkdir -p "$out"
 py=${PYTHON:-python3}
@@ -52,14 +83,37 @@ run() {  # run NAME CMD...: show and keep the output; remember a failure, go on
   [ "$rc" -eq 0 ] || { echo "== $name failed (exit $rc)"; status=1; }
 }
 
+# Carried wheels (see the top): installed before any part, without an index or dependency resolution.
+wheels=${WHEELS-wheels}  # WHEELS= (empty): none, whatever wheels/ holds
+if [ -n "$wheels" ] && compgen -G "$wheels/*.whl" >/dev/null; then
+  site=${WHEEL_SITE:-/tmp/jaxformer-wheels}
+  whls=("$wheels"/*.whl)
+  dupes=$(for w in "${whls[@]}"; do w=${w##*/}; echo "${w%%-*}"; done | tr 'A-Z-' 'a-z_' | sort | uniq -d |
+    paste -sd ' ')  # a wheel's name: distribution-version-...; one name twice is two versions
+  if [ -n "$dupes" ]; then
+    echo "gpu_check: two versions of one package in $wheels/ ($dupes): keep one of each" >&2
+    exit 2
+  fi
+  echo "== wheels: ${#whls[@]} from $wheels/ into $site (no index, no dependencies)"
+  timeout 60 "$py" -m pip install -q --no-index --find-links "$wheels" --no-deps --no-compile --no-cache-dir \
+    --upgrade --disable-pip-version-check --target "$site" "${whls[@]}" 2>&1 | tee "$out/wheels.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu_check: installing the wheels in $wheels/ failed (above)" >&2; exit 1; }
+  export PYTHONPATH="$PWD:$site${PYTHONPATH#"$PWD"}"
+elif [ -n "${WHEELS:-}" ]; then
+  echo "gpu_check: WHEELS=$WHEELS holds no .whl files" >&2
+  exit 2
+fi
+
 parts=("${@:2}")
-[ ${#parts[@]} -gt 0 ] || parts=(device plan gpt2 gpt2_big decode moe long tests)
+[ ${#parts[@]} -gt 0 ] || parts=(device plan quick gpt2 gpt2_big decode moe long tests)
 shape=(${GPT2_SHAPE:---d-model 2048 --heads 16 --layers 24 --vocab 50304 --seq 1024 --steps 10} --attention auto)
 for part in "${parts[@]}"; do
   case $part in
     device)
       run device "$py" -c "import jax, jaxlib, flax; print(jax.__version__, jaxlib.__version__, flax.__version__); print(jax.devices())"
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null | tee "$out/nvidia-smi.log" ;;
+    quick)  # its own caps add up to QUICK_BUDGET_S; the outer limit only catches a hang in the driver
+      run quick timeout -k 10 $((${QUICK_BUDGET_S:-420} + 30)) "$py" scripts/gpu_quick.py "$out" ;;
     gpt2) run gpt2 "$py" scripts/benchmark.py --gpt2-vs-torch "${shape[@]}" --batches 8,16 --stacks unrolled,scanned ;;
     gpt2_big)
       run gpt2_big "$py" scripts/benchmark.py --gpt2-vs-torch "${shape[@]}" --batches 24,32 --stacks scanned,scanned:full
@@ -102,7 +156,7 @@ for part in "${parts[@]}"; do
         fi
       done ;;
     tests) run tests "$py" -m pytest -n 4 --dist loadfile -q -ra ;;
-    *) echo "gpu_check: no part named $part (device, plan, gpt2, gpt2_big, decode, moe, long, tests)" >&2; exit 2 ;;
+    *) echo "gpu_check: no part named $part (device, plan, quick, gpt2, gpt2_big, decode, moe, long, tests)" >&2; exit 2 ;;
   esac
 done
 echo "== gpu_check done (status $status); logs in $out/"

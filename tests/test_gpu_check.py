@@ -1,0 +1,83 @@
+"""scripts/gpu_check.sh's `quick` part without a GPU: the whole path at toy shapes (QUICK_SHAPE=tiny),
+one table row per measurement, a step stopped at its cap with its children, and the carried wheels'
+install refusing what would break it."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import gpu_quick  # noqa: E402
+
+ROWS = ["device", "jaxformer", "torch.compile GPT2LMHeadModel", "cuDNN ring blocks", "decode B=1", "decode B=32"]
+
+
+def gpu_check(out, *parts, **env):
+    env = os.environ | {"PYTHON": sys.executable} | env
+    return subprocess.run(["bash", "scripts/gpu_check.sh", str(out), *parts], cwd=ROOT, env=env, capture_output=True,
+                          text=True)  # fmt: skip
+
+
+def test_quick_part_at_toy_shapes_prints_one_table_with_every_row(tmp_path):
+    out = gpu_check(tmp_path, "quick", QUICK_SHAPE="tiny", WHEELS="")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    table = (tmp_path / "quick.md").read_text()
+    assert table in out.stdout  # printed as written
+    lines = table.splitlines()
+    assert lines[0].startswith("| check | setting | tokens/s | MFU | peak memory | ms/token | result |")
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in lines[2:]}
+    assert list(rows) == ROWS
+    assert float(rows["jaxformer"][2]) > 0 and rows["jaxformer"][3].endswith("%") and rows["jaxformer"][6] == "ok"
+    assert float(rows["decode B=1"][5]) > 0 and float(rows["decode B=32"][5]) > 0
+    # no GPU here: the cuDNN test is skipped by its own reason, torch.compile's run is not started
+    assert "skipped" in rows["cuDNN ring blocks"][6] and rows["torch.compile GPT2LMHeadModel"][6].startswith("skipped")
+    figures = json.loads((tmp_path / "quick.json").read_text())
+    jf = figures["jaxformer"]  # tokens/s is B * T / step time, at the tiny shape's B=4, T=64
+    assert jf["tokens_per_s"] == pytest.approx(4 * 64 / jf["step_s"])
+    assert jf["mfu"] == pytest.approx(
+        figures["device"]["flops_per_example"] * 4 / jf["step_s"] / figures["device"]["peak_flops"]
+    )
+    assert (tmp_path / "quick.log").read_text().count("== quick ") >= 8  # each step's start and end
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [("QUICK_SHAPE", "huge"), ("QUICK_BATCH", "0"), ("QUICK_BATCH", "8x"), ("QUICK_BUDGET_S", "soon"),
+     ("QUICK_STACK", "scanned:sometimes"), ("QUICK_STACK", "looped"), ("QUICK_ATTENTION", "flash")],
+)  # fmt: skip
+def test_a_wrong_setting_is_named_before_anything_runs(name, value):
+    with pytest.raises(SystemExit, match=f"^gpu_quick: {name} must be .*got '{value}'$"):
+        gpu_quick.settings({name: value})
+
+
+def test_the_default_settings_are_the_1p3b_shape_scanned_with_cudnn_at_batch_16():
+    assert gpu_quick.settings({}) == ("1p3b", 16, "scanned", "cudnn", 420.0)
+    assert gpu_quick.stack_text("scanned") == "scanned, remat auto (dots_saveable)"
+    assert gpu_quick.stack_text("unrolled") == "unrolled, remat auto (none)"
+
+
+def test_a_step_past_its_cap_is_stopped_with_the_processes_it_started(tmp_path):
+    pid_file = tmp_path / "child"
+    r = gpu_quick.run_step("sleepy", ["sh", "-c", f"echo started; sleep 60 & echo $! > {pid_file}; wait"], cap=2)
+    assert r["timed_out"] and "started" in r["output"]
+    child = int(pid_file.read_text())
+    status = pathlib.Path(f"/proc/{child}/status")
+    assert not status.exists() or "zombie" in status.read_text()  # killed with its group, not left running
+    assert gpu_quick.why_not(r).startswith("stopped at its cap")
+
+
+def test_carried_wheels_two_versions_of_one_package_or_an_empty_folder_are_refused_before_any_install(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    empty = gpu_check(tmp_path / "out", "quick", WHEELS=str(wheels))
+    assert empty.returncode == 2 and "holds no .whl files" in empty.stderr
+    for name in ("optax-0.2.8-py3-none-any.whl", "optax-0.2.7-py3-none-any.whl", "flax-0.12.8-py3-none-any.whl"):
+        (wheels / name).write_bytes(b"")
+    dupes = gpu_check(tmp_path / "out", "quick", WHEELS=str(wheels))
+    assert dupes.returncode == 2 and "two versions of one package" in dupes.stderr and "(optax)" in dupes.stderr
+    assert not (tmp_path / "out" / "wheels.log").exists()  # refused before pip ran
