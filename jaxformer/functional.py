@@ -1,4 +1,4 @@
-"""Pure maths of the Transformer: attention, masks, positions, activations, norms, losses.
+"""Pure maths of the Transformer: positions, activations, norms, pooling, losses.
 
 Plain `jax.numpy`, no Flax: every function here works under `jit`, `grad` and `vmap` and
 can be called from any JAX code.
@@ -8,8 +8,10 @@ Dimension legend (used in names and shape comments across jaxformer):
   G key/value heads (H = G * R for grouped-query attention), K head dim,
   F feed-forward width, V vocabulary, L layers, C classes, N segments (examples) of a packed row.
 
-Masks are structure (`Mask`: causal, lengths, segments), which fused kernels take; the
-reference path turns them into boolean arrays, True = may attend, broadcast to [B, H, T, S].
+Attention (masks as structure, the reference and the fused kernels' dispatch, the KV cache's
+writes) lives in `jaxformer.attention`; its functions are re-exported here, so
+`functional.dot_product_attention`, `functional.Mask`, `functional.dropout` and the rest import
+as they always did.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 # Attention lives in jaxformer.attention; its names stay importable from here.
+from jaxformer.attention.cache import write_rows  # noqa: F401
 from jaxformer.attention.kernels import (  # noqa: F401
     AttentionImpl,
     KVLayout,
@@ -59,26 +62,6 @@ def lift(p: Array, x: Array) -> Array:
         `p` reshaped to x's rank, with leading axes of size 1 (e.g. [1, 1, D]).
     """
     return p.reshape((1,) * (x.ndim - p.ndim) + p.shape)
-
-
-def write_rows(buffer_BS: Array, new_BT: Array, start_B: Array, axis: int = 1) -> Array:
-    """buffer[b, start_b : start_b + T] = new[b] for each row b along `axis` (the slot axis of a KV
-    cache, 1 for [B, S, ...], 2 for heads-major [B, G, S, K]); the other axes are kept.
-
-    Starts must leave room: like `lax.dynamic_update_slice`, a start past S - T is clamped.
-
-    Args:
-        buffer_BS: the buffer, [B, S, ...] (or [B, G, S, K] with axis=2).
-        new_BT: the rows to write, the buffer's shape with T in place of S.
-        start_B: [B] int, where each row's slice starts.
-        axis: the slot axis.
-
-    Returns:
-        The updated buffer, its shape and dtype.
-    """
-    row_axis = axis - 1  # inside one row
-    write = lambda buf, new, start: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), start, row_axis)
-    return jax.vmap(write)(buffer_BS, new_BT, start_B)
 
 
 # ----------------------------------------------------------------------------- positions

@@ -24,12 +24,12 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxformer import functional as F
 from jaxformer import moe as M
 from jaxformer import quant, ring
+from jaxformer.attention.cache import CACHE, write_rows
 from jaxformer.config import ModelConfig
 from jaxformer.sharding import activation_spec, constrain, context_ways, param
 
 Array = jax.Array
 init = nnx.initializers
-CACHE = ("batch", "heads", "length", None)  # a KV cache [B, G, S, K] split by position on the context axis
 
 
 @jax.custom_vjp
@@ -610,7 +610,7 @@ class MultiHeadAttention(nnx.Module):
         if context_ways() > 1:  # the cache's slots are split over the mesh's context axis
             return self._extend_context(x_BTD, cache, new, mask, positions_BT)
         cache = {
-            name: constrain(F.write_rows(cache[name], jnp.swapaxes(new[name], 1, 2), start_B, axis=2),
+            name: constrain(write_rows(cache[name], jnp.swapaxes(new[name], 1, 2), start_B, axis=2),
                             ("batch", "heads", None, None))
             for name in "kv"
         }  # fmt: skip
