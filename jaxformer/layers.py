@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import logging
 import math
-import zlib
 from collections.abc import Callable
 
 import jax
@@ -26,6 +25,7 @@ from jaxformer import moe as M
 from jaxformer import quant, ring
 from jaxformer.attention.cache import CACHE, write_rows
 from jaxformer.config import ModelConfig
+from jaxformer.projections import adapted, project
 from jaxformer.sharding import activation_spec, constrain, context_ways, param
 
 Array = jax.Array
@@ -72,51 +72,6 @@ def split_rng(rng: Array | None, n: int) -> list[Array | None]:
         A list of n keys (or n Nones).
     """
     return [None] * n if rng is None else list(jax.random.split(rng, n))
-
-
-def project(module: nnx.Module, name: str, spec: str, x: Array) -> Array:
-    """`einsum(spec, x, module.<name>)` in the compute dtype. A kernel stored in int8 beside its
-    `<name>_scale` (a LoRA run's frozen base, `lora.quantize_base`) is dequantized here, in the layer
-    that reads it: one layer at a time in a scanned stack, and again in the backward (`quant.einsum`).
-
-    Args:
-        module: the layer holding the kernel (and its `<name>_scale` when quantized).
-        name: the kernel's attribute name ("q", "wo", ...).
-        spec: the einsum, in the legend's letters ("BTD,DHK->BTHK").
-        x: the input, in the compute dtype.
-
-    Returns:
-        The einsum's output, in the compute dtype.
-    """
-    dt = module.cfg.dtype
-    scale = getattr(module, f"{name}_scale", None)
-    if scale is None:
-        return jnp.einsum(spec, x, getattr(module, name)[...].astype(dt))
-    y = quant.einsum(spec, x, getattr(module, name)[...], scale[...], dt)
-    return checkpoint_name(y, quant.PROJECTION)  # saved as `dots_saveable` saves a matmul
-
-
-def adapted(module: nnx.Module, name: str, x: Array, y: Array, dropout_rng: Array | None) -> Array:
-    """`y = x @ module.<name>`, plus the update of its LoRA adapter (`jaxformer.lora`) if it has one.
-
-    The adapter's dropout key is folded from the sublayer's with the kernel's name: the masks of
-    the layer's own dropout stay what they are without LoRA.
-
-    Args:
-        module: the layer holding kernel `name` (and its adapter, if any).
-        name: the kernel's attribute name.
-        x: the input the kernel was applied to.
-        y: x @ the kernel, as computed by the caller.
-        dropout_rng: the sublayer's dropout key, or None.
-
-    Returns:
-        `y` plus the adapter's update, y's shape.
-    """
-    adapter = getattr(module, f"{name}_lora", None)
-    if adapter is None:
-        return y
-    rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, zlib.crc32(name.encode()) & 0x7FFFFFFF)
-    return y + adapter(x, rng).astype(y.dtype)
 
 
 # ----------------------------------------------------------------------------- token ids
