@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from jaxformer import functional as F
+from jaxformer.attention import kernels
 
 # Tolerances: float32 matches references to rounding; bfloat16 inputs carry ~3 significant digits.
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
@@ -328,7 +329,7 @@ def test_auto_picks_cudnn_on_gpu_and_falls_back_once(cudnn_checked, monkeypatch,
     q, k, v = qkv(jnp.bfloat16)
     mask = F.Mask(causal=True, kv_lengths=jnp.array([5, 3]))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(F, "_fallbacks_logged", set())
+    monkeypatch.setattr(kernels, "_fallbacks_logged", set())
     with caplog.at_level("WARNING", logger="jaxformer"):
         F.dot_product_attention(q, k, v, mask=mask, implementation="auto")
         assert len(cudnn_checked) == 1
@@ -389,9 +390,9 @@ def test_auto_picks_splash_on_tpu_and_falls_back_once(monkeypatch, caplog):
     """auto on a TPU: splash for lengths on its 128-wide tiles; XLA for a bias or short lengths, the
     reference for dropout on probabilities; each fallback said once. splash itself refuses what it cannot do."""
     made = []
-    monkeypatch.setattr(F, "_splash", lambda *a: made.append(a) or a[0])
+    monkeypatch.setattr(kernels, "_splash", lambda *a: made.append(a) or a[0])
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    monkeypatch.setattr(F, "_fallbacks_logged", set())
+    monkeypatch.setattr(kernels, "_fallbacks_logged", set())
     q128, k128, v128 = (jnp.zeros((1, 128, 2, 8)) for _ in range(3))
     q, k, v = qkv(jnp.float32)
     with caplog.at_level("WARNING", logger="jaxformer"):

@@ -96,3 +96,30 @@ def test_the_cycle_finder_finds_a_deferred_import_circle(tmp_path):
         ["jaxformer.c", "jaxformer.d", "jaxformer.c"],
         ["jaxformer.data.a", "jaxformer.data.b", "jaxformer.data.a"],
     ]
+
+
+# The maths apart from the modules (STYLE.md habit 1): these import no Flax, directly or through the package's
+# modules they import; only `jaxformer.attention.layer` of the attention package holds parameters.
+PURE = [
+    "jaxformer.functional",
+    "jaxformer.ring",
+    *(f"jaxformer.attention.{m}" for m in ("masks", "kernels", "cache", "ring", "ring_kernels")),
+]
+
+
+def imports_flax(path: pathlib.Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        names += [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        if any(n == "flax" or n.startswith("flax.") for n in names):
+            return True
+    return False
+
+
+def test_the_pure_maths_imports_no_flax():
+    graph = import_graph(ROOT)
+    files = {module_name(p, ROOT): p for p in ROOT.rglob("*.py")}
+    assert imports_flax(files["jaxformer.attention.layer"])  # the check sees an import of Flax where there is one
+    for name in PURE:
+        with_flax = sorted(m for m in reachable(graph, name) if imports_flax(files[m]))
+        assert not with_flax, f"{name} imports Flax through {with_flax}"

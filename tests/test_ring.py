@@ -496,8 +496,9 @@ def test_a_fused_kernel_s_blocks_combine_to_attention_over_all_keys(kernel, monk
     import jax
 
     from jaxformer import ring
+    from jaxformer.attention import ring_kernels
 
-    monkeypatch.setattr(ring, "MASKED_CHUNK", 64)  # 4 chunks of the 256 queries
+    monkeypatch.setattr(ring_kernels, "MASKED_CHUNK", 64)  # 4 chunks of the 256 queries
 
     if kernel == "cudnn" and jax.default_backend() != "gpu":
         pytest.skip("cuDNN's fused attention needs an NVIDIA GPU")

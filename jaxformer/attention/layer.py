@@ -1,0 +1,285 @@
+"""`MultiHeadAttention`: the NNX module that holds attention's projections and calls the pure parts.
+
+Queries, keys and values are einsums over kernels shaped [D, H, K] and [D, G, K] (heads a real axis
+that tensor parallelism shards); the attention itself is `kernels.dot_product_attention` (reference
+or fused), `ring.context_attention` when the sequence is split on the mesh's context axis, and the
+KV cache of decoding is read and written here (`empty_cache`, `memory_cache`, `extend`; `cache`).
+The one module of `jaxformer.attention` that imports Flax.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxformer.attention import ring
+from jaxformer.attention.cache import CACHE, write_rows
+from jaxformer.attention.kernels import choose_backend, dot_product_attention, log_fallback
+from jaxformer.attention.masks import Mask
+from jaxformer.config import ModelConfig
+from jaxformer.functional import apply_rope, lift
+from jaxformer.projections import adapted, project
+from jaxformer.sharding import activation_spec, constrain, context_ways, param
+
+Array = jax.Array
+init = nnx.initializers
+
+
+class MultiHeadAttention(nnx.Module):
+    """Multi-head (or grouped-query) attention; self-attention, or cross-attention over memory.
+
+    Projections are einsums over kernels shaped [D, H, K] (queries), [D, G, K] (keys,
+    values) and [H, K, D] (output), so heads are a real axis that tensor parallelism shards.
+
+    Args:
+        cfg: the model's config (D, H, G, K, position, attention_impl, dropout).
+        cross: cross-attention: keys and values from the memory, no positions applied to them.
+        rngs: the initialisation keys.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, cross: bool = False, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.cross = cross
+        self.use_rope = cfg.position == "rope" and not cross
+        D, H, G, K = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
+        in_init = init.xavier_uniform(in_axis=0, out_axis=(1, 2))
+        self.q = param(rngs, in_init, (D, H, K), ("embed", "heads", "kv"))
+        self.k = param(rngs, in_init, (D, G, K), ("embed", "heads", "kv"))
+        self.v = param(rngs, in_init, (D, G, K), ("embed", "heads", "kv"))
+        self.o = param(rngs, init.xavier_uniform(in_axis=(0, 1), out_axis=2), (H, K, D), ("heads", "kv", "embed"))
+        if cfg.use_bias:
+            self.q_bias = param(rngs, init.zeros, (H, K), ("heads", "kv"))
+            self.k_bias = param(rngs, init.zeros, (G, K), ("heads", "kv"))
+            self.v_bias = param(rngs, init.zeros, (G, K), ("heads", "kv"))
+            self.o_bias = param(rngs, init.zeros, (D,), ("embed",))
+
+    def _project(self, x_BTD: Array, name: str, dropout_rng: Array | None = None) -> Array:
+        dt = self.cfg.dtype
+        y_BTHK = project(self, name, "BTD,DHK->BTHK", x_BTD)
+        y_BTHK = adapted(self, name, x_BTD, y_BTHK, dropout_rng)
+        if self.cfg.use_bias:
+            y_BTHK = y_BTHK + lift(getattr(self, f"{name}_bias")[...].astype(dt), y_BTHK)
+        return constrain(y_BTHK, ("batch", "length", "heads", None))  # column-parallel under TP
+
+    def project_kv(
+        self, kv_BSD: Array, positions_BS: Array | None = None, dropout_rng: Array | None = None
+    ) -> tuple[Array, Array]:
+        """Keys and values [B, S, G, K] of the inputs attended to (RoPE applied at `positions_BS`).
+
+        Args:
+            kv_BSD: [B, S, D] the inputs attended to.
+            positions_BS: [B, S] their positions (for RoPE), or None.
+            dropout_rng: the adapters' dropout key, or None.
+
+        Returns:
+            (k_BSGK, v_BSGK).
+        """
+        k_BSGK = self._project(kv_BSD, "k", dropout_rng)
+        v_BSGK = self._project(kv_BSD, "v", dropout_rng)
+        if self.use_rope:
+            k_BSGK = apply_rope(k_BSGK, positions_BS, self.cfg.rope_base)
+        return k_BSGK, v_BSGK
+
+    def __call__(
+        self,
+        x_BTD: Array,
+        memory_BSD: Array | None = None,
+        *,
+        mask: Mask | Array | None = None,
+        positions_BT: Array | None = None,
+        kv_positions_BS: Array | None = None,
+        memory_kv: tuple[Array, Array] | None = None,
+        bias: Array | None = None,
+        dropout_rng: Array | None = None,
+        return_weights: bool = False,
+    ) -> Array | tuple[Array, Array]:
+        """Attend from x to memory (cross) or to x itself (memory None).
+
+        Args:
+            x_BTD: [B, T, D] the queries' inputs.
+            memory_BSD: [B, S, D] the inputs attended to (cross-attention), or None for x itself.
+            mask: which keys each query sees (`functional.Mask`, or a boolean array broadcastable to
+                [B, H, T, S]), or None for all.
+            positions_BT: [B, T] the queries' positions (RoPE), or None.
+            kv_positions_BS: [B, S] the keys' positions; None: `positions_BT`.
+            memory_kv: cross-attention keys and values already projected, heads-major [B, G, S, K]
+                (`memory_cache` of the memory), as decoding does once per source; or None.
+            bias: [B, H, T, S] added to the logits (T5's relative positions), or None.
+            dropout_rng: the dropout key (attention weights, adapters), or None for no dropout.
+            return_weights: also return the attention weights (the reference path computes them).
+
+        Returns:
+            [B, T, D]; with `return_weights`, ([B, T, D], weights [B, H, T, S]).
+
+        Raises:
+            ValueError: under context parallelism, a memory masked other than by its lengths.
+        """
+        if memory_kv is not None:
+            return self._attend(x_BTD, *memory_kv, "BGSK", mask, bias, positions_BT, dropout_rng, return_weights)
+        kv_BSD = x_BTD if memory_BSD is None else memory_BSD
+        kv_positions_BS = positions_BT if kv_positions_BS is None else kv_positions_BS
+        k_BSGK, v_BSGK = self.project_kv(kv_BSD, kv_positions_BS, dropout_rng)
+        return self._attend(
+            x_BTD, k_BSGK, v_BSGK, "BSGK", mask, bias, positions_BT, dropout_rng, return_weights, kv_positions_BS
+        )
+
+    # Decoding caches hold keys and values heads-major, [B, G, S, K]: the attention products read
+    # them in place, where [B, S, G, K] would be transposed in full at every step.
+
+    # With a context axis, a cache is split by position: slot s on the device holding block s // (S / n).
+
+    def empty_cache(self, batch: int, length: int) -> dict:
+        """A self-attention KV cache of `length` slots: {"k", "v"}: zeros [B, G, length, K].
+
+        Args:
+            batch: B.
+            length: the slots, S_max.
+
+        Returns:
+            {"k", "v"}: zeros [B, G, length, K] in the compute dtype.
+        """
+        zeros = jnp.zeros((batch, self.cfg.kv_heads, length, self.cfg.dim_per_head), self.cfg.dtype)
+        zeros = constrain(zeros, CACHE) if context_ways() > 1 else zeros
+        return {"k": zeros, "v": zeros}
+
+    def memory_cache(self, memory_BSD: Array) -> dict:
+        """Cross-attention keys and values of the memory, once per source: {"k", "v"}: [B, G, S, K].
+
+        Args:
+            memory_BSD: [B, S, D] the encoder's output.
+
+        Returns:
+            {"k", "v"}: [B, G, S, K].
+        """
+        kv = (jnp.swapaxes(a, 1, 2) for a in self.project_kv(memory_BSD))
+        return dict(zip("kv", (constrain(a, CACHE) if context_ways() > 1 else a for a in kv), strict=True))
+
+    def extend(
+        self, x_BTD: Array, cache: dict, *, mask: Mask, positions_BT: Array, bias: Array | None = None
+    ) -> tuple[Array, dict]:
+        """Self-attention of new positions over a KV cache.
+
+        x holds T new positions per row, starting at `positions_BT[:, 0]` (per row); their
+        keys and values are written into `cache` ({"k", "v"}: [B, G, S_max, K]) at those
+        slots, and each query attends to the cache under `mask` (`functional.causal_cache_mask`).
+        Returns (y [B, T, D], the updated cache).
+
+        Args:
+            x_BTD: [B, T, D] the new positions.
+            cache: {"k", "v"}: [B, G, S_max, K].
+            mask: which cache slots each query sees.
+            positions_BT: [B, T] the new positions' indices.
+            bias: attention logits bias broadcastable to [B, H, T, S_max], or None.
+
+        Returns:
+            (y_BTD, the updated cache).
+        """
+        start_B = positions_BT[:, 0]
+        new = dict(zip("kv", self.project_kv(x_BTD, positions_BT), strict=True))  # [B, T, G, K]
+        if context_ways() > 1:  # the cache's slots are split over the mesh's context axis
+            return self._extend_context(x_BTD, cache, new, mask, positions_BT)
+        cache = {
+            name: constrain(write_rows(cache[name], jnp.swapaxes(new[name], 1, 2), start_B, axis=2),
+                            ("batch", "heads", None, None))
+            for name in "kv"
+        }  # fmt: skip
+        return self._attend(x_BTD, cache["k"], cache["v"], "BGSK", mask, bias, positions_BT, None, False), cache
+
+    def _extend_context(self, x_BTD, cache, new, mask, positions_BT) -> tuple[Array, dict]:
+        """`extend` with the cache's slots split over the context axis (`cache_spec`). A prompt the axis
+        divides, from position 0 (a prefill), runs as training does: ring (or all-gather) attention
+        over its own keys, which then fill the cache's first slots (one reshard). Fewer new positions
+        (a decoding step) are on every device: each attends to the slots it holds, the partial softmaxes
+        combined by log-sum-exp (`ring.cache_attention`), and the device holding their slots writes them."""
+        q_BTHK = self._queries(x_BTD, positions_BT, None)
+        T, n = x_BTD.shape[1], context_ways()
+        if mask.causal and mask.q_offset is None and T % n == 0 and T > 1:  # a prefill the axis divides
+            out_BTHK = self._context_attention(q_BTHK, new["k"], new["v"], mask, None, positions_BT, positions_BT)
+            write = lambda c, x: jax.lax.dynamic_update_slice_in_dim(c, jnp.swapaxes(x, 1, 2).astype(c.dtype), 0, 2)
+            cache = {name: constrain(write(cache[name], new[name]), CACHE) for name in "kv"}
+            return self._out(out_BTHK, None), cache
+        out_BTHK, k, v = ring.cache_attention(
+            q_BTHK, cache["k"], cache["v"], q_index_BT=positions_BT, causal=True, new_kv=(new["k"], new["v"]),
+            scale=None if self.cfg.scale_attention else 1.0, spec_BTHK=activation_spec(("batch", None, "heads", None)),
+        )  # fmt: skip
+        return self._out(out_BTHK, None), {"k": constrain(k, CACHE), "v": constrain(v, CACHE)}
+
+    def _queries(self, x_BTD: Array, positions_BT: Array, dropout_rng: Array | None) -> Array:
+        q_BTHK = self._project(x_BTD, "q", dropout_rng)
+        return apply_rope(q_BTHK, positions_BT, self.cfg.rope_base) if self.use_rope else q_BTHK
+
+    def _attend(
+        self, x_BTD, k, v, kv_layout, mask, bias, positions_BT, dropout_rng, return_weights, kv_positions_BS=None
+    ):
+        cfg = self.cfg
+        q_BTHK = self._queries(x_BTD, positions_BT, dropout_rng)
+        if kv_layout == "BSGK" and context_ways() > 1:  # the sequence is split over the mesh's context axis
+            return self._out(
+                self._context_attention(q_BTHK, k, v, mask, bias, positions_BT, kv_positions_BS), dropout_rng
+            )
+        if context_ways() > 1:  # decoding's cross-attention: the source's keys and values split by position
+            if bias is not None or not isinstance(mask, Mask) or mask.causal or mask.kv_segments is not None:
+                raise ValueError("context parallelism decodes over a memory masked by its lengths only")
+            out_BTHK, _, _ = ring.cache_attention(
+                q_BTHK, k, v, q_index_BT=positions_BT, causal=False, kv_lengths_B=mask.kv_lengths,
+                scale=None if cfg.scale_attention else 1.0, spec_BTHK=activation_spec(("batch", None, "heads", None)),
+            )  # fmt: skip
+            return self._out(out_BTHK, dropout_rng)
+        result = dot_product_attention(
+            q_BTHK, k, v,
+            kv_layout=kv_layout,
+            mask=mask,
+            bias=bias,
+            scale=None if cfg.scale_attention else 1.0,
+            dropout_rate=cfg.attention_dropout_rate,
+            dropout_rng=dropout_rng,
+            return_weights=return_weights,
+            implementation=cfg.attention_impl,
+            spec_BTHK=activation_spec(("batch", None, "heads", None)),  # splash runs per shard of it
+        )  # fmt: skip
+        out_BTHK, weights = result if return_weights else (result, None)
+        y_BTD = self._out(out_BTHK, dropout_rng)
+        return (y_BTD, weights) if return_weights else y_BTD
+
+    def _context_attention(self, q_BTHK, k_BSGK, v_BSGK, mask, bias, positions_BT, kv_positions_BS) -> Array:
+        """Attention over sequences split on the context axis (`jaxformer.ring`): masks from the tokens'
+        positions (as packed rows number them: causal within a segment is causal by position)."""
+        if bias is not None or not (mask is None or isinstance(mask, Mask)) or (mask and mask.q_offset is not None):
+            raise ValueError("context parallelism takes a structural mask only (no logits bias or q_offset)")
+        mask = mask or Mask()
+        return ring.context_attention(
+            q_BTHK, k_BSGK, v_BSGK, strategy=self.cfg.context_attention, causal=mask.causal,
+            kernel=self._ring_kernel(q_BTHK, k_BSGK),
+            q_index_BT=positions_BT, kv_index_BS=kv_positions_BS,
+            q_segments_BT=mask.q_segments, kv_segments_BS=mask.kv_segments,
+            kv_lengths_B=mask.kv_lengths, q_lengths_B=mask.q_lengths,
+            scale=None if self.cfg.scale_attention else 1.0, spec_BTHK=activation_spec(("batch", None, "heads", None)),
+        )  # fmt: skip
+
+    def _ring_kernel(self, q_BTHK: Array, k_BSGK: Array) -> str:
+        """What attends each block inside the ring: the fused kernel `attention_impl` chooses (auto:
+        cuDNN on a GPU in bfloat16, splash on a TPU) where it can take the blocks, else XLA's einsums
+        ("dense"; the all-gather strategy is dense)."""
+        cfg = self.cfg
+        backend = choose_backend(cfg.attention_impl, q_BTHK, None)
+        if backend not in ring.UNSERVABLE:
+            return "dense"
+        if cfg.context_attention != "ring":
+            why = "the all-gather strategy attends densely"
+        else:
+            why = ring.UNSERVABLE[backend](q_BTHK, k_BSGK, context_ways())
+        if why is None:
+            return backend
+        if cfg.attention_impl == backend:
+            raise ValueError(f"model.attention_impl={backend!r}: {why}")
+        log_fallback(f"{why}: each block is attended by XLA's einsums")
+        return "dense"
+
+    def _out(self, out_BTHK: Array, dropout_rng: Array | None) -> Array:
+        """The heads' output projection: [B, T, H, K] -> [B, T, D] (row-parallel under TP)."""
+        y_BTD = project(self, "o", "BTHK,HKD->BTD", out_BTHK)
+        y_BTD = adapted(self, "o", out_BTHK, y_BTD, dropout_rng)
+        if self.cfg.use_bias:
+            y_BTD = y_BTD + lift(self.o_bias[...].astype(self.cfg.dtype), y_BTD)
+        return constrain(y_BTD, ("batch", "length", None))
