@@ -817,6 +817,7 @@ LORA_TARGETS = {
 }
 LORA_STACKS = ("encoder", "decoder", "cross")  # self-attention and FFN of each stack; cross-attention
 LORA_MODEL_TARGETS = ("embed", "head")  # the model's own, adapted whatever `stacks` says
+MODE_STACKS = {"decoder_only": ("decoder",), "encoder_only": ("encoder",), "encoder_decoder": LORA_STACKS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -839,8 +840,12 @@ class LoRAConfig:
     base: Literal["compute", "int8"] = "compute"
 
     def __post_init__(self):
-        object.__setattr__(self, "targets", tuple(self.targets))  # JSON gives lists
-        object.__setattr__(self, "stacks", tuple(self.stacks))
+        for field in ("targets", "stacks"):  # tuple("qv") would be ('q', 'v'): a string is refused, not split
+            value = getattr(self, field)
+            require(not isinstance(value, str), f"lora.{field}",
+                    f"a tuple of names such as {LORA_STACKS[:2] if field == 'stacks' else ('q', 'v')}, "
+                    f"not the string {value!r}")  # fmt: skip
+            object.__setattr__(self, field, tuple(value))  # JSON gives lists
         check_field_types(self, "lora")
         require(self.rank >= 0, "lora.rank", f"must be positive (or 0 = off), got {self.rank}")
         require(self.alpha > 0, "lora.alpha", f"must be > 0, got {self.alpha}")
@@ -997,18 +1002,7 @@ class Config:
             "lora.base",
             "'int8' cannot store the MoE layers' expert kernels (model.moe): use lora.base='compute'",
         )
-        for name in lora.targets:
-            if name == "wi_gate" and model.activation not in ("swiglu", "geglu"):
-                require(False, "lora.targets", f"'wi_gate' exists only for gated activations, not {model.activation!r}")
-            if name == "head" and model.tie_output:
-                require(False, "lora.targets", "'head': the output projection is the embedding (model.tie_output): "
-                        "adapt 'embed', which adapts both")  # fmt: skip
-            width = min(LORA_TARGETS[name](model))
-            require(
-                lora.rank <= width,
-                "lora.rank",
-                f"rank={lora.rank} exceeds the width {width} of projection {name!r} (the smaller of its in and out)",
-            )
+        check_lora_fits(lora, model)
 
     def _check_tokenizer(self) -> None:
         """Token ids against the model: the tokenizers whose sizes are known without a corpus, and the
@@ -1054,6 +1048,47 @@ class Config:
             section -> field -> value.
         """
         return dataclasses.asdict(self)
+
+
+def check_lora_fits(lora: LoRAConfig, model: ModelConfig) -> None:
+    """The LoRA section against the model it adapts: every target has a place in the stacks named (of
+    those this mode has), exists in this model, and is at least `rank` wide. Config validation and
+    `lora.add_adapters` (models built in code) both ask it.
+
+    Args:
+        lora: the LoRA section (rank > 0).
+        model: the model section.
+
+    Raises:
+        ConfigError: a stack or target that adapts nothing, or a rank above a projection's width.
+    """
+    in_stacks = [t for t in lora.targets if t not in LORA_MODEL_TARGETS]
+    present = [s for s in lora.stacks if s in MODE_STACKS[model.mode]]
+    require(
+        not in_stacks or present,
+        "lora.stacks",
+        f"{lora.stacks} names no stack of a {model.mode} model (it has {', '.join(MODE_STACKS[model.mode])}): "
+        f"{', '.join(map(repr, in_stacks))} would adapt nothing",
+    )
+    for name in in_stacks:  # cross-attention has q, k, v, o only
+        require(
+            name in ("q", "k", "v", "o") or present != ["cross"],
+            "lora.targets",
+            f"{name!r} adapts nothing in lora.stacks=('cross',): cross-attention has q, k, v, o; add 'decoder' "
+            "to lora.stacks for the feed-forward",
+        )
+    for name in lora.targets:
+        if name == "wi_gate" and model.activation not in ("swiglu", "geglu"):
+            require(False, "lora.targets", f"'wi_gate' exists only for gated activations, not {model.activation!r}")
+        if name == "head" and model.tie_output:
+            require(False, "lora.targets", "'head': the output projection is the embedding (model.tie_output): "
+                    "adapt 'embed', which adapts both")  # fmt: skip
+        width = min(LORA_TARGETS[name](model))
+        require(
+            lora.rank <= width,
+            "lora.rank",
+            f"rank={lora.rank} exceeds the width {width} of projection {name!r} (the smaller of its in and out)",
+        )
 
 
 SECTIONS = {
