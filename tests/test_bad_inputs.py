@@ -156,6 +156,19 @@ CLI_CASES = [
         TRAIN + "lora.stacks=decoder,middle", r"lora\.stacks: unknown 'middle' \(valid: encoder, decoder, cross\)"
     ),
     cli_case(TRAIN + "lora.rank=-1", r"lora\.rank: must be positive \(or 0 = off\), got -1"),
+    # stacks a decoder-only model does not have: its q and v would get no adapter, and "0 trained" would train
+    *[
+        cli_case(
+            "train --config experiments/lm_shakespeare.py --workdir {tmp}/never --set lora.rank=2 "
+            f"--set lora.stacks={stack}",
+            rf"lora\.stacks: \('{stack}',\) names no stack of a decoder_only model \(it has decoder\): 'q', 'v'",
+        )
+        for stack in ("encoder", "cross")
+    ],
+    cli_case(
+        TRAIN + "lora.rank=2 --set lora.stacks=cross --set lora.targets=q,wi",
+        r"lora\.targets: 'wi' adapts nothing in lora\.stacks=\('cross',\): cross-attention has q, k, v, o",
+    ),
     cli_case(TRAIN + "lora.rank=65", r"lora\.rank: rank=65 exceeds the width 64 of projection 'q'"),
     cli_case(TRAIN + "lora.rank=4 --set lora.targets=wi_gate", r"lora\.targets: 'wi_gate' exists only for gated"),
     cli_case(TRAIN + "lora.rank=4 --set lora.targets=", r"lora\.targets: LoRA on \(rank > 0\) needs at least one"),
@@ -477,6 +490,21 @@ CLI_CASES = [
     cli_case(
         "import-hf {peft_base} --workdir {tmp}/never --adapter {tmp}/nowhere", r"\S+adapter_config\.json does not"
     ),
+    cli_case(
+        "export-hf --workdir {lm} {tmp}/a_file", r"export-hf: \S+a_file is a file, not a directory: give a new directory"
+    ),
+    cli_case(
+        "export-hf --workdir {lm} {garbage}",
+        r"export-hf: \S+garbage is not empty \(config\.json\): give a new directory, or --overwrite to replace",
+    ),
+    cli_case(
+        "export-hf --workdir {lm} {readme} --overwrite",
+        r"export-hf --overwrite: \S+readme holds no config\.json or adapter_config\.json \(README\.md\): it is not",
+    ),
+    cli_case(  # a directory that cannot be made (sysfs refuses even root): the OS's reason and the path, one line
+        "export-hf --workdir {lm} /sys/jaxformer-export",
+        r"export-hf: cannot write the Hugging Face directory /sys/jaxformer-export: [A-Z][a-z ]+ \(/sys/jaxformer-export\)$",
+    ),
     cli_case("export-hf --workdir {lm} {tmp}/out --adapter", r"--adapter: \S+ has no LoRA adapters \(lora\.rank=0\)"),
     cli_case(
         "generate --hf {damaged_weights} --prompt hi",
@@ -611,6 +639,31 @@ API_CASES = [
         ),
         ConfigError,
         r"lora\.rank: rank=17 exceeds the width 16 of projection 'wo'",
+    ),
+    # add_adapters on a model built in code asks what Config asks (config.check_lora_fits): no silent 0 adapters
+    api_case(
+        "add_adapters: a stack the model lacks",
+        lambda m, p: lora.add_adapters(m[LM], jf.config.LoRAConfig(rank=2, stacks=("encoder",))),
+        ConfigError,
+        r"lora\.stacks: \('encoder',\) names no stack of a decoder_only model \(it has decoder\)",
+    ),
+    api_case(
+        "add_adapters: rank above a projection's width",
+        lambda m, p: lora.add_adapters(m[LM], jf.config.LoRAConfig(rank=17, targets=("wo",))),
+        ConfigError,
+        r"lora\.rank: rank=17 exceeds the width 16 of projection 'wo'",
+    ),
+    api_case(
+        "LoRAConfig targets as a string",
+        lambda m, p: jf.config.LoRAConfig(rank=2, targets="qv"),
+        ConfigError,
+        r"lora\.targets: a tuple of names such as \('q', 'v'\), not the string 'qv'",
+    ),
+    api_case(
+        "LoRAConfig stacks as a string",
+        lambda m, p: jf.config.LoRAConfig(rank=2, stacks="decoder"),
+        ConfigError,
+        r"lora\.stacks: a tuple of names such as \('encoder', 'decoder'\), not the string 'decoder'",
     ),
     # LoRA on a mixture of experts built in code (Config refuses the same from a config): the experts' stacked
     # kernels take neither adapters nor int8 storage, and skipping them would leave them silently full-rank/float.
@@ -835,3 +888,29 @@ API_CASES = [
 def test_api_refuses_with_a_clear_error(models, places, call, error, message):
     with pytest.raises(error, match=message):
         call(models, places)
+
+
+def test_export_hf_replaces_an_older_sharded_export_only_when_told(places, tmp_path, capsys):
+    """An older export in shards (index + shards) is refused as a target; with --overwrite its files go
+    first, so a reader (which prefers the index) gets the new weights, not the old ones."""
+    from jaxformer.checkpoint import restore_workdir
+    from jaxformer.config import read_config
+    from jaxformer.interop import hf
+
+    workdir, out = pathlib.Path(places["lm"]), tmp_path / "hf"
+    cfg = read_config(workdir / "config.json")
+    stale = jf.build_model(cfg.model, seed=7)
+    hf.save_hf(stale, out, max_shard_bytes=2**14)  # an older export, sharded
+    assert (out / hf.INDEX).is_file()
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert cli.main(["export-hf", "--workdir", str(workdir), str(out)]) == 2
+    assert re.fullmatch(r"error: export-hf: \S+hf is not empty \(.*\): .*--overwrite.*\n", capsys.readouterr().err)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before, "a refused export changed the directory"
+
+    assert cli.main(["export-hf", "--workdir", str(workdir), str(out), "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [hf.CONFIG, hf.WEIGHTS]  # no stale index or shard
+    graphdef, state, _ = restore_workdir(cfg, workdir)
+    ids = jnp.arange(8, dtype=jnp.int32)[None] % cfg.model.vocab_size
+    expected = nnx.merge(graphdef, state.weights)(ids)
+    np.testing.assert_allclose(hf.load_hf(out)(ids), expected, atol=1e-5, rtol=1e-5)
+    assert not np.allclose(stale(ids), expected, atol=1e-3)  # the old weights would have been told apart
