@@ -804,6 +804,40 @@ class MeshConfig:
 
 
 # The projections LoRA may adapt, and the width of each one's input and output (ModelConfig -> (in, out)).
+SPLASH_TILE = 128  # splash attention's tiles: a block's lengths (and zig-zag's halves) are multiples of it
+
+
+def ring_blocks_unfit(kernel: str, dtype, head_dim: int, q_block: int, kv_block: int) -> str | None:
+    """Why the fused kernel `kernel` cannot attend the ring's blocks of q_block queries and kv_block
+    keys, as far as their shapes and dtype tell (None: nothing here says it cannot). Config validation
+    asks it before anything is built; `jaxformer.ring` asks it with the arrays, then (cuDNN) JAX's own
+    checks of this machine (cuDNN present, the GPU's largest head dim).
+
+    Args:
+        kernel: "splash" or "cudnn" (any other name: None).
+        dtype (str | numpy.dtype): the compute dtype.
+        head_dim: K, the dimension of a head.
+        q_block: the queries of one block (T / the context axis).
+        kv_block: the keys of one block (S / the context axis).
+
+    Returns:
+        The reason, or None.
+    """
+    if kernel == "splash" and (q_block % SPLASH_TILE or kv_block % SPLASH_TILE):
+        return (
+            f"splash attention needs ring blocks of multiples of {SPLASH_TILE} positions, not {q_block} and {kv_block}"
+        )
+    if kernel == "cudnn":
+        why = "cuDNN flash attention cannot attend the ring's blocks"
+        if str(dtype) not in ("bfloat16", "float16"):
+            return f"{why}: it computes in bfloat16 or float16, not {dtype} (model.dtype)"
+        if head_dim % 8 or head_dim > 256:
+            return f"{why}: the head dim must be <= 256 and a multiple of 8, but got {head_dim}"
+        if q_block % 2 or kv_block % 2:
+            return f"{why}: blocks of even lengths, not {q_block} and {kv_block}"
+    return None
+
+
 LORA_TARGETS = {
     "q": lambda m: (m.d_model, m.num_heads * m.dim_per_head),
     "k": lambda m: (m.d_model, m.kv_heads * m.dim_per_head),
@@ -978,6 +1012,13 @@ class Config:
                 "attends densely: use 'auto' or context_attention='ring'")  # fmt: skip
         for field, length in (("data.max_len", d.max_len), ("data.src_max_len", d.src_len)):
             require(length % m.context == 0, field, f"{length} is not divisible by mesh.context={m.context}")
+        if fused:  # each attention's blocks (queries, keys) per device: the kernel named must take them all
+            T, S = d.max_len // m.context, d.src_len // m.context
+            blocks = {"decoder_only": [(T, T)], "encoder_only": [(S, S)]}.get(model.mode, [(S, S), (T, T), (T, S)])
+            for q_block, kv_block in blocks:
+                why = ring_blocks_unfit(model.attention_impl, model.dtype, model.dim_per_head, q_block, kv_block)
+                require(why is None, "model.attention_impl", f"{model.attention_impl!r}: {why} (mesh.context="
+                        f"{m.context}; 'auto' attends such blocks with XLA's einsums)")  # fmt: skip
         if model.context_layout == "zigzag":
             require(self.train.objective in ("lm", "seq2seq"), "model.context_layout",
                     f"zigzag balances causal attention; objective={self.train.objective!r} attends both ways: "

@@ -24,7 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxformer import functional as F
 from jaxformer import moe as M
 from jaxformer import quant, ring
-from jaxformer.config import ModelConfig
+from jaxformer.config import ConfigError, ModelConfig
 from jaxformer.sharding import activation_spec, constrain, context_ways, param
 
 Array = jax.Array
@@ -702,7 +702,7 @@ class MultiHeadAttention(nnx.Module):
         if why is None:
             return backend
         if cfg.attention_impl == backend:
-            raise ValueError(f"model.attention_impl={backend!r}: {why}")
+            raise ConfigError(f"model.attention_impl={backend!r}: {why}")  # this machine (Config: the shapes)
         F.log_fallback(f"{why}: each block is attended by XLA's einsums")
         return "dense"
 

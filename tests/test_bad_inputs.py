@@ -189,6 +189,21 @@ CLI_CASES = [
         TRAIN + "mesh.context=2 --set model.attention_impl=cudnn --set model.context_attention=allgather",
         r"model\.attention_impl: 'cudnn' attends the ring's blocks; model\.context_attention='allgather'",
     ),
+    # a fused kernel named for the ring's blocks that cannot take them (config.ring_blocks_unfit; the layer's
+    # trace-time check, which also asks this machine, was a traceback from layers.py)
+    cli_case(
+        TRAIN + "mesh.context=2 --set model.attention_impl=splash",
+        r"model\.attention_impl: 'splash': splash attention needs ring blocks of multiples of 128 positions, not 5 and 5",
+    ),
+    cli_case(
+        TRAIN + "mesh.context=2 --set model.attention_impl=cudnn",
+        r"model\.attention_impl: 'cudnn': cuDNN flash attention cannot attend the ring's blocks: it computes in "
+        r"bfloat16 or float16, not float32 \(model\.dtype\)",
+    ),
+    cli_case(
+        TRAIN + "mesh.context=2 --set model.attention_impl=cudnn --set model.dtype=bfloat16",
+        r"model\.attention_impl: 'cudnn': cuDNN flash .*: blocks of even lengths, not 5 and 5 \(mesh\.context=2",
+    ),
     cli_case(TRAIN + "model.moe.num_experts=-1", r"model\.moe\.num_experts: must be >= 0 \(0 = dense\), got -1"),
     cli_case(TRAIN + "model.moe.expert_capacity=-2", r"model\.moe\.expert_capacity: must be >= 0, got -2"),
     cli_case(
