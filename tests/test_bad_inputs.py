@@ -91,6 +91,9 @@ def places(tmp_path_factory):
         "chat_unknown_role": {"chat.jsonl": GOOD_PAIR + '{"messages": [{"role": "tool", "content": "1"}]}\n'},
         "chat_no_answer": {"chat.jsonl": GOOD_PAIR + '{"messages": [{"role": "user", "content": "hi"}]}\n'},
         "pair_no_response": {"pairs.jsonl": GOOD_PAIR + '{"prompt": "Upper: ab"}\n'},
+        # responses that are all empty (each record is dropped), and all but one
+        "empty_responses": {"pairs.jsonl": 3 * '{"prompt": "Upper: ab", "response": " "}\n'},
+        "one_response": {"pairs.jsonl": GOOD_PAIR + 2 * '{"prompt": "Upper: ab", "response": ""}\n'},
     }
     for name, content in files.items():
         directory = root / name
@@ -335,6 +338,17 @@ CLI_CASES = [
     cli_case(
         INSTRUCT + "data.files={pair_no_response}/pairs.jsonl",
         r"\S+pairs\.jsonl:2: no field 'response' \(an instruction record has 'prompt' and 'response', or 'messages'\)",
+        found_while_reading=True,
+    ),
+    cli_case(
+        INSTRUCT + "data.files={empty_responses}/pairs.jsonl",
+        r"\S+pairs\.jsonl: no records left \(3 records dropped: 3 with an empty 'response'\)",
+        found_while_reading=True,
+    ),
+    cli_case(
+        INSTRUCT + "data.files={one_response}/pairs.jsonl",
+        r"\S+pairs\.jsonl: the validation split is empty \(1 records in all\); 2 records dropped: 2 with an empty "
+        r"'response'$",
         found_while_reading=True,
     ),
     cli_case(TRAIN + "checkpoint.every=0", r"checkpoint\.every: must be positive, got 0"),
