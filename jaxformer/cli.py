@@ -267,7 +267,7 @@ def cmd_import_hf(args) -> int:
 def cmd_export_hf(args) -> int:
     from jaxformer.interop.hf_workdir import export_hf
 
-    out = export_hf(args.workdir, args.out, adapter=args.adapter)
+    out = export_hf(args.workdir, args.out, adapter=args.adapter, overwrite=args.overwrite)
     print(f"wrote a {'PEFT adapter' if args.adapter else 'Hugging Face model'} directory: {out}")
     return 0
 
@@ -425,6 +425,11 @@ def build_parser() -> argparse.ArgumentParser:
     exh.add_argument("--workdir", required=True, help="a training workdir: its latest checkpoint and tokenizer")
     exh.add_argument("out", help="the directory to write")
     exh.add_argument("--adapter", action="store_true", help="the LoRA adapters alone, as a PEFT adapter directory")
+    exh.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="OUT holds an older export: remove its files first (else OUT must be new or empty)",
+    )
     for name, what, help_text, example in (
         ("generate", "prompt", "continue prompts with a decoder_only model (settings: --set decode.FIELD=...); a "
          "model trained on instruction data (data.template) answers them: each prompt is written in that template "

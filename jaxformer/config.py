@@ -804,6 +804,40 @@ class MeshConfig:
 
 
 # The projections LoRA may adapt, and the width of each one's input and output (ModelConfig -> (in, out)).
+SPLASH_TILE = 128  # splash attention's tiles: a block's lengths (and zig-zag's halves) are multiples of it
+
+
+def ring_blocks_unfit(kernel: str, dtype, head_dim: int, q_block: int, kv_block: int) -> str | None:
+    """Why the fused kernel `kernel` cannot attend the ring's blocks of q_block queries and kv_block
+    keys, as far as their shapes and dtype tell (None: nothing here says it cannot). Config validation
+    asks it before anything is built; `jaxformer.ring` asks it with the arrays, then (cuDNN) JAX's own
+    checks of this machine (cuDNN present, the GPU's largest head dim).
+
+    Args:
+        kernel: "splash" or "cudnn" (any other name: None).
+        dtype (str | numpy.dtype): the compute dtype.
+        head_dim: K, the dimension of a head.
+        q_block: the queries of one block (T / the context axis).
+        kv_block: the keys of one block (S / the context axis).
+
+    Returns:
+        The reason, or None.
+    """
+    if kernel == "splash" and (q_block % SPLASH_TILE or kv_block % SPLASH_TILE):
+        return (
+            f"splash attention needs ring blocks of multiples of {SPLASH_TILE} positions, not {q_block} and {kv_block}"
+        )
+    if kernel == "cudnn":
+        why = "cuDNN flash attention cannot attend the ring's blocks"
+        if str(dtype) not in ("bfloat16", "float16"):
+            return f"{why}: it computes in bfloat16 or float16, not {dtype} (model.dtype)"
+        if head_dim % 8 or head_dim > 256:
+            return f"{why}: the head dim must be <= 256 and a multiple of 8, but got {head_dim}"
+        if q_block % 2 or kv_block % 2:
+            return f"{why}: blocks of even lengths, not {q_block} and {kv_block}"
+    return None
+
+
 LORA_TARGETS = {
     "q": lambda m: (m.d_model, m.num_heads * m.dim_per_head),
     "k": lambda m: (m.d_model, m.kv_heads * m.dim_per_head),
@@ -817,6 +851,7 @@ LORA_TARGETS = {
 }
 LORA_STACKS = ("encoder", "decoder", "cross")  # self-attention and FFN of each stack; cross-attention
 LORA_MODEL_TARGETS = ("embed", "head")  # the model's own, adapted whatever `stacks` says
+MODE_STACKS = {"decoder_only": ("decoder",), "encoder_only": ("encoder",), "encoder_decoder": LORA_STACKS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -839,8 +874,12 @@ class LoRAConfig:
     base: Literal["compute", "int8"] = "compute"
 
     def __post_init__(self):
-        object.__setattr__(self, "targets", tuple(self.targets))  # JSON gives lists
-        object.__setattr__(self, "stacks", tuple(self.stacks))
+        for field in ("targets", "stacks"):  # tuple("qv") would be ('q', 'v'): a string is refused, not split
+            value = getattr(self, field)
+            require(not isinstance(value, str), f"lora.{field}",
+                    f"a tuple of names such as {LORA_STACKS[:2] if field == 'stacks' else ('q', 'v')}, "
+                    f"not the string {value!r}")  # fmt: skip
+            object.__setattr__(self, field, tuple(value))  # JSON gives lists
         check_field_types(self, "lora")
         require(self.rank >= 0, "lora.rank", f"must be positive (or 0 = off), got {self.rank}")
         require(self.alpha > 0, "lora.alpha", f"must be > 0, got {self.alpha}")
@@ -973,6 +1012,13 @@ class Config:
                 "attends densely: use 'auto' or context_attention='ring'")  # fmt: skip
         for field, length in (("data.max_len", d.max_len), ("data.src_max_len", d.src_len)):
             require(length % m.context == 0, field, f"{length} is not divisible by mesh.context={m.context}")
+        if fused:  # each attention's blocks (queries, keys) per device: the kernel named must take them all
+            T, S = d.max_len // m.context, d.src_len // m.context
+            blocks = {"decoder_only": [(T, T)], "encoder_only": [(S, S)]}.get(model.mode, [(S, S), (T, T), (T, S)])
+            for q_block, kv_block in blocks:
+                why = ring_blocks_unfit(model.attention_impl, model.dtype, model.dim_per_head, q_block, kv_block)
+                require(why is None, "model.attention_impl", f"{model.attention_impl!r}: {why} (mesh.context="
+                        f"{m.context}; 'auto' attends such blocks with XLA's einsums)")  # fmt: skip
         if model.context_layout == "zigzag":
             require(self.train.objective in ("lm", "seq2seq"), "model.context_layout",
                     f"zigzag balances causal attention; objective={self.train.objective!r} attends both ways: "
@@ -997,18 +1043,7 @@ class Config:
             "lora.base",
             "'int8' cannot store the MoE layers' expert kernels (model.moe): use lora.base='compute'",
         )
-        for name in lora.targets:
-            if name == "wi_gate" and model.activation not in ("swiglu", "geglu"):
-                require(False, "lora.targets", f"'wi_gate' exists only for gated activations, not {model.activation!r}")
-            if name == "head" and model.tie_output:
-                require(False, "lora.targets", "'head': the output projection is the embedding (model.tie_output): "
-                        "adapt 'embed', which adapts both")  # fmt: skip
-            width = min(LORA_TARGETS[name](model))
-            require(
-                lora.rank <= width,
-                "lora.rank",
-                f"rank={lora.rank} exceeds the width {width} of projection {name!r} (the smaller of its in and out)",
-            )
+        check_lora_fits(lora, model)
 
     def _check_tokenizer(self) -> None:
         """Token ids against the model: the tokenizers whose sizes are known without a corpus, and the
@@ -1054,6 +1089,47 @@ class Config:
             section -> field -> value.
         """
         return dataclasses.asdict(self)
+
+
+def check_lora_fits(lora: LoRAConfig, model: ModelConfig) -> None:
+    """The LoRA section against the model it adapts: every target has a place in the stacks named (of
+    those this mode has), exists in this model, and is at least `rank` wide. Config validation and
+    `lora.add_adapters` (models built in code) both ask it.
+
+    Args:
+        lora: the LoRA section (rank > 0).
+        model: the model section.
+
+    Raises:
+        ConfigError: a stack or target that adapts nothing, or a rank above a projection's width.
+    """
+    in_stacks = [t for t in lora.targets if t not in LORA_MODEL_TARGETS]
+    present = [s for s in lora.stacks if s in MODE_STACKS[model.mode]]
+    require(
+        not in_stacks or present,
+        "lora.stacks",
+        f"{lora.stacks} names no stack of a {model.mode} model (it has {', '.join(MODE_STACKS[model.mode])}): "
+        f"{', '.join(map(repr, in_stacks))} would adapt nothing",
+    )
+    for name in in_stacks:  # cross-attention has q, k, v, o only
+        require(
+            name in ("q", "k", "v", "o") or present != ["cross"],
+            "lora.targets",
+            f"{name!r} adapts nothing in lora.stacks=('cross',): cross-attention has q, k, v, o; add 'decoder' "
+            "to lora.stacks for the feed-forward",
+        )
+    for name in lora.targets:
+        if name == "wi_gate" and model.activation not in ("swiglu", "geglu"):
+            require(False, "lora.targets", f"'wi_gate' exists only for gated activations, not {model.activation!r}")
+        if name == "head" and model.tie_output:
+            require(False, "lora.targets", "'head': the output projection is the embedding (model.tie_output): "
+                    "adapt 'embed', which adapts both")  # fmt: skip
+        width = min(LORA_TARGETS[name](model))
+        require(
+            lora.rank <= width,
+            "lora.rank",
+            f"rank={lora.rank} exceeds the width {width} of projection {name!r} (the smaller of its in and out)",
+        )
 
 
 SECTIONS = {

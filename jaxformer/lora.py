@@ -24,7 +24,7 @@ from flax import nnx
 
 from jaxformer import functional as F
 from jaxformer import quant
-from jaxformer.config import LORA_MODEL_TARGETS, ConfigError, LoRAConfig
+from jaxformer.config import LORA_MODEL_TARGETS, ConfigError, LoRAConfig, ModelConfig, check_lora_fits
 from jaxformer.layers import Embed, FeedForward, MultiHeadAttention
 from jaxformer.models import LMHead
 from jaxformer.moe import MoEFeedForward
@@ -174,7 +174,9 @@ def add_adapters(model: nnx.Module, cfg: LoRAConfig) -> nnx.Module:
         The same model.
 
     Raises:
-        ConfigError: feed-forward targets (wi, wi_gate, wo) in a stack with MoE layers.
+        ConfigError: feed-forward targets (wi, wi_gate, wo) in a stack with MoE layers; stacks or targets
+            that would adapt nothing in this model, or a rank above a projection's width (as Config
+            refuses them: `config.check_lora_fits`).
     """
     if not cfg.enabled:
         return model
@@ -185,6 +187,8 @@ def add_adapters(model: nnx.Module, cfg: LoRAConfig) -> nnx.Module:
             f"lora.targets: {which} would adapt the MoE layers of the {where} (model.moe), whose expert kernels "
             "take no adapters: adapt the attention projections (q, k, v, o)"
         )
+    if isinstance(model_cfg := getattr(model, "cfg", None), ModelConfig):  # a model of models.build_model
+        check_lora_fits(cfg, model_cfg)
     root = jax.random.key(cfg.seed)
     for path, module in list(nnx.iter_modules(model)):
         kernels = next((k for kind, k in KERNELS.items() if isinstance(module, kind)), None)

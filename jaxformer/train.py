@@ -8,6 +8,7 @@ them (data, logging, evaluation, samples) runs in Python outside jit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import pathlib
@@ -520,11 +521,22 @@ def fit(
     """
     sharding.initialize_distributed(cfg.mesh)
     mesh = sharding.make_mesh(cfg.mesh)
+    opened = []  # what runs in the background (the checkpoint manager's saves): shut down on an error, every
+    # time, before the interpreter's exit does it (a data error once ended in a thread's traceback after its line)
     with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
-        return _fit(cfg, pathlib.Path(workdir), mesh, quiet or jax.process_index() != 0, on_eval, profile_steps)
+        try:
+            return _fit(cfg, pathlib.Path(workdir), mesh, quiet or jax.process_index() != 0, on_eval, profile_steps,
+                        opened)  # fmt: skip
+        except BaseException:
+            for thing in opened:
+                with contextlib.suppress(Exception):  # the error raised says what went wrong
+                    thing.close()
+            raise
 
 
-def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: bool, on_eval, profile_steps) -> dict:
+def _fit(
+    cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: bool, on_eval, profile_steps, opened: list
+) -> dict:
     from tqdm.auto import tqdm
 
     from jaxformer import chips, decode, observe
@@ -540,6 +552,7 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
     graphdef, state, optimizer = init_state(cfg, mesh)
     log(parameters_line(state))
     ckpt = Checkpointer(workdir, cfg)  # checks the workdir is writable before any work
+    opened.append(ckpt)
     restored = ckpt.restore_latest(state)  # into the current mesh; refuses a different model
     start = 0
     if restored is not None:
@@ -667,6 +680,7 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
     finally:
         profiler.stop()
         writer.close()
+        train_batches.close()  # grain's prefetch threads, reading ahead of a run that stopped early or failed
     ckpt.wait()
     ckpt.close()
     return {

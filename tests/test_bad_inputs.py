@@ -10,11 +10,14 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
+import os
 import pathlib
 import re
 import shlex
 import shutil
 import signal
+import subprocess
+import sys
 import types
 
 import jax
@@ -91,6 +94,9 @@ def places(tmp_path_factory):
         "chat_unknown_role": {"chat.jsonl": GOOD_PAIR + '{"messages": [{"role": "tool", "content": "1"}]}\n'},
         "chat_no_answer": {"chat.jsonl": GOOD_PAIR + '{"messages": [{"role": "user", "content": "hi"}]}\n'},
         "pair_no_response": {"pairs.jsonl": GOOD_PAIR + '{"prompt": "Upper: ab"}\n'},
+        # responses that are all empty (each record is dropped), and all but one
+        "empty_responses": {"pairs.jsonl": 3 * '{"prompt": "Upper: ab", "response": " "}\n'},
+        "one_response": {"pairs.jsonl": GOOD_PAIR + 2 * '{"prompt": "Upper: ab", "response": ""}\n'},
     }
     for name, content in files.items():
         directory = root / name
@@ -156,6 +162,19 @@ CLI_CASES = [
         TRAIN + "lora.stacks=decoder,middle", r"lora\.stacks: unknown 'middle' \(valid: encoder, decoder, cross\)"
     ),
     cli_case(TRAIN + "lora.rank=-1", r"lora\.rank: must be positive \(or 0 = off\), got -1"),
+    # stacks a decoder-only model does not have: its q and v would get no adapter, and "0 trained" would train
+    *[
+        cli_case(
+            "train --config experiments/lm_shakespeare.py --workdir {tmp}/never --set lora.rank=2 "
+            f"--set lora.stacks={stack}",
+            rf"lora\.stacks: \('{stack}',\) names no stack of a decoder_only model \(it has decoder\): 'q', 'v'",
+        )
+        for stack in ("encoder", "cross")
+    ],
+    cli_case(
+        TRAIN + "lora.rank=2 --set lora.stacks=cross --set lora.targets=q,wi",
+        r"lora\.targets: 'wi' adapts nothing in lora\.stacks=\('cross',\): cross-attention has q, k, v, o",
+    ),
     cli_case(TRAIN + "lora.rank=65", r"lora\.rank: rank=65 exceeds the width 64 of projection 'q'"),
     cli_case(TRAIN + "lora.rank=4 --set lora.targets=wi_gate", r"lora\.targets: 'wi_gate' exists only for gated"),
     cli_case(TRAIN + "lora.rank=4 --set lora.targets=", r"lora\.targets: LoRA on \(rank > 0\) needs at least one"),
@@ -175,6 +194,22 @@ CLI_CASES = [
     cli_case(
         TRAIN + "mesh.context=2 --set model.attention_impl=cudnn --set model.context_attention=allgather",
         r"model\.attention_impl: 'cudnn' attends the ring's blocks; model\.context_attention='allgather'",
+    ),
+    # a fused kernel named for the ring's blocks that cannot take them (config.ring_blocks_unfit; the layer's
+    # trace-time check, which also asks this machine, was a traceback from layers.py)
+    cli_case(
+        TRAIN + "mesh.context=2 --set model.attention_impl=splash",
+        r"model\.attention_impl: 'splash': splash attention needs ring blocks of multiples of 128 positions, "
+        r"not 5 and 5",
+    ),
+    cli_case(
+        TRAIN + "mesh.context=2 --set model.attention_impl=cudnn",
+        r"model\.attention_impl: 'cudnn': cuDNN flash attention cannot attend the ring's blocks: it computes in "
+        r"bfloat16 or float16, not float32 \(model\.dtype\)",
+    ),
+    cli_case(
+        TRAIN + "mesh.context=2 --set model.attention_impl=cudnn --set model.dtype=bfloat16",
+        r"model\.attention_impl: 'cudnn': cuDNN flash .*: blocks of even lengths, not 5 and 5 \(mesh\.context=2",
     ),
     cli_case(TRAIN + "model.moe.num_experts=-1", r"model\.moe\.num_experts: must be >= 0 \(0 = dense\), got -1"),
     cli_case(TRAIN + "model.moe.expert_capacity=-2", r"model\.moe\.expert_capacity: must be >= 0, got -2"),
@@ -307,6 +342,17 @@ CLI_CASES = [
     cli_case(
         INSTRUCT + "data.files={pair_no_response}/pairs.jsonl",
         r"\S+pairs\.jsonl:2: no field 'response' \(an instruction record has 'prompt' and 'response', or 'messages'\)",
+        found_while_reading=True,
+    ),
+    cli_case(
+        INSTRUCT + "data.files={empty_responses}/pairs.jsonl",
+        r"\S+pairs\.jsonl: no records left \(3 records dropped: 3 with an empty 'response'\)",
+        found_while_reading=True,
+    ),
+    cli_case(
+        INSTRUCT + "data.files={one_response}/pairs.jsonl",
+        r"\S+pairs\.jsonl: the validation split is empty \(1 records in all\); 2 records dropped: 2 with an empty "
+        r"'response'$",
         found_while_reading=True,
     ),
     cli_case(TRAIN + "checkpoint.every=0", r"checkpoint\.every: must be positive, got 0"),
@@ -477,6 +523,23 @@ CLI_CASES = [
     cli_case(
         "import-hf {peft_base} --workdir {tmp}/never --adapter {tmp}/nowhere", r"\S+adapter_config\.json does not"
     ),
+    cli_case(
+        "export-hf --workdir {lm} {tmp}/a_file",
+        r"export-hf: \S+a_file is a file, not a directory: give a new directory",
+    ),
+    cli_case(
+        "export-hf --workdir {lm} {garbage}",
+        r"export-hf: \S+garbage is not empty \(config\.json\): give a new directory, or --overwrite to replace",
+    ),
+    cli_case(
+        "export-hf --workdir {lm} {readme} --overwrite",
+        r"export-hf --overwrite: \S+readme holds no config\.json or adapter_config\.json \(README\.md\): it is not",
+    ),
+    cli_case(  # a directory that cannot be made (sysfs refuses even root): the OS's reason and the path, one line
+        "export-hf --workdir {lm} /sys/jaxformer-export",
+        r"export-hf: cannot write the Hugging Face directory /sys/jaxformer-export: [A-Z][a-z ]+ "
+        r"\(/sys/jaxformer-export\)$",
+    ),
     cli_case("export-hf --workdir {lm} {tmp}/out --adapter", r"--adapter: \S+ has no LoRA adapters \(lora\.rank=0\)"),
     cli_case(
         "generate --hf {damaged_weights} --prompt hi",
@@ -611,6 +674,31 @@ API_CASES = [
         ),
         ConfigError,
         r"lora\.rank: rank=17 exceeds the width 16 of projection 'wo'",
+    ),
+    # add_adapters on a model built in code asks what Config asks (config.check_lora_fits): no silent 0 adapters
+    api_case(
+        "add_adapters: a stack the model lacks",
+        lambda m, p: lora.add_adapters(m[LM], jf.config.LoRAConfig(rank=2, stacks=("encoder",))),
+        ConfigError,
+        r"lora\.stacks: \('encoder',\) names no stack of a decoder_only model \(it has decoder\)",
+    ),
+    api_case(
+        "add_adapters: rank above a projection's width",
+        lambda m, p: lora.add_adapters(m[LM], jf.config.LoRAConfig(rank=17, targets=("wo",))),
+        ConfigError,
+        r"lora\.rank: rank=17 exceeds the width 16 of projection 'wo'",
+    ),
+    api_case(
+        "LoRAConfig targets as a string",
+        lambda m, p: jf.config.LoRAConfig(rank=2, targets="qv"),
+        ConfigError,
+        r"lora\.targets: a tuple of names such as \('q', 'v'\), not the string 'qv'",
+    ),
+    api_case(
+        "LoRAConfig stacks as a string",
+        lambda m, p: jf.config.LoRAConfig(rank=2, stacks="decoder"),
+        ConfigError,
+        r"lora\.stacks: a tuple of names such as \('encoder', 'decoder'\), not the string 'decoder'",
     ),
     # LoRA on a mixture of experts built in code (Config refuses the same from a config): the experts' stacked
     # kernels take neither adapters nor int8 storage, and skipping them would leave them silently full-rank/float.
@@ -835,3 +923,57 @@ API_CASES = [
 def test_api_refuses_with_a_clear_error(models, places, call, error, message):
     with pytest.raises(error, match=message):
         call(models, places)
+
+
+def test_export_hf_replaces_an_older_sharded_export_only_when_told(places, tmp_path, capsys):
+    """An older export in shards (index + shards) is refused as a target; with --overwrite its files go
+    first, so a reader (which prefers the index) gets the new weights, not the old ones."""
+    from jaxformer.checkpoint import restore_workdir
+    from jaxformer.config import read_config
+    from jaxformer.interop import hf
+
+    workdir, out = pathlib.Path(places["lm"]), tmp_path / "hf"
+    cfg = read_config(workdir / "config.json")
+    stale = jf.build_model(cfg.model, seed=7)
+    hf.save_hf(stale, out, max_shard_bytes=2**14)  # an older export, sharded
+    assert (out / hf.INDEX).is_file()
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert cli.main(["export-hf", "--workdir", str(workdir), str(out)]) == 2
+    assert re.fullmatch(r"error: export-hf: \S+hf is not empty \(.*\): .*--overwrite.*\n", capsys.readouterr().err)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before, "a refused export changed the directory"
+
+    assert cli.main(["export-hf", "--workdir", str(workdir), str(out), "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [hf.CONFIG, hf.WEIGHTS]  # no stale index or shard
+    graphdef, state, _ = restore_workdir(cfg, workdir)
+    ids = jnp.arange(8, dtype=jnp.int32)[None] % cfg.model.vocab_size
+    expected = nnx.merge(graphdef, state.weights)(ids)
+    np.testing.assert_allclose(hf.load_hf(out)(ids), expected, atol=1e-5, rtol=1e-5)
+    assert not np.allclose(stale(ids), expected, atol=1e-3)  # the old weights would have been told apart
+
+
+def test_a_data_error_ends_the_process_with_its_line_alone_every_time(tmp_path):
+    """A TSV line short of a column, found as the data is prepared (the model built and the checkpoint
+    manager open): the process's stderr is that one line, with no thread's traceback after it at the
+    interpreter's exit (once 1 run in 3: `fit` now closes what runs in the background before it raises).
+    Three runs, each in a process of its own (the exit is what is checked)."""
+    rows = ["id\tsrc\ttgt", *(f"{i}\thello world number {i}\thallo welt nummer {i}" for i in range(40))]
+    rows.insert(20, "x\tshort line only")
+    (tmp_path / "pairs.tsv").write_text("\n".join(rows) + "\n")
+    argv = [
+        sys.executable, "-m", "jaxformer.cli", "train", "--config", "experiments/translate_en_de.py", "--quiet",
+        *shlex.split("--set data.source=files --set data.fields=src,tgt --set data.tokenizer=byte "
+                     "--set model.vocab_size=260 --set model.d_model=32 --set model.d_ff=64 "
+                     "--set model.num_encoder_layers=1 --set model.num_decoder_layers=1"),
+        "--set", f"data.files={tmp_path / 'pairs.tsv'}",
+    ]  # fmt: skip
+    root = pathlib.Path(__file__).parent.parent
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(root))
+    for run in range(3):
+        out = subprocess.run(
+            [*argv, "--workdir", str(tmp_path / f"run{run}")], cwd=root, env=env, capture_output=True, text=True,
+            timeout=300,
+        )  # fmt: skip
+        assert out.returncode == 2, out.stderr[-3000:]
+        assert out.stderr == f"error: {tmp_path / 'pairs.tsv'}:21: expected 3 tab-separated columns, got 2\n", (
+            f"run {run}: {out.stderr[-3000:]}"
+        )

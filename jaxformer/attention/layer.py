@@ -17,7 +17,7 @@ from jaxformer.attention import ring
 from jaxformer.attention.cache import CACHE, write_rows
 from jaxformer.attention.kernels import choose_backend, dot_product_attention, log_fallback
 from jaxformer.attention.masks import Mask
-from jaxformer.config import ModelConfig
+from jaxformer.config import ConfigError, ModelConfig
 from jaxformer.functional import apply_rope, lift
 from jaxformer.projections import adapted, project
 from jaxformer.sharding import activation_spec, constrain, context_ways, param
@@ -272,7 +272,7 @@ class MultiHeadAttention(nnx.Module):
         if why is None:
             return backend
         if cfg.attention_impl == backend:
-            raise ValueError(f"model.attention_impl={backend!r}: {why}")
+            raise ConfigError(f"model.attention_impl={backend!r}: {why}")  # this machine (Config: the shapes)
         log_fallback(f"{why}: each block is attended by XLA's einsums")
         return "dense"
 

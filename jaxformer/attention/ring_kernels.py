@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer.config import SPLASH_TILE, ring_blocks_unfit
+
 Array = jax.Array
 NEG = -1e30  # a masked score: finite, so a block with nothing visible gives exp(NEG - m) = 0, never NaN
 FUSED_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.bfloat16).max)  # a fused kernel's masked score (cuDNN's, bf16)
@@ -419,9 +421,6 @@ def _by_query_chunks_bwd(q_BTHK, k_BSGK, v_BSGK, bias_B1TS, scale, out_BTHK, lse
     return _unchunked(dq, 1), dk.astype(k_BSGK.dtype), dv.astype(v_BSGK.dtype)
 
 
-SPLASH_TILE = 128  # splash attention's tiles: a block's lengths (and zig-zag's halves) are multiples of it
-
-
 def _splash_calls(interpret: bool = False) -> tuple[Callable, Callable]:
     """Splash attention's forward (its `save_residuals` mode: the output and log-sum-exp) and
     backward (its dq/dkv kernels told a given output and log-sum-exp), per row under `vmap`, the key
@@ -497,10 +496,7 @@ def splash_unservable(q_BTHK: Array | jax.ShapeDtypeStruct, k_BSGK: Array | jax.
     Returns:
         The reason, or None.
     """
-    T, S = q_BTHK.shape[1] // n, k_BSGK.shape[1] // n
-    if T % SPLASH_TILE or S % SPLASH_TILE:
-        return f"splash attention needs ring blocks of multiples of {SPLASH_TILE} positions, not {T} and {S}"
-    return None
+    return ring_blocks_unfit("splash", q_BTHK.dtype, q_BTHK.shape[3], q_BTHK.shape[1] // n, k_BSGK.shape[1] // n)
 
 
 def _cudnn_calls() -> tuple[Callable, Callable]:
@@ -552,6 +548,9 @@ def cudnn_unservable(q_BTHK: Array | jax.ShapeDtypeStruct, k_BSGK: Array | jax.S
     Returns:
         The reason, or None.
     """
+    why = ring_blocks_unfit("cudnn", q_BTHK.dtype, q_BTHK.shape[3], q_BTHK.shape[1] // n, k_BSGK.shape[1] // n)
+    if why is not None:  # what the shapes tell (Config asks the same); then JAX's checks of this machine
+        return why
     try:
         from jax._src.cudnn import fused_attention_stablehlo as cf
 

@@ -348,7 +348,7 @@ def _train_sentencepiece(cfg: Config, workdir, src: sources.Source, plan: list, 
         labels = src.labels or tuple(sorted(set().union(*run(_part_labels, [(src, p) for p in plan]))))
     counts = run(_count_part, [(src, labels, p) for p in plan])
     n = sum(_limits(counts, d.max_examples))
-    assign = split_assignment(n, d.val_fraction, d.test_fraction, d.split_seed, ", ".join(src.files))
+    assign = _split_of(n, d, src, labels)
     n_text = 2 if objective == "seq2seq" or completions(cfg) else 1
     records = enumerate(_records(src, labels, d.max_examples))
     train_tokenizer(cfg, (x for i, r in records if assign[i] == 0 for x in r[1 : 1 + n_text]), workdir)
@@ -609,6 +609,14 @@ def split_assignment(n: int, val_fraction: float, test_fraction: float, seed: in
     return assign
 
 
+def _split_of(n: int, d, src: sources.Source, labels) -> np.ndarray:
+    """`split_assignment` of the n records kept; a split left empty says which records were dropped, and why."""
+    try:
+        return split_assignment(n, d.val_fraction, d.test_fraction, d.split_seed, ", ".join(src.files))
+    except DataError as e:
+        raise sources.why_split_empty(src, labels, e) from None
+
+
 # ----------------------------------------------------------------------------- parts, in parallel
 
 PART_BYTES = 32 << 20  # a worker's share of a file: read, checked and tokenized alone
@@ -859,7 +867,7 @@ def _build(cfg: Config, workdir, src, plan, out: pathlib.Path, run, progress) ->
     if objective == "classify" and given is None:
         labels = tuple(sorted(set().union(*(r["labels"] for r in results))))
     limits = _limits([r["read"] for r in results], d.max_examples)
-    assign = split_assignment(sum(limits), d.val_fraction, d.test_fraction, d.split_seed, ", ".join(src.files))
+    assign = _split_of(sum(limits), d, src, labels)
     starts = np.cumsum([0, *limits])
     bins = {(s, f): open(out / f"{s}.{f}.bin", "wb") for s in SPLITS for f in names}  # noqa: SIM115
     lengths = {key: [np.zeros(1, np.int64)] for key in bins}

@@ -325,7 +325,9 @@ def count_lines(part: Part) -> int:
     return count
 
 
-def iter_records(src: Source, labels: tuple[str, ...] | None = None, part: Part | None = None) -> Iterator[tuple]:
+def iter_records(
+    src: Source, labels: tuple[str, ...] | None = None, part: Part | None = None, dropped: dict | None = None
+) -> Iterator[tuple]:
     """The records of `src` one by one, in file order (memory flat whatever the corpus' size).
 
     With `labels` (classification) the last field becomes its index in `labels`; a label outside
@@ -336,6 +338,7 @@ def iter_records(src: Source, labels: tuple[str, ...] | None = None, part: Part 
         src: the source.
         labels: the label set (classification), or None.
         part: read only this part of one file, or None for every file.
+        dropped: a dict to count the records left out in, by why (`describe_dropped` says it).
 
     Returns:
         Records (where, field, ...), one at a time.
@@ -347,7 +350,9 @@ def iter_records(src: Source, labels: tuple[str, ...] | None = None, part: Part 
     pattern = re.compile(src.label_pattern) if src.label_pattern else None
     index = None if labels is None else {name: i for i, name in enumerate(labels)}
     template = templates.get(src.template) if src.template else None
-    kept = 0
+    kept, dropped = 0, {} if dropped is None else dropped
+    names = ("prompt", "response") if template is not None else src.fields
+    drop = lambda why: dropped.__setitem__(why, dropped.get(why, 0) + 1)
     for path in expand(src.files) if part is None else [pathlib.Path(part.path)]:
         fmt = format_of(path, src.format)
         if fmt == "text" and len(src.fields) != 1:
@@ -368,8 +373,10 @@ def iter_records(src: Source, labels: tuple[str, ...] | None = None, part: Part 
                 v = row[name]
                 values.append(v if isinstance(v, str) else str(v) if isinstance(v, int) else json.dumps(v))
             if src.min_words and len(values[0].split()) < src.min_words:
+                drop(f"fewer than data.min_words={src.min_words} words")
                 continue
-            if not all(v.strip() for v in values):
+            if empty := [name for name, v in zip(names, values, strict=False) if not v.strip()]:
+                drop(f"an empty {empty[0]!r}")
                 continue
             if pattern is not None:
                 m = pattern.search(values[-1])
@@ -379,6 +386,7 @@ def iter_records(src: Source, labels: tuple[str, ...] | None = None, part: Part 
             if index is not None:
                 if values[-1] not in index:
                     if src.other_labels == "drop":
+                        drop("a label outside the set (data.other_labels='drop')")
                         continue
                     raise DataError(f"{where}: label {values[-1]!r} is not in the label set ({', '.join(labels)})")
                 values[-1] = index[values[-1]]
@@ -387,7 +395,42 @@ def iter_records(src: Source, labels: tuple[str, ...] | None = None, part: Part 
         if count == 0 and (part is None or (part.stop is None and part.start == 0)):
             raise DataError(f"{path}: empty file (no records)")
     if not kept and part is None:
-        raise DataError(f"{', '.join(src.files)}: no records left (data.min_words={src.min_words})")
+        raise DataError(f"{', '.join(src.files)}: no records left ({describe_dropped(dropped)})")
+
+
+def describe_dropped(dropped: dict) -> str:
+    """What `iter_records` left out, and why: "3 records dropped: 2 with an empty 'response', 1 with ...".
+
+    Args:
+        dropped: why -> how many records (`iter_records`'s `dropped`).
+
+    Returns:
+        One clause.
+    """
+    if not dropped:
+        return "none dropped"
+    whys = ", ".join(f"{n} with {why}" for why, n in sorted(dropped.items(), key=lambda kv: -kv[1]))
+    return f"{sum(dropped.values())} records dropped: {whys}"
+
+
+def why_split_empty(src: Source, labels: tuple[str, ...] | None, error: Exception) -> DataError:
+    """A split's emptiness with why the records went: the files read again, counting what was left out.
+
+    Args:
+        src: the source.
+        labels: the label set (classification), or None.
+        error: the split's error ("the train split is empty (0 records in all)").
+
+    Returns:
+        The error to raise, its message ending in what was dropped and why.
+    """
+    dropped = {}
+    try:
+        for _ in iter_records(src, labels, dropped=dropped):
+            pass
+    except DataError as e:  # no records left at all: its message says why
+        return e
+    return DataError(f"{error}; {describe_dropped(dropped)}")
 
 
 def label_set(src: Source) -> tuple[str, ...]:

@@ -112,14 +112,20 @@ def _same_lora(ours, peft, adapter) -> None:
             )
 
 
-def export_hf(workdir, out, adapter: bool = False) -> pathlib.Path:
+def export_hf(workdir, out, adapter: bool = False, overwrite: bool = False) -> pathlib.Path:
     """The latest checkpoint of `workdir` as a Hugging Face directory `out`: weights and config.json
     (with the imported config's other fields, such as special token ids, kept), and the tokenizer.
-    `adapter`: the LoRA adapters alone, as a PEFT adapter directory (and the tokenizer)."""
+    `adapter`: the LoRA adapters alone, as a PEFT adapter directory (and the tokenizer).
+
+    `out` must be new or empty: files of an older export left beside the new ones would be read in
+    their place (a reader takes a sharded export's index before model.safetensors). `overwrite`
+    removes the files of an older export first (`out` must hold a config.json or
+    adapter_config.json: a model directory, not any directory)."""
     from jaxformer import lora
     from jaxformer.checkpoint import restore_workdir
 
     workdir, out = pathlib.Path(workdir), pathlib.Path(out)
+    _check_export_target(out, overwrite)
     config_file = workdir / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} does not exist: is {workdir} a training workdir?")
@@ -132,14 +138,43 @@ def export_hf(workdir, out, adapter: bool = False) -> pathlib.Path:
     hf_dir = workdir / HF_DIR
     original = json.loads((hf_dir / hf.CONFIG).read_text()) if (hf_dir / hf.CONFIG).is_file() else {}
     family = original.get("model_type") if original.get("model_type") in hf.FAMILIES else None
-    if adapter:
-        return _export_adapter(nnx.merge(graphdef, state.weights), cfg, family, hf_dir, out)
-    model = lora.merge(nnx.merge(graphdef, state.weights))  # LoRA: the adapters folded into the weights
-    ours = hf.config_to_hf(cfg.model, family)  # raises, naming the fields, if no family expresses the model
-    extra = {k: v for k, v in original.items() if k not in ours and k not in ("torch_dtype", "dtype")}
-    hf.save_hf(model, out, family=family, extra_config=extra)
-    _copy_tokenizer(hf_dir, out)
+    if not adapter:
+        model = lora.merge(nnx.merge(graphdef, state.weights))  # LoRA: the adapters folded into the weights
+        ours = hf.config_to_hf(cfg.model, family)  # raises, naming the fields, if no family expresses the model
+        extra = {k: v for k, v in original.items() if k not in ours and k not in ("torch_dtype", "dtype")}
+    try:
+        if overwrite and out.is_dir():
+            for old in out.iterdir():  # the older export's files: weights, index, configs, tokenizer
+                if old.is_file() or old.is_symlink():
+                    old.unlink()
+        if adapter:
+            return _export_adapter(nnx.merge(graphdef, state.weights), cfg, family, hf_dir, out)
+        hf.save_hf(model, out, family=family, extra_config=extra)
+        _copy_tokenizer(hf_dir, out)
+    except OSError as e:
+        where = e.filename if e.filename is not None else out
+        raise OSError(f"export-hf: cannot write the Hugging Face directory {out}: {e.strerror or e} ({where})") from e
     return out
+
+
+def _check_export_target(out: pathlib.Path, overwrite: bool) -> None:
+    """`out` is new or empty (or, with `overwrite`, an older export), before anything is read or written."""
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"export-hf: {out} is a file, not a directory: give a new directory to write")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not held:
+        return
+    listed = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+    if not overwrite:
+        raise FileExistsError(
+            f"export-hf: {out} is not empty ({listed}): give a new directory, or --overwrite to replace an "
+            "older export there"
+        )
+    if not {hf.CONFIG, hf.ADAPTER_CONFIG} & set(held):
+        raise FileExistsError(
+            f"export-hf --overwrite: {out} holds no {hf.CONFIG} or {hf.ADAPTER_CONFIG} ({listed}): it is not an "
+            "older export, and nothing in it is removed"
+        )
 
 
 def _copy_tokenizer(hf_dir: pathlib.Path, out: pathlib.Path, *also_skip: str) -> None:
