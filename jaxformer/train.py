@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxformer import distributed, moe, ring, sharding
 from jaxformer import functional as F
-from jaxformer import moe, ring, sharding
 from jaxformer.config import Config, ModelConfig, TrainConfig
 from jaxformer.layers import check_batch_ids, without_id_checks
 from jaxformer.models import Transformer
@@ -519,9 +519,10 @@ def fit(
         ConfigError: the config does not fit the data or the mesh.
     """
     sharding.initialize_distributed(cfg.mesh)
-    mesh = sharding.make_mesh(cfg.mesh)
-    with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
-        return _fit(cfg, pathlib.Path(workdir), mesh, quiet or jax.process_index() != 0, on_eval, profile_steps)
+    with distributed.watch(workdir):  # a lost process: one line and exit 4 (jaxformer.distributed)
+        mesh = sharding.make_mesh(cfg.mesh)
+        with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
+            return _fit(cfg, pathlib.Path(workdir), mesh, quiet or jax.process_index() != 0, on_eval, profile_steps)
 
 
 def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: bool, on_eval, profile_steps) -> dict:
@@ -634,6 +635,7 @@ def _fit(cfg: Config, workdir: pathlib.Path, mesh: jax.sharding.Mesh, quiet: boo
                 cost = [x * jax.process_count() for x in batch_cost(cfg, local)]  # tokens, FLOPs: shares are alike
                 pending = (step, {**metrics, "real_fraction": real / max(slots, 1.0)}, cost)
                 done = step + 1
+                distributed.reached(done)
                 evaluated = done % tcfg.eval_every == 0 or done == tcfg.steps
                 if evaluated:
                     flush()  # a non-finite step stops the run before it is evaluated
