@@ -1,4 +1,6 @@
-"""scripts/tpu_pod.sh without a cloud: its dry run prints the gcloud commands of a launch in order."""
+"""The launchers. scripts/tpu_pod.sh without a cloud: its dry run prints the gcloud commands of a launch in
+order. scripts/launch_local_two_process.sh for real: a process killed mid-run, the survivor's one line, the
+restart of both and a run that ends as if it had never been interrupted."""
 
 import dataclasses
 import json
@@ -33,6 +35,8 @@ def test_tpu_pod_dry_run_prints_the_launch_and_missing_arguments_are_named():
     assert all("--worker=all" in c for c in (copy, install, train)) and "--worker=0" in logs
     assert "jaxformer\\ train\\ --config\\ experiments/gpt2_1p3b.py" in train
     assert "mesh.distributed=true" in train and "train.steps=10" in train and "pipefail" in train
+    again = subprocess.run(["bash", "scripts/tpu_pod.sh", *ARGS, "--restarts", "2", "--dry-run"], capture_output=True)
+    assert again.returncode == 0 and again.stdout.decode() == out.stdout  # a dry run succeeds: nothing to rerun
     missing = subprocess.run(["bash", "scripts/tpu_pod.sh", *ARGS[2:]], capture_output=True, text=True)
     assert missing.returncode == 2 and "--name is required" in missing.stderr and "usage:" in missing.stderr
 
