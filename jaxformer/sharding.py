@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxformer import distributed
 from jaxformer.config import ConfigError, MeshConfig
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor", "context")
@@ -115,7 +116,7 @@ def initialize_distributed(cfg: MeshConfig) -> None:
     # Collectives between CPU devices of different processes need gloo; accelerators ignore it.
     # (Asking for the backend here would start it, which must wait until after initialize.)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
+    distributed.initialize(address, num, pid)  # a lost process is one line in the others (jaxformer.distributed)
 
 
 def _env_int(name: str) -> int | None:

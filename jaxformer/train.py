@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxformer import distributed, moe, ring, sharding
 from jaxformer import functional as F
-from jaxformer import moe, ring, sharding
 from jaxformer.config import Config, ModelConfig, TrainConfig
 from jaxformer.layers import check_batch_ids, without_id_checks
 from jaxformer.models import Transformer
@@ -520,18 +520,19 @@ def fit(
         ConfigError: the config does not fit the data or the mesh.
     """
     sharding.initialize_distributed(cfg.mesh)
-    mesh = sharding.make_mesh(cfg.mesh)
-    opened = []  # what runs in the background (the checkpoint manager's saves): shut down on an error, every
-    # time, before the interpreter's exit does it (a data error once ended in a thread's traceback after its line)
-    with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
-        try:
-            return _fit(cfg, pathlib.Path(workdir), mesh, quiet or jax.process_index() != 0, on_eval, profile_steps,
-                        opened)  # fmt: skip
-        except BaseException:
-            for thing in opened:
-                with contextlib.suppress(Exception):  # the error raised says what went wrong
-                    thing.close()
-            raise
+    with distributed.watch(workdir):  # a lost process: one line and exit 4 (jaxformer.distributed)
+        mesh = sharding.make_mesh(cfg.mesh)
+        opened = []  # what runs in the background (the checkpoint manager's saves): shut down on an error, every
+        # time, before the interpreter's exit does it (a data error once ended in a thread's traceback after its line)
+        with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
+            try:
+                return _fit(cfg, pathlib.Path(workdir), mesh, quiet or jax.process_index() != 0, on_eval,
+                            profile_steps, opened)  # fmt: skip
+            except BaseException:
+                for thing in opened:
+                    with contextlib.suppress(Exception):  # the error raised says what went wrong
+                        thing.close()
+                raise
 
 
 def _fit(
@@ -647,6 +648,7 @@ def _fit(
                 cost = [x * jax.process_count() for x in batch_cost(cfg, local)]  # tokens, FLOPs: shares are alike
                 pending = (step, {**metrics, "real_fraction": real / max(slots, 1.0)}, cost)
                 done = step + 1
+                distributed.reached(done)
                 evaluated = done % tcfg.eval_every == 0 or done == tcfg.steps
                 if evaluated:
                     flush()  # a non-finite step stops the run before it is evaluated

@@ -12,7 +12,7 @@ usage() {
   cat <<'EOF'
 usage: scripts/tpu_pod.sh --name NAME --zone ZONE --type TYPE --config experiments/X.py --workdir DIR
                           [--version RUNTIME] [--project PROJECT] [--spot] [--set SECTION.FIELD=VALUE]...
-                          [--logs LOCAL_DIR] [--dry-run]
+                          [--logs LOCAL_DIR] [--restarts N] [--dry-run]
 
   --name       queued resource and TPU VM name (reused when it exists)
   --zone       e.g. us-east5-a
@@ -23,11 +23,14 @@ usage: scripts/tpu_pod.sh --name NAME --zone ZONE --type TYPE --config experimen
   --spot       a spot (preemptible) slice; training resumes from the workdir when rerun
   --set        a config override, passed to `jaxformer train` (repeatable)
   --logs       where each worker's log lands (default logs/NAME)
+  --restarts   rerun the training on all workers up to N times (default 0) after it fails other than
+               with exit 1 (a non-finite loss) or 2 (a bad input): a lost worker makes the others
+               exit 4; each rerun resumes from the workdir's latest checkpoint
   --dry-run    print the gcloud commands instead of running them
 EOF
 }
 
-name="" zone="" type="" config="" workdir="" version="tpu-ubuntu2204-base" project="" spot="" dry="" logs=""
+name="" zone="" type="" config="" workdir="" version="tpu-ubuntu2204-base" project="" spot="" dry="" logs="" restarts=0
 sets=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -41,6 +44,7 @@ while [ $# -gt 0 ]; do
     --spot) spot=1; shift ;;
     --set) sets+=(--set "$2"); shift 2 ;;
     --logs) logs=$2; shift 2 ;;
+    --restarts) restarts=$2; shift 2 ;;
     --dry-run) dry=1; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "tpu_pod.sh: unknown argument $1" >&2; usage >&2; exit 2 ;;
@@ -90,8 +94,14 @@ run gcloud compute tpus tpu-vm ssh "$name" "${where[@]}" --worker=all --command 
 # 3. The same command on every worker; each keeps its own log.
 train="cd jaxformer && .venv/bin/jaxformer train --config $(printf '%q' "$config") --workdir $(printf '%q' "$workdir") --set mesh.distributed=true"
 for s in "${sets[@]}"; do [ "$s" = --set ] || train+=" --set $(printf '%q' "$s")"; done
-status=0
-run gcloud compute tpus tpu-vm ssh "$name" "${where[@]}" --worker=all --command "set -o pipefail; $train 2>&1 | tee train.log" || status=$?
+for ((attempt = 0; ; attempt++)); do
+  status=0
+  run gcloud compute tpus tpu-vm ssh "$name" "${where[@]}" --worker=all --command "set -o pipefail; $train 2>&1 | tee -a train.log" || status=$?
+  if [ "$status" -eq 0 ] || [ "$status" -eq 1 ] || [ "$status" -eq 2 ] || [ "$attempt" -ge "$restarts" ]; then
+    break
+  fi
+  echo "tpu_pod.sh: training exited with $status; running it again on all workers ($((attempt + 1)) of $restarts)" >&2
+done
 
 # 4. Logs back, one file per worker.
 workers=1

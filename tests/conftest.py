@@ -61,7 +61,7 @@ def pytest_collection_modifyitems(items):
 
 # Files by their time in the suite (one process, 2 CPU cores: 40 s to 185 s), heaviest first; the
 # rest, each under 40 s, follow in their own order. A long new file belongs here. The files that start
-# processes of their own (sharding's 8-device workers, sweep's and faults' training runs) are kept
+# processes of their own (sharding's 8-device workers, sweep's, faults' and launch's training runs) are kept
 # apart, so that they do not start side by side and share the two cores three ways or more.
 HEAVIEST_FIRST = [
     "test_sharding.py",
@@ -74,6 +74,7 @@ HEAVIEST_FIRST = [
     "test_tpu.py",
     "test_faults.py",
     "test_plan.py",
+    "test_launch.py",  # two processes killed and restarted: ~100 s of CPU, 4 min on 2 busy cores
     "test_lora.py",
     "test_train.py",
     "test_ring.py",
