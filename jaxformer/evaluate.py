@@ -50,6 +50,7 @@ def evaluate_model(cfg, graphdef, params, data, eval_step, state, num_batches: i
     # A classifier's perplexity (exp of its log loss over labels) is no figure anyone reads: left out.
     dropped = {"tokens", "perplexity"} if objective == "classify" else {"tokens"}
     out = {f"test_{k}": v for k, v in evaluate(eval_step, state, fetch, n).items() if k not in dropped}
+    out["test_sequences"] = data.test.sequences(n)  # what the figures are measured on
     test = _arrays(data.test, num_batches)
     if objective in ("lm", "mlm"):
         out["unigram_perplexity"] = unigram_perplexity(data.train, test, cfg.model.vocab_size)

@@ -96,6 +96,17 @@ class Batches:
             return self.examples.batches_per_epoch
         return self.num_examples // self.batch_size
 
+    def sequences(self, num_batches: int) -> int:
+        """The examples the first `num_batches` batches hold (a padded batch: its own examples only).
+
+        Args:
+            num_batches: how many batches, from the first.
+
+        Returns:
+            The count.
+        """
+        return self.num_examples if self.padded else num_batches * self.batch_size
+
     def rows(self, step: int) -> np.ndarray | list[np.ndarray]:
         """[B] the example indices of the batch of `step` (sorted), or for packed examples the B rows'
         lists of examples; the batches of an epoch never repeat an example, and what does not fill
