@@ -80,7 +80,9 @@ class Batches:
     @property
     def padded(self) -> bool:
         """Fewer examples than a batch (a small held-out split): one batch of all N, whose rows N..B-1
-        repeat example 0 with weight 0, so its summed metrics are those of the N examples exactly."""
+        repeat example 0 with weight 0, so its summed metrics are those of the N examples exactly (the
+        loss, cross-entropy and accuracy; MoE layers route the filler rows too, so the router's batch
+        statistics, and with them an MoE model's auxiliary losses, count them)."""
         return (
             self.examples is not None and not isinstance(self.examples, Packed) and self.num_examples < self.batch_size
         )
