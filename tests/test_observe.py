@@ -148,11 +148,16 @@ def test_train_logs_and_plan_print_mfu_and_tokens_per_second_alike(run):
 class _Rows:
     """One held-out batch, as `data.Batches` gives it."""
 
+    padded = False  # a full batch
+
     def __init__(self, batch):
         self.batch = batch
 
     def __len__(self):
         return 1
+
+    def sequences(self, num_batches):
+        return num_batches * len(next(iter(self.batch.values())))
 
     def get(self, i, rows=None):
         return self.batch
