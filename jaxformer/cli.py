@@ -375,7 +375,8 @@ def _save_report(workdir, step: int, cfg, report: dict) -> pathlib.Path:
 def _print_report(objective: str, report: dict) -> None:
     from jaxformer.observe import report_lines
 
-    print("\nheld-out evaluation:")
+    n = report.get("test_sequences")  # (a report saved before it was counted has no count)
+    print(f"\nheld-out evaluation on the test split{f' ({n:,} sequences)' if n else ''}:")
     print("\n".join(report_lines(objective, report)))
 
 

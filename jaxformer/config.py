@@ -7,6 +7,7 @@ wrong value fails with the field named before anything is built or compiled.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import pathlib
@@ -1156,7 +1157,9 @@ def from_dict(d: dict) -> Config:
         ConfigError: an unknown section or field, or an invalid value.
     """
     unknown = set(d) - set(SECTIONS)
-    require(not unknown, ", ".join(sorted(unknown)), "unknown config section")
+    if unknown:
+        said = did_you_mean(next(iter(unknown)), SECTIONS) if len(unknown) == 1 else ""
+        raise ConfigError(f"{', '.join(sorted(unknown))}: unknown config section{said}")
     return Config(**{name: _section(name, d.get(name, {})) for name in SECTIONS})
 
 
@@ -1191,8 +1194,28 @@ def _section(name: str, values: dict):
     known = {f.name for f in dataclasses.fields(cls)}
     require(isinstance(values, dict), name, f"a section is an object of fields, got {type(values).__name__}")
     for key in values:
-        require(key in known, f"{name}.{key}", f"unknown field (known: {', '.join(sorted(known))})")
+        if key not in known:
+            said = did_you_mean(key, known, prefix=f"{name}.")
+            raise ConfigError(f"{name}.{key}: unknown field{said} (known: {', '.join(sorted(known))})")
     return cls(**values)
+
+
+def did_you_mean(name: str, known, prefix: str = "") -> str:
+    """ "; did you mean X?" for the known names closest to a misspelled `name`, or "": those holding each
+    of its words (`num_layer` -> `num_decoder_layers`), else difflib's closest.
+
+    Args:
+        name: what was given.
+        known (Iterable[str]): the names there are.
+        prefix: written before each suggestion ("model.").
+
+    Returns:
+        The suggestion, or "".
+    """
+    known, words = sorted(known), [w for w in name.lower().split("_") if w]
+    close = [k for k in known if words and all(any(v.startswith(w) for v in k.split("_")) for w in words)]
+    close = close if 0 < len(close) <= 3 else difflib.get_close_matches(name, known, n=2, cutoff=0.6)
+    return f"; did you mean {' or '.join(prefix + c for c in close)}?" if close else ""
 
 
 def call_file(path: str, function: str, what: str):
@@ -1213,7 +1236,8 @@ def call_file(path: str, function: str, what: str):
 
     file = pathlib.Path(path)
     if not file.is_file():
-        raise ConfigError(f"{what} file {path} does not exist")
+        siblings = [str(f) for f in file.parent.glob("*.py")]  # experiments/lm_shakspeare.py: its neighbours
+        raise ConfigError(f"{what} file {path} does not exist{did_you_mean(str(path), siblings)}")
     if file.suffix != ".py":
         raise ConfigError(f"{what} file {path} is not a Python file (an {what} is a .py file defining {function}())")
     spec = importlib.util.spec_from_file_location(f"jaxformer_{what}_{file.stem}", file)
@@ -1259,12 +1283,16 @@ def field_hint(dotted: str):
         ConfigError: no such field, or the name is a section.
     """
     parts = dotted.strip().split(".")
-    require(len(parts) >= 2 and parts[0] in SECTIONS, dotted, f"a field is section.field ({', '.join(SECTIONS)})")
+    if len(parts) < 2 or parts[0] not in SECTIONS:
+        said = did_you_mean(parts[0], SECTIONS)
+        raise ConfigError(f"{dotted}: a field is section.field ({', '.join(SECTIONS)}){said}")
     cls = SECTIONS[parts[0]]
     for i, name in enumerate(parts[1:], start=1):
         require(dataclasses.is_dataclass(cls), dotted, f"{'.'.join(parts[:i])} has no fields")
         hints = typing.get_type_hints(cls)
-        require(name in hints, dotted, f"unknown field (known: {', '.join(sorted(hints))})")
+        if name not in hints:
+            said = did_you_mean(name, hints, prefix=".".join(parts[:i]) + ".")
+            raise ConfigError(f"{dotted}: unknown field{said} (known: {', '.join(sorted(hints))})")
         cls = hints[name]
     require(not dataclasses.is_dataclass(cls), dotted, f"is a section: set its fields ({dotted}.FIELD=...)")
     return cls

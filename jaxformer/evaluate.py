@@ -19,11 +19,13 @@ from jaxformer.data.pipeline import Batches
 
 def _arrays(batches: Batches, num_batches: int) -> dict[str, np.ndarray]:
     """The first batches joined; length-bucketed ones are padded to one width per key (pad id 0,
-    weight 0): sources and targets may have widths of their own."""
+    weight 0): sources and targets may have widths of their own. A split smaller than a batch gives
+    its examples alone (not the padded batch's filler rows)."""
     parts = [batches.get(i) for i in range(min(num_batches, len(batches)))]
     widths = {k: max(p[k].shape[1] for p in parts) for k, v in parts[0].items() if v.ndim == 2}
     widen = lambda k, v: np.pad(v, ((0, 0), (0, widths[k] - v.shape[1]))) if v.ndim == 2 else v
-    return {k: np.concatenate([widen(k, p[k]) for p in parts]) for k in parts[0]}
+    rows = slice(batches.num_examples) if batches.padded else slice(None)
+    return {k: np.concatenate([widen(k, p[k]) for p in parts])[rows] for k in parts[0]}
 
 
 def unigram_perplexity(train: Batches, test: dict, vocab_size: int) -> float:
@@ -48,6 +50,7 @@ def evaluate_model(cfg, graphdef, params, data, eval_step, state, num_batches: i
     # A classifier's perplexity (exp of its log loss over labels) is no figure anyone reads: left out.
     dropped = {"tokens", "perplexity"} if objective == "classify" else {"tokens"}
     out = {f"test_{k}": v for k, v in evaluate(eval_step, state, fetch, n).items() if k not in dropped}
+    out["test_sequences"] = data.test.sequences(n)  # what the figures are measured on
     test = _arrays(data.test, num_batches)
     if objective in ("lm", "mlm"):
         out["unigram_perplexity"] = unigram_perplexity(data.train, test, cfg.model.vocab_size)

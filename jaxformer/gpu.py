@@ -1,7 +1,8 @@
 """NVIDIA GPUs from any machine: XLA's own GPU compiler for H100s, H200s and A100s, without a GPU.
 
-`pip install jaxformer[gpu-plan]` installs JAX's CUDA plugin (the compiler), ptxas and cuDNN. On a
-machine without a GPU, `jax.experimental.topologies` then gives compile-only CUDA devices described by
+`pip install jaxformer[gpu-plan]` installs JAX's CUDA plugin (the compiler), ptxas and cuDNN (3.8 GB on
+disk, 2.2 GB of it NVIDIA libraries). On a machine without a GPU, `jax.experimental.topologies` then
+gives compile-only CUDA devices described by
 a `GpuTargetConfigProto` (XLA's description of a GPU: cores, memory, compute capability, cuDNN
 version; the ones shipped in `gpu_targets/`), and `jit(...).lower(...).compile()` runs XLA's GPU
 compiler for them ("deviceless"): its fusions, its scheduler, cuDNN's fused attention. That is what

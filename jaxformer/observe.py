@@ -111,6 +111,9 @@ METRICS = {
 }
 
 
+# A model with MoE layers: the router figures its training log line adds (all are in metrics.jsonl)
+ROUTER_SHOWN = ("load_balance_loss", "dropped_fraction")
+
 # The held-out report's baselines (evaluate.py), each beside the figure it is a baseline for.
 BASELINES = {
     "perplexity": ("unigram_perplexity", "unigram model"),

@@ -629,7 +629,8 @@ def _fit(
             bar.set_postfix_str(observe.line({"loss": loss, **rates}, ("loss", "tokens_per_s")))
             if bar.disable:
                 eta = (tcfg.steps - prev_step) * elapsed / tcfg.log_every
-                said = observe.line({"loss": loss, **rates}, ("loss", "tokens_per_s", "mfu"))
+                router = {k: float(prev[k]) for k in observe.ROUTER_SHOWN if k in prev}  # MoE layers: the router's
+                said = observe.line({"loss": loss, **rates, **router}, ("loss", "tokens_per_s", "mfu", *router))
                 log(f"step {prev_step}: {said}, ETA {eta:.0f}s")
 
     try:
@@ -652,9 +653,11 @@ def _fit(
                 evaluated = done % tcfg.eval_every == 0 or done == tcfg.steps
                 if evaluated:
                     flush()  # a non-finite step stops the run before it is evaluated
-                    result = evaluate(eval_step, state, fetch(data.val), min(tcfg.eval_batches, len(data.val)))
+                    n = min(tcfg.eval_batches, len(data.val))
+                    result = evaluate(eval_step, state, fetch(data.val), n)
                     writer.write(done, "eval", result)
-                    log(f"step {done}: eval {observe.line(result, observe.shown(tcfg.objective))}")
+                    on = f"the validation split ({data.val.sequences(n):,} sequences)"
+                    log(f"step {done}: eval on {on}: {observe.line(result, observe.shown(tcfg.objective))}")
                     if samples:
                         model = nnx.merge(graphdef, state.weights)
                         for src, out in zip(*decode.sample_texts(model, cfg, data), strict=True):

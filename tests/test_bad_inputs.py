@@ -244,8 +244,21 @@ CLI_CASES = [
     cli_case(TRAIN + "model.num_kv_heads=3", r"model\.num_kv_heads: "),
     cli_case(TRAIN + "model.num_encoder_layers=0", r"model\.num_encoder_layers: "),
     cli_case(TRAIN + "model.num_classes=3", r"model\.num_classes: "),
-    cli_case(TRAIN + "model.width=1", r"model\.width: unknown field \(known: "),
-    cli_case(TRAIN + "modle.d_model=1", r"modle\.d_model: a field is section\.field"),
+    cli_case(TRAIN + "model.width=1", r"model\.width: unknown field \(known: "),  # nothing close: no guess
+    cli_case(
+        TRAIN + "model.num_layer=2",
+        r"model\.num_layer: unknown field; did you mean model\.num_decoder_layers or model\.num_encoder_layers\? "
+        r"\(known: ",
+    ),
+    cli_case(
+        TRAIN + "model.moe.num_expert=2",
+        r"model\.moe\.num_expert: unknown field; did you mean model\.moe\.num_experts\?",
+    ),
+    cli_case(
+        TRAIN + "modle.d_model=1",
+        r"modle\.d_model: a field is section\.field \(model, train, data, checkpoint, mesh, decode, lora\); "
+        r"did you mean model\?$",
+    ),
     cli_case(TRAIN + "model.d_model", r"model\.d_model: an override is section\.field=value"),
     cli_case(TRAIN + "train.steps=0", r"train\.steps: must be positive, got 0"),
     cli_case(TRAIN + "train.steps=3e9", r"train\.steps: "),
@@ -449,7 +462,15 @@ CLI_CASES = [
     cli_case("plot --workdir {empty}", r"\S+metrics\.jsonl does not exist"),
     cli_case("config {tmp}/missing.py", r"experiment file \S+missing\.py does not exist"),
     cli_case("config {empty}", r"\S+ is a directory without config\.json: give experiments/NAME\.py or a training"),
-    cli_case("config experiments/copy_task.py --set train.stepz=5", r"train\.stepz: unknown field \(known: "),
+    cli_case(
+        "config experiments/copy_task.py --set train.stepz=5",
+        r"train\.stepz: unknown field; did you mean train\.steps\? \(known: ",
+    ),
+    cli_case(
+        "train --config experiments/lm_shakspeare.py --workdir {tmp}/never",
+        r"experiment file experiments/lm_shakspeare\.py does not exist; did you mean experiments/lm_shakespeare\.py or "
+        r"experiments/mlm_shakespeare\.py\?$",
+    ),
     cli_case(
         "generate --workdir {mlm} --prompt KING", r"`generate` needs a decoder_only model; \S+mlm holds encoder_only"
     ),
@@ -888,7 +909,12 @@ API_CASES = [
         ConfigError,
         r"train\.objective: objective='lm' needs model\.mode='decoder_only'",
     ),
-    api_case("unknown section", lambda m, p: from_dict({"modle": {}}), ConfigError, r"modle: unknown config section"),
+    api_case(
+        "unknown section",
+        lambda m, p: from_dict({"modle": {}}),
+        ConfigError,
+        r"modle: unknown config section; did you mean model\?",
+    ),
     api_case("unknown field", lambda m, p: from_dict({"model": {"w": 1}}), ConfigError, r"model\.w: unknown field"),
     api_case("decode field type", lambda m, p: DecodeConfig(beam_size="4"), ConfigError, r"decode\.beam_size: "),
     # Checkpoint saves that cannot be written: one OSError naming the directory, why, and what is kept.

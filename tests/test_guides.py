@@ -67,11 +67,13 @@ def test_python_examples_run(page, tmp_path, monkeypatch):
 
 
 def command_lines(body: str) -> list[str]:
-    """The `jaxformer ...` command lines of a shell block, continuation lines joined, prompts dropped."""
+    """The `jaxformer ...` command lines of a shell block, continuation lines joined, prompts and
+    environment settings before them (`XLA_FLAGS=... jaxformer train ...`) dropped."""
     joined = re.sub(r"\\\n\s*", "", body)
     out = []
     for line in joined.splitlines():
         line = re.sub(r" \[[^\]]*\]", "", line.strip().removeprefix("$ "))  # [optional ...] parts
+        line = re.sub(r"^([A-Z_]+=\S* )+", "", line)
         for prefix in (".venv/bin/jaxformer ", "jaxformer "):
             if line.startswith(prefix):
                 out.append(line.removeprefix(prefix))
@@ -189,6 +191,7 @@ def test_the_checker_catches_rot():
     assert "train.steps" in check_command("train --workdir w --set train.steps=many")[0]
     assert "train.stepz" in check_command("train --workdir w --set train.stepz=3")[0]
     assert command_lines("$ jaxformer eval \\\n   --workdir w  # held out\nls\n") == ["eval --workdir w  # held out"]
+    assert command_lines("XLA_FLAGS=--a=2 jaxformer eval --workdir w\n") == ["eval --workdir w"]
     assert check_command("train --help") == [] and check_command("--help") == []
     block = "$ jaxformer eval \\\n  --workdir w\n# a comment\n\nls -l\n"
     assert _commands(block) == ["jaxformer eval --workdir w", "ls -l"]

@@ -20,6 +20,7 @@ from flax import nnx
 from jaxformer import cli
 from jaxformer import config as C
 from jaxformer.data import DataError, build_dataset, templates
+from jaxformer.data.pipeline import Batches
 from jaxformer.data.sources import CORPORA
 from jaxformer.data.tokenizers import ByteTokenizer
 from jaxformer.models import Transformer
@@ -148,6 +149,27 @@ def test_packed_rows_keep_each_example_in_its_own_segment():
     packed, reference = sums(cfg, batch), sums(cfg, alone)
     assert packed["count"] == reference["count"] == batch["weights"].sum()
     assert packed["nll"] == pytest.approx(reference["nll"], rel=1e-5)
+
+
+def test_a_split_smaller_than_a_batch_is_one_padded_batch_with_its_exact_metrics(tmp_path):
+    """600 records leave 30 validation examples; at batch 64 they are one batch whose 34 filler rows weigh
+    nothing: its summed metrics are those of the 30 examples as a batch of 30 (the reference)."""
+    data = build_dataset(cfg_for("alpaca", pack=False), tmp_path)
+    examples = data.val.examples
+    N = len(examples)
+    assert 0 < N < 64
+    padded, alone = (Batches(examples, B, seed=1) for B in (64, N))
+    assert padded.padded and not alone.padded and len(padded) == len(alone) == 1
+    big, exact = padded.get(0), alone.get(0)
+    assert big["weights"].shape[0] == 64 and not big["weights"][N:].any()
+    cfg = cfg_for("alpaca", pack=False)
+    got, want = sums(cfg, big), sums(cfg, exact)
+    assert got["count"] == want["count"] == exact["weights"].sum() > 0
+    for k in ("loss", "nll", "correct"):
+        assert got[k] == pytest.approx(want[k], rel=1e-5), k
+    with pytest.raises(DataError, match=r"the train split has \d+ sequences, fewer than batch_size=4096; "
+                       r"--set train.batch_size=\d+ \(or fewer\) fits it"):  # fmt: skip
+        build_dataset(dataclasses.replace(cfg, train=C.TrainConfig(objective="lm", batch_size=4096)), tmp_path)
 
 
 def test_a_tiny_model_learns_to_answer(tmp_path, capsys):

@@ -7,7 +7,10 @@ The pretrained model is a random tiny GPT-2 written by `save_hf` with a byte-lev
 """
 
 import json
+import pathlib
 import random
+import shlex
+import shutil
 import string
 
 import jax
@@ -20,6 +23,7 @@ import jaxformer as jf
 from jaxformer import cli
 from jaxformer.checkpoint import restore_workdir
 from jaxformer.config import from_dict
+from jaxformer.data.sources import CORPORA
 from jaxformer.interop import hf
 
 pytest.importorskip("tokenizers", reason="the walk-through reads the checkpoint's tokenizer.json")
@@ -124,3 +128,41 @@ def test_import_hf_lora_instruction_fine_tune_generate_export_hf(tmp_path, capsy
     assert not any(True for _ in jf.lora.adapters(exported))  # a plain model: the adapters folded in
     np.testing.assert_allclose(exported(*x), merged(*x), atol=1e-5, rtol=1e-5)
     assert not np.allclose(exported(*x), pretrained(*x))
+
+
+def guide_commands(body: str) -> list[list[str]]:
+    """A shell block's `jaxformer` commands (continuation lines joined, comments dropped), as argv."""
+    lines = body.replace("\\\n", " ").splitlines()
+    return [shlex.split(line, comments=True)[1:] for line in lines if line.startswith("jaxformer ")]
+
+
+def test_the_walk_through_runs_as_written_offline_on_600_records(tmp_path, capsys, monkeypatch):
+    """docs/guides/fine-tuning.md's walk-through on a copy of the shipped 600 instruction tasks (30 validation
+    and 30 test examples, fewer than the batch of 32): the offline block makes its tiny GPT-2 and imports it,
+    then the walk-through's commands run as written; only the step counts shrink (10 steps)."""
+    from test_guides import ROOT, blocks
+
+    walk, offline = (
+        next(body for _, _, body in blocks(ROOT / "docs" / "guides" / "fine-tuning.md", {"bash"}) if key in body)
+        for key in ("jaxformer import-hf gpt2 --workdir runs/gpt2_lora", "tiny_gpt2")
+    )
+    monkeypatch.chdir(tmp_path)
+    shutil.copyfile(CORPORA / "instruct_tasks.jsonl", "my_instructions.jsonl")
+    exec(offline.split("<<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0], {})  # the block's Python: tiny_gpt2/
+    (imported,) = guide_commands(offline)
+    few = ["train.steps=10", "train.eval_every=10", "train.log_every=5", "train.num_samples=0", "checkpoint.every=10"]
+    assert cli.main([*imported, *(a for s in few for a in ("--set", s))]) == 0
+    commands = guide_commands(walk)
+    assert [c[0] for c in commands] == ["import-hf", "eval", "train", "eval", "generate", "export-hf"]
+    losses = []
+    for argv in commands[1:]:
+        capsys.readouterr()
+        assert cli.main(argv) == 0, argv
+        out = capsys.readouterr().out
+        if argv[0] == "eval":
+            saved = pathlib.Path(out.rsplit("saved to ", 1)[1].strip())
+            losses.append(json.loads(saved.read_text())["report"]["test_loss"])
+    assert 0 < losses[1] < losses[0], losses  # the held-out responses' loss, before and after
+    run_cfg = from_dict(json.loads(pathlib.Path("runs/gpt2_lora/config.json").read_text()))
+    assert int(restore_workdir(run_cfg, "runs/gpt2_lora")[1].step) == 10
+    assert not any(True for _ in jf.lora.adapters(hf.load_hf("gpt2_lora")))  # the export: a plain GPT-2

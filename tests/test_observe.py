@@ -128,8 +128,10 @@ def test_train_logs_and_plan_print_mfu_and_tokens_per_second_alike(run):
         record = records[int(x.split(":")[0].split()[1])]
         assert x.startswith(f"step {record['step']}: {observe.line(record, ('loss', 'tokens_per_s', 'mfu'))}, ETA")
     evals = [x for x in logged if re.match(r"step \d+: eval", x)]
+    t = load_experiment("experiments/copy_task.py").train
+    on = rf"the validation split \({t.eval_batches * t.batch_size:,} sequences\)"  # generated: every batch full
     assert evals and all(
-        re.fullmatch(r"step \d+: eval loss [\d.]+, perplexity [\d.]+, accuracy [\d.]+%", x) for x in evals
+        re.fullmatch(rf"step \d+: eval on {on}: loss [\d.]+, perplexity [\d.]+, accuracy [\d.]+%", x) for x in evals
     )
     sizes = dict(parameters=0, optimizer_state=0, gradients=0, activations=0, arguments=0, outputs=0, aliased=0)
     planned = Plan(
@@ -146,11 +148,16 @@ def test_train_logs_and_plan_print_mfu_and_tokens_per_second_alike(run):
 class _Rows:
     """One held-out batch, as `data.Batches` gives it."""
 
+    padded = False  # a full batch
+
     def __init__(self, batch):
         self.batch = batch
 
     def __len__(self):
         return 1
+
+    def sequences(self, num_batches):
+        return num_batches * len(next(iter(self.batch.values())))
 
     def get(self, i, rows=None):
         return self.batch
@@ -185,3 +192,28 @@ def test_a_language_model_reports_perplexity_beside_the_unigram_model():
     assert report["test_perplexity"] == pytest.approx(np.exp(2.0)) and "unigram_perplexity" in report
     assert re.search(r"perplexity +7\.389 +unigram model: [\d.]+", printed) and "accuracy     " in printed
     assert "cross-entropy" not in printed and "majority" not in printed
+
+
+def test_a_moe_models_log_line_shows_its_router(tmp_path):
+    """With MoE layers the terminal's step line adds the load-balancing loss and the dropped share, the
+    figures metrics.jsonl holds for that step."""
+    from jaxformer import observe
+
+    cfg = apply_overrides(
+        load_experiment("experiments/copy_task.py"),
+        ["model.moe.num_experts=4", "model.moe.capacity_factor=1.0", "model.num_encoder_layers=1",
+         "model.num_decoder_layers=1", "train.steps=3", "train.log_every=1", "train.eval_every=3",
+         "train.num_samples=0"],
+    )  # fmt: skip
+    logged = io.StringIO()
+    with contextlib.redirect_stdout(logged):
+        fit(cfg, tmp_path)
+    records = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+               if r["split"] == "train"}  # fmt: skip
+    steps = [x for x in logged.getvalue().splitlines() if re.match(r"step \d+: loss", x)]
+    assert steps
+    for x in steps:
+        record = records[int(x.split(":")[0].split()[1])]
+        router = f"{observe.show('load_balance_loss', record['load_balance_loss'])}, "
+        router += observe.show("dropped_fraction", record["dropped_fraction"])
+        assert re.fullmatch(r"step \d+: loss [\d.]+, tokens/s [\d,]+, MFU [\d.]+%, (.*), ETA \d+s", x)[1] == router

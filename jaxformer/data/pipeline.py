@@ -77,13 +77,37 @@ class Batches:
         """N, the examples of an epoch (0 for a synthetic task)."""
         return 0 if self.examples is None else len(self.examples)
 
+    @property
+    def padded(self) -> bool:
+        """Fewer examples than a batch (a small held-out split): one batch of all N, whose rows N..B-1
+        repeat example 0 with weight 0, so its summed metrics are those of the N examples exactly (the
+        loss, cross-entropy and accuracy; MoE layers route the filler rows too, so the router's batch
+        statistics, and with them an MoE model's auxiliary losses, count them)."""
+        return (
+            self.examples is not None and not isinstance(self.examples, Packed) and self.num_examples < self.batch_size
+        )
+
     def __len__(self) -> int:
-        """Batches per epoch (what does not fill a batch, or a packed chunk's batches, is dropped)."""
+        """Batches per epoch (what does not fill a batch, or a packed chunk's batches, is dropped; a
+        split smaller than a batch is one padded batch)."""
         if self.examples is None:
             return 1 << 62
+        if self.padded:
+            return 1
         if isinstance(self.examples, Packed):
             return self.examples.batches_per_epoch
         return self.num_examples // self.batch_size
+
+    def sequences(self, num_batches: int) -> int:
+        """The examples the first `num_batches` batches hold (a padded batch: its own examples only).
+
+        Args:
+            num_batches: how many batches, from the first.
+
+        Returns:
+            The count.
+        """
+        return self.num_examples if self.padded else num_batches * self.batch_size
 
     def rows(self, step: int) -> np.ndarray | list[np.ndarray]:
         """[B] the example indices of the batch of `step` (sorted), or for packed examples the B rows'
@@ -97,6 +121,8 @@ class Batches:
             [B] example indices, or B arrays of example indices (packed rows).
         """
         B, N = self.batch_size, self.num_examples
+        if self.padded:  # every example, then example 0 again in the rows `get` weighs 0
+            return np.pad(np.arange(N), (0, B - N))
         epoch, index = divmod(step, len(self))
         first = epoch * N  # grain's repeat reshuffles from each multiple of N on
         packed = isinstance(self.examples, Packed)
@@ -150,6 +176,10 @@ class Batches:
         batch = self.examples.take(rows[index], widths)
         if self.transform is not None:
             batch = self.transform(batch, [np.random.default_rng([self.seed, step, j]) for j in index])
+        if self.padded:  # the filler rows count nothing (a classifier's unpacked batch gains its weights here)
+            real = (index < self.num_examples).astype(np.float32)
+            weights = batch.get("weights", np.ones(len(index), np.float32))
+            batch["weights"] = weights * real.reshape(-1, *[1] * (weights.ndim - 1))
         return batch
 
     def stream(self, start: int, stop: int, part: slice | None = None, prefetch: int = 0) -> Iterator[dict]:
@@ -717,11 +747,13 @@ def build_dataset(
     splits = []
     for name, seed in zip(("train", "validation", "test"), (t.seed, 1_000 + t.seed, 2_000 + t.seed), strict=True):
         ex = examples(name)
-        if len(ex) < t.batch_size:
+        # Training takes full batches; a held-out split smaller than a batch is evaluated as one padded batch.
+        if len(ex) < t.batch_size if name == "train" else len(ex) == 0:
             text = t.objective in ("lm", "mlm") and not completions(cfg)
             what = "too little text" if text else "too few sequences"
+            fix = f"; --set train.batch_size={len(ex)} (or fewer) fits it" if len(ex) else ""
             raise DataError(f"{where}: {what}: the {name} split has {len(ex)} sequences, fewer than "
-                            f"batch_size={t.batch_size}")  # fmt: skip
+                            f"batch_size={t.batch_size}{fix}")  # fmt: skip
         bucketed = buckets if not (d.pack and name == "train") else ()
         splits.append(Batches(ex, t.batch_size, seed, transform=transform, buckets=bucketed))
     return Dataset(tok, *splits, *prepared.samples(), prepared.label_names)
