@@ -49,6 +49,7 @@ from jaxformer.plan.hlo import (
 )
 from jaxformer.plan.planner import plan
 from jaxformer.plan.report import Plan
+from jaxformer.plan.roofline import roofline
 from jaxformer.plan.search import _largest_batch as _largest_batch  # the search's own tests call it
 from jaxformer.plan.search import _refused_bytes as _refused_bytes
 from jaxformer.plan.targets import Target, parse_bytes, parse_target
@@ -75,6 +76,7 @@ __all__ = [
     "parse_hlo",
     "parse_target",
     "plan",
+    "roofline",
     "shape_bytes",
     "with_shardings",
 ]

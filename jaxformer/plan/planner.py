@@ -24,6 +24,7 @@ from jaxformer.plan.compile import (
     with_shardings,
 )
 from jaxformer.plan.report import Plan
+from jaxformer.plan.roofline import roofline
 from jaxformer.plan.search import _largest_batch, _refused_bytes
 from jaxformer.plan.targets import Target
 from jaxformer.state import state_factory, state_shardings
@@ -170,17 +171,9 @@ def plan(
         accessed = step.bytes_moved if math.isfinite(step.bytes_moved) else float(step.arguments + step.outputs)
     model_flops = flops_per_example(cfg.model, cfg.train.objective, cfg.data.src_len, T) * batch_size
     tokens = batch_size * (1 if cfg.train.objective == "classify" else T)
-    roofline = {}
+    ceilings = {}
     if chip is not None:
-        peak_flops = chip.peak(cfg.model.dtype)
-        # XLA's cost analysis counts a loop's body once (scan_layers): never below the model's own count.
-        compute = max(flops if math.isfinite(flops) else 0.0, model_flops / mesh.size) / peak_flops
-        memory = accessed / chip.bandwidth
-        bound = max(compute, memory)
-        roofline = dict(
-            compute_seconds=compute, memory_seconds=memory, step_seconds=bound, tokens_per_second=tokens / bound,
-            mfu_ceiling=model_flops / (mesh.size * peak_flops * bound),
-        )  # fmt: skip
+        ceilings = roofline(chip, cfg.model.dtype, flops, model_flops, accessed, mesh.size, tokens)
     return Plan(
         devices=mesh.size, mesh=sharding.axis_sizes(mesh), batch_size=batch_size, parameters=params,
         optimizer_state=opt,
@@ -194,7 +187,7 @@ def plan(
         collectives=step.collectives,
         frozen_storage="int8 kernels + float32 scales" if cfg.lora.base == "int8" else cfg.model.dtype,
         optimizer_on_host=cfg.train.offload_optimizer, host_arguments=step.host_arguments,
-        host_outputs=step.host_outputs, host_temporaries=step.host_temporaries, **roofline,
+        host_outputs=step.host_outputs, host_temporaries=step.host_temporaries, **ceilings,
     )  # fmt: skip
 
 
