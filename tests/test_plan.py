@@ -167,6 +167,26 @@ def test_the_search_is_not_misled_by_a_compiler_that_rematerialises_over_its_lim
     assert len(tried) <= 4 and max(b for batches in tried for b in batches) < 1.2 * over, tried
 
 
+@pytest.mark.parametrize(
+    "dtype, flops, model_flops, accessed, step, mfu",
+    [
+        ("bfloat16", 2e12, 4e12, 1e9, 2e12 / 100e12, 1.0),  # compute-bound: 20 ms of FLOPs, 1 ms of bytes
+        ("bfloat16", 1e11, 4e12, 1e9, 2e12 / 100e12, 1.0),  # XLA counted a scanned loop's body once: the model's
+        ("float32", math.nan, 2e12, 1e12, 1e12 / 1e12, 2e12 / (2 * 50e12 * 1.0)),  # no cost analysis; memory-bound
+    ],
+)
+def test_the_roofline_is_the_slower_of_compute_and_memory(dtype, flops, model_flops, accessed, step, mfu):
+    """By hand, on a made-up chip of 100 TFLOP/s in bfloat16, 50 in float32 and 1 TB/s, two devices."""
+    from jaxformer.chips import Chip
+    from jaxformer.plan import roofline
+
+    chip = Chip("made-up", bfloat16=100e12, float32=50e12, memory_bytes=1e9, bandwidth=1e12, source="this test")
+    got = roofline(chip, dtype, flops, model_flops, accessed, devices=2, tokens=1000)
+    assert got["step_seconds"] == max(got["compute_seconds"], got["memory_seconds"]) == pytest.approx(step)
+    assert got["memory_seconds"] == pytest.approx(accessed / 1e12)
+    assert got["tokens_per_second"] == pytest.approx(1000 / step) and got["mfu_ceiling"] == pytest.approx(mfu)
+
+
 def test_a_refusal_gives_the_peak_it_implies():
     from jaxformer.plan import _refused_bytes
 

@@ -374,6 +374,7 @@ def test_workers_auto_starts_one_pinned_worker_per_gpu(tmp_path, monkeypatch):
     """`run(workers="auto")` on a machine that says it has two GPUs: two worker processes, each
     started with its own CUDA_VISIBLE_DEVICES (the processes are recorded, not run)."""
     from jaxformer import sweep
+    from jaxformer.sweep import commands
 
     started = []
 
@@ -387,8 +388,8 @@ def test_workers_auto_starts_one_pinned_worker_per_gpu(tmp_path, monkeypatch):
     import jax
 
     assert sweep.local_devices()[0] == jax.local_devices()[0].platform  # this machine, asked for real
-    monkeypatch.setattr(sweep, "local_devices", lambda: ("gpu", ["0", "1"]))
-    monkeypatch.setattr(sweep.subprocess, "Popen", Recorded)
+    monkeypatch.setattr(commands, "local_devices", lambda: ("gpu", ["0", "1"]))  # where `run` reads it
+    monkeypatch.setattr(commands.subprocess, "Popen", Recorded)
     table = sweep.run(str(sweep_file(tmp_path, "gpus", trials=2)), str(tmp_path / "w"), workers="auto")
     assert started == [("1", "0"), ("2", "1")]
     assert [r["state"] for r in table] == ["WAITING", "WAITING"]  # queued for the (recorded) workers
