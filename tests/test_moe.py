@@ -265,9 +265,7 @@ def test_moe_model_trains_in_each_mode(mode, objective, moe_kw, model_kw):
     assert metrics["load_balance_loss"] >= 2 - 1e-4  # k at best (perfect balance)
     assert metrics["router_z_loss"] > 0
     # each MoE layer's expert load: the share of its tokens that chose each expert, summing to k = 2
-    layers = sum(
-        moe_cfg.is_moe_layer(i) for n in (model.num_encoder_layers, model.num_decoder_layers) for i in range(n)
-    )
+    layers = sum(moe_cfg.is_moe_layer(s, i) for s in model.stacks for i in range(getattr(model, f"num_{s}_layers")))
     loads = {key: float(v) for key, v in metrics.items() if key.startswith("expert_load/")}
     assert set(loads) == {f"expert_load/{l}/{e}" for l in range(layers) for e in range(4)}
     for l in range(layers):
