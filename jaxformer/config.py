@@ -105,14 +105,10 @@ class MoEConfig:
     num_experts: int = 0  # E; 0 = every feed-forward is dense
     experts_per_token: int = 2  # top-k (Switch: 1, Mixtral: 2)
     every: int = 1  # layer i (from 0) is MoE when (i + 1) % every == 0 (Switch: 2, ST-MoE: 4); both stacks
-    # A stack's own layout (Hugging Face's Switch: encoder_sparse_step and decoder_sparse_step may differ):
-    # its layer i is MoE when i % {stack}_every == {stack}_offset. None: `every`, and offset every - 1
-    # (the rule above); {stack}_every=0: no MoE layer in that stack. A decoder-only model's stack is the
-    # decoder, an encoder-only model's the encoder.
-    encoder_every: int | None = None
-    encoder_offset: int | None = None
-    decoder_every: int | None = None
-    decoder_offset: int | None = None
+    encoder_every: int | None = None  # the encoder's own period (Switch's steps may differ); None = every, 0 = none
+    encoder_offset: int | None = None  # encoder layer i is MoE when i % encoder_every == this; None = period - 1
+    decoder_every: int | None = None  # the decoder's own (a decoder-only model's stack); None = every, 0 = none
+    decoder_offset: int | None = None  # decoder layer i is MoE when i % decoder_every == this; None = period - 1
     # softmax_topk: top-k of the softmax probabilities, kept as they are (Switch, GShard);
     # topk_softmax: softmax over the k largest logits (Mixtral)
     router: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
