@@ -21,7 +21,6 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from jaxformer.config import ConfigError
 from jaxformer.interop import hf
 from jaxformer.models import Transformer
 
@@ -233,7 +232,8 @@ def test_what_jaxformer_cannot_express_is_refused_naming_the_field():
         "num_sparse_encoder_layers": 2,
         "num_sparse_decoder_layers": 2,
     }  # sparse layers 1 and 3 of 5
-    with pytest.raises(ConfigError, match=r"model\.moe\.every: every=2 with scan_layers=True scans blocks of 2"):
+    message = r"config\.json: encoder_sparse_step=2 and decoder_sparse_step=2 make layers \[1, 3\] \(encoder\)"
+    with pytest.raises(hf.UnsupportedCheckpoint, match=message + r".* blocks of 2 layers, and num_layers=5 is not"):
         hf.config_from_hf(odd, scan_layers=True)
 
 
@@ -335,7 +335,7 @@ def test_switch_with_its_own_layout_per_stack_saves_and_loads_back(steps, tmp_pa
 def test_switch_layouts_transformers_cannot_say_are_refused_naming_the_field():
     """Out: a jaxformer layout with no {stack}_sparse_step (MoE layers not at 1, 1 + step, ...) is refused
     naming the jaxformer field that places them and the Hugging Face one; in, scanned: stacks whose
-    sparse steps' blocks do not divide a stack's depth are refused naming the field, not a tensor."""
+    sparse steps' blocks do not divide a stack's depth are refused naming the step fields, not a tensor."""
     cfg = hf.config_from_hf(_golden_config("switch") | dict(num_layers=6, num_decoder_layers=6))
     rows = [  # (MoE layout fields, the message)
         (dict(every=3), r"switch_transformers: model\.moe\.every: the encoder's MoE layers \[2, 5\] .* no "
@@ -352,6 +352,9 @@ def test_switch_layouts_transformers_cannot_say_are_refused_naming_the_field():
     mixed = _golden_config("switch") | dict(num_layers=4, num_decoder_layers=6, encoder_sparse_step=2,
                                             decoder_sparse_step=3)  # fmt: skip
     assert hf.config_from_hf(mixed).moe.encoder_every == 2  # unrolled it loads
-    message = r"model\.moe\.encoder_every: encoder_every=2 with scan_layers=True scans blocks of 6 layers \(the least"
-    with pytest.raises(ConfigError, match=message):
+    message = (
+        r"config\.json: encoder_sparse_step=2 and decoder_sparse_step=3 make layers \[1, 3\] \(encoder\) and "
+        r"\[1, 4\] \(decoder\) sparse: scanned, each stack takes blocks of 6 layers, and num_layers=4 is not"
+    )
+    with pytest.raises(hf.UnsupportedCheckpoint, match=message):
         hf.config_from_hf(mixed, scan_layers=True)

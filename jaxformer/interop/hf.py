@@ -769,9 +769,30 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     """
     hf = {key: value for key, value in hf.items() if value is not None}  # null = absent
     try:
-        return ModelConfig(**(FAMILIES[hf["model_type"]].to_config(hf) | overrides))
+        fields = FAMILIES[hf["model_type"]].to_config(hf) | overrides
+        if hf["model_type"] == "switch_transformers" and fields.get("scan_layers"):
+            _switch_scannable(hf, ModelConfig(**(fields | {"scan_layers": False})))
+        return ModelConfig(**fields)
     except KeyError as e:
         raise UnsupportedCheckpoint(f"config.json lacks {e}") from None
+
+
+def _switch_scannable(hf: dict, cfg: ModelConfig) -> None:
+    """Refuse, naming the step fields, sparse layouts whose scanned blocks (`ModelConfig.scan_block`)
+    do not divide a stack's depth."""
+    N = cfg.scan_block
+    for stack, depth in SWITCH_STACKS:
+        layers = getattr(cfg, f"num_{stack}_layers")
+        if layers % N:
+            steps = " and ".join(
+                f"{s}_sparse_step={_switch_sparse_step(hf, s, getattr(cfg, f'num_{s}_layers'))}"
+                for s, _ in SWITCH_STACKS
+            )
+            raise UnsupportedCheckpoint(
+                f"config.json: {steps} make layers {sorted(_moe_layer_set(cfg, 'encoder'))} (encoder) and "
+                f"{sorted(_moe_layer_set(cfg, 'decoder'))} (decoder) sparse: scanned, each stack takes blocks of {N} "
+                f"layers, and {depth}={layers} is not a multiple; load with scan_layers=False"
+            )
 
 
 def config_to_hf(cfg: ModelConfig, family: str | None = None) -> dict:
