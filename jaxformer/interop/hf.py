@@ -658,8 +658,10 @@ def _switch_hf(cfg: ModelConfig) -> dict:
                 f"(every layer with step 1, none with 0); set model.moe.{stack}_offset=1, or every 1"
             )
         # The step itself (transformers keeps a saved step over the one it computes) and a count that
-        # computes the same step where there is one (num_layers // count; 0 for none).
-        count = next((n for n in range(1, layers + 1) if layers // n == step), len(ours)) if step else 0
+        # computes the same step where there is one (num_layers // count; the number of sparse layers
+        # where it does; 0 for none).
+        count = next((n for n in (len(ours), *range(1, layers + 1)) if n and layers // n == step), len(ours))
+        count = count if step else 0
         sparse |= {f"{stack}_sparse_step": step, f"num_sparse_{stack}_layers": count}
     hf = {k: v for k, v in _t5_hf(cfg.replace(activation="relu")).items() if k != "feed_forward_proj"}
     return hf | sparse | dict(
