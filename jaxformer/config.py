@@ -105,7 +105,11 @@ class MoEConfig:
 
     num_experts: int = 0  # E; 0 = every feed-forward is dense
     experts_per_token: int = 2  # top-k (Switch: 1, Mixtral: 2)
-    every: int = 1  # layer i (from 0) is MoE when (i + 1) % every == 0 (Switch: 2, ST-MoE: 4); every stack
+    every: int = 1  # layer i (from 0) is MoE when (i + 1) % every == 0 (Switch: 2, ST-MoE: 4); both stacks
+    encoder_every: int | None = None  # the encoder's own period (Switch's steps may differ); None = every, 0 = none
+    encoder_offset: int | None = None  # encoder layer i is MoE when i % encoder_every == this; None = period - 1
+    decoder_every: int | None = None  # the decoder's own (a decoder-only model's stack); None = every, 0 = none
+    decoder_offset: int | None = None  # decoder layer i is MoE when i % decoder_every == this; None = period - 1
     # softmax_topk: top-k of the softmax probabilities, kept as they are (Switch, GShard);
     # topk_softmax: softmax over the k largest logits (Mixtral)
     router: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
@@ -126,6 +130,21 @@ class MoEConfig:
         check_field_types(self, p)
         require(self.num_experts >= 0, f"{p}.num_experts", f"must be >= 0 (0 = dense), got {self.num_experts}")
         require(self.every > 0, f"{p}.every", f"must be positive, got {self.every}")
+        for stack in ("encoder", "decoder"):
+            every, offset = getattr(self, f"{stack}_every"), getattr(self, f"{stack}_offset")
+            require(
+                every is None or every >= 0,
+                f"{p}.{stack}_every",
+                f"must be >= 0 (0 = no MoE layer in the {stack}), got {every}",
+            )
+            every = self.every if every is None else every
+            require(
+                offset is None or 0 <= offset < every,
+                f"{p}.{stack}_offset",
+                f"must be in [0, {stack}_every={every}) (layer i is MoE when i % {every} == offset), got {offset}"
+                if every
+                else f"{stack}_every=0 has no MoE layer to place; got offset {offset}",
+            )
         require(self.shared_experts >= 0, f"{p}.shared_experts", f"must be >= 0, got {self.shared_experts}")
         require(
             self.expert_d_ff is None or self.expert_d_ff > 0,
@@ -154,16 +173,34 @@ class MoEConfig:
     def enabled(self) -> bool:
         return self.num_experts > 0
 
-    def is_moe_layer(self, index: int) -> bool:
-        """Whether layer `index` (from 0, in its stack) has the MoE feed-forward.
+    def layout(self, stack: Literal["encoder", "decoder"]) -> tuple[int, int]:
+        """A stack's MoE layout: (every, offset), its layer i MoE when i % every == offset.
 
         Args:
+            stack: "encoder" or "decoder" (a decoder-only model's stack is the decoder).
+
+        Returns:
+            (every, offset); every = 0 when the stack has no MoE layer (or MoE is off).
+        """
+        every = getattr(self, f"{stack}_every")
+        every = self.every if every is None else every
+        if not self.enabled or not every:
+            return 0, 0
+        offset = getattr(self, f"{stack}_offset")
+        return every, every - 1 if offset is None else offset
+
+    def is_moe_layer(self, stack: Literal["encoder", "decoder"], index: int) -> bool:
+        """Whether layer `index` (from 0) of `stack` has the MoE feed-forward.
+
+        Args:
+            stack: "encoder" or "decoder".
             index: the layer's index in its stack.
 
         Returns:
             True for an MoE layer.
         """
-        return self.enabled and (index + 1) % self.every == 0
+        every, offset = self.layout(stack)
+        return every > 0 and index % every == offset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,20 +347,30 @@ class ModelConfig:
             f"{p}.num_classes",
             "a classification head needs mode='encoder_only'",
         )
-        if self.scan_layers and self.scan_block > 1:  # scanned in blocks of `every` layers: whole blocks only
-            for name in ("num_encoder_layers", "num_decoder_layers"):
+        N = self.scan_block
+        if self.scan_layers and N > 1:  # scanned in blocks of N layers: whole blocks only
+            for stack in self.stacks:
+                name, own = f"num_{stack}_layers", getattr(self.moe, f"{stack}_every")
+                field, value = ("every", self.moe.every) if own is None else (f"{stack}_every", own)
+                why = "" if self.moe.layout(stack)[0] == N else " (the least common multiple of the stacks' every)"
                 require(
-                    getattr(self, name) % self.scan_block == 0,
-                    f"{p}.moe.every",
-                    f"every={self.moe.every} with scan_layers=True scans blocks of {self.moe.every} layers: "
+                    getattr(self, name) % N == 0,
+                    f"{p}.moe.{field}",
+                    f"{field}={value} with scan_layers=True scans blocks of {N} layers{why}: "
                     f"{p}.{name}={getattr(self, name)} is not a multiple; set scan_layers=False",
                 )
 
     @property
+    def stacks(self) -> tuple[str, ...]:
+        """The mode's layer stacks: ("encoder",), ("decoder",) or ("encoder", "decoder")."""
+        return {"encoder_only": ("encoder",), "decoder_only": ("decoder",)}.get(self.mode, ("encoder", "decoder"))
+
+    @property
     def scan_block(self) -> int:
-        """Layers per block of a scanned stack: `moe.every` when MoE takes every N-th layer (N - 1 dense
-        layers, then the MoE one, scanned as one body), else 1 (every layer alike)."""
-        return self.moe.every if self.moe.enabled else 1
+        """Layers per block of a scanned stack: N when MoE takes every N-th layer (N - 1 dense layers and
+        the MoE one scanned as one body), the least common multiple of the stacks' N when they differ
+        (`moe.encoder_every`, `moe.decoder_every`), else 1 (every layer alike)."""
+        return math.lcm(*(max(self.moe.layout(stack)[0], 1) for stack in self.stacks))
 
     @property
     def kv_heads(self) -> int:

@@ -520,9 +520,10 @@ class LayerStack(nnx.Module):
     Layer i draws its dropout keys from fold_in(dropout_rng, i) in both forms. `make_layer(rngs, i)`
     builds layer i. Scanned, a stack whose layers are alike (no MoE, or MoE in every layer) is built
     as layer 0 and stacked over L; MoE on every N-th layer (`model.moe.every` = N > 1) makes blocks of
-    N layers (N - 1 dense, then the MoE one, as layer i is MoE when (i + 1) % N == 0): `layers` is then
-    a list of N stacks, the j-th holding layer j of every block [L / N, ...] (layer i is block i // N,
-    position i % N), and the scan runs over blocks. The statistics of the MoE layers, one row per
+    N layers (N - 1 dense and the MoE one, at the stack's offset; `ModelConfig.scan_block`, the least
+    common multiple of the stacks' N when they differ): `layers` is then a list of N stacks, the j-th
+    holding layer j of every block [L / N, ...] (layer i is block i // N, position i % N), and the scan
+    runs over blocks. The statistics of the MoE layers, one row per
     layer (`jaxformer.moe`), go to `moe.collect` at each call.
 
     Args:
@@ -537,7 +538,6 @@ class LayerStack(nnx.Module):
     ):
         self.cfg = cfg
         self.num_layers = num_layers
-        self.moe_layers = sum(cfg.moe.is_moe_layer(i) for i in range(num_layers))
         self.block = cfg.scan_block if cfg.scan_layers else 1  # N layers per scanned block
         keys = jax.random.split(rngs.params(), num_layers)
         if cfg.scan_layers:
@@ -577,15 +577,17 @@ class LayerStack(nnx.Module):
             splits = [nnx.split(self.layers)] if N == 1 else [nnx.split(stack) for stack in self.layers]
             graphdefs, states = [g for g, _ in splits], [s for _, s in splits]
 
-            def body(x_BTD, block):  # layers b * N .. b * N + N - 1; the MoE one (if any) last
+            def body(x_BTD, block):  # layers b * N .. b * N + N - 1; the MoE ones' statistics, in order
                 states_b, b = block
+                auxes = []
                 for j in range(N):
                     x_BTD, aux = apply(graphdefs[j], states_b[j], x_BTD, b * N + j, kwargs)
-                return x_BTD, aux
+                    auxes += [] if aux is None else [aux]
+                return x_BTD, jax.tree.map(lambda *xs: jnp.stack(xs), *auxes) if auxes else None
 
             x_BTD, aux = jax.lax.scan(body, x_BTD, (states, jnp.arange(self.num_layers // N)))
-            if aux is not None:  # the MoE layers' statistics, one row per layer
-                M.report(aux)
+            if aux is not None:  # the MoE layers' statistics, one row per layer: [blocks, per block] -> rows
+                M.report(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), aux))
             return x_BTD
         sums = []
         for index, layer in enumerate(self.layers):

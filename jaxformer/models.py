@@ -248,7 +248,7 @@ def Encoder(cfg: ModelConfig, embed: Embed, *, rngs: nnx.Rngs) -> TransformerSta
     return TransformerStack(
         cfg,
         embed,
-        lambda r, i: EncoderLayer(cfg, moe=cfg.moe.is_moe_layer(i), rngs=r),
+        lambda r, i: EncoderLayer(cfg, moe=cfg.moe.is_moe_layer("encoder", i), rngs=r),
         cfg.num_encoder_layers,
         causal=False,
         rngs=rngs,
@@ -270,7 +270,7 @@ def Decoder(cfg: ModelConfig, embed: Embed, *, cross: bool, rngs: nnx.Rngs) -> T
     return TransformerStack(
         cfg,
         embed,
-        lambda r, i: DecoderLayer(cfg, cross=cross, moe=cfg.moe.is_moe_layer(i), rngs=r),
+        lambda r, i: DecoderLayer(cfg, cross=cross, moe=cfg.moe.is_moe_layer("decoder", i), rngs=r),
         cfg.num_decoder_layers,
         causal=True,
         rngs=rngs,

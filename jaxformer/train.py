@@ -373,14 +373,14 @@ def flops_per_example(cfg: ModelConfig, objective: str, src_len: int, tgt_len: i
     # capacity slots left empty are not counted).
     m = cfg.moe
     moe_ffn = 2 * D * m.num_experts + 2 * D * (m.expert_d_ff or Fw) * matmuls * (m.experts_per_token + m.shared_experts)
-    ffn_total = lambda layers: sum(moe_ffn if m.is_moe_layer(i) else ffn for i in range(layers))
+    ffn_total = lambda stack, layers: sum(moe_ffn if m.is_moe_layer(stack, i) else ffn for i in range(layers))
     attn = lambda ctx: 4 * H * K * ctx
     enc_len = src_len if objective in ("seq2seq", "classify", "mlm") else 0
     L_enc, L_dec = cfg.num_encoder_layers, cfg.num_decoder_layers
-    total = enc_len * (L_enc * (proj + attn(enc_len)) + ffn_total(L_enc)) if enc_len else 0.0
+    total = enc_len * (L_enc * (proj + attn(enc_len)) + ffn_total("encoder", L_enc)) if enc_len else 0.0
     if objective in ("lm", "seq2seq"):
         cross = (proj + attn(src_len)) if objective == "seq2seq" else 0
-        total += tgt_len * (L_dec * (proj + attn(tgt_len) + cross) + ffn_total(L_dec))
+        total += tgt_len * (L_dec * (proj + attn(tgt_len) + cross) + ffn_total("decoder", L_dec))
     head_tokens = tgt_len if objective in ("lm", "seq2seq") else src_len if objective == "mlm" else 0
     total += 2 * D * V * head_tokens
     return 3.0 * total

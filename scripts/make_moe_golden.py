@@ -18,7 +18,9 @@ The other direction, checkpoints jaxformer writes read by transformers, in two e
     python scripts/make_moe_golden.py check OUT       # transformers': loads each, compares its logits with jaxformer's
 
 `export` writes each golden model back with `save_hf` (`*_golden`), and a jaxformer-made random model
-of each family (`*_ours`; Switch with expert_capacity 3, so tokens drop).
+of each family (`*_ours`; Switch with expert_capacity 3, so tokens drop; `switch_layouts_ours` with
+each stack its own sparse layers, every encoder layer and the decoder's 1 and 3 of 4;
+`switch_dense_ours` with none).
 """
 
 from __future__ import annotations
@@ -154,6 +156,8 @@ def make(family: str) -> None:
 
 def _ours_configs() -> dict:
     """jaxformer-made models of each family, built from jaxformer configs (not from a checkpoint)."""
+    import dataclasses
+
     import jaxformer as jf
     from jaxformer.config import MoEConfig
 
@@ -164,7 +168,12 @@ def _ours_configs() -> dict:
                          relative_buckets=8, relative_max_distance=16,
                          moe=MoEConfig(num_experts=EXPERTS, experts_per_token=1, every=2, expert_capacity=3,
                                        router_noise=0.01, z_loss_weight=0.001, aux_loss_weight=0.001))  # fmt: skip
-    return {"mixtral_ours": ("mixtral", mixtral), "switch_ours": ("switch", switch)}
+    # each stack its own layout: every encoder layer sparse (encoder_sparse_step=1), the decoder's 1 and 3 (2)
+    layouts = switch.replace(num_encoder_layers=4, num_decoder_layers=4,
+                             moe=dataclasses.replace(switch.moe, encoder_every=1))  # fmt: skip
+    dense = switch.replace(moe=dataclasses.replace(switch.moe, encoder_every=0, decoder_every=0))  # steps 0
+    return {"mixtral_ours": ("mixtral", mixtral), "switch_ours": ("switch", switch),
+            "switch_layouts_ours": ("switch", layouts), "switch_dense_ours": ("switch", dense)}  # fmt: skip
 
 
 def export(out: pathlib.Path) -> None:

@@ -73,6 +73,7 @@ def places(tmp_path_factory):
         # Mixture-of-experts checkpoints asking for what jaxformer's MoE cannot do (the golden models' configs).
         "mixtral_top5": {"config.json": json.dumps(_golden_config("mixtral") | {"num_experts_per_tok": 5})},
         "switch_router_bias": {"config.json": json.dumps(_golden_config("switch") | {"router_bias": True})},
+        "switch_step_float": {"config.json": json.dumps(_golden_config("switch") | {"decoder_sparse_step": 1.5})},
         "no_weights": {
             "config.json": json.dumps(
                 {"model_type": "gpt2", "vocab_size": 16, "n_embd": 8, "n_head": 2, "n_layer": 1, "n_positions": 16}
@@ -213,6 +214,15 @@ CLI_CASES = [
     ),
     cli_case(TRAIN + "model.moe.num_experts=-1", r"model\.moe\.num_experts: must be >= 0 \(0 = dense\), got -1"),
     cli_case(TRAIN + "model.moe.expert_capacity=-2", r"model\.moe\.expert_capacity: must be >= 0, got -2"),
+    cli_case(TRAIN + "model.moe.encoder_every=-1", r"model\.moe\.encoder_every: must be >= 0 \(0 = no MoE layer in"),
+    cli_case(
+        TRAIN + "model.moe.decoder_every=2 --set model.moe.decoder_offset=2",
+        r"model\.moe\.decoder_offset: must be in \[0, decoder_every=2\) \(layer i is MoE when i % 2 == offset\)",
+    ),
+    cli_case(
+        TRAIN + "model.moe.encoder_every=0 --set model.moe.encoder_offset=0",
+        r"model\.moe\.encoder_offset: encoder_every=0 has no MoE layer to place",
+    ),
     cli_case(
         TRAIN + "model.moe.num_experts=6 --set mesh.expert=4",
         r"mesh\.expert: expert=4 does not divide model\.moe\.num_experts=6",
@@ -524,6 +534,10 @@ CLI_CASES = [
         "import-hf {switch_router_bias} --workdir {tmp}/never", r"config\.json: router_bias=True is not supported"
     ),
     cli_case(
+        "import-hf {switch_step_float} --workdir {tmp}/never",
+        r"config\.json: decoder_sparse_step=1\.5 must be a whole number of layers",
+    ),
+    cli_case(
         "import-hf {peft_base} --workdir {tmp}/never --adapter {peft_other_base}",
         r"\S+adapter_model\.safetensors: base_model\.model\.transformer\.h\.0\.attn\.c_attn\.lora_A\.weight has shape "
         r"\(4, 32\), the base's \S+ wants \(4, 16\) \(r=4\): an adapter for another base model\?",
@@ -677,8 +691,27 @@ def moe_model():
     )
 
 
+def save_switch_with_first_layer_sparse(places):
+    """save_hf of a Switch model whose decoder's MoE layer is its first (layer 0 of 2), which no
+    decoder_sparse_step says."""
+    from jaxformer.interop import hf
+
+    cfg = hf.config_from_hf(_golden_config("switch"))
+    hf.save_hf(
+        jf.build_model(cfg.replace(moe=dataclasses.replace(cfg.moe, decoder_offset=0))),
+        pathlib.Path(places["tmp"], "never"),
+    )
+
+
 TOKENS = types.SimpleNamespace(bos_id=1, eos_id=2)  # a tokenizer's special ids, for id lists given as sources
 API_CASES = [
+    # A per-stack MoE layout Hugging Face's Switch cannot say: refused naming both fields, nothing written.
+    api_case(
+        "save_hf Switch layout with no sparse step",
+        lambda m, p: save_switch_with_first_layer_sparse(p),
+        ConfigError,
+        r"switch_transformers: model\.moe\.decoder_offset: the decoder's MoE layers \[0\] .* no decoder_sparse_step",
+    ),
     # LoRA built in code: the section refuses what the command line does, and the rank against the model.
     api_case(
         "LoRAConfig unknown target",

@@ -21,8 +21,8 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from jaxformer.config import ConfigError
 from jaxformer.interop import hf
+from jaxformer.models import Transformer
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 FAMILIES = {"mixtral": "mixtral", "switch": "switch_transformers"}
@@ -125,7 +125,7 @@ def test_save_hf_writes_back_the_checkpoint(imported, tmp_path):
         their_config = json.loads((golden / hf.CONFIG).read_text())
         our_config = json.loads((out / hf.CONFIG).read_text())
         assert our_config["model_type"] == FAMILIES[name.removesuffix("_scanned")]
-        skip = ("transformers_version", "dtype", "torch_dtype", "encoder_sparse_step", "decoder_sparse_step",
+        skip = ("transformers_version", "dtype", "torch_dtype",
                 "router_aux_loss_coef" if not their_config.get("output_router_logits", True) else "")  # fmt: skip
         # (Mixtral without output_router_logits adds no load-balancing loss: save_hf writes its weight as 0.)
         differ = {k: (v, our_config[k]) for k, v in their_config.items()
@@ -210,9 +210,10 @@ REFUSED = [  # (golden, config.json changes, the message naming the field)
     ("switch", {"router_dtype": "bfloat16"}, r"router_dtype='bfloat16' is not supported"),
     ("switch", {"expert_capacity": 0}, r"expert_capacity=0 must be a positive number of tokens"),
     ("switch", {"dense_act_fn": "silu"}, r"dense_act_fn='silu' is not supported"),
-    ("switch", {"num_layers": 6, "num_decoder_layers": 6, "num_sparse_encoder_layers": 2,
-                "num_sparse_decoder_layers": 2},
-     r"num_sparse_encoder_layers / num_sparse_decoder_layers make layers \[1, 4\] \(encoder\)"),
+    ("switch", {"encoder_sparse_step": 1.5}, r"config.json: encoder_sparse_step=1\.5 must be a whole number of layers"),
+    ("switch", {"decoder_sparse_step": "2"}, r"config.json: decoder_sparse_step='2' must be a whole number of layers"),
+    ("switch", {"encoder_sparse_step": None, "num_sparse_encoder_layers": True},
+     r"config.json: num_sparse_encoder_layers=True must be a whole number of layers"),
 ]  # fmt: skip
 
 
@@ -231,7 +232,8 @@ def test_what_jaxformer_cannot_express_is_refused_naming_the_field():
         "num_sparse_encoder_layers": 2,
         "num_sparse_decoder_layers": 2,
     }  # sparse layers 1 and 3 of 5
-    with pytest.raises(ConfigError, match=r"model\.moe\.every: every=2 with scan_layers=True scans blocks of 2"):
+    message = r"config\.json: encoder_sparse_step=2 and decoder_sparse_step=2 make layers \[1, 3\] \(encoder\)"
+    with pytest.raises(hf.UnsupportedCheckpoint, match=message + r".* blocks of 2 layers, and num_layers=5 is not"):
         hf.config_from_hf(odd, scan_layers=True)
 
 
@@ -251,3 +253,108 @@ def test_a_sharded_load_onto_an_expert_axis_equals_one_device(sharded_load):
     # scanned in blocks of 2: position 1 stacks the sparse layers [blocks, E, D, F], position 0 the dense ones
     assert r["switch_scanned"]["specs"]["encoder.stack.layers.1.ffn.wi"] == "(None, 'expert', 'fsdp', 'tensor')"
     assert r["switch_scanned"]["specs"]["encoder.stack.layers.0.ffn.wi"] == "(None, 'fsdp', 'tensor')"
+
+
+def _transformers_sparse_layers(config: dict) -> tuple[set[int], set[int]]:
+    """The sparse layers transformers builds for a config.json: the steps as its config class reads them
+    (a saved step kept over the one computed from num_sparse_*), and the rule of its modeling code's
+    SwitchTransformersStack, transcribed (it imports torch): `i % step == 1 or step == 1` when step > 0."""
+    transformers = pytest.importorskip("transformers")
+    c = transformers.SwitchTransformersConfig.from_dict(config)
+    rule = lambda L, sparse_step: {
+        i for i in range(L) if ((i % sparse_step == 1 or sparse_step == 1) if sparse_step > 0 else False)
+    }
+    return rule(c.num_layers, c.encoder_sparse_step), rule(c.num_decoder_layers, c.decoder_sparse_step)
+
+
+def _our_sparse_layers(model) -> tuple[set[int], set[int]]:
+    """The layers of each stack whose feed-forward has a router, read off the built model."""
+    return tuple(
+        {i for i, layer in enumerate(stack.stack.layers) if hasattr(layer.ffn, "router")}
+        for stack in (model.encoder, model.decoder)
+    )
+
+
+LAYOUTS = [  # config.json changes: the step fields, or the counts transformers computes them from
+    dict(num_layers=4, num_decoder_layers=4, encoder_sparse_step=1, decoder_sparse_step=2),  # all, every other
+    dict(num_layers=6, num_decoder_layers=3, encoder_sparse_step=3, decoder_sparse_step=1),  # 1 and 4; all
+    dict(num_layers=4, num_decoder_layers=4, encoder_sparse_step=0, decoder_sparse_step=5),  # none; layer 1
+    dict(num_layers=4, num_decoder_layers=4, encoder_sparse_step=-2, decoder_sparse_step=0),  # none; none
+    dict(num_layers=1, num_decoder_layers=1, encoder_sparse_step=2, decoder_sparse_step=1),  # none (one layer); all
+    # no step fields: transformers computes num_layers // num_sparse, num_layers for 0 (which still makes layer 1
+    # sparse), 0 when num_sparse exceeds the layers (none)
+    dict(num_layers=6, num_decoder_layers=4, encoder_sparse_step=None, decoder_sparse_step=None,
+         num_sparse_encoder_layers=0, num_sparse_decoder_layers=4),
+    dict(num_layers=4, num_decoder_layers=4, encoder_sparse_step=None, decoder_sparse_step=None,
+         num_sparse_encoder_layers=2, num_sparse_decoder_layers=5),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("changes", LAYOUTS, ids=lambda c: f"{c['encoder_sparse_step']},{c['decoder_sparse_step']}")
+def test_switch_layouts_per_stack_are_the_layers_transformers_builds(changes):
+    """A Switch config.json whose encoder and decoder are sparse at different steps (or nowhere): the
+    model load_hf would build (its shapes only) has routers in the layers transformers' own config class
+    and modeling rule make sparse, and the config.json save_hf writes for it gives transformers the same
+    layers and jaxformer the same config."""
+    config = {k: v for k, v in (_golden_config("switch") | changes).items() if v is not None}
+    theirs = _transformers_sparse_layers(config)
+    cfg = hf.config_from_hf(config)
+    assert _our_sparse_layers(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))) == theirs
+    saved = hf.config_to_hf(cfg)
+    assert _transformers_sparse_layers(saved) == theirs
+    assert hf.config_from_hf(saved) == cfg
+
+
+@pytest.mark.parametrize("steps", [(1, 2), (0, 0)], ids=["all-sparse encoder, every other decoder", "all dense"])
+def test_switch_with_its_own_layout_per_stack_saves_and_loads_back(steps, tmp_path):
+    """A random Switch model whose encoder is all sparse and decoder sparse every other layer from layer 1
+    (blocks of 2 scanned: two sparse layers in the encoder's, a dense one first in the decoder's), and one
+    with no sparse layer: save_hf, then load_hf gives the same parameters and logits, scanned too."""
+    from jaxformer.models import build_model
+
+    encoder_step, decoder_step = steps
+    config = _golden_config("switch") | dict(encoder_sparse_step=encoder_step, decoder_sparse_step=decoder_step)
+    model = build_model(hf.config_from_hf(config), seed=3)
+    out = hf.save_hf(model, tmp_path / "out")
+    saved = json.loads((out / hf.CONFIG).read_text())
+    assert (saved["encoder_sparse_step"], saved["decoder_sparse_step"]) == steps
+    back, scanned = hf.load_hf(out), hf.load_hf(out, scan_layers=True)
+    assert back.cfg == model.cfg and _our_sparse_layers(back) == _transformers_sparse_layers(config)
+    want = flat_params(model)
+    got = flat_params(back)
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+    rng = np.random.default_rng(0)
+    src, tgt = rng.integers(2, 64, (2, 5)), rng.integers(2, 64, (2, 4))
+    with jax.default_matmul_precision("highest"):
+        run = nnx.jit(lambda models: [m(src, tgt) for m in models])
+        logits, logits_back, logits_scanned = (np.asarray(x) for x in run([model, back, scanned]))
+    np.testing.assert_array_equal(logits_back, logits)
+    np.testing.assert_allclose(logits_scanned, logits, rtol=1e-5, atol=1e-5)
+
+
+def test_switch_layouts_transformers_cannot_say_are_refused_naming_the_field():
+    """Out: a jaxformer layout with no {stack}_sparse_step (MoE layers not at 1, 1 + step, ...) is refused
+    naming the jaxformer field that places them and the Hugging Face one; in, scanned: stacks whose
+    sparse steps' blocks do not divide a stack's depth are refused naming the step fields, not a tensor."""
+    cfg = hf.config_from_hf(_golden_config("switch") | dict(num_layers=6, num_decoder_layers=6))
+    rows = [  # (MoE layout fields, the message)
+        (dict(every=3), r"switch_transformers: model\.moe\.every: the encoder's MoE layers \[2, 5\] .* no "
+                        r"encoder_sparse_step"),
+        (dict(decoder_every=2, decoder_offset=0), r"model\.moe\.decoder_offset: the decoder's MoE layers \[0, 2, 4\] "
+                                                  r".* no decoder_sparse_step"),
+        (dict(encoder_every=3), r"model\.moe\.encoder_every: the encoder's MoE layers \[2, 5\]"),
+    ]  # fmt: skip
+    for fields, message in rows:
+        with pytest.raises(hf.UnsupportedCheckpoint, match=message):
+            hf.family_of(cfg.replace(moe=dataclasses.replace(cfg.moe, **fields)))
+    # a 4-layer encoder sparse every other layer beside a 6-layer decoder sparse at layers 1 and 4: scanned, both
+    # stacks take blocks of 6 layers (2 and 3's least common multiple), which the encoder's 4 are not
+    mixed = _golden_config("switch") | dict(num_layers=4, num_decoder_layers=6, encoder_sparse_step=2,
+                                            decoder_sparse_step=3)  # fmt: skip
+    assert hf.config_from_hf(mixed).moe.encoder_every == 2  # unrolled it loads
+    message = (
+        r"config\.json: encoder_sparse_step=2 and decoder_sparse_step=3 make layers \[1, 3\] \(encoder\) and "
+        r"\[1, 4\] \(decoder\) sparse: scanned, each stack takes blocks of 6 layers, and num_layers=4 is not"
+    )
+    with pytest.raises(hf.UnsupportedCheckpoint, match=message):
+        hf.config_from_hf(mixed, scan_layers=True)

@@ -323,9 +323,7 @@ def test_moe_model_trains_in_each_mode(mode, objective, moe_kw, model_kw):
     assert metrics["load_balance_loss"] >= 2 - 1e-4  # k at best (perfect balance)
     assert metrics["router_z_loss"] > 0
     # each MoE layer's expert load: the share of its tokens that chose each expert, summing to k = 2
-    layers = sum(
-        moe_cfg.is_moe_layer(i) for n in (model.num_encoder_layers, model.num_decoder_layers) for i in range(n)
-    )
+    layers = sum(moe_cfg.is_moe_layer(s, i) for s in model.stacks for i in range(getattr(model, f"num_{s}_layers")))
     loads = {key: float(v) for key, v in metrics.items() if key.startswith("expert_load/")}
     assert set(loads) == {f"expert_load/{l}/{e}" for l in range(layers) for e in range(4)}
     for l in range(layers):
@@ -412,6 +410,34 @@ def test_scanned_blocks_of_every_layers_equal_unrolled(tmp_path):
     restored = ckpt.restore_latest(jax.tree.map(jnp.zeros_like, state))
     ckpt.close()
     jax.tree.map(np.testing.assert_array_equal, restored, state)
+
+
+def test_each_stack_its_own_layout_scanned_equals_unrolled():
+    """model.moe.encoder_every=1 (every encoder layer MoE) beside decoder_every=2, decoder_offset=0 (decoder
+    layer 0 MoE, the first of its block): the layers built are those `is_moe_layer` names, and scanned in
+    blocks of lcm(1, 2) = 2 layers (two MoE layers in the encoder's block, the MoE one first in the
+    decoder's) the loss and the MoE statistics (rows in the unrolled layers' order) equal unrolled."""
+    from jaxformer.models import build_model
+    from jaxformer.train import loss_sums
+
+    moe_cfg = C.MoEConfig(num_experts=4, experts_per_token=2, every=2, encoder_every=1, decoder_offset=0)
+    model_cfg = C.tiny("encoder_decoder", vocab_size=16, moe=moe_cfg, scan_layers=True, num_encoder_layers=2,
+                       num_decoder_layers=2, remat="none")  # fmt: skip
+    assert model_cfg.scan_block == 2
+    assert [moe_cfg.is_moe_layer("encoder", i) for i in range(2)] == [True, True]
+    assert [moe_cfg.is_moe_layer("decoder", i) for i in range(4)] == [True, False, True, False]  # i % 2 == 0
+    scanned = build_model(model_cfg, seed=1)
+    plain = build_model(model_cfg.replace(scan_layers=False), seed=1)
+    routed = lambda stack: [hasattr(layer.ffn, "router") for layer in stack.stack.layers]
+    assert routed(plain.encoder) == [True, True] and routed(plain.decoder) == [True, False]
+    assert routed(scanned.decoder) == [True, False]  # block positions: the MoE one first
+    train_cfg = C.TrainConfig(objective="seq2seq", batch_size=4)
+    batch = toy_batch("seq2seq")
+    run = lambda m: loss_sums(m, train_cfg, batch, None)
+    (loss, sums), (want_loss, want_sums) = nnx.jit(lambda a, b: (run(a), run(b)))(scanned, plain)
+    assert sums["moe_load"].shape == (3, 4)  # 2 encoder + 1 decoder MoE layers, 4 experts
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(sums["moe_load"], want_sums["moe_load"], rtol=1e-6)
 
 
 def test_moe_config_errors_name_the_field():

@@ -561,36 +561,79 @@ def _mixtral_experts(h: str, L: str) -> list[Rule]:
     return rules
 
 
-def _switch_sparse_layers(num_layers: int, num_sparse: int) -> set[int]:
-    """The layers transformers makes sparse: every `step`-th from layer 1, step = num_layers // num_sparse
-    (num_sparse=0 gives step = num_layers, which still makes layer 1 sparse; step 1: every layer)."""
-    step = num_layers // num_sparse if num_sparse > 0 else num_layers
+SWITCH_STACKS = (("encoder", "num_layers"), ("decoder", "num_decoder_layers"))  # (stack, its depth's field)
+
+
+def _switch_sparse_layers(num_layers: int, step: int) -> set[int]:
+    """The layers transformers' SwitchTransformersStack makes sparse: layer i when step > 0 and
+    (step == 1 or i % step == 1). Every layer with step 1; layers 1, 1 + step, 1 + 2 * step, ...
+    with step >= 2 (layer 1 alone once step >= num_layers - 1, none in a 1-layer stack); none with
+    step <= 0."""
     return {i for i in range(num_layers) if step > 0 and (step == 1 or i % step == 1)}
 
 
-def _moe_layers(num_layers: int, every: int) -> set[int]:
-    return {i for i in range(num_layers) if (i + 1) % every == 0}
+def _switch_sparse_step(hf: dict, stack: str, num_layers: int) -> int:
+    """The `{stack}_sparse_step` transformers' model reads: config.json's own when it has one (the
+    config class keeps a saved value over the one it computes), else what the config class computes
+    from num_sparse_{stack}_layers: num_layers // num_sparse, or num_layers when num_sparse is 0."""
+    key = f"{stack}_sparse_step"
+    if key in hf:
+        step = hf[key]
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise UnsupportedCheckpoint(f"config.json: {key}={step!r} must be a whole number of layers")
+        return step
+    count = f"num_sparse_{stack}_layers"
+    num_sparse = _get(hf, count, 3)
+    if not isinstance(num_sparse, int) or isinstance(num_sparse, bool):
+        raise UnsupportedCheckpoint(f"config.json: {count}={num_sparse!r} must be a whole number of layers")
+    return num_layers // num_sparse if num_sparse > 0 else num_layers
+
+
+def _layout_of(layers: set[int], num_layers: int) -> tuple[int, int | None] | None:
+    """The (every, offset) whose MoE layers (i % every == offset) in a stack of `num_layers` are exactly
+    `layers`: (0, None) for none, a lone layer o as (num_layers, o); None when no pair says them."""
+    ordered = sorted(layers)
+    if not ordered:
+        return 0, None
+    every = ordered[1] - ordered[0] if len(ordered) > 1 else num_layers
+    offset = ordered[0]
+    if offset >= every or {i for i in range(num_layers) if i % every == offset} != layers:
+        return None
+    return every, offset
+
+
+def _moe_layer_set(cfg: ModelConfig, stack: str) -> set[int]:
+    layers = cfg.num_encoder_layers if stack == "encoder" else cfg.num_decoder_layers
+    return {i for i in range(layers) if cfg.moe.is_moe_layer(stack, i)}
+
+
+def _layout_fields(layouts: dict[str, tuple[int, int | None]]) -> dict:
+    """MoEConfig's layout fields for each stack's (every, offset): one shared `every` (the decoder's
+    when it has MoE layers), and a stack's own every and offset only where they differ from it."""
+    shared = next((every for every, _ in (layouts["decoder"], layouts["encoder"]) if every), 1)
+    fields = dict(every=shared)
+    for stack, (every, offset) in layouts.items():
+        if every != shared:
+            fields[f"{stack}_every"] = every
+        if every and offset != every - 1:
+            fields[f"{stack}_offset"] = offset
+    return fields
 
 
 def _switch_config(hf: dict) -> dict:
     _require(hf, "router_bias", (False,), False)
     _require(hf, "router_dtype", ("float32",), "float32")  # jaxformer's router runs in float32
     E = _experts(hf, "num_experts")
-    enc, dec = hf["num_layers"], _get(hf, "num_decoder_layers", hf["num_layers"])
-    theirs = (_switch_sparse_layers(enc, _get(hf, "num_sparse_encoder_layers", 3)),
-              _switch_sparse_layers(dec, _get(hf, "num_sparse_decoder_layers", 3)))  # fmt: skip
-    every = next((n for n in range(1, max(enc, dec) + 2) if (_moe_layers(enc, n), _moe_layers(dec, n)) == theirs), 0)
-    if not every:
-        raise UnsupportedCheckpoint(
-            f"config.json: num_sparse_encoder_layers / num_sparse_decoder_layers make layers {sorted(theirs[0])} "
-            f"(encoder) and {sorted(theirs[1])} (decoder) sparse: jaxformer's model.moe.every makes layers "
-            "every-1, 2*every-1, ... of both stacks sparse"
-        )
+    layouts = {}
+    for stack, depth in SWITCH_STACKS:
+        layers = hf["num_layers"] if depth == "num_layers" else _get(hf, depth, hf["num_layers"])
+        sparse = _switch_sparse_layers(layers, _switch_sparse_step(hf, stack, layers))
+        layouts[stack] = _layout_of(sparse, layers)  # every pattern transformers builds has one
     capacity = _get(hf, "expert_capacity", 64)
     if not isinstance(capacity, int) or capacity < 1:
         raise UnsupportedCheckpoint(f"config.json: expert_capacity={capacity!r} must be a positive number of tokens")
     moe = MoEConfig(
-        num_experts=E, experts_per_token=1, every=every, router="softmax_topk", expert_capacity=capacity,
+        num_experts=E, experts_per_token=1, **_layout_fields(layouts), router="softmax_topk", expert_capacity=capacity,
         router_noise=float(_get(hf, "router_jitter_noise", 0.01)),
         z_loss_weight=float(_get(hf, "router_z_loss_coef", 0.001)),
         aux_loss_weight=float(_get(hf, "router_aux_loss_coef", 0.001)),
@@ -602,15 +645,24 @@ def _switch_config(hf: dict) -> dict:
 def _switch_hf(cfg: ModelConfig) -> dict:
     moe = cfg.moe
     sparse = {}
-    for key, layers in (("num_sparse_encoder_layers", cfg.num_encoder_layers),
-                        ("num_sparse_decoder_layers", cfg.num_decoder_layers)):  # fmt: skip
-        ours = _moe_layers(layers, moe.every)
-        # The count of sparse layers when it says them (it may not: HF's num_sparse=0 makes layer 1 sparse).
-        counts = (len(ours), *range(layers + 1))
-        n = next((n for n in counts if _switch_sparse_layers(layers, n) == ours), None)
-        if n is None:
-            raise UnsupportedCheckpoint(f"model.moe.every={moe.every}: no {key} makes layers {sorted(ours)} sparse")
-        sparse[key] = n
+    for stack, layers in (("encoder", cfg.num_encoder_layers), ("decoder", cfg.num_decoder_layers)):
+        ours = _moe_layer_set(cfg, stack)
+        step = next((s for s in range(layers + 1) if _switch_sparse_layers(layers, s) == ours), None)
+        if step is None:
+            every, offset = moe.layout(stack)
+            own = [f for f in (f"{stack}_offset", f"{stack}_every") if getattr(moe, f) is not None]
+            field = f"model.moe.{own[0] if own else 'every'}"
+            raise UnsupportedCheckpoint(
+                f"{field}: the {stack}'s MoE layers {sorted(ours)} (i % {every} == {offset}, of {layers}) have no "
+                f"{stack}_sparse_step: Hugging Face's Switch makes layers 1, 1 + step, 1 + 2 * step, ... sparse "
+                f"(every layer with step 1, none with 0); set model.moe.{stack}_offset=1, or every 1"
+            )
+        # The step itself (transformers keeps a saved step over the one it computes) and a count that
+        # computes the same step where there is one (num_layers // count; the number of sparse layers
+        # where it does; 0 for none).
+        count = next((n for n in (len(ours), *range(1, layers + 1)) if n and layers // n == step), len(ours))
+        count = count if step else 0
+        sparse |= {f"{stack}_sparse_step": step, f"num_sparse_{stack}_layers": count}
     hf = {k: v for k, v in _t5_hf(cfg.replace(activation="relu")).items() if k != "feed_forward_proj"}
     return hf | sparse | dict(
         architectures=["SwitchTransformersForConditionalGeneration"], dense_act_fn=ACTIVATION_NAMES[cfg.activation],
@@ -719,9 +771,30 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     """
     hf = {key: value for key, value in hf.items() if value is not None}  # null = absent
     try:
-        return ModelConfig(**(FAMILIES[hf["model_type"]].to_config(hf) | overrides))
+        fields = FAMILIES[hf["model_type"]].to_config(hf) | overrides
+        if hf["model_type"] == "switch_transformers" and fields.get("scan_layers"):
+            _switch_scannable(hf, ModelConfig(**(fields | {"scan_layers": False})))
+        return ModelConfig(**fields)
     except KeyError as e:
         raise UnsupportedCheckpoint(f"config.json lacks {e}") from None
+
+
+def _switch_scannable(hf: dict, cfg: ModelConfig) -> None:
+    """Refuse, naming the step fields, sparse layouts whose scanned blocks (`ModelConfig.scan_block`)
+    do not divide a stack's depth."""
+    N = cfg.scan_block
+    for stack, depth in SWITCH_STACKS:
+        layers = getattr(cfg, f"num_{stack}_layers")
+        if layers % N:
+            steps = " and ".join(
+                f"{s}_sparse_step={_switch_sparse_step(hf, s, getattr(cfg, f'num_{s}_layers'))}"
+                for s, _ in SWITCH_STACKS
+            )
+            raise UnsupportedCheckpoint(
+                f"config.json: {steps} make layers {sorted(_moe_layer_set(cfg, 'encoder'))} (encoder) and "
+                f"{sorted(_moe_layer_set(cfg, 'decoder'))} (decoder) sparse: scanned, each stack takes blocks of {N} "
+                f"layers, and {depth}={layers} is not a multiple; load with scan_layers=False"
+            )
 
 
 def config_to_hf(cfg: ModelConfig, family: str | None = None) -> dict:
@@ -748,8 +821,16 @@ RUNTIME_FIELDS = ("dtype", "attention_impl", "matmul_precision", "scan_layers", 
 
 
 def _explicit(cfg: ModelConfig) -> ModelConfig:
-    """`cfg` with head_dim and num_kv_heads spelled out, as config.json holds them."""
-    return cfg.replace(head_dim=cfg.dim_per_head, num_kv_heads=cfg.kv_heads)
+    """`cfg` with head_dim and num_kv_heads spelled out, as config.json holds them, and each stack's MoE
+    layout as the layers it makes MoE (one (every, offset) per stack of the mode: two spellings of the
+    same layers are one model)."""
+    layout = {"every": 1}
+    for stack in ("encoder", "decoder"):
+        layers = cfg.num_encoder_layers if stack == "encoder" else cfg.num_decoder_layers
+        every, offset = _layout_of(_moe_layer_set(cfg, stack), layers) if stack in cfg.stacks else (0, None)
+        layout |= {f"{stack}_every": every, f"{stack}_offset": offset}
+    moe = dataclasses.replace(cfg.moe, **layout)
+    return cfg.replace(head_dim=cfg.dim_per_head, num_kv_heads=cfg.kv_heads, moe=moe)
 
 
 def _round_trip(family: str, cfg: ModelConfig) -> ModelConfig:
@@ -873,7 +954,7 @@ def _expand(rules: list[Rule], cfg: ModelConfig) -> Iterator[tuple[Rule, int | N
         side = rule.ours[0].split(".")[0]
         layers = cfg.num_encoder_layers if side == "encoder" else cfg.num_decoder_layers
         for i in range(layers):
-            if rule.layers != "all" and cfg.moe.is_moe_layer(i) != (rule.layers == "moe"):
+            if rule.layers != "all" and cfg.moe.is_moe_layer(side, i) != (rule.layers == "moe"):
                 continue
             for e in range(cfg.moe.num_experts) if "{e}" in rule.theirs else (None,):
                 ours = tuple(o.format(i=i, e=e) for o in rule.ours)
