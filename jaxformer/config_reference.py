@@ -1,4 +1,4 @@
-"""What each config field means, read from the `# comment`s beside the fields in jaxformer/config.py.
+"""What each config field means, read from the `# comment`s beside the fields in jaxformer/config/.
 
 One source for both readers of it: `jaxformer config EXPERIMENT` (every field with its value, type and
 meaning) and the site's config reference, docs/config.md (scripts/make_reference_pages.py).
@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import io
 import pathlib
+import sys
 import tokenize
 
 from jaxformer import config
@@ -28,29 +29,32 @@ def _comments(source: str) -> dict[int, str]:
 
 
 @functools.cache
-def _source() -> tuple[str, dict[int, str], ast.Module]:
-    source = pathlib.Path(config.__file__).read_text()
+def _source(path: str) -> tuple[str, dict[int, str], ast.Module]:
+    source = pathlib.Path(path).read_text()
     return source, _comments(source), ast.parse(source)
 
 
 def field_docs(cls: type) -> dict[str, tuple[str, str]]:
-    """The fields of a config dataclass of jaxformer/config.py, as written there.
+    """The fields of a config dataclass of jaxformer/config/, as written in the module that defines it.
 
     Args:
-        cls: a dataclass defined in jaxformer/config.py (`ModelConfig`, `MoEConfig`, ...).
+        cls: a dataclass defined in a module of jaxformer/config/ (`ModelConfig`, `MoEConfig`, ...).
 
     Returns:
         field name -> (its annotation as written, its meaning): the meaning joins the comment lines
         right above the field and the comment on its own lines ("" if it has none).
 
     Raises:
-        ValueError: `cls` is not a class defined in jaxformer/config.py.
+        ValueError: `cls` is not a class defined in jaxformer/config/.
     """
-    source, comments, tree = _source()
-    lines = source.splitlines()
-    found = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__]
+    path = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    found = []
+    if path and pathlib.Path(path).parent == pathlib.Path(config.__file__).parent:
+        source, comments, tree = _source(path)
+        lines = source.splitlines()
+        found = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__]
     if not found:
-        raise ValueError(f"{cls.__name__} is not a class of jaxformer/config.py")
+        raise ValueError(f"{cls.__name__} is not a class of jaxformer/config/")
     out = {}
     for node in found[0].body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
@@ -72,7 +76,7 @@ def fields(cfg: config.Config) -> list[tuple[str, object, str, str]]:
         cfg: the config of a run (an experiment's `get_config()`, with any overrides applied).
 
     Returns:
-        (dotted name, value, annotation as written in config.py, meaning) for each field, in the
+        (dotted name, value, annotation as written in jaxformer/config/, meaning) for each field, in the
         order of `config.SECTIONS` and of each section's fields.
     """
     out = []

@@ -3,7 +3,7 @@
 docs/cli.md      every `jaxformer` subcommand and option, from cli.build_parser() (argparse)
 docs/config.md   every config field with its type, default and meaning, one table per section
                  (config.SECTIONS, and each nested section such as `model.moe`); the meaning is the
-                 field's `# comment` in jaxformer/config.py, read by jaxformer/config_reference.py
+                 field's `# comment` in jaxformer/config/, read by jaxformer/config_reference.py
                  (which `jaxformer config EXPERIMENT` prints from too)
 
 python scripts/make_reference_pages.py            # rewrite both pages
@@ -131,7 +131,7 @@ def config_page() -> str:
     from jaxformer.config_reference import field_docs
 
     lines = [
-        GENERATED.format(source="jaxformer/config.py"),
+        GENERATED.format(source="jaxformer/config/"),
         "",
         "# Config reference",
         "",
