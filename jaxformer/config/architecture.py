@@ -1,0 +1,312 @@
+"""The model's architecture: ModelConfig (the `model` section) and its mixture of experts, MoEConfig
+(`model.moe`): what the layers are built from."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+from jaxformer.config.base import check_field_types, require
+
+MODES = ("encoder_only", "decoder_only", "encoder_decoder")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts feed-forward (Shazeer et al. 2017; GShard; Switch; Mixtral): a router sends
+    each token to `experts_per_token` of `num_experts` FFNs. num_experts=0 (the default) is dense.
+
+    Overridden as `--set model.moe.num_experts=8`.
+    """
+
+    num_experts: int = 0  # E; 0 = every feed-forward is dense
+    experts_per_token: int = 2  # top-k (Switch: 1, Mixtral: 2)
+    every: int = 1  # layer i (from 0) is MoE when (i + 1) % every == 0 (Switch: 2, ST-MoE: 4); both stacks
+    encoder_every: int | None = None  # the encoder's own period (Switch's steps may differ); None = every, 0 = none
+    encoder_offset: int | None = None  # encoder layer i is MoE when i % encoder_every == this; None = period - 1
+    decoder_every: int | None = None  # the decoder's own (a decoder-only model's stack); None = every, 0 = none
+    decoder_offset: int | None = None  # decoder layer i is MoE when i % decoder_every == this; None = period - 1
+    # softmax_topk: top-k of the softmax probabilities, kept as they are (Switch, GShard);
+    # topk_softmax: softmax over the k largest logits (Mixtral)
+    router: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
+    # 0 = dropless (tokens sorted by expert, a grouped matmul); > 0: each expert takes at most
+    # ceil(capacity_factor * T * k / E) tokens of a row, the rest skip the FFN (Switch: 1.25)
+    capacity_factor: float = 0.0
+    # > 0: each expert takes at most this many tokens of a row, whatever the row's length (Hugging Face
+    # Switch Transformers' expert_capacity); instead of capacity_factor, which must then be 0
+    expert_capacity: int = 0
+    router_noise: float = 0.0  # Switch's jitter: router inputs times U(1 - eps, 1 + eps) while training
+    z_loss_weight: float = 0.0  # router z-loss (ST-MoE: 1e-3): mean log(sum exp logits)^2
+    aux_loss_weight: float = 0.0  # load-balancing loss (Switch: 1e-2): E * sum_e f_e P_e
+    shared_experts: int = 0  # dense FFNs every token goes through beside its routed ones (DeepSeekMoE)
+    expert_d_ff: int | None = None  # each expert's width; None = model.d_ff
+
+    def __post_init__(self):
+        p = "model.moe"
+        check_field_types(self, p)
+        require(self.num_experts >= 0, f"{p}.num_experts", f"must be >= 0 (0 = dense), got {self.num_experts}")
+        require(self.every > 0, f"{p}.every", f"must be positive, got {self.every}")
+        for stack in ("encoder", "decoder"):
+            every, offset = getattr(self, f"{stack}_every"), getattr(self, f"{stack}_offset")
+            require(
+                every is None or every >= 0,
+                f"{p}.{stack}_every",
+                f"must be >= 0 (0 = no MoE layer in the {stack}), got {every}",
+            )
+            every = self.every if every is None else every
+            require(
+                offset is None or 0 <= offset < every,
+                f"{p}.{stack}_offset",
+                f"must be in [0, {stack}_every={every}) (layer i is MoE when i % {every} == offset), got {offset}"
+                if every
+                else f"{stack}_every=0 has no MoE layer to place; got offset {offset}",
+            )
+        require(self.shared_experts >= 0, f"{p}.shared_experts", f"must be >= 0, got {self.shared_experts}")
+        require(
+            self.expert_d_ff is None or self.expert_d_ff > 0,
+            f"{p}.expert_d_ff",
+            f"must be positive, got {self.expert_d_ff}",
+        )
+        for name in ("capacity_factor", "z_loss_weight", "aux_loss_weight"):
+            value = getattr(self, name)
+            require(0 <= value < math.inf, f"{p}.{name}", f"must be >= 0, got {value}")
+        require(self.expert_capacity >= 0, f"{p}.expert_capacity", f"must be >= 0, got {self.expert_capacity}")
+        require(
+            not (self.expert_capacity and self.capacity_factor),
+            f"{p}.expert_capacity",
+            f"expert_capacity={self.expert_capacity} and capacity_factor={self.capacity_factor} both set the "
+            "capacity: give one (the other 0)",
+        )
+        require(0 <= self.router_noise < 1, f"{p}.router_noise", f"must be in [0, 1), got {self.router_noise}")
+        if self.num_experts:
+            require(
+                1 <= self.experts_per_token <= self.num_experts,
+                f"{p}.experts_per_token",
+                f"must be in [1, num_experts={self.num_experts}], got {self.experts_per_token}",
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+    def layout(self, stack: Literal["encoder", "decoder"]) -> tuple[int, int]:
+        """A stack's MoE layout: (every, offset), its layer i MoE when i % every == offset.
+
+        Args:
+            stack: "encoder" or "decoder" (a decoder-only model's stack is the decoder).
+
+        Returns:
+            (every, offset); every = 0 when the stack has no MoE layer (or MoE is off).
+        """
+        every = getattr(self, f"{stack}_every")
+        every = self.every if every is None else every
+        if not self.enabled or not every:
+            return 0, 0
+        offset = getattr(self, f"{stack}_offset")
+        return every, every - 1 if offset is None else offset
+
+    def is_moe_layer(self, stack: Literal["encoder", "decoder"], index: int) -> bool:
+        """Whether layer `index` (from 0) of `stack` has the MoE feed-forward.
+
+        Args:
+            stack: "encoder" or "decoder".
+            index: the layer's index in its stack.
+
+        Returns:
+            True for an MoE layer.
+        """
+        every, offset = self.layout(stack)
+        return every > 0 and index % every == offset
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Transformer in one of three modes.
+
+    Defaults are the paper's base model ("Attention Is All You Need", Table 3).
+    """
+
+    mode: Literal["encoder_only", "decoder_only", "encoder_decoder"] = "encoder_decoder"  # BERT, GPT, the paper / T5
+    vocab_size: int = 37_000  # shared BPE vocabulary of the paper's WMT en-de model
+    d_model: int = 512  # D
+    num_heads: int = 8  # H
+    num_kv_heads: int | None = None  # G; None = num_heads (multi-head), 1 = multi-query
+    head_dim: int | None = None  # K; None = d_model // num_heads
+    d_ff: int = 2048  # F
+    num_encoder_layers: int = 6  # L of the encoder stack (paper N = 6); decoder_only has none
+    num_decoder_layers: int = 6  # L of the decoder stack (paper N = 6); encoder_only has none
+    max_len: int = 512  # longest sequence the positional encoding covers
+    dropout_rate: float = 0.1  # residual and embedding dropout (paper P_drop)
+    attention_dropout_rate: float = 0.0  # on attention weights (Annotated Transformer uses P_drop)
+    # gelu: tanh approximation (GPT-2); gelu_exact: with erf (BERT, BART); swiglu, geglu: gated (Llama, T5 v1.1)
+    activation: Literal["relu", "gelu", "gelu_exact", "swiglu", "geglu"] = "relu"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # rmsnorm: no mean subtracted, no bias (T5, Llama)
+    norm_position: Literal["post", "pre"] = "post"  # post: LayerNorm(x + Sublayer(x)) as in the paper
+    norm_eps: float = 1e-6  # added to the variance inside every norm
+    # relative: T5's bucketed relative-position bias on each stack's self-attention logits
+    position: Literal["sinusoidal", "learned", "rope", "relative", "none"] = "sinusoidal"
+    rope_base: float = 10_000.0  # rope: base of the rotary frequencies, base^(-2i/K) (Llama: 10000)
+    position_offset: int = 0  # learned: position p reads table row p + offset (BART: 2; max_len + offset rows)
+    relative_buckets: int = 32  # relative: buckets of the bias table (T5: 32)
+    relative_max_distance: int = 128  # relative: distances beyond this share the last bucket (T5: 128)
+    embed_norm: bool = False  # a norm on the summed embeddings before the first layer (BERT, BART)
+    type_vocab_size: int = 0  # encoder: > 0 adds token-type (sentence A/B) embeddings (BERT: 2)
+    scale_attention: bool = True  # attention logits / sqrt(K); T5 folds the scale into its initialisation
+    use_bias: bool = True  # biases in projections (the paper's linear layers have them)
+    share_embeddings: bool = True  # encoder and decoder input embeddings are one matrix
+    tie_output: bool = True  # output logits use the (decoder) input embedding, transposed
+    scale_embeddings: bool = True  # multiply embeddings by sqrt(D), paper section 3.4
+    logits_bias: bool = False  # a bias on the decoder's vocabulary logits (BART's final_logits_bias)
+    scale_tied_logits: bool = False  # tied output: multiply the final states by D^-0.5 first (T5 v1.0)
+    num_classes: int = 0  # encoder_only: > 0 adds a sequence classification head
+    pooling: Literal["first", "mean"] = "first"  # classification pooling: [CLS] token or masked mean
+    pad_id: int = 0  # the padding token: written after EOS by decoding; a Hugging Face config's pad_token_id
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; parameters stay float32
+    # auto: cuDNN flash attention on GPU, splash attention on TPU, XLA's fused attention elsewhere; with
+    # mesh.context > 1 the same inside each ring block on GPU and TPU, XLA's einsums elsewhere
+    attention_impl: Literal["naive", "auto", "xla", "cudnn", "splash"] = "naive"
+    # With mesh.context > 1, attention over the split sequence: "ring" passes key/value blocks around
+    # the context axis (never more than two on a device); "allgather" gathers them all first.
+    context_attention: Literal["ring", "allgather"] = "ring"
+    # How the steps lay a causal sequence over the context axis: "contiguous" blocks, or "zigzag" (each
+    # device holds blocks i and 2n-1-i of 2n: the same share of the causal triangle, so no device idles).
+    context_layout: Literal["contiguous", "zigzag"] = "contiguous"
+    # float32 matmuls: "default" leaves JAX's setting (GPUs then use TF32, ~1e-3 off float32; TPUs
+    # bfloat16 passes); "high" / "highest" ask for more. bfloat16 compute is unaffected.
+    matmul_precision: Literal["default", "high", "highest"] = "default"
+    scan_layers: bool = False  # one compiled layer body scanned over a stacked `layers` axis
+    # What a layer keeps for the backward pass. "none": everything its backward reads; "dots_saveable":
+    # matmul outputs, the elementwise rest recomputed; "full": nothing, the layer recomputed. "auto":
+    # "dots_saveable" when scanned, "none" unrolled: a scan stores each kept value of every layer as a
+    # loop output, and with "none" its temporaries were 1.5-2x the unrolled stack's once activations
+    # dominate them (TPU compiler; docs/guides/accelerators.md, "Scanned layers"). Host offload (where
+    # the backend has host memory it can copy to in the step: TPU, GPU; on CPU nothing moves):
+    # "offload_dots" keeps what "dots_saveable" keeps in host memory; "offload_inputs" is "full" with
+    # each layer's input kept there (docs/guides/long-context.md).
+    remat: Literal["auto", "none", "full", "dots_saveable", "offload_dots", "offload_inputs"] = "auto"
+    check_token_ids: bool = True  # reject ids outside [0, V): a host callback under jit; fit checks on the host
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)  # mixture of experts (num_experts=0: dense)
+
+    def __post_init__(self):
+        p = "model"
+        if isinstance(self.moe, dict):  # JSON (a saved config) gives the section as an object
+            known = {f.name for f in dataclasses.fields(MoEConfig)}
+            for key in self.moe:
+                require(key in known, f"{p}.moe.{key}", f"unknown field (known: {', '.join(sorted(known))})")
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
+        check_field_types(self, p)
+        for name in ("vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
+            require(getattr(self, name) > 0, f"{p}.{name}", f"must be positive, got {getattr(self, name)}")
+        for name in ("num_encoder_layers", "num_decoder_layers", "num_classes", "position_offset", "type_vocab_size"):
+            require(getattr(self, name) >= 0, f"{p}.{name}", f"must be >= 0, got {getattr(self, name)}")
+        if self.head_dim is None:
+            require(
+                self.d_model % self.num_heads == 0,
+                f"{p}.num_heads",
+                f"num_heads={self.num_heads} does not divide d_model={self.d_model} (or set head_dim)",
+            )
+        else:
+            require(self.head_dim > 0, f"{p}.head_dim", f"must be positive, got {self.head_dim}")
+        kv = self.kv_heads
+        require(kv > 0, f"{p}.num_kv_heads", f"must be positive, got {kv}")
+        require(
+            self.num_heads % kv == 0,
+            f"{p}.num_kv_heads",
+            f"num_kv_heads={kv} does not divide num_heads={self.num_heads}",
+        )
+        for name in ("dropout_rate", "attention_dropout_rate"):
+            rate = getattr(self, name)
+            require(0.0 <= rate < 1.0, f"{p}.{name}", f"must be in [0, 1), got {rate}")
+        require(self.norm_eps > 0, f"{p}.norm_eps", f"must be positive, got {self.norm_eps}")
+        require(0 <= self.pad_id < self.vocab_size, f"{p}.pad_id", f"must be in [0, vocab_size={self.vocab_size})")
+        if self.position == "sinusoidal":
+            require(
+                self.d_model % 2 == 0, f"{p}.d_model", f"sinusoidal positions need an even d_model, got {self.d_model}"
+            )
+        if self.position == "rope":
+            require(
+                self.dim_per_head % 2 == 0, f"{p}.head_dim", f"RoPE needs an even head dim, got {self.dim_per_head}"
+            )
+        require(
+            self.position_offset == 0 or self.position == "learned",
+            f"{p}.position_offset",
+            f"an offset into the position table needs position='learned', not {self.position!r}",
+        )
+        if self.position == "relative":
+            require(self.relative_buckets >= 4, f"{p}.relative_buckets", f"must be >= 4, got {self.relative_buckets}")
+            require(
+                self.relative_max_distance > self.relative_buckets // 2,
+                f"{p}.relative_max_distance",
+                f"must exceed relative_buckets // 2 = {self.relative_buckets // 2}, got {self.relative_max_distance}",
+            )
+        require(
+            self.type_vocab_size == 0 or self.mode != "decoder_only",
+            f"{p}.type_vocab_size",
+            "token-type embeddings belong to an encoder; mode='decoder_only' has none",
+        )
+        require(
+            not self.logits_bias or self.mode != "encoder_only",
+            f"{p}.logits_bias",
+            "mode='encoder_only': the masked-LM head always has its bias",
+        )
+        require(
+            not self.scale_tied_logits or self.tie_output,
+            f"{p}.scale_tied_logits",
+            "rescales only tied output logits (tie_output=True)",
+        )
+        if self.mode in ("encoder_only", "encoder_decoder"):
+            require(self.num_encoder_layers > 0, f"{p}.num_encoder_layers", f"mode={self.mode} needs an encoder")
+        if self.mode in ("decoder_only", "encoder_decoder"):
+            require(self.num_decoder_layers > 0, f"{p}.num_decoder_layers", f"mode={self.mode} needs a decoder")
+        require(
+            self.num_classes == 0 or self.mode == "encoder_only",
+            f"{p}.num_classes",
+            "a classification head needs mode='encoder_only'",
+        )
+        N = self.scan_block
+        if self.scan_layers and N > 1:  # scanned in blocks of N layers: whole blocks only
+            for stack in self.stacks:
+                name, own = f"num_{stack}_layers", getattr(self.moe, f"{stack}_every")
+                field, value = ("every", self.moe.every) if own is None else (f"{stack}_every", own)
+                why = "" if self.moe.layout(stack)[0] == N else " (the least common multiple of the stacks' every)"
+                require(
+                    getattr(self, name) % N == 0,
+                    f"{p}.moe.{field}",
+                    f"{field}={value} with scan_layers=True scans blocks of {N} layers{why}: "
+                    f"{p}.{name}={getattr(self, name)} is not a multiple; set scan_layers=False",
+                )
+
+    @property
+    def stacks(self) -> tuple[str, ...]:
+        """The mode's layer stacks: ("encoder",), ("decoder",) or ("encoder", "decoder")."""
+        return {"encoder_only": ("encoder",), "decoder_only": ("decoder",)}.get(self.mode, ("encoder", "decoder"))
+
+    @property
+    def scan_block(self) -> int:
+        """Layers per block of a scanned stack: N when MoE takes every N-th layer (N - 1 dense layers and
+        the MoE one scanned as one body), the least common multiple of the stacks' N when they differ
+        (`moe.encoder_every`, `moe.decoder_every`), else 1 (every layer alike)."""
+        return math.lcm(*(max(self.moe.layout(stack)[0], 1) for stack in self.stacks))
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.d_model // self.num_heads if self.head_dim is None else self.head_dim
+
+    def replace(self, **changes) -> ModelConfig:
+        """The config with `changes` applied, validated again.
+
+        Args:
+            **changes (object): field=value pairs.
+
+        Returns:
+            A new ModelConfig.
+
+        Raises:
+            ConfigError: a changed field's value is invalid.
+        """
+        return dataclasses.replace(self, **changes)
