@@ -1,0 +1,132 @@
+"""`--set section.field=value`: the field a dotted name points to (field_hint, with "did you mean"
+for a misspelled one), the value parsed by the field's type (parse_overrides), and the config with
+the values in place, validated again (with_values, apply_overrides)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Literal
+
+from jaxformer.config.base import ConfigError, _matches, _type_name, did_you_mean, require
+from jaxformer.config.files import from_dict
+from jaxformer.config.run import SECTIONS, Config
+
+
+def field_hint(dotted: str):
+    """The type annotation of the field `section.field` (or `section.field.subfield` inside a
+    nested section such as `model.moe`) names; ConfigError naming it if none.
+
+    Args:
+        dotted: "section.field" or "section.field.subfield".
+
+    Returns:
+        hint (type): the annotation.
+
+    Raises:
+        ConfigError: no such field, or the name is a section.
+    """
+    parts = dotted.strip().split(".")
+    if len(parts) < 2 or parts[0] not in SECTIONS:
+        said = did_you_mean(parts[0], SECTIONS)
+        raise ConfigError(f"{dotted}: a field is section.field ({', '.join(SECTIONS)}){said}")
+    cls = SECTIONS[parts[0]]
+    for i, name in enumerate(parts[1:], start=1):
+        require(dataclasses.is_dataclass(cls), dotted, f"{'.'.join(parts[:i])} has no fields")
+        hints = typing.get_type_hints(cls)
+        if name not in hints:
+            said = did_you_mean(name, hints, prefix=".".join(parts[:i]) + ".")
+            raise ConfigError(f"{dotted}: unknown field{said} (known: {', '.join(sorted(hints))})")
+        cls = hints[name]
+    require(not dataclasses.is_dataclass(cls), dotted, f"is a section: set its fields ({dotted}.FIELD=...)")
+    return cls
+
+
+def with_values(cfg: Config, values: dict) -> Config:
+    """`cfg` with fields replaced: {"section.field": value} (or "section.field.subfield"); the result is validated.
+
+    Args:
+        cfg: the config.
+        values: "section.field" -> value.
+
+    Returns:
+        A new, validated Config.
+
+    Raises:
+        ConfigError: an unknown field or an invalid value.
+    """
+    d = cfg.to_dict()
+    for dotted, value in values.items():
+        field_hint(dotted)
+        *parents, name = dotted.strip().split(".")
+        node = d
+        for part in parents:
+            node = node[part]
+        node[name] = value
+    return from_dict(d)
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """`section.field=value` strings as {"section.field": value}, each parsed by the field's type.
+
+    Args:
+        overrides: "section.field=value" strings.
+
+    Returns:
+        "section.field" -> parsed value.
+
+    Raises:
+        ConfigError: a string without "=", an unknown field, or a value its type cannot parse.
+    """
+    values = {}
+    for item in overrides:
+        require("=" in item, item, "an override is section.field=value")
+        dotted, raw = item.split("=", 1)
+        values[dotted.strip()] = _parse(raw.strip(), field_hint(dotted), dotted.strip())
+    return values
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """Apply `section.field=value` overrides; values are parsed by the field's type and validated.
+
+    Args:
+        cfg: the config.
+        overrides: "section.field=value" strings (`--set`).
+
+    Returns:
+        A new, validated Config.
+
+    Raises:
+        ConfigError: an unknown field or an invalid value, naming it.
+    """
+    return with_values(cfg, parse_overrides(overrides))
+
+
+def _parse(raw: str, hint, field: str):
+    if raw.lower() in ("none", "null") and _matches(None, hint):
+        return None
+    candidates = (
+        [h for h in typing.get_args(hint) if h is not type(None)]
+        if typing.get_origin(hint)
+        in (
+            typing.Union,
+            types.UnionType,
+        )
+        else [hint]
+    )
+    for h in candidates:
+        try:
+            if h is bool:
+                if raw.lower() in ("true", "1", "yes", "false", "0", "no"):
+                    return raw.lower() in ("true", "1", "yes")
+                continue
+            if h in (int, float):
+                return h(float(raw)) if h is int and float(raw).is_integer() else h(raw)
+            if h is str or typing.get_origin(h) is Literal:
+                return raw
+            if typing.get_origin(h) is tuple and typing.get_args(h)[:1] == (str,):
+                return tuple(v.strip() for v in raw.split(",") if v.strip())
+        except ValueError:
+            continue
+    raise ConfigError(f"{field}: cannot parse {raw!r} as {_type_name(hint)}")
