@@ -26,8 +26,15 @@ CONFIG_SECTION = (
     "a config section: each field's `# comment` is its meaning, shown in docs/config.md and by "
     "`jaxformer config` (tests/test_docs_site.py checks that every field has one)"
 )
-SECTIONS = "Config ModelConfig MoEConfig TrainConfig DataConfig CheckpointConfig DecodeConfig MeshConfig LoRAConfig"
-DOCUMENTED_ELSEWHERE = {f"jaxformer.config.{name}": CONFIG_SECTION for name in SECTIONS.split()}
+SECTIONS = {  # module of jaxformer.config -> the sections it defines
+    "run": "Config",
+    "architecture": "ModelConfig MoEConfig",
+    "sections": "TrainConfig DataConfig CheckpointConfig DecodeConfig MeshConfig",
+    "lora": "LoRAConfig",
+}
+DOCUMENTED_ELSEWHERE = {
+    f"jaxformer.config.{module}.{name}": CONFIG_SECTION for module, names in SECTIONS.items() for name in names.split()
+}
 
 
 @pytest.fixture(scope="module")
