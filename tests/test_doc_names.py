@@ -20,8 +20,11 @@ from jaxformer import config as C
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-# The last part of each of our modules' dotted names: `ring` -> jaxformer.ring, `hf` -> jaxformer.interop.hf.
-MODULES = {m.name.rsplit(".", 1)[-1]: m.name for m in pkgutil.walk_packages(jaxformer.__path__, "jaxformer.")}
+# The last part of each of our modules' dotted names: `ring` -> jaxformer.ring, `hf` -> jaxformer.interop.hf;
+# where two share it, the shallower (`lora` is jaxformer.lora, not jaxformer.config.lora).
+MODULES = {}
+for _m in sorted(pkgutil.walk_packages(jaxformer.__path__, "jaxformer."), key=lambda m: -m.name.count(".")):
+    MODULES[_m.name.rsplit(".", 1)[-1]] = _m.name
 
 
 def _fields(cls) -> set[str]:

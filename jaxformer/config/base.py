@@ -29,14 +29,6 @@ def require(ok: bool, field: str, message: str) -> None:
         raise ConfigError(f"{field}: {message}")
 
 
-def _check_choice(cfg, field: str, prefix: str) -> None:
-    """Check a Literal-typed field holds one of its allowed values."""
-    hint = typing.get_type_hints(type(cfg))[field]
-    allowed = typing.get_args(hint)
-    value = getattr(cfg, field)
-    require(value in allowed, f"{prefix}.{field}", f"{value!r} is not one of {allowed}")
-
-
 def check_field_types(cfg, prefix: str) -> None:
     """Check each field's value against its annotation (int, float, bool, str, Literal, Optional).
 
