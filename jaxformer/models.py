@@ -425,11 +425,6 @@ class Transformer(nnx.Module):
             if ids.shape[0] != tgt_ids.shape[0]:
                 raise ValueError(f"batch sizes differ: src_ids has {ids.shape[0]} rows, tgt_ids {tgt_ids.shape[0]}")
         r_enc, r_dec = split_rng(dropout_rng, 2)
-        if mode == "encoder_only":
-            return self.encode(
-                ids, src_lengths=lengths, src_segments=segments, src_positions=positions,
-                src_token_types=token_types, dropout_rng=r_enc,
-            )  # fmt: skip
         if mode == "decoder_only":
             return self.decoder_states(
                 None, None, ids, tgt_lengths=lengths, tgt_segments=segments, tgt_positions=positions,
@@ -438,6 +433,8 @@ class Transformer(nnx.Module):
         lengths = self.src_lengths(ids, lengths, segments)  # once, for the encoder and the cross-attention
         memory_BSD = self.encode(ids, src_lengths=lengths, src_segments=segments, src_positions=positions,
                                  src_token_types=token_types, dropout_rng=r_enc)  # fmt: skip
+        if mode == "encoder_only":
+            return memory_BSD
         return self.decoder_states(
             memory_BSD,
             ids,
