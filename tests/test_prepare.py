@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -82,14 +83,14 @@ def test_an_unchanged_corpus_is_reused_and_a_changed_one_rebuilt(tmp_path, capsy
 
 KILLED = """
 import sys, time
-from jaxformer.data import prepare as P
+from jaxformer.data import build, prepare as P
 from jaxformer import config as C
-P.CHUNK, P.PART_BYTES = 8, 2048
-encode = P._encode_chunk
+build.CHUNK, build.PART_BYTES = 8, 2048
+encode = build._encode_chunk
 def slow(fields):
     time.sleep(0.02)
     return encode(fields)
-P._encode_chunk = slow
+build._encode_chunk = slow
 cfg = C.Config(
     model=C.tiny("decoder_only", vocab_size=260, max_len=16),
     data=C.DataConfig(source="files", files=(sys.argv[1],), max_len=16, cache_dir=sys.argv[2]),
@@ -100,7 +101,7 @@ P.prepare(cfg, progress=False)
 
 
 def test_a_killed_prepare_is_never_read_and_a_rerun_finishes_its_parts(tmp_path, monkeypatch):
-    from jaxformer.data import prepare as P
+    from jaxformer.data import build
 
     corpus, cache = tmp_path / "c.jsonl", tmp_path / "cache"
     write_corpus(corpus, n=1500)
@@ -113,10 +114,10 @@ def test_a_killed_prepare_is_never_read_and_a_rerun_finishes_its_parts(tmp_path,
     proc.wait()
     assert not list(cache.glob("*/manifest.json")), "a killed build left a cache that would be read"
     finished = len(list(cache.glob("*.tmp-*/p[0-9]*.json")))
-    monkeypatch.setattr(P, "PART_BYTES", 2048)  # the same parts as the killed build
+    monkeypatch.setattr(build, "PART_BYTES", 2048)  # the same parts as the killed build
     calls = []
-    encode = P._encode_chunk
-    monkeypatch.setattr(P, "_encode_chunk", lambda fields: calls.append(1) or encode(fields))
+    encode = build._encode_chunk
+    monkeypatch.setattr(build, "_encode_chunk", lambda fields: calls.append(1) or encode(fields))
     cfg = cfg_for([corpus], cache)
     prepared = prepare(cfg, progress=False)  # the rerun does the parts the killed build had not finished
     assert not list(cache.glob("*.tmp-*"))
@@ -130,6 +131,7 @@ def test_a_killed_prepare_is_never_read_and_a_rerun_finishes_its_parts(tmp_path,
 
 
 def test_parallel_prepare_of_file_parts_equals_one_process(tmp_path, monkeypatch):
+    from jaxformer.data import build
     from jaxformer.data import prepare as P
 
     texts = [f"document {i}: " + "word " * (i % 17) for i in range(1500)]
@@ -138,7 +140,7 @@ def test_parallel_prepare_of_file_parts_equals_one_process(tmp_path, monkeypatch
     (tmp_path / "d.txt").write_text("".join(t + "\n" + "more\n" * (i % 3) + "\n" for i, t in enumerate(texts)))
     (tmp_path / "e.tsv").write_text("id\ttext\n" + "".join(f"{i}\t{t}\n" for i, t in enumerate(texts)))
     monkeypatch.setattr(P, "PARALLEL_ABOVE", 0)  # worker processes, each file cut into parts of ~4 KB
-    monkeypatch.setattr(P, "PART_BYTES", 4096)
+    monkeypatch.setattr(build, "PART_BYTES", 4096)
     files = [tmp_path / n for n in ("c.jsonl", "d.txt", "e.tsv")]
     cfg = cfg_for(files, tmp_path / "one", prepare_workers=1, max_examples=4400, text_unit="paragraph")
     one = prepare(cfg, progress=False)
@@ -208,14 +210,14 @@ def test_sources_are_cut_to_their_own_width_and_an_unset_width_keeps_the_cache(t
 
 
 def test_each_record_is_read_once_and_labels_found_by_parts_index_the_sorted_set(tmp_path, monkeypatch):
-    from jaxformer.data import prepare as P
+    from jaxformer.data import build
 
     # The first part holds only "pos": its own label index (0) is not the corpus' (2).
     rows = [
         {"text": f"text number {i}", "label": "pos" if i < 60 else ["neg", "pos", "mid"][i % 3]} for i in range(300)
     ]
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    monkeypatch.setattr(P, "PART_BYTES", 2048)
+    monkeypatch.setattr(build, "PART_BYTES", 2048)
     reads, iter_records = [], sources.iter_records
     monkeypatch.setattr(
         sources, "iter_records", lambda *a, **k: (reads.append(r[0]) or r for r in iter_records(*a, **k))
@@ -258,8 +260,8 @@ def test_a_replaced_cache_is_removed_unless_another_workdir_uses_it_and_clean_ta
     again = prepare(cfg, tmp_path / "a", progress=False, own=False).directory
     assert again == first and prepare(cfg, tmp_path / "a", progress=False, own=False).directory.is_dir()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    killed = cache / f"{first.name}.tmp-{P.socket.gethostname()}-{int(dead.stdout)}"
-    building = cache / f"{first.name}.tmp-{P.socket.gethostname()}-{os.getpid()}"
+    killed = cache / f"{first.name}.tmp-{socket.gethostname()}-{int(dead.stdout)}"
+    building = cache / f"{first.name}.tmp-{socket.gethostname()}-{os.getpid()}"
     killed.mkdir()
     building.mkdir()
     argv = ["prepare", "--config", "experiments/lm_shakespeare.py", "--workdir", str(tmp_path / "b"), "--quiet"]
