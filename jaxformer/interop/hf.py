@@ -32,15 +32,44 @@ import logging
 import math
 import pathlib
 import re
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxformer.config import ModelConfig, MoEConfig
-from jaxformer.interop.rules import (
+from jaxformer.config import ModelConfig
+from jaxformer.interop.families import FAMILIES, PEFT_MODULES, TIED_COPIES, Family  # noqa: F401
+from jaxformer.interop.families.bart import _bart_config, _bart_hf, _bart_rules  # noqa: F401
+from jaxformer.interop.families.bert import _bert_config, _bert_hf, _bert_rules  # noqa: F401
+from jaxformer.interop.families.common import (  # noqa: F401
+    ACTIVATION_NAMES,
+    ACTIVATIONS,
+    _activation,
+    _canonical,
+    _experts,
+    _get,
+    _layout_of,
+    _moe_layer_set,
+    _pad_token,
+    _require,
+    _same_on_both_sides,
+)
+from jaxformer.interop.families.gpt2 import _gpt2_config, _gpt2_hf, _gpt2_rules  # noqa: F401
+from jaxformer.interop.families.llama import _llama_config, _llama_hf, _llama_mlp, _llama_rules  # noqa: F401
+from jaxformer.interop.families.mixtral import _mixtral_config, _mixtral_experts, _mixtral_hf  # noqa: F401
+from jaxformer.interop.families.switch import (  # noqa: F401
+    SWITCH_STACKS,
+    _layout_fields,
+    _switch_config,
+    _switch_ffn,
+    _switch_hf,
+    _switch_scannable,
+    _switch_sparse_layers,
+    _switch_sparse_step,
+)
+from jaxformer.interop.families.t5 import T5_FFN, _t5_config, _t5_ffn, _t5_hf, _t5_rules  # noqa: F401
+from jaxformer.interop.rules import (  # noqa: F401
     Rule,
     UnsupportedCheckpoint,
     _expand,
@@ -60,533 +89,6 @@ WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 # Parameters a checkpoint may lack (a new task head): they keep their fresh initialisation.
 HEADS = ("lm_head.", "mlm_head.", "classifier.")
-
-
-# ----------------------------------------------------------------------------- config fields
-
-
-def _get(hf: dict, key: str, default=None):
-    value = hf.get(key, default)
-    return default if value is None else value
-
-
-def _require(hf: dict, key: str, allowed, default=None):
-    """hf[key] (or its default), which must be one of `allowed`."""
-    value = hf.get(key, default)
-    if value not in allowed:
-        raise UnsupportedCheckpoint(f"config.json: {key}={value!r} is not supported (jaxformer reads {allowed})")
-    return value
-
-
-# HF activation names -> ours ("gelu" in Hugging Face is the exact erf form; ours is the tanh one).
-ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu"}
-ACTIVATION_NAMES = {"gelu_exact": "gelu", "gelu": "gelu_new", "relu": "relu"}
-
-
-def _activation(hf: dict, key: str) -> str:
-    return ACTIVATIONS[_require(hf, key, tuple(ACTIVATIONS), "gelu")]
-
-
-def _same_on_both_sides(hf: dict, encoder_key: str, decoder_key: str):
-    if hf[encoder_key] != hf[decoder_key]:
-        raise UnsupportedCheckpoint(
-            f"config.json: {encoder_key}={hf[encoder_key]} != {decoder_key}={hf[decoder_key]}; "
-            "jaxformer's encoder and decoder share one width"
-        )
-    return hf[encoder_key]
-
-
-# ----------------------------------------------------------------------------- families
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """One model family: its config.json both ways and its tensor rules.
-
-    Attributes:
-        model_type: config.json's model_type ("gpt2", "llama", ...).
-        prefix: the base model's prefix, which bare-model checkpoints leave out.
-        to_config: config.json -> ModelConfig fields.
-        from_config: ModelConfig -> config.json fields.
-        rules: ModelConfig -> the tensor rules.
-        ignore: regexes of tensors with no place in jaxformer.
-    """
-
-    model_type: str
-    prefix: str  # the base model's prefix, which bare-model checkpoints leave out ("transformer.", "bert.")
-    to_config: Callable[[dict], dict]  # config.json -> ModelConfig fields
-    from_config: Callable[[ModelConfig], dict]  # ModelConfig -> config.json fields
-    rules: Callable[[ModelConfig], list[Rule]]
-    ignore: tuple[str, ...] = ()  # regexes of tensors with no place in jaxformer (buffers, unused heads)
-
-
-def _gpt2_config(hf: dict) -> dict:
-    if hf.get("add_cross_attention") or hf.get("scale_attn_by_inverse_layer_idx"):
-        raise UnsupportedCheckpoint("config.json: GPT-2 cross-attention / per-layer attention scaling is not supported")
-    D = hf["n_embd"]
-    return dict(
-        mode="decoder_only", vocab_size=hf["vocab_size"], d_model=D, num_heads=hf["n_head"],
-        d_ff=_get(hf, "n_inner", 4 * D), num_encoder_layers=0, num_decoder_layers=hf["n_layer"],
-        max_len=hf["n_positions"], activation=_activation(hf, "activation_function"),
-        norm_eps=_get(hf, "layer_norm_epsilon", 1e-5), dropout_rate=_get(hf, "resid_pdrop", 0.1),
-        attention_dropout_rate=_get(hf, "attn_pdrop", 0.1), position="learned", norm_position="pre",
-        scale_embeddings=False, tie_output=_get(hf, "tie_word_embeddings", True), pad_id=_get(hf, "pad_token_id", 0),
-    )  # fmt: skip
-
-
-def _gpt2_hf(cfg: ModelConfig) -> dict:
-    return dict(
-        architectures=["GPT2LMHeadModel"], vocab_size=cfg.vocab_size, n_embd=cfg.d_model, n_head=cfg.num_heads,
-        n_inner=cfg.d_ff, n_layer=cfg.num_decoder_layers, n_positions=cfg.max_len,
-        activation_function=ACTIVATION_NAMES[cfg.activation], layer_norm_epsilon=cfg.norm_eps,
-        resid_pdrop=cfg.dropout_rate, embd_pdrop=cfg.dropout_rate, attn_pdrop=cfg.attention_dropout_rate,
-        tie_word_embeddings=cfg.tie_output, **_pad_token(cfg),
-    )  # fmt: skip
-
-
-def _pad_token(cfg: ModelConfig) -> dict:
-    """A decoder-only model's pad id, written only when not 0: its padding is structure (lengths), and
-    transformers would take every id-0 token of a prompt for padding."""
-    return {"pad_token_id": cfg.pad_id} if cfg.pad_id else {}
-
-
-def _gpt2_rules(cfg: ModelConfig) -> list[Rule]:
-    h, L = "transformer.h.{i}", "decoder.stack.layers.{i}"
-    rules = [same("transformer.wte.weight", "decoder.embed.embedding"),
-             same("transformer.wpe.weight", "decoder.positions.table")]  # fmt: skip
-    rules += norm(f"{h}.ln_1", f"{L}.self_attn_res.norm", bias=True)
-    rules += [Rule(f"{h}.attn.c_attn.weight", tuple(f"{L}.self_attn.{n}" for n in "qkv"), "conv1d"),
-              Rule(f"{h}.attn.c_attn.bias", tuple(f"{L}.self_attn.{n}_bias" for n in "qkv"), "vector")]  # fmt: skip
-    rules += dense(f"{h}.attn.c_proj", f"{L}.self_attn.o", bias=True, inputs=2, layout="conv1d")
-    rules += norm(f"{h}.ln_2", f"{L}.ffn_res.norm", bias=True)
-    rules += dense(f"{h}.mlp.c_fc", f"{L}.ffn.wi", bias=True, layout="conv1d")
-    rules += dense(f"{h}.mlp.c_proj", f"{L}.ffn.wo", bias=True, layout="conv1d")
-    rules += norm("transformer.ln_f", "decoder.final_norm", bias=True)
-    return rules + ([] if cfg.tie_output else [Rule("lm_head.weight", ("lm_head.kernel",), "linear")])
-
-
-def _llama_config(hf: dict) -> dict:
-    _require(hf, "hidden_act", ("silu",), "silu")
-    _require(hf, "rope_scaling", (None,))
-    _require(hf, "attention_bias", (False,), False)
-    _require(hf, "mlp_bias", (False,), False)
-    D, H = hf["hidden_size"], hf["num_attention_heads"]
-    return dict(
-        mode="decoder_only", vocab_size=hf["vocab_size"], d_model=D, num_heads=H,
-        num_kv_heads=_get(hf, "num_key_value_heads", H), head_dim=_get(hf, "head_dim", D // H),
-        d_ff=hf["intermediate_size"], num_encoder_layers=0, num_decoder_layers=hf["num_hidden_layers"],
-        max_len=_get(hf, "max_position_embeddings", 2048), norm_eps=_get(hf, "rms_norm_eps", 1e-6),
-        rope_base=float(_get(hf, "rope_theta", 10_000.0)), dropout_rate=0.0,
-        attention_dropout_rate=_get(hf, "attention_dropout", 0.0), position="rope", activation="swiglu",
-        norm="rmsnorm", norm_position="pre", use_bias=False, scale_embeddings=False,
-        tie_output=_get(hf, "tie_word_embeddings", False), pad_id=_get(hf, "pad_token_id", 0),
-    )  # fmt: skip
-
-
-def _llama_hf(cfg: ModelConfig) -> dict:
-    return dict(
-        architectures=["LlamaForCausalLM"], vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.dim_per_head,
-        intermediate_size=cfg.d_ff, num_hidden_layers=cfg.num_decoder_layers, max_position_embeddings=cfg.max_len,
-        rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_base, hidden_act="silu", attention_bias=False,
-        mlp_bias=False, attention_dropout=cfg.attention_dropout_rate, tie_word_embeddings=cfg.tie_output,
-        **_pad_token(cfg),
-    )  # fmt: skip
-
-
-def _llama_mlp(h: str, L: str) -> list[Rule]:
-    rules = []
-    for theirs, ours in (("gate_proj", "wi_gate"), ("up_proj", "wi"), ("down_proj", "wo")):
-        rules += dense(f"{h}.mlp.{theirs}", f"{L}.ffn.{ours}", bias=False)
-    return rules
-
-
-def _llama_rules(cfg: ModelConfig, ffn: Callable[[str, str], list[Rule]] = _llama_mlp) -> list[Rule]:
-    """Llama's tensors; `ffn(theirs, ours)` gives a layer's feed-forward rules (Mixtral's are experts)."""
-    h, L = "model.layers.{i}", "decoder.stack.layers.{i}"
-    rules = [same("model.embed_tokens.weight", "decoder.embed.embedding")]
-    rules += norm(f"{h}.input_layernorm", f"{L}.self_attn_res.norm", bias=False)
-    rules += attention(f"{h}.self_attn", f"{L}.self_attn", ("q_proj", "k_proj", "v_proj", "o_proj"), bias=False)
-    rules += norm(f"{h}.post_attention_layernorm", f"{L}.ffn_res.norm", bias=False)
-    rules += ffn(h, L)
-    rules += norm("model.norm", "decoder.final_norm", bias=False)
-    return rules + ([] if cfg.tie_output else [Rule("lm_head.weight", ("lm_head.kernel",), "linear")])
-
-
-def _bert_config(hf: dict) -> dict:
-    _require(hf, "position_embedding_type", ("absolute",), "absolute")
-    classifier = any("SequenceClassification" in a for a in hf.get("architectures") or [])
-    classes = len(hf.get("id2label") or {}) if classifier else 0
-    return dict(
-        mode="encoder_only", vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
-        num_heads=hf["num_attention_heads"], d_ff=hf["intermediate_size"],
-        num_encoder_layers=hf["num_hidden_layers"], num_decoder_layers=0,
-        max_len=hf["max_position_embeddings"], type_vocab_size=hf["type_vocab_size"],
-        norm_eps=_get(hf, "layer_norm_eps", 1e-12), activation=_activation(hf, "hidden_act"),
-        dropout_rate=_get(hf, "hidden_dropout_prob", 0.1),
-        attention_dropout_rate=_get(hf, "attention_probs_dropout_prob", 0.1), position="learned",
-        embed_norm=True, scale_embeddings=False, tie_output=_get(hf, "tie_word_embeddings", True),
-        pad_id=_get(hf, "pad_token_id", 0), num_classes=classes, pooling="first",
-    )  # fmt: skip
-
-
-def _bert_hf(cfg: ModelConfig) -> dict:
-    if cfg.pooling != "first":
-        raise UnsupportedCheckpoint("model.pooling='mean': BERT's pooler reads the first token")
-    out = dict(
-        architectures=["BertForSequenceClassification" if cfg.num_classes else "BertForMaskedLM"],
-        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_attention_heads=cfg.num_heads,
-        intermediate_size=cfg.d_ff, num_hidden_layers=cfg.num_encoder_layers, max_position_embeddings=cfg.max_len,
-        type_vocab_size=cfg.type_vocab_size, layer_norm_eps=cfg.norm_eps, hidden_act=ACTIVATION_NAMES[cfg.activation],
-        hidden_dropout_prob=cfg.dropout_rate, attention_probs_dropout_prob=cfg.attention_dropout_rate,
-        position_embedding_type="absolute", tie_word_embeddings=cfg.tie_output, pad_token_id=cfg.pad_id,
-    )  # fmt: skip
-    if cfg.num_classes:
-        out["id2label"] = {str(c): f"LABEL_{c}" for c in range(cfg.num_classes)}
-        out["label2id"] = {f"LABEL_{c}": c for c in range(cfg.num_classes)}
-    return out
-
-
-def _bert_rules(cfg: ModelConfig) -> list[Rule]:
-    e, h, L = "bert.embeddings", "bert.encoder.layer.{i}", "encoder.stack.layers.{i}"
-    rules = [same(f"{e}.word_embeddings.weight", "encoder.embed.embedding"),
-             same(f"{e}.position_embeddings.weight", "encoder.positions.table"),
-             same(f"{e}.token_type_embeddings.weight", "encoder.token_types")]  # fmt: skip
-    rules += norm(f"{e}.LayerNorm", "encoder.embed_norm", bias=True)
-    rules += attention(f"{h}.attention", f"{L}.self_attn", ("self.query", "self.key", "self.value", "output.dense"),
-                       bias=True)  # fmt: skip
-    rules += norm(f"{h}.attention.output.LayerNorm", f"{L}.self_attn_res.norm", bias=True)
-    rules += dense(f"{h}.intermediate.dense", f"{L}.ffn.wi", bias=True)
-    rules += dense(f"{h}.output.dense", f"{L}.ffn.wo", bias=True)
-    rules += norm(f"{h}.output.LayerNorm", f"{L}.ffn_res.norm", bias=True)
-    p = "cls.predictions"
-    rules += [Rule(f"{p}.transform.dense.weight", ("mlm_head.transform",), "linear"),
-              same(f"{p}.transform.dense.bias", "mlm_head.transform_bias"),
-              same(f"{p}.bias", "mlm_head.bias")]  # fmt: skip
-    rules += norm(f"{p}.transform.LayerNorm", "mlm_head.norm", bias=True)
-    if not cfg.tie_output:
-        rules.append(Rule(f"{p}.decoder.weight", ("mlm_head.decoder.kernel",), "linear"))
-    if cfg.num_classes:
-        rules += [Rule("bert.pooler.dense.weight", ("classifier.pooler",), "linear"),
-                  same("bert.pooler.dense.bias", "classifier.pooler_bias"),
-                  Rule("classifier.weight", ("classifier.out",), "linear"),
-                  same("classifier.bias", "classifier.out_bias")]  # fmt: skip
-    return rules
-
-
-def _bart_config(hf: dict) -> dict:
-    for key in ("add_bias_logits", "normalize_before", "add_final_layer_norm"):
-        _require(hf, key, (False, None))
-    return dict(
-        mode="encoder_decoder", vocab_size=hf["vocab_size"], d_model=hf["d_model"],
-        num_heads=_same_on_both_sides(hf, "encoder_attention_heads", "decoder_attention_heads"),
-        d_ff=_same_on_both_sides(hf, "encoder_ffn_dim", "decoder_ffn_dim"),
-        num_encoder_layers=hf["encoder_layers"], num_decoder_layers=hf["decoder_layers"],
-        max_len=hf["max_position_embeddings"], position="learned", position_offset=2, embed_norm=True,
-        activation=_activation(hf, "activation_function"), norm_eps=1e-5, dropout_rate=_get(hf, "dropout", 0.1),
-        attention_dropout_rate=_get(hf, "attention_dropout", 0.0),
-        scale_embeddings=bool(_get(hf, "scale_embedding", False)), logits_bias=True,
-        tie_output=_get(hf, "tie_word_embeddings", True), pad_id=_get(hf, "pad_token_id", 1),
-    )  # fmt: skip
-
-
-def _bart_hf(cfg: ModelConfig) -> dict:
-    return dict(
-        architectures=["BartForConditionalGeneration"], vocab_size=cfg.vocab_size, d_model=cfg.d_model,
-        encoder_attention_heads=cfg.num_heads, decoder_attention_heads=cfg.num_heads,
-        encoder_ffn_dim=cfg.d_ff, decoder_ffn_dim=cfg.d_ff, encoder_layers=cfg.num_encoder_layers,
-        decoder_layers=cfg.num_decoder_layers, max_position_embeddings=cfg.max_len,
-        activation_function=ACTIVATION_NAMES[cfg.activation], dropout=cfg.dropout_rate,
-        attention_dropout=cfg.attention_dropout_rate, scale_embedding=cfg.scale_embeddings,
-        tie_word_embeddings=cfg.tie_output, pad_token_id=cfg.pad_id,
-    )  # fmt: skip
-
-
-def _bart_rules(cfg: ModelConfig) -> list[Rule]:
-    rules = [same("model.shared.weight", "decoder.embed.embedding")]
-    rules += [Rule("final_logits_bias", ("lm_head.bias",), "row")]
-    for side in ("encoder", "decoder"):
-        h, L = f"model.{side}.layers.{{i}}", f"{side}.stack.layers.{{i}}"
-        rules += [same(f"model.{side}.embed_positions.weight", f"{side}.positions.table")]
-        rules += norm(f"model.{side}.layernorm_embedding", f"{side}.embed_norm", bias=True)
-        attentions = [("self_attn", "self_attn")] + ([("encoder_attn", "cross_attn")] if side == "decoder" else [])
-        for theirs, ours in attentions:
-            rules += attention(f"{h}.{theirs}", f"{L}.{ours}", ("q_proj", "k_proj", "v_proj", "out_proj"), bias=True)
-            rules += norm(f"{h}.{theirs}_layer_norm", f"{L}.{ours}_res.norm", bias=True)
-        rules += dense(f"{h}.fc1", f"{L}.ffn.wi", bias=True) + dense(f"{h}.fc2", f"{L}.ffn.wo", bias=True)
-        rules += norm(f"{h}.final_layer_norm", f"{L}.ffn_res.norm", bias=True)
-    return rules + ([] if cfg.tie_output else [Rule("lm_head.weight", ("lm_head.kernel",), "linear")])
-
-
-T5_FFN = {"relu": "relu", "gated-gelu": "geglu"}
-
-
-def _t5_config(hf: dict) -> dict:
-    tied = _get(hf, "tie_word_embeddings", True)
-    return dict(
-        mode="encoder_decoder", vocab_size=hf["vocab_size"], d_model=hf["d_model"], num_heads=hf["num_heads"],
-        head_dim=hf["d_kv"], d_ff=hf["d_ff"], num_encoder_layers=hf["num_layers"],
-        num_decoder_layers=_get(hf, "num_decoder_layers", hf["num_layers"]), max_len=_get(hf, "n_positions", 512),
-        position="relative", relative_buckets=_get(hf, "relative_attention_num_buckets", 32),
-        relative_max_distance=_get(hf, "relative_attention_max_distance", 128),
-        activation=T5_FFN[_require(hf, "feed_forward_proj", tuple(T5_FFN), "relu")], norm="rmsnorm",
-        norm_position="pre", norm_eps=_get(hf, "layer_norm_epsilon", 1e-6), dropout_rate=_get(hf, "dropout_rate", 0.1),
-        use_bias=False, scale_attention=False, scale_embeddings=False, tie_output=tied, scale_tied_logits=tied,
-        pad_id=_get(hf, "pad_token_id", 0),
-    )  # fmt: skip
-
-
-def _t5_hf(cfg: ModelConfig) -> dict:
-    return dict(
-        architectures=["T5ForConditionalGeneration"], vocab_size=cfg.vocab_size, d_model=cfg.d_model,
-        num_heads=cfg.num_heads, d_kv=cfg.dim_per_head, d_ff=cfg.d_ff, num_layers=cfg.num_encoder_layers,
-        num_decoder_layers=cfg.num_decoder_layers, n_positions=cfg.max_len,
-        relative_attention_num_buckets=cfg.relative_buckets, relative_attention_max_distance=cfg.relative_max_distance,
-        feed_forward_proj={v: k for k, v in T5_FFN.items()}[cfg.activation], layer_norm_epsilon=cfg.norm_eps,
-        dropout_rate=cfg.dropout_rate, tie_word_embeddings=cfg.tie_output, pad_token_id=cfg.pad_id,
-        decoder_start_token_id=cfg.pad_id, is_encoder_decoder=True,
-    )  # fmt: skip
-
-
-def _t5_ffn(cfg: ModelConfig, f: str, L: str) -> list[Rule]:
-    if cfg.activation == "geglu":
-        rules = dense(f"{f}.DenseReluDense.wi_0", f"{L}.ffn.wi_gate", bias=False)
-        rules += dense(f"{f}.DenseReluDense.wi_1", f"{L}.ffn.wi", bias=False)
-    else:
-        rules = dense(f"{f}.DenseReluDense.wi", f"{L}.ffn.wi", bias=False)
-    return rules + dense(f"{f}.DenseReluDense.wo", f"{L}.ffn.wo", bias=False)
-
-
-def _t5_rules(cfg: ModelConfig, ffn: Callable[[ModelConfig, str, str], list[Rule]] = _t5_ffn) -> list[Rule]:
-    """T5's tensors; `ffn(cfg, theirs, ours)` gives a layer's feed-forward rules (Switch's are experts)."""
-    rules = [same("shared.weight", "decoder.embed.embedding")]
-    qkvo = ("q", "k", "v", "o")
-    for side in ("encoder", "decoder"):
-        h, L = f"{side}.block.{{i}}.layer", f"{side}.stack.layers.{{i}}"
-        sublayers = [("SelfAttention", "self_attn")]
-        if side == "decoder":
-            sublayers.append(("EncDecAttention", "cross_attn"))
-        rules.append(
-            same(f"{side}.block.0.layer.0.SelfAttention.relative_attention_bias.weight", f"{side}.relative_bias.table")
-        )
-        for n, (theirs, ours) in enumerate(sublayers):
-            rules += attention(f"{h}.{n}.{theirs}", f"{L}.{ours}", qkvo, bias=False)
-            rules += norm(f"{h}.{n}.layer_norm", f"{L}.{ours}_res.norm", bias=False)
-        f = f"{h}.{len(sublayers)}"
-        rules += ffn(cfg, f, L)
-        rules += norm(f"{f}.layer_norm", f"{L}.ffn_res.norm", bias=False)
-        rules += norm(f"{side}.final_layer_norm", f"{side}.final_norm", bias=False)
-    return rules + ([] if cfg.tie_output else [Rule("lm_head.weight", ("lm_head.kernel",), "linear")])
-
-
-# ----------------------------------------------------------------------------- mixtures of experts
-
-
-def _experts(hf: dict, num_key: str) -> int:
-    """The checkpoint's expert count (`num_key`), checked."""
-    E = hf[num_key]
-    if not isinstance(E, int) or E < 1:
-        raise UnsupportedCheckpoint(f"config.json: {num_key}={E!r} must be a positive number of experts")
-    return E
-
-
-def _mixtral_config(hf: dict) -> dict:
-    # Mixtral's jitter (training only) scales the experts' inputs too, jaxformer's router_noise the router's alone.
-    _require(hf, "router_jitter_noise", (0, 0.0), 0.0)
-    sliding, longest = hf.get("sliding_window"), _get(hf, "max_position_embeddings", 2048)
-    if sliding is not None and sliding < longest:
-        raise UnsupportedCheckpoint(
-            f"config.json: sliding_window={sliding} (< max_position_embeddings={longest}) is not supported: "
-            "jaxformer's attention sees the whole causal prefix"
-        )
-    k = hf["num_experts_per_tok"]
-    E = _experts(hf, "num_local_experts")
-    if not isinstance(k, int) or not 1 <= k <= E:
-        raise UnsupportedCheckpoint(f"config.json: num_experts_per_tok={k!r} must be in [1, num_local_experts={E}]")
-    # transformers adds the load-balancing loss only with output_router_logits.
-    aux = float(_get(hf, "router_aux_loss_coef", 0.001)) if hf.get("output_router_logits") else 0.0
-    moe = MoEConfig(num_experts=E, experts_per_token=k, router="topk_softmax", aux_loss_weight=aux)
-    return _llama_config(hf) | dict(moe=moe)
-
-
-def _mixtral_hf(cfg: ModelConfig) -> dict:
-    moe = cfg.moe
-    hf = {k: v for k, v in _llama_hf(cfg).items() if k not in ("attention_bias", "mlp_bias")}
-    return hf | dict(
-        architectures=["MixtralForCausalLM"], num_local_experts=moe.num_experts,
-        num_experts_per_tok=moe.experts_per_token, router_jitter_noise=0.0, sliding_window=None,
-        output_router_logits=moe.aux_loss_weight > 0, router_aux_loss_coef=moe.aux_loss_weight,
-    )  # fmt: skip
-
-
-def _mixtral_experts(h: str, L: str) -> list[Rule]:
-    """Mixtral's sparse block: the router (gate) [E, D] and per expert w1 (the SiLU-gated half), w3 (up),
-    w2 (down), each expert's slice of our stacked kernels."""
-    m = f"{h}.block_sparse_moe"
-    rules = [Rule(f"{m}.gate.weight", (f"{L}.ffn.router",), "linear")]
-    for theirs, ours in (("w1", "wi_gate"), ("w3", "wi"), ("w2", "wo")):
-        rules.append(Rule(f"{m}.experts.{{e}}.{theirs}.weight", (f"{L}.ffn.{ours}[{{e}}]",), "linear"))
-    return rules
-
-
-SWITCH_STACKS = (("encoder", "num_layers"), ("decoder", "num_decoder_layers"))  # (stack, its depth's field)
-
-
-def _switch_sparse_layers(num_layers: int, step: int) -> set[int]:
-    """The layers transformers' SwitchTransformersStack makes sparse: layer i when step > 0 and
-    (step == 1 or i % step == 1). Every layer with step 1; layers 1, 1 + step, 1 + 2 * step, ...
-    with step >= 2 (layer 1 alone once step >= num_layers - 1, none in a 1-layer stack); none with
-    step <= 0."""
-    return {i for i in range(num_layers) if step > 0 and (step == 1 or i % step == 1)}
-
-
-def _switch_sparse_step(hf: dict, stack: str, num_layers: int) -> int:
-    """The `{stack}_sparse_step` transformers' model reads: config.json's own when it has one (the
-    config class keeps a saved value over the one it computes), else what the config class computes
-    from num_sparse_{stack}_layers: num_layers // num_sparse, or num_layers when num_sparse is 0."""
-    key = f"{stack}_sparse_step"
-    if key in hf:
-        step = hf[key]
-        if not isinstance(step, int) or isinstance(step, bool):
-            raise UnsupportedCheckpoint(f"config.json: {key}={step!r} must be a whole number of layers")
-        return step
-    count = f"num_sparse_{stack}_layers"
-    num_sparse = _get(hf, count, 3)
-    if not isinstance(num_sparse, int) or isinstance(num_sparse, bool):
-        raise UnsupportedCheckpoint(f"config.json: {count}={num_sparse!r} must be a whole number of layers")
-    return num_layers // num_sparse if num_sparse > 0 else num_layers
-
-
-def _layout_of(layers: set[int], num_layers: int) -> tuple[int, int | None] | None:
-    """The (every, offset) whose MoE layers (i % every == offset) in a stack of `num_layers` are exactly
-    `layers`: (0, None) for none, a lone layer o as (num_layers, o); None when no pair says them."""
-    ordered = sorted(layers)
-    if not ordered:
-        return 0, None
-    every = ordered[1] - ordered[0] if len(ordered) > 1 else num_layers
-    offset = ordered[0]
-    if offset >= every or {i for i in range(num_layers) if i % every == offset} != layers:
-        return None
-    return every, offset
-
-
-def _moe_layer_set(cfg: ModelConfig, stack: str) -> set[int]:
-    layers = cfg.num_encoder_layers if stack == "encoder" else cfg.num_decoder_layers
-    return {i for i in range(layers) if cfg.moe.is_moe_layer(stack, i)}
-
-
-def _layout_fields(layouts: dict[str, tuple[int, int | None]]) -> dict:
-    """MoEConfig's layout fields for each stack's (every, offset): one shared `every` (the decoder's
-    when it has MoE layers), and a stack's own every and offset only where they differ from it."""
-    shared = next((every for every, _ in (layouts["decoder"], layouts["encoder"]) if every), 1)
-    fields = dict(every=shared)
-    for stack, (every, offset) in layouts.items():
-        if every != shared:
-            fields[f"{stack}_every"] = every
-        if every and offset != every - 1:
-            fields[f"{stack}_offset"] = offset
-    return fields
-
-
-def _switch_config(hf: dict) -> dict:
-    _require(hf, "router_bias", (False,), False)
-    _require(hf, "router_dtype", ("float32",), "float32")  # jaxformer's router runs in float32
-    E = _experts(hf, "num_experts")
-    layouts = {}
-    for stack, depth in SWITCH_STACKS:
-        layers = hf["num_layers"] if depth == "num_layers" else _get(hf, depth, hf["num_layers"])
-        sparse = _switch_sparse_layers(layers, _switch_sparse_step(hf, stack, layers))
-        layouts[stack] = _layout_of(sparse, layers)  # every pattern transformers builds has one
-    capacity = _get(hf, "expert_capacity", 64)
-    if not isinstance(capacity, int) or capacity < 1:
-        raise UnsupportedCheckpoint(f"config.json: expert_capacity={capacity!r} must be a positive number of tokens")
-    moe = MoEConfig(
-        num_experts=E, experts_per_token=1, **_layout_fields(layouts), router="softmax_topk", expert_capacity=capacity,
-        router_noise=float(_get(hf, "router_jitter_noise", 0.01)),
-        z_loss_weight=float(_get(hf, "router_z_loss_coef", 0.001)),
-        aux_loss_weight=float(_get(hf, "router_aux_loss_coef", 0.001)),
-    )  # fmt: skip
-    activation = ACTIVATIONS[_require(hf, "dense_act_fn", tuple(ACTIVATIONS), "relu")]
-    return _t5_config({k: v for k, v in hf.items() if k != "feed_forward_proj"}) | dict(activation=activation, moe=moe)
-
-
-def _switch_hf(cfg: ModelConfig) -> dict:
-    moe = cfg.moe
-    sparse = {}
-    for stack, layers in (("encoder", cfg.num_encoder_layers), ("decoder", cfg.num_decoder_layers)):
-        ours = _moe_layer_set(cfg, stack)
-        step = next((s for s in range(layers + 1) if _switch_sparse_layers(layers, s) == ours), None)
-        if step is None:
-            every, offset = moe.layout(stack)
-            own = [f for f in (f"{stack}_offset", f"{stack}_every") if getattr(moe, f) is not None]
-            field = f"model.moe.{own[0] if own else 'every'}"
-            raise UnsupportedCheckpoint(
-                f"{field}: the {stack}'s MoE layers {sorted(ours)} (i % {every} == {offset}, of {layers}) have no "
-                f"{stack}_sparse_step: Hugging Face's Switch makes layers 1, 1 + step, 1 + 2 * step, ... sparse "
-                f"(every layer with step 1, none with 0); set model.moe.{stack}_offset=1, or every 1"
-            )
-        # The step itself (transformers keeps a saved step over the one it computes) and a count that
-        # computes the same step where there is one (num_layers // count; the number of sparse layers
-        # where it does; 0 for none).
-        count = next((n for n in (len(ours), *range(1, layers + 1)) if n and layers // n == step), len(ours))
-        count = count if step else 0
-        sparse |= {f"{stack}_sparse_step": step, f"num_sparse_{stack}_layers": count}
-    hf = {k: v for k, v in _t5_hf(cfg.replace(activation="relu")).items() if k != "feed_forward_proj"}
-    return hf | sparse | dict(
-        architectures=["SwitchTransformersForConditionalGeneration"], dense_act_fn=ACTIVATION_NAMES[cfg.activation],
-        num_experts=moe.num_experts, expert_capacity=moe.expert_capacity, router_bias=False, router_dtype="float32",
-        router_jitter_noise=moe.router_noise, router_z_loss_coef=moe.z_loss_weight,
-        router_aux_loss_coef=moe.aux_loss_weight, router_ignore_padding_tokens=False,
-    )  # fmt: skip
-
-
-def _switch_ffn(cfg: ModelConfig, f: str, L: str) -> list[Rule]:
-    """Switch's feed-forward: dense (`mlp.wi`, `mlp.wo`) or sparse (a router and experts), per layer."""
-    dense_ffn = dense(f"{f}.mlp.wi", f"{L}.ffn.wi", bias=False) + dense(f"{f}.mlp.wo", f"{L}.ffn.wo", bias=False)
-    rules = [dataclasses.replace(r, layers="dense") for r in dense_ffn]
-    rules.append(Rule(f"{f}.mlp.router.classifier.weight", (f"{L}.ffn.router",), "linear", layers="moe"))
-    for name in ("wi", "wo"):
-        rules.append(Rule(f"{f}.mlp.experts.expert_{{e}}.{name}.weight", (f"{L}.ffn.{name}[{{e}}]",), "linear",
-                          layers="moe"))  # fmt: skip
-    return rules
-
-
-TIED_COPIES = (r"^(model\.)?(encoder|decoder)\.embed_tokens\.weight$", r"^lm_head\.weight$")
-FAMILIES = {
-    "gpt2": Family("gpt2", "transformer.", _gpt2_config, _gpt2_hf, _gpt2_rules,
-                   ignore=(r"\.attn\.(masked_)?bias$", r"^lm_head\.weight$")),
-    "llama": Family("llama", "model.", _llama_config, _llama_hf, _llama_rules,
-                    ignore=(r"rotary_emb\.inv_freq$", r"^lm_head\.weight$")),
-    "bert": Family("bert", "bert.", _bert_config, _bert_hf, _bert_rules,
-                   ignore=(r"position_ids$", r"^cls\.seq_relationship\.", r"^cls\.predictions\.decoder\.",
-                           r"^bert\.pooler\.")),
-    "bart": Family("bart", "model.", _bart_config, _bart_hf, _bart_rules, ignore=TIED_COPIES),
-    "t5": Family("t5", "", _t5_config, _t5_hf, _t5_rules, ignore=TIED_COPIES),
-    "mixtral": Family("mixtral", "model.", _mixtral_config, _mixtral_hf,
-                      lambda cfg: _llama_rules(cfg, _mixtral_experts),
-                      ignore=(r"rotary_emb\.inv_freq$", r"^lm_head\.weight$")),
-    "switch_transformers": Family("switch_transformers", "", _switch_config, _switch_hf,
-                                  lambda cfg: _t5_rules(cfg, _switch_ffn), ignore=TIED_COPIES),
-}  # fmt: skip
-
-# PEFT LoRA adapters: per family, each hub module peft adapts (as `target_modules` names it) and the
-# jaxformer kernels it holds. A fused module (GPT-2's c_attn = q, k, v) carries one low-rank update of
-# the fused kernel: it reads exactly as q, k and v adapters sharing one A; separate q, k, v adapters
-# write exactly as one of rank n*R (A stacked, B block-diagonal) via peft's rank_pattern.
-PEFT_MODULES = {
-    "gpt2": {"c_attn": ("q", "k", "v"), "attn.c_proj": ("o",), "c_fc": ("wi",), "mlp.c_proj": ("wo",)},
-    "llama": {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "o_proj": ("o",), "gate_proj": ("wi_gate",),
-              "up_proj": ("wi",), "down_proj": ("wo",)},
-    # BERT's attention output and FFN output are both "...output.dense": fuller names tell them apart here;
-    # in peft's suffix matching "output.dense" takes both (save_peft writes a regex for the FFN's alone).
-    "bert": {"query": ("q",), "key": ("k",), "value": ("v",), "attention.output.dense": ("o",),
-             "intermediate.dense": ("wi",), "output.dense": ("wo",)},
-    # BART and T5 name a projection alike in the encoder, the decoder and the cross-attention (lora.stacks).
-    "bart": {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "out_proj": ("o",), "fc1": ("wi",),
-             "fc2": ("wo",)},
-    "t5": {"q": ("q",), "k": ("k",), "v": ("v",), "o": ("o",), "wi": ("wi",), "wi_0": ("wi_gate",),
-           "wi_1": ("wi",), "wo": ("wo",)},  # wi_0 / wi_1: T5 v1.1's gated FFN (gate, up)
-}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- configs
@@ -645,24 +147,6 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
         return ModelConfig(**fields)
     except KeyError as e:
         raise UnsupportedCheckpoint(f"config.json lacks {e}") from None
-
-
-def _switch_scannable(hf: dict, cfg: ModelConfig) -> None:
-    """Refuse, naming the step fields, sparse layouts whose scanned blocks (`ModelConfig.scan_block`)
-    do not divide a stack's depth."""
-    N = cfg.scan_block
-    for stack, depth in SWITCH_STACKS:
-        layers = getattr(cfg, f"num_{stack}_layers")
-        if layers % N:
-            steps = " and ".join(
-                f"{s}_sparse_step={_switch_sparse_step(hf, s, getattr(cfg, f'num_{s}_layers'))}"
-                for s, _ in SWITCH_STACKS
-            )
-            raise UnsupportedCheckpoint(
-                f"config.json: {steps} make layers {sorted(_moe_layer_set(cfg, 'encoder'))} (encoder) and "
-                f"{sorted(_moe_layer_set(cfg, 'decoder'))} (decoder) sparse: scanned, each stack takes blocks of {N} "
-                f"layers, and {depth}={layers} is not a multiple; load with scan_layers=False"
-            )
 
 
 def config_to_hf(cfg: ModelConfig, family: str | None = None) -> dict:
@@ -950,16 +434,6 @@ def _layer_sharding(stacked, leading: int):
 
 def _key(part: str):
     return int(part) if part.isdigit() else part
-
-
-def _canonical(name: str, family: Family) -> str:
-    """A checkpoint name as the family's rules spell it: old BERT names (gamma/beta) renamed, and
-    the base model's prefix added where a bare-model checkpoint leaves it out."""
-    name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", name))
-    heads = ("lm_head.", "cls.", "classifier.", "final_logits_bias")
-    if family.prefix and not name.startswith(family.prefix) and not name.startswith(heads):
-        return family.prefix + name
-    return name
 
 
 def _place(array: np.ndarray, sharding) -> jax.Array:
