@@ -20,6 +20,18 @@ axis: a rule's `ours` path ending in `[{e}]` is expert e's slice of it. Tensors 
 time, converted on the host and placed on their devices before the next is read (a stack filled
 there slice by slice), so the host holds one tensor at a time, never the whole model. A
 checkpoint option jaxformer cannot express fails with the field named.
+
+This module holds `load_hf` and `save_hf`; the pieces they use each have a module, and every name
+they define is importable from here as well:
+
+- `jaxformer.interop.rules`: `Rule`, the helpers a table is written with, the layout transforms,
+  `UnsupportedCheckpoint`;
+- `jaxformer.interop.families`: `FAMILIES` and `PEFT_MODULES`, a module per family (`gpt2`, `llama`,
+  `bert`, `bart`, `t5`, `mixtral`, `switch`), what they share in `families.common`;
+- `jaxformer.interop.hf_config`: config.json as a `ModelConfig` and back, `family_of`;
+- `jaxformer.interop.tensors`: the safetensors files read one tensor at a time;
+- `jaxformer.interop.params`: our side: where a parameter path lives, tensors placed, one read back;
+- `jaxformer.interop.peft`: PEFT LoRA adapters in and out.
 """
 
 from __future__ import annotations
@@ -33,6 +45,9 @@ import re
 import jax
 from flax import nnx
 
+# Every name this module had before its pieces moved stays importable from it (the `noqa: F401` imports).
+# A test that monkeypatches one patches the module that reads it (`jaxformer.interop.params._place`, not
+# `hf._place`): a name re-exported here is a second reference, which the moved code does not read.
 from jaxformer.interop.families import FAMILIES, PEFT_MODULES, TIED_COPIES, Family  # noqa: F401
 from jaxformer.interop.families.bart import _bart_config, _bart_hf, _bart_rules  # noqa: F401
 from jaxformer.interop.families.bert import _bert_config, _bert_hf, _bert_rules  # noqa: F401
