@@ -1,0 +1,56 @@
+"""The Hugging Face families jaxformer reads and writes, a module each, and their registry.
+
+A family's module holds three functions: `_X_config` (config.json -> `ModelConfig` fields), `_X_hf`
+(`ModelConfig` -> config.json fields) and `_X_rules` (`ModelConfig` -> one `Rule` per checkpoint
+tensor, `jaxformer.interop.rules`). Adding a family is adding its module here and its row in
+`FAMILIES` (its model_type, the base model's prefix, the tensors it ignores), and in `PEFT_MODULES`
+when PEFT adapters of it are read. A family that changes one part of another reuses the other's
+functions: Mixtral is Llama with experts in the feed-forward, Switch Transformers is T5 with them.
+"""
+
+from jaxformer.interop.families.bart import _bart_config, _bart_hf, _bart_rules
+from jaxformer.interop.families.bert import _bert_config, _bert_hf, _bert_rules
+from jaxformer.interop.families.common import Family
+from jaxformer.interop.families.gpt2 import _gpt2_config, _gpt2_hf, _gpt2_rules
+from jaxformer.interop.families.llama import _llama_config, _llama_hf, _llama_rules
+from jaxformer.interop.families.mixtral import _mixtral_config, _mixtral_experts, _mixtral_hf
+from jaxformer.interop.families.switch import _switch_config, _switch_ffn, _switch_hf
+from jaxformer.interop.families.t5 import _t5_config, _t5_hf, _t5_rules
+
+TIED_COPIES = (r"^(model\.)?(encoder|decoder)\.embed_tokens\.weight$", r"^lm_head\.weight$")
+FAMILIES = {
+    "gpt2": Family("gpt2", "transformer.", _gpt2_config, _gpt2_hf, _gpt2_rules,
+                   ignore=(r"\.attn\.(masked_)?bias$", r"^lm_head\.weight$")),
+    "llama": Family("llama", "model.", _llama_config, _llama_hf, _llama_rules,
+                    ignore=(r"rotary_emb\.inv_freq$", r"^lm_head\.weight$")),
+    "bert": Family("bert", "bert.", _bert_config, _bert_hf, _bert_rules,
+                   ignore=(r"position_ids$", r"^cls\.seq_relationship\.", r"^cls\.predictions\.decoder\.",
+                           r"^bert\.pooler\.")),
+    "bart": Family("bart", "model.", _bart_config, _bart_hf, _bart_rules, ignore=TIED_COPIES),
+    "t5": Family("t5", "", _t5_config, _t5_hf, _t5_rules, ignore=TIED_COPIES),
+    "mixtral": Family("mixtral", "model.", _mixtral_config, _mixtral_hf,
+                      lambda cfg: _llama_rules(cfg, _mixtral_experts),
+                      ignore=(r"rotary_emb\.inv_freq$", r"^lm_head\.weight$")),
+    "switch_transformers": Family("switch_transformers", "", _switch_config, _switch_hf,
+                                  lambda cfg: _t5_rules(cfg, _switch_ffn), ignore=TIED_COPIES),
+}  # fmt: skip
+
+
+# PEFT LoRA adapters: per family, each hub module peft adapts (as `target_modules` names it) and the
+# jaxformer kernels it holds. A fused module (GPT-2's c_attn = q, k, v) carries one low-rank update of
+# the fused kernel: it reads exactly as q, k and v adapters sharing one A; separate q, k, v adapters
+# write exactly as one of rank n*R (A stacked, B block-diagonal) via peft's rank_pattern.
+PEFT_MODULES = {
+    "gpt2": {"c_attn": ("q", "k", "v"), "attn.c_proj": ("o",), "c_fc": ("wi",), "mlp.c_proj": ("wo",)},
+    "llama": {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "o_proj": ("o",), "gate_proj": ("wi_gate",),
+              "up_proj": ("wi",), "down_proj": ("wo",)},
+    # BERT's attention output and FFN output are both "...output.dense": fuller names tell them apart here;
+    # in peft's suffix matching "output.dense" takes both (save_peft writes a regex for the FFN's alone).
+    "bert": {"query": ("q",), "key": ("k",), "value": ("v",), "attention.output.dense": ("o",),
+             "intermediate.dense": ("wi",), "output.dense": ("wo",)},
+    # BART and T5 name a projection alike in the encoder, the decoder and the cross-attention (lora.stacks).
+    "bart": {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "out_proj": ("o",), "fc1": ("wi",),
+             "fc2": ("wo",)},
+    "t5": {"q": ("q",), "k": ("k",), "v": ("v",), "o": ("o",), "wi": ("wi",), "wi_0": ("wi_gate",),
+           "wi_1": ("wi",), "wo": ("wo",)},  # wi_0 / wi_1: T5 v1.1's gated FFN (gate, up)
+}  # fmt: skip
