@@ -28,9 +28,9 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
-import sys
 
 import numpy as np
+from golden import TOLERANCE, against_saved, main, torch_logits  # scripts/golden.py, beside this file
 
 GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "tests" / "golden"
 VOCAB, D, T, T_DEC, LENGTHS = 64, 16, 8, 6, (8, 5)
@@ -88,13 +88,6 @@ def _inputs(family: str) -> dict:
             "decoder_input_ids": rng.integers(2, VOCAB, (2, T_DEC)).astype(np.int32)}  # fmt: skip
 
 
-def _logits(model, inputs: dict) -> np.ndarray:
-    import torch
-
-    with torch.no_grad():
-        return model(**{k: torch.from_numpy(v).long() for k, v in inputs.items()}).logits.float().numpy()
-
-
 def _routers(model) -> list:
     from transformers.models.switch_transformers import modeling_switch_transformers as st
 
@@ -116,7 +109,7 @@ def _dropped(model, inputs: dict) -> dict:
             counts[side] += int(((kept_BTE.sum(-1) == 0) & live[side]).sum())
 
         hooks.append(router.register_forward_hook(hook))
-    _logits(model, inputs)
+    torch_logits(model, inputs)
     for h in hooks:
         h.remove()
     return counts
@@ -134,14 +127,14 @@ def make(family: str) -> None:
     model.save_pretrained(out, safe_serialization=True)
     (out / "generation_config.json").unlink(missing_ok=True)  # not read
     inputs = _inputs(family)
-    arrays = dict(inputs, logits=_logits(model, inputs))
+    arrays = dict(inputs, logits=torch_logits(model, inputs))
     if family == "switch":
         assert _dropped(model, inputs) == {"encoder": 0, "decoder": 0}
         for _, router in _routers(model):
             router.expert_capacity = DROPPING
         dropped = _dropped(model, inputs)
         assert dropped["encoder"] and dropped["decoder"], dropped  # both stacks drop some live tokens
-        arrays |= dict(logits_dropping=_logits(model, inputs), dropping_capacity=DROPPING,
+        arrays |= dict(logits_dropping=torch_logits(model, inputs), dropping_capacity=DROPPING,
                        dropped=np.array([dropped["encoder"], dropped["decoder"]]))  # fmt: skip
     np.savez(out / "logits.npz", **arrays)
     size = sum(p.stat().st_size for p in out.iterdir())
@@ -230,23 +223,21 @@ def check(out: pathlib.Path) -> None:
         unexpected, missing = info["unexpected_keys"], [k for k in info["missing_keys"] if "lm_head" not in k]
         assert not unexpected and not missing, (case, unexpected, missing)
         ref = np.load(d / "logits.npz")
-        logits = _logits(model, {k: ref[k] for k in ref.files if k != "logits"})
-        err = float(np.abs(logits - ref["logits"]).max())
+        logits, err = against_saved(model, ref)
         worst = max(worst, err)
         fields = json.loads((d / "config.json").read_text())
         what = {k: fields.get(k) for k in ("num_local_experts", "num_experts_per_tok", "num_experts", "expert_capacity",
                                             "num_sparse_encoder_layers") if k in fields}  # fmt: skip
         print(f"{case}: {what}; |logits - jaxformer's| max {err:.2e} (|logits| max {np.abs(logits).max():.2f})")
-        assert err < 1e-4, case
+        assert err < TOLERANCE, case
     print(f"transformers {tf.__version__} read all; worst logits difference {worst:.2e}")
 
 
+def make_all(names: list[str]) -> None:
+    """The golden files of each family named (default: both)."""
+    for name in names or ("mixtral", "switch"):
+        make(name)
+
+
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    if args[:1] == ["export"]:
-        export(pathlib.Path(args[1]))
-    elif args[:1] == ["check"]:
-        check(pathlib.Path(args[1]))
-    else:
-        for name in args or ("mixtral", "switch"):
-            make(name)
+    main(make_all, export, check)

@@ -21,9 +21,9 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
-import sys
 
 import numpy as np
+from golden import TOLERANCE, against_saved, main, torch_logits  # scripts/golden.py, beside this file
 
 GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "tests" / "golden" / "peft"
 VOCAB, D, LAYERS, T, T_DEC = 64, 16, 2, 8, 6
@@ -117,13 +117,6 @@ def _inputs(task: str) -> dict:
     return out
 
 
-def _logits(model, inputs: dict) -> np.ndarray:
-    import torch
-
-    with torch.no_grad():
-        return model(**{k: torch.from_numpy(v).long() for k, v in inputs.items()}).logits.float().numpy()
-
-
 def make(family: str, families: dict) -> None:
     import peft
     import torch
@@ -145,7 +138,7 @@ def make(family: str, families: dict) -> None:
     fields = json.loads(written.read_text())
     written.write_text(json.dumps(fields | {"target_modules": sorted(fields["target_modules"])}, indent=2) + "\n")
     inputs = _inputs(task)
-    logits = _logits(model, inputs)
+    logits = torch_logits(model, inputs)
     np.savez(out / "logits.npz", **inputs, logits=logits)
     print(f"{out}: peft {peft.__version__}, logits {logits.shape}, |max| {np.abs(logits).max():.3f}")
 
@@ -224,23 +217,21 @@ def check(out: pathlib.Path) -> None:
         with safe_open(d / "adapter" / "adapter_model.safetensors", "np") as f:
             written = sorted({k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in f.keys()})  # noqa: SIM118
         assert adapted == written, f"{case}: peft adapts {sorted(set(adapted) ^ set(written))} (not) in the file"
-        logits = _logits(model, {k: ref[k] for k in ref.files if k != "logits"})
-        err = float(np.abs(logits - ref["logits"]).max())
+        _, err = against_saved(model, ref)
         worst = max(worst, err)
         print(f"{case}: target_modules {fields['target_modules']!r} -> peft adapts the file's {len(adapted)}; "
               f"|logits - jaxformer's| max {err:.2e}")  # fmt: skip
-        assert err < 1e-4, case
+        assert err < TOLERANCE, case
     print(f"all {len(list(out.iterdir()))} read by peft {peft.__version__}; worst logits difference {worst:.2e}")
 
 
+def make_all(names: list[str]) -> None:
+    """The golden files of each family named (default: all), then targets.json for every family."""
+    families = _families()
+    for name in names or families:
+        make(name, families)
+    targets(families)
+
+
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    if args[:1] == ["export"]:
-        export(pathlib.Path(args[1]))
-    elif args[:1] == ["check"]:
-        check(pathlib.Path(args[1]))
-    else:
-        families = _families()
-        for name in args or families:
-            make(name, families)
-        targets(families)
+    main(make_all, export, check)
