@@ -17,6 +17,7 @@ import sys
 
 import jax
 import numpy as np
+import processes
 import pytest
 from flax import nnx
 from safetensors.numpy import load_file
@@ -238,7 +239,7 @@ def test_what_jaxformer_cannot_express_is_refused_naming_the_field():
 def test_a_sharded_load_onto_an_expert_axis_equals_one_device(sharded_load):
     """Mixtral and Switch (unrolled and scanned) loaded straight onto fsdp=2 x expert=4: every parameter
     equal to a one-device load, the experts split by expert (and fsdp), Mixtral's logits transformers'."""
-    out, err = sharded_load.communicate(timeout=600)
+    out, err = processes.communicate(sharded_load, "tests/sharded_worker.py hf_moe")
     assert sharded_load.returncode == 0, err[-4000:]
     r = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     assert r["mixtral_logits_diff"] < 1e-5

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import processes
 import pytest
 
 SMALL = [
@@ -53,7 +54,7 @@ print(json.dumps({
 
 def run_on_8_devices(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8")
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600)
+    return processes.run([sys.executable, *args], env=env)
 
 
 def test_plan_equals_the_arrays_and_step_of_real_training_on_8_devices():
@@ -91,7 +92,7 @@ def test_a_context_axis_cuts_the_planned_activations_of_long_rows():
 def test_plan_command_prints_json_and_says_what_does_not_fit(tmp_path):
     cmd = ["-m", "jaxformer.cli", "plan", "--config", "experiments/lm_shakespeare.py", "--devices", "4"]
     sets = [a for s in [*SMALL, "mesh.fsdp=4"] for a in ("--set", s)]
-    out = subprocess.run([sys.executable, *cmd, *sets, "--json"], capture_output=True, text=True, timeout=600)
+    out = processes.run([sys.executable, *cmd, *sets, "--json"])
     assert out.returncode == 0, out.stderr[-2000:]
     planned = json.loads(out.stdout)
     assert planned["devices"] == 4 and planned["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
