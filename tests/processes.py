@@ -8,6 +8,7 @@ timed out, after how long, and what the process had printed by then.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import time
@@ -15,6 +16,17 @@ import time
 import pytest
 
 HANG_GUARD_S = 1800  # 30 min: hung, not slow (the longest of these runs takes ~1 min of CPU)
+
+
+def cpu_env(**extra: str) -> dict[str, str]:
+    """os.environ for a process that runs JAX on the CPU only, compiling with XLA:CPU's elemental
+    emitters as the test session does (tests/conftest.py: its MLIR fusion emitters take ~2.5x the
+    CPU time to compile a small model). Never for a process that loads libtpu (`plan --target tpu-*`),
+    whose XLA aborts on the flag. `extra`: more variables; an XLA_FLAGS among them is added to these."""
+    flags = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), "--xla_cpu_use_fusion_emitters=false") if f)
+    if "XLA_FLAGS" in extra:
+        flags = f"{flags} {extra.pop('XLA_FLAGS')}"
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **extra)
 
 
 def _text(output) -> str:

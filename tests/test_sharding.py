@@ -5,14 +5,13 @@ is fixed when JAX starts.
 """
 
 import json
-import os
 import pathlib
 import socket
 import subprocess
 import sys
 
 import pytest
-from processes import communicate
+from processes import communicate, cpu_env
 
 WORKER = pathlib.Path(__file__).with_name("sharded_worker.py")
 # float32, 5 steps: sharding changes only the order of reductions.
@@ -26,8 +25,7 @@ STRATEGIES = ["dp8", "fsdp8", "fsdp4_tp2", "dp2_cp4", "fsdp2_cp4_chunked", "tp2_
 
 
 def worker(*args, devices=8):
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    env = cpu_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     return subprocess.Popen(
         [sys.executable, str(WORKER), *map(str, args)],
         env=env,
