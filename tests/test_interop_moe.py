@@ -10,7 +10,6 @@ other direction, transformers reading what `save_hf` writes: `make_moe_golden.py
 
 import dataclasses
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -33,8 +32,7 @@ FAMILIES = {"mixtral": "mixtral", "switch": "switch_transformers"}
 def sharded_load():
     """The 8-device sharded loads (tests/sharded_worker.py hf_moe), started first in a process of its
     own (the device count is fixed when JAX starts) so that it runs while the tests below do."""
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    env = processes.cpu_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
     worker = pathlib.Path(__file__).parent / "sharded_worker.py"
     proc = subprocess.Popen([sys.executable, str(worker), "hf_moe", str(GOLDEN)], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
