@@ -7,7 +7,6 @@ PostgreSQL is a real server started for the session (tests/conftest.py: `postgre
 
 import csv
 import json
-import os
 import pathlib
 import re
 import signal
@@ -49,6 +48,13 @@ def sweep_file(
     return path
 
 
+@pytest.fixture(autouse=True)
+def workers_compile_as_the_session_does(monkeypatch):
+    """The worker processes a sweep starts (`--workers 2`) compile with the elemental emitters, as this
+    process and the sweep commands started below do (processes.cpu_env); restored after each test."""
+    monkeypatch.setenv("XLA_FLAGS", processes.cpu_env()["XLA_FLAGS"])
+
+
 def command(file: pathlib.Path, workdir: pathlib.Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "jaxformer.cli", "sweep", str(file), "--workdir", str(workdir), *args]
 
@@ -56,9 +62,7 @@ def command(file: pathlib.Path, workdir: pathlib.Path, *args: str) -> list[str]:
 def start(cmd: list[str], log: pathlib.Path) -> subprocess.Popen:
     """A sweep command in its own process, its output to `log` (read while it runs)."""
     with log.open("w") as out:
-        return subprocess.Popen(
-            cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, JAX_PLATFORMS="cpu")
-        )
+        return subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=processes.cpu_env())
 
 
 def wait_for(condition, procs, logs, what: str) -> None:
@@ -132,7 +136,7 @@ def test_a_killed_sweep_continues_and_retries_the_dead_trial_in_its_workdir(tmp_
 
     file, workdir = sweep_file(tmp_path, "killed", trials=3, steps=30), tmp_path / "sweep"
     cmd = [sys.executable, "-m", "jaxformer.cli", "sweep", str(file), "--workdir", str(workdir)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=processes.cpu_env())
     url = f"sqlite:///{workdir / 'sweep.db'}"
     try:  # kill the worker once trial 0 is complete and trial 1 has saved a checkpoint
         trial1_saved = lambda: (workdir / "trial-001" / "checkpoints" / "10").is_dir()
