@@ -40,6 +40,8 @@ compile_only_without_chips()
 # emitters: its MLIR fusion emitters (the default) take 2.5x their CPU time to compile a tiny model's
 # gradient (4.6 s against 1.85 s for two). XLA reads XLA_FLAGS once, when the CPU backend starts: the
 # flag is gone again before any subprocess or libtpu (whose XLA aborts on a flag it lacks) reads them.
+# The processes tests start that run JAX on the CPU alone (training runs, 8-device workers) are given
+# it back by `processes.cpu_env()` (tests/processes.py); those that compile for a TPU are not.
 # Both emitters compute the same functions, rounded alike to a few ulp but not always to the bit (tanh,
 # rsqrt, GELU op by op): a check made to the bit, or at the edge of its tolerance, for XLA:CPU as it
 # compiles by default compiles its program with `.lower(...).compile({"xla_cpu_use_fusion_emitters":

@@ -3,13 +3,12 @@ eval and translate with the sequence split over a context axis reproduce one dev
 
 import contextlib
 import io
-import os
 import pathlib
 import re
 import shutil
-import subprocess
 import sys
 
+import processes
 import pytest
 
 from jaxformer import cli
@@ -66,12 +65,8 @@ def test_eval_and_translate_over_a_context_axis_equal_one_device(copy_run, tmp_p
     one_device = capsys.readouterr().out
     split = tmp_path / "copy"
     shutil.copytree(workdir, split)  # eval saves its report in the workdir; translate reads its config
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, "-c", ON_A_CONTEXT_AXIS, str(split), *SOURCES],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    env = processes.cpu_env(XLA_FLAGS="--xla_force_host_platform_device_count=2")  # compiled as `train` was here
+    proc = processes.run([sys.executable, "-c", ON_A_CONTEXT_AXIS, str(split), *SOURCES], env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.startswith("2 devices")
     evaluated = figures(proc.stdout)

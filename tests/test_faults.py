@@ -14,11 +14,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
 import pytest
+from processes import communicate, cpu_env, wait_until
+from processes import run as run_process
 
 # Tiny and fast; log_every divides neither the checkpoint steps nor the evaluation steps, so a resume
 # at a checkpoint is never at a logged step (the case where a resumed log used to gain a row).
@@ -45,7 +46,7 @@ def train_command(workdir, *extra):
 
 
 def run(workdir, *extra):
-    return subprocess.run(train_command(workdir, *extra), capture_output=True, text=True, timeout=600)
+    return run_process(train_command(workdir, *extra), env=cpu_env())
 
 
 def metrics(workdir) -> list[dict]:
@@ -108,19 +109,15 @@ def test_uninterrupted_log_is_what_the_resume_tests_compare_against(uninterrupte
 
 
 def start(command) -> subprocess.Popen:
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cpu_env())
 
 
 def signal_when(proc: subprocess.Popen, ready, sig, what: str, poll: float = 0.01) -> str:
-    """Send `sig` to a started run once `ready()` holds (it must not exit first, nor take 300 s); its output."""
+    """Send `sig` to a started run once `ready()` holds (it must not exit first); its output."""
     try:
-        deadline = time.time() + 300
-        while not ready():
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            assert time.time() < deadline, f"no {what} within 300 s"
-            time.sleep(poll)
+        wait_until(ready, proc, f"the run's {what}", poll)
         proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=120)
+        out, _ = communicate(proc, f"the run after {sig.name}")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -200,7 +197,7 @@ def test_a_full_disk_during_a_save_is_one_line_keeps_the_last_checkpoint_and_a_r
         {train} > {out}.room 2> {out}.room.err; echo $? > {out}.room.rc
         cp -a {checkpoints} {out}.after-rerun
     """
-    done = subprocess.run([*prefix, "sh", "-c", script], capture_output=True, text=True, timeout=900)
+    done = run_process([*prefix, "sh", "-c", script], env=cpu_env())
     assert done.returncode == 0, done.stderr[-3000:]
     shutil.rmtree(checkpoints)  # the mount point, empty once its namespace is gone
     shutil.copytree(f"{out}.after-rerun", checkpoints)
@@ -550,14 +547,14 @@ def test_sigkill_mid_epoch_on_a_user_corpus_resumes_to_the_same_batches_and_stat
         "".join(json.dumps({"text": " ".join(rng.choice(words, n))}) + "\n" for n in rng.integers(2, 12, 800))
     )
     command = corpus_command(tmp_path / "whole", corpus, pack)
-    whole = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    whole = run_process(command, env=cpu_env())
     assert whole.returncode == 0, whole.stderr[-3000:]
     workdir = tmp_path / "killed"
     proc = start(corpus_command(workdir, corpus, pack))
     # A checkpoint, and training on past it: killed mid-epoch.
     signal_when(proc, lambda: saved_steps(workdir), signal.SIGKILL, "checkpoint")
     assert saved_steps(workdir)[-1] < 24
-    resumed = subprocess.run(corpus_command(workdir, corpus, pack), capture_output=True, text=True, timeout=600)
+    resumed = run_process(corpus_command(workdir, corpus, pack), env=cpu_env())
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     train = lambda w: [r for r in metrics(w) if r["split"] == "train"]
     assert [r["step"] for r in train(workdir)] == list(range(24))

@@ -10,13 +10,13 @@ other direction, transformers reading what `save_hf` writes: `make_moe_golden.py
 
 import dataclasses
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import jax
 import numpy as np
+import processes
 import pytest
 from flax import nnx
 from safetensors.numpy import load_file
@@ -32,8 +32,7 @@ FAMILIES = {"mixtral": "mixtral", "switch": "switch_transformers"}
 def sharded_load():
     """The 8-device sharded loads (tests/sharded_worker.py hf_moe), started first in a process of its
     own (the device count is fixed when JAX starts) so that it runs while the tests below do."""
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    env = processes.cpu_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
     worker = pathlib.Path(__file__).parent / "sharded_worker.py"
     proc = subprocess.Popen([sys.executable, str(worker), "hf_moe", str(GOLDEN)], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
@@ -240,7 +239,7 @@ def test_what_jaxformer_cannot_express_is_refused_naming_the_field():
 def test_a_sharded_load_onto_an_expert_axis_equals_one_device(sharded_load):
     """Mixtral and Switch (unrolled and scanned) loaded straight onto fsdp=2 x expert=4: every parameter
     equal to a one-device load, the experts split by expert (and fsdp), Mixtral's logits transformers'."""
-    out, err = sharded_load.communicate(timeout=600)
+    out, err = processes.communicate(sharded_load, "tests/sharded_worker.py hf_moe")
     assert sharded_load.returncode == 0, err[-4000:]
     r = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     assert r["mixtral_logits_diff"] < 1e-5

@@ -4,12 +4,12 @@ than they need (optimizer state of the adapters, the base in the compute dtype).
 import dataclasses
 import os
 import pathlib
-import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import processes
 import pytest
 from flax import nnx
 
@@ -222,10 +222,9 @@ def test_embedding_and_output_adapters_act_as_their_merged_kernels(mode, tied):
     op by op), and the elemental emitters the test session compiles with (tests/conftest.py) round
     them 1.7e-5 apart."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    out = subprocess.run(
-        [sys.executable, "-c", MERGED_KERNELS, mode, str(tied)],
-        cwd=pathlib.Path(__file__).parent, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    out = processes.run(
+        [sys.executable, "-c", MERGED_KERNELS, mode, str(tied)], cwd=pathlib.Path(__file__).parent, env=env
+    )
     assert out.returncode == 0, out.stderr[-4000:]
 
 

@@ -5,10 +5,10 @@ context axis cutting the planned activations."""
 
 import json
 import math
-import os
 import subprocess
 import sys
 
+import processes
 import pytest
 
 SMALL = [
@@ -52,8 +52,8 @@ print(json.dumps({
 
 
 def run_on_8_devices(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8")
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600)
+    env = processes.cpu_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    return processes.run([sys.executable, *args], env=env)
 
 
 def test_plan_equals_the_arrays_and_step_of_real_training_on_8_devices():
@@ -91,12 +91,12 @@ def test_a_context_axis_cuts_the_planned_activations_of_long_rows():
 def test_plan_command_prints_json_and_says_what_does_not_fit(tmp_path):
     cmd = ["-m", "jaxformer.cli", "plan", "--config", "experiments/lm_shakespeare.py", "--devices", "4"]
     sets = [a for s in [*SMALL, "mesh.fsdp=4"] for a in ("--set", s)]
-    out = subprocess.run([sys.executable, *cmd, *sets, "--json"], capture_output=True, text=True, timeout=600)
+    out = processes.run([sys.executable, *cmd, *sets, "--json"], env=processes.cpu_env())
     assert out.returncode == 0, out.stderr[-2000:]
     planned = json.loads(out.stdout)
     assert planned["devices"] == 4 and planned["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
     assert planned["parameters"] > 0 and planned["peak"] >= planned["arguments"]
-    tight = subprocess.run([sys.executable, *cmd, *sets, "--device-memory", "1MB"], capture_output=True, text=True)
+    tight = processes.run([sys.executable, *cmd, *sets, "--device-memory", "1MB"], env=processes.cpu_env())
     assert tight.returncode == 1 and "does NOT fit" in tight.stdout and "even the smallest batch" in tight.stdout
     bad = subprocess.run([sys.executable, *cmd, "--set", "mesh.fsdp=3"], capture_output=True, text=True)
     assert bad.returncode == 2 and "mesh" in bad.stderr and "Traceback" not in bad.stderr

@@ -5,13 +5,13 @@ is fixed when JAX starts.
 """
 
 import json
-import os
 import pathlib
 import socket
 import subprocess
 import sys
 
 import pytest
+from processes import communicate, cpu_env
 
 WORKER = pathlib.Path(__file__).with_name("sharded_worker.py")
 # float32, 5 steps: sharding changes only the order of reductions.
@@ -24,9 +24,8 @@ MODES = ["decoder_only", "encoder_decoder", "encoder_only"]
 STRATEGIES = ["dp8", "fsdp8", "fsdp4_tp2", "dp2_cp4", "fsdp2_cp4_chunked", "tp2_cp4_chunked"]
 
 
-def worker(*args, devices=8, timeout=600):
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+def worker(*args, devices=8):
+    env = cpu_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     return subprocess.Popen(
         [sys.executable, str(WORKER), *map(str, args)],
         env=env,
@@ -36,14 +35,9 @@ def worker(*args, devices=8, timeout=600):
     )
 
 
-def result(proc, timeout=600) -> dict:
+def result(proc) -> dict:
     """The JSON line the worker printed (None if it printed none), after it exits cleanly."""
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:  # bounded: never leave a worker behind
-            proc.kill()
-            proc.communicate()
+    out, err = communicate(proc, f"tests/sharded_worker.py {' '.join(proc.args[2:])}")
     assert proc.returncode == 0, err[-4000:]
     lines = [line for line in out.splitlines() if line.startswith("{")]
     return json.loads(lines[-1]) if lines else None
@@ -57,11 +51,17 @@ def strategies(tmp_path_factory):
     more = {"decoder_only": ["remesh", tmp_path_factory.mktemp("remesh")], "encoder_only": ["moe"]}
     procs = [worker("strategies", mode, *more.get(mode, [])) for mode in MODES]
     merged = {"strategies": {}, "errors": {}}
-    for proc in procs:
-        r = result(proc)
-        merged["strategies"].update(r["strategies"])
-        merged["errors"].update(r["errors"])
-        merged.update({k: r[k] for k in ("moe",) if k in r})
+    try:
+        for proc in procs:
+            r = result(proc)
+            merged["strategies"].update(r["strategies"])
+            merged["errors"].update(r["errors"])
+            merged.update({k: r[k] for k in ("moe",) if k in r})
+    finally:
+        for p in procs:  # never leave a worker behind
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
     return merged
 
 
@@ -137,8 +137,8 @@ def test_two_processes_equal_one_process(tmp_path):
     port = free_port()
     procs = [worker("multihost", pid, port, tmp_path / "cache", devices=4) for pid in (0, 1)]
     try:
-        two = result(procs[0], timeout=300)
-        other = result(procs[1], timeout=60)
+        two = result(procs[0])
+        other = result(procs[1])
     finally:
         for p in procs:
             if p.poll() is None:

@@ -7,7 +7,6 @@ PostgreSQL is a real server started for the session (tests/conftest.py: `postgre
 
 import csv
 import json
-import os
 import pathlib
 import re
 import signal
@@ -16,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import processes
 import pytest
 
 from jaxformer import cli
@@ -48,6 +48,13 @@ def sweep_file(
     return path
 
 
+@pytest.fixture(autouse=True)
+def workers_compile_as_the_session_does(monkeypatch):
+    """The worker processes a sweep starts (`--workers 2`) compile with the elemental emitters, as this
+    process and the sweep commands started below do (processes.cpu_env); restored after each test."""
+    monkeypatch.setenv("XLA_FLAGS", processes.cpu_env()["XLA_FLAGS"])
+
+
 def command(file: pathlib.Path, workdir: pathlib.Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "jaxformer.cli", "sweep", str(file), "--workdir", str(workdir), *args]
 
@@ -55,16 +62,19 @@ def command(file: pathlib.Path, workdir: pathlib.Path, *args: str) -> list[str]:
 def start(cmd: list[str], log: pathlib.Path) -> subprocess.Popen:
     """A sweep command in its own process, its output to `log` (read while it runs)."""
     with log.open("w") as out:
-        return subprocess.Popen(
-            cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, JAX_PLATFORMS="cpu")
-        )
+        return subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=processes.cpu_env())
 
 
-def wait_for(condition, procs, seconds=300) -> None:
-    deadline = time.monotonic() + seconds
+def wait_for(condition, procs, logs, what: str) -> None:
+    """Poll `condition()` while every process runs (their output goes to `logs`), under the hang guard."""
+    deadline = time.monotonic() + processes.HANG_GUARD_S
+    output = lambda: "\n".join(log.read_text() for log in logs)
     while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        assert all(p.poll() is None for p in procs), [p.returncode for p in procs]
+        assert all(p.poll() is None for p in procs), ([p.returncode for p in procs], output()[-3000:])
+        if time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            processes.hung(f"waiting for {what}", output())
         time.sleep(0.2)
 
 
@@ -126,14 +136,11 @@ def test_a_killed_sweep_continues_and_retries_the_dead_trial_in_its_workdir(tmp_
 
     file, workdir = sweep_file(tmp_path, "killed", trials=3, steps=30), tmp_path / "sweep"
     cmd = [sys.executable, "-m", "jaxformer.cli", "sweep", str(file), "--workdir", str(workdir)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=processes.cpu_env())
     url = f"sqlite:///{workdir / 'sweep.db'}"
     try:  # kill the worker once trial 0 is complete and trial 1 has saved a checkpoint
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.5)
-            if (workdir / "trial-001" / "checkpoints" / "10").is_dir():
-                break
+        trial1_saved = lambda: (workdir / "trial-001" / "checkpoints" / "10").is_dir()
+        processes.wait_until(trial1_saved, proc, "trial 1's first checkpoint", poll=0.5)
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait()
@@ -272,10 +279,10 @@ def test_four_commands_on_one_postgres_run_the_trials_one_worker_runs_even_when_
         return False
 
     try:
-        wait_for(a_trial_has_a_checkpoint, procs)
+        wait_for(a_trial_has_a_checkpoint, procs, logs, "a trial's checkpoint")
         killed, dead = victim[0]
         procs[killed].send_signal(signal.SIGKILL)
-        codes = [p.wait(timeout=300) for p in procs]
+        codes = [processes.wait(p, f"sweep worker {i}", logs[i]) for i, p in enumerate(procs)]
     finally:
         for p in procs:
             p.kill()
@@ -314,11 +321,11 @@ def test_a_sweep_rides_out_a_brief_database_outage(tmp_path, postgres, postgres_
     log = tmp_path / "worker.log"
     proc = start(command(file, workdir, "--storage", postgres_url), log)
     try:
-        wait_for(lambda: (workdir / "trial-000" / "checkpoints" / "10").is_dir(), [proc])
+        wait_for(lambda: (workdir / "trial-000" / "checkpoints" / "10").is_dir(), [proc], [log], "trial 0's checkpoint")
         postgres.stop()
         time.sleep(3)
         postgres.start()
-        assert proc.wait(timeout=300) == 0, log.read_text()
+        assert processes.wait(proc, "the sweep worker", log) == 0, log.read_text()
     finally:
         proc.kill()
     out = log.read_text()
