@@ -14,6 +14,7 @@ import Config, ModelConfig, load_experiment`); each module holds one concern:
 - `lora`: the LoRA section (LoRAConfig) and its check against the model (check_lora_fits)
 - `run`: the run's Config and what its sections ask of one another (ring_blocks_unfit), SECTIONS
 - `files`: experiment files and saved config.json (load_experiment, read_config, from_dict)
+- `serve`: the HTTP server's section (ServeConfig), apart from the run's Config
 - `overrides`: `--set section.field=value` (field_hint, parse_overrides, with_values, apply_overrides)
 """
 
@@ -50,6 +51,7 @@ from jaxformer.config.sections import (
     MeshConfig,
     TrainConfig,
 )
+from jaxformer.config.serve import ServeConfig
 
 __all__ = [
     "LORA_MODEL_TARGETS",
@@ -70,6 +72,7 @@ __all__ = [
     "MeshConfig",
     "MoEConfig",
     "ModelConfig",
+    "ServeConfig",
     "TrainConfig",
     "apply_overrides",
     "bart_base",

@@ -1,0 +1,375 @@
+"""`jaxformer serve`: the OpenAI-compatible server, driven by the real `openai` client (and the page at `/`
+by a headless Chromium) against a server started here on a free port of 127.0.0.1, uvicorn in a thread.
+
+The engine: `jaxformer.engine.Engine.from_workdir` where that engine imports; where it does not, the
+stand-in of tests/serve_standin.py (the same interface, decoding each request with `decode.generate`),
+put in `sys.modules["jaxformer.engine"]` for the server to find. The `engine` fixture is the one place
+that chooses. Either way the answers are checked against `decode.generate` on the same weights.
+"""
+
+import asyncio
+import json
+import pathlib
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import jax
+import pytest
+
+openai = pytest.importorskip("openai", reason='the test extra is not installed: pip install -e ".[test]"')
+uvicorn = pytest.importorskip("uvicorn", reason='the test extra is not installed: pip install -e ".[test]"')
+
+from jaxformer import decode  # noqa: E402
+from jaxformer.config import Config, DataConfig, DecodeConfig, ServeConfig, TrainConfig, tiny  # noqa: E402
+from jaxformer.data import ByteTokenizer, templates  # noqa: E402
+
+try:
+    import jaxformer.engine as engine_module
+
+    REAL_ENGINE = True
+except ImportError:  # the engine is not in this install: the stand-in plays it
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    import serve_standin as engine_module
+
+    sys.modules["jaxformer.engine"] = engine_module
+    REAL_ENGINE = False
+
+from jaxformer.serve import create_app  # noqa: E402
+
+MODEL = "tiny-chat"
+KEY = "sk-test-key"
+MAX_LEN = 160
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A step-0 workdir of a tiny byte-level decoder trained (nominally) in the chatml template."""
+    from jaxformer.checkpoint import start_workdir
+    from jaxformer.state import state_factory
+
+    cfg = Config(
+        model=tiny("decoder_only", vocab_size=260, d_model=32, d_ff=64, num_decoder_layers=1, max_len=MAX_LEN),
+        data=DataConfig(source="files", files=("chat.jsonl",), tokenizer="byte", template="chatml", max_len=MAX_LEN),
+        train=TrainConfig(objective="lm"),
+    )
+    path = tmp_path_factory.mktemp("serve") / "run"
+    start_workdir(path, cfg, jax.jit(state_factory(cfg)[1])())
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(workdir):
+    """The engine the server runs: the real one from the workdir where it imports, else the stand-in."""
+    if REAL_ENGINE:
+        from jaxformer.config import EngineConfig
+
+        return engine_module.Engine.from_workdir(workdir, EngineConfig(max_slots=8, page_size=8))
+    return engine_module.Engine.from_workdir(workdir)
+
+
+@pytest.fixture(scope="module")
+def reference(workdir):
+    """Greedy continuations by `decode.generate` on the workdir's weights (what the engine must match)."""
+    from flax import nnx
+
+    from jaxformer.checkpoint import restore_workdir
+    from jaxformer.config import read_config
+
+    cfg = read_config(workdir / "config.json")
+    graphdef, state, _ = restore_workdir(cfg, workdir)
+    model, tok = nnx.merge(graphdef, state.weights), ByteTokenizer()
+
+    def greedy(ids: list[int], max_tokens: int) -> list[int]:
+        out = decode.generate(model, [ids], DecodeConfig(max_new_tokens=max_tokens), eos_id=tok.eos_id)
+        return decode.strip_after_eos(out.tokens[0, 0], tok.eos_id)
+
+    return greedy
+
+
+class Server:
+    """uvicorn serving the app in a thread of this process, on a free port of 127.0.0.1."""
+
+    def __init__(self, engine, cfg: ServeConfig):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cfg = cfg.replace(port=port)
+        self.app = create_app(engine, cfg, MODEL)
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(400):
+            if self.server.started:
+                break
+            time.sleep(0.025)
+        assert self.server.started, "uvicorn did not start"
+
+    @property
+    def runner(self):
+        return self.app.state.server.runner
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(20)
+
+    def client(self, key: str | None = KEY, **kw):
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or "none", max_retries=0, timeout=60, **kw)
+
+    def post(self, path: str, body: bytes | dict, key: str | None = KEY) -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+        request = urllib.request.Request(self.url + path, data=data, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(self.url + "/health", timeout=60) as r:
+            return json.loads(r.read())
+
+    def idle(self) -> dict:
+        """The engine's stats once nothing runs (the aborts and finishes have gone through)."""
+        for _ in range(200):
+            h = self.health()
+            if not h["engine"].get("running") and not h["engine"].get("waiting"):
+                return h
+            time.sleep(0.05)
+        raise AssertionError(f"the engine still has work: {h}")
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    s = Server(engine, ServeConfig(api_key=KEY))
+    yield s
+    s.stop()
+
+
+def ids_of(text: str) -> list[int]:
+    return ByteTokenizer().encode(text)
+
+
+def text_of(ids) -> str:
+    return ByteTokenizer().decode(ids)
+
+
+def test_a_completion_is_the_greedy_continuation_of_generate(server, reference):
+    out = server.client().completions.create(model=MODEL, prompt="KING HENRY:", max_tokens=12, temperature=0)
+    expected = reference(ids_of("KING HENRY:"), 12)
+    assert out.choices[0].text == text_of(expected)
+    assert out.choices[0].finish_reason == ("length" if len(expected) == 12 else "stop")
+    assert out.usage.prompt_tokens == len("KING HENRY:") and out.usage.completion_tokens == len(expected)
+    assert out.model == MODEL and out.object == "text_completion"
+
+
+def test_token_id_prompts_several_prompts_and_n(server, reference):
+    prompts = [ids_of("to be"), ids_of("or not")]
+    out = server.client().completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for c in out.choices:
+        assert c.text == text_of(reference(prompts[c.index // 2], 5))
+
+
+def test_chat_writes_the_messages_in_the_workdirs_template(server, reference):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    out = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    prompt = templates.get("chatml").conversation(messages)
+    expected = text_of(reference(ids_of(prompt), 8)).split("<|im_end|>")[0]
+    assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == expected
+    assert out.usage.prompt_tokens == len(ids_of(prompt))
+
+
+def test_streamed_answers_are_the_whole_answers_in_pieces(server):
+    client = server.client()
+    whole = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=10, temperature=0)
+    pieces, finish, usage = [], None, None
+    for chunk in client.completions.create(
+        model=MODEL, prompt="ROMEO:", max_tokens=10, temperature=0, stream=True, stream_options={"include_usage": True}
+    ):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            pieces.append(c.text)
+            finish = c.finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].text and finish == whole.choices[0].finish_reason
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    chat = [{"role": "user", "content": "Hello"}]
+    whole = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=10, temperature=0)
+    deltas = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=10, temperature=0, stream=True) if c.choices]  # fmt: skip
+    assert "".join(deltas) == whole.choices[0].message.content
+
+
+def test_a_stop_string_ends_the_text_before_it(server, reference):
+    full = text_of(reference(ids_of("KING:"), 12))
+    stop = next((full[i : i + 2] for i in range(2, len(full) - 2) if full[i : i + 2].strip()), None)
+    if stop is None:
+        pytest.skip(f"the continuation {full!r} has no two printable characters to stop at")
+    client = server.client()
+    out = client.completions.create(model=MODEL, prompt="KING:", max_tokens=12, temperature=0, stop=[stop])
+    assert out.choices[0].text == full[: full.index(stop)] and out.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="KING:", max_tokens=12, temperature=0, stop=stop, stream=True) if c.choices)  # fmt: skip
+    assert streamed == out.choices[0].text
+
+
+def test_logprobs_are_log_probabilities_of_the_chosen_tokens(server):
+    out = server.client().completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0, logprobs=0)
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == out.usage.completion_tokens
+    assert all(x <= 0 for x in lp.token_logprobs) and "".join(lp.tokens) == out.choices[0].text
+
+
+def test_64_concurrent_requests_of_mixed_lengths(server, reference):
+    asynclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    words = ["a", "to be or", "KING HENRY: once more", "x" * 30, "the quick brown fox jumps"]
+    jobs = [(words[i % 5] + str(i), 1 + (i * 7) % 13, i % 3 == 0) for i in range(64)]
+
+    async def one(prompt, n, stream):
+        if not stream:
+            out = await asynclient.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0)
+            return out.choices[0].text
+        chunks = await asynclient.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
+                                                     stream=True)  # fmt: skip
+        return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+    async def all_of_them():
+        try:
+            return await asyncio.gather(*(one(*j) for j in jobs))
+        finally:
+            await asynclient.close()
+
+    texts = asyncio.run(all_of_them())
+    for (prompt, n, _), text in zip(jobs, texts, strict=True):
+        assert text == text_of(reference(ids_of(prompt), n)), prompt
+    server.idle()
+
+
+def test_a_cancelled_stream_frees_its_request_and_the_server_answers_on(server):
+    import http.client
+
+    for _ in range(3):  # a client that reads two events, then hangs up
+        conn = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]), timeout=60)
+        body = json.dumps({"model": MODEL, "prompt": "once", "max_tokens": 80, "stream": True})
+        conn.request("POST", "/v1/completions", body, {"Authorization": f"Bearer {KEY}",
+                                                        "Content-Type": "application/json"})  # fmt: skip
+        r = conn.getresponse()
+        assert r.status == 200
+        r.fp.readline()
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+    with server.client().completions.create(model=MODEL, prompt="once", max_tokens=80, stream=True) as stream:
+        next(iter(stream))  # the openai client's own close, mid-stream
+    assert server.idle()["status"] == "ok"
+    out = server.client().completions.create(model=MODEL, prompt="again", max_tokens=3, temperature=0)
+    assert out.usage.completion_tokens >= 1
+
+
+def test_a_failing_engine_step_fails_its_requests_not_the_server(server):
+    engine = server.runner.engine
+    real = engine.step
+
+    def broken():
+        engine.step = real  # once
+        raise RuntimeError("injected fault")
+
+    engine.step = broken
+    with pytest.raises(openai.InternalServerError, match="injected fault"):
+        server.client().completions.create(model=MODEL, prompt="boom", max_tokens=3)
+    assert server.runner.alive and server.runner.failures >= 1
+    out = server.client().completions.create(model=MODEL, prompt="fine", max_tokens=3, temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop")
+
+
+BAD = [  # (body, HTTP status, the field named, a word of the message)
+    (b"{not json", 400, None, "JSON"),
+    (b"[1, 2]", 400, None, "object"),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
+    ({"prompt": "x"}, 400, "model", "model"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": -3}, 400, "max_tokens", "[1,"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens", "[1,"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", "integer"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": True}, 400, "max_tokens", "integer"),
+    ({"model": MODEL, "prompt": "x" * 150, "max_tokens": 20}, 400, "max_tokens", "context"),
+    ({"model": MODEL, "prompt": 42}, 400, "prompt", "string"),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt", "empty"),
+    ({"model": MODEL, "prompt": [5, 99999]}, 400, "prompt", "ids"),
+    ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature", "number"),
+    ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature", "[0"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p", "(0"),
+    ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream", "true or false"),
+    ({"model": MODEL, "prompt": "x", "stop": [1]}, 400, "stop", "string"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n", "[1,"),
+    ({"model": MODEL, "prompt": "x", "n": 1000}, 400, "n", "[1,"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 5}, 400, "logprobs", "0 or 1"),
+    ({"model": MODEL, "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty", "not supported"),
+    ({"model": MODEL, "prompt": "x", "colour": "red"}, 400, "colour", "unrecognized"),
+    ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
+]
+BAD_CHAT = [
+    ({"model": MODEL, "messages": []}, 400, "messages", "non-empty"),
+    ({"model": MODEL, "messages": "hi"}, 400, "messages", "list"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", "wizard"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content", "string"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages", "context"),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+        400,
+        "tools",
+        "not supported",
+    ),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+        "[1,",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "word"),
+    [("/v1/completions", *b) for b in BAD] + [("/v1/chat/completions", *b) for b in BAD_CHAT],
+)
+def test_a_bad_request_gets_a_4xx_with_openais_error_body(server, path, body, status, param, word):
+    got, answer = server.post(path, body)
+    assert got == status, answer
+    error = answer["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param and word.lower() in error["message"].lower(), error
+
+
+def test_the_openai_client_sees_bad_requests_as_its_errors_and_the_server_answers_on(server):
+    client = server.client()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.post("/nowhere", body={}, cast_to=object)
+    assert server.health()["status"] == "ok"
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_the_api_key_is_asked_for_and_checked(server):
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="sk-wrong").completions.create(model=MODEL, prompt="x", max_tokens=2)
+    status, answer = server.post("/v1/completions", {"model": MODEL, "prompt": "x"}, key=None)
+    assert status == 401 and answer["error"]["code"] == "invalid_api_key"
+    assert [m.id for m in server.client().models.list()] == [MODEL]
+    assert server.client().models.retrieve(MODEL).id == MODEL
+    assert server.health()["status"] == "ok"  # the health route is open
+
+
+def test_without_a_key_the_server_answers_anyone(engine):
+    # The module's server owns the engine (one thread only): this one borrows it after that server stopped.
+    s = Server(engine, ServeConfig())
+    try:
+        assert [m.id for m in s.client(key=None).models.list()] == [MODEL]
+    finally:
+        s.stop()
