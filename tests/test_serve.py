@@ -373,3 +373,16 @@ def test_without_a_key_the_server_answers_anyone(engine):
         assert [m.id for m in s.client(key=None).models.list()] == [MODEL]
     finally:
         s.stop()
+
+
+def test_section_overrides_parse_by_type_and_name_the_field():
+    from jaxformer.config import ConfigError, apply_section_overrides
+
+    cfg = apply_section_overrides(ServeConfig(), "serve", ["serve.port=9000", "serve.api_key=none"])
+    assert (cfg.port, cfg.api_key) == (9000, None)
+    with pytest.raises(ConfigError, match=r"serve\.prot: unknown field; did you mean serve\.port\?"):
+        apply_section_overrides(ServeConfig(), "serve", ["serve.prot=1"])
+    with pytest.raises(ConfigError, match=r"model\.d_model: here --set takes serve\.FIELD=VALUE"):
+        apply_section_overrides(ServeConfig(), "serve", ["model.d_model=1"])
+    with pytest.raises(ConfigError, match=r"serve\.port: a TCP port in \[1, 65535\], got 99999"):
+        apply_section_overrides(ServeConfig(), "serve", ["serve.port=99999"])

@@ -15,7 +15,8 @@ import Config, ModelConfig, load_experiment`); each module holds one concern:
 - `run`: the run's Config and what its sections ask of one another (ring_blocks_unfit), SECTIONS
 - `files`: experiment files and saved config.json (load_experiment, read_config, from_dict)
 - `serve`: the HTTP server's section (ServeConfig), apart from the run's Config
-- `overrides`: `--set section.field=value` (field_hint, parse_overrides, with_values, apply_overrides)
+- `overrides`: `--set section.field=value` (field_hint, parse_overrides, with_values, apply_overrides,
+  apply_section_overrides)
 """
 
 from jaxformer.config.architecture import MODES, ModelConfig, MoEConfig
@@ -29,7 +30,13 @@ from jaxformer.config.lora import (
     LoRAConfig,
     check_lora_fits,
 )
-from jaxformer.config.overrides import apply_overrides, field_hint, parse_overrides, with_values
+from jaxformer.config.overrides import (
+    apply_overrides,
+    apply_section_overrides,
+    field_hint,
+    parse_overrides,
+    with_values,
+)
 from jaxformer.config.presets import (
     PRESETS,
     bart_base,
@@ -75,6 +82,7 @@ __all__ = [
     "ServeConfig",
     "TrainConfig",
     "apply_overrides",
+    "apply_section_overrides",
     "bart_base",
     "bert_base",
     "call_file",
