@@ -9,7 +9,9 @@ that chooses. Either way the answers are checked against `decode.generate` on th
 
 import asyncio
 import json
+import os
 import pathlib
+import shutil
 import socket
 import sys
 import threading
@@ -373,6 +375,59 @@ def test_without_a_key_the_server_answers_anyone(engine):
         assert [m.id for m in s.client(key=None).models.list()] == [MODEL]
     finally:
         s.stop()
+
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's chromium, headless, driven by playwright (its own browser download is never used)."""
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason='the test extra is not installed: pip install -e ".[test]"'
+    )
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("no chromium: .ci/run installs it (apt-get install chromium)")
+        pytest.skip("no chromium on this machine: apt-get install -y chromium")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=path, args=CHROMIUM_FLAGS, headless=True)
+        yield b
+        b.close()
+
+
+def test_the_page_streams_an_answer_in_a_headless_browser(server, reference, browser):
+    page = browser.new_page()
+    page.goto(server.url + "/")
+    page.fill("#api_key", KEY)
+    page.dispatch_event("#api_key", "change")  # the page asks /v1/models again, with the key
+    page.wait_for_function("document.getElementById('model').textContent.startsWith('tiny-chat')")
+    # Count the answer's updates: a streamed answer shows up in pieces, not at once.
+    page.evaluate("""() => { window.updates = 0;
+        new MutationObserver(() => window.updates++).observe(document.getElementById("history"),
+            {subtree: true, childList: true, characterData: true});
+        new MutationObserver(() => window.updates++).observe(document.getElementById("answer"),
+            {subtree: true, childList: true, characterData: true}); }""")
+    page.check("#mode-completion")
+    page.fill("#prompt", "KING HENRY:")
+    page.fill("#max_tokens", "12")
+    page.click("#send")
+    page.wait_for_selector("#status[data-done='1']", timeout=60_000)
+    expected = text_of(reference(ids_of("KING HENRY:"), 12))
+    assert page.eval_on_selector("#answer", "e => e.textContent") == expected
+    assert page.evaluate("window.updates") >= min(len(expected), 2)
+    assert "tokens/s" in page.inner_text("#status")
+    page.check("#mode-chat")
+    page.fill("#prompt", "Hi")
+    page.press("#prompt", "Control+Enter")
+    page.wait_for_selector(".turn.assistant", timeout=60_000)
+    page.wait_for_selector("#status[data-done='1']", timeout=60_000)
+    prompt = templates.get("chatml").conversation([{"role": "user", "content": "Hi"}])
+    answer = text_of(reference(ids_of(prompt), MAX_LEN - len(prompt))).split("<|im_end|>")[0]
+    assert page.eval_on_selector(".turn.assistant .content", "e => e.textContent") == answer
+    page.close()
 
 
 def test_section_overrides_parse_by_type_and_name_the_field():
