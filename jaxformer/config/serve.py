@@ -13,6 +13,12 @@ class ServeConfig:
     """`jaxformer serve`: an OpenAI-compatible server of one workdir's model (jaxformer.serve).
 
     Not a part of the run's Config: a training run never reads it.
+
+    Args:
+        host: the address to listen on ("127.0.0.1": this machine only).
+        port: the TCP port.
+        api_key: the key clients must send as `Authorization: Bearer KEY`, or None (none asked).
+        model_name: the model's id in /v1/models and in requests, or None (the workdir's directory name).
     """
 
     host: str = "127.0.0.1"  # this machine only; "0.0.0.0" opens it to the network (give it an api_key then)
