@@ -148,7 +148,9 @@ class Engine:
         p, L = r.params, self.max_context
         width = min(max(8, 1 << (len(r.prompt) - 1).bit_length()), L - 1)
         settings = DecodeConfig(
-            strategy="greedy" if p.temperature == 0 else "sample", max_new_tokens=max(1, L - width),
+            # a few lengths (powers of two) so that a few compilations serve every request
+            strategy="greedy" if p.temperature == 0 else "sample",
+            max_new_tokens=max(1, min(L - width, 1 << max(4, (p.max_tokens - 1).bit_length()))),
             temperature=p.temperature or 1.0, top_k=p.top_k, top_p=p.top_p, seed=p.seed or 0,
         )  # fmt: skip
         out = decode.generate(self.model, [r.prompt], settings, eos_id=self.eos_id)

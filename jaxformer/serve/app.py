@@ -13,6 +13,7 @@ import hmac
 import importlib.resources
 import json
 import logging
+import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -206,12 +207,15 @@ class _Server:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )  # fmt: skip
         try:
+            looked = time.monotonic()
             while not all(c.done for c in choices):
+                if time.monotonic() - looked > DISCONNECT_POLL:  # however busy the queue is
+                    looked = time.monotonic()
+                    if await request.is_disconnected():
+                        return Response(status_code=499)  # nobody to answer; `finally` frees the pages
                 try:
                     index, item = await asyncio.wait_for(events.get(), DISCONNECT_POLL)
                 except TimeoutError:
-                    if await request.is_disconnected():
-                        return Response(status_code=499)  # nobody to answer; `finally` frees the pages
                     continue
                 if isinstance(item, Exception):
                     raise _engine_failed(item)
