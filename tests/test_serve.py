@@ -14,7 +14,9 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -145,13 +147,14 @@ class Server:
             return json.loads(r.read())
 
     def idle(self) -> dict:
-        """The engine's stats once nothing runs (the aborts and finishes have gone through)."""
+        """/health once the engine has nothing unfinished (the aborts and finishes have gone through)."""
         for _ in range(200):
-            h = self.health()
-            if not h["engine"].get("running") and not h["engine"].get("waiting"):
+            if not self.runner.call(lambda e: e.has_unfinished()).result(timeout=60):
+                h = self.health()
+                assert not h["engine"].get("running") and not h["engine"].get("waiting"), h
                 return h
             time.sleep(0.05)
-        raise AssertionError(f"the engine still has work: {h}")
+        raise AssertionError(f"the engine still has work: {self.health()}")
 
 
 @contextlib.contextmanager
@@ -412,6 +415,43 @@ def test_without_a_key_the_server_answers_anyone(engine):
         s.stop()
 
 
+@pytest.mark.skipif(not REAL_ENGINE, reason="jaxformer.engine is not in this install: `jaxformer serve` needs it")
+def test_jaxformer_serve_serves_a_workdir_until_interrupted(workdir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [
+        "serve",
+        "--workdir",
+        str(workdir),
+        "--port",
+        str(port),
+        "--model-name",
+        MODEL,
+        "--set",
+        "engine.max_slots=4",
+    ]
+    env = dict(os.environ, JAXFORMER_API_KEY=KEY)  # the key from the environment, not the command line
+    proc = subprocess.Popen([sys.executable, "-m", "jaxformer.cli", *argv], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
+        for _ in range(1200):
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                models = client.models.list()
+                break
+            except openai.APIConnectionError:
+                time.sleep(0.1)
+        assert [m.id for m in models] == [MODEL]
+        out = client.completions.create(model=MODEL, prompt="KING", max_tokens=3, temperature=0)
+        assert out.usage.completion_tokens >= 1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="no", max_retries=0).models.list()
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: uvicorn shuts down, the engine thread stops
+        assert proc.wait(60) == 0
+
+
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
 
@@ -477,3 +517,27 @@ def test_section_overrides_parse_by_type_and_name_the_field():
         apply_section_overrides(ServeConfig(), "serve", ["model.d_model=1"])
     with pytest.raises(ConfigError, match=r"serve\.port: a TCP port in \[1, 65535\], got 99999"):
         apply_section_overrides(ServeConfig(), "serve", ["serve.port=99999"])
+
+
+@pytest.mark.parametrize(
+    ("text", "stops", "expected"),
+    [
+        ("héllo wörld ✓ done", (), "héllo wörld ✓ done"),  # multi-byte characters arrive byte by byte
+        ("héllo wörld ✓ done", ("✓",), "héllo wörld "),
+        ("abc<|im_end|>more", ("<|im_end|>",), "abc"),
+        ("a<|im_x and on", ("<|im_end|>",), "a<|im_x and on"),  # a prefix of the stop string, then not
+        ("ends with <|im", ("<|im_end|>",), "ends with <|im"),  # held back, then flushed at the end
+    ],
+)
+def test_text_is_handed_out_once_whole_characters_only_and_cut_before_a_stop(text, stops, expected):
+    from jaxformer.serve.protocol import TextStream
+
+    tok = ByteTokenizer()
+    stream, pieces = TextStream(tok, stops, tok.eos_id), []
+    for i in [*tok.encode(text), tok.eos_id]:  # one token (here: one byte) at a time, as an engine gives them
+        pieces.append(stream.add([i]))
+        if stream.stopped:
+            break
+    pieces.append(stream.flush())
+    assert "".join(pieces) == expected
+    assert not any("\ufffd" in p for p in pieces)  # never half a character (and nothing taken back)

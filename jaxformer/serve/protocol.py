@@ -346,7 +346,7 @@ def chat_turns(messages) -> list[dict]:
     return turns
 
 
-def chat_job(body: dict, tok, max_context: int, template: str | None) -> Job:
+def chat_job(body: dict, tok, max_context: int, template) -> Job:
     """A /v1/chat/completions body (fields checked, the model named already) as a Job: the messages
     written in the workdir's chat template, the answer stopped at the template's end (and at EOS).
 
@@ -354,7 +354,7 @@ def chat_job(body: dict, tok, max_context: int, template: str | None) -> Job:
         body: the request body.
         tok (Tokenizer): the model's tokenizer.
         max_context: prompt + max_tokens must fit.
-        template: the template's name (data.template), or None.
+        template (str | Template | None): the template, or its name (data.template), or None.
 
     Returns:
         The job.
@@ -365,7 +365,7 @@ def chat_job(body: dict, tok, max_context: int, template: str | None) -> Job:
     if template in (None, "none"):
         raise APIError(400, "this model was not trained on a chat template (data.template=none): use /v1/completions",
                        "messages", "no_chat_template")  # fmt: skip
-    t = templates.get(template)
+    t = template if isinstance(template, templates.Template) else templates.get(template)
     turns = chat_turns(body.get("messages"))
     text = t.conversation(turns)
     ids = tok.encode(text)
