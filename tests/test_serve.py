@@ -321,9 +321,36 @@ def test_a_failing_engine_step_fails_its_requests_not_the_server(server):
     engine.step = broken
     with pytest.raises(openai.InternalServerError, match="injected fault"):
         server.client().completions.create(model=MODEL, prompt="boom", max_tokens=3)
+    engine.step = broken  # mid-stream: an error event, which the client raises
+    with pytest.raises(openai.APIError, match="injected fault"):
+        list(server.client().completions.create(model=MODEL, prompt="boom", max_tokens=3, stream=True))
     assert server.runner.alive and server.runner.failures >= 1
     out = server.client().completions.create(model=MODEL, prompt="fine", max_tokens=3, temperature=0)
     assert out.choices[0].finish_reason in ("length", "stop")
+
+
+def test_an_exception_while_answering_is_a_500_with_an_error_body_and_the_server_answers_on(server):
+    state = server.app.state.server
+    real = state.tok
+
+    class Exploding:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def encode(self, text):
+            if "explode" in text:
+                raise RuntimeError("the tokenizer broke")
+            return real.encode(text)
+
+    state.tok = Exploding()
+    try:
+        status, answer = server.post("/v1/completions", {"model": MODEL, "prompt": "explode"})
+    finally:
+        state.tok = real
+    assert (
+        status == 500 and answer["error"]["type"] == "server_error" and "tokenizer broke" in answer["error"]["message"]
+    )
+    assert server.client().completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
 
 
 BAD = [  # (body, HTTP status, the field named, a word of the message)

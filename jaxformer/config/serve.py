@@ -14,7 +14,7 @@ class ServeConfig:
 
     Not a part of the run's Config: a training run never reads it.
 
-    Args:
+    Attributes:
         host: the address to listen on ("127.0.0.1": this machine only).
         port: the TCP port.
         api_key: the key clients must send as `Authorization: Bearer KEY`, or None (none asked).
