@@ -185,7 +185,13 @@ class _Server:
                 index = p * job.n + j
                 deliver = lambda item, i=index: loop.call_soon_threadsafe(events.put_nowait, (i, item))
                 futures.append(self.runner.add(ids, params, deliver))
-        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
+        try:
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
+        except asyncio.CancelledError:  # the client left while the requests were being added
+            for f in futures:
+                if f.done() and not f.cancelled() and f.exception() is None:
+                    self.runner.abort(f.result())
+            raise
         refused = [r for r in results if isinstance(r, BaseException)]
         if refused:
             for r in results:
