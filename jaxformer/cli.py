@@ -1,5 +1,5 @@
-"""`jaxformer train | prepare | eval | generate | translate | export | import-hf | export-hf | plan | sweep | plot |
-check | config`."""
+"""`jaxformer train | prepare | eval | generate | translate | serve | export | import-hf | export-hf | plan | sweep |
+plot | check | config`."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ EXAMPLES = {
     "export-hf": "jaxformer export-hf --workdir runs/gpt2_shakespeare gpt2_shakespeare",
     "generate": 'jaxformer generate --workdir runs/lm_shakespeare --prompt "KING HENRY:" --set decode.temperature=0.7',
     "translate": 'jaxformer translate --workdir runs/translate_en_de --src "Click the OK button."',
+    "serve": "jaxformer serve --workdir runs/instruct_tiny --port 8000 --set engine.max_slots=16",
     "sweep": "jaxformer sweep experiments/sweeps/copy_task.py --workdir sweeps/copy_task --workers 2",
     "plan": "jaxformer plan --config experiments/gpt2_1p3b.py --target tpu-v5p:4x4x4",
     "plot": "jaxformer plot --workdir runs/lm_shakespeare",
@@ -244,6 +245,46 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """An OpenAI-compatible HTTP server of a workdir's model, and a page to try it at `/` (jaxformer.serve)."""
+    import os
+
+    from jaxformer.config import ServeConfig, apply_section_overrides
+
+    workdir = pathlib.Path(args.workdir)
+    key = args.api_key if args.api_key is not None else os.environ.get("JAXFORMER_API_KEY") or None
+    name = args.model_name or workdir.absolute().name
+    cfg = ServeConfig(host=args.host, port=args.port, api_key=key, model_name=name)
+    others = [s for s in args.set or [] if not s.strip().startswith("engine.")]
+    if others:
+        raise CommandError(f"--set {others[0]}: `serve` --set changes the engine only (engine.FIELD=VALUE)")
+    if not (workdir / "config.json").is_file():
+        raise CommandError(
+            f"{workdir / 'config.json'} does not exist: {workdir} is not a training workdir "
+            f"(train there first, or import one: jaxformer import-hf DIR --workdir {workdir})"
+        )
+    try:
+        from jaxformer.config import EngineConfig
+        from jaxformer.engine import Engine, EngineError
+    except ImportError as e:
+        raise CommandError(f"the inference engine does not load here ({e}): `serve` needs jaxformer.engine") from None
+    engine_cfg = apply_section_overrides(EngineConfig(), "engine", args.set or [])
+    try:
+        engine = Engine.from_workdir(workdir, engine_cfg)
+    except EngineError as e:
+        raise CommandError(str(e)) from None
+    from jaxformer.serve import run
+
+    url = f"http://{cfg.host}:{cfg.port}"
+    print(
+        f"serving {name} (context {engine.max_context} tokens, chat template {engine.chat_template or 'none'}) at "
+        f"{url}/v1{' (API key required)' if key else ''}; try it at {url}/ ; Ctrl-C stops",
+        file=sys.stderr,
+    )
+    run(engine, cfg, name)
+    return 0
+
+
 def cmd_export(args) -> int:
     from jaxformer.checkpoint import export
 
@@ -453,6 +494,20 @@ def build_parser() -> argparse.ArgumentParser:
             gen.add_argument(
                 "--stop-at-eos", action="store_true", help="stop at the end of a paragraph (always with data.template)"
             )
+    sv = sub.add_parser(
+        "serve", help="serve a workdir's model over an OpenAI-compatible HTTP API, with a page to try it at /"
+    )
+    sv.add_argument("--workdir", required=True, help="a training workdir: its latest checkpoint, tokenizer, template")
+    sv.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine)")
+    sv.add_argument("--port", type=int, default=8000, help="the TCP port (default 8000)")
+    sv.add_argument(
+        "--api-key",
+        help="ask clients for `Authorization: Bearer KEY` (default: $JAXFORMER_API_KEY, which keeps the key out of "
+        "the process list; neither: no key asked)",
+    )
+    sv.add_argument("--model-name", help="the model's id in /v1/models and in requests (default: the workdir's name)")
+    sv.add_argument("--set", action="append", metavar="engine.FIELD=VALUE", help="an engine setting, e.g. "
+                    "engine.max_slots=16")  # fmt: skip
     sw = sub.add_parser("sweep", help="run (or continue) a hyperparameter sweep on Optuna")
     sw.add_argument("file", help="experiments/sweeps/NAME.py")
     sw.add_argument("--workdir", required=True, help="the sweep's directory: storage, trials, results")
@@ -547,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
             "config": cmd_config,
             "generate": cmd_generate,
             "translate": cmd_generate,
+            "serve": cmd_serve,
             "sweep": cmd_sweep,
             "plot": cmd_plot,
             "plan": cmd_plan,

@@ -466,6 +466,18 @@ CLI_CASES = [
     cli_case("eval --workdir {empty}", r"\S+config\.json does not exist: \S+ is not a training workdir"),
     cli_case("eval --workdir {config_only}", r"\S+checkpoints holds no checkpoint: train first"),
     cli_case("export --workdir {empty} --out {tmp}/out", r"\S+config\.json does not exist"),
+    # `serve`: the server's settings and the workdir, checked before the engine loads anything
+    cli_case("serve --workdir {lm} --port 70000", r"serve\.port: a TCP port in \[1, 65535\], got 70000"),
+    cli_case("serve --workdir {lm} --port 0", r"serve\.port: a TCP port in \[1, 65535\], got 0"),
+    cli_case("serve --workdir {lm} --port http", r"argument --port: invalid int value: 'http'"),
+    cli_case("serve --workdir {lm} --api-key ''", r"serve\.api_key: a non-empty key without spaces"),
+    cli_case("serve --workdir {lm} --host ''", r"serve\.host: an address to listen on"),
+    cli_case("serve --workdir {lm} --model-name 'a b'", r"serve\.model_name: a non-empty name without spaces"),
+    cli_case("serve --workdir {tmp}/missing", r"\S+config\.json does not exist: \S+ is not a training workdir"),
+    cli_case("serve --workdir {empty}", r"\S+config\.json does not exist: \S+ is not a training workdir"),
+    cli_case(
+        "serve --workdir {lm} --set train.steps=3", r"--set train\.steps=3: `serve` --set changes the engine only"
+    ),
     cli_case("export --workdir {config_only} --out {tmp}/out", r"\S+checkpoints holds no checkpoint: train first"),
     cli_case("export-hf --workdir {empty} {tmp}/out", r"\S+config\.json does not exist"),
     cli_case("export-hf --workdir {copy} {tmp}/out", r"no Hugging Face family expresses this model"),

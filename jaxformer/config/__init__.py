@@ -14,7 +14,9 @@ import Config, ModelConfig, load_experiment`); each module holds one concern:
 - `lora`: the LoRA section (LoRAConfig) and its check against the model (check_lora_fits)
 - `run`: the run's Config and what its sections ask of one another (ring_blocks_unfit), SECTIONS
 - `files`: experiment files and saved config.json (load_experiment, read_config, from_dict)
-- `overrides`: `--set section.field=value` (field_hint, parse_overrides, with_values, apply_overrides)
+- `serve`: the HTTP server's section (ServeConfig), apart from the run's Config
+- `overrides`: `--set section.field=value` (field_hint, parse_overrides, with_values, apply_overrides,
+  apply_section_overrides)
 """
 
 from jaxformer.config.architecture import MODES, ModelConfig, MoEConfig
@@ -28,7 +30,13 @@ from jaxformer.config.lora import (
     LoRAConfig,
     check_lora_fits,
 )
-from jaxformer.config.overrides import apply_overrides, field_hint, parse_overrides, with_values
+from jaxformer.config.overrides import (
+    apply_overrides,
+    apply_section_overrides,
+    field_hint,
+    parse_overrides,
+    with_values,
+)
 from jaxformer.config.presets import (
     PRESETS,
     bart_base,
@@ -50,6 +58,7 @@ from jaxformer.config.sections import (
     MeshConfig,
     TrainConfig,
 )
+from jaxformer.config.serve import ServeConfig
 
 __all__ = [
     "LORA_MODEL_TARGETS",
@@ -70,8 +79,10 @@ __all__ = [
     "MeshConfig",
     "MoEConfig",
     "ModelConfig",
+    "ServeConfig",
     "TrainConfig",
     "apply_overrides",
+    "apply_section_overrides",
     "bart_base",
     "bert_base",
     "call_file",

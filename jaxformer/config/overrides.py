@@ -130,3 +130,31 @@ def _parse(raw: str, hint, field: str):
         except ValueError:
             continue
     raise ConfigError(f"{field}: cannot parse {raw!r} as {_type_name(hint)}")
+
+
+def apply_section_overrides(section, prefix: str, overrides: list[str]):
+    """`prefix.field=value` overrides of one section that is not a part of the run's Config (`engine`,
+    `serve`): each value parsed by the field's type, the section validated again.
+
+    Args:
+        section (object): the section (a frozen dataclass).
+        prefix: its name in the overrides ("engine").
+        overrides: "prefix.field=value" strings.
+
+    Returns:
+        section (object): a new section of the same type.
+
+    Raises:
+        ConfigError: another section's field, an unknown field, or a value its type cannot parse or validate.
+    """
+    hints, values = typing.get_type_hints(type(section)), {}
+    for item in overrides:
+        require("=" in item, item, f"an override is {prefix}.field=value")
+        dotted, raw = (s.strip() for s in item.split("=", 1))
+        section_name, _, name = dotted.partition(".")
+        require(section_name == prefix and bool(name), dotted, f"here --set takes {prefix}.FIELD=VALUE")
+        if name not in hints:
+            said = did_you_mean(name, hints, prefix=f"{prefix}.")
+            raise ConfigError(f"{dotted}: unknown field{said} (known: {', '.join(sorted(hints))})")
+        values[name] = _parse(raw, hints[name], dotted)
+    return dataclasses.replace(section, **values)

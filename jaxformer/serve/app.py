@@ -1,0 +1,357 @@
+"""The ASGI app: OpenAI's routes over an EngineThread, the page at `/`, errors as OpenAI writes them.
+
+Each HTTP request gets an asyncio queue; the engine thread puts its Events there through
+`loop.call_soon_threadsafe`. A streamed answer is server-sent events in OpenAI's chunk format, ended by
+`data: [DONE]`; a client that goes away mid-answer has its requests aborted (their pages freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import importlib.resources
+import json
+import logging
+import time
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from jaxformer.config import ServeConfig
+from jaxformer.serve import protocol
+from jaxformer.serve.protocol import APIError, Job, TextStream
+from jaxformer.serve.runner import EngineThread
+
+log = logging.getLogger("jaxformer.serve")
+MAX_BODY = 8 << 20  # bytes of one request body
+DISCONNECT_POLL = 0.5  # seconds between looks at whether a non-streaming client is still there
+
+
+def create_app(engine, cfg: ServeConfig, model_name: str) -> Starlette:
+    """The server's app; its engine thread starts and stops with the app (ASGI lifespan).
+
+    Args:
+        engine (Engine): the engine, owned by the app's engine thread from then on.
+        cfg: the server's settings (api_key).
+        model_name: the model's id in /v1/models and in requests.
+
+    Returns:
+        The app (run it with uvicorn).
+
+    Raises:
+        ValueError: an engine without a tokenizer (the server speaks text).
+    """
+    if getattr(engine, "tokenizer", None) is None:
+        raise ValueError("the engine has no tokenizer: the server takes and answers text")
+    return _Server(engine, cfg, model_name).app
+
+
+class _Server:
+    def __init__(self, engine, cfg: ServeConfig, model_name: str):
+        self.engine, self.cfg, self.model_name = engine, cfg, model_name
+        self.tok = engine.tokenizer
+        self.runner = EngineThread(engine)
+        self.created = protocol.now()
+        routes = [
+            Route("/", self.page, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+        ]
+        self.app = Starlette(
+            routes=routes,
+            lifespan=self.lifespan,
+            exception_handlers={HTTPException: self.http_error, Exception: self.server_error},
+        )
+        self.app.state.server = self
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        self.runner.start()
+        yield
+        self.runner.stop()
+
+    # ------------------------------------------------------------------ plain routes
+
+    async def page(self, request: Request) -> Response:
+        html = importlib.resources.files("jaxformer.serve").joinpath("page.html").read_text(encoding="utf-8")
+        return HTMLResponse(html)
+
+    async def health(self, request: Request) -> Response:
+        if not self.runner.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        try:
+            stats = await asyncio.wait_for(asyncio.wrap_future(self.runner.call(lambda e: e.stats())), 30)
+        except TimeoutError:
+            return JSONResponse({"status": "engine busy"}, status_code=503)
+        return JSONResponse({"status": "ok", "model": self.model_name, "engine": stats})
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "jaxformer",
+                "max_context": self.engine.max_context}  # fmt: skip
+
+    async def models(self, request: Request) -> Response:
+        return await self._guarded(request, lambda: JSONResponse({"object": "list", "data": [self._model_card()]}))
+
+    async def model(self, request: Request) -> Response:
+        async def answer():
+            name = request.path_params["model"]
+            if name != self.model_name:
+                raise APIError(404, f"The model `{name}` does not exist", "model", "model_not_found")
+            return JSONResponse(self._model_card())
+
+        return await self._guarded(request, answer)
+
+    # ------------------------------------------------------------------ errors and the key
+
+    async def http_error(self, request: Request, exc: HTTPException) -> Response:
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(APIError(exc.status_code, message, None, None, kind).body(), status_code=exc.status_code)
+
+    async def server_error(self, request: Request, exc: Exception) -> Response:
+        log.error("request %s %s failed", request.method, request.url.path, exc_info=exc)
+        return _error(APIError(500, f"the server failed on this request: {type(exc).__name__}: {exc}", None, None,
+                               "server_error"))  # fmt: skip
+
+    def _check_key(self, request: Request) -> None:
+        if self.cfg.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.cfg.api_key.encode()):
+            what = "no API key given (header Authorization: Bearer KEY)" if not given else "incorrect API key provided"
+            raise APIError(401, what, None, "invalid_api_key", "authentication_error")
+
+    async def _guarded(self, request: Request, answer) -> Response:
+        """The key checked, then the answer; an APIError becomes its response, anything else a 500."""
+        try:
+            self._check_key(request)
+            result = answer()
+            return await result if asyncio.iscoroutine(result) else result
+        except APIError as e:
+            return _error(e)
+        except Exception as e:
+            return await self.server_error(request, e)
+
+    async def _body(self, request: Request, known: set[str]) -> dict:
+        raw = await request.body()
+        if len(raw) > MAX_BODY:
+            raise APIError(413, f"the request body is {len(raw)} bytes: at most {MAX_BODY}", None, "body_too_large")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"could not parse the JSON body of the request: {e}", None, "invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}", None, "invalid_json")
+        protocol.check_fields(body, known)
+        protocol.check_model(body, self.model_name)
+        return body
+
+    # ------------------------------------------------------------------ generation
+
+    async def completions(self, request: Request) -> Response:
+        async def answer():
+            body = await self._body(request, protocol.COMPLETION_FIELDS)
+            job = protocol.completion_job(body, self.tok, self.engine.max_context)
+            return await self._run(request, job)
+
+        return await self._guarded(request, answer)
+
+    async def chat(self, request: Request) -> Response:
+        async def answer():
+            body = await self._body(request, protocol.CHAT_FIELDS)
+            template = getattr(self.engine, "chat_template", None)
+            job = protocol.chat_job(body, self.tok, self.engine.max_context, template)
+            return await self._run(request, job)
+
+        return await self._guarded(request, answer)
+
+    async def _submit(self, job: Job) -> tuple[asyncio.Queue, list[str]]:
+        """Every (prompt, choice) of the job added to the engine; their Events come on one queue as
+        (choice index, Event or Exception). All or none: one refused aborts the others."""
+        from jaxformer.engine import EngineError
+
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        futures = []
+        for p, ids in enumerate(job.prompts):
+            for j, params in enumerate(job.params):
+                index = p * job.n + j
+                deliver = lambda item, i=index: loop.call_soon_threadsafe(events.put_nowait, (i, item))
+                futures.append(self.runner.add(ids, params, deliver))
+        try:
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
+        except asyncio.CancelledError:  # the client left while the requests were being added
+            for f in futures:
+                if f.done() and not f.cancelled() and f.exception() is None:
+                    self.runner.abort(f.result())
+            raise
+        refused = [r for r in results if isinstance(r, BaseException)]
+        if refused:
+            for r in results:
+                if isinstance(r, str):
+                    self.runner.abort(r)
+            e = refused[0]
+            if isinstance(e, EngineError):
+                code = "context_length_exceeded" if "context" in str(e) else "invalid_value"
+                raise APIError(400, str(e), "max_tokens" if code == "context_length_exceeded" else "prompt", code)
+            raise e
+        return events, list(results)
+
+    async def _run(self, request: Request, job: Job) -> Response:
+        events, ids = await self._submit(job)
+        choices = [_Choice(self.tok, job, index) for index in range(len(ids))]
+        if job.stream:
+            return StreamingResponse(
+                self._stream(job, events, ids, choices), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )  # fmt: skip
+        try:
+            looked = time.monotonic()
+            while not all(c.done for c in choices):
+                if time.monotonic() - looked > DISCONNECT_POLL:  # however busy the queue is
+                    looked = time.monotonic()
+                    if await request.is_disconnected():
+                        return Response(status_code=499)  # nobody to answer; `finally` frees the pages
+                try:
+                    index, item = await asyncio.wait_for(events.get(), DISCONNECT_POLL)
+                except TimeoutError:
+                    continue
+                if isinstance(item, Exception):
+                    raise _engine_failed(item)
+                choices[index].take(item, lambda i=index: self.runner.abort(ids[i]))
+        finally:
+            self._abort_unfinished(ids, choices)
+        return JSONResponse(self._whole(job, choices))
+
+    def _abort_unfinished(self, ids: list[str], choices: list[_Choice]) -> None:
+        for request_id, c in zip(ids, choices, strict=True):
+            if not c.engine_done:
+                self.runner.abort(request_id)
+
+    def _whole(self, job: Job, choices: list[_Choice]) -> dict:
+        usage = _usage(job, choices)
+        if job.chat:
+            return {
+                "id": protocol.new_id("chatcmpl"), "object": "chat.completion", "created": protocol.now(),
+                "model": self.model_name,
+                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": c.chat_logprobs(c.logprobs) if job.logprobs else None,
+                             "finish_reason": c.finish_reason} for c in choices],
+                "usage": usage,
+            }  # fmt: skip
+        return {
+            "id": protocol.new_id("cmpl"), "object": "text_completion", "created": protocol.now(),
+            "model": self.model_name,
+            "choices": [{"index": c.index, "text": c.text, "logprobs": c.text_logprobs(c.logprobs) if job.logprobs
+                         else None, "finish_reason": c.finish_reason} for c in choices],
+            "usage": usage,
+        }  # fmt: skip
+
+    async def _stream(self, job: Job, events: asyncio.Queue, ids: list[str], choices: list[_Choice]):
+        kind = "chat.completion.chunk" if job.chat else "text_completion"
+        head = {"id": protocol.new_id("chatcmpl" if job.chat else "cmpl"), "object": kind,
+                "created": protocol.now(), "model": self.model_name}  # fmt: skip
+
+        def chunk(index: int, text: str, finish: str | None, logprobs: list | None = None, first: bool = False) -> str:
+            c = choices[index]
+            if job.chat:
+                delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+                lp = c.chat_logprobs(logprobs) if job.logprobs and logprobs else None
+                choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            else:
+                lp = c.text_logprobs(logprobs) if job.logprobs and logprobs else None
+                choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+            usage = {"usage": None} if job.include_usage else {}
+            return _sse(head | {"choices": [choice]} | usage)
+
+        try:
+            for c in choices:  # the role first (chat), or the echoed prompt
+                if job.chat:
+                    yield chunk(c.index, "", None, first=True)
+                elif job.echo:
+                    yield chunk(c.index, c.echo, None)
+            while not all(c.done for c in choices):
+                index, item = await events.get()
+                if isinstance(item, Exception):
+                    yield _sse(_engine_failed(item).body())
+                    return
+                c = choices[index]
+                before = len(c.logprobs)
+                piece = c.take(item, lambda i=index: self.runner.abort(ids[i]))
+                if piece or (job.logprobs and len(c.logprobs) > before):
+                    yield chunk(index, piece, None, c.logprobs[before:])
+                if c.done:
+                    yield chunk(index, "", c.finish_reason)
+            if job.include_usage:
+                yield _sse(head | {"choices": [], "usage": _usage(job, choices)})
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (the generator is closed), or all is said: free what still runs
+            self._abort_unfinished(ids, choices)
+
+
+class _Choice:
+    """One choice's state: its text so far (TextStream), tokens, log-probabilities and finish reason."""
+
+    def __init__(self, tok, job: Job, index: int):
+        self.tok, self.index = tok, index
+        self.prompt = job.prompts[index // job.n]
+        self.echo = job.prompt_texts[index // job.n] if job.echo else ""
+        self.stream = TextStream(tok, job.stop, getattr(tok, "eos_id", None))
+        self.text, self.tokens, self.logprobs = self.echo, [], []
+        self.done = self.engine_done = False
+        self.finish_reason = None
+
+    def take(self, event, abort) -> str:
+        """An Event's text (what can be handed out now); `abort()` stops the engine at a stop string."""
+        if self.done:
+            return ""
+        self.tokens += event.token_ids
+        self.logprobs += list(zip(event.token_ids, event.logprobs or [], strict=False))
+        piece = self.stream.add(event.token_ids)
+        self.engine_done = event.finished
+        if self.stream.stopped:
+            self.done, self.finish_reason = True, "stop"
+            if not event.finished:
+                abort()
+        elif event.finished:
+            piece += self.stream.flush()
+            self.done, self.finish_reason = True, event.finish_reason
+        self.text += piece
+        return piece
+
+    def text_logprobs(self, pairs: list) -> dict:
+        tokens = [self.tok.decode([t]) for t, _ in pairs]
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp in pairs], "top_logprobs": None,
+                "text_offset": None}  # fmt: skip
+
+    def chat_logprobs(self, pairs: list) -> dict:
+        content = []
+        for t, lp in pairs:
+            s = self.tok.decode([t])
+            content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []})
+        return {"content": content}
+
+
+def _usage(job: Job, choices: list[_Choice]) -> dict:
+    prompt = sum(len(p) for p in job.prompts)
+    completion = sum(len(c.tokens) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _engine_failed(e: Exception) -> APIError:
+    return APIError(500, f"the engine failed on this request: {type(e).__name__}: {e}", None, None, "server_error")
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

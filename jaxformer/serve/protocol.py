@@ -1,0 +1,461 @@
+"""OpenAI's request and response shapes: a request body checked field by field into what the engine is
+asked (a `Job`), errors as OpenAI writes them, and text handed out as the tokens come.
+
+Nothing here touches the engine's state or the network: the app (`jaxformer.serve.app`) does. The
+engine's names are imported where they are used, so that this package imports (and its reference page
+builds) on an install whose engine does not load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+
+from jaxformer.data import templates
+
+MAX_CHOICES = 128  # prompts x n of one request: more is a batch job (Engine.generate), not an HTTP call
+MAX_STOPS = 4  # as OpenAI
+# Fields OpenAI defines that change nothing here at their default value (anything else is refused, as
+# OpenAI refuses what it does not know: "Unrecognized request argument supplied").
+_NEUTRAL = {
+    "frequency_penalty": (0, 0.0, None),
+    "presence_penalty": (0, 0.0, None),
+    "logit_bias": (None,),
+    "suffix": (None, ""),
+    "tools": (None,),
+    "tool_choice": (None, "none"),
+    "functions": (None,),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "parallel_tool_calls": (None, True, False),
+    "top_logprobs": (None, 0),
+    "modalities": (None, ["text"]),
+    "service_tier": (None, "auto", "default"),
+}
+_IGNORED = {"user", "metadata", "store", "safety_identifier", "prompt_cache_key"}  # bookkeeping, no effect
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "frequency_penalty", "presence_penalty",
+                               "logit_bias", "suffix", "user"}  # fmt: skip
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs"} | set(_NEUTRAL) | _IGNORED
+
+
+class APIError(Exception):
+    """A request answered with an error: its HTTP status and OpenAI's error body.
+
+    Args:
+        status: the HTTP status (4xx: the client's fault, 5xx: the server's).
+        message: what was wrong, for a person.
+        param: the request field at fault, or None.
+        code: a short machine-readable code, or None.
+        kind: OpenAI's error type ("invalid_request_error", "authentication_error", "server_error").
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        """The response body, as OpenAI writes errors.
+
+        Returns:
+            {"error": {"message", "type", "param", "code"}}.
+        """
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def bad(param: str | None, message: str, code: str | None = "invalid_value") -> APIError:
+    """A 400 naming the field at fault.
+
+    Args:
+        param: the field.
+        message: what is wrong with it.
+        code: OpenAI's code.
+
+    Returns:
+        The error to raise.
+    """
+    return APIError(400, f"{param}: {message}" if param else message, param, code)
+
+
+@dataclasses.dataclass
+class Job:
+    """What one HTTP request asks of the engine: prompts x n generations.
+
+    Attributes:
+        chat: a chat completion (else a text completion).
+        prompts: each prompt's token ids.
+        prompt_texts: each prompt's text (echo).
+        params: the sampling settings of each of the n choices of a prompt.
+        stream: answer by server-sent events.
+        include_usage: a last streamed chunk with the token counts.
+        echo: the prompt's text before the completion's.
+        logprobs: each chosen token's log-probability.
+        stop: the stop strings (the template's end marker included).
+    """
+
+    chat: bool
+    prompts: list[list[int]]
+    prompt_texts: list[str]
+    params: list  # [SamplingParams]
+    stream: bool
+    include_usage: bool
+    echo: bool
+    logprobs: bool
+    stop: tuple[str, ...]
+
+    @property
+    def n(self) -> int:
+        """Choices per prompt."""
+        return len(self.params)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _int(body: dict, name: str, default, lo: int, hi: int):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise bad(name, f"an integer is expected, got {type(v).__name__} {v!r}", "invalid_type")
+    if not lo <= v <= hi:
+        raise bad(name, f"must be in [{lo}, {hi}], got {v}")
+    return v
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_number(v):
+        raise bad(name, f"a number is expected, got {type(v).__name__} {v!r}", "invalid_type")
+    if not (lo < v if lo_open else lo <= v) or v > hi:
+        raise bad(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
+    return float(v)
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(name, f"true or false is expected, got {type(v).__name__} {v!r}", "invalid_type")
+    return v
+
+
+def _stops(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad("stop", "a string or a list of strings is expected", "invalid_type")
+    if len(stops) > MAX_STOPS or any(not s for s in stops):
+        raise bad("stop", f"at most {MAX_STOPS} non-empty strings, got {stops!r}")
+    return tuple(stops)
+
+
+def check_fields(body: dict, known: set[str]) -> None:
+    """Refuse fields OpenAI does not define for this route, and defined ones this server cannot honour.
+
+    Args:
+        body: the request body.
+        known: the route's fields.
+
+    Raises:
+        APIError: the first such field.
+    """
+    for name in body:
+        if name not in known:
+            raise bad(name, f"unrecognized request argument supplied: {name}", "unknown_parameter")
+        if name in _NEUTRAL and body[name] not in _NEUTRAL[name] and body[name] != {}:
+            raise bad(name, f"not supported by this server (only its default: {_NEUTRAL[name][0]!r})", "unsupported")
+
+
+def check_model(body: dict, model_name: str) -> None:
+    """The request names this server's model.
+
+    Args:
+        body: the request body.
+        model_name: the served model's id.
+
+    Raises:
+        APIError: no model (400), or another one (404, as OpenAI answers).
+    """
+    v = body.get("model")
+    if not isinstance(v, str) or not v:
+        raise bad("model", "you must provide a model parameter (this server's: " + model_name + ")", "invalid_type")
+    if v != model_name:
+        raise APIError(404, f"The model `{v}` does not exist: this server serves `{model_name}`", "model",
+                       "model_not_found")  # fmt: skip
+
+
+def sampling(body: dict, max_tokens: int, stop: tuple[str, ...], logprobs: bool, n: int) -> list:
+    """The engine's settings of each of the n choices (a given seed is each choice's seed + its index).
+
+    Args:
+        body: the request body (temperature, top_p, top_k, seed).
+        max_tokens: new tokens at most.
+        stop: the stop strings.
+        logprobs: return each chosen token's log-probability.
+        n: choices per prompt.
+
+    Returns:
+        n SamplingParams (jaxformer.engine).
+
+    Raises:
+        APIError: a value out of range or of the wrong type.
+    """
+    from jaxformer.engine import SamplingParams
+
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    top_k = _int(body, "top_k", 0, 0, 1 << 30)
+    seed = _int(body, "seed", None, -(1 << 63), (1 << 63) - 1)
+    try:
+        return [
+            SamplingParams(
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=None if seed is None else seed + i,
+                stop=stop,
+                logprobs=logprobs,
+            )
+            for i in range(n)
+        ]
+    except ValueError as e:  # the engine's own check names the field
+        raise bad(None, str(e)) from None
+
+
+def _max_tokens(body: dict, names: tuple[str, ...], default: int | None, max_context: int) -> int | None:
+    for name in names:
+        if body.get(name) is not None:
+            return _int(body, name, None, 1, max_context)
+    return default
+
+
+def _n(body: dict, prompts: int) -> int:
+    n = _int(body, "n", 1, 1, MAX_CHOICES)
+    if n * prompts > MAX_CHOICES:
+        raise bad("n", f"{prompts} prompts x n={n} choices: at most {MAX_CHOICES} in one request")
+    return n
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not stream:
+        raise bad("stream_options", "only allowed when stream is true")
+    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
+        raise bad("stream_options", 'an object {"include_usage": true|false} is expected', "invalid_type")
+    return _bool(opts, "include_usage")
+
+
+def completion_job(body: dict, tok, max_context: int) -> Job:
+    """A /v1/completions body (fields checked, the model named already) as a Job.
+
+    Args:
+        body: the request body.
+        tok (Tokenizer): the model's tokenizer.
+        max_context: prompt + max_tokens must fit.
+
+    Returns:
+        The job.
+
+    Raises:
+        APIError: a missing, mistyped or out-of-range field.
+    """
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad("prompt", "a string, a list of strings, a list of token ids or a list of them is expected",
+                  "invalid_type")  # fmt: skip
+    prompts, texts = [], []
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            prompts.append(tok.encode(p))
+            texts.append(p)
+        elif isinstance(p, list) and all(_is_int(t) for t in p):
+            prompts.append(list(p))
+            texts.append(tok.decode(p))
+        else:
+            raise bad(f"prompt[{i}]" if len(prompt) > 1 else "prompt", "a string or a list of token ids is expected",
+                      "invalid_type")  # fmt: skip
+        if not prompts[-1]:
+            raise bad("prompt", "empty: give at least one token to continue")
+    stream = _bool(body, "stream")
+    n = _n(body, len(prompts))
+    if body.get("best_of") is not None and body["best_of"] != n:
+        raise bad("best_of", f"only best_of = n ({n}) is supported (each choice is returned)", "unsupported")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= 1):
+        raise bad("logprobs", f"0 or 1: the chosen token's log-probability only, got {logprobs!r}", "unsupported")
+    stop = _stops(body)
+    max_tokens = _max_tokens(body, ("max_tokens",), 16, max_context)
+    return Job(
+        chat=False, prompts=prompts, prompt_texts=texts,
+        params=sampling(body, max_tokens, stop, logprobs is not None, n),
+        stream=stream, include_usage=_stream_options(body, stream), echo=_bool(body, "echo"),
+        logprobs=logprobs is not None, stop=stop,
+    )  # fmt: skip
+
+
+def chat_turns(messages) -> list[dict]:
+    """OpenAI's chat messages as the template's turns ({"role", "content"}, text only).
+
+    Args:
+        messages (object): the request's "messages".
+
+    Returns:
+        The turns.
+
+    Raises:
+        APIError: not a non-empty list of messages, an unknown role, or content that is not text.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "a non-empty list of {role, content} messages is expected", "invalid_type")
+    turns = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or set(m) - {"role", "content", "name"}:
+            raise bad(where, "a message is {role, content} (text only here)", "invalid_type")
+        role, content = m.get("role"), m.get("content")
+        role = "system" if role == "developer" else role
+        if role not in templates.ROLES:
+            raise bad(f"{where}.role", f"one of {', '.join(templates.ROLES)} (or developer), got {role!r}")
+        if isinstance(content, list):  # content parts: text ones only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):  # fmt: skip
+                raise bad(f"{where}.content", "only text parts ({type: text, text}) are supported", "invalid_type")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise bad(f"{where}.content", f"a string is expected, got {type(content).__name__}", "invalid_type")
+        turns.append({"role": role, "content": content})
+    return turns
+
+
+def chat_job(body: dict, tok, max_context: int, template) -> Job:
+    """A /v1/chat/completions body (fields checked, the model named already) as a Job: the messages
+    written in the workdir's chat template, the answer stopped at the template's end (and at EOS).
+
+    Args:
+        body: the request body.
+        tok (Tokenizer): the model's tokenizer.
+        max_context: prompt + max_tokens must fit.
+        template (str | Template | None): the template, or its name (data.template), or None.
+
+    Returns:
+        The job.
+
+    Raises:
+        APIError: a model without a template, or a missing, mistyped or out-of-range field.
+    """
+    if template in (None, "none"):
+        raise APIError(400, "this model was not trained on a chat template (data.template=none): use /v1/completions",
+                       "messages", "no_chat_template")  # fmt: skip
+    t = template if isinstance(template, templates.Template) else templates.get(template)
+    turns = chat_turns(body.get("messages"))
+    text = t.conversation(turns)
+    ids = tok.encode(text)
+    stream = _bool(body, "stream")
+    n = _n(body, 1)
+    logprobs = _bool(body, "logprobs")
+    stop = tuple(dict.fromkeys(_stops(body) + ((t.end,) if t.end else ())))
+    room = max_context - len(ids)
+    if room < 1:
+        raise bad("messages", f"the conversation is {len(ids)} tokens: the model's context is {max_context}",
+                  "context_length_exceeded")  # fmt: skip
+    max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), room, max_context)
+    return Job(
+        chat=True, prompts=[ids], prompt_texts=[text], params=sampling(body, max_tokens, stop, logprobs, n),
+        stream=stream, include_usage=_stream_options(body, stream), echo=False, logprobs=logprobs, stop=stop,
+    )  # fmt: skip
+
+
+class TextStream:
+    """One choice's text as its tokens come: each piece once, none held back at the end. Text that may
+    be the start of a stop string, or a character whose bytes have not all come, waits for the next
+    tokens; at a stop string the text ends before it.
+
+    Args:
+        tok (Tokenizer): decodes the ids.
+        stops: the stop strings.
+        eos_id (int | None): an id that ends the text and is not shown.
+    """
+
+    def __init__(self, tok, stops: tuple[str, ...], eos_id: int | None):
+        self.tok, self.stops, self.eos_id = tok, stops, eos_id
+        self.ids: list[int] = []
+        self.sent = 0  # characters handed out
+        self.stopped = False
+
+    def add(self, ids: list[int]) -> str:
+        """The text these ids add that can be handed out now.
+
+        Args:
+            ids: the new token ids.
+
+        Returns:
+            The new text ("" if it must wait); `stopped` is set once a stop string shows.
+        """
+        if self.stopped:
+            return ""
+        self.ids += [i for i in ids if i != self.eos_id]
+        text = self.tok.decode(self.ids)
+        hits = [text.find(s) for s in self.stops if s in text]
+        if hits:
+            self.stopped = True
+            return self._out(text[: min(hits)], len(text))
+        safe = len(text.rstrip("\ufffd"))  # a character's first bytes: wait for the rest
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    safe = min(safe, len(text) - k)
+                    break
+        return self._out(text, safe)
+
+    def flush(self) -> str:
+        """The text held back, once the choice has finished.
+
+        Returns:
+            The rest of the text.
+        """
+        return "" if self.stopped else self._out(self.tok.decode(self.ids), None)
+
+    def _out(self, text: str, upto: int | None) -> str:
+        piece = text[self.sent : upto]
+        self.sent = max(self.sent, len(text) if upto is None else min(upto, len(text)))
+        return piece
+
+
+def new_id(prefix: str) -> str:
+    """A response id as OpenAI writes them ("cmpl-...", "chatcmpl-...").
+
+    Args:
+        prefix: "cmpl" or "chatcmpl".
+
+    Returns:
+        The id.
+    """
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    """The time in whole seconds (OpenAI's "created").
+
+    Returns:
+        Seconds since the epoch.
+    """
+    return int(time.time())

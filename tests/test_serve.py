@@ -1,0 +1,570 @@
+"""`jaxformer serve`: the OpenAI-compatible server, driven by the real `openai` client (and the page at `/`
+by a headless Chromium) against a server started here on a free port of 127.0.0.1, uvicorn in a thread.
+
+The engine: `jaxformer.engine.Engine.from_workdir` where that engine imports; where it does not, the
+stand-in of tests/serve_standin.py (the same interface, decoding each request with `decode.generate`),
+put in `sys.modules["jaxformer.engine"]` for the server to find. The `engine` fixture is the one place
+that chooses. Either way the answers are checked against `decode.generate` on the same weights.
+"""
+
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import jax
+import pytest
+
+openai = pytest.importorskip("openai", reason='the test extra is not installed: pip install -e ".[test]"')
+uvicorn = pytest.importorskip("uvicorn", reason='the test extra is not installed: pip install -e ".[test]"')
+
+from jaxformer import decode  # noqa: E402
+from jaxformer.config import Config, DataConfig, DecodeConfig, ServeConfig, TrainConfig, tiny  # noqa: E402
+from jaxformer.data import ByteTokenizer, templates  # noqa: E402
+
+try:
+    import jaxformer.engine as engine_module
+
+    REAL_ENGINE = True
+except ImportError:  # the engine is not in this install: the stand-in plays it
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    import serve_standin as engine_module
+
+    sys.modules["jaxformer.engine"] = engine_module
+    REAL_ENGINE = False
+
+from jaxformer.serve import create_app  # noqa: E402
+
+MODEL = "tiny-chat"
+KEY = "sk-test-key"
+MAX_LEN = 160
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A step-0 workdir of a tiny byte-level decoder trained (nominally) in the chatml template."""
+    from jaxformer.checkpoint import start_workdir
+    from jaxformer.state import state_factory
+
+    cfg = Config(
+        model=tiny("decoder_only", vocab_size=260, d_model=32, d_ff=64, num_decoder_layers=1, max_len=MAX_LEN),
+        data=DataConfig(source="files", files=("chat.jsonl",), tokenizer="byte", template="chatml", max_len=MAX_LEN),
+        train=TrainConfig(objective="lm"),
+    )
+    path = tmp_path_factory.mktemp("serve") / "run"
+    start_workdir(path, cfg, jax.jit(state_factory(cfg)[1])())
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(workdir):
+    """The engine the server runs: the real one from the workdir where it imports, else the stand-in."""
+    if REAL_ENGINE:
+        from jaxformer.config import EngineConfig
+
+        return engine_module.Engine.from_workdir(workdir, EngineConfig(max_slots=8, page_size=8))
+    return engine_module.Engine.from_workdir(workdir)
+
+
+@pytest.fixture(scope="module")
+def reference(workdir):
+    """Greedy continuations by `decode.generate` on the workdir's weights (what the engine must match)."""
+    from flax import nnx
+
+    from jaxformer.checkpoint import restore_workdir
+    from jaxformer.config import read_config
+
+    cfg = read_config(workdir / "config.json")
+    graphdef, state, _ = restore_workdir(cfg, workdir)
+    model, tok = nnx.merge(graphdef, state.weights), ByteTokenizer()
+
+    @functools.cache
+    def continuation(ids: tuple[int, ...], room: int) -> list[int]:
+        out = decode.generate(model, [list(ids)], DecodeConfig(max_new_tokens=room), eos_id=tok.eos_id)
+        return decode.strip_after_eos(out.tokens[0, 0], tok.eos_id)
+
+    def greedy(ids: list[int], max_tokens: int) -> list[int]:
+        # Greedy's first n tokens do not depend on how many follow: one compilation per 32 tokens of room.
+        return continuation(tuple(ids), -(-max_tokens // 32) * 32)[:max_tokens]
+
+    return greedy
+
+
+class Server:
+    """uvicorn serving the app in a thread of this process, on a free port of 127.0.0.1."""
+
+    def __init__(self, engine, cfg: ServeConfig):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cfg = cfg.replace(port=port)
+        self.app = create_app(engine, cfg, MODEL)
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(400):
+            if self.server.started:
+                break
+            time.sleep(0.025)
+        assert self.server.started, "uvicorn did not start"
+
+    @property
+    def runner(self):
+        return self.app.state.server.runner
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(20)
+
+    def client(self, key: str | None = KEY, **kw):
+        kw = {"timeout": 60} | kw
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or "none", max_retries=0, **kw)
+
+    def post(self, path: str, body: bytes | dict, key: str | None = KEY) -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+        request = urllib.request.Request(self.url + path, data=data, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(self.url + "/health", timeout=60) as r:
+            return json.loads(r.read())
+
+    def idle(self) -> dict:
+        """/health once the engine has nothing unfinished (the aborts and finishes have gone through)."""
+        for _ in range(200):
+            if not self.runner.call(lambda e: e.has_unfinished()).result(timeout=60):
+                h = self.health()
+                assert not h["engine"].get("running") and not h["engine"].get("waiting"), h
+                return h
+            time.sleep(0.05)
+        raise AssertionError(f"the engine still has work: {self.health()}")
+
+
+@contextlib.contextmanager
+def paced(server, seconds: float = 0.02):
+    """The engine's steps slowed to one per `seconds` (tokens then come apart in time, as from a large
+    model), and the ids of the requests it is asked to abort. Only the engine thread calls step and
+    abort; the wrappers are put in place and taken away between its calls."""
+    engine, aborted = server.runner.engine, []
+    step, abort = engine.step, engine.abort
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+
+    def recorded_abort(request_id):
+        aborted.append(request_id)
+        return abort(request_id)
+
+    engine.step, engine.abort = slow_step, recorded_abort
+    try:
+        yield aborted
+    finally:
+        del engine.step, engine.abort  # the class's methods again
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    s = Server(engine, ServeConfig(api_key=KEY))
+    yield s
+    s.stop()
+
+
+def ids_of(text: str) -> list[int]:
+    return ByteTokenizer().encode(text)
+
+
+def text_of(ids) -> str:
+    return ByteTokenizer().decode(ids)
+
+
+def test_a_completion_is_the_greedy_continuation_of_generate(server, reference):
+    out = server.client().completions.create(model=MODEL, prompt="KING HENRY:", max_tokens=12, temperature=0)
+    expected = reference(ids_of("KING HENRY:"), 12)
+    assert out.choices[0].text == text_of(expected)
+    assert out.choices[0].finish_reason == ("length" if len(expected) == 12 else "stop")
+    assert out.usage.prompt_tokens == len("KING HENRY:") and out.usage.completion_tokens == len(expected)
+    assert out.model == MODEL and out.object == "text_completion"
+
+
+def test_token_id_prompts_several_prompts_and_n(server, reference):
+    prompts = [ids_of("to be"), ids_of("or not")]
+    out = server.client().completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for c in out.choices:
+        assert c.text == text_of(reference(prompts[c.index // 2], 5))
+
+
+def test_chat_writes_the_messages_in_the_workdirs_template(server, reference):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    out = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    prompt = templates.get("chatml").conversation(messages)
+    expected = text_of(reference(ids_of(prompt), 8)).split("<|im_end|>")[0]
+    assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == expected
+    assert out.usage.prompt_tokens == len(ids_of(prompt))
+
+
+def test_streamed_answers_are_the_whole_answers_in_pieces(server):
+    client = server.client()
+    whole = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=10, temperature=0)
+    pieces, finish, usage = [], None, None
+    for chunk in client.completions.create(
+        model=MODEL, prompt="ROMEO:", max_tokens=10, temperature=0, stream=True, stream_options={"include_usage": True}
+    ):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            pieces.append(c.text)
+            finish = c.finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].text and finish == whole.choices[0].finish_reason
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    chat = [{"role": "user", "content": "Hello"}]
+    whole = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=10, temperature=0)
+    deltas = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=10, temperature=0, stream=True) if c.choices]  # fmt: skip
+    assert "".join(deltas) == whole.choices[0].message.content
+
+
+def test_a_stop_string_ends_the_text_before_it(server, reference):
+    full = text_of(reference(ids_of("KING:"), 12))
+    stop = next((full[i : i + 2] for i in range(2, len(full) - 2) if full[i : i + 2].strip()), None)
+    if stop is None:
+        pytest.skip(f"the continuation {full!r} has no two printable characters to stop at")
+    client = server.client()
+    out = client.completions.create(model=MODEL, prompt="KING:", max_tokens=12, temperature=0, stop=[stop])
+    assert out.choices[0].text == full[: full.index(stop)] and out.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="KING:", max_tokens=12, temperature=0, stop=stop, stream=True) if c.choices)  # fmt: skip
+    assert streamed == out.choices[0].text
+
+
+def test_logprobs_are_log_probabilities_of_the_chosen_tokens(server):
+    out = server.client().completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0, logprobs=0)
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == out.usage.completion_tokens
+    assert all(x <= 0 for x in lp.token_logprobs) and "".join(lp.tokens) == out.choices[0].text
+
+
+def test_64_concurrent_requests_of_mixed_lengths(server, reference):
+    asynclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    words = ["a", "to be or", "KING HENRY: once more", "x" * 30, "the quick brown fox jumps"]
+    jobs = [(words[i % 5] + str(i), 1 + (i * 7) % 13, i % 3 == 0) for i in range(64)]
+
+    async def one(prompt, n, stream):
+        if not stream:
+            out = await asynclient.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0)
+            return out.choices[0].text
+        chunks = await asynclient.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
+                                                     stream=True)  # fmt: skip
+        return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+    async def all_of_them():
+        try:
+            return await asyncio.gather(*(one(*j) for j in jobs))
+        finally:
+            await asynclient.close()
+
+    texts = asyncio.run(all_of_them())
+    for (prompt, n, _), text in zip(jobs, texts, strict=True):
+        assert text == text_of(reference(ids_of(prompt), n)), prompt
+    server.idle()
+
+
+def test_a_client_that_goes_away_has_its_request_aborted_and_the_server_answers_on(server):
+    import http.client
+
+    port = int(server.url.rsplit(":", 1)[1])
+    body = json.dumps({"model": MODEL, "prompt": "once", "max_tokens": 80, "stream": True})
+    with paced(server) as aborted:  # 80 tokens take 1.6 s: every client below leaves long before
+        for _ in range(3):  # a client that reads the first event, then hangs up
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            conn.request("POST", "/v1/completions", body, {"Authorization": f"Bearer {KEY}"})
+            r = conn.getresponse()
+            assert r.status == 200 and r.readline().startswith(b"data: {")
+            conn.sock.shutdown(socket.SHUT_RDWR)
+            conn.close()
+        with server.client().completions.create(model=MODEL, prompt="once", max_tokens=80, stream=True) as stream:
+            next(iter(stream))  # the openai client's own close, mid-stream
+        with pytest.raises(openai.APITimeoutError):  # not streamed: the client gives up waiting
+            server.client(timeout=0.3).completions.create(model=MODEL, prompt="once", max_tokens=80)
+        health = server.idle()
+        assert len(set(aborted)) == 5, aborted
+    assert health["status"] == "ok" and server.runner.alive
+    out = server.client().completions.create(model=MODEL, prompt="again", max_tokens=3, temperature=0)
+    assert out.usage.completion_tokens >= 1
+
+
+def test_a_failing_engine_step_fails_its_requests_not_the_server(server):
+    engine = server.runner.engine
+    real = engine.step
+
+    def broken():
+        engine.step = real  # once
+        raise RuntimeError("injected fault")
+
+    engine.step = broken
+    with pytest.raises(openai.InternalServerError, match="injected fault"):
+        server.client().completions.create(model=MODEL, prompt="boom", max_tokens=3)
+    engine.step = broken  # mid-stream: an error event, which the client raises
+    with pytest.raises(openai.APIError, match="injected fault"):
+        list(server.client().completions.create(model=MODEL, prompt="boom", max_tokens=3, stream=True))
+    assert server.runner.alive and server.runner.failures >= 1
+    out = server.client().completions.create(model=MODEL, prompt="fine", max_tokens=3, temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop")
+
+
+def test_an_exception_while_answering_is_a_500_with_an_error_body_and_the_server_answers_on(server):
+    state = server.app.state.server
+    real = state.tok
+
+    class Exploding:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def encode(self, text):
+            if "explode" in text:
+                raise RuntimeError("the tokenizer broke")
+            return real.encode(text)
+
+    state.tok = Exploding()
+    try:
+        status, answer = server.post("/v1/completions", {"model": MODEL, "prompt": "explode"})
+    finally:
+        state.tok = real
+    assert (
+        status == 500 and answer["error"]["type"] == "server_error" and "tokenizer broke" in answer["error"]["message"]
+    )
+    assert server.client().completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
+
+
+BAD = [  # (body, HTTP status, the field named, a word of the message)
+    (b"{not json", 400, None, "JSON"),
+    (b"[1, 2]", 400, None, "object"),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
+    ({"prompt": "x"}, 400, "model", "model"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": -3}, 400, "max_tokens", "[1,"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens", "[1,"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", "integer"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": True}, 400, "max_tokens", "integer"),
+    ({"model": MODEL, "prompt": "x" * 150, "max_tokens": 20}, 400, "max_tokens", "context"),
+    ({"model": MODEL, "prompt": 42}, 400, "prompt", "string"),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt", "empty"),
+    ({"model": MODEL, "prompt": [5, 99999]}, 400, "prompt", "ids"),
+    ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature", "number"),
+    ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature", "[0"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p", "(0"),
+    ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream", "true or false"),
+    ({"model": MODEL, "prompt": "x", "stop": [1]}, 400, "stop", "string"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n", "[1,"),
+    ({"model": MODEL, "prompt": "x", "n": 1000}, 400, "n", "[1,"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 5}, 400, "logprobs", "0 or 1"),
+    ({"model": MODEL, "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty", "not supported"),
+    ({"model": MODEL, "prompt": "x", "colour": "red"}, 400, "colour", "unrecognized"),
+    ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
+]
+BAD_CHAT = [
+    ({"model": MODEL, "messages": []}, 400, "messages", "non-empty"),
+    ({"model": MODEL, "messages": "hi"}, 400, "messages", "list"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", "wizard"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content", "string"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages", "context"),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+        400,
+        "tools",
+        "not supported",
+    ),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+        "[1,",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "word"),
+    [("/v1/completions", *b) for b in BAD] + [("/v1/chat/completions", *b) for b in BAD_CHAT],
+)
+def test_a_bad_request_gets_a_4xx_with_openais_error_body(server, path, body, status, param, word):
+    got, answer = server.post(path, body)
+    assert got == status, answer
+    error = answer["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param and word.lower() in error["message"].lower(), error
+
+
+def test_the_openai_client_sees_bad_requests_as_its_errors_and_the_server_answers_on(server):
+    client = server.client()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.post("/nowhere", body={}, cast_to=object)
+    assert server.health()["status"] == "ok"
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_the_api_key_is_asked_for_and_checked(server):
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="sk-wrong").completions.create(model=MODEL, prompt="x", max_tokens=2)
+    status, answer = server.post("/v1/completions", {"model": MODEL, "prompt": "x"}, key=None)
+    assert status == 401 and answer["error"]["code"] == "invalid_api_key"
+    assert [m.id for m in server.client().models.list()] == [MODEL]
+    assert server.client().models.retrieve(MODEL).id == MODEL
+    assert server.health()["status"] == "ok"  # the health route is open
+
+
+def test_without_a_key_the_server_answers_anyone(engine):
+    # The module's server owns the engine (one thread only): this one borrows it after that server stopped.
+    s = Server(engine, ServeConfig())
+    try:
+        assert [m.id for m in s.client(key=None).models.list()] == [MODEL]
+    finally:
+        s.stop()
+
+
+@pytest.mark.skipif(not REAL_ENGINE, reason="jaxformer.engine is not in this install: `jaxformer serve` needs it")
+def test_jaxformer_serve_serves_a_workdir_until_interrupted(workdir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [
+        "serve",
+        "--workdir",
+        str(workdir),
+        "--port",
+        str(port),
+        "--model-name",
+        MODEL,
+        "--set",
+        "engine.max_slots=4",
+    ]
+    env = dict(os.environ, JAXFORMER_API_KEY=KEY)  # the key from the environment, not the command line
+    proc = subprocess.Popen([sys.executable, "-m", "jaxformer.cli", *argv], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
+        for _ in range(1200):
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                models = client.models.list()
+                break
+            except openai.APIConnectionError:
+                time.sleep(0.1)
+        assert [m.id for m in models] == [MODEL]
+        out = client.completions.create(model=MODEL, prompt="KING", max_tokens=3, temperature=0)
+        assert out.usage.completion_tokens >= 1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="no", max_retries=0).models.list()
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: uvicorn shuts down, the engine thread stops
+        assert proc.wait(60) == 0
+
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's chromium, headless, driven by playwright (its own browser download is never used)."""
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason='the test extra is not installed: pip install -e ".[test]"'
+    )
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("no chromium: .ci/run installs it (apt-get install chromium)")
+        pytest.skip("no chromium on this machine: apt-get install -y chromium")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=path, args=CHROMIUM_FLAGS, headless=True)
+        yield b
+        b.close()
+
+
+def test_the_page_streams_an_answer_in_a_headless_browser(server, reference, browser):
+    page = browser.new_page()
+    page.goto(server.url + "/")
+    page.fill("#api_key", KEY)
+    page.dispatch_event("#api_key", "change")  # the page asks /v1/models again, with the key
+    page.wait_for_function("document.getElementById('model').textContent.startsWith('tiny-chat')")
+    # Count the answer's updates: a streamed answer shows up in pieces, not at once.
+    page.evaluate("""() => { window.updates = 0;
+        new MutationObserver(() => window.updates++).observe(document.getElementById("history"),
+            {subtree: true, childList: true, characterData: true});
+        new MutationObserver(() => window.updates++).observe(document.getElementById("answer"),
+            {subtree: true, childList: true, characterData: true}); }""")
+    page.check("#mode-completion")
+    page.fill("#prompt", "KING HENRY:")
+    page.fill("#max_tokens", "12")
+    with paced(server, 0.05):  # tokens 50 ms apart: the page must show them as they come
+        page.click("#send")
+        page.wait_for_selector("#status[data-done='1']", timeout=60_000)
+    expected = text_of(reference(ids_of("KING HENRY:"), 12))
+    assert page.eval_on_selector("#answer", "e => e.textContent") == expected
+    assert page.evaluate("window.updates") >= min(len(expected), 2)
+    assert "tokens/s" in page.inner_text("#status")
+    page.check("#mode-chat")
+    page.fill("#prompt", "Hi")
+    page.press("#prompt", "Control+Enter")
+    page.wait_for_selector(".turn.assistant", timeout=60_000)
+    page.wait_for_selector("#status[data-done='1']", timeout=60_000)
+    prompt = templates.get("chatml").conversation([{"role": "user", "content": "Hi"}])
+    answer = text_of(reference(ids_of(prompt), MAX_LEN - len(prompt))).split("<|im_end|>")[0]
+    assert page.eval_on_selector(".turn.assistant .content", "e => e.textContent") == answer
+    page.close()
+
+
+def test_section_overrides_parse_by_type_and_name_the_field():
+    from jaxformer.config import ConfigError, apply_section_overrides
+
+    cfg = apply_section_overrides(ServeConfig(), "serve", ["serve.port=9000", "serve.api_key=none"])
+    assert (cfg.port, cfg.api_key) == (9000, None)
+    with pytest.raises(ConfigError, match=r"serve\.prot: unknown field; did you mean serve\.port\?"):
+        apply_section_overrides(ServeConfig(), "serve", ["serve.prot=1"])
+    with pytest.raises(ConfigError, match=r"model\.d_model: here --set takes serve\.FIELD=VALUE"):
+        apply_section_overrides(ServeConfig(), "serve", ["model.d_model=1"])
+    with pytest.raises(ConfigError, match=r"serve\.port: a TCP port in \[1, 65535\], got 99999"):
+        apply_section_overrides(ServeConfig(), "serve", ["serve.port=99999"])
+
+
+@pytest.mark.parametrize(
+    ("text", "stops", "expected"),
+    [
+        ("héllo wörld ✓ done", (), "héllo wörld ✓ done"),  # multi-byte characters arrive byte by byte
+        ("héllo wörld ✓ done", ("✓",), "héllo wörld "),
+        ("abc<|im_end|>more", ("<|im_end|>",), "abc"),
+        ("a<|im_x and on", ("<|im_end|>",), "a<|im_x and on"),  # a prefix of the stop string, then not
+        ("ends with <|im", ("<|im_end|>",), "ends with <|im"),  # held back, then flushed at the end
+    ],
+)
+def test_text_is_handed_out_once_whole_characters_only_and_cut_before_a_stop(text, stops, expected):
+    from jaxformer.serve.protocol import TextStream
+
+    tok = ByteTokenizer()
+    stream, pieces = TextStream(tok, stops, tok.eos_id), []
+    for i in [*tok.encode(text), tok.eos_id]:  # one token (here: one byte) at a time, as an engine gives them
+        pieces.append(stream.add([i]))
+        if stream.stopped:
+            break
+    pieces.append(stream.flush())
+    assert "".join(pieces) == expected
+    assert not any("\ufffd" in p for p in pieces)  # never half a character (and nothing taken back)
