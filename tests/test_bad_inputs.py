@@ -10,19 +10,18 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
-import os
 import pathlib
 import re
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import processes
 import pytest
 from flax import nnx
 
@@ -1038,12 +1037,9 @@ def test_a_data_error_ends_the_process_with_its_line_alone_every_time(tmp_path):
         "--set", f"data.files={tmp_path / 'pairs.tsv'}",
     ]  # fmt: skip
     root = pathlib.Path(__file__).parent.parent
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(root))
+    env = processes.cpu_env(PYTHONPATH=str(root))
     for run in range(3):
-        out = subprocess.run(
-            [*argv, "--workdir", str(tmp_path / f"run{run}")], cwd=root, env=env, capture_output=True, text=True,
-            timeout=300,
-        )  # fmt: skip
+        out = processes.run([*argv, "--workdir", str(tmp_path / f"run{run}")], cwd=root, env=env)
         assert out.returncode == 2, out.stderr[-3000:]
         assert out.stderr == f"error: {tmp_path / 'pairs.tsv'}:21: expected 3 tab-separated columns, got 2\n", (
             f"run {run}: {out.stderr[-3000:]}"

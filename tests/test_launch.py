@@ -15,6 +15,7 @@ import time
 
 import jax
 import numpy as np
+import processes
 import pytest
 
 ARGS = [
@@ -59,7 +60,7 @@ TIMING = {"tokens_per_s", "mfu", "step_time"}
 
 def launch(workdir, log, restarts):
     """scripts/launch_local_two_process.sh on copy_task, both processes' output in `log`."""
-    env = {**os.environ, "PYTHON": sys.executable, "RESTARTS": str(restarts), "PORT": str(free_port())}
+    env = processes.cpu_env(PYTHON=sys.executable, RESTARTS=str(restarts), PORT=str(free_port()))
     sets = [x for o in TINY for x in ("--set", o)]
     command = ["bash", "scripts/launch_local_two_process.sh", "experiments/copy_task.py", str(workdir), *sets]
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -71,12 +72,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def finish(proc) -> int:
-    try:
-        return proc.wait(timeout=600)  # a hang guard only
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+def finish(proc, log: pathlib.Path) -> int:
+    return processes.wait(proc, "scripts/launch_local_two_process.sh", log)
 
 
 def logged(workdir) -> list[dict]:
@@ -101,7 +98,8 @@ def final_params(workdir):
 def uninterrupted(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("uninterrupted")
     with open(workdir.parent / "uninterrupted.log", "w") as log:
-        assert finish(launch(workdir, log, restarts=0)) == 0, (workdir.parent / "uninterrupted.log").read_text()[-3000:]
+        status = finish(launch(workdir, log, restarts=0), workdir.parent / "uninterrupted.log")
+    assert status == 0, (workdir.parent / "uninterrupted.log").read_text()[-3000:]
     return workdir
 
 
@@ -124,7 +122,7 @@ def test_a_lost_process_is_one_line_in_the_survivor_and_the_launcher_restarts_bo
                 time.sleep(0.05)
             os.kill(pid, signal.SIGKILL)
         finally:
-            status = finish(proc)
+            status = finish(proc, out)
     text = out.read_text()
     assert status == 0, text[-3000:]
     assert "a process exited with" in text and "restarting both (1 of 2)" in text and "start 2" not in text
