@@ -16,7 +16,7 @@ extra=("${@:3}")
 port=${PORT:-12355}
 restarts=${RESTARTS:-3}
 python=${PYTHON:-.venv/bin/python}
-export XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu
+export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=4" JAX_PLATFORMS=cpu  # the caller's flags kept
 export JAX_COORDINATOR_ADDRESS=127.0.0.1:$port JAX_NUM_PROCESSES=2
 train=(-m jaxformer.cli train --config "$config" --workdir "$workdir" --set mesh.data=4 --set mesh.fsdp=2 "${extra[@]}")
 pids=()
