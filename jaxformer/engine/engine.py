@@ -1,0 +1,579 @@
+"""`Engine`: continuous batching over a paged KV cache, for serving and batch jobs.
+
+A scheduler in plain Python (outside jit) runs each `step`: it admits waiting requests into free slots
+(sharing the pages of a prompt prefix already in the pool), runs one chunk of prefill for every slot
+still reading its prompt (`prefill_chunk` tokens each, so a long prompt never stalls the others), then
+one decode step for every slot that is generating, and retires requests at EOS, a stop string or
+`max_tokens`. Shapes are static: one compiled decode step [max_slots, 1] serves every mix of requests
+(each row's sampling settings are arrays), and prefill runs [R, prefill_chunk] with R a power of two up
+to `max_slots`. When the pool runs out of pages, the latest admitted request is preempted (its pages
+freed, it waits to be recomputed, prompt and tokens so far); its tokens do not change, since a row draws
+with a key from its request's seed and the token's position.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import pathlib
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxformer.config import EngineConfig
+from jaxformer.engine import paged
+from jaxformer.engine.pages import PageAllocator, page_hashes
+from jaxformer.sharding import constrain
+
+
+class EngineError(ValueError):
+    """A request the engine cannot take (a prompt over the context, bad ids, ...); the message says what."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded.
+
+    Attributes:
+        max_tokens: new tokens at most (finish_reason "length").
+        temperature: 0: greedy; else softmax(logits / temperature).
+        top_k: keep the k likeliest tokens (0: off).
+        top_p: keep the nucleus of this probability mass (1: off).
+        seed: the request's sampling seed; None: from the engine's seed and the request id.
+        stop: stop strings (finish_reason "stop"), matched on the detokenized text.
+        logprobs: return each chosen token's log-probability.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+
+    def __post_init__(self):
+        def need(ok, field, message):
+            if not ok:
+                raise ValueError(f"{field} {message}")
+
+        def of(field, *types):
+            value = getattr(self, field)
+            ok = (isinstance(value, types) and not isinstance(value, bool)) or (bool in types and type(value) is bool)
+            need(ok, field, f"must be {' or '.join(t.__name__ for t in types)}, got {value!r}")
+
+        of("max_tokens", int)
+        need(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        of("temperature", int, float)
+        need(0 <= self.temperature < float("inf"), "temperature", f"must be >= 0 and finite, got {self.temperature}")
+        of("top_k", int)
+        need(self.top_k >= 0, "top_k", f"must be >= 0 (0: off), got {self.top_k}")
+        of("top_p", int, float)
+        need(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.seed is not None:
+            of("seed", int)
+            need(0 <= self.seed < 2**32, "seed", f"must be in [0, 2**32), got {self.seed}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        need(isinstance(stop, (tuple, list)), "stop", f"must be a tuple of strings, got {self.stop!r}")
+        need(all(isinstance(s, str) and s for s in stop), "stop", f"must hold non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        of("logprobs", bool)
+
+
+@dataclasses.dataclass
+class Event:
+    """What one engine step produced for one request.
+
+    Attributes:
+        request_id: the request.
+        token_ids: the new token(s) this step (usually one; may be empty on finish).
+        logprobs: their log-probabilities, if the request asked.
+        finished: the request is done.
+        finish_reason: "stop" (EOS or a stop string), "length", "abort", or None while running.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclasses.dataclass
+class Output:
+    """A finished request.
+
+    Attributes:
+        request_id: the request.
+        prompt_ids: its prompt.
+        token_ids: generated ids, EOS excluded, cut before a stop string's tokens where possible.
+        text: detokenized, when the engine has a tokenizer.
+        logprobs: the tokens' log-probabilities, if asked.
+        finish_reason: "stop", "length" or "abort".
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    logprobs: list[float] | None
+    finish_reason: str
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    order: int  # admission order: the latest admitted is preempted first
+    out: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    pages: list[int] = dataclasses.field(default_factory=list)
+    computed: int = 0  # positions whose keys and values are in its pages
+    registered: int = 0  # full prompt pages entered in the prefix cache
+    hashes: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.out
+
+
+_TRACES = collections.Counter()  # compilations of the engine's step, by (rows, width): tests count them
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
+def _forward(graphdef, params, pools, table_BP, ids_BT, positions_BT, valid_BT, last_B, sampling):
+    """One paged step and the next token of each row (from its last valid position `last_B`)."""
+    _TRACES[ids_BT.shape] += 1
+    model = nnx.merge(graphdef, params)
+    logits_BTV, pools = paged.paged_step(model, pools, table_BP, ids_BT, positions_BT, valid_BT)
+    logits_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
+    seeds_B, temperature_B, top_k_B, top_p_B = sampling
+    positions_B = jnp.take_along_axis(positions_BT, last_B[:, None], axis=1)[:, 0] + 1  # the drawn token's
+    keys_B = paged.request_keys(seeds_B, positions_B)
+    tokens_B, logp_B = paged.choose_rows(logits_BV, keys_B, temperature_B, top_k_B, top_p_B)
+    return tokens_B, logp_B, pools
+
+
+@functools.partial(jax.jit, donate_argnames=("pools",))
+def _copy_page(pools, src, dst):
+    """Copy-on-write: page `dst` of every pool takes page `src`'s contents."""
+    return [{n: pool[n].at[dst].set(pool[n][src]) for n in "kv"} for pool in pools]
+
+
+class Engine:
+    """Continuous batching over a paged KV cache (see the module's docstring).
+
+    Not thread-safe: one thread owns it (a server calls `step` in a loop, fed by a queue).
+
+    Args:
+        model (Transformer): a decoder_only model (LoRA adapters are merged, scanned stacks unrolled).
+        cfg (EngineConfig): the pool and the scheduler.
+        tokenizer (Tokenizer | None): detokenizes outputs and matches stop strings; None: ids only.
+        eos_id: the end-of-sequence id (finish_reason "stop"; never in an output's token_ids).
+        bos_id: the beginning-of-sequence id, or None.
+
+    Raises:
+        EngineError: a model the engine does not serve, or a context the model cannot hold.
+    """
+
+    def __init__(
+        self, model, cfg: EngineConfig | None = None, *, tokenizer=None, eos_id: int, bos_id: int | None = None
+    ):
+        from jaxformer.decode import decodable
+        from jaxformer.layers import without_id_checks
+
+        cfg = EngineConfig() if cfg is None else cfg
+        if not isinstance(cfg, EngineConfig):
+            raise TypeError(f"cfg: a jaxformer.config.EngineConfig, got {type(cfg).__name__}")
+        mcfg = model.cfg
+        if mcfg.mode != "decoder_only":
+            raise EngineError(f"the engine serves decoder_only models so far; this one is {mcfg.mode}")
+        if cfg.max_context is not None and cfg.max_context > mcfg.max_len:
+            raise EngineError(f"engine.max_context={cfg.max_context} exceeds the model's max_len={mcfg.max_len}")
+        for name, value in (("eos_id", eos_id), ("bos_id", bos_id)):
+            if value is not None and not (isinstance(value, int) and 0 <= value < mcfg.vocab_size):
+                raise EngineError(f"{name}={value!r} is not an id of the vocabulary [0, {mcfg.vocab_size})")
+        self.cfg, self.tokenizer, self.eos_id, self.bos_id = cfg, tokenizer, eos_id, bos_id
+        self.chat_template: str | None = None
+        self.vocab_size = mcfg.vocab_size
+        self.max_context = cfg.max_context or mcfg.max_len
+        self.pages_per_seq = -(-self.max_context // cfg.page_size)
+        self._graphdef, self._params = nnx.split(decodable(without_id_checks(model)))
+        G, K = mcfg.kv_heads, mcfg.dim_per_head
+        shape = (cfg.num_pages, cfg.page_size, G, K)
+        zeros = jax.jit(lambda: constrain(jnp.zeros(shape, mcfg.dtype), paged.PAGES))
+        self._pools = [{"k": zeros(), "v": zeros()} for _ in range(mcfg.num_decoder_layers)]
+        self._alloc = PageAllocator(cfg.num_pages)
+        self._table = np.zeros((cfg.max_slots, self.pages_per_seq), np.int32)
+        self._slots: list[_Request | None] = [None] * cfg.max_slots
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._live: dict[str, _Request] = {}
+        self._pending: list[Event] = []  # aborts, reported at the next step
+        self._keep: dict[str, Output | None] = {}  # outputs `generate` collects
+        self._ids = itertools.count()
+        self._order = itertools.count()
+        self.num_preempted = 0
+        self.prefix_hits = 0  # prompt pages found in the pool rather than computed
+
+    @classmethod
+    def from_workdir(cls, workdir, cfg: EngineConfig | None = None) -> Engine:
+        """An engine over a training workdir's latest checkpoint (or an exported directory): its model,
+        tokenizer (EOS, BOS) and the chat template of its data (`data.template`), if any.
+
+        Args:
+            workdir (str | pathlib.Path): a training workdir or a directory `jaxformer export` wrote.
+            cfg: the engine's settings (None: the defaults).
+
+        Returns:
+            The engine.
+
+        Raises:
+            FileNotFoundError: no config.json or no checkpoint there.
+        """
+        from jaxformer.checkpoint import load_model, restore_workdir
+        from jaxformer.config import read_config
+        from jaxformer.data import load_tokenizer
+
+        workdir = pathlib.Path(workdir)
+        if not (workdir / "config.json").is_file():
+            raise FileNotFoundError(f"{workdir / 'config.json'} does not exist: is {workdir} a workdir?")
+        run = read_config(workdir / "config.json")
+        if (workdir / "checkpoints").is_dir():
+            graphdef, state, _ = restore_workdir(run, workdir)
+            model = nnx.merge(graphdef, state.weights)
+        else:
+            model = load_model(workdir)
+        tok = load_tokenizer(run, workdir)
+        engine = cls(model, cfg, tokenizer=tok, eos_id=tok.eos_id, bos_id=getattr(tok, "bos_id", None))
+        engine.chat_template = None if run.data.template == "none" else run.data.template
+        return engine
+
+    # ------------------------------------------------------------------------- requests
+
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, *, source_ids=None
+    ) -> str:
+        """Queue a request; it is admitted at a coming `step`.
+
+        Args:
+            prompt_ids: the prompt's token ids.
+            params: how to decode it.
+            request_id: its id (None: one is made).
+            source_ids: an encoder-decoder's source (not served yet: must be None).
+
+        Returns:
+            The request id.
+
+        Raises:
+            EngineError: an empty prompt, ids outside the vocabulary, a prompt and max_tokens over the
+                context or the pool, a live id, stop strings without a tokenizer, or a source.
+        """
+        if not isinstance(params, SamplingParams):
+            raise EngineError(f"params: a SamplingParams, got {type(params).__name__}")
+        if source_ids is not None:
+            raise EngineError("source_ids: the engine serves decoder_only models so far (no encoder)")
+        prompt = self._check_ids(prompt_ids)
+        need = len(prompt) + params.max_tokens
+        if need > self.max_context:
+            raise EngineError(
+                f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} = {need} exceeds the context of "
+                f"{self.max_context} positions"
+            )
+        if -(-need // self.cfg.page_size) > self.cfg.num_pages - 1:
+            raise EngineError(
+                f"prompt + max_tokens = {need} positions need {-(-need // self.cfg.page_size)} pages; the pool has "
+                f"{self.cfg.num_pages - 1} (engine.num_pages={self.cfg.num_pages}, one scratch)"
+            )
+        if params.stop and self.tokenizer is None:
+            raise EngineError("stop strings need a tokenizer (the engine has none)")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if not isinstance(request_id, str) or request_id in self._live:
+            raise EngineError(f"request_id {request_id!r} is not a string or is already live")
+        seed = params.seed
+        if seed is None:
+            seed = zlib.crc32(f"{self.cfg.seed}/{request_id}".encode())
+        req = _Request(request_id, prompt, params, seed, order=0)
+        req.hashes = page_hashes(prompt, self.cfg.page_size) if self.cfg.prefix_sharing else []
+        self._live[request_id] = req
+        self._waiting.append(req)
+        return request_id
+
+    def _check_ids(self, ids) -> list[int]:
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+            raise EngineError(f"prompt_ids: a list of token ids, got {type(ids).__name__}")
+        if len(ids) == 0:
+            raise EngineError("prompt_ids is empty: a prompt needs at least one token")
+        out = []
+        for i, t in enumerate(ids):
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise EngineError(f"prompt_ids[{i}] = {t!r} is not an integer token id")
+            if not 0 <= t < self.vocab_size:
+                raise EngineError(f"prompt_ids[{i}] = {int(t)} is outside the vocabulary [0, {self.vocab_size})")
+            out.append(int(t))
+        return out
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its pages; its next Event has finish_reason "abort" (unknown or finished
+        ids: nothing happens, as a client may leave after its request ended).
+
+        Args:
+            request_id: the request.
+        """
+        req = self._live.get(request_id)
+        if req is None:
+            return
+        if req in self._waiting:
+            self._waiting.remove(req)
+        self._finish(req, "abort", [], self._pending)
+
+    def has_unfinished(self) -> bool:
+        """Whether a request waits or runs (or an abort is yet to be reported).
+
+        Returns:
+            True while `step` has work.
+        """
+        return bool(self._live) or bool(self._pending)
+
+    def stats(self) -> dict:
+        """The pool and the queue, now.
+
+        Returns:
+            {"pages_total", "pages_free", "pages_cached", "running", "waiting", "preempted", "prefix_hits"}:
+            pages_total excludes the scratch page; pages_cached are free pages still holding a prefix.
+        """
+        cached = sum(1 for p in self._alloc.free if p in self._alloc.hash_of)
+        return {
+            "pages_total": self.cfg.num_pages - 1,
+            "pages_free": self._alloc.num_free(),
+            "pages_cached": cached,
+            "running": sum(r is not None for r in self._slots),
+            "waiting": len(self._waiting),
+            "preempted": self.num_preempted,
+            "prefix_hits": self.prefix_hits,
+        }
+
+    # ------------------------------------------------------------------------- scheduling
+
+    def step(self) -> list[Event]:
+        """One scheduler iteration: admit, one prefill chunk per prefilling slot, one decode step.
+
+        Returns:
+            The events of this step (aborts since the last step included).
+        """
+        events, self._pending = self._pending, []
+        self._admit()
+        prefilling = [r for r in self._slots if r is not None and len(r.tokens) - r.computed > 1]
+        if prefilling:
+            self._run(prefilling, self.cfg.prefill_chunk, events)
+        decoding = [r for r in self._slots if r is not None and r not in prefilling and len(r.tokens) - r.computed == 1]
+        if decoding:
+            self._run(decoding, 1, events)
+        return events
+
+    def _admit(self) -> None:
+        while self._waiting and None in self._slots:
+            req = self._waiting[0]
+            shared = self._shared_prefix(req)
+            fresh = -(
+                -min(len(req.tokens), len(shared) * self.cfg.page_size + self.cfg.prefill_chunk) // self.cfg.page_size
+            )
+            if fresh - len(shared) > self._alloc.num_free():
+                return  # it waits for pages; running requests are not preempted to admit one
+            self._waiting.popleft()
+            for page in shared:
+                self._alloc.share(page)
+            self.prefix_hits += len(shared)
+            req.pages, req.registered = shared, len(shared)
+            # A prompt found whole still computes its last token (its logits give the first new one).
+            req.computed = min(len(shared) * self.cfg.page_size, len(req.tokens) - 1)
+            req.slot, req.order = self._slots.index(None), next(self._order)
+            self._slots[req.slot] = req
+            self._sync_table(req)
+
+    def _shared_prefix(self, req: _Request) -> list[int]:
+        pages = []
+        for h in req.hashes:
+            if (page := self._alloc.lookup(h)) is None:
+                break
+            pages.append(page)
+        return pages
+
+    def _sync_table(self, req: _Request) -> None:
+        row = self._table[req.slot]
+        row[:] = 0
+        row[: len(req.pages)] = req.pages
+
+    def _reserve(self, req: _Request, upto: int) -> bool:
+        """Pages for positions [computed, upto) of `req`, a shared one copied before it is written;
+        False when the pool cannot give them even after preempting later requests."""
+        size = self.cfg.page_size
+        first, last = req.computed // size, (upto - 1) // size
+        needed = sum(1 for i in range(first, last + 1) if i >= len(req.pages) or self._alloc.refs[req.pages[i]] > 1)
+        while self._alloc.num_free() < needed:  # the latest admitted goes, `req` itself if it is the latest
+            victim = max((r for r in self._slots if r is not None), key=lambda r: r.order)
+            self._preempt(victim)
+            if victim is req:
+                return False
+        for i in range(first, last + 1):
+            if i >= len(req.pages):
+                req.pages.append(self._alloc.allocate())
+            elif self._alloc.refs[req.pages[i]] > 1:  # copy-on-write
+                page = self._alloc.allocate()
+                self._pools = _copy_page(self._pools, req.pages[i], page)
+                self._alloc.release(req.pages[i])
+                req.pages[i] = page
+        self._sync_table(req)
+        return True
+
+    def _preempt(self, req: _Request) -> None:
+        self._release(req)
+        req.computed = req.registered = 0
+        self.num_preempted += 1
+        self._waiting.appendleft(req)  # recomputed first, prompt and tokens so far
+
+    def _release(self, req: _Request) -> None:
+        for page in req.pages:
+            self._alloc.release(page)
+        req.pages = []
+        if req.slot is not None:
+            self._slots[req.slot] = None
+            self._table[req.slot] = 0
+            req.slot = None
+
+    def _run(self, reqs: list[_Request], width: int, events: list[Event]) -> None:
+        """One compiled step over `reqs`: the next `width` (at most) uncomputed tokens of each."""
+        spans = {}
+        for req in sorted(reqs, key=lambda r: r.order):
+            if req.slot is None:  # preempted by an earlier one's reservation
+                continue
+            n = min(width, len(req.tokens) - req.computed)
+            if self._reserve(req, req.computed + n):
+                spans[req] = n
+        reqs = [r for r in spans if r.slot is not None]
+        if not reqs:
+            return
+        if width == 1:  # decode: every slot a row, one compiled shape
+            rows = list(range(self.cfg.max_slots))
+            row_of = {r: r.slot for r in reqs}
+        else:  # prefill: a power of two of rows
+            R = min(1 << (len(reqs) - 1).bit_length(), self.cfg.max_slots)
+            rows = [r.slot for r in reqs] + [None] * (R - len(reqs))
+            row_of = {r: i for i, r in enumerate(reqs)}
+        R = len(rows)
+        ids = np.zeros((R, width), np.int32)
+        positions = np.zeros((R, width), np.int32)
+        valid = np.zeros((R, width), bool)
+        last = np.zeros(R, np.int32)
+        table = np.zeros((R, self.pages_per_seq), np.int32)
+        seeds, temps, top_k, top_p = (
+            np.zeros(R, np.uint32),
+            np.zeros(R, np.float32),
+            np.zeros(R, np.int32),
+            np.ones(R, np.float32),
+        )
+        for req, i in row_of.items():
+            n, start = spans[req], req.computed
+            ids[i, :n] = req.tokens[start : start + n]
+            positions[i] = start + np.arange(width)
+            valid[i, :n] = True
+            last[i] = n - 1
+            table[i] = self._table[req.slot]
+            p = req.params
+            seeds[i], temps[i], top_k[i], top_p[i] = req.seed, p.temperature, p.top_k, p.top_p
+        tokens, logp, self._pools = _forward(
+            self._graphdef, self._params, self._pools, table, ids, positions, valid, last, (seeds, temps, top_k, top_p)
+        )  # fmt: skip
+        tokens, logp = np.asarray(tokens), np.asarray(logp)
+        for req, i in row_of.items():
+            req.computed += spans[req]
+            self._register(req)
+            if req.computed == len(req.tokens):  # its last known token ran: a new one
+                self._accept(req, int(tokens[i]), float(logp[i]), events)
+
+    def _register(self, req: _Request) -> None:
+        """Enter the prompt pages now computed into the prefix cache."""
+        done = min(req.computed // self.cfg.page_size, len(req.hashes))
+        for i in range(req.registered, done):
+            self._alloc.register(req.pages[i], req.hashes[i])
+        req.registered = max(req.registered, done)
+
+    def _accept(self, req: _Request, token: int, logp: float, events: list[Event]) -> None:
+        p = req.params
+        lp = [logp] if p.logprobs else None
+        if token == self.eos_id:
+            return self._finish(req, "stop", [], events, lp_new=None)
+        req.out.append(token)
+        if p.logprobs:
+            req.logprobs.append(logp)
+        if p.stop and self._stop_at(req) is not None:
+            return self._finish(req, "stop", [token], events, lp_new=lp)
+        if len(req.out) >= p.max_tokens or len(req.tokens) >= self.max_context:
+            return self._finish(req, "length", [token], events, lp_new=lp)
+        events.append(Event(req.id, [token], lp, False, None))
+
+    def _stop_at(self, req: _Request) -> int | None:
+        text = self.tokenizer.decode(req.out)
+        found = [i for s in req.params.stop if (i := text.find(s)) >= 0]
+        return min(found) if found else None
+
+    def _finish(self, req, reason: str, new: list[int], events: list[Event], lp_new=None) -> None:
+        self._release(req)
+        del self._live[req.id]
+        tokens, logprobs, text = req.out, req.logprobs if req.params.logprobs else None, None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(tokens)
+            if reason == "stop" and req.params.stop and (cut := self._stop_at(req)) is not None:
+                text = text[:cut]
+                n = len(tokens)
+                while n and not text.startswith(self.tokenizer.decode(tokens[:n])):
+                    n -= 1  # the tokens whose text stays before the stop string
+                tokens = tokens[:n]
+                logprobs = None if logprobs is None else logprobs[:n]
+        events.append(Event(req.id, new, lp_new, True, reason))
+        if req.id in self._keep:
+            self._keep[req.id] = Output(req.id, req.prompt, list(tokens), text, logprobs, reason)
+
+    # ------------------------------------------------------------------------- batch jobs
+
+    def generate(self, prompts, params, *, sources=None) -> list[Output]:
+        """Run prompts to the end (with any requests already queued) and return their outputs.
+
+        Args:
+            prompts (list[list[int]]): token-id prompts.
+            params (SamplingParams | list[SamplingParams]): one for all, or one per prompt.
+            sources (list[list[int]] | None): encoder-decoder sources (not served yet: None).
+
+        Returns:
+            One Output per prompt, in prompt order.
+
+        Raises:
+            EngineError: a bad request (nothing is queued then), or a params list of another length.
+        """
+        if sources is not None:
+            raise EngineError("sources: the engine serves decoder_only models so far (no encoder)")
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise EngineError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(self.add_request(prompt, p))
+                self._keep[ids[-1]] = None
+        except EngineError:
+            for rid in ids:
+                self.abort(rid)
+                self._keep.pop(rid)
+            self._pending = [e for e in self._pending if e.request_id not in ids]
+            raise
+        while any(self._keep[rid] is None for rid in ids):
+            self.step()
+        return [self._keep.pop(rid) for rid in ids]

@@ -1,0 +1,259 @@
+"""The inference engine against `decode.generate` and naive references: the paged cache's gather and
+write equal a dense cache, greedy outputs equal generate's token for token (prefix sharing on and off,
+two page sizes, more requests than slots, a pool small enough to preempt), sampling is reproducible
+and independent of the batch, bad requests are refused naming what is wrong, and the decode step
+compiles once for every mix of requests."""
+
+import collections
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer import decode
+from jaxformer.config import ConfigError, DecodeConfig, EngineConfig, tiny
+from jaxformer.engine import Engine, EngineError, SamplingParams, paged
+from jaxformer.engine import engine as engine_module
+from jaxformer.models import build_model
+
+V = 48
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(tiny("decoder_only", vocab_size=V, num_decoder_layers=1, max_len=64), seed=3)
+
+
+def _prompts():
+    rng = np.random.default_rng(0)
+    system = rng.integers(2, V, 12).tolist()  # a shared prefix: three pages of 4, one and a half of 8
+    return [
+        [*system, 5, 6, 7],
+        rng.integers(2, V, 3).tolist(),
+        [*system, 9],
+        rng.integers(2, V, 20).tolist(),
+        [7],
+        [*system, 5, 6, 7, 8, 9, 10, 11, 12, 13],
+    ]
+
+
+def _reference(model, prompts, n, eos_id):
+    out = decode.generate(model, prompts, DecodeConfig(strategy="greedy", max_new_tokens=n), eos_id=eos_id)
+    return [decode.strip_after_eos(row[0], eos_id) for row in out.tokens]
+
+
+@pytest.fixture(scope="module")
+def eos_id(model):
+    """An id the model's greedy continuations reach mid-way, so that some stop at EOS and some do not."""
+    first = _reference(model, _prompts(), 10, None)
+    return int(first[0][4])
+
+
+# ----------------------------------------------------------------------------- pure parts
+
+
+def test_paged_view_equals_the_dense_cache():
+    """Writing positions into pages then gathering a row's pages gives the dense cache [B, G, S, K]
+    that writing the same positions into slots gives (slot s = position s)."""
+    rng = np.random.default_rng(1)
+    N, page, G, K, B, P = 9, 4, 2, 3, 2, 3
+    pool = jnp.zeros((N, page, G, K))
+    table = np.array([[3, 7, 1], [5, 2, 0]], np.int32)  # row 1 holds two pages
+    dense = np.zeros((B, G, P * page, K), np.float32)
+    for start, T in ((0, 5), (5, 3), (8, 1)):  # a chunk, another, a decode step
+        positions = start + np.arange(T)[None].repeat(B, 0)
+        valid = positions < np.array([[12], [8]])
+        new = rng.normal(size=(B, T, G, K)).astype(np.float32)
+        page_BT, offset_BT = paged.page_slots(jnp.asarray(table), jnp.asarray(positions), jnp.asarray(valid), page)
+        pool = paged.write_pages(pool, jnp.asarray(new), page_BT, offset_BT)
+        for b in range(B):
+            for t in range(T):
+                if valid[b, t]:
+                    dense[b, :, positions[b, t]] = new[b, t]
+    view = np.asarray(paged.gather_pages(pool, jnp.asarray(table)))
+    np.testing.assert_array_equal(view[0], dense[0])
+    np.testing.assert_array_equal(view[1, :, :8], dense[1, :, :8])  # its third entry is scratch page 0
+
+
+def test_row_filters_equal_decode_filters():
+    """Per-row top-k and top-p equal `decode.top_k_filter` / `top_p_filter` applied row by row."""
+    logits = jax.random.normal(jax.random.key(0), (4, 11))
+    top_k, top_p = np.array([0, 3, 1, 5]), np.array([1.0, 0.9, 0.5, 0.3], np.float32)
+    got = paged.filter_rows(logits, jnp.asarray(top_k), jnp.asarray(top_p))
+    for b in range(4):
+        want = decode.top_p_filter(decode.top_k_filter(logits[b : b + 1], int(top_k[b])), float(top_p[b]))
+        np.testing.assert_array_equal(np.asarray(got[b]), np.asarray(want[0]))
+
+
+# ----------------------------------------------------------------------------- greedy equals generate
+
+
+@pytest.mark.parametrize("page_size", [4, 8])
+def test_greedy_equals_generate(model, eos_id, page_size):
+    """Six prompts of 1 to 21 tokens through 3 slots, chunks of 8: the same tokens as generate's, with
+    prefix sharing (which finds the shared prompt pages) and without."""
+    prompts, n = _prompts(), 10
+    want = _reference(model, prompts, n, eos_id)
+    assert any(len(w) < n for w in want) and any(len(w) == n for w in want)  # EOS and length both end some
+    for sharing in (True, False):
+        cfg = EngineConfig(page_size=page_size, num_pages=40, max_slots=3, prefill_chunk=8, prefix_sharing=sharing)
+        engine = Engine(model, cfg, eos_id=eos_id)
+        outs = engine.generate(prompts, SamplingParams(max_tokens=n))
+        assert [o.token_ids for o in outs] == want, f"sharing={sharing}"
+        assert [o.finish_reason for o in outs] == ["stop" if len(w) < n else "length" for w in want]
+        stats = engine.stats()
+        assert (stats["prefix_hits"] > 0) == sharing
+        assert stats["running"] == stats["waiting"] == 0 and stats["pages_free"] == stats["pages_total"]
+
+
+def test_continuous_batching_admits_and_retires(model, eos_id):
+    """More requests than slots: never more than max_slots run, a request is admitted as another retires
+    (some run while others already finished), and every one ends."""
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=40, max_slots=2, prefill_chunk=8), eos_id=eos_id)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=3 + 2 * i)) for i, p in enumerate(_prompts())]
+    finished_at, running_seen, step = {}, [], 0
+    while engine.has_unfinished():
+        for e in engine.step():
+            if e.finished:
+                finished_at[e.request_id] = step
+        running_seen.append(engine.stats()["running"])
+        step += 1
+    assert max(running_seen) == 2 and sorted(finished_at) == sorted(ids)
+    assert len(set(finished_at.values())) > 2  # retired across many steps, not as one batch
+
+
+def test_preemption_keeps_outputs(model, eos_id):
+    """A pool of 9 pages of 4 for 3 slots of up to 31 positions: requests are preempted (pages freed,
+    recomputed later) and the outputs still equal generate's."""
+    prompts, n = _prompts(), 12
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=10, max_slots=3, prefill_chunk=8), eos_id=None)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=n))
+    assert engine.stats()["preempted"] > 0
+    assert [o.token_ids for o in outs] == _reference(model, prompts, n, None)
+
+
+def test_copy_on_write_of_a_shared_page(model):
+    """A prompt of exactly two pages already in the pool: the second request shares both pages,
+    recomputes its last token into a copy of the last one, and both continue as generate does."""
+    prompt = _prompts()[3][:8]
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=20, max_slots=2, prefill_chunk=8), eos_id=None)
+    a = engine.add_request(prompt, SamplingParams(max_tokens=6))
+    tokens = {a: engine.step()[0].token_ids}  # a's prompt computed: its two pages enter the prefix cache
+    b = engine.add_request(prompt, SamplingParams(max_tokens=6))
+    tokens[b] = []
+    while engine.has_unfinished():
+        for e in engine.step():
+            tokens[e.request_id] += e.token_ids
+    assert engine.stats()["prefix_hits"] == 2
+    want = _reference(model, [prompt], 6, None)[0]
+    assert tokens[a] == tokens[b] == want
+
+
+def test_abort_frees_pages(model):
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=20, max_slots=2, prefill_chunk=8), eos_id=None)
+    rid = engine.add_request(_prompts()[3], SamplingParams(max_tokens=20))
+    waiting = engine.add_request([3, 4], SamplingParams(max_tokens=20))
+    engine.step()
+    assert engine.stats()["pages_free"] < engine.stats()["pages_total"]
+    engine.abort(rid)
+    engine.abort(waiting)
+    engine.abort("no-such-request")  # a client gone after its end: nothing to do
+    events = engine.step()
+    assert {(e.request_id, e.finish_reason) for e in events} == {(rid, "abort"), (waiting, "abort")}
+    assert not engine.has_unfinished()
+    stats = engine.stats()
+    assert stats["pages_free"] == stats["pages_total"] and stats["running"] == 0
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def test_sampling_is_reproducible_and_independent_of_the_batch(model):
+    """A seeded request draws the same tokens alone and among other requests (other seeds, settings
+    and lengths), and log-probabilities are those of the model's softmax (<= 0)."""
+    p = SamplingParams(max_tokens=8, temperature=1.3, top_k=20, top_p=0.95, seed=7, logprobs=True)
+    cfg = EngineConfig(page_size=4, num_pages=40, max_slots=4, prefill_chunk=8)
+    alone = Engine(model, cfg, eos_id=None).generate([_prompts()[0]], p)[0]
+    others = [SamplingParams(max_tokens=5, temperature=0.7, seed=s) for s in (1, 2)] + [SamplingParams(max_tokens=9)]
+    mixed = Engine(model, cfg, eos_id=None).generate([*_prompts()[1:4], _prompts()[0]], [*others, p])[-1]
+    assert mixed.token_ids == alone.token_ids and len(alone.token_ids) == 8
+    np.testing.assert_allclose(mixed.logprobs, alone.logprobs, rtol=1e-5)
+    assert all(lp <= 0 for lp in alone.logprobs)
+    other_seed = Engine(model, cfg, eos_id=None).generate([_prompts()[0]], dataclasses.replace(p, seed=8))[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_decode_step_compiles_once_for_every_mix(model):
+    """Greedy and sampled rows, prompts of many lengths, requests coming and going: one decode
+    compilation [max_slots, 1], and prefill only at power-of-two row counts."""
+    cfg = EngineConfig(page_size=4, num_pages=40, max_slots=5, prefill_chunk=8)  # 5 slots: no other test's shape
+    before = collections.Counter(engine_module._TRACES)
+    engine = Engine(model, cfg, eos_id=None)
+    params = [SamplingParams(max_tokens=4 + i, temperature=0.5 * (i % 2), top_k=i, seed=i) for i in range(6)]
+    engine.generate(_prompts(), params)
+    engine.generate(_prompts()[:2], SamplingParams(max_tokens=3, top_p=0.5, temperature=1.0))
+    traced = engine_module._TRACES - before
+    assert traced[(5, 1)] == 1
+    assert {rows for rows, width in traced if width == 8} <= {1, 2, 4, 5}
+    assert sum(traced.values()) <= 5  # one decode shape and at most four prefill shapes
+
+
+# ----------------------------------------------------------------------------- bad requests
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "match"),
+    [
+        ([], SamplingParams(), "prompt_ids is empty"),
+        ([1, V], SamplingParams(), r"prompt_ids\[1\] = 48 is outside the vocabulary"),
+        ([1, 2.5], SamplingParams(), r"prompt_ids\[1\] = 2.5 is not an integer"),
+        ([1] * 60, SamplingParams(max_tokens=5), "exceeds the context of 64"),
+        ([1, 2], SamplingParams(stop=("x",)), "stop strings need a tokenizer"),
+        ([1, 2], {"max_tokens": 3}, "params: a SamplingParams"),
+    ],
+)
+def test_bad_requests_are_refused(model, prompt, params, match):
+    engine = Engine(model, EngineConfig(num_pages=8), eos_id=None)
+    with pytest.raises(EngineError, match=match):
+        engine.add_request(prompt, params)
+    assert not engine.has_unfinished()
+
+
+def test_a_request_over_the_pool_is_refused(model):
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=5), eos_id=None)
+    with pytest.raises(EngineError, match=r"engine\.num_pages=5"):
+        engine.add_request([1] * 10, SamplingParams(max_tokens=10))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_tokens": -3}, "max_tokens must be >= 1, got -3"),
+        ({"max_tokens": 2.0}, "max_tokens must be int"),
+        ({"temperature": -1.0}, "temperature must be >= 0"),
+        ({"top_k": -1}, "top_k must be >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"seed": -1}, "seed must be in"),
+        ({"stop": ("",)}, "stop must hold non-empty strings"),
+        ({"logprobs": 1}, "logprobs must be bool"),
+    ],
+)
+def test_sampling_params_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"page_size": 0}, "engine.page_size: must be >= 1"),
+        ({"num_pages": 1}, "engine.num_pages: must be >= 2"),
+        ({"max_slots": "4"}, "engine.max_slots"),
+        ({"max_context": 1}, "engine.max_context"),
+    ],
+)
+def test_engine_config_names_the_field(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**kwargs)
