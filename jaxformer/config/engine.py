@@ -10,7 +10,17 @@ from jaxformer.config.base import check_field_types, require
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """The paged KV cache and the scheduler of `jaxformer.engine.Engine`."""
+    """The paged KV cache and the scheduler of `jaxformer.engine.Engine`.
+
+    Attributes:
+        page_size: positions a page holds; a prefix is shared in whole pages.
+        num_pages: pages of the pool (per layer, keys and values), page 0 scratch.
+        max_slots: sequences decoded together (the decode step's batch); more requests wait.
+        prefill_chunk: prompt tokens a slot prefills per step.
+        max_context: prompt + new tokens of one request; None: the model's max_len.
+        prefix_sharing: share whole pages of a common prompt prefix between requests.
+        seed: the sampling root of requests without a seed (folded with the request id).
+    """
 
     page_size: int = 16  # positions a page holds (vLLM's block size); a prefix is shared in whole pages
     num_pages: int = 256  # the pool, per layer, for keys and values; page 0 is a scratch page never handed out

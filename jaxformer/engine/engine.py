@@ -259,7 +259,12 @@ class Engine:
     # ------------------------------------------------------------------------- requests
 
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, *, source_ids=None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        source_ids: list[int] | None = None,
     ) -> str:
         """Queue a request; it is admitted at a coming `step`.
 

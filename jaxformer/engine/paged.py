@@ -47,7 +47,7 @@ def page_slots(table_BP: Array, positions_BT: Array, valid_BT: Array, page_size:
         page_size: positions per page.
 
     Returns:
-        (page_BT, offset_BT), int32.
+        result (tuple[Array, Array]): (page_BT, offset_BT), int32.
     """
     column_BT = jnp.clip(positions_BT // page_size, 0, table_BP.shape[1] - 1)
     page_BT = jnp.take_along_axis(table_BP, column_BT, axis=1)
@@ -87,7 +87,7 @@ def paged_step(model, pools: list, table_BP: Array, ids_BT: Array, positions_BT:
         valid_BT: [B, T] bool, which are real (others write to scratch).
 
     Returns:
-        (logits [B, T, V], the updated pools).
+        result (tuple[Array, list]): (logits [B, T, V], the updated pools).
     """
     T, page_size = ids_BT.shape[1], pools[0]["k"].shape[1]
     pad = ((0, 0), (0, 0), (0, T), (0, 0))
@@ -157,7 +157,7 @@ def choose_rows(logits_BV: Array, keys_B: Array, temperature_B: Array, top_k_B: 
         top_p_B: [B] float (1: off).
 
     Returns:
-        (tokens [B] int32, log-probabilities [B] under the model's own softmax, float32).
+        result (tuple[Array, Array]): (tokens [B] int32, float32 log-probabilities [B] under the model).
     """
     logits_BV = logits_BV.astype(jnp.float32)  # softmax and its log in float32
     sampled = temperature_B > 0
