@@ -285,3 +285,22 @@ def test_a_stop_string_ends_the_request_and_is_cut(model):
     out = engine.generate([prompt], SamplingParams(max_tokens=10, stop=(stop, "zzzzzz")))[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == want[:k] and out.text == tok.decode(want[:k])
+
+
+def test_encoder_decoder_greedy_equals_translate():
+    """encoder_decoder: each slot keeps its source's cross-attention keys and values; greedy outputs
+    equal `decode.translate`'s for sources of mixed lengths through 2 slots, with a preemption."""
+    model = build_model(tiny("encoder_decoder", vocab_size=V, max_len=32, tie_output=False), seed=5)  # tied: one token
+    rng = np.random.default_rng(2)
+    sources = [rng.integers(3, V, n).tolist() for n in (5, 11, 3, 8)]
+    settings = DecodeConfig(strategy="greedy", extra_len=6)
+    ref = decode.translate(model, sources, settings, bos_id=1, eos_id=2)
+    num_new = min(16 + 6, 31)  # translate's budget: the padded source width + extra_len
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=6, max_slots=2, prefill_chunk=4), eos_id=2, bos_id=1)
+    params = [SamplingParams(max_tokens=min(len(s) + 6, num_new)) for s in sources]
+    outs = engine.generate([[]] * len(sources), params, sources=sources)
+    want = [decode.strip_after_eos(row[0][: p.max_tokens], 2) for row, p in zip(ref.tokens, params, strict=True)]
+    assert [o.token_ids for o in outs] == want
+    assert max(len(set(w)) for w in want) >= 2 and engine.stats()["preempted"] > 0
+    with pytest.raises(EngineError, match="needs a source"):
+        engine.add_request([1], SamplingParams())

@@ -9,6 +9,9 @@ one decode step for every slot that is generating, and retires requests at EOS, 
 to `max_slots`. When the pool runs out of pages, the latest admitted request is preempted (its pages
 freed, it waits to be recomputed, prompt and tokens so far); its tokens do not change, since a row draws
 with a key from its request's seed and the token's position.
+
+An encoder_decoder model's request brings its source: encoded once when it takes a slot, each decoder
+layer's cross-attention keys and values of it stay in the slot until it leaves.
 """
 
 from __future__ import annotations
@@ -139,6 +142,7 @@ class _Request:
     computed: int = 0  # positions whose keys and values are in its pages
     registered: int = 0  # full prompt pages entered in the prefix cache
     hashes: list[int] = dataclasses.field(default_factory=list)
+    source: list[int] | None = None  # encoder_decoder: the source, encoded when the request takes a slot
 
     @property
     def tokens(self) -> list[int]:
@@ -149,17 +153,34 @@ _TRACES = collections.Counter()  # compilations of the engine's step, by (rows, 
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
-def _forward(graphdef, params, pools, table_BP, ids_BT, positions_BT, valid_BT, last_B, sampling):
-    """One paged step and the next token of each row (from its last valid position `last_B`)."""
+def _forward(graphdef, params, pools, table_BP, ids_BT, positions_BT, valid_BT, last_B, sampling, source):
+    """One paged step and the next token of each row (from its last valid position `last_B`); `source`:
+    None, or (per layer the slots' cross-attention keys and values, the slots' source lengths, each
+    row's slot)."""
     _TRACES[ids_BT.shape] += 1
     model = nnx.merge(graphdef, params)
-    logits_BTV, pools = paged.paged_step(model, pools, table_BP, ids_BT, positions_BT, valid_BT)
+    memory, src_lengths_B = None, None
+    if source is not None:
+        memory_slots, src_lengths_slots, slots_B = source
+        memory = jax.tree.map(lambda m: jnp.take(m, slots_B, axis=0), memory_slots)
+        src_lengths_B = jnp.take(src_lengths_slots, slots_B, axis=0)
+    logits_BTV, pools = paged.paged_step(model, pools, table_BP, ids_BT, positions_BT, valid_BT, memory, src_lengths_B)
     logits_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
     seeds_B, temperature_B, top_k_B, top_p_B = sampling
     positions_B = jnp.take_along_axis(positions_BT, last_B[:, None], axis=1)[:, 0] + 1  # the drawn token's
     keys_B = paged.request_keys(seeds_B, positions_B)
     tokens_B, logp_B = paged.choose_rows(logits_BV, keys_B, temperature_B, top_k_B, top_p_B)
     return tokens_B, logp_B, pools
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("memory",))
+def _encode_into(graphdef, params, memory, src_1S, src_lengths_1, slot):
+    """Encode one source and write each decoder layer's cross-attention keys and values of it into `slot`."""
+    model = nnx.merge(graphdef, params)
+    memory_1SD = model.encode(src_1S, src_lengths=src_lengths_1)
+    layers = model.init_cache(1, 1, memory_1SD, src_lengths=src_lengths_1)["layers"]
+    write = lambda m, c: {n: m[n].at[slot].set(c["memory"][n][0].astype(m[n].dtype)) for n in "kv"}
+    return [write(m, c) for m, c in zip(memory, layers, strict=True)]
 
 
 @functools.partial(jax.jit, donate_argnames=("pools",))
@@ -174,7 +195,8 @@ class Engine:
     Not thread-safe: one thread owns it (a server calls `step` in a loop, fed by a queue).
 
     Args:
-        model (Transformer): a decoder_only model (LoRA adapters are merged, scanned stacks unrolled).
+        model (Transformer): a decoder_only or encoder_decoder model (LoRA adapters are merged, scanned
+            stacks unrolled).
         cfg (EngineConfig): the pool and the scheduler.
         tokenizer (Tokenizer | None): detokenizes outputs and matches stop strings; None: ids only.
         eos_id: the end-of-sequence id (finish_reason "stop"; never in an output's token_ids).
@@ -194,8 +216,8 @@ class Engine:
         if not isinstance(cfg, EngineConfig):
             raise TypeError(f"cfg: a jaxformer.config.EngineConfig, got {type(cfg).__name__}")
         mcfg = model.cfg
-        if mcfg.mode != "decoder_only":
-            raise EngineError(f"the engine serves decoder_only models so far; this one is {mcfg.mode}")
+        if mcfg.mode == "encoder_only":
+            raise EngineError("the engine generates: decoder_only and encoder_decoder models; this one is encoder_only")
         if cfg.max_context is not None and cfg.max_context > mcfg.max_len:
             raise EngineError(f"engine.max_context={cfg.max_context} exceeds the model's max_len={mcfg.max_len}")
         for name, value in (("eos_id", eos_id), ("bos_id", bos_id)):
@@ -211,6 +233,12 @@ class Engine:
         shape = (cfg.num_pages, cfg.page_size, G, K)
         zeros = jax.jit(lambda: constrain(jnp.zeros(shape, mcfg.dtype), paged.PAGES))
         self._pools = [{"k": zeros(), "v": zeros()} for _ in range(mcfg.num_decoder_layers)]
+        self.encoder_decoder = mcfg.mode == "encoder_decoder"
+        self._memory, self._src_lengths = None, np.zeros(cfg.max_slots, np.int32)
+        if self.encoder_decoder:  # each slot's source, as cross-attention keys and values [slots, G, S, K]
+            mem = jax.jit(lambda: jnp.zeros((cfg.max_slots, G, mcfg.max_len, K), mcfg.dtype))
+            self._memory = [{"k": mem(), "v": mem()} for _ in range(mcfg.num_decoder_layers)]
+        self.pad_id = mcfg.pad_id
         self._alloc = PageAllocator(cfg.num_pages)
         self._table = np.zeros((cfg.max_slots, self.pages_per_seq), np.int32)
         self._slots: list[_Request | None] = [None] * cfg.max_slots
@@ -272,19 +300,30 @@ class Engine:
             prompt_ids: the prompt's token ids.
             params: how to decode it.
             request_id: its id (None: one is made).
-            source_ids: an encoder-decoder's source (not served yet: must be None).
+            source_ids: an encoder_decoder model's source (its prompt then may be empty: BOS).
 
         Returns:
             The request id.
 
         Raises:
             EngineError: an empty prompt, ids outside the vocabulary, a prompt and max_tokens over the
-                context or the pool, a live id, stop strings without a tokenizer, or a source.
+                context or the pool, a live id, stop strings without a tokenizer, or a source missing
+                (encoder_decoder) or given (decoder_only).
         """
         if not isinstance(params, SamplingParams):
             raise EngineError(f"params: a SamplingParams, got {type(params).__name__}")
-        if source_ids is not None:
-            raise EngineError("source_ids: the engine serves decoder_only models so far (no encoder)")
+        source = None
+        if self.encoder_decoder:
+            if source_ids is None:
+                raise EngineError("source_ids: an encoder_decoder model needs a source")
+            source = self._check_ids(source_ids, "source_ids")
+            if len(source) > (S := self._memory[0]["k"].shape[2]):
+                raise EngineError(f"source_ids has {len(source)} tokens; the model's max_len is {S}")
+            if len(prompt_ids) == 0 and self.bos_id is None:
+                raise EngineError("prompt_ids is empty and the engine has no bos_id to start the output with")
+            prompt_ids = prompt_ids if len(prompt_ids) else [self.bos_id]
+        elif source_ids is not None:
+            raise EngineError("source_ids: a decoder_only model has no encoder; give the prompt only")
         prompt = self._check_ids(prompt_ids)
         need = len(prompt) + params.max_tokens
         if need > self.max_context:
@@ -306,23 +345,24 @@ class Engine:
         seed = params.seed
         if seed is None:
             seed = zlib.crc32(f"{self.cfg.seed}/{request_id}".encode())
-        req = _Request(request_id, prompt, params, seed, order=0)
-        req.hashes = page_hashes(prompt, self.cfg.page_size) if self.cfg.prefix_sharing else []
+        req = _Request(request_id, prompt, params, seed, order=0, source=source)
+        root = None if source is None else hash(("source", tuple(source)))  # its keys depend on the source
+        req.hashes = page_hashes(prompt, self.cfg.page_size, root) if self.cfg.prefix_sharing else []
         self._live[request_id] = req
         self._waiting.append(req)
         return request_id
 
-    def _check_ids(self, ids) -> list[int]:
+    def _check_ids(self, ids, what: str = "prompt_ids") -> list[int]:
         if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
-            raise EngineError(f"prompt_ids: a list of token ids, got {type(ids).__name__}")
+            raise EngineError(f"{what}: a list of token ids, got {type(ids).__name__}")
         if len(ids) == 0:
-            raise EngineError("prompt_ids is empty: a prompt needs at least one token")
+            raise EngineError(f"{what} is empty: at least one token is needed")
         out = []
         for i, t in enumerate(ids):
             if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-                raise EngineError(f"prompt_ids[{i}] = {t!r} is not an integer token id")
+                raise EngineError(f"{what}[{i}] = {t!r} is not an integer token id")
             if not 0 <= t < self.vocab_size:
-                raise EngineError(f"prompt_ids[{i}] = {int(t)} is outside the vocabulary [0, {self.vocab_size})")
+                raise EngineError(f"{what}[{i}] = {int(t)} is outside the vocabulary [0, {self.vocab_size})")
             out.append(int(t))
         return out
 
@@ -403,6 +443,16 @@ class Engine:
             req.slot, req.order = self._slots.index(None), next(self._order)
             self._slots[req.slot] = req
             self._sync_table(req)
+            if req.source is not None:
+                self._encode(req)
+
+    def _encode(self, req: _Request) -> None:
+        S = self._memory[0]["k"].shape[2]
+        src = np.full((1, S), self.pad_id, np.int32)
+        src[0, : len(req.source)] = req.source
+        lengths = np.asarray([len(req.source)], np.int32)
+        self._memory = _encode_into(self._graphdef, self._params, self._memory, src, lengths, req.slot)
+        self._src_lengths[req.slot] = len(req.source)
 
     def _shared_prefix(self, req: _Request) -> list[int]:
         pages = []
@@ -494,8 +544,11 @@ class Engine:
             table[i] = self._table[req.slot]
             p = req.params
             seeds[i], temps[i], top_k[i], top_p[i] = req.seed, p.temperature, p.top_k, p.top_p
+        slots = np.asarray([0 if s is None else s for s in rows], np.int32)
+        source = None if self._memory is None else (self._memory, self._src_lengths, slots)
         tokens, logp, self._pools = _forward(
-            self._graphdef, self._params, self._pools, table, ids, positions, valid, last, (seeds, temps, top_k, top_p)
+            self._graphdef, self._params, self._pools, table, ids, positions, valid, last,
+            (seeds, temps, top_k, top_p), source,
         )  # fmt: skip
         tokens, logp = np.asarray(tokens), np.asarray(logp)
         for req, i in row_of.items():
@@ -555,23 +608,24 @@ class Engine:
         Args:
             prompts (list[list[int]]): token-id prompts.
             params (SamplingParams | list[SamplingParams]): one for all, or one per prompt.
-            sources (list[list[int]] | None): encoder-decoder sources (not served yet: None).
+            sources (list[list[int]] | None): encoder_decoder: the sources (prompts may then be empty: BOS).
 
         Returns:
             One Output per prompt, in prompt order.
 
         Raises:
-            EngineError: a bad request (nothing is queued then), or a params list of another length.
+            EngineError: a bad request (nothing is queued then), or a params or sources list of another length.
         """
-        if sources is not None:
-            raise EngineError("sources: the engine serves decoder_only models so far (no encoder)")
+        if sources is not None and len(sources) != len(prompts):
+            raise EngineError(f"{len(sources)} sources for {len(prompts)} prompts")
+        sources = [None] * len(prompts) if sources is None else sources
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise EngineError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
-                ids.append(self.add_request(prompt, p))
+            for prompt, p, src in zip(prompts, params, sources, strict=True):
+                ids.append(self.add_request(prompt, p, source_ids=src))
                 self._keep[ids[-1]] = None
         except EngineError:
             for rid in ids:

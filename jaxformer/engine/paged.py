@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxformer.attention.masks import Mask
+
 Array = jax.Array
 PAGES = (None, None, "heads", None)  # a pool [N, page, G, K]: heads split over `tensor` like the model's
 
@@ -69,7 +71,16 @@ def write_pages(pool_NPGK: Array, new_BTGK: Array, page_BT: Array, offset_BT: Ar
     return pool_NPGK.at[page_BT, offset_BT].set(new_BTGK.astype(pool_NPGK.dtype))
 
 
-def paged_step(model, pools: list, table_BP: Array, ids_BT: Array, positions_BT: Array, valid_BT: Array):
+def paged_step(
+    model,
+    pools: list,
+    table_BP: Array,
+    ids_BT: Array,
+    positions_BT: Array,
+    valid_BT: Array,
+    memory: list | None = None,
+    src_lengths_B: Array | None = None,
+):
     """The model's decoding step over paged caches: logits of T new positions per row, their keys and
     values written into the rows' pages.
 
@@ -79,12 +90,14 @@ def paged_step(model, pools: list, table_BP: Array, ids_BT: Array, positions_BT:
     by none), and the new keys and values, read back from the view at their positions, go to their pages.
 
     Args:
-        model (Transformer): a decodable model (`decode.decodable`), decoder_only.
+        model (Transformer): a decodable model (`decode.decodable`), decoder_only or encoder_decoder.
         pools (list[dict]): per layer {"k", "v"}: [N, page, G, K].
         table_BP: [B, P] the rows' page tables.
         ids_BT: [B, T] new ids.
         positions_BT: [B, T] their positions.
         valid_BT: [B, T] bool, which are real (others write to scratch).
+        memory: encoder_decoder: per layer the rows' cross-attention {"k", "v"}: [B, G, S, K]; or None.
+        src_lengths_B: [B] the rows' source lengths (with `memory`).
 
     Returns:
         result (tuple[Array, list]): (logits [B, T, V], the updated pools).
@@ -92,7 +105,11 @@ def paged_step(model, pools: list, table_BP: Array, ids_BT: Array, positions_BT:
     T, page_size = ids_BT.shape[1], pools[0]["k"].shape[1]
     pad = ((0, 0), (0, 0), (0, T), (0, 0))
     views = [{"self": {n: jnp.pad(gather_pages(pool[n], table_BP), pad) for n in "kv"}} for pool in pools]
-    logits_BTV, cache = model.decode_step({"layers": views}, ids_BT, positions_BT)
+    cache = {"layers": views}
+    if memory is not None:  # cross-attention over each row's source, its keys and values computed once
+        cache = {"layers": [v | {"memory": m} for v, m in zip(views, memory, strict=True)]}
+        cache["memory_mask"] = Mask(kv_lengths=src_lengths_B)
+    logits_BTV, cache = model.decode_step(cache, ids_BT, positions_BT)
     page_BT, offset_BT = page_slots(table_BP, positions_BT, valid_BT, page_size)
     S = views[0]["self"]["k"].shape[2]
     index_B1T1 = jnp.clip(positions_BT, 0, S - 1)[:, None, :, None]

@@ -12,17 +12,19 @@ from __future__ import annotations
 import collections
 
 
-def page_hashes(ids: list[int], page_size: int) -> list[int]:
+def page_hashes(ids: list[int], page_size: int, root: int | None = None) -> list[int]:
     """The chained hash of each full page of `ids` (a partial last page has none).
 
     Args:
         ids: token ids.
         page_size: positions per page.
+        root: what the first page's hash is chained to (an encoder-decoder's source, whose
+            cross-attention shapes every decoder layer's keys after the first), or None.
 
     Returns:
         One hash per full page, in order.
     """
-    hashes, h = [], None
+    hashes, h = [], root
     for start in range(0, len(ids) - page_size + 1, page_size):
         h = hash((h, tuple(ids[start : start + page_size])))
         hashes.append(h)
