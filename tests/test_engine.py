@@ -304,3 +304,48 @@ def test_encoder_decoder_greedy_equals_translate():
     assert max(len(set(w)) for w in want) >= 2 and engine.stats()["preempted"] > 0
     with pytest.raises(EngineError, match="needs a source"):
         engine.add_request([1], SamplingParams())
+
+
+def test_from_workdir_reads_model_tokenizer_and_template(tmp_path):
+    """An exported directory (config.json, params): the engine over it has the byte tokenizer, EOS and
+    the data's chat template, and gives the model's own greedy tokens, as text too."""
+    import json
+
+    import orbax.checkpoint as ocp
+
+    from jaxformer.config import Config, DataConfig, TrainConfig
+    from jaxformer.data.tokenizers import ByteTokenizer
+
+    tok = ByteTokenizer()
+    mcfg = tiny("decoder_only", vocab_size=tok.vocab_size, max_len=32)
+    run = Config(
+        mcfg,
+        TrainConfig(objective="lm"),
+        DataConfig(source="files", files=("chat.jsonl",), tokenizer="byte", max_len=32, template="chatml"),
+    )
+    model = build_model(mcfg, seed=1)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "params", nnx.state(model, nnx.Param))
+    (tmp_path / "config.json").write_text(json.dumps(run.to_dict()))
+    engine = Engine.from_workdir(tmp_path, EngineConfig(page_size=4, num_pages=16, max_slots=2))
+    assert (engine.eos_id, engine.chat_template, engine.max_context) == (tok.eos_id, "chatml", 32)
+    prompt = tok.encode("Hi there")
+    out = engine.generate([prompt], SamplingParams(max_tokens=6))[0]
+    assert out.token_ids == _reference(model, [prompt], 6, tok.eos_id)[0]
+    assert out.text == tok.decode(out.token_ids)
+
+
+def test_a_model_with_lora_adapters_serves_merged(model):
+    """Adapters with nonzero updates: the engine (which merges them, as decode does) gives generate's
+    greedy tokens over the adapted model, and they differ from the base model's."""
+    from jaxformer import lora
+    from jaxformer.config import LoRAConfig
+
+    adapted = lora.add_adapters(nnx.clone(model), LoRAConfig(rank=2, targets=("q", "v", "wo")))
+    adapters = nnx.state(adapted, nnx.LoRAParam)
+    nnx.update(adapted, jax.tree.map(lambda x: x + 0.5, adapters))  # B starts at zero: make it matter
+    prompts = _prompts()[:4]
+    want = _reference(adapted, prompts, 8, None)
+    engine = Engine(adapted, EngineConfig(page_size=4, num_pages=40, max_slots=3, prefill_chunk=8), eos_id=None)
+    assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=8))] == want
+    assert want != _reference(model, prompts, 8, None)
