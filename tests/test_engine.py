@@ -349,3 +349,38 @@ def test_a_model_with_lora_adapters_serves_merged(model):
     engine = Engine(adapted, EngineConfig(page_size=4, num_pages=40, max_slots=3, prefill_chunk=8), eos_id=None)
     assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=8))] == want
     assert want != _reference(model, prompts, 8, None)
+
+
+def test_the_paged_decode_step_compiles_for_a_tpu_slice():
+    """libtpu's compiler, no chip: the decode step [slots, 1] over pools whose heads are split over the
+    tensor axis of a v5e:2x2 slice compiles, reads the pages by XLA's gather (no Pallas kernel: the
+    ragged paged attention kernel is not wired in), and keeps the pools' sharding."""
+    pytest.importorskip("libtpu")
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxformer import sharding
+    from jaxformer.config import MeshConfig
+    from jaxformer.layers import without_id_checks
+    from jaxformer.plan import parse_target, with_shardings
+
+    mesh_cfg = MeshConfig(data=2, tensor=2)
+    mesh = sharding.make_mesh(mesh_cfg, parse_target("tpu-v5e:2x2").devices())
+    mcfg = tiny("decoder_only", vocab_size=128, d_model=256, num_heads=2, max_len=128, num_decoder_layers=1)
+    slots, pages, page = 8, 33, 16
+    with sharding.use(mesh, sharding.rules_for(mesh_cfg)):
+        abstract = nnx.eval_shape(lambda: without_id_checks(build_model(mcfg)))
+        graphdef, params = nnx.split(abstract)
+        params = with_shardings(params, sharding.state_shardings(params, mesh))
+        heads = NamedSharding(mesh, PartitionSpec(None, None, "tensor", None))
+        pool = jax.ShapeDtypeStruct((pages, page, mcfg.kv_heads, mcfg.dim_per_head), mcfg.dtype, sharding=heads)
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)
+        sampling = (jax.ShapeDtypeStruct((slots,), np.uint32), jax.ShapeDtypeStruct((slots,), np.float32))
+        sampling = (*sampling, i32(slots), jax.ShapeDtypeStruct((slots,), np.float32))
+        compiled = engine_module._forward.lower(
+            graphdef, params, [{"k": pool, "v": pool}], i32(slots, 8), i32(slots, 1), i32(slots, 1),
+            jax.ShapeDtypeStruct((slots, 1), bool), i32(slots), sampling, None,
+        ).compile()  # fmt: skip
+    text = compiled.as_text()
+    assert " gather(" in text and "tpu_custom_call" not in text
+    out_pools = compiled.output_shardings[2]
+    assert out_pools[0]["k"].spec == PartitionSpec(None, None, "tensor")

@@ -228,7 +228,8 @@ class Engine:
         self.vocab_size = mcfg.vocab_size
         self.max_context = cfg.max_context or mcfg.max_len
         self.pages_per_seq = -(-self.max_context // cfg.page_size)
-        self._graphdef, self._params = nnx.split(decodable(without_id_checks(model)))
+        own = nnx.merge(*nnx.split(model))  # new modules over the same arrays: the caller's keep their id checks
+        self._graphdef, self._params = nnx.split(decodable(without_id_checks(own)))
         G, K = mcfg.kv_heads, mcfg.dim_per_head
         shape = (cfg.num_pages, cfg.page_size, G, K)
         zeros = jax.jit(lambda: constrain(jnp.zeros(shape, mcfg.dtype), paged.PAGES))
