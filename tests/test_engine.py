@@ -384,3 +384,26 @@ def test_the_paged_decode_step_compiles_for_a_tpu_slice():
     assert " gather(" in text and "tpu_custom_call" not in text
     out_pools = compiled.output_shardings[2]
     assert out_pools[0]["k"].spec == PartitionSpec(None, None, "tensor")
+
+
+def test_encoder_only_scores_equal_the_model_on_each_input_alone():
+    """encoder_only: class log-probabilities, masked-LM fills and mean embeddings of inputs of mixed
+    lengths, batched and padded by the engine, equal the model's on each input alone (no padding)."""
+    model = build_model(tiny("encoder_only", vocab_size=V, max_len=32, num_classes=3), seed=4)
+    rng = np.random.default_rng(3)
+    inputs = [rng.integers(4, V, n).tolist() for n in (3, 9, 17, 5)]
+    inputs[1][2] = inputs[2][0] = inputs[2][7] = 3  # id 3: the mask
+    engine = Engine(model, EngineConfig(max_slots=2), eos_id=None)
+    classes, fills = engine.score(inputs, "classify"), engine.score(inputs, "fill", mask_id=3)
+    embeddings = engine.score(inputs, "embed")
+    for x, c, f, e in zip(inputs, classes, fills, embeddings, strict=True):
+        ids = jnp.asarray([x])
+        np.testing.assert_allclose(c, jax.nn.log_softmax(model.classify(ids))[0], atol=1e-5)
+        pred = np.asarray(jnp.argmax(model(ids), -1))[0]
+        assert f == [int(p) if t == 3 else t for t, p in zip(x, pred, strict=True)]
+        np.testing.assert_allclose(e, np.asarray(model.hidden(ids))[0].mean(0), atol=1e-5)
+    assert fills[2] != inputs[2] and fills[0] == inputs[0]
+    with pytest.raises(EngineError, match=r"use Engine\.score"):
+        engine.add_request([4, 5], SamplingParams())
+    with pytest.raises(EngineError, match="kind must be"):
+        engine.score(inputs, "summarize")

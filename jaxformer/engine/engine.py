@@ -11,7 +11,8 @@ freed, it waits to be recomputed, prompt and tokens so far); its tokens do not c
 with a key from its request's seed and the token's position.
 
 An encoder_decoder model's request brings its source: encoded once when it takes a slot, each decoder
-layer's cross-attention keys and values of it stay in the slot until it leaves.
+layer's cross-attention keys and values of it stay in the slot until it leaves. An encoder_only model
+generates nothing: `Engine.score` classifies, fills masks or embeds whole inputs.
 """
 
 from __future__ import annotations
@@ -183,6 +184,19 @@ def _encode_into(graphdef, params, memory, src_1S, src_lengths_1, slot):
     return [write(m, c) for m, c in zip(memory, layers, strict=True)]
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "kind"))
+def _score(graphdef, params, ids_BS, lengths_B, *, kind):
+    """encoder_only: class log-probabilities [B, C], masked-LM argmax ids [B, S], or mean states [B, D]."""
+    model = nnx.merge(graphdef, params)
+    if kind == "classify":
+        return jax.nn.log_softmax(model.classify(ids_BS, src_lengths=lengths_B).astype(jnp.float32))
+    h_BSD = model.hidden(ids_BS, lengths=lengths_B)
+    if kind == "fill":
+        return jnp.argmax(model.head(h_BSD), axis=-1)
+    valid_BS1 = (jnp.arange(ids_BS.shape[1])[None, :] < lengths_B[:, None])[..., None]
+    return jnp.sum(jnp.where(valid_BS1, h_BSD.astype(jnp.float32), 0.0), axis=1) / lengths_B[:, None]
+
+
 @functools.partial(jax.jit, donate_argnames=("pools",))
 def _copy_page(pools, src, dst):
     """Copy-on-write: page `dst` of every pool takes page `src`'s contents."""
@@ -195,8 +209,8 @@ class Engine:
     Not thread-safe: one thread owns it (a server calls `step` in a loop, fed by a queue).
 
     Args:
-        model (Transformer): a decoder_only or encoder_decoder model (LoRA adapters are merged, scanned
-            stacks unrolled).
+        model (Transformer): a model of any mode (LoRA adapters are merged, scanned stacks unrolled);
+            encoder_only serves `score` only.
         cfg (EngineConfig): the pool and the scheduler.
         tokenizer (Tokenizer | None): detokenizes outputs and matches stop strings; None: ids only.
         eos_id: the end-of-sequence id (finish_reason "stop"; never in an output's token_ids).
@@ -216,8 +230,6 @@ class Engine:
         if not isinstance(cfg, EngineConfig):
             raise TypeError(f"cfg: a jaxformer.config.EngineConfig, got {type(cfg).__name__}")
         mcfg = model.cfg
-        if mcfg.mode == "encoder_only":
-            raise EngineError("the engine generates: decoder_only and encoder_decoder models; this one is encoder_only")
         if cfg.max_context is not None and cfg.max_context > mcfg.max_len:
             raise EngineError(f"engine.max_context={cfg.max_context} exceeds the model's max_len={mcfg.max_len}")
         for name, value in (("eos_id", eos_id), ("bos_id", bos_id)):
@@ -233,6 +245,7 @@ class Engine:
         G, K = mcfg.kv_heads, mcfg.dim_per_head
         shape = (cfg.num_pages, cfg.page_size, G, K)
         zeros = jax.jit(lambda: constrain(jnp.zeros(shape, mcfg.dtype), paged.PAGES))
+        self.encoder_only = mcfg.mode == "encoder_only"  # scores only (`score`): no cache, no decoding
         self._pools = [{"k": zeros(), "v": zeros()} for _ in range(mcfg.num_decoder_layers)]
         self.encoder_decoder = mcfg.mode == "encoder_decoder"
         self._memory, self._src_lengths = None, np.zeros(cfg.max_slots, np.int32)
@@ -240,6 +253,7 @@ class Engine:
             mem = jax.jit(lambda: jnp.zeros((cfg.max_slots, G, mcfg.max_len, K), mcfg.dtype))
             self._memory = [{"k": mem(), "v": mem()} for _ in range(mcfg.num_decoder_layers)]
         self.pad_id = mcfg.pad_id
+        self._num_classes = mcfg.num_classes
         self._alloc = PageAllocator(cfg.num_pages)
         self._table = np.zeros((cfg.max_slots, self.pages_per_seq), np.int32)
         self._slots: list[_Request | None] = [None] * cfg.max_slots
@@ -311,6 +325,8 @@ class Engine:
                 context or the pool, a live id, stop strings without a tokenizer, or a source missing
                 (encoder_decoder) or given (decoder_only).
         """
+        if self.encoder_only:
+            raise EngineError("an encoder_only model generates nothing: use Engine.score")
         if not isinstance(params, SamplingParams):
             raise EngineError(f"params: a SamplingParams, got {type(params).__name__}")
         source = None
@@ -602,6 +618,54 @@ class Engine:
             self._keep[req.id] = Output(req.id, req.prompt, list(tokens), text, logprobs, reason)
 
     # ------------------------------------------------------------------------- batch jobs
+
+    def score(self, inputs: list[list[int]], kind: str, *, mask_id: int | None = None) -> list[list]:
+        """encoder_only: scores of whole inputs, `max_slots` rows at a time (widths rounded up to a
+        power of two, so a few compiled shapes serve every input).
+
+        Args:
+            inputs: token-id inputs (each at most the model's max_len).
+            kind: "classify" (log-probabilities of the classes; needs model.num_classes > 0), "fill" (the
+                input with each `mask_id` replaced by the masked-LM head's likeliest id) or "embed" (the
+                mean of the final hidden states over the input's positions).
+            mask_id: the mask token ("fill"; None: the tokenizer's).
+
+        Returns:
+            One list per input: C log-probabilities, the filled ids, or D floats.
+
+        Raises:
+            EngineError: not an encoder_only model, an unknown kind, no classes, no mask id, or a bad input.
+        """
+        if not self.encoder_only:
+            raise EngineError("score() needs an encoder_only model; this one generates (use generate)")
+        if kind not in ("classify", "fill", "embed"):
+            raise EngineError(f"kind must be 'classify', 'fill' or 'embed', got {kind!r}")
+        if kind == "classify" and self._num_classes == 0:
+            raise EngineError("kind='classify' needs a classification head (model.num_classes > 0)")
+        if (
+            kind == "fill"
+            and (mask_id := mask_id if mask_id is not None else getattr(self.tokenizer, "mask_id", None)) is None
+        ):
+            raise EngineError("kind='fill' needs a mask_id (the engine's tokenizer has none)")
+        rows = [self._check_ids(x, f"inputs[{i}]") for i, x in enumerate(inputs)]
+        for i, r in enumerate(rows):
+            if len(r) > self.max_context:
+                raise EngineError(f"inputs[{i}] has {len(r)} tokens; the model's max_len is {self.max_context}")
+        out, B = [], self.cfg.max_slots
+        for start in range(0, len(rows), B):
+            batch = rows[start : start + B]
+            width = min(max(8, 1 << (max(map(len, batch)) - 1).bit_length()), self.max_context)
+            ids = np.full((B, width), self.pad_id, np.int32)
+            lengths = np.ones(B, np.int32)
+            for i, r in enumerate(batch):
+                ids[i, : len(r)], lengths[i] = r, len(r)
+            got = np.asarray(_score(self._graphdef, self._params, ids, lengths, kind=kind))
+            for i, r in enumerate(batch):
+                if kind == "fill":
+                    out.append([int(p) if t == mask_id else t for t, p in zip(r, got[i], strict=False)])
+                else:
+                    out.append(got[i].tolist())
+        return out
 
     def generate(self, prompts, params, *, sources=None) -> list[Output]:
         """Run prompts to the end (with any requests already queued) and return their outputs.
