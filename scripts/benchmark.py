@@ -308,14 +308,14 @@ def serve_speed(args) -> None:
     per_seq = -(-(args.seq + max_new) // page)
     cfg = EngineConfig(
         page_size=page, num_pages=slots * per_seq + 1, max_slots=slots, prefill_chunk=args.serve_chunk,
-        prefix_sharing=False,
+        decode_steps=args.serve_steps, prefix_sharing=False,
     )  # fmt: skip
     engine = Engine(model, cfg, eos_id=None)
     params = [SamplingParams(max_tokens=o) for o in outs]
     settings = DecodeConfig(strategy="greedy", max_new_tokens=max_new)
     runs = {
         "static generate": lambda: generate(model, prompts, settings, eos_id=None),
-        f"engine ({slots} slots)": lambda: engine.generate(prompts, params),
+        f"engine ({slots} slots, {args.serve_steps} steps a call)": lambda: engine.generate(prompts, params),
     }
     mcfg = model.cfg
     kv_bytes = (
@@ -336,7 +336,7 @@ def serve_speed(args) -> None:
             times[name].append(time.perf_counter() - t)
     rate = {name: sum(outs) / statistics.median(ts) for name, ts in times.items()}
     for name, ts in times.items():
-        print(f"{name:24s} {statistics.median(ts):8.2f} s {rate[name]:9.0f} tokens/s")
+        print(f"{name:38s} {statistics.median(ts):8.2f} s {rate[name]:9.0f} tokens/s")
     static, paged = rate.values()
     print(f"engine / static: {paged / static:.2f}x tokens/s")
 
@@ -704,6 +704,7 @@ def main() -> None:
     p.add_argument("--serve-slots", type=int, default=32, help="serve: the engine's slots")
     p.add_argument("--serve-max-new", type=int, default=128, help="serve: the longest output")
     p.add_argument("--serve-chunk", type=int, default=64, help="serve: prefill chunk")
+    p.add_argument("--serve-steps", type=int, default=8, help="serve: the engine's decode steps a call")
     p.add_argument("--matmul-floor", action="store_true", help="the training step's matrix products timed alone")
     p.add_argument("--gpt2-vs-torch", action="store_true", help="GPT-2 shape in bf16 beside torch.compile (GPU)")
     p.add_argument("--batches", default="8,16", help="gpt2-vs-torch: batch sizes")

@@ -130,11 +130,13 @@ def test_continuous_batching_admits_and_retires(model, eos_id):
     assert len(set(finished_at.values())) > 2  # retired across many steps, not as one batch
 
 
-def test_preemption_keeps_outputs(model, eos_id):
+@pytest.mark.parametrize("decode_steps", [1, 3])
+def test_preemption_keeps_outputs(model, decode_steps):
     """A pool of 9 pages of 4 for 3 slots of up to 31 positions: requests are preempted (pages freed,
-    recomputed later) and the outputs still equal generate's."""
+    recomputed later) and the outputs still equal generate's, one decode step a call or three."""
     prompts, n = _prompts(), 12
-    engine = Engine(model, EngineConfig(page_size=4, num_pages=10, max_slots=3, prefill_chunk=8), eos_id=None)
+    cfg = EngineConfig(page_size=4, num_pages=10, max_slots=3, prefill_chunk=8, decode_steps=decode_steps)
+    engine = Engine(model, cfg, eos_id=None)
     outs = engine.generate(prompts, SamplingParams(max_tokens=n))
     assert engine.stats()["preempted"] > 0
     assert [o.token_ids for o in outs] == _reference(model, prompts, n, None)
@@ -178,12 +180,13 @@ def test_abort_frees_pages(model):
 
 def test_sampling_is_reproducible_and_independent_of_the_batch(model):
     """A seeded request draws the same tokens alone and among other requests (other seeds, settings
-    and lengths), and log-probabilities are those of the model's softmax (<= 0)."""
+    and lengths; three decode steps a call), and log-probabilities are those of the model's softmax (<= 0)."""
     p = SamplingParams(max_tokens=8, temperature=1.3, top_k=20, top_p=0.95, seed=7, logprobs=True)
     cfg = EngineConfig(page_size=4, num_pages=40, max_slots=4, prefill_chunk=8)
     alone = Engine(model, cfg, eos_id=None).generate([_prompts()[0]], p)[0]
     others = [SamplingParams(max_tokens=5, temperature=0.7, seed=s) for s in (1, 2)] + [SamplingParams(max_tokens=9)]
-    mixed = Engine(model, cfg, eos_id=None).generate([*_prompts()[1:4], _prompts()[0]], [*others, p])[-1]
+    three = dataclasses.replace(cfg, decode_steps=3)  # three decode steps a call: the same draws
+    mixed = Engine(model, three, eos_id=None).generate([*_prompts()[1:4], _prompts()[0]], [*others, p])[-1]
     assert mixed.token_ids == alone.token_ids and len(alone.token_ids) == 8
     np.testing.assert_allclose(mixed.logprobs, alone.logprobs, rtol=1e-4)  # other batch shapes: float32 rounding
     assert all(lp <= 0 for lp in alone.logprobs)
@@ -378,7 +381,7 @@ def test_the_paged_decode_step_compiles_for_a_tpu_slice():
         sampling = (*sampling, i32(slots), jax.ShapeDtypeStruct((slots,), np.float32))
         compiled = engine_module._forward.lower(
             graphdef, params, [{"k": pool, "v": pool}], i32(slots, 8), i32(slots, 1), i32(slots, 1),
-            jax.ShapeDtypeStruct((slots, 1), bool), i32(slots), sampling, None,
+            jax.ShapeDtypeStruct((slots, 1), bool), i32(slots), sampling, None, i32(slots), steps=1,
         ).compile()  # fmt: skip
     text = compiled.as_text()
     assert " gather(" in text and "tpu_custom_call" not in text

@@ -17,6 +17,7 @@ class EngineConfig:
         num_pages: pages of the pool (per layer, keys and values), page 0 scratch.
         max_slots: sequences decoded together (the decode step's batch); more requests wait.
         prefill_chunk: prompt tokens a slot prefills per step.
+        decode_steps: decode steps per call of the compiled step (the scheduler runs between calls).
         max_context: prompt + new tokens of one request; None: the model's max_len.
         prefix_sharing: share whole pages of a common prompt prefix between requests.
         seed: the sampling root of requests without a seed (folded with the request id).
@@ -27,13 +28,16 @@ class EngineConfig:
     max_slots: int = 8  # sequences decoded together (the decode step's batch); more requests wait
     prefill_chunk: int = 32  # prompt tokens a slot prefills per step, so a long prompt never stalls decoding
     max_context: int | None = None  # prompt + new tokens of one request; None: the model's max_len
+    # Decode steps per call of the compiled step (vLLM's multi-step scheduling): the scheduler runs between
+    # calls, so more steps cost fewer returns to Python; a request that ends mid-call wastes the rest.
+    decode_steps: int = 1
     prefix_sharing: bool = True  # requests sharing whole pages of prompt share those pages (copy-on-write)
     seed: int = 0  # root key of the sampling of requests that bring no seed (folded with the request id)
 
     def __post_init__(self):
         p = "engine"
         check_field_types(self, p)
-        for name in ("page_size", "max_slots", "prefill_chunk"):
+        for name in ("page_size", "max_slots", "prefill_chunk", "decode_steps"):
             require(getattr(self, name) >= 1, f"{p}.{name}", f"must be >= 1, got {getattr(self, name)}")
         require(self.num_pages >= 2, f"{p}.num_pages", f"must be >= 2 (page 0 is scratch), got {self.num_pages}")
         require(

@@ -60,25 +60,45 @@ class _Request:
 _TRACES = collections.Counter()  # compilations of the engine's step, by (rows, width): tests count them
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
-def _forward(graphdef, params, pools, table_BP, ids_BT, positions_BT, valid_BT, last_B, sampling, source):
-    """One paged step and the next token of each row (from its last valid position `last_B`); `source`:
-    None, or (per layer the slots' cross-attention keys and values, the slots' source lengths, each
-    row's slot)."""
-    _TRACES[ids_BT.shape] += 1
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames=("pools",))
+def _forward(
+    graphdef, params, pools, table_BP, ids_BT, positions_BT, valid_BT, last_B, sampling, source, steps_B, *, steps
+):
+    """One paged step and the next token of each row (from its last valid position `last_B`), then (decode,
+    T = 1) `steps` - 1 more, each feeding the token just drawn, row b running `steps_B[b]` in all; `source`:
+    None, or (per layer the slots' cross-attention keys and values, the slots' source lengths, each row's
+    slot). Returns tokens and log-probabilities [B, steps] and the pools."""
+    _TRACES[ids_BT.shape if steps == 1 else (*ids_BT.shape, steps)] += 1
     model = nnx.merge(graphdef, params)
     memory, src_lengths_B = None, None
     if source is not None:
         memory_slots, src_lengths_slots, slots_B = source
         memory = jax.tree.map(lambda m: jnp.take(m, slots_B, axis=0), memory_slots)
         src_lengths_B = jnp.take(src_lengths_slots, slots_B, axis=0)
-    logits_BTV, pools = paged.paged_step(model, pools, table_BP, ids_BT, positions_BT, valid_BT, memory, src_lengths_B)
-    logits_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
     seeds_B, temperature_B, top_k_B, top_p_B = sampling
-    positions_B = jnp.take_along_axis(positions_BT, last_B[:, None], axis=1)[:, 0] + 1  # the drawn token's
-    keys_B = paged.request_keys(seeds_B, positions_B)
-    tokens_B, logp_B = paged.choose_rows(logits_BV, keys_B, temperature_B, top_k_B, top_p_B)
-    return tokens_B, logp_B, pools
+
+    def one(pools, ids_BT, positions_BT, valid_BT, last_B):
+        logits_BTV, pools = paged.paged_step(
+            model, pools, table_BP, ids_BT, positions_BT, valid_BT, memory, src_lengths_B
+        )
+        logits_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
+        positions_B = jnp.take_along_axis(positions_BT, last_B[:, None], axis=1)[:, 0] + 1  # the drawn token's
+        keys_B = paged.request_keys(seeds_B, positions_B)
+        tokens_B, logp_B = paged.choose_rows(logits_BV, keys_B, temperature_B, top_k_B, top_p_B)
+        return tokens_B, logp_B, pools
+
+    tokens_B, logp_B, pools = one(pools, ids_BT, positions_BT, valid_BT, last_B)
+    tokens_BN = jnp.zeros((ids_BT.shape[0], steps), jnp.int32).at[:, 0].set(tokens_B)
+    logp_BN = jnp.zeros((ids_BT.shape[0], steps), jnp.float32).at[:, 0].set(logp_B)
+
+    def body(i, carry):  # decoding: the token drawn at step i - 1 goes in at the next position
+        tokens_BN, logp_BN, pools = carry
+        valid_B1 = valid_BT & (i < steps_B)[:, None]
+        previous_B1 = jax.lax.dynamic_slice_in_dim(tokens_BN, i - 1, 1, axis=1)
+        t_B, l_B, pools = one(pools, previous_B1, positions_BT + i, valid_B1, jnp.zeros_like(last_B))
+        return tokens_BN.at[:, i].set(t_B), logp_BN.at[:, i].set(l_B), pools
+
+    return jax.lax.fori_loop(1, steps, body, (tokens_BN, logp_BN, pools)) if steps > 1 else (tokens_BN, logp_BN, pools)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("memory",))
@@ -435,6 +455,8 @@ class Engine:
             if req.slot is None:  # preempted by an earlier one's reservation
                 continue
             n = min(width, len(req.tokens) - req.computed)
+            if width == 1:  # decode: up to decode_steps tokens, no more than the request may still take
+                n = min(self.cfg.decode_steps, req.params.max_tokens - len(req.out))
             if self._reserve(req, req.computed + n):
                 spans[req] = n
         reqs = [r for r in spans if r.slot is not None]
@@ -453,6 +475,7 @@ class Engine:
         valid = np.zeros((R, width), bool)
         last = np.zeros(R, np.int32)
         table = np.zeros((R, self.pages_per_seq), np.int32)
+        steps = np.zeros(R, np.int32)
         seeds, temps, top_k, top_p = (
             np.zeros(R, np.uint32),
             np.zeros(R, np.float32),
@@ -461,10 +484,13 @@ class Engine:
         )
         for req, i in row_of.items():
             n, start = spans[req], req.computed
-            ids[i, :n] = req.tokens[start : start + n]
-            positions[i] = start + np.arange(width)
-            valid[i, :n] = True
-            last[i] = n - 1
+            if width == 1:
+                ids[i, 0], positions[i, 0], valid[i, 0], steps[i] = req.tokens[start], start, True, n
+            else:
+                ids[i, :n] = req.tokens[start : start + n]
+                positions[i] = start + np.arange(width)
+                valid[i, :n] = True
+                last[i] = n - 1
             table[i] = self._table[req.slot]
             p = req.params
             seeds[i], temps[i], top_k[i], top_p[i] = req.seed, p.temperature, p.top_k, p.top_p
@@ -472,14 +498,20 @@ class Engine:
         source = None if self._memory is None else (self._memory, self._src_lengths, slots)
         tokens, logp, self._pools = _forward(
             self._graphdef, self._params, self._pools, table, ids, positions, valid, last,
-            (seeds, temps, top_k, top_p), source,
+            (seeds, temps, top_k, top_p), source, steps, steps=self.cfg.decode_steps if width == 1 else 1,
         )  # fmt: skip
         tokens, logp = np.asarray(tokens), np.asarray(logp)
         for req, i in row_of.items():
-            req.computed += spans[req]
-            self._register(req)
-            if req.computed == len(req.tokens):  # its last known token ran: a new one
-                self._accept(req, int(tokens[i]), float(logp[i]), events)
+            if width > 1:  # a prefill chunk
+                req.computed += spans[req]
+                self._register(req)
+                if req.computed == len(req.tokens):  # its last known token ran: a new one
+                    self._accept(req, int(tokens[i, 0]), float(logp[i, 0]), events)
+                continue
+            for j in range(spans[req]):  # decode: each token fed in gave the next, until the request ends
+                req.computed += 1
+                if self._accept(req, int(tokens[i, j]), float(logp[i, j]), events):
+                    break
 
     def _register(self, req: _Request) -> None:
         """Enter the prompt pages now computed into the prefix cache."""
@@ -488,19 +520,21 @@ class Engine:
             self._alloc.register(req.pages[i], req.hashes[i])
         req.registered = max(req.registered, done)
 
-    def _accept(self, req: _Request, token: int, logp: float, events: list[Event]) -> None:
+    def _accept(self, req: _Request, token: int, logp: float, events: list[Event]) -> bool:
+        """Take a new token of `req` (its EOS, a stop string or its length may end it); True if it ended."""
         p = req.params
         lp = [logp] if p.logprobs else None
         if token == self.eos_id:
-            return self._finish(req, "stop", [], events, lp_new=None)
+            return self._finish(req, "stop", [], events, lp_new=None) or True
         req.out.append(token)
         if p.logprobs:
             req.logprobs.append(logp)
         if p.stop and self._stop_at(req) is not None:
-            return self._finish(req, "stop", [token], events, lp_new=lp)
+            return self._finish(req, "stop", [token], events, lp_new=lp) or True
         if len(req.out) >= p.max_tokens or len(req.tokens) >= self.max_context:
-            return self._finish(req, "length", [token], events, lp_new=lp)
+            return self._finish(req, "length", [token], events, lp_new=lp) or True
         events.append(Event(req.id, [token], lp, False, None))
+        return False
 
     def _stop_at(self, req: _Request) -> int | None:
         text = self.tokenizer.decode(req.out)
