@@ -4,6 +4,7 @@ and decoding speed with and without the KV cache.
     python scripts/benchmark.py                       # CPU-sized defaults, all three modes
     python scripts/benchmark.py --d-model 1024 --layers 12 --batch 64 --seq 1024 --dtype bfloat16   # accelerator
     python scripts/benchmark.py --decode              # greedy and beam 4, batch 1 and 8, 64/256/1024 tokens
+    python scripts/benchmark.py --serve --modes decoder_only   # the engine vs static generate, 32 mixed requests
     python scripts/benchmark.py --compare             # side by side with Hugging Face Flax and PyTorch (bench extra)
     python scripts/benchmark.py --lora 16 --modes decoder_only --d-model 512 --heads 8 --layers 6 --seq 256 --batch 8
                                                       # full fine-tuning vs LoRA rank 16 on q,k,v,o, interleaved
@@ -284,6 +285,60 @@ def decode_speed(args) -> None:
         if not use_cache:
             speedup = t / per_token[mode, strategy, B, N, True]
             print(f"{mode} {strategy} B={B}: the cache is {speedup:.1f}x faster than recomputation at {N} tokens")
+
+
+def serve_speed(args) -> None:
+    """Throughput of the engine (continuous batching over a paged KV cache, `--serve-slots` slots)
+    against the static `generate` path (one batch of every request, padded to the longest prompt, run
+    to the longest output) on the same decoder_only model: `--serve-requests` requests at once, prompts
+    of 8 to `--seq` tokens and outputs of 8 to `--serve-max-new`, EOS never stopping a row (random
+    weights). Tokens/s counts each request's own new tokens only; interleaved rounds, the median."""
+    from jaxformer.config import DecodeConfig, EngineConfig
+    from jaxformer.decode import generate
+    from jaxformer.engine import Engine, SamplingParams
+    from jaxformer.models import build_model
+
+    n, max_new, slots = args.serve_requests, args.serve_max_new, args.serve_slots
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(4, args.vocab, int(p)).tolist() for p in rng.integers(8, args.seq + 1, n)]
+    outs = [int(o) for o in rng.integers(8, max_new + 1, n)]
+    width = 1 << (args.seq - 1).bit_length()  # generate pads prompts to a power of two
+    model = build_model(model_config("decoder_only", args, max_len=width + max_new, dropout_rate=0.0))
+    page = 16
+    per_seq = -(-(args.seq + max_new) // page)
+    cfg = EngineConfig(
+        page_size=page, num_pages=slots * per_seq + 1, max_slots=slots, prefill_chunk=args.serve_chunk,
+        decode_steps=args.serve_steps, prefix_sharing=False,
+    )  # fmt: skip
+    engine = Engine(model, cfg, eos_id=None)
+    params = [SamplingParams(max_tokens=o) for o in outs]
+    settings = DecodeConfig(strategy="greedy", max_new_tokens=max_new)
+    runs = {
+        "static generate": lambda: generate(model, prompts, settings, eos_id=None),
+        f"engine ({slots} slots, {args.serve_steps} steps a call)": lambda: engine.generate(prompts, params),
+    }
+    mcfg = model.cfg
+    kv_bytes = (
+        2 * mcfg.num_decoder_layers * mcfg.kv_heads * mcfg.dim_per_head * np.dtype(jnp.dtype(args.dtype)).itemsize
+    )
+    print(
+        f"serve: D={args.d_model} H={args.heads} L={args.layers} V={args.vocab} dtype={args.dtype}; {n} requests, "
+        f"prompts 8-{args.seq}, outputs 8-{max_new} ({sum(outs)} new tokens in all); page {page}, "
+        f"chunk {args.serve_chunk}; the paged cache holds {kv_bytes} bytes per token"
+    )
+    for fn in runs.values():
+        fn()  # compiles
+    times = {name: [] for name in runs}
+    for _ in range(args.rounds):
+        for name, fn in runs.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    rate = {name: sum(outs) / statistics.median(ts) for name, ts in times.items()}
+    for name, ts in times.items():
+        print(f"{name:38s} {statistics.median(ts):8.2f} s {rate[name]:9.0f} tokens/s")
+    static, paged = rate.values()
+    print(f"engine / static: {paged / static:.2f}x tokens/s")
 
 
 PEER_ARCH = {  # jaxformer set up as each peer's architecture: same shapes, norms, positions, activation
@@ -644,6 +699,12 @@ def main() -> None:
     p.add_argument("--recompute-batches", default="1", help="batch sizes also run without the cache (slow)")
     p.add_argument("--repeats", type=int, default=3, help="decode: timed runs per setting (fewer past 20 s)")
     p.add_argument("--compare", action="store_true", help="side by side with Hugging Face Flax and PyTorch")
+    p.add_argument("--serve", action="store_true", help="the engine vs static generate on mixed requests")
+    p.add_argument("--serve-requests", type=int, default=32, help="serve: requests at once")
+    p.add_argument("--serve-slots", type=int, default=32, help="serve: the engine's slots")
+    p.add_argument("--serve-max-new", type=int, default=128, help="serve: the longest output")
+    p.add_argument("--serve-chunk", type=int, default=64, help="serve: prefill chunk")
+    p.add_argument("--serve-steps", type=int, default=8, help="serve: the engine's decode steps a call")
     p.add_argument("--matmul-floor", action="store_true", help="the training step's matrix products timed alone")
     p.add_argument("--gpt2-vs-torch", action="store_true", help="GPT-2 shape in bf16 beside torch.compile (GPU)")
     p.add_argument("--batches", default="8,16", help="gpt2-vs-torch: batch sizes")
@@ -666,6 +727,9 @@ def main() -> None:
         return
     if args.decode:
         decode_speed(args)
+        return
+    if args.serve:
+        serve_speed(args)
         return
     if args.lora:
         lora_vs_full(args)

@@ -1,0 +1,14 @@
+"""The inference engine: a paged KV cache, continuous batching and prefix sharing, for serving a
+model (`jaxformer.serve` puts it behind HTTP) and for batch jobs from Python (`Engine.generate`).
+
+- `paged`: the pure maths (pages gathered into a view, new keys and values written into pages, the
+  model's step over pages, per-row sampling)
+- `pages`: the page allocator (reference counts, the prefix cache of chained page hashes)
+- `requests`: what a request is and gets back (SamplingParams, Event, Output, EngineError)
+- `engine`: the scheduler (Engine)
+"""
+
+from jaxformer.engine.engine import Engine
+from jaxformer.engine.requests import EngineError, Event, Output, SamplingParams
+
+__all__ = ["Engine", "EngineError", "Event", "Output", "SamplingParams"]

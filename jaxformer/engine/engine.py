@@ -1,0 +1,644 @@
+"""`Engine`: continuous batching over a paged KV cache, for serving and batch jobs.
+
+A scheduler in plain Python (outside jit) runs each `step`: it admits waiting requests into free slots
+(sharing the pages of a prompt prefix already in the pool), runs one chunk of prefill for every slot
+still reading its prompt (`prefill_chunk` tokens each, so a long prompt never stalls the others), then
+one decode step for every slot that is generating, and retires requests at EOS, a stop string or
+`max_tokens`. Shapes are static: one compiled decode step [max_slots, 1] serves every mix of requests
+(each row's sampling settings are arrays), and prefill runs [R, prefill_chunk] with R a power of two up
+to `max_slots`. When the pool runs out of pages, the latest admitted request is preempted (its pages
+freed, it waits to be recomputed, prompt and tokens so far); its tokens do not change, since a row draws
+with a key from its request's seed and the token's position.
+
+An encoder_decoder model's request brings its source: encoded once when it takes a slot, each decoder
+layer's cross-attention keys and values of it stay in the slot until it leaves. An encoder_only model
+generates nothing: `Engine.score` classifies, fills masks or embeds whole inputs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import pathlib
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxformer.config import EngineConfig
+from jaxformer.engine import paged
+from jaxformer.engine.pages import PageAllocator, page_hashes
+from jaxformer.engine.requests import EngineError, Event, Output, SamplingParams
+from jaxformer.sharding import constrain
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    order: int  # admission order: the latest admitted is preempted first
+    out: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    pages: list[int] = dataclasses.field(default_factory=list)
+    computed: int = 0  # positions whose keys and values are in its pages
+    registered: int = 0  # full prompt pages entered in the prefix cache
+    hashes: list[int] = dataclasses.field(default_factory=list)
+    source: list[int] | None = None  # encoder_decoder: the source, encoded when the request takes a slot
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.out
+
+
+_TRACES = collections.Counter()  # compilations of the engine's step, by (rows, width): tests count them
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames=("pools",))
+def _forward(
+    graphdef, params, pools, table_BP, ids_BT, positions_BT, valid_BT, last_B, sampling, source, steps_B, *, steps
+):
+    """One paged step and the next token of each row (from its last valid position `last_B`), then (decode,
+    T = 1) `steps` - 1 more, each feeding the token just drawn, row b running `steps_B[b]` in all; `source`:
+    None, or (per layer the slots' cross-attention keys and values, the slots' source lengths, each row's
+    slot). Returns tokens and log-probabilities [B, steps] and the pools."""
+    _TRACES[ids_BT.shape if steps == 1 else (*ids_BT.shape, steps)] += 1
+    model = nnx.merge(graphdef, params)
+    memory, src_lengths_B = None, None
+    if source is not None:
+        memory_slots, src_lengths_slots, slots_B = source
+        memory = jax.tree.map(lambda m: jnp.take(m, slots_B, axis=0), memory_slots)
+        src_lengths_B = jnp.take(src_lengths_slots, slots_B, axis=0)
+    seeds_B, temperature_B, top_k_B, top_p_B = sampling
+
+    def one(pools, ids_BT, positions_BT, valid_BT, last_B):
+        logits_BTV, pools = paged.paged_step(
+            model, pools, table_BP, ids_BT, positions_BT, valid_BT, memory, src_lengths_B
+        )
+        logits_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
+        positions_B = jnp.take_along_axis(positions_BT, last_B[:, None], axis=1)[:, 0] + 1  # the drawn token's
+        keys_B = paged.request_keys(seeds_B, positions_B)
+        tokens_B, logp_B = paged.choose_rows(logits_BV, keys_B, temperature_B, top_k_B, top_p_B)
+        return tokens_B, logp_B, pools
+
+    tokens_B, logp_B, pools = one(pools, ids_BT, positions_BT, valid_BT, last_B)
+    tokens_BN = jnp.zeros((ids_BT.shape[0], steps), jnp.int32).at[:, 0].set(tokens_B)
+    logp_BN = jnp.zeros((ids_BT.shape[0], steps), jnp.float32).at[:, 0].set(logp_B)
+
+    def body(i, carry):  # decoding: the token drawn at step i - 1 goes in at the next position
+        tokens_BN, logp_BN, pools = carry
+        valid_B1 = valid_BT & (i < steps_B)[:, None]
+        previous_B1 = jax.lax.dynamic_slice_in_dim(tokens_BN, i - 1, 1, axis=1)
+        t_B, l_B, pools = one(pools, previous_B1, positions_BT + i, valid_B1, jnp.zeros_like(last_B))
+        return tokens_BN.at[:, i].set(t_B), logp_BN.at[:, i].set(l_B), pools
+
+    return jax.lax.fori_loop(1, steps, body, (tokens_BN, logp_BN, pools)) if steps > 1 else (tokens_BN, logp_BN, pools)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("memory",))
+def _encode_into(graphdef, params, memory, src_1S, src_lengths_1, slot):
+    """Encode one source and write each decoder layer's cross-attention keys and values of it into `slot`."""
+    model = nnx.merge(graphdef, params)
+    memory_1SD = model.encode(src_1S, src_lengths=src_lengths_1)
+    layers = model.init_cache(1, 1, memory_1SD, src_lengths=src_lengths_1)["layers"]
+    write = lambda m, c: {n: m[n].at[slot].set(c["memory"][n][0].astype(m[n].dtype)) for n in "kv"}
+    return [write(m, c) for m, c in zip(memory, layers, strict=True)]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "kind"))
+def _score(graphdef, params, ids_BS, lengths_B, *, kind):
+    """encoder_only: class log-probabilities [B, C], masked-LM argmax ids [B, S], or mean states [B, D]."""
+    model = nnx.merge(graphdef, params)
+    if kind == "classify":
+        return jax.nn.log_softmax(model.classify(ids_BS, src_lengths=lengths_B).astype(jnp.float32))
+    h_BSD = model.hidden(ids_BS, lengths=lengths_B)
+    if kind == "fill":
+        return jnp.argmax(model.head(h_BSD), axis=-1)
+    valid_BS1 = (jnp.arange(ids_BS.shape[1])[None, :] < lengths_B[:, None])[..., None]
+    return jnp.sum(jnp.where(valid_BS1, h_BSD.astype(jnp.float32), 0.0), axis=1) / lengths_B[:, None]
+
+
+@functools.partial(jax.jit, donate_argnames=("pools",))
+def _copy_page(pools, src, dst):
+    """Copy-on-write: page `dst` of every pool takes page `src`'s contents."""
+    return [{n: pool[n].at[dst].set(pool[n][src]) for n in "kv"} for pool in pools]
+
+
+class Engine:
+    """Continuous batching over a paged KV cache (see the module's docstring).
+
+    Not thread-safe: one thread owns it (a server calls `step` in a loop, fed by a queue).
+
+    Args:
+        model (Transformer): a model of any mode (LoRA adapters are merged, scanned stacks unrolled);
+            encoder_only serves `score` only.
+        cfg (EngineConfig): the pool and the scheduler.
+        tokenizer (Tokenizer | None): detokenizes outputs and matches stop strings; None: ids only.
+        eos_id: the end-of-sequence id (finish_reason "stop"; never in an output's token_ids).
+        bos_id: the beginning-of-sequence id, or None.
+
+    Raises:
+        EngineError: a model the engine does not serve, or a context the model cannot hold.
+    """
+
+    def __init__(
+        self, model, cfg: EngineConfig | None = None, *, tokenizer=None, eos_id: int, bos_id: int | None = None
+    ):
+        from jaxformer.decode import decodable
+        from jaxformer.layers import without_id_checks
+
+        cfg = EngineConfig() if cfg is None else cfg
+        if not isinstance(cfg, EngineConfig):
+            raise TypeError(f"cfg: a jaxformer.config.EngineConfig, got {type(cfg).__name__}")
+        mcfg = model.cfg
+        if cfg.max_context is not None and cfg.max_context > mcfg.max_len:
+            raise EngineError(f"engine.max_context={cfg.max_context} exceeds the model's max_len={mcfg.max_len}")
+        for name, value in (("eos_id", eos_id), ("bos_id", bos_id)):
+            if value is not None and not (isinstance(value, int) and 0 <= value < mcfg.vocab_size):
+                raise EngineError(f"{name}={value!r} is not an id of the vocabulary [0, {mcfg.vocab_size})")
+        self.cfg, self.tokenizer, self.eos_id, self.bos_id = cfg, tokenizer, eos_id, bos_id
+        self.chat_template: str | None = None
+        self.vocab_size = mcfg.vocab_size
+        self.max_context = cfg.max_context or mcfg.max_len
+        self.pages_per_seq = -(-self.max_context // cfg.page_size)
+        own = nnx.merge(*nnx.split(model))  # new modules over the same arrays: the caller's keep their id checks
+        self._graphdef, self._params = nnx.split(decodable(without_id_checks(own)))
+        G, K = mcfg.kv_heads, mcfg.dim_per_head
+        shape = (cfg.num_pages, cfg.page_size, G, K)
+        zeros = jax.jit(lambda: constrain(jnp.zeros(shape, mcfg.dtype), paged.PAGES))
+        self.encoder_only = mcfg.mode == "encoder_only"  # scores only (`score`): no cache, no decoding
+        self._pools = [{"k": zeros(), "v": zeros()} for _ in range(mcfg.num_decoder_layers)]
+        self.encoder_decoder = mcfg.mode == "encoder_decoder"
+        self._memory, self._src_lengths = None, np.zeros(cfg.max_slots, np.int32)
+        if self.encoder_decoder:  # each slot's source, as cross-attention keys and values [slots, G, S, K]
+            mem = jax.jit(lambda: jnp.zeros((cfg.max_slots, G, mcfg.max_len, K), mcfg.dtype))
+            self._memory = [{"k": mem(), "v": mem()} for _ in range(mcfg.num_decoder_layers)]
+        self.pad_id = mcfg.pad_id
+        self._num_classes = mcfg.num_classes
+        self._alloc = PageAllocator(cfg.num_pages)
+        self._table = np.zeros((cfg.max_slots, self.pages_per_seq), np.int32)
+        self._slots: list[_Request | None] = [None] * cfg.max_slots
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._live: dict[str, _Request] = {}
+        self._pending: list[Event] = []  # aborts, reported at the next step
+        self._keep: dict[str, Output | None] = {}  # outputs `generate` collects
+        self._ids = itertools.count()
+        self._order = itertools.count()
+        self.num_preempted = 0
+        self.prefix_hits = 0  # prompt pages found in the pool rather than computed
+
+    @classmethod
+    def from_workdir(cls, workdir, cfg: EngineConfig | None = None) -> Engine:
+        """An engine over a training workdir's latest checkpoint (or an exported directory): its model,
+        tokenizer (EOS, BOS) and the chat template of its data (`data.template`), if any.
+
+        Args:
+            workdir (str | pathlib.Path): a training workdir or a directory `jaxformer export` wrote.
+            cfg: the engine's settings (None: the defaults).
+
+        Returns:
+            The engine.
+
+        Raises:
+            FileNotFoundError: no config.json or no checkpoint there.
+        """
+        from jaxformer.checkpoint import load_model, restore_workdir
+        from jaxformer.config import read_config
+        from jaxformer.data import load_tokenizer
+
+        workdir = pathlib.Path(workdir)
+        if not (workdir / "config.json").is_file():
+            raise FileNotFoundError(f"{workdir / 'config.json'} does not exist: is {workdir} a workdir?")
+        run = read_config(workdir / "config.json")
+        if (workdir / "checkpoints").is_dir():
+            graphdef, state, _ = restore_workdir(run, workdir)
+            model = nnx.merge(graphdef, state.weights)
+        else:
+            model = load_model(workdir)
+        tok = load_tokenizer(run, workdir)
+        engine = cls(model, cfg, tokenizer=tok, eos_id=tok.eos_id, bos_id=getattr(tok, "bos_id", None))
+        engine.chat_template = None if run.data.template == "none" else run.data.template
+        return engine
+
+    # ------------------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        source_ids: list[int] | None = None,
+    ) -> str:
+        """Queue a request; it is admitted at a coming `step`.
+
+        Args:
+            prompt_ids: the prompt's token ids.
+            params: how to decode it.
+            request_id: its id (None: one is made).
+            source_ids: an encoder_decoder model's source (its prompt then may be empty: BOS).
+
+        Returns:
+            The request id.
+
+        Raises:
+            EngineError: an empty prompt, ids outside the vocabulary, a prompt and max_tokens over the
+                context or the pool, a live id, stop strings without a tokenizer, or a source missing
+                (encoder_decoder) or given (decoder_only).
+        """
+        if self.encoder_only:
+            raise EngineError("an encoder_only model generates nothing: use Engine.score")
+        if not isinstance(params, SamplingParams):
+            raise EngineError(f"params: a SamplingParams, got {type(params).__name__}")
+        source = None
+        if self.encoder_decoder:
+            if source_ids is None:
+                raise EngineError("source_ids: an encoder_decoder model needs a source")
+            source = self._check_ids(source_ids, "source_ids")
+            if len(source) > (S := self._memory[0]["k"].shape[2]):
+                raise EngineError(f"source_ids has {len(source)} tokens; the model's max_len is {S}")
+            if len(prompt_ids) == 0 and self.bos_id is None:
+                raise EngineError("prompt_ids is empty and the engine has no bos_id to start the output with")
+            prompt_ids = prompt_ids if len(prompt_ids) else [self.bos_id]
+        elif source_ids is not None:
+            raise EngineError("source_ids: a decoder_only model has no encoder; give the prompt only")
+        prompt = self._check_ids(prompt_ids)
+        need = len(prompt) + params.max_tokens
+        if need > self.max_context:
+            raise EngineError(
+                f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} = {need} exceeds the context of "
+                f"{self.max_context} positions"
+            )
+        if -(-need // self.cfg.page_size) > self.cfg.num_pages - 1:
+            raise EngineError(
+                f"prompt + max_tokens = {need} positions need {-(-need // self.cfg.page_size)} pages; the pool has "
+                f"{self.cfg.num_pages - 1} (engine.num_pages={self.cfg.num_pages}, one scratch)"
+            )
+        if params.stop and self.tokenizer is None:
+            raise EngineError("stop strings need a tokenizer (the engine has none)")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if not isinstance(request_id, str) or request_id in self._live:
+            raise EngineError(f"request_id {request_id!r} is not a string or is already live")
+        seed = params.seed
+        if seed is None:
+            seed = zlib.crc32(f"{self.cfg.seed}/{request_id}".encode())
+        req = _Request(request_id, prompt, params, seed, order=0, source=source)
+        root = None if source is None else hash(("source", tuple(source)))  # its keys depend on the source
+        req.hashes = page_hashes(prompt, self.cfg.page_size, root) if self.cfg.prefix_sharing else []
+        self._live[request_id] = req
+        self._waiting.append(req)
+        return request_id
+
+    def _check_ids(self, ids, what: str = "prompt_ids") -> list[int]:
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+            raise EngineError(f"{what}: a list of token ids, got {type(ids).__name__}")
+        if len(ids) == 0:
+            raise EngineError(f"{what} is empty: at least one token is needed")
+        out = []
+        for i, t in enumerate(ids):
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise EngineError(f"{what}[{i}] = {t!r} is not an integer token id")
+            if not 0 <= t < self.vocab_size:
+                raise EngineError(f"{what}[{i}] = {int(t)} is outside the vocabulary [0, {self.vocab_size})")
+            out.append(int(t))
+        return out
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its pages; its next Event has finish_reason "abort" (unknown or finished
+        ids: nothing happens, as a client may leave after its request ended).
+
+        Args:
+            request_id: the request.
+        """
+        req = self._live.get(request_id)
+        if req is None:
+            return
+        if req in self._waiting:
+            self._waiting.remove(req)
+        self._finish(req, "abort", [], self._pending)
+
+    def has_unfinished(self) -> bool:
+        """Whether a request waits or runs (or an abort is yet to be reported).
+
+        Returns:
+            True while `step` has work.
+        """
+        return bool(self._live) or bool(self._pending)
+
+    def stats(self) -> dict:
+        """The pool and the queue, now.
+
+        Returns:
+            {"pages_total", "pages_free", "pages_cached", "running", "waiting", "preempted", "prefix_hits"}:
+            pages_total excludes the scratch page; pages_cached are free pages still holding a prefix.
+        """
+        cached = sum(1 for p in self._alloc.free if p in self._alloc.hash_of)
+        return {
+            "pages_total": self.cfg.num_pages - 1,
+            "pages_free": self._alloc.num_free(),
+            "pages_cached": cached,
+            "running": sum(r is not None for r in self._slots),
+            "waiting": len(self._waiting),
+            "preempted": self.num_preempted,
+            "prefix_hits": self.prefix_hits,
+        }
+
+    # ------------------------------------------------------------------------- scheduling
+
+    def step(self) -> list[Event]:
+        """One scheduler iteration: admit, one prefill chunk per prefilling slot, one decode step.
+
+        Returns:
+            The events of this step (aborts since the last step included).
+        """
+        events, self._pending = self._pending, []
+        self._admit()
+        prefilling = [r for r in self._slots if r is not None and len(r.tokens) - r.computed > 1]
+        if prefilling:
+            self._run(prefilling, self.cfg.prefill_chunk, events)
+        decoding = [r for r in self._slots if r is not None and r not in prefilling and len(r.tokens) - r.computed == 1]
+        if decoding:
+            self._run(decoding, 1, events)
+        return events
+
+    def _admit(self) -> None:
+        while self._waiting and None in self._slots:
+            req = self._waiting[0]
+            shared = self._shared_prefix(req)
+            fresh = -(
+                -min(len(req.tokens), len(shared) * self.cfg.page_size + self.cfg.prefill_chunk) // self.cfg.page_size
+            )
+            if fresh - len(shared) > self._alloc.num_free():
+                return  # it waits for pages; running requests are not preempted to admit one
+            self._waiting.popleft()
+            for page in shared:
+                self._alloc.share(page)
+            self.prefix_hits += len(shared)
+            req.pages, req.registered = shared, len(shared)
+            # A prompt found whole still computes its last token (its logits give the first new one).
+            req.computed = min(len(shared) * self.cfg.page_size, len(req.tokens) - 1)
+            req.slot, req.order = self._slots.index(None), next(self._order)
+            self._slots[req.slot] = req
+            self._sync_table(req)
+            if req.source is not None:
+                self._encode(req)
+
+    def _encode(self, req: _Request) -> None:
+        S = self._memory[0]["k"].shape[2]
+        src = np.full((1, S), self.pad_id, np.int32)
+        src[0, : len(req.source)] = req.source
+        lengths = np.asarray([len(req.source)], np.int32)
+        self._memory = _encode_into(self._graphdef, self._params, self._memory, src, lengths, req.slot)
+        self._src_lengths[req.slot] = len(req.source)
+
+    def _shared_prefix(self, req: _Request) -> list[int]:
+        pages = []
+        for h in req.hashes:
+            if (page := self._alloc.lookup(h)) is None:
+                break
+            pages.append(page)
+        return pages
+
+    def _sync_table(self, req: _Request) -> None:
+        row = self._table[req.slot]
+        row[:] = 0
+        row[: len(req.pages)] = req.pages
+
+    def _reserve(self, req: _Request, upto: int) -> bool:
+        """Pages for positions [computed, upto) of `req`, a shared one copied before it is written;
+        False when the pool cannot give them even after preempting later requests."""
+        size = self.cfg.page_size
+        first, last = req.computed // size, (upto - 1) // size
+        needed = sum(1 for i in range(first, last + 1) if i >= len(req.pages) or self._alloc.refs[req.pages[i]] > 1)
+        while self._alloc.num_free() < needed:  # the latest admitted goes, `req` itself if it is the latest
+            victim = max((r for r in self._slots if r is not None), key=lambda r: r.order)
+            self._preempt(victim)
+            if victim is req:
+                return False
+        for i in range(first, last + 1):
+            if i >= len(req.pages):
+                req.pages.append(self._alloc.allocate())
+            elif self._alloc.refs[req.pages[i]] > 1:  # copy-on-write
+                page = self._alloc.allocate()
+                self._pools = _copy_page(self._pools, req.pages[i], page)
+                self._alloc.release(req.pages[i])
+                req.pages[i] = page
+        self._sync_table(req)
+        return True
+
+    def _preempt(self, req: _Request) -> None:
+        self._release(req)
+        req.computed = req.registered = 0
+        self.num_preempted += 1
+        self._waiting.appendleft(req)  # recomputed first, prompt and tokens so far
+
+    def _release(self, req: _Request) -> None:
+        for page in req.pages:
+            self._alloc.release(page)
+        req.pages = []
+        if req.slot is not None:
+            self._slots[req.slot] = None
+            self._table[req.slot] = 0
+            req.slot = None
+
+    def _run(self, reqs: list[_Request], width: int, events: list[Event]) -> None:
+        """One compiled step over `reqs`: the next `width` (at most) uncomputed tokens of each."""
+        spans = {}
+        for req in sorted(reqs, key=lambda r: r.order):
+            if req.slot is None:  # preempted by an earlier one's reservation
+                continue
+            n = min(width, len(req.tokens) - req.computed)
+            if width == 1:  # decode: up to decode_steps tokens, no more than the request may still take
+                n = min(self.cfg.decode_steps, req.params.max_tokens - len(req.out))
+            if self._reserve(req, req.computed + n):
+                spans[req] = n
+        reqs = [r for r in spans if r.slot is not None]
+        if not reqs:
+            return
+        if width == 1:  # decode: every slot a row, one compiled shape
+            rows = list(range(self.cfg.max_slots))
+            row_of = {r: r.slot for r in reqs}
+        else:  # prefill: a power of two of rows
+            R = min(1 << (len(reqs) - 1).bit_length(), self.cfg.max_slots)
+            rows = [r.slot for r in reqs] + [None] * (R - len(reqs))
+            row_of = {r: i for i, r in enumerate(reqs)}
+        R = len(rows)
+        ids = np.zeros((R, width), np.int32)
+        positions = np.zeros((R, width), np.int32)
+        valid = np.zeros((R, width), bool)
+        last = np.zeros(R, np.int32)
+        table = np.zeros((R, self.pages_per_seq), np.int32)
+        steps = np.zeros(R, np.int32)
+        seeds, temps, top_k, top_p = (
+            np.zeros(R, np.uint32),
+            np.zeros(R, np.float32),
+            np.zeros(R, np.int32),
+            np.ones(R, np.float32),
+        )
+        for req, i in row_of.items():
+            n, start = spans[req], req.computed
+            if width == 1:
+                ids[i, 0], positions[i, 0], valid[i, 0], steps[i] = req.tokens[start], start, True, n
+            else:
+                ids[i, :n] = req.tokens[start : start + n]
+                positions[i] = start + np.arange(width)
+                valid[i, :n] = True
+                last[i] = n - 1
+            table[i] = self._table[req.slot]
+            p = req.params
+            seeds[i], temps[i], top_k[i], top_p[i] = req.seed, p.temperature, p.top_k, p.top_p
+        slots = np.asarray([0 if s is None else s for s in rows], np.int32)
+        source = None if self._memory is None else (self._memory, self._src_lengths, slots)
+        tokens, logp, self._pools = _forward(
+            self._graphdef, self._params, self._pools, table, ids, positions, valid, last,
+            (seeds, temps, top_k, top_p), source, steps, steps=self.cfg.decode_steps if width == 1 else 1,
+        )  # fmt: skip
+        tokens, logp = np.asarray(tokens), np.asarray(logp)
+        for req, i in row_of.items():
+            if width > 1:  # a prefill chunk
+                req.computed += spans[req]
+                self._register(req)
+                if req.computed == len(req.tokens):  # its last known token ran: a new one
+                    self._accept(req, int(tokens[i, 0]), float(logp[i, 0]), events)
+                continue
+            for j in range(spans[req]):  # decode: each token fed in gave the next, until the request ends
+                req.computed += 1
+                if self._accept(req, int(tokens[i, j]), float(logp[i, j]), events):
+                    break
+
+    def _register(self, req: _Request) -> None:
+        """Enter the prompt pages now computed into the prefix cache."""
+        done = min(req.computed // self.cfg.page_size, len(req.hashes))
+        for i in range(req.registered, done):
+            self._alloc.register(req.pages[i], req.hashes[i])
+        req.registered = max(req.registered, done)
+
+    def _accept(self, req: _Request, token: int, logp: float, events: list[Event]) -> bool:
+        """Take a new token of `req` (its EOS, a stop string or its length may end it); True if it ended."""
+        p = req.params
+        lp = [logp] if p.logprobs else None
+        if token == self.eos_id:
+            return self._finish(req, "stop", [], events, lp_new=None) or True
+        req.out.append(token)
+        if p.logprobs:
+            req.logprobs.append(logp)
+        if p.stop and self._stop_at(req) is not None:
+            return self._finish(req, "stop", [token], events, lp_new=lp) or True
+        if len(req.out) >= p.max_tokens or len(req.tokens) >= self.max_context:
+            return self._finish(req, "length", [token], events, lp_new=lp) or True
+        events.append(Event(req.id, [token], lp, False, None))
+        return False
+
+    def _stop_at(self, req: _Request) -> int | None:
+        text = self.tokenizer.decode(req.out)
+        found = [i for s in req.params.stop if (i := text.find(s)) >= 0]
+        return min(found) if found else None
+
+    def _finish(self, req, reason: str, new: list[int], events: list[Event], lp_new=None) -> None:
+        self._release(req)
+        del self._live[req.id]
+        tokens, logprobs, text = req.out, req.logprobs if req.params.logprobs else None, None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(tokens)
+            if reason == "stop" and req.params.stop and (cut := self._stop_at(req)) is not None:
+                text = text[:cut]
+                n = len(tokens)
+                while n and not text.startswith(self.tokenizer.decode(tokens[:n])):
+                    n -= 1  # the tokens whose text stays before the stop string
+                tokens = tokens[:n]
+                logprobs = None if logprobs is None else logprobs[:n]
+        events.append(Event(req.id, new, lp_new, True, reason))
+        if req.id in self._keep:
+            self._keep[req.id] = Output(req.id, req.prompt, list(tokens), text, logprobs, reason)
+
+    # ------------------------------------------------------------------------- batch jobs
+
+    def score(self, inputs: list[list[int]], kind: str, *, mask_id: int | None = None) -> list[list]:
+        """encoder_only: scores of whole inputs, `max_slots` rows at a time (widths rounded up to a
+        power of two, so a few compiled shapes serve every input).
+
+        Args:
+            inputs: token-id inputs (each at most the model's max_len).
+            kind: "classify" (log-probabilities of the classes; needs model.num_classes > 0), "fill" (the
+                input with each `mask_id` replaced by the masked-LM head's likeliest id) or "embed" (the
+                mean of the final hidden states over the input's positions).
+            mask_id: the mask token ("fill"; None: the tokenizer's).
+
+        Returns:
+            One list per input: C log-probabilities, the filled ids, or D floats.
+
+        Raises:
+            EngineError: not an encoder_only model, an unknown kind, no classes, no mask id, or a bad input.
+        """
+        if not self.encoder_only:
+            raise EngineError("score() needs an encoder_only model; this one generates (use generate)")
+        if kind not in ("classify", "fill", "embed"):
+            raise EngineError(f"kind must be 'classify', 'fill' or 'embed', got {kind!r}")
+        if kind == "classify" and self._num_classes == 0:
+            raise EngineError("kind='classify' needs a classification head (model.num_classes > 0)")
+        if (
+            kind == "fill"
+            and (mask_id := mask_id if mask_id is not None else getattr(self.tokenizer, "mask_id", None)) is None
+        ):
+            raise EngineError("kind='fill' needs a mask_id (the engine's tokenizer has none)")
+        rows = [self._check_ids(x, f"inputs[{i}]") for i, x in enumerate(inputs)]
+        for i, r in enumerate(rows):
+            if len(r) > self.max_context:
+                raise EngineError(f"inputs[{i}] has {len(r)} tokens; the model's max_len is {self.max_context}")
+        out, B = [], self.cfg.max_slots
+        for start in range(0, len(rows), B):
+            batch = rows[start : start + B]
+            width = min(max(8, 1 << (max(map(len, batch)) - 1).bit_length()), self.max_context)
+            ids = np.full((B, width), self.pad_id, np.int32)
+            lengths = np.ones(B, np.int32)
+            for i, r in enumerate(batch):
+                ids[i, : len(r)], lengths[i] = r, len(r)
+            got = np.asarray(_score(self._graphdef, self._params, ids, lengths, kind=kind))
+            for i, r in enumerate(batch):
+                if kind == "fill":
+                    out.append([int(p) if t == mask_id else t for t, p in zip(r, got[i], strict=False)])
+                else:
+                    out.append(got[i].tolist())
+        return out
+
+    def generate(self, prompts, params, *, sources=None) -> list[Output]:
+        """Run prompts to the end (with any requests already queued) and return their outputs.
+
+        Args:
+            prompts (list[list[int]]): token-id prompts.
+            params (SamplingParams | list[SamplingParams]): one for all, or one per prompt.
+            sources (list[list[int]] | None): encoder_decoder: the sources (prompts may then be empty: BOS).
+
+        Returns:
+            One Output per prompt, in prompt order.
+
+        Raises:
+            EngineError: a bad request (nothing is queued then), or a params or sources list of another length.
+        """
+        if sources is not None and len(sources) != len(prompts):
+            raise EngineError(f"{len(sources)} sources for {len(prompts)} prompts")
+        sources = [None] * len(prompts) if sources is None else sources
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise EngineError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p, src in zip(prompts, params, sources, strict=True):
+                ids.append(self.add_request(prompt, p, source_ids=src))
+                self._keep[ids[-1]] = None
+        except EngineError:
+            for rid in ids:
+                self.abort(rid)
+                self._keep.pop(rid)
+            self._pending = [e for e in self._pending if e.request_id not in ids]
+            raise
+        while any(self._keep[rid] is None for rid in ids):
+            self.step()
+        return [self._keep.pop(rid) for rid in ids]

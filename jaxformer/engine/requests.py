@@ -1,0 +1,101 @@
+"""What a request to the engine is and what it gets back: how to decode it (SamplingParams, each field
+checked with an error naming it), what one step produced for it (Event), its end (Output), and the error
+of a request the engine cannot take (EngineError)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+class EngineError(ValueError):
+    """A request the engine cannot take (a prompt over the context, bad ids, ...); the message says what."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded.
+
+    Attributes:
+        max_tokens: new tokens at most (finish_reason "length").
+        temperature: 0: greedy; else softmax(logits / temperature).
+        top_k: keep the k likeliest tokens (0: off).
+        top_p: keep the nucleus of this probability mass (1: off).
+        seed: the request's sampling seed; None: from the engine's seed and the request id.
+        stop: stop strings (finish_reason "stop"), matched on the detokenized text.
+        logprobs: return each chosen token's log-probability.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+
+    def __post_init__(self):
+        def need(ok, field, message):
+            if not ok:
+                raise ValueError(f"{field} {message}")
+
+        def of(field, *types):
+            value = getattr(self, field)
+            ok = (isinstance(value, types) and not isinstance(value, bool)) or (bool in types and type(value) is bool)
+            need(ok, field, f"must be {' or '.join(t.__name__ for t in types)}, got {value!r}")
+
+        of("max_tokens", int)
+        need(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        of("temperature", int, float)
+        need(0 <= self.temperature < float("inf"), "temperature", f"must be >= 0 and finite, got {self.temperature}")
+        of("top_k", int)
+        need(self.top_k >= 0, "top_k", f"must be >= 0 (0: off), got {self.top_k}")
+        of("top_p", int, float)
+        need(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.seed is not None:
+            of("seed", int)
+            need(0 <= self.seed < 2**32, "seed", f"must be in [0, 2**32), got {self.seed}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        need(isinstance(stop, (tuple, list)), "stop", f"must be a tuple of strings, got {self.stop!r}")
+        need(all(isinstance(s, str) and s for s in stop), "stop", f"must hold non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        of("logprobs", bool)
+
+
+@dataclasses.dataclass
+class Event:
+    """What one engine step produced for one request.
+
+    Attributes:
+        request_id: the request.
+        token_ids: the new token(s) this step (usually one; may be empty on finish).
+        logprobs: their log-probabilities, if the request asked.
+        finished: the request is done.
+        finish_reason: "stop" (EOS or a stop string), "length", "abort", or None while running.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclasses.dataclass
+class Output:
+    """A finished request.
+
+    Attributes:
+        request_id: the request.
+        prompt_ids: its prompt.
+        token_ids: generated ids, EOS excluded, cut before a stop string's tokens where possible.
+        text: detokenized, when the engine has a tokenizer.
+        logprobs: the tokens' log-probabilities, if asked.
+        finish_reason: "stop", "length" or "abort".
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    logprobs: list[float] | None
+    finish_reason: str

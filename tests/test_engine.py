@@ -1,0 +1,412 @@
+"""The inference engine against `decode.generate` and naive references: the paged cache's gather and
+write equal a dense cache, greedy outputs equal generate's token for token (prefix sharing on and off,
+two page sizes, more requests than slots, a pool small enough to preempt), sampling is reproducible
+and independent of the batch, bad requests are refused naming what is wrong, and the decode step
+compiles once for every mix of requests."""
+
+import collections
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxformer import decode
+from jaxformer.config import ConfigError, DecodeConfig, EngineConfig, tiny
+from jaxformer.engine import Engine, EngineError, SamplingParams, paged
+from jaxformer.engine import engine as engine_module
+from jaxformer.models import build_model
+
+V = 48
+
+
+@pytest.fixture(scope="module")
+def model():
+    """Two layers, parameters x3: at its initial scale a model this small repeats one token whatever
+    came before; larger weights make its continuations depend on the context, as the tests need."""
+    model = build_model(tiny("decoder_only", vocab_size=V, max_len=64), seed=3)
+    nnx.update(model, jax.tree.map(lambda x: 3.0 * x, nnx.state(model, nnx.Param)))
+    return model
+
+
+def _prompts():
+    rng = np.random.default_rng(0)
+    system = rng.integers(2, V, 12).tolist()  # a shared prefix: three pages of 4, one and a half of 8
+    return [
+        [*system, 5, 6, 7],
+        rng.integers(2, V, 3).tolist(),
+        [*system, 9],
+        rng.integers(2, V, 20).tolist(),
+        [7],
+        [*system, 5, 6, 7, 8, 9, 10, 11, 12, 13],
+    ]
+
+
+def _reference(model, prompts, n, eos_id):
+    out = decode.generate(model, prompts, DecodeConfig(strategy="greedy", max_new_tokens=n), eos_id=eos_id)
+    return [decode.strip_after_eos(row[0], eos_id) for row in out.tokens]
+
+
+@pytest.fixture(scope="module")
+def eos_id(model):
+    """An id the model's greedy continuations reach mid-way, so that some stop at EOS and some do not."""
+    first = _reference(model, _prompts(), 10, None)
+    return int(first[0][4])
+
+
+# ----------------------------------------------------------------------------- pure parts
+
+
+def test_paged_view_equals_the_dense_cache():
+    """Writing positions into pages then gathering a row's pages gives the dense cache [B, G, S, K]
+    that writing the same positions into slots gives (slot s = position s)."""
+    rng = np.random.default_rng(1)
+    N, page, G, K, B, P = 9, 4, 2, 3, 2, 3
+    pool = jnp.zeros((N, page, G, K))
+    table = np.array([[3, 7, 1], [5, 2, 0]], np.int32)  # row 1 holds two pages
+    dense = np.zeros((B, G, P * page, K), np.float32)
+    for start, T in ((0, 5), (5, 3), (8, 1)):  # a chunk, another, a decode step
+        positions = start + np.arange(T)[None].repeat(B, 0)
+        valid = positions < np.array([[12], [8]])
+        new = rng.normal(size=(B, T, G, K)).astype(np.float32)
+        page_BT, offset_BT = paged.page_slots(jnp.asarray(table), jnp.asarray(positions), jnp.asarray(valid), page)
+        pool = paged.write_pages(pool, jnp.asarray(new), page_BT, offset_BT)
+        for b in range(B):
+            for t in range(T):
+                if valid[b, t]:
+                    dense[b, :, positions[b, t]] = new[b, t]
+    view = np.asarray(paged.gather_pages(pool, jnp.asarray(table)))
+    np.testing.assert_array_equal(view[0], dense[0])
+    np.testing.assert_array_equal(view[1, :, :8], dense[1, :, :8])  # its third entry is scratch page 0
+
+
+def test_row_filters_equal_decode_filters():
+    """Per-row top-k and top-p equal `decode.top_k_filter` / `top_p_filter` applied row by row."""
+    logits = jax.random.normal(jax.random.key(0), (4, 11))
+    top_k, top_p = np.array([0, 3, 1, 5]), np.array([1.0, 0.9, 0.5, 0.3], np.float32)
+    got = paged.filter_rows(logits, jnp.asarray(top_k), jnp.asarray(top_p))
+    for b in range(4):
+        want = decode.top_p_filter(decode.top_k_filter(logits[b : b + 1], int(top_k[b])), float(top_p[b]))
+        np.testing.assert_array_equal(np.asarray(got[b]), np.asarray(want[0]))
+
+
+# ----------------------------------------------------------------------------- greedy equals generate
+
+
+@pytest.mark.parametrize("page_size", [4, 8])
+def test_greedy_equals_generate(model, eos_id, page_size):
+    """Six prompts of 1 to 21 tokens through 3 slots, chunks of 8: the same tokens as generate's, with
+    prefix sharing (which finds the shared prompt pages) and without."""
+    prompts, n = _prompts(), 10
+    want = _reference(model, prompts, n, eos_id)
+    assert any(len(w) < n for w in want) and any(len(w) == n for w in want)  # EOS and length both end some
+    assert max(len(set(w)) for w in want) >= 3  # continuations that depend on the context
+    for sharing in (True, False):
+        cfg = EngineConfig(page_size=page_size, num_pages=40, max_slots=3, prefill_chunk=8, prefix_sharing=sharing)
+        engine = Engine(model, cfg, eos_id=eos_id)
+        outs = engine.generate(prompts, SamplingParams(max_tokens=n))
+        assert [o.token_ids for o in outs] == want, f"sharing={sharing}"
+        assert [o.finish_reason for o in outs] == ["stop" if len(w) < n else "length" for w in want]
+        stats = engine.stats()
+        assert (stats["prefix_hits"] > 0) == sharing
+        assert stats["running"] == stats["waiting"] == 0 and stats["pages_free"] == stats["pages_total"]
+
+
+def test_continuous_batching_admits_and_retires(model, eos_id):
+    """More requests than slots: never more than max_slots run, a request is admitted as another retires
+    (some run while others already finished), and every one ends."""
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=40, max_slots=2, prefill_chunk=8), eos_id=eos_id)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=3 + 2 * i)) for i, p in enumerate(_prompts())]
+    finished_at, running_seen, step = {}, [], 0
+    while engine.has_unfinished():
+        for e in engine.step():
+            if e.finished:
+                finished_at[e.request_id] = step
+        running_seen.append(engine.stats()["running"])
+        step += 1
+    assert max(running_seen) == 2 and sorted(finished_at) == sorted(ids)
+    assert len(set(finished_at.values())) > 2  # retired across many steps, not as one batch
+
+
+@pytest.mark.parametrize("decode_steps", [1, 3])
+def test_preemption_keeps_outputs(model, decode_steps):
+    """A pool of 9 pages of 4 for 3 slots of up to 31 positions: requests are preempted (pages freed,
+    recomputed later) and the outputs still equal generate's, one decode step a call or three."""
+    prompts, n = _prompts(), 12
+    cfg = EngineConfig(page_size=4, num_pages=10, max_slots=3, prefill_chunk=8, decode_steps=decode_steps)
+    engine = Engine(model, cfg, eos_id=None)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=n))
+    assert engine.stats()["preempted"] > 0
+    assert [o.token_ids for o in outs] == _reference(model, prompts, n, None)
+
+
+def test_copy_on_write_of_a_shared_page(model):
+    """A prompt of exactly two pages already in the pool: the second request shares both pages,
+    recomputes its last token into a copy of the last one, and both continue as generate does."""
+    prompt = _prompts()[3][:8]
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=20, max_slots=2, prefill_chunk=8), eos_id=None)
+    a = engine.add_request(prompt, SamplingParams(max_tokens=6))
+    tokens = {a: engine.step()[0].token_ids}  # a's prompt computed: its two pages enter the prefix cache
+    b = engine.add_request(prompt, SamplingParams(max_tokens=6))
+    tokens[b] = []
+    while engine.has_unfinished():
+        for e in engine.step():
+            tokens[e.request_id] += e.token_ids
+    assert engine.stats()["prefix_hits"] == 2
+    want = _reference(model, [prompt], 6, None)[0]
+    assert tokens[a] == tokens[b] == want
+
+
+def test_abort_frees_pages(model):
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=20, max_slots=2, prefill_chunk=8), eos_id=None)
+    rid = engine.add_request(_prompts()[3], SamplingParams(max_tokens=20))
+    waiting = engine.add_request([3, 4], SamplingParams(max_tokens=20))
+    engine.step()
+    assert engine.stats()["pages_free"] < engine.stats()["pages_total"]
+    engine.abort(rid)
+    engine.abort(waiting)
+    engine.abort("no-such-request")  # a client gone after its end: nothing to do
+    events = engine.step()
+    assert {(e.request_id, e.finish_reason) for e in events} == {(rid, "abort"), (waiting, "abort")}
+    assert not engine.has_unfinished()
+    stats = engine.stats()
+    assert stats["pages_free"] == stats["pages_total"] and stats["running"] == 0
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def test_sampling_is_reproducible_and_independent_of_the_batch(model):
+    """A seeded request draws the same tokens alone and among other requests (other seeds, settings
+    and lengths; three decode steps a call), and log-probabilities are those of the model's softmax (<= 0)."""
+    p = SamplingParams(max_tokens=8, temperature=1.3, top_k=20, top_p=0.95, seed=7, logprobs=True)
+    cfg = EngineConfig(page_size=4, num_pages=40, max_slots=4, prefill_chunk=8)
+    alone = Engine(model, cfg, eos_id=None).generate([_prompts()[0]], p)[0]
+    others = [SamplingParams(max_tokens=5, temperature=0.7, seed=s) for s in (1, 2)] + [SamplingParams(max_tokens=9)]
+    three = dataclasses.replace(cfg, decode_steps=3)  # three decode steps a call: the same draws
+    mixed = Engine(model, three, eos_id=None).generate([*_prompts()[1:4], _prompts()[0]], [*others, p])[-1]
+    assert mixed.token_ids == alone.token_ids and len(alone.token_ids) == 8
+    np.testing.assert_allclose(mixed.logprobs, alone.logprobs, rtol=1e-4)  # other batch shapes: float32 rounding
+    assert all(lp <= 0 for lp in alone.logprobs)
+    other_seed = Engine(model, cfg, eos_id=None).generate([_prompts()[0]], dataclasses.replace(p, seed=8))[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_decode_step_compiles_once_for_every_mix(model):
+    """Greedy and sampled rows, prompts of many lengths, requests coming and going: one decode
+    compilation [max_slots, 1], and prefill only at power-of-two row counts."""
+    cfg = EngineConfig(page_size=4, num_pages=40, max_slots=5, prefill_chunk=8)  # 5 slots: no other test's shape
+    before = collections.Counter(engine_module._TRACES)
+    engine = Engine(model, cfg, eos_id=None)
+    params = [SamplingParams(max_tokens=4 + i, temperature=0.5 * (i % 2), top_k=i, seed=i) for i in range(6)]
+    engine.generate(_prompts(), params)
+    engine.generate(_prompts()[:2], SamplingParams(max_tokens=3, top_p=0.5, temperature=1.0))
+    traced = engine_module._TRACES - before
+    assert traced[(5, 1)] == 1
+    assert {rows for rows, width in traced if width == 8} <= {1, 2, 4, 5}
+    assert sum(traced.values()) <= 5  # one decode shape and at most four prefill shapes
+
+
+# ----------------------------------------------------------------------------- bad requests
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "match"),
+    [
+        ([], SamplingParams(), "prompt_ids is empty"),
+        ([1, V], SamplingParams(), r"prompt_ids\[1\] = 48 is outside the vocabulary"),
+        ([1, 2.5], SamplingParams(), r"prompt_ids\[1\] = 2.5 is not an integer"),
+        ([1] * 60, SamplingParams(max_tokens=5), "exceeds the context of 64"),
+        ([1, 2], SamplingParams(stop=("x",)), "stop strings need a tokenizer"),
+        ([1, 2], {"max_tokens": 3}, "params: a SamplingParams"),
+    ],
+)
+def test_bad_requests_are_refused(model, prompt, params, match):
+    engine = Engine(model, EngineConfig(num_pages=8), eos_id=None)
+    with pytest.raises(EngineError, match=match):
+        engine.add_request(prompt, params)
+    assert not engine.has_unfinished()
+
+
+def test_a_request_over_the_pool_is_refused(model):
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=5), eos_id=None)
+    with pytest.raises(EngineError, match=r"engine\.num_pages=5"):
+        engine.add_request([1] * 10, SamplingParams(max_tokens=10))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_tokens": -3}, "max_tokens must be >= 1, got -3"),
+        ({"max_tokens": 2.0}, "max_tokens must be int"),
+        ({"temperature": -1.0}, "temperature must be >= 0"),
+        ({"top_k": -1}, "top_k must be >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"seed": -1}, "seed must be in"),
+        ({"stop": ("",)}, "stop must hold non-empty strings"),
+        ({"logprobs": 1}, "logprobs must be bool"),
+    ],
+)
+def test_sampling_params_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"page_size": 0}, "engine.page_size: must be >= 1"),
+        ({"num_pages": 1}, "engine.num_pages: must be >= 2"),
+        ({"max_slots": "4"}, "engine.max_slots"),
+        ({"max_context": 1}, "engine.max_context"),
+    ],
+)
+def test_engine_config_names_the_field(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**kwargs)
+
+
+class _Letters:
+    """A tokenizer stand-in: id i is the letter chr(97 + i % 26)."""
+
+    eos_id = None
+
+    def decode(self, ids):
+        return "".join(chr(97 + int(i) % 26) for i in ids)
+
+
+def test_a_stop_string_ends_the_request_and_is_cut(model):
+    """The text of two greedy tokens as a stop string: the request ends there ("stop"), its text and
+    tokens end before it."""
+    prompt, tok = _prompts()[3], _Letters()
+    want = _reference(model, [prompt], 10, None)[0]
+    k = next(i for i in range(1, 8) if tok.decode(want).find(tok.decode(want[i : i + 2])) == i)
+    stop = tok.decode(want[k : k + 2])
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=20, max_slots=2), tokenizer=tok, eos_id=None)
+    out = engine.generate([prompt], SamplingParams(max_tokens=10, stop=(stop, "zzzzzz")))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == want[:k] and out.text == tok.decode(want[:k])
+
+
+def test_encoder_decoder_greedy_equals_translate():
+    """encoder_decoder: each slot keeps its source's cross-attention keys and values; greedy outputs
+    equal `decode.translate`'s for sources of mixed lengths through 2 slots, with a preemption."""
+    model = build_model(tiny("encoder_decoder", vocab_size=V, max_len=32, tie_output=False), seed=5)  # tied: one token
+    rng = np.random.default_rng(2)
+    sources = [rng.integers(3, V, n).tolist() for n in (5, 11, 3, 8)]
+    settings = DecodeConfig(strategy="greedy", extra_len=6)
+    ref = decode.translate(model, sources, settings, bos_id=1, eos_id=2)
+    num_new = min(16 + 6, 31)  # translate's budget: the padded source width + extra_len
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=6, max_slots=2, prefill_chunk=4), eos_id=2, bos_id=1)
+    params = [SamplingParams(max_tokens=min(len(s) + 6, num_new)) for s in sources]
+    outs = engine.generate([[]] * len(sources), params, sources=sources)
+    want = [decode.strip_after_eos(row[0][: p.max_tokens], 2) for row, p in zip(ref.tokens, params, strict=True)]
+    assert [o.token_ids for o in outs] == want
+    assert max(len(set(w)) for w in want) >= 2 and engine.stats()["preempted"] > 0
+    with pytest.raises(EngineError, match="needs a source"):
+        engine.add_request([1], SamplingParams())
+
+
+def test_from_workdir_reads_model_tokenizer_and_template(tmp_path):
+    """An exported directory (config.json, params): the engine over it has the byte tokenizer, EOS and
+    the data's chat template, and gives the model's own greedy tokens, as text too."""
+    import json
+
+    import orbax.checkpoint as ocp
+
+    from jaxformer.config import Config, DataConfig, TrainConfig
+    from jaxformer.data.tokenizers import ByteTokenizer
+
+    tok = ByteTokenizer()
+    mcfg = tiny("decoder_only", vocab_size=tok.vocab_size, max_len=32)
+    run = Config(
+        mcfg,
+        TrainConfig(objective="lm"),
+        DataConfig(source="files", files=("chat.jsonl",), tokenizer="byte", max_len=32, template="chatml"),
+    )
+    model = build_model(mcfg, seed=1)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "params", nnx.state(model, nnx.Param))
+    (tmp_path / "config.json").write_text(json.dumps(run.to_dict()))
+    engine = Engine.from_workdir(tmp_path, EngineConfig(page_size=4, num_pages=16, max_slots=2))
+    assert (engine.eos_id, engine.chat_template, engine.max_context) == (tok.eos_id, "chatml", 32)
+    prompt = tok.encode("Hi there")
+    out = engine.generate([prompt], SamplingParams(max_tokens=6))[0]
+    assert out.token_ids == _reference(model, [prompt], 6, tok.eos_id)[0]
+    assert out.text == tok.decode(out.token_ids)
+
+
+def test_a_model_with_lora_adapters_serves_merged(model):
+    """Adapters with nonzero updates: the engine (which merges them, as decode does) gives generate's
+    greedy tokens over the adapted model, and they differ from the base model's."""
+    from jaxformer import lora
+    from jaxformer.config import LoRAConfig
+
+    adapted = lora.add_adapters(nnx.clone(model), LoRAConfig(rank=2, targets=("q", "v", "wo")))
+    adapters = nnx.state(adapted, nnx.LoRAParam)
+    nnx.update(adapted, jax.tree.map(lambda x: x + 0.5, adapters))  # B starts at zero: make it matter
+    prompts = _prompts()[:4]
+    want = _reference(adapted, prompts, 8, None)
+    engine = Engine(adapted, EngineConfig(page_size=4, num_pages=40, max_slots=3, prefill_chunk=8), eos_id=None)
+    assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=8))] == want
+    assert want != _reference(model, prompts, 8, None)
+
+
+def test_the_paged_decode_step_compiles_for_a_tpu_slice():
+    """libtpu's compiler, no chip: the decode step [slots, 1] over pools whose heads are split over the
+    tensor axis of a v5e:2x2 slice compiles, reads the pages by XLA's gather (no Pallas kernel: the
+    ragged paged attention kernel is not wired in), and keeps the pools' sharding."""
+    pytest.importorskip("libtpu")
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxformer import sharding
+    from jaxformer.config import MeshConfig
+    from jaxformer.layers import without_id_checks
+    from jaxformer.plan import parse_target, with_shardings
+
+    mesh_cfg = MeshConfig(data=2, tensor=2)
+    mesh = sharding.make_mesh(mesh_cfg, parse_target("tpu-v5e:2x2").devices())
+    mcfg = tiny("decoder_only", vocab_size=128, d_model=256, num_heads=2, max_len=128, num_decoder_layers=1)
+    slots, pages, page = 8, 33, 16
+    with sharding.use(mesh, sharding.rules_for(mesh_cfg)):
+        abstract = nnx.eval_shape(lambda: without_id_checks(build_model(mcfg)))
+        graphdef, params = nnx.split(abstract)
+        params = with_shardings(params, sharding.state_shardings(params, mesh))
+        heads = NamedSharding(mesh, PartitionSpec(None, None, "tensor", None))
+        pool = jax.ShapeDtypeStruct((pages, page, mcfg.kv_heads, mcfg.dim_per_head), mcfg.dtype, sharding=heads)
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)
+        sampling = (jax.ShapeDtypeStruct((slots,), np.uint32), jax.ShapeDtypeStruct((slots,), np.float32))
+        sampling = (*sampling, i32(slots), jax.ShapeDtypeStruct((slots,), np.float32))
+        compiled = engine_module._forward.lower(
+            graphdef, params, [{"k": pool, "v": pool}], i32(slots, 8), i32(slots, 1), i32(slots, 1),
+            jax.ShapeDtypeStruct((slots, 1), bool), i32(slots), sampling, None, i32(slots), steps=1,
+        ).compile()  # fmt: skip
+    text = compiled.as_text()
+    assert " gather(" in text and "tpu_custom_call" not in text
+    out_pools = compiled.output_shardings[2]
+    assert out_pools[0]["k"].spec == PartitionSpec(None, None, "tensor")
+
+
+def test_encoder_only_scores_equal_the_model_on_each_input_alone():
+    """encoder_only: class log-probabilities, masked-LM fills and mean embeddings of inputs of mixed
+    lengths, batched and padded by the engine, equal the model's on each input alone (no padding)."""
+    model = build_model(tiny("encoder_only", vocab_size=V, max_len=32, num_classes=3), seed=4)
+    rng = np.random.default_rng(3)
+    inputs = [rng.integers(4, V, n).tolist() for n in (3, 9, 17, 5)]
+    inputs[1][2] = inputs[2][0] = inputs[2][7] = 3  # id 3: the mask
+    engine = Engine(model, EngineConfig(max_slots=2), eos_id=None)
+    classes, fills = engine.score(inputs, "classify"), engine.score(inputs, "fill", mask_id=3)
+    embeddings = engine.score(inputs, "embed")
+    for x, c, f, e in zip(inputs, classes, fills, embeddings, strict=True):
+        ids = jnp.asarray([x])
+        np.testing.assert_allclose(c, jax.nn.log_softmax(model.classify(ids))[0], atol=1e-5)
+        pred = np.asarray(jnp.argmax(model(ids), -1))[0]
+        assert f == [int(p) if t == 3 else t for t, p in zip(x, pred, strict=True)]
+        np.testing.assert_allclose(e, np.asarray(model.hidden(ids))[0].mean(0), atol=1e-5)
+    assert fills[2] != inputs[2] and fills[0] == inputs[0]
+    with pytest.raises(EngineError, match=r"use Engine\.score"):
+        engine.add_request([4, 5], SamplingParams())
+    with pytest.raises(EngineError, match="kind must be"):
+        engine.score(inputs, "summarize")
