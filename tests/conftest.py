@@ -80,7 +80,9 @@ HEAVIEST_FIRST = [
     "test_lora.py",
     "test_train.py",
     "test_ring.py",
+    "test_engine.py",
     "test_experiments.py",
+    "test_serve.py",
     "test_lora_guide.py",
 ]
 
