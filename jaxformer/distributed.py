@@ -65,6 +65,25 @@ def initialize(address: str | None, num_processes: int | None, process_id: int |
     _run["process"], _run["processes"] = state.process_id, state.num_processes
     if state.num_processes > 1:
         _connect(state.client, state.process_id, state.num_processes, state.coordinator_address.rsplit(":", 1)[0])
+        _orbax_barriers_through_the_coordinator()
+
+
+def _orbax_barriers_through_the_coordinator() -> None:
+    """orbax's barriers by the coordination service's key-value store, not by a psum over every device.
+
+    By default orbax-checkpoint 0.12 syncs processes with `multihost_utils.sync_global_devices`, a device
+    computation, and some of its syncs run in its background threads (an async save's finalisation):
+    one process can then launch that computation before a training or evaluation step and another after
+    it, and two processes that wait on each other's collectives in a different order hang for good (seen
+    once in four two-process runs, both processes idle in the final evaluation). Its flag (an absl flag,
+    readable once absl's flags count as parsed) makes every barrier `client.wait_at_barrier` instead.
+    """
+    from absl import flags
+    from orbax.checkpoint._src.multihost import multihost  # defines the flag
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()  # a program of the user's that parses absl flags later still may
+    flags.FLAGS[multihost.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.name].value = True
 
 
 def _keepalive(conn: socket.socket) -> socket.socket:

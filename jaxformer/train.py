@@ -403,7 +403,9 @@ def evaluate(eval_step, state, fetch, num_batches: int) -> dict:
     """
     totals = None
     for i in range(num_batches):
-        sums = eval_step(state, fetch(i))
+        # One batch's program at a time: over many processes (gloo on CPU) two programs with collectives in
+        # flight at once, launched in a different order by different processes, hung both for good.
+        sums = jax.block_until_ready(eval_step(state, fetch(i)))
         totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
     return {k: float(v) for k, v in summarize(totals).items()}
 
