@@ -402,10 +402,12 @@ def evaluate(eval_step, state, fetch, num_batches: int) -> dict:
         Mean metrics.
     """
     totals = None
+    # Over many processes, one batch's program at a time: two programs with collectives in flight at once
+    # (gloo on CPU), launched in a different order by different processes, hung both for good. One process
+    # keeps fetching the next batch while the last one computes.
+    one_at_a_time = jax.block_until_ready if jax.process_count() > 1 else lambda x: x
     for i in range(num_batches):
-        # One batch's program at a time: over many processes (gloo on CPU) two programs with collectives in
-        # flight at once, launched in a different order by different processes, hung both for good.
-        sums = jax.block_until_ready(eval_step(state, fetch(i)))
+        sums = one_at_a_time(eval_step(state, fetch(i)))
         totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
     return {k: float(v) for k, v in summarize(totals).items()}
 
