@@ -1,0 +1,179 @@
+"""`jaxformer eval --workdir W --tasks T`: lm-evaluation-harness tasks on a jaxformer model, offline;
+the harness's results JSON written, its table printed."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+from jaxformer.evaluation import TASKS_DIR
+
+INSTALL = "the harness is not installed: pip install -e '.[eval]' (lm-eval's core, no torch)"
+
+
+class TaskError(ValueError):
+    """A task the harness cannot run as asked: unknown, its data file missing, a bad limit."""
+
+
+def offline() -> None:
+    """The hub stays unreached: tasks read local files (set before `datasets` is imported)."""
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        os.environ.setdefault(name, "1")
+
+
+def task_manager(tasks: list[str], include_path: list[str] = ()):
+    """A TaskManager that knows `tasks`: the shipped ones and `include_path`'s first (indexing the
+    harness's thousands of own YAMLs costs seconds), its own only when a task is not among them.
+
+    Args:
+        tasks: task names (or glob patterns).
+        include_path: directories of the user's task YAMLs.
+
+    Returns:
+        (the TaskManager, the matched task names).
+
+    Raises:
+        TaskError: a task no directory holds, or an include path that is not a directory.
+    """
+    from lm_eval.tasks import TaskManager
+
+    for p in include_path:
+        if not pathlib.Path(p).is_dir():
+            raise TaskError(f"--include-path {p}: no such directory")
+    paths = [str(TASKS_DIR), *map(str, include_path)]
+    manager = TaskManager(include_path=paths, include_defaults=False)
+    if not all(manager.match_tasks([t]) for t in tasks):
+        manager = TaskManager(include_path=paths)
+    missing = [t for t in tasks if not manager.match_tasks([t])]
+    if missing:
+        shipped = sorted(TaskManager(include_path=[str(TASKS_DIR)], include_defaults=False).all_subtasks)
+        raise TaskError(
+            f"unknown task {missing[0]!r}: not a task of lm-eval nor of --include-path (shipped: {', '.join(shipped)})"
+        )
+    return manager, manager.match_tasks(list(tasks))
+
+
+def check_data_files(manager, names: list[str]) -> None:
+    """Each task's local data files exist (relative paths are read from the working directory, as
+    `datasets` reads them).
+
+    Args:
+        manager (TaskManager): the tasks' manager.
+        names: the tasks.
+
+    Raises:
+        TaskError: a data file that does not exist, naming the task, the split and the path.
+    """
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    for name in names:
+        entry = manager.task_index.get(name)
+        if entry is None or entry.yaml_path is None:
+            continue
+        config = load_yaml(entry.yaml_path, resolve_func=False)
+        files = (config.get("dataset_kwargs") or {}).get("data_files")
+        if files is None:
+            continue
+        items = files.items() if isinstance(files, dict) else [("", files)]
+        for split, paths in items:
+            for path in [paths] if isinstance(paths, str) else paths:
+                if "://" not in path and not pathlib.Path(path).exists():
+                    where = f"data_files.{split}" if split else "data_files"
+                    raise TaskError(
+                        f"task {name!r}: its {where} {path} does not exist (relative to {pathlib.Path.cwd()})"
+                    )
+
+
+def evaluate(lm, tasks: list[str], *, num_fewshot=None, limit=None, include_path=(), log_samples: bool = False) -> dict:
+    """The harness's `simple_evaluate` on `lm` (offline), its results dict.
+
+    Args:
+        lm (JaxformerLM): the model.
+        tasks: task names.
+        num_fewshot (int | None): examples in the context (None: each task's own).
+        limit (int | float | None): examples per task (None: all; a float < 1: that fraction).
+        include_path: directories of more task YAMLs.
+        log_samples: keep each example's requests and answers in the dict.
+
+    Returns:
+        The harness's results (results, configs, versions, n-shot, ...).
+
+    Raises:
+        TaskError: an unknown task, a missing data file, a limit that is not positive.
+    """
+    from lm_eval import evaluator
+
+    if limit is not None and not limit > 0:
+        raise TaskError(f"--limit must be > 0 (examples per task, or a fraction < 1), got {limit:g}")
+    if num_fewshot is not None and num_fewshot < 0:
+        raise TaskError(f"--num-fewshot must be >= 0, got {num_fewshot}")
+    manager, names = task_manager(list(tasks), list(include_path))
+    check_data_files(manager, names)
+    return evaluator.simple_evaluate(
+        model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+        log_samples=log_samples, bootstrap_iters=0, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
+        fewshot_random_seed=0,
+    )  # fmt: skip
+
+
+def main(args) -> int:
+    """`jaxformer eval --tasks`: the results JSON beside the model (or at --output), the table printed.
+
+    Args:
+        args (argparse.Namespace): workdir, hf, tasks, num_fewshot, limit, include_path, batch_size, output.
+
+    Returns:
+        The exit code.
+
+    Raises:
+        TaskError: an unknown task, a missing data file, a bad limit, or the harness not installed.
+    """
+    offline()
+    try:
+        from lm_eval.utils import handle_non_serializable, make_table
+
+        from jaxformer.evaluation.harness import HarnessError, JaxformerLM
+    except ImportError:
+        raise TaskError(INSTALL) from None
+    tasks = [t for t in args.tasks.split(",") if t]
+    if not tasks:
+        raise TaskError("--tasks: give task names, comma-separated")
+    if args.limit is not None and not args.limit > 0:
+        raise TaskError(f"--limit must be > 0 (examples per task, or a fraction < 1), got {args.limit:g}")
+    task_manager(tasks, args.include_path or [])  # before the model loads: a typo fails at once
+    try:
+        lm = JaxformerLM(workdir=args.workdir, hf=args.hf, batch_size=args.batch_size)
+        results = evaluate(
+            lm, tasks, num_fewshot=args.num_fewshot, limit=args.limit, include_path=args.include_path or []
+        )
+    except HarnessError as e:
+        raise TaskError(str(e)) from None
+    out = pathlib.Path(args.output or pathlib.Path(args.workdir or args.hf) / "lm_eval" / "results.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
+    print(make_table(results))
+    if results.get("groups"):
+        print(make_table(results, "groups"))
+    print(f"results: {out}")
+    return 0
+
+
+def add_arguments(parser) -> None:
+    """`jaxformer eval`'s harness options (the command's parser lives in the CLI; its options here).
+
+    Args:
+        parser (argparse.ArgumentParser): the `eval` subcommand's parser.
+    """
+    parser.add_argument(
+        "--tasks", help="lm-evaluation-harness tasks, comma-separated (the shipped ones: shakespeare_cloze, "
+        "instruct_exact, lohelp_en_de; lm-eval's own; or YAMLs under --include-path)",
+    )  # fmt: skip
+    parser.add_argument("--hf", metavar="DIR", help="with --tasks: a Hugging Face model directory instead of --workdir")
+    parser.add_argument("--num-fewshot", type=int, help="with --tasks: examples in each context (default: the task's)")
+    parser.add_argument("--limit", type=float, help="with --tasks: examples per task (a fraction if < 1)")
+    parser.add_argument(
+        "--include-path", action="append", metavar="DIR", help="with --tasks: a directory of task YAMLs (repeatable)"
+    )
+    parser.add_argument("--batch-size", type=int, default=16, help="with --tasks: rows per forward pass")
+    parser.add_argument("--output", help="with --tasks: the results JSON (default: WORKDIR/lm_eval/results.json)")
