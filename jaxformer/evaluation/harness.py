@@ -212,15 +212,20 @@ class JaxformerLM(TemplateLM):
                 prompts.append(self.tok_encode(context, left_truncate_len=room))
                 sources.append(None)
             else:
-                n = min(n, self.max_length - 1)  # the decoder's positions: BOS, then the new tokens
+                source = self.tok_encode(context, left_truncate_len=self.max_length)
+                # The hf model asks generate() for max_length = context width + max_gen_toks, which a seq2seq
+                # model counts on the decoder side (its start token included): as many new tokens, here.
+                n = min(len(source) + n - 1, self.max_length - 1)
                 prompts.append([])
-                sources.append(self.tok_encode(context, left_truncate_len=self.max_length))
+                sources.append(source)
             params.append(SamplingParams(max_tokens=n, temperature=0.0, stop=tuple(s for s in until if s)))
             stops.append(until)
         outputs = engine.generate(prompts, params, sources=None if self.backend == "causal" else sources)
         texts = []
         for req, out, until in zip(requests, outputs, stops, strict=True):
-            text = postprocess_generated_text(self.tok.decode(out.token_ids), until, None)
+            # The engine's text is cut before the first stop string as the hf model cuts it (its tokens may not be).
+            text = out.text if out.text is not None else self.tok.decode(out.token_ids)
+            text = postprocess_generated_text(text, until, None)
             texts.append(text)
             self.cache_hook.add_partial("generate_until", req.args, text)
         return texts
