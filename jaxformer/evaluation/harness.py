@@ -123,7 +123,14 @@ class JaxformerLM(TemplateLM):
         return ids[-cut:] if cut else ids
 
     def tok_decode(self, ids) -> str:
-        """Ids -> text, special tokens skipped."""
+        """Ids -> text, special tokens skipped.
+
+        Args:
+            ids (list[int]): token ids.
+
+        Returns:
+            The text.
+        """
         return self.tok.decode(ids)
 
     # ------------------------------------------------------------------ requests

@@ -22,7 +22,7 @@ def offline() -> None:
         os.environ.setdefault(name, "1")
 
 
-def task_manager(tasks: list[str], include_path: list[str] = ()):
+def task_manager(tasks: list[str], include_path: list[str] = ()) -> tuple:
     """A TaskManager that knows `tasks`: the shipped ones and `include_path`'s first (indexing the
     harness's thousands of own YAMLs costs seconds), its own only when a task is not among them.
 
@@ -96,7 +96,9 @@ def check_data_files(manager, names: list[str]) -> None:
                     )
 
 
-def evaluate(lm, tasks: list[str], *, num_fewshot=None, limit=None, include_path=(), log_samples: bool = False) -> dict:
+def evaluate(
+    lm, tasks: list[str], *, num_fewshot=None, limit=None, include_path: list[str] = (), log_samples: bool = False
+) -> dict:
     """The harness's `simple_evaluate` on `lm` (offline), its results dict.
 
     Args:

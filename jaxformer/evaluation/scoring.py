@@ -60,10 +60,10 @@ def bucket(n: int, cap: int) -> int:
 class Scorer:
     """Sums of continuation log-probabilities under one model (decoder_only or encoder_decoder).
 
-    Args:
+    Attributes:
         model (Transformer): the model.
-        batch_size: rows per forward pass.
-        bos_id: encoder_decoder: the id the decoder starts from.
+        batch_size (int): rows per forward pass.
+        bos_id (int | None): encoder_decoder: the id the decoder starts from.
 
     Raises:
         ScoringError: an encoder_only model (it has no next-token distribution).
@@ -159,7 +159,7 @@ class Scorer:
         return out
 
 
-def load(workdir: str | pathlib.Path | None = None, hf: str | pathlib.Path | None = None):
+def load(workdir: str | pathlib.Path | None = None, hf: str | pathlib.Path | None = None) -> tuple:
     """The model and tokenizer of a training workdir (its latest checkpoint), an exported directory or a
     Hugging Face model directory.
 
