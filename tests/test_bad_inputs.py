@@ -478,6 +478,15 @@ CLI_CASES = [
     cli_case("eval --workdir {config_only}", r"\S+checkpoints holds no checkpoint: train first"),
     # lm-evaluation-harness tasks (jaxformer/evaluation): refused before the model is read
     cli_case(
+        "train --config experiments/mlm_shakespeare.py --workdir {tmp}/never --set train.evals=shakespeare_cloze",
+        r"train\.evals: lm-eval tasks score text: objective lm or seq2seq, not mlm$",
+    ),
+    cli_case(
+        "train --config experiments/lm_shakespeare.py --workdir {tmp}/never --set train.evals=no_such_task",
+        r"train\.evals: unknown task 'no_such_task'",
+        marks=HARNESS,
+    ),
+    cli_case(
         "eval --workdir {lm} --tasks shakespeare_cloze --limit 0",
         r"--limit must be > 0 \(examples per task, or a fraction < 1\), got 0$",
     ),

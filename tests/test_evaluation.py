@@ -130,3 +130,15 @@ def test_golden_hf_model_answers(name):
                 assert mine == theirs, (task, sample["doc_id"])
         for metric, value in golden["metrics"][task].items():
             assert results["results"][task][metric] == pytest.approx(value), (task, metric)
+
+
+def test_train_evals_metrics_are_the_tasks_scores(lm):
+    """What train.evals logs beside the loss: TASK/METRIC, accuracy recounted from loglikelihood."""
+    docs = [json.loads(line) for line in (run.TASKS_DIR / "shakespeare_cloze.jsonl").read_text().splitlines()[:2]]
+    got = run.harness_metrics(lm.model, lm.tok, ["shakespeare_cloze"], limit=2)
+    assert sorted(got) == ["shakespeare_cloze/acc", "shakespeare_cloze/acc_norm"]
+    right = 0
+    for doc in docs:
+        scores = lm.loglikelihood(requests("loglikelihood", *[(doc["context"], "\n" + c) for c in doc["choices"]]))
+        right += int(np.argmax([ll for ll, _ in scores]) == doc["answer"])
+    assert got["shakespeare_cloze/acc"] == right / len(docs)

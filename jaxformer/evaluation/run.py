@@ -96,6 +96,30 @@ def check_data_files(manager, names: list[str]) -> None:
                     )
 
 
+def check_tasks(tasks: list[str], include_path: list[str] = ()) -> list[str]:
+    """The tasks found and their local files there, with the harness installed (what `train.evals` checks
+    before a run starts).
+
+    Args:
+        tasks: task names.
+        include_path: directories of more task YAMLs.
+
+    Returns:
+        The matched task names.
+
+    Raises:
+        TaskError: the harness not installed, an unknown task, a missing data file.
+    """
+    offline()
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise TaskError(INSTALL) from None
+    manager, names = task_manager(list(tasks), list(include_path))
+    check_data_files(manager, names)
+    return names
+
+
 def evaluate(
     lm, tasks: list[str], *, num_fewshot=None, limit=None, include_path: list[str] = (), log_samples: bool = False
 ) -> dict:
@@ -192,3 +216,39 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--batch-size", type=int, default=16, help="with --tasks: rows per forward pass")
     parser.add_argument("--output", help="with --tasks: the results JSON (default: WORKDIR/lm_eval/results.json)")
+
+
+def harness_metrics(model, tokenizer, tasks, limit: int | None = None, batch_size: int = 16) -> dict[str, float]:
+    """`train.evals`: the tasks' metrics on the model as it is, flat as TASK/METRIC (the harness's filter
+    name dropped: `shakespeare_cloze/acc`), to log beside the loss and for a sweep to optimise.
+
+    Args:
+        model (Transformer): the model (decoder_only or encoder_decoder).
+        tokenizer (Tokenizer): its tokenizer.
+        tasks (Sequence[str]): task names.
+        limit: examples per task (None: all).
+        batch_size: rows per forward pass.
+
+    Returns:
+        {TASK/METRIC: value}.
+
+    Raises:
+        TaskError: the harness not installed, an unknown task, a missing data file, a model it cannot serve.
+    """
+    offline()
+    try:
+        from jaxformer.evaluation.harness import HarnessError, JaxformerLM
+    except ImportError:
+        raise TaskError(f"train.evals: {INSTALL}") from None
+    try:
+        lm = JaxformerLM(model=model, tokenizer=tokenizer, batch_size=batch_size)
+        results = evaluate(lm, list(tasks), limit=limit)
+    except HarnessError as e:
+        raise TaskError(f"train.evals: {e}") from None
+    out = {}
+    for task, metrics in results["results"].items():
+        for key, value in metrics.items():
+            name = key.split(",")[0]
+            if isinstance(value, float) and not name.endswith("_stderr"):  # (sample_len: a count, not a metric)
+                out[f"{task}/{name}"] = float(value)
+    return out
