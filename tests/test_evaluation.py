@@ -55,25 +55,28 @@ def requests(kind, *args):
     return [Instance(kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
 
 
-def token_logprobs(model, ids):
-    """log p(ids[t] | ids[:t]) for t >= 1, from one unpadded forward pass."""
-    logits = model(jnp.asarray([ids]))[0].astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return np.asarray(logp[np.arange(len(ids) - 1), np.asarray(ids[1:])])
+def token_logprobs(model, rows):
+    """log p(ids[t] | ids[:t]) for t >= 1 of each row, and the argmax before each, from one forward pass
+    over the rows right-padded (causal: what follows a position never changes it)."""
+    T = max(map(len, rows))
+    ids = np.asarray([r + [0] * (T - len(r)) for r in rows], np.int32)
+    logp = np.asarray(jax.jit(lambda x: jax.nn.log_softmax(model(x).astype(jnp.float32), axis=-1))(ids))
+    return [(logp[b, np.arange(len(r) - 1), r[1:]], logp[b, : len(r) - 1].argmax(-1)) for b, r in enumerate(rows)]
 
 
 def test_loglikelihood_is_the_sum_of_token_logprobs(lm):
     tok, model = lm.tok, lm.model
     pairs = [("to be or not ", "to be"), ("a", "b"), ("the king:", " is dead."), ("", "all is well")]
     got = lm.loglikelihood(requests("loglikelihood", *pairs))
-    for (context, continuation), (ll, greedy) in zip(pairs, got, strict=True):
+    rows, splits = [], []
+    for context, continuation in pairs:
         context_ids = tok.encode(context.rstrip()) or [tok.eos_id]  # an empty context: the prefix token (EOS)
         continuation_ids = tok.encode(context[len(context.rstrip()) :] + continuation)  # its trailing space moves
-        logp = token_logprobs(model, context_ids + continuation_ids)[len(context_ids) - 1 :]
-        np.testing.assert_allclose(ll, logp.sum(), rtol=1e-5, atol=1e-5)
-        logits = model(jnp.asarray([context_ids + continuation_ids]))[0]
-        argmax = np.asarray(jnp.argmax(logits, -1))[len(context_ids) - 1 : -1]
-        assert greedy == bool((argmax == continuation_ids).all())
+        rows.append(context_ids + continuation_ids)
+        splits.append(len(context_ids))
+    for (ll, greedy), (logp, argmax), row, n in zip(got, token_logprobs(model, rows), rows, splits, strict=True):
+        np.testing.assert_allclose(ll, logp[n - 1 :].sum(), rtol=1e-5, atol=1e-5)
+        assert greedy == bool((argmax[n - 1 :] == row[n:]).all())
 
 
 def test_loglikelihood_rolling_is_evals_perplexity(lm):
@@ -85,7 +88,7 @@ def test_loglikelihood_rolling_is_evals_perplexity(lm):
     for doc, ll in zip(docs, got, strict=True):
         window = np.asarray([[lm.tok.eos_id, *lm.tok.encode(doc)]], np.int32)
         batch = {"inputs": window[:, :-1], "targets": window[:, 1:], "weights": np.ones_like(window[:, 1:], np.float32)}
-        _, sums = loss_sums(lm.model, TrainConfig(objective="lm"), batch, None)
+        sums = jax.jit(lambda b: loss_sums(lm.model, TrainConfig(objective="lm"), b, None)[1])(batch)
         perplexity = float(summarize(sums)["perplexity"])  # compared as logs: this model's is ~1e8, exp widens
         np.testing.assert_allclose(-ll / (window.shape[1] - 1), np.log(perplexity), rtol=1e-6)
 
