@@ -145,3 +145,9 @@ def test_train_evals_metrics_are_the_tasks_scores(lm):
         scores = lm.loglikelihood(requests("loglikelihood", *[(doc["context"], "\n" + c) for c in doc["choices"]]))
         right += int(np.argmax([ll for ll, _ in scores]) == doc["answer"])
     assert got["shakespeare_cloze/acc"] == right / len(docs)
+
+
+def test_an_encoder_only_model_is_refused_naming_what_it_can_do():
+    model = build_model(tiny("encoder_only", vocab_size=V, max_len=16, num_classes=2))
+    with pytest.raises(HarnessError, match=r"^an encoder_only model has no next-token distribution: .+Engine\.score$"):
+        JaxformerLM(model=model, tokenizer=Chars())
