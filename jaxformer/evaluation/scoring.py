@@ -9,7 +9,8 @@ the source, the continuation the target, the decoder fed BOS and the continuatio
 Shapes are bucketed: `batch_size` rows, widths rounded up to a power of two (at least 16, at most the
 model's max_len), so a few compilations serve every request; rows are sorted by length so a batch
 pads little. Right padding is invisible to the scored positions (causal attention; sources carry
-their lengths).
+their lengths). Over several devices (one process), a batch's rows are split over them and the
+weights copied to each (`batch_size` rounded up to a multiple of the device count).
 """
 
 from __future__ import annotations
@@ -88,6 +89,13 @@ class Scorer:
         self.max_len, self.pad_id = cfg.max_len, cfg.pad_id
         own = nnx.merge(*nnx.split(self.model))  # the caller's modules keep their id checks
         self._graphdef, self._params = nnx.split(without_id_checks(own))
+        self._rows = None  # one device: arrays go where JAX puts them
+        if jax.device_count() > 1 and jax.process_count() == 1:  # rows split over the devices, weights on each
+            n = jax.device_count()
+            self.batch_size = -(-self.batch_size // n) * n
+            mesh = jax.sharding.Mesh(np.array(jax.devices()), ("batch",))
+            self._rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+            self._params = jax.device_put(self._params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
     def rows(self, context: Sequence[int], continuation: Sequence[int]) -> tuple[list, list, list, int]:
         """One request as (decoder inputs, targets, source, first scored position), cut as the harness cuts.
@@ -149,9 +157,10 @@ class Scorer:
                 inputs[b, : len(inp)], targets[b, : len(tgt)], lengths[b] = inp, tgt, len(inp)
                 if src is not None:
                     src[b, : len(source)], src_lengths[b] = source, len(source)
-            logp, greedy = jax.device_get(
-                _token_logprobs(self._graphdef, self._params, inputs, targets, lengths, src, src_lengths)
-            )
+            arrays = (inputs, targets, lengths, src, src_lengths)
+            if self._rows is not None:
+                arrays = jax.device_put(arrays, self._rows)
+            logp, greedy = jax.device_get(_token_logprobs(self._graphdef, self._params, *arrays))
             for b, i in enumerate(chunk):
                 inp, _, _, first = rows[i]
                 scored = slice(first, len(inp))
