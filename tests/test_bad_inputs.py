@@ -492,6 +492,10 @@ CLI_CASES = [
     ),
     cli_case("eval --workdir {lm} --hf {lm} --tasks shakespeare_cloze", r"--tasks: give one of --workdir W"),
     cli_case(
+        "eval --workdir {lm} --tasks shakespeare_cloze --set decode.beam_size=4",
+        r"--set decode\.beam_size=4: with --tasks the model is evaluated as saved",
+    ),
+    cli_case(
         "eval --workdir {lm} --tasks no_such_task",
         r"unknown task 'no_such_task': not a task of lm-eval nor of --include-path \(shipped: instruct_exact, ",
         marks=HARNESS,

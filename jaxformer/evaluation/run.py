@@ -7,13 +7,15 @@ import json
 import os
 import pathlib
 
+from jaxformer.config import ConfigError
 from jaxformer.evaluation import TASKS_DIR
 
 INSTALL = "the harness is not installed: pip install -e '.[eval]' (lm-eval's core, no torch)"
 
 
-class TaskError(ValueError):
-    """A task the harness cannot run as asked: unknown, its data file missing, a bad limit."""
+class TaskError(ConfigError):
+    """A task the harness cannot run as asked: unknown, its data file missing, a bad limit (a ConfigError:
+    `train.evals` names tasks, and the command line answers it in one line)."""
 
 
 def offline() -> None:
@@ -169,6 +171,10 @@ def main(args) -> int:
     tasks = [t for t in (args.tasks or "").split(",") if t]
     if not tasks:
         raise TaskError("--tasks: give task names, comma-separated")
+    if args.set:
+        raise TaskError(
+            f"--set {args.set[0]}: with --tasks the model is evaluated as saved (--set changes `eval` alone)"
+        )
     if (args.workdir is None) == (args.hf is None):
         raise TaskError("--tasks: give one of --workdir W (a jaxformer workdir) or --hf DIR (a Hugging Face model)")
     if args.limit is not None and not args.limit > 0:
