@@ -144,6 +144,15 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    if args.tasks is not None or args.hf:  # lm-evaluation-harness tasks (jaxformer/evaluation/)
+        from jaxformer.evaluation import run
+
+        try:
+            return run.main(args)
+        except run.TaskError as e:
+            raise CommandError(str(e)) from None
+    if not args.workdir:
+        raise CommandError("give --workdir (or, with --tasks, --hf DIR)")
     import jax
 
     from jaxformer.checkpoint import restore_workdir
@@ -447,11 +456,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="then remove the caches beside it that no existing workdir uses (and killed builds' leftovers)",
     )  # fmt: skip
     ev = sub.add_parser("eval", help="evaluate the model saved in a workdir on held-out data")
-    ev.add_argument("--workdir", required=True, help="a training workdir: its latest checkpoint and config.json")
+    ev.add_argument("--workdir", help="a training workdir: its latest checkpoint and config.json")
     ev.add_argument(
         "--set", action="append", metavar="SECTION.FIELD=VALUE",
         help="override a field of the workdir's config (e.g. decode.beam_size=4)",
     )  # fmt: skip
+    from jaxformer.evaluation.run import add_arguments as add_harness_arguments
+
+    add_harness_arguments(ev)
     exp = sub.add_parser("export", help="write the latest parameters and config for jaxformer.load_model")
     exp.add_argument("--workdir", required=True, help="a training workdir: its latest checkpoint")
     exp.add_argument("--out", required=True, help="the directory to write (parameters, config.json, tokenizer)")

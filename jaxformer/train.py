@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxformer import distributed, moe, ring, sharding
 from jaxformer import functional as F
-from jaxformer.config import Config, ModelConfig, TrainConfig
+from jaxformer.config import Config, ConfigError, ModelConfig, TrainConfig
 from jaxformer.layers import check_batch_ids, without_id_checks
 from jaxformer.models import Transformer
 from jaxformer.state import TrainState, init_state, learning_rate_schedule
@@ -521,8 +521,15 @@ def fit(
     Raises:
         NonFiniteLoss: a non-finite loss with `train.on_nonfinite="stop"`.
         checkpoint.CheckpointWriteError: a checkpoint cannot be written.
-        ConfigError: the config does not fit the data or the mesh.
+        ConfigError: the config does not fit the data or the mesh, or a task of train.evals cannot run.
     """
+    if cfg.train.evals:  # the tasks are found, with their files, before anything is built or written
+        from jaxformer.evaluation.run import TaskError, check_tasks
+
+        try:
+            check_tasks(list(cfg.train.evals))
+        except TaskError as e:
+            raise ConfigError(f"train.evals: {e}") from None
     sharding.initialize_distributed(cfg.mesh)
     with distributed.watch(workdir):  # a lost process: one line and exit 4 (jaxformer.distributed)
         mesh = sharding.make_mesh(cfg.mesh)
@@ -659,6 +666,11 @@ def _fit(
                     flush()  # a non-finite step stops the run before it is evaluated
                     n = min(tcfg.eval_batches, len(data.val))
                     result = evaluate(eval_step, state, fetch(data.val), n)
+                    if tcfg.evals and jax.process_count() == 1:  # lm-eval tasks: one process reads them
+                        from jaxformer.evaluation.run import harness_metrics
+
+                        model = nnx.merge(graphdef, state.weights)
+                        result |= harness_metrics(model, data.tokenizer, tcfg.evals, tcfg.evals_limit or None)
                     writer.write(done, "eval", result)
                     on = f"the validation split ({data.val.sequences(n):,} sequences)"
                     log(f"step {done}: eval on {on}: {observe.line(result, observe.shown(tcfg.objective))}")

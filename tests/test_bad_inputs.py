@@ -87,6 +87,12 @@ def places(tmp_path_factory):
         "damaged_tokenizers": {"tokenizer.model": b"\x0agarbage", "tokenizer.json": "{not json"},
         "sweep_without_function": {"sweep.py": "x = 1\n"},
         "metrics_missing": {"config.json": "{}"},
+        # an lm-eval task over a local file (read from the working directory) that is not there
+        "task_missing_data": {
+            "cloze.yaml": "task: local_cloze\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            "    test: missing/cloze.jsonl\noutput_type: multiple_choice\ndoc_to_text: '{{context}}'\n"
+            "doc_to_choice: '{{choices}}'\ndoc_to_target: answer\n"
+        },
         # Instruction records (data.template): a good first line, then the fault on line 2.
         "chat_no_role": {
             "chat.jsonl": GOOD_PAIR + '{"messages": [{"content": "hi"}, {"role": "assistant", "content": "x"}]}\n'
@@ -137,10 +143,16 @@ def _peft_adapters(root):
 GOOD_PAIR = '{"prompt": "Reverse: ab", "response": "ba"}\n'
 
 
-def cli_case(argv: str, message: str, rc: int = 2, found_while_reading: bool = False):
+def cli_case(argv: str, message: str, rc: int = 2, found_while_reading: bool = False, marks=()):
     """`found_while_reading`: bad content of the user's data, found while it is tokenized into WORKDIR/data:
     the workdir then exists (its config.json), but no step ran and no checkpoint was written."""
-    return pytest.param(argv, message, rc, found_while_reading, id=argv.replace(TRAIN, "train --set ")[:60])
+    return pytest.param(
+        argv, message, rc, found_while_reading, id=argv.replace(TRAIN, "train --set ")[:60], marks=marks
+    )
+
+
+# lm-evaluation-harness's tasks: the eval extra (CI installs it)
+HARNESS = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="pip install -e '.[eval]'")
 
 
 TRAIN = "train --config experiments/copy_task.py --workdir {tmp}/never --set "
@@ -464,6 +476,40 @@ CLI_CASES = [
     # Read-only commands.
     cli_case("eval --workdir {empty}", r"\S+config\.json does not exist: \S+ is not a training workdir"),
     cli_case("eval --workdir {config_only}", r"\S+checkpoints holds no checkpoint: train first"),
+    # lm-evaluation-harness tasks (jaxformer/evaluation): refused before the model is read
+    cli_case(
+        "train --config experiments/mlm_shakespeare.py --workdir {tmp}/never --set train.evals=shakespeare_cloze",
+        r"train\.evals: lm-eval tasks score text: objective lm or seq2seq, not mlm$",
+    ),
+    cli_case(
+        "train --config experiments/lm_shakespeare.py --workdir {tmp}/never --set train.evals=no_such_task",
+        r"train\.evals: unknown task 'no_such_task'",
+        marks=HARNESS,
+    ),
+    cli_case(
+        "eval --workdir {lm} --tasks shakespeare_cloze --limit 0",
+        r"--limit must be > 0 \(examples per task, or a fraction < 1\), got 0$",
+    ),
+    cli_case("eval --workdir {lm} --hf {lm} --tasks shakespeare_cloze", r"--tasks: give one of --workdir W"),
+    cli_case(
+        "eval --workdir {lm} --tasks shakespeare_cloze --set decode.beam_size=4",
+        r"--set decode\.beam_size=4: with --tasks the model is evaluated as saved",
+    ),
+    cli_case(
+        "eval --workdir {lm} --tasks no_such_task",
+        r"unknown task 'no_such_task': not a task of lm-eval nor of --include-path \(shipped: instruct_exact, ",
+        marks=HARNESS,
+    ),
+    cli_case(
+        "eval --workdir {lm} --tasks local_cloze --include-path {task_missing_data}",
+        r"task 'local_cloze': its data_files\.test missing/cloze\.jsonl does not exist \(relative to \S+\)$",
+        marks=HARNESS,
+    ),
+    cli_case(
+        "eval --workdir {lm} --tasks local_cloze --include-path {tmp}/nowhere",
+        r"--include-path \S+/nowhere: no such directory$",
+        marks=HARNESS,
+    ),
     cli_case("export --workdir {empty} --out {tmp}/out", r"\S+config\.json does not exist"),
     # `serve`: the server's settings and the workdir, checked before the engine loads anything
     cli_case("serve --workdir {lm} --port 70000", r"serve\.port: a TCP port in \[1, 65535\], got 70000"),

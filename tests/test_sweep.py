@@ -196,6 +196,23 @@ def test_an_objective_training_never_reports_is_rejected(tmp_path, capsys):
     assert not (tmp_path / "w").exists()
 
 
+def test_an_lm_eval_metric_is_an_objective_when_training_runs_its_task(tmp_path):
+    """`TASK/METRIC` of train.evals (lm-evaluation-harness tasks logged beside the loss): maximised by default."""
+    file = tmp_path / "cloze.py"
+    fixed = "{'train.evals': ('shakespeare_cloze',), 'train.evals_limit': 8}"
+    for extra, ok in ((f", fixed={fixed}", True), ("", False)):
+        file.write_text(
+            "from jaxformer.sweep import Range, Sweep\n"
+            f"def get_sweep():\n    return Sweep(base={str(REPO / 'experiments/lm_shakespeare.py')!r}, "
+            f"space={{'train.learning_rate': Range(1e-3, 1e-2)}}, metric='shakespeare_cloze/acc'{extra})\n"
+        )
+        if ok:
+            assert load(file)[0].goal == "maximize"
+        else:
+            with pytest.raises(ConfigError, match=r"TASK/METRIC of the lm-eval tasks of train\.evals: none\)"):
+                load(file)
+
+
 def test_shipped_sweeps_validate():
     for path in sorted((REPO / "experiments/sweeps").glob("*.py")):
         sweep, base = load(path)

@@ -50,6 +50,10 @@ class TrainConfig:
     eval_every: int = 250  # steps between evaluations on the validation split
     eval_batches: int = 16  # validation batches per evaluation (at most the split's)
     num_samples: int = 3  # samples (decoded as `decode` says) printed at each evaluation
+    # lm-evaluation-harness tasks run at each evaluation and at the end (the `eval` extra), each metric logged
+    # beside the loss as TASK/METRIC (`shakespeare_cloze/acc`), which a sweep can optimise; lm and seq2seq only
+    evals: tuple[str, ...] = ()
+    evals_limit: int = 0  # examples per task of train.evals (0: all): a task's cost at every evaluation
     peak_flops: float = 0.0  # one device's peak FLOP/s for MFU; 0 = jaxformer.chips' table, or a matmul probe
     # A step whose loss or gradient is NaN/inf: "stop" the run (the last good checkpoint is kept) or "skip" it
     # (parameters and optimizer state unchanged, counted as skipped_steps in the metrics) and go on.
@@ -57,9 +61,16 @@ class TrainConfig:
 
     def __post_init__(self):
         p = "train"
+        object.__setattr__(self, "evals", _as_tuples(self.evals))  # JSON gives lists
         check_field_types(self, p)
         for name in ("steps", "batch_size", "grad_accum", "log_every", "eval_every"):
             require(getattr(self, name) > 0, f"{p}.{name}", f"must be positive, got {getattr(self, name)}")
+        require(self.evals_limit >= 0, f"{p}.evals_limit", f"must be >= 0 (0: every example), got {self.evals_limit}")
+        require(
+            not self.evals or self.objective in ("lm", "seq2seq"),
+            f"{p}.evals",
+            f"lm-eval tasks score text: objective lm or seq2seq, not {self.objective}",
+        )
         require(self.steps < 2**31, f"{p}.steps", f"must be below 2**31 (the step counter is int32), got {self.steps}")
         require(
             self.batch_size % self.grad_accum == 0,

@@ -63,8 +63,9 @@ class Sweep:
         fixed: "section.field" -> value, the same in every trial.
         strategy: "grid", "random" or "tpe".
         trials: the number of trials.
-        metric: an eval metric training reports: loss, nll, perplexity, accuracy.
-        direction: "minimize" or "maximize"; None: the metric's natural one.
+        metric: an eval metric training reports: loss, nll, perplexity, accuracy, or TASK/METRIC of an
+            lm-eval task the base config's train.evals runs (`shakespeare_cloze/acc`).
+        direction: "minimize" or "maximize"; None: the metric's natural one (a task's: maximize).
         prune: median pruner over the evaluations reported during training.
         seed: the seed of the planned trials and of TPE.
         heartbeat: seconds; a trial whose worker has been silent 3 heartbeats is retried.
@@ -77,7 +78,7 @@ class Sweep:
     fixed: dict[str, Any] = dataclasses.field(default_factory=dict)
     strategy: Literal["grid", "random", "tpe"] = "tpe"
     trials: int = 10
-    metric: str = "loss"  # an eval metric training reports: loss, nll, perplexity, accuracy
+    metric: str = "loss"  # an eval metric training reports: loss, nll, perplexity, accuracy, or TASK/METRIC
     direction: Literal["minimize", "maximize"] | None = None  # None: the metric's natural one
     prune: bool = True  # median pruner over the evaluations reported during training
     seed: int = 0
@@ -87,7 +88,7 @@ class Sweep:
 
     @property
     def goal(self) -> str:
-        return self.direction or EVAL_METRICS[self.metric]
+        return self.direction or EVAL_METRICS.get(self.metric, "maximize")  # a task's: accuracy, exact match, BLEU
 
 
 def _numeric(hint) -> type | None:
@@ -112,12 +113,14 @@ def check(sweep: Sweep, base: Config) -> None:
     require(sweep.patience >= 0, "patience", f"must be >= 0 seconds, got {sweep.patience}")
     require(sweep.devices >= 1, "devices", f"must be >= 1 per trial, got {sweep.devices}")
     require(sweep.strategy in ("grid", "random", "tpe"), "strategy", f"{sweep.strategy!r} is not grid, random or tpe")
-    require(
-        sweep.metric in EVAL_METRICS,
-        "metric",
-        f"{sweep.metric!r} is not reported by training's evaluation (it reports {', '.join(EVAL_METRICS)})",
-    )
     fixed = with_values(base, sweep.fixed)
+    task = sweep.metric.split("/")[0] if "/" in sweep.metric else None
+    require(
+        sweep.metric in EVAL_METRICS or (task is not None and task in fixed.train.evals),
+        "metric",
+        f"{sweep.metric!r} is not reported by training's evaluation (it reports {', '.join(EVAL_METRICS)}, and "
+        f"TASK/METRIC of the lm-eval tasks of train.evals: {', '.join(fixed.train.evals) or 'none'})",
+    )
     for name, dist in sweep.space.items():
         hint = field_hint(name)  # unknown section or field: ConfigError naming it
         require(name not in sweep.fixed, name, "is both searched (space) and fixed")

@@ -1,0 +1,153 @@
+"""The model `jaxformer` of lm-evaluation-harness against independent figures: a continuation's
+log-likelihood is the sum of the model's token log-probabilities (one forward pass, read by hand);
+`loglikelihood_rolling` of a document is the perplexity `jaxformer eval` reports on it (the training's
+loss sums); greedy `generate_until` is `decode.generate` cut at the same stop strings; and on a tiny
+GPT-2 and a tiny T5, every example's answers equal those of the harness's own `hf` model on the
+PyTorch weights (golden files: scripts/make_lm_eval_golden.py)."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+pytest.importorskip("lm_eval", reason="the eval extra is not installed: pip install -e '.[eval]'")
+
+from lm_eval.api.instance import Instance
+
+from jaxformer import decode
+from jaxformer.config import DecodeConfig, TrainConfig, tiny
+from jaxformer.evaluation import run
+from jaxformer.evaluation.harness import HarnessError, JaxformerLM
+from jaxformer.models import build_model
+
+GOLDEN = pathlib.Path(__file__).parent / "golden" / "lm_eval"
+
+
+class Chars:
+    """One id per character of a small alphabet (the harness's text rules need text, V stays small)."""
+
+    pad_id, bos_id, eos_id = 0, 1, 2
+    alphabet = " \nabcdefghijklmnopqrstuvwxyz.,:'"
+
+    def encode(self, text):
+        return [3 + self.alphabet.index(c) for c in text.lower() if c in self.alphabet]
+
+    def decode(self, ids):
+        return "".join(self.alphabet[i - 3] for i in ids if 3 <= i < 3 + len(self.alphabet))
+
+
+V = 3 + len(Chars.alphabet)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    """Two layers, parameters x3 (as test_engine's model): continuations that depend on the context."""
+    model = build_model(tiny("decoder_only", vocab_size=V, max_len=64), seed=3)
+    nnx.update(model, jax.tree.map(lambda x: 3.0 * x, nnx.state(model, nnx.Param)))
+    return JaxformerLM(model=model, tokenizer=Chars(), batch_size=4, max_gen_toks=12)
+
+
+def requests(kind, *args):
+    return [Instance(kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
+
+
+def token_logprobs(model, rows):
+    """log p(ids[t] | ids[:t]) for t >= 1 of each row, and the argmax before each, from one forward pass
+    over the rows right-padded (causal: what follows a position never changes it)."""
+    T = max(map(len, rows))
+    ids = np.asarray([r + [0] * (T - len(r)) for r in rows], np.int32)
+    logp = np.asarray(jax.jit(lambda x: jax.nn.log_softmax(model(x).astype(jnp.float32), axis=-1))(ids))
+    return [(logp[b, np.arange(len(r) - 1), r[1:]], logp[b, : len(r) - 1].argmax(-1)) for b, r in enumerate(rows)]
+
+
+def test_loglikelihood_is_the_sum_of_token_logprobs(lm):
+    tok, model = lm.tok, lm.model
+    pairs = [("to be or not ", "to be"), ("a", "b"), ("the king:", " is dead."), ("", "all is well")]
+    got = lm.loglikelihood(requests("loglikelihood", *pairs))
+    rows, splits = [], []
+    for context, continuation in pairs:
+        context_ids = tok.encode(context.rstrip()) or [tok.eos_id]  # an empty context: the prefix token (EOS)
+        continuation_ids = tok.encode(context[len(context.rstrip()) :] + continuation)  # its trailing space moves
+        rows.append(context_ids + continuation_ids)
+        splits.append(len(context_ids))
+    for (ll, greedy), (logp, argmax), row, n in zip(got, token_logprobs(model, rows), rows, splits, strict=True):
+        np.testing.assert_allclose(ll, logp[n - 1 :].sum(), rtol=1e-5, atol=1e-5)
+        assert greedy == bool((argmax[n - 1 :] == row[n:]).all())
+
+
+def test_loglikelihood_rolling_is_evals_perplexity(lm):
+    """`jaxformer eval` reads a document as its corpus lays it out: after the EOS that ends the one before."""
+    from jaxformer.train import loss_sums, summarize
+
+    docs = ["the quality of mercy is not strained.", "now is the winter of our discontent"]
+    got = lm.loglikelihood_rolling(requests("loglikelihood_rolling", *[(d,) for d in docs]))
+    for doc, ll in zip(docs, got, strict=True):
+        window = np.asarray([[lm.tok.eos_id, *lm.tok.encode(doc)]], np.int32)
+        batch = {"inputs": window[:, :-1], "targets": window[:, 1:], "weights": np.ones_like(window[:, 1:], np.float32)}
+        sums = jax.jit(lambda b: loss_sums(lm.model, TrainConfig(objective="lm"), b, None)[1])(batch)
+        perplexity = float(summarize(sums)["perplexity"])  # compared as logs: this model's is ~1e8, exp widens
+        np.testing.assert_allclose(-ll / (window.shape[1] - 1), np.log(perplexity), rtol=1e-6)
+
+
+def test_greedy_generate_until_is_generate_cut_at_the_stops(lm):
+    tok = lm.tok
+    contexts = ["to be or not", "the king", "a"]
+    settings = DecodeConfig(strategy="greedy", max_new_tokens=12)
+    out = decode.generate(lm.model, [tok.encode(c) for c in contexts], settings, eos_id=tok.eos_id)
+    whole = [tok.decode(decode.strip_after_eos(row[0], tok.eos_id)) for row in out.tokens]
+    # Stops met mid-way (two characters the reference writes, a character of it), and one never met.
+    stops = [[whole[0][4:6]], ["zzz", whole[1][3]], ["zzz"]]
+    got = lm.generate_until(
+        requests("generate_until", *[(c, {"until": u}) for c, u in zip(contexts, stops, strict=True)])
+    )
+    for text, reference, until in zip(got, whole, stops, strict=True):
+        for stop in until:
+            reference = reference.split(stop)[0]
+        assert text == reference
+    assert len(got[0]) <= 4 and len(got[1]) <= 3 and got[2] == whole[2]
+
+
+def test_generation_longer_than_the_model_is_refused(lm):
+    with pytest.raises(HarnessError, match=r"max_gen_toks=64 new tokens; the model's context is model\.max_len=64"):
+        lm.generate_until(requests("generate_until", ("to be", {"until": ["\n"], "max_gen_toks": 64})))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "t5"])
+def test_golden_hf_model_answers(name):
+    """Each example's answers, as the harness's `hf` model gives them on the PyTorch weights."""
+    golden = json.loads((GOLDEN / name / "samples.json").read_text())
+    lm = JaxformerLM(hf=str(GOLDEN / name), batch_size=8)
+    results = run.evaluate(lm, list(golden["samples"]), limit=8, log_samples=True)
+    for task, samples in golden["samples"].items():
+        ours = {s["doc_id"]: s["resps"] for s in results["samples"][task]}
+        for sample in samples:
+            theirs, mine = sample["resps"], ours[sample["doc_id"]]
+            if isinstance(theirs[0][0], list):  # loglikelihood: [[(ll, is_greedy)] per choice]
+                np.testing.assert_allclose([r[0][0] for r in mine], [r[0][0] for r in theirs], rtol=1e-4)
+                assert [r[0][1] for r in mine] == [r[0][1] for r in theirs]
+            else:
+                assert mine == theirs, (task, sample["doc_id"])
+        for metric, value in golden["metrics"][task].items():
+            assert results["results"][task][metric] == pytest.approx(value), (task, metric)
+
+
+def test_train_evals_metrics_are_the_tasks_scores(lm):
+    """What train.evals logs beside the loss: TASK/METRIC, accuracy recounted from loglikelihood."""
+    docs = [json.loads(line) for line in (run.TASKS_DIR / "shakespeare_cloze.jsonl").read_text().splitlines()[:2]]
+    got = run.harness_metrics(lm.model, lm.tok, ["shakespeare_cloze"], limit=2)
+    assert sorted(got) == ["shakespeare_cloze/acc", "shakespeare_cloze/acc_norm"]
+    right = 0
+    for doc in docs:
+        scores = lm.loglikelihood(requests("loglikelihood", *[(doc["context"], "\n" + c) for c in doc["choices"]]))
+        right += int(np.argmax([ll for ll, _ in scores]) == doc["answer"])
+    assert got["shakespeare_cloze/acc"] == right / len(docs)
+
+
+def test_an_encoder_only_model_is_refused_naming_what_it_can_do():
+    model = build_model(tiny("encoder_only", vocab_size=V, max_len=16, num_classes=2))
+    with pytest.raises(HarnessError, match=r"^an encoder_only model has no next-token distribution: .+Engine\.score$"):
+        JaxformerLM(model=model, tokenizer=Chars())
