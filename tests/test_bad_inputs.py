@@ -251,6 +251,7 @@ CLI_CASES = [
     cli_case(TRAIN + "model.attention_impl=flash", r"model\.attention_impl: 'flash' is not one of the choices"),
     cli_case(TRAIN + "model.matmul_precision=max", r"model\.matmul_precision: 'max' is not one of the choices"),
     cli_case(TRAIN + "model.num_kv_heads=3", r"model\.num_kv_heads: "),
+    cli_case(TRAIN + "model.qkv_bias=true", r"model\.qkv_bias: use_bias=True already gives every projection a bias"),
     cli_case(TRAIN + "model.num_encoder_layers=0", r"model\.num_encoder_layers: "),
     cli_case(TRAIN + "model.num_classes=3", r"model\.num_classes: "),
     cli_case(TRAIN + "model.width=1", r"model\.width: unknown field \(known: "),  # nothing close: no guess

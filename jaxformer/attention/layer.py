@@ -18,7 +18,7 @@ from jaxformer.attention.cache import CACHE, write_rows
 from jaxformer.attention.kernels import choose_backend, dot_product_attention, log_fallback
 from jaxformer.attention.masks import Mask
 from jaxformer.config import ConfigError, ModelConfig
-from jaxformer.functional import apply_rope, lift
+from jaxformer.functional import apply_rope, lift, rms_norm
 from jaxformer.projections import adapted, project
 from jaxformer.sharding import activation_spec, constrain, context_ways, param
 
@@ -48,18 +48,24 @@ class MultiHeadAttention(nnx.Module):
         self.k = param(rngs, in_init, (D, G, K), ("embed", "heads", "kv"))
         self.v = param(rngs, in_init, (D, G, K), ("embed", "heads", "kv"))
         self.o = param(rngs, init.xavier_uniform(in_axis=(0, 1), out_axis=2), (H, K, D), ("heads", "kv", "embed"))
-        if cfg.use_bias:
+        if cfg.use_bias or cfg.qkv_bias:  # qkv_bias: Qwen 2's biases on q, k, v and none on the output
             self.q_bias = param(rngs, init.zeros, (H, K), ("heads", "kv"))
             self.k_bias = param(rngs, init.zeros, (G, K), ("heads", "kv"))
             self.v_bias = param(rngs, init.zeros, (G, K), ("heads", "kv"))
+        if cfg.use_bias:
             self.o_bias = param(rngs, init.zeros, (D,), ("embed",))
+        if cfg.qk_norm:  # Qwen 3: one [K] gain shared by the heads, for queries and for keys
+            self.q_norm = param(rngs, init.ones, (K,), ("kv",))
+            self.k_norm = param(rngs, init.ones, (K,), ("kv",))
 
     def _project(self, x_BTD: Array, name: str, dropout_rng: Array | None = None) -> Array:
         dt = self.cfg.dtype
         y_BTHK = project(self, name, "BTD,DHK->BTHK", x_BTD)
         y_BTHK = adapted(self, name, x_BTD, y_BTHK, dropout_rng)
-        if self.cfg.use_bias:
+        if self.cfg.use_bias or self.cfg.qkv_bias:
             y_BTHK = y_BTHK + lift(getattr(self, f"{name}_bias")[...].astype(dt), y_BTHK)
+        if self.cfg.qk_norm and name in "qk":  # per head over K, before RoPE
+            y_BTHK = rms_norm(y_BTHK, getattr(self, f"{name}_norm")[...], self.cfg.norm_eps)
         return constrain(y_BTHK, ("batch", "length", "heads", None))  # column-parallel under TP
 
     def project_kv(

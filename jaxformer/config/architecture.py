@@ -154,6 +154,9 @@ class ModelConfig:
     type_vocab_size: int = 0  # encoder: > 0 adds token-type (sentence A/B) embeddings (BERT: 2)
     scale_attention: bool = True  # attention logits / sqrt(K); T5 folds the scale into its initialisation
     use_bias: bool = True  # biases in projections (the paper's linear layers have them)
+    qkv_bias: bool = False  # biases on the query, key and value projections alone (Qwen 2), with use_bias=False
+    # RMSNorm over each head's K on queries and keys, before RoPE (Qwen 3, Gemma 3): a [K] gain each
+    qk_norm: bool = False
     share_embeddings: bool = True  # encoder and decoder input embeddings are one matrix
     tie_output: bool = True  # output logits use the (decoder) input embedding, transposed
     scale_embeddings: bool = True  # multiply embeddings by sqrt(D), paper section 3.4
@@ -218,6 +221,11 @@ class ModelConfig:
         for name in ("dropout_rate", "attention_dropout_rate"):
             rate = getattr(self, name)
             require(0.0 <= rate < 1.0, f"{p}.{name}", f"must be in [0, 1), got {rate}")
+        require(
+            not (self.qkv_bias and self.use_bias),
+            f"{p}.qkv_bias",
+            "use_bias=True already gives every projection a bias; qkv_bias adds them to q, k, v alone",
+        )
         require(self.norm_eps > 0, f"{p}.norm_eps", f"must be positive, got {self.norm_eps}")
         require(0 <= self.pad_id < self.vocab_size, f"{p}.pad_id", f"must be in [0, vocab_size={self.vocab_size})")
         if self.position == "sinusoidal":
