@@ -59,9 +59,11 @@ def fused_attention_args(mask: Mask | Array | None, B: int, T: int, S: int) -> d
         return {"mask": jnp.asarray(mask, bool)}
     args, rest = {}, Mask(q_segments=mask.q_segments, kv_segments=mask.kv_segments)
     if mask.causal and mask.q_offset is not None:
-        rest = dataclasses.replace(rest, causal=True, q_offset=mask.q_offset)
+        rest = dataclasses.replace(rest, causal=True, q_offset=mask.q_offset, window=mask.window)
     elif mask.causal:
         args["is_causal"] = True
+        if mask.window:  # the window's left side, the query itself not counted; nothing to its right
+            args["local_window_size"] = (mask.window - 1, 0)
     for name, key in (("q_lengths", "query_seq_lengths"), ("kv_lengths", "key_value_seq_lengths")):
         if getattr(mask, name) is not None:
             args[key] = jnp.broadcast_to(getattr(mask, name).astype(jnp.int32), (B,))
@@ -148,6 +150,8 @@ def _splash_unservable(mask, bias, B: int, T: int, S: int, H: int, G: int, spec_
         return "splash attention takes masks as structure, not a dense array"
     if isinstance(mask, Mask) and mask.causal and mask.q_offset is not None:
         return "splash attention's causal mask has no per-row offset (decoding several positions over a cache)"
+    if isinstance(mask, Mask) and mask.window:
+        return "jaxformer does not yet give splash attention a sliding window (its LocalMask)"
     if T % SPLASH_BLOCK or S % SPLASH_BLOCK:
         return f"splash attention needs query and key lengths that are multiples of {SPLASH_BLOCK}, not {T} and {S}"
     mesh = jax.sharding.get_abstract_mesh()
