@@ -1,7 +1,7 @@
-"""Golden files for tests/test_interop_families.py, made with transformers' PyTorch Qwen 2, Qwen 3 and
-Qwen 3 MoE (needs torch and transformers 4.57; CI has neither and reads the files).
+"""Golden files for tests/test_interop_families.py, made with transformers' PyTorch Qwen 2, Qwen 3,
+Qwen 3 MoE and Gemma 3 (needs torch and transformers 4.57; CI has neither and reads the files).
 
-    python scripts/make_family_golden.py               # rewrites tests/golden/{qwen2,qwen3,qwen3_moe}/
+    python scripts/make_family_golden.py               # rewrites tests/golden/{qwen2,qwen3,qwen3_moe,gemma3_text}/
     python scripts/make_family_golden.py qwen3         # one family
 
 Each directory holds a tiny random model as transformers writes it (config.json + model.safetensors)
@@ -9,7 +9,9 @@ and `logits.npz`: fixed inputs and transformers' float32 logits. All: vocabulary
 2 layers, 4 query heads over 2 key-value heads. Qwen 2: head dim 8 (d_model / heads), biases on
 q, k, v; Qwen 3: head dim 16 (not d_model / heads), QK-norm, tied embeddings; Qwen 3 MoE: layer 1
 of 2 sparse (decoder_sparse_step 2: layer 0 a dense feed-forward), 8 experts of width 8, top-2
-renormalised (norm_topk_prob), and in `logits_unnormalised` the same model with norm_topk_prob off.
+renormalised (norm_topk_prob), and in `logits_unnormalised` the same model with norm_topk_prob off;
+Gemma 3: layer 0 local over a window of 3 positions (RoPE base 10000), layer 1 global (RoPE base
+10^6), head dim 16, query_pre_attn_scalar 24, final logits soft-capped at 5, tied embeddings.
 Every parameter is drawn at a scale where the routing is decided by clear margins (checked), so the
 two implementations choose the same experts. Seeded: a rerun writes the same numbers.
 
@@ -33,16 +35,29 @@ from golden import TOLERANCE, against_saved, main, torch_logits  # scripts/golde
 
 GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "tests" / "golden"
 VOCAB, D, T = 64, 32, 8
-FAMILIES = ("qwen2", "qwen3", "qwen3_moe")
-CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "gemma3_text")
+CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+           "gemma3_text": "Gemma3ForCausalLM"}  # fmt: skip
 
 
 def _config(family: str):
     import transformers as tf
 
     common = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6, rope_theta=10_000.0,
-                  pad_token_id=0)  # fmt: skip
+                  num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6, pad_token_id=0)  # fmt: skip
+    if family == "gemma3_text":  # RoPE base 10^6 on the global layer, 10^4 on the local one
+        return tf.Gemma3TextConfig(
+            **common,
+            rope_theta=1_000_000.0,
+            head_dim=16,
+            tie_word_embeddings=True,
+            rope_local_base_freq=10_000.0,
+            sliding_window=3,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention"],
+            final_logit_softcapping=5.0,
+        )
+    common["rope_theta"] = 10_000.0
     if family == "qwen2":
         return tf.Qwen2Config(**common, tie_word_embeddings=False)
     if family == "qwen3":
@@ -131,7 +146,12 @@ def _ours_configs() -> dict:
     qwen3 = jf.llama(**small, head_dim=16, qk_norm=True, tie_output=True)
     moe = MoEConfig(num_experts=8, experts_per_token=2, router="softmax_topk", expert_d_ff=8)
     qwen3_moe = jf.llama(**small, head_dim=16, qk_norm=True, moe=moe)
-    return {"qwen2_ours": ("qwen2", qwen2), "qwen3_ours": ("qwen3", qwen3), "qwen3_moe_ours": ("qwen3_moe", qwen3_moe)}
+    # Gemma 3: 3 layers, layers 0 and 1 local over 4 positions, layer 2 global; the scale of K^-0.5
+    gemma = jf.llama(**small | dict(num_decoder_layers=3), head_dim=16, qk_norm=True, activation="geglu",
+                     norm_position="sandwich", norm_plus_one=True, scale_embeddings=True, tie_output=True,
+                     sliding_window=4, global_every=3, rope_local_base=10_000.0, rope_base=1_000_000.0)  # fmt: skip
+    return {"qwen2_ours": ("qwen2", qwen2), "qwen3_ours": ("qwen3", qwen3), "qwen3_moe_ours": ("qwen3_moe", qwen3_moe),
+            "gemma3_text_ours": ("gemma3_text", gemma)}  # fmt: skip
 
 
 def export(out: pathlib.Path) -> None:

@@ -10,7 +10,7 @@
 costs seconds of imports before any work) the tasks named after the mode: `remesh DIR` (decoder_only:
 its FSDP=8 state saved to DIR, restored on DP=4 and on 1 device) and `moe`.
     python tests/sharded_worker.py hf_moe GOLDEN           # Mixtral, Switch loaded onto fsdp=2 x expert=4
-    python tests/sharded_worker.py hf_families GOLDEN      # Qwen 2, 3, 3 MoE onto fsdp=2 x tensor=2 x expert=2
+    python tests/sharded_worker.py hf_families GOLDEN      # Qwen 2, 3, 3 MoE, Gemma 3 onto fsdp=2 x tensor=2 x expert=2
 
 Prints one JSON line of results for tests/test_sharding.py (hf_moe: tests/test_interop_moe.py, hf_families:
 tests/test_interop_families.py) to check.
@@ -383,7 +383,7 @@ def hf_moe_sharded(golden: str) -> dict:
 
 
 def hf_families_sharded(golden: str) -> dict:
-    """The golden Qwen 2, Qwen 3 and Qwen 3 MoE checkpoints (Qwen 3 MoE also scanned) loaded straight onto
+    """The golden Qwen 2, Qwen 3, Qwen 3 MoE and Gemma 3 checkpoints (Qwen 3 MoE also scanned) loaded onto
     an fsdp=2 x tensor=2 x expert=2 mesh: their logits against transformers' (the golden files, one
     program for all), every parameter against the same checkpoint loaded onto one device, and where the
     attention's and the experts' kernels landed."""
@@ -402,7 +402,7 @@ def hf_families_sharded(golden: str) -> dict:
     mesh_cfg = MeshConfig(fsdp=2, tensor=2, expert=2)
     mesh = sharding.make_mesh(mesh_cfg)
     cases = {"qwen2": ("qwen2", False), "qwen3": ("qwen3", False), "qwen3_moe": ("qwen3_moe", False),
-             "qwen3_moe_scanned": ("qwen3_moe", True)}  # fmt: skip
+             "qwen3_moe_scanned": ("qwen3_moe", True), "gemma3_text": ("gemma3_text", False)}  # fmt: skip
     models, out = {}, {}
     for name, (family, scan) in cases.items():
         directory = pathlib.Path(golden) / family

@@ -6,12 +6,14 @@ tensor, `jaxformer.interop.rules`). Adding a family is adding its module here an
 `FAMILIES` (its model_type, the base model's prefix, the tensors it ignores), and in `PEFT_MODULES`
 when PEFT adapters of it are read. A family that changes one part of another reuses the other's
 functions: Mixtral is Llama with experts in the feed-forward, Switch Transformers is T5 with them, and
-Qwen 2, Qwen 3 and Qwen 3 MoE are Llama with q, k, v biases, QK-norm, and many small experts.
+Qwen 2, Qwen 3 and Qwen 3 MoE are Llama with q, k, v biases, QK-norm, and many small experts;
+Gemma 3 reuses Llama's feed-forward rules.
 """
 
 from jaxformer.interop.families.bart import _bart_config, _bart_hf, _bart_rules
 from jaxformer.interop.families.bert import _bert_config, _bert_hf, _bert_rules
 from jaxformer.interop.families.common import Family
+from jaxformer.interop.families.gemma import _gemma3_config, _gemma3_hf, _gemma3_rules
 from jaxformer.interop.families.gpt2 import _gpt2_config, _gpt2_hf, _gpt2_rules
 from jaxformer.interop.families.llama import _llama_config, _llama_hf, _llama_rules
 from jaxformer.interop.families.mixtral import _mixtral_config, _mixtral_experts, _mixtral_hf
@@ -48,6 +50,7 @@ FAMILIES = {
     "qwen3": Family("qwen3", "model.", _qwen3_config, _qwen3_hf, _qwen3_rules, ignore=LLAMA_IGNORED),
     "qwen3_moe": Family("qwen3_moe", "model.", _qwen3_moe_config, _qwen3_moe_hf, _qwen3_moe_rules,
                         ignore=LLAMA_IGNORED),
+    "gemma3_text": Family("gemma3_text", "model.", _gemma3_config, _gemma3_hf, _gemma3_rules, ignore=LLAMA_IGNORED),
     "switch_transformers": Family("switch_transformers", "", _switch_config, _switch_hf,
                                   lambda cfg: _t5_rules(cfg, _switch_ffn), ignore=TIED_COPIES),
 }  # fmt: skip
@@ -62,8 +65,8 @@ LLAMA_PEFT = {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "o_proj": ("
 PEFT_MODULES = {
     "gpt2": {"c_attn": ("q", "k", "v"), "attn.c_proj": ("o",), "c_fc": ("wi",), "mlp.c_proj": ("wo",)},
     "llama": LLAMA_PEFT,
-    # Qwen 2 and 3 name their projections as Llama does (Qwen 2's q, k, v biases are not adapted).
-    "qwen2": LLAMA_PEFT, "qwen3": LLAMA_PEFT,
+    # Qwen 2, 3 and Gemma 3 name their projections as Llama does (Qwen 2's q, k, v biases are not adapted).
+    "qwen2": LLAMA_PEFT, "qwen3": LLAMA_PEFT, "gemma3_text": LLAMA_PEFT,
     # BERT's attention output and FFN output are both "...output.dense": fuller names tell them apart here;
     # in peft's suffix matching "output.dense" takes both (save_peft writes a regex for the FFN's alone).
     "bert": {"query": ("q",), "key": ("k",), "value": ("v",), "attention.output.dense": ("o",),
