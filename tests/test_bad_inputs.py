@@ -262,6 +262,7 @@ CLI_CASES = [
     cli_case(TRAIN + "model.attention_scale=-1", r"model\.attention_scale: must be positive \(or None\), got -1"),
     cli_case(TRAIN + "model.final_logit_softcap=-1", r"model\.final_logit_softcap: must be >= 0 \(0 = none\), got -1"),
     cli_case(TRAIN + "model.rope_local_base=100", r"model\.rope_local_base: is the local layers' RoPE base: needs"),
+    cli_case(TRAIN + "model.attention_softcap=-1", r"model\.attention_softcap: must be >= 0 \(0 = none\), got -1"),
     cli_case(TRAIN + "model.num_encoder_layers=0", r"model\.num_encoder_layers: "),
     cli_case(TRAIN + "model.num_classes=3", r"model\.num_classes: "),
     cli_case(TRAIN + "model.width=1", r"model\.width: unknown field \(known: "),  # nothing close: no guess

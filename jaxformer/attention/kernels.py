@@ -256,6 +256,7 @@ def dot_product_attention(
     return_weights: bool = False,
     implementation: AttentionImpl = "naive",
     spec_BTHK: tuple = (),
+    softcap: float = 0.0,
 ) -> Array | tuple[Array, Array]:
     """softmax(Q K^T * scale + bias, masked) V, with grouped-query support; scale 1/sqrt(K) by default.
 
@@ -282,6 +283,8 @@ def dot_product_attention(
         elsewhere, and the reference when weights or dropout are asked for.
       spec_BTHK: how [B, T, H, K] activations are split over the mesh in context (a
         PartitionSpec, as the sharding rules give it): splash runs once per shard of it.
+      softcap: > 0: the scaled logits become softcap * tanh(logits / softcap) before the bias and
+        the mask (Gemma 2); the reference path alone.
 
     Returns:
       out_BTHK in the dtype of v (and the weights if requested).
@@ -299,6 +302,7 @@ def dot_product_attention(
     mask = as_mask(mask)
     use_dropout = dropout_rate > 0.0 and dropout_rng is not None
     needs = "return weights" if return_weights else "apply dropout to probabilities" if use_dropout else None
+    needs = "soft-cap the attention logits" if softcap else needs
     backend = choose_backend(implementation, q_BTHK, needs)
     if backend != "naive":
         if kv_layout == "BGSK":
@@ -330,6 +334,8 @@ def dot_product_attention(
     # Logits and softmax in float32 whatever the compute dtype: bfloat16 exp/sum lose too much.
     logits = jnp.einsum(f"{q_spec},{kv_spec}->{w_spec}", q, k_BSGK, preferred_element_type=jnp.float32)
     logits_BHTS = logits.reshape(B, H, T, -1) * (1 / math.sqrt(K) if scale is None else scale)
+    if softcap:  # Gemma 2: the logits bounded smoothly to (-softcap, softcap)
+        logits_BHTS = softcap * jnp.tanh(logits_BHTS / softcap)
     if bias is not None:
         logits_BHTS = logits_BHTS + bias.astype(jnp.float32)
     if dense is not None:

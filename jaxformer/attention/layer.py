@@ -207,8 +207,7 @@ class MultiHeadAttention(nnx.Module):
         over its own keys, which then fill the cache's first slots (one reshard). Fewer new positions
         (a decoding step) are on every device: each attends to the slots it holds, the partial softmaxes
         combined by log-sum-exp (`ring.cache_attention`), and the device holding their slots writes them."""
-        if self.window:
-            raise ValueError(f"context parallelism has no sliding window yet (model.sliding_window={self.window})")
+        self._refuse_in_context()
         q_BTHK = self._queries(x_BTD, positions_BT, None)
         T, n = x_BTD.shape[1], context_ways()
         if mask.causal and mask.q_offset is None and T % n == 0 and T > 1:  # a prefill the axis divides
@@ -236,6 +235,7 @@ class MultiHeadAttention(nnx.Module):
                 self._context_attention(q_BTHK, k, v, mask, bias, positions_BT, kv_positions_BS), dropout_rng
             )
         if context_ways() > 1:  # decoding's cross-attention: the source's keys and values split by position
+            self._refuse_in_context()
             if bias is not None or not isinstance(mask, Mask) or mask.causal or mask.kv_segments is not None:
                 raise ValueError("context parallelism decodes over a memory masked by its lengths only")
             out_BTHK, _, _ = ring.cache_attention(
@@ -254,6 +254,7 @@ class MultiHeadAttention(nnx.Module):
             return_weights=return_weights,
             implementation=cfg.attention_impl,
             spec_BTHK=activation_spec(("batch", None, "heads", None)),  # splash runs per shard of it
+            softcap=cfg.attention_softcap,
         )  # fmt: skip
         out_BTHK, weights = result if return_weights else (result, None)
         y_BTD = self._out(out_BTHK, dropout_rng)
@@ -264,8 +265,7 @@ class MultiHeadAttention(nnx.Module):
         positions (as packed rows number them: causal within a segment is causal by position)."""
         if bias is not None or not (mask is None or isinstance(mask, Mask)) or (mask and mask.q_offset is not None):
             raise ValueError("context parallelism takes a structural mask only (no logits bias or q_offset)")
-        if self.window:
-            raise ValueError(f"context parallelism has no sliding window yet (model.sliding_window={self.window})")
+        self._refuse_in_context()
         mask = mask or Mask()
         return ring.context_attention(
             q_BTHK, k_BSGK, v_BSGK, strategy=self.cfg.context_attention, causal=mask.causal,
@@ -275,6 +275,15 @@ class MultiHeadAttention(nnx.Module):
             kv_lengths_B=mask.kv_lengths, q_lengths_B=mask.q_lengths,
             scale=self.cfg.logits_scale, spec_BTHK=activation_spec(("batch", None, "heads", None)),
         )  # fmt: skip
+
+    def _refuse_in_context(self) -> None:
+        """What the context-parallel paths cannot do yet: a sliding window, soft-capped logits."""
+        if self.window:
+            raise ValueError(f"context parallelism has no sliding window yet (model.sliding_window={self.window})")
+        if self.cfg.attention_softcap:
+            raise ValueError(
+                f"context parallelism has no soft-capped logits (model.attention_softcap={self.cfg.attention_softcap})"
+            )
 
     def _ring_kernel(self, q_BTHK: Array, k_BSGK: Array) -> str:
         """What attends each block inside the ring: the fused kernel `attention_impl` chooses (auto:

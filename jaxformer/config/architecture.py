@@ -165,6 +165,8 @@ class ModelConfig:
     # the attention logits' scale instead (Gemma: query_pre_attn_scalar^-0.5); None: as scale_attention says
     attention_scale: float | None = None
     final_logit_softcap: float = 0.0  # > 0: logits = c * tanh(logits / c) (Gemma 2: 30); 0 = none
+    # > 0: attention logits = c * tanh(logits / c) before the mask (Gemma 2: 50); the reference path alone
+    attention_softcap: float = 0.0
     use_bias: bool = True  # biases in projections (the paper's linear layers have them)
     qkv_bias: bool = False  # biases on the query, key and value projections alone (Qwen 2), with use_bias=False
     # RMSNorm over each head's K on queries and keys, before RoPE (Qwen 3, Gemma 3): a [K] gain each
@@ -269,6 +271,11 @@ class ModelConfig:
             0 <= self.final_logit_softcap < math.inf,
             f"{p}.final_logit_softcap",
             f"must be >= 0 (0 = none), got {self.final_logit_softcap}",
+        )
+        require(
+            0 <= self.attention_softcap < math.inf,
+            f"{p}.attention_softcap",
+            f"must be >= 0 (0 = none), got {self.attention_softcap}",
         )
         require(self.norm_eps > 0, f"{p}.norm_eps", f"must be positive, got {self.norm_eps}")
         require(0 <= self.pad_id < self.vocab_size, f"{p}.pad_id", f"must be in [0, vocab_size={self.vocab_size})")
