@@ -1,7 +1,7 @@
 """Golden files for tests/test_interop_families.py, made with transformers' PyTorch Qwen 2, Qwen 3,
-Qwen 3 MoE and Gemma 3 (needs torch and transformers 4.57; CI has neither and reads the files).
+Qwen 3 MoE, Gemma 3 and Gemma 2 (needs torch and transformers 4.57; CI has neither and reads the files).
 
-    python scripts/make_family_golden.py               # rewrites tests/golden/{qwen2,qwen3,qwen3_moe,gemma3_text}/
+    python scripts/make_family_golden.py               # rewrites tests/golden/<family>/, each family below
     python scripts/make_family_golden.py qwen3         # one family
 
 Each directory holds a tiny random model as transformers writes it (config.json + model.safetensors)
@@ -11,7 +11,8 @@ q, k, v; Qwen 3: head dim 16 (not d_model / heads), QK-norm, tied embeddings; Qw
 of 2 sparse (decoder_sparse_step 2: layer 0 a dense feed-forward), 8 experts of width 8, top-2
 renormalised (norm_topk_prob), and in `logits_unnormalised` the same model with norm_topk_prob off;
 Gemma 3: layer 0 local over a window of 3 positions (RoPE base 10000), layer 1 global (RoPE base
-10^6), head dim 16, query_pre_attn_scalar 24, final logits soft-capped at 5, tied embeddings.
+10^6), head dim 16, query_pre_attn_scalar 24, final logits soft-capped at 5, tied embeddings; Gemma 2:
+the same layers with one RoPE base, no QK-norm, attention logits soft-capped at 2 (where a cap bites).
 Every parameter is drawn at a scale where the routing is decided by clear margins (checked), so the
 two implementations choose the same experts. Seeded: a rerun writes the same numbers.
 
@@ -35,9 +36,9 @@ from golden import TOLERANCE, against_saved, main, torch_logits  # scripts/golde
 
 GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "tests" / "golden"
 VOCAB, D, T = 64, 32, 8
-FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "gemma3_text")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma2")
 CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-           "gemma3_text": "Gemma3ForCausalLM"}  # fmt: skip
+           "gemma3_text": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}  # fmt: skip
 
 
 def _config(family: str):
@@ -46,18 +47,16 @@ def _config(family: str):
     common = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6, pad_token_id=0)  # fmt: skip
     if family == "gemma3_text":  # RoPE base 10^6 on the global layer, 10^4 on the local one
-        return tf.Gemma3TextConfig(
-            **common,
-            rope_theta=1_000_000.0,
-            head_dim=16,
-            tie_word_embeddings=True,
-            rope_local_base_freq=10_000.0,
-            sliding_window=3,
-            query_pre_attn_scalar=24,
-            layer_types=["sliding_attention", "full_attention"],
-            final_logit_softcapping=5.0,
-        )
+        return tf.Gemma3TextConfig(**common, rope_theta=1_000_000.0, head_dim=16, tie_word_embeddings=True,
+                                   rope_local_base_freq=10_000.0, sliding_window=3, query_pre_attn_scalar=24,
+                                   layer_types=["sliding_attention", "full_attention"],
+                                   final_logit_softcapping=5.0)  # fmt: skip
     common["rope_theta"] = 10_000.0
+    if family == "gemma2":  # layer 0 local over 3 positions, layer 1 global; both soft caps
+        # eager: transformers' SDPA path drops attn_logit_softcapping (its eager one is Gemma 2's reference)
+        return tf.Gemma2Config(**common, head_dim=16, tie_word_embeddings=True, sliding_window=3,
+                               query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+                               attn_implementation="eager")  # fmt: skip
     if family == "qwen2":
         return tf.Qwen2Config(**common, tie_word_embeddings=False)
     if family == "qwen3":
@@ -66,9 +65,9 @@ def _config(family: str):
                              moe_intermediate_size=8, decoder_sparse_step=2, norm_topk_prob=True)  # fmt: skip
 
 
-def _randomize(model) -> None:
+def _randomize(model, scale: float = 0.3) -> None:
     """Every parameter random at a scale that makes the logits and the routing decisive: norm scales
-    near 1, everything else N(0, 0.3^2)."""
+    near 1, everything else N(0, scale^2)."""
     import torch
 
     with torch.no_grad():
@@ -76,7 +75,7 @@ def _randomize(model) -> None:
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
-                p.copy_(0.3 * torch.randn_like(p))
+                p.copy_(scale * torch.randn_like(p))
 
 
 def _inputs() -> dict:
@@ -109,7 +108,8 @@ def make(family: str) -> None:
 
     torch.manual_seed(0)
     model = getattr(transformers, CLASSES[family])(_config(family)).float().eval()
-    _randomize(model)
+    # Gemma 2 (no QK-norm: logits of 0.3-scale weights reach float32's 1e-5 limit through the soft cap) at 0.2
+    _randomize(model, 0.2 if family == "gemma2" else 0.3)
     out = GOLDEN / family
     shutil.rmtree(out, ignore_errors=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -150,8 +150,10 @@ def _ours_configs() -> dict:
     gemma = jf.llama(**small | dict(num_decoder_layers=3), head_dim=16, qk_norm=True, activation="geglu",
                      norm_position="sandwich", norm_plus_one=True, scale_embeddings=True, tie_output=True,
                      sliding_window=4, global_every=3, rope_local_base=10_000.0, rope_base=1_000_000.0)  # fmt: skip
+    gemma2 = gemma.replace(qk_norm=False, rope_local_base=None, rope_base=10_000.0, global_every=2,
+                           num_decoder_layers=4, attention_softcap=2.0, final_logit_softcap=5.0)  # fmt: skip
     return {"qwen2_ours": ("qwen2", qwen2), "qwen3_ours": ("qwen3", qwen3), "qwen3_moe_ours": ("qwen3_moe", qwen3_moe),
-            "gemma3_text_ours": ("gemma3_text", gemma)}  # fmt: skip
+            "gemma3_text_ours": ("gemma3_text", gemma), "gemma2_ours": ("gemma2", gemma2)}  # fmt: skip
 
 
 def export(out: pathlib.Path) -> None:
@@ -195,7 +197,8 @@ def check(out: pathlib.Path) -> None:
         d = out / case
         fields = json.loads((d / "config.json").read_text())
         cls = getattr(tf, CLASSES[fields["model_type"]])
-        model, info = cls.from_pretrained(d, output_loading_info=True)
+        eager = {"attn_implementation": "eager"} if fields["model_type"] == "gemma2" else {}  # as in `_config`
+        model, info = cls.from_pretrained(d, output_loading_info=True, **eager)
         model = model.float().eval()
         unexpected, missing = info["unexpected_keys"], [k for k in info["missing_keys"] if "lm_head" not in k]
         assert not unexpected and not missing, (case, unexpected, missing)

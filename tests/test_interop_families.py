@@ -1,10 +1,10 @@
-"""Qwen 2, Qwen 3, Qwen 3 MoE and Gemma 3 checkpoints in and out, against transformers' PyTorch models;
+"""Qwen 2, Qwen 3, Qwen 3 MoE, Gemma 3 and Gemma 2 checkpoints in and out, against transformers' PyTorch models;
 the sliding window Gemma 3's local layers attend over, in the reference, the fused path and the cache.
 
 CI has no torch: scripts/make_family_golden.py (run by hand with torch and transformers 4.57) wrote
 tiny random models as transformers saves them and transformers' logits on fixed inputs
-(tests/golden/qwen2, qwen3, qwen3_moe, gemma3_text). Here `load_hf` must give those logits, unrolled, scanned and
-loaded onto a mesh, and `save_hf` must write back the same tensors and config fields. (The other
+(tests/golden/qwen2, qwen3, qwen3_moe, gemma3_text, gemma2). Here `load_hf` must give those logits,
+unrolled, scanned and loaded onto a mesh, and `save_hf` must write back the same tensors and config fields. (The other
 direction, transformers reading what `save_hf` writes: `make_family_golden.py export` / `check`.)
 """
 
@@ -25,7 +25,7 @@ from safetensors.numpy import load_file
 from jaxformer.interop import hf
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
-FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "gemma3_text")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma2")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -79,8 +79,9 @@ def test_imported_models_give_transformers_logits(imported):
     """Qwen 2 (q, k, v biases), Qwen 3 (QK-norm, head dim 16 with d_model 32 over 4 heads), Qwen 3 MoE
     (layer 0 dense, layer 1 top-2 of 8 small experts, renormalised and not) and Gemma 3 (layer 0 local over
     3 positions of 8, layer 1 global, each its RoPE base; sandwich norms of (1 + w), logits soft-capped)
-    within 1e-5 of transformers' float32 logits, unrolled and scanned; Gemma 3 also through XLA's fused
-    attention (the window as local_window_size) and decoded over its cache one token a step."""
+    and Gemma 2 (the same with one RoPE base, no QK-norm, attention logits soft-capped at 2) within 1e-5 of
+    transformers' float32 logits, unrolled and scanned; Gemma 3 also through XLA's fused attention (the
+    window as local_window_size) and decoded over its cache one token a step."""
     models, logits, refs = imported
     cfg = {f: models[f].cfg for f in FAMILIES}
     assert cfg["qwen2"].qkv_bias and not cfg["qwen2"].use_bias and not cfg["qwen2"].qk_norm
@@ -96,6 +97,7 @@ def test_imported_models_give_transformers_logits(imported):
     assert [gemma.is_local_layer(i) for i in range(2)] == [True, False] and gemma.norm_position == "sandwich"
     for name in ("gemma3_text_xla", "gemma3_text_cached"):
         np.testing.assert_allclose(logits[name], refs["gemma3_text"]["logits"], atol=1e-5, rtol=0, err_msg=name)
+    assert cfg["gemma2"].attention_softcap == 2.0 and not cfg["gemma2"].qk_norm
     unnormalised = refs["qwen3_moe"]["logits_unnormalised"]
     np.testing.assert_allclose(logits["qwen3_moe_unnormalised"], unnormalised, atol=1e-5, rtol=0)
     assert np.abs(unnormalised - refs["qwen3_moe"]["logits"]).max() > 0.01  # the two routers differ here
@@ -160,10 +162,10 @@ def test_what_jaxformer_cannot_express_is_refused_naming_the_field():
 
 
 def test_peft_adapts_the_dense_families_projections_by_their_hub_names():
-    """PEFT's target modules of Qwen 2, 3 and Gemma 3 are Llama's seven projections in every layer; Qwen 3 MoE's
+    """PEFT's target modules of Qwen 2, 3 and Gemma 3, 2 are Llama's seven projections in every layer; Qwen 3 MoE's
     experts are not read as PEFT modules (refused naming the family)."""
     want = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    for f in ("qwen2", "qwen3", "gemma3_text"):
+    for f in ("qwen2", "qwen3", "gemma3_text", "gemma2"):
         modules = hf.peft_modules(f, hf.config_from_hf(_golden_config(f)))
         assert {m.target for m in modules} == want and len(modules) == 2 * len(want), f
         assert modules[0].name == "model.layers.0.self_attn.q_proj"

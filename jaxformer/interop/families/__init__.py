@@ -13,7 +13,14 @@ Gemma 3 reuses Llama's feed-forward rules.
 from jaxformer.interop.families.bart import _bart_config, _bart_hf, _bart_rules
 from jaxformer.interop.families.bert import _bert_config, _bert_hf, _bert_rules
 from jaxformer.interop.families.common import Family
-from jaxformer.interop.families.gemma import _gemma3_config, _gemma3_hf, _gemma3_rules
+from jaxformer.interop.families.gemma import (
+    _gemma2_config,
+    _gemma2_hf,
+    _gemma2_rules,
+    _gemma3_config,
+    _gemma3_hf,
+    _gemma3_rules,
+)
 from jaxformer.interop.families.gpt2 import _gpt2_config, _gpt2_hf, _gpt2_rules
 from jaxformer.interop.families.llama import _llama_config, _llama_hf, _llama_rules
 from jaxformer.interop.families.mixtral import _mixtral_config, _mixtral_experts, _mixtral_hf
@@ -51,6 +58,7 @@ FAMILIES = {
     "qwen3_moe": Family("qwen3_moe", "model.", _qwen3_moe_config, _qwen3_moe_hf, _qwen3_moe_rules,
                         ignore=LLAMA_IGNORED),
     "gemma3_text": Family("gemma3_text", "model.", _gemma3_config, _gemma3_hf, _gemma3_rules, ignore=LLAMA_IGNORED),
+    "gemma2": Family("gemma2", "model.", _gemma2_config, _gemma2_hf, _gemma2_rules, ignore=LLAMA_IGNORED),
     "switch_transformers": Family("switch_transformers", "", _switch_config, _switch_hf,
                                   lambda cfg: _t5_rules(cfg, _switch_ffn), ignore=TIED_COPIES),
 }  # fmt: skip
@@ -66,7 +74,7 @@ PEFT_MODULES = {
     "gpt2": {"c_attn": ("q", "k", "v"), "attn.c_proj": ("o",), "c_fc": ("wi",), "mlp.c_proj": ("wo",)},
     "llama": LLAMA_PEFT,
     # Qwen 2, 3 and Gemma 3 name their projections as Llama does (Qwen 2's q, k, v biases are not adapted).
-    "qwen2": LLAMA_PEFT, "qwen3": LLAMA_PEFT, "gemma3_text": LLAMA_PEFT,
+    "qwen2": LLAMA_PEFT, "qwen3": LLAMA_PEFT, "gemma3_text": LLAMA_PEFT, "gemma2": LLAMA_PEFT,
     # BERT's attention output and FFN output are both "...output.dense": fuller names tell them apart here;
     # in peft's suffix matching "output.dense" takes both (save_peft writes a regex for the FFN's alone).
     "bert": {"query": ("q",), "key": ("k",), "value": ("v",), "attention.output.dense": ("o",),

@@ -1,11 +1,14 @@
-"""Gemma 3's text model (`gemma3_text`): its config.json both ways and one rule per tensor.
+"""Gemma 3's text model (`gemma3_text`) and Gemma 2 (`gemma2`): their config.json both ways and one
+rule per tensor.
 
 Gemma 3 is a decoder whose layers alternate local attention over a sliding window (RoPE base
 `rope_local_base_freq`) with a global layer every few (RoPE base `rope_theta`), `layer_types` saying
 which; each sublayer has a norm before and after it (`norm_position="sandwich"`), every RMSNorm
 scales by (1 + w) (`norm_plus_one`), queries and keys are normalised per head (`qk_norm`), the
 embeddings are scaled by sqrt(D), the feed-forward is GeGLU with the tanh GELU, the attention
-logits are scaled by `query_pre_attn_scalar`^-0.5, and the final logits may be soft-capped.
+logits are scaled by `query_pre_attn_scalar`^-0.5, and the final logits may be soft-capped. Gemma 2
+is the same less QK-norm and the local layers' RoPE base, its attention logits soft-capped too
+(`attention_softcap`), a local layer every other one.
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ from jaxformer.interop.rules import Rule, UnsupportedCheckpoint, attention, norm
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
 
 
-def _global_every(hf: dict, layers: int) -> int:
+def _global_every(hf: dict, layers: int, pattern: int) -> int:
     """`layer_types` as jaxformer's `global_every` (layer i global when (i + 1) % every == 0; 0: none)."""
     kinds = _get(hf, "layer_types", None)
-    if kinds is None:  # transformers' default: sliding_window_pattern (6)
-        every = _get(hf, "sliding_window_pattern", 6)
+    if kinds is None:  # transformers' default: Gemma 3's sliding_window_pattern (6), Gemma 2's 2
+        every = _get(hf, "sliding_window_pattern", pattern)
         kinds = [GLOBAL if (i + 1) % every == 0 else LOCAL for i in range(layers)]
     if not isinstance(kinds, list) or len(kinds) != layers or not set(kinds) <= {LOCAL, GLOBAL}:
         raise UnsupportedCheckpoint(f"config.json: layer_types={kinds!r} must list {LOCAL!r} or {GLOBAL!r} per layer")
@@ -38,16 +41,26 @@ def _global_every(hf: dict, layers: int) -> int:
 
 
 def _gemma3_config(hf: dict) -> dict:
-    _require(hf, "hidden_activation", ("gelu_pytorch_tanh",), "gelu_pytorch_tanh")
-    _require(hf, "attention_bias", (False,), False)
     _require(hf, "attn_logit_softcapping", (None,))
     _require(hf, "use_bidirectional_attention", (False,), False)
+    return _gemma_config(hf, pattern=6)
+
+
+def _gemma2_config(hf: dict) -> dict:
+    cap, base = float(_get(hf, "attn_logit_softcapping", 0.0)), float(_get(hf, "rope_theta", 10_000.0))
+    fields = _gemma_config(hf, pattern=2)  # one RoPE base for every layer
+    return fields | dict(qk_norm=False, attention_softcap=cap, rope_base=base, rope_local_base=None)
+
+
+def _gemma_config(hf: dict, pattern: int) -> dict:
+    _require(hf, "hidden_activation", ("gelu_pytorch_tanh",), "gelu_pytorch_tanh")
+    _require(hf, "attention_bias", (False,), False)
     scaling = hf.get("rope_scaling")
     if scaling not in (None, {"rope_type": "default"}):
         raise UnsupportedCheckpoint(f"config.json: rope_scaling={scaling!r} is not supported (jaxformer reads None)")
     D, H, layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
     K = _get(hf, "head_dim", 256)
-    every = _global_every(hf, layers)
+    every = _global_every(hf, layers, pattern)
     window = hf.get("sliding_window") if every != 1 else 0  # every layer global: no window
     if every != 1 and (not isinstance(window, int) or window < 1):
         raise UnsupportedCheckpoint(f"config.json: sliding_window={window!r} must be a positive number of positions")
@@ -82,6 +95,15 @@ def _gemma3_hf(cfg: ModelConfig) -> dict:
         final_logit_softcapping=cfg.final_logit_softcap or None, attn_logit_softcapping=None, rope_scaling=None,
         tie_word_embeddings=cfg.tie_output, **_pad_token(cfg),
     )  # fmt: skip
+
+
+def _gemma2_hf(cfg: ModelConfig) -> dict:
+    hf = {k: v for k, v in _gemma3_hf(cfg).items() if k != "rope_local_base_freq"}
+    return hf | dict(architectures=["Gemma2ForCausalLM"], attn_logit_softcapping=cfg.attention_softcap or None)
+
+
+def _gemma2_rules(cfg: ModelConfig) -> list[Rule]:
+    return [r for r in _gemma3_rules(cfg) if not r.theirs.endswith(("q_norm.weight", "k_norm.weight"))]
 
 
 def _gemma3_rules(cfg: ModelConfig) -> list[Rule]:
