@@ -150,8 +150,6 @@ def _splash_unservable(mask, bias, B: int, T: int, S: int, H: int, G: int, spec_
         return "splash attention takes masks as structure, not a dense array"
     if isinstance(mask, Mask) and mask.causal and mask.q_offset is not None:
         return "splash attention's causal mask has no per-row offset (decoding several positions over a cache)"
-    if isinstance(mask, Mask) and mask.window:
-        return "jaxformer does not yet give splash attention a sliding window (its LocalMask)"
     if T % SPLASH_BLOCK or S % SPLASH_BLOCK:
         return f"splash attention needs query and key lengths that are multiples of {SPLASH_BLOCK}, not {T} and {S}"
     mesh = jax.sharding.get_abstract_mesh()
@@ -213,11 +211,14 @@ def _splash(q_BTHK, k_BSGK, v_BSGK, mask: Mask | None, scale: float | None, spec
             q_ids_BT = jnp.where(jnp.arange(T)[None, :] < mask.q_lengths[:, None], q_ids_BT, 0)
         segments = (jnp.where(q_ids_BT == 0, -1, q_ids_BT), kv_ids_BS)
     causal = isinstance(mask, Mask) and mask.causal
+    window = mask.window if causal else 0
     blocks = splash.BlockSizes(*(SPLASH_BLOCK,) * 2, *(SPLASH_BLOCK,) * 6)
 
     def attend(q_BTHK, k_BSGK, v_BSGK, *segments):  # one shard: its rows and heads
         H_local = q_BTHK.shape[2]
         one = splash.CausalMask((T, S)) if causal else splash.FullMask((T, S))
+        if window:  # the causal band of the window: window - 1 keys before the query, none after
+            one = splash.LocalMask((T, S), window_size=(window - 1, 0), offset=0)
         kernel = splash.make_splash_mha(
             splash.MultiHeadMask([one] * H_local), block_sizes=blocks, head_shards=1, q_seq_shards=1
         )
