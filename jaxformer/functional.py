@@ -223,7 +223,7 @@ def swiglu(gate: Array, up: Array) -> Array:
 
 
 def geglu(gate: Array, up: Array) -> Array:
-    """GEGLU (Shazeer 2020): gelu(x W_gate) * (x W_up), tanh GELU as in T5 v1.1.
+    """GEGLU (Shazeer 2020): gelu(x W_gate) * (x W_up), tanh GELU as in T5 v1.1 and Gemma.
 
     Args:
         gate: x W_gate, [B, T, F].
@@ -265,13 +265,14 @@ def layer_norm(x: Array, scale: Array | None, bias: Array | None, eps: float = 1
     return y.astype(x.dtype)
 
 
-def rms_norm(x: Array, scale: Array | None, eps: float = 1e-6) -> Array:
+def rms_norm(x: Array, scale: Array | None, eps: float = 1e-6, *, plus_one: bool = False) -> Array:
     """RMSNorm (Zhang & Sennrich 2019) over the last axis; statistics in float32.
 
     Args:
         x: [..., D].
         scale: [D] gain, or None.
         eps: added to the mean square.
+        plus_one: the gain is (1 + scale), as Gemma stores it (scale initialised at 0).
 
     Returns:
         x's shape and dtype.
@@ -279,7 +280,8 @@ def rms_norm(x: Array, scale: Array | None, eps: float = 1e-6) -> Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps)
     if scale is not None:
-        y = y * lift(scale.astype(jnp.float32), y)
+        gain = scale.astype(jnp.float32)
+        y = y * lift(1.0 + gain if plus_one else gain, y)
     return y.astype(x.dtype)
 
 

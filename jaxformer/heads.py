@@ -20,7 +20,8 @@ init = nnx.initializers
 
 class LMHead(nnx.Module):
     """Vocabulary logits [B, T, V]: tied to an embedding (x E^T, times D^-0.5 first with
-    `scale_tied_logits`) or an untied kernel; plus a bias with `logits_bias`.
+    `scale_tied_logits`) or an untied kernel; plus a bias with `logits_bias`; soft-capped with
+    `final_logit_softcap`.
 
     Args:
         cfg: the model's config.
@@ -55,6 +56,8 @@ class LMHead(nnx.Module):
             logits_BTV = constrain(adapted(self, "kernel", x_BTD, logits_BTV, None), ("batch", "length", "vocab"))
         if hasattr(self, "bias"):
             logits_BTV = logits_BTV + F.lift(self.bias[...].astype(dt), logits_BTV)
+        if cap := self.cfg.final_logit_softcap:  # Gemma 2's soft cap: c * tanh(logits / c), in float32
+            logits_BTV = (cap * jnp.tanh(logits_BTV.astype(jnp.float32) / cap)).astype(logits_BTV.dtype)
         # The paper's Generator: log-softmax, in float32.
         return jax.nn.log_softmax(logits_BTV.astype(jnp.float32)) if log_softmax else logits_BTV
 

@@ -233,7 +233,7 @@ class Norm(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.scale = param(rngs, init.ones, (cfg.d_model,), ("embed",))
+        self.scale = param(rngs, init.zeros if cfg.norm_plus_one else init.ones, (cfg.d_model,), ("embed",))
         if cfg.norm == "layernorm":
             self.bias = param(rngs, init.zeros, (cfg.d_model,), ("embed",))
 
@@ -247,7 +247,7 @@ class Norm(nnx.Module):
             [B, T, D] normalised and scaled (and shifted, for layernorm), in x's dtype.
         """
         if self.cfg.norm == "rmsnorm":
-            return F.rms_norm(x_BTD, self.scale[...], self.cfg.norm_eps)
+            return F.rms_norm(x_BTD, self.scale[...], self.cfg.norm_eps, plus_one=self.cfg.norm_plus_one)
         return F.layer_norm(x_BTD, self.scale[...], self.bias[...], self.cfg.norm_eps)
 
 
@@ -309,6 +309,7 @@ class Residual(nnx.Module):
 
     post (paper):  LayerNorm(x + Dropout(Sublayer(x)))
     pre (Annotated Transformer, GPT-2):  x + Dropout(Sublayer(LayerNorm(x)))
+    sandwich (Gemma 2, 3):  x + Dropout(PostNorm(Sublayer(Norm(x))))
 
     Args:
         cfg: the model's config (norm_position, norm, dropout_rate).
@@ -318,6 +319,8 @@ class Residual(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.norm = Norm(cfg, rngs=rngs)
+        if cfg.norm_position == "sandwich":
+            self.post_norm = Norm(cfg, rngs=rngs)
 
     def __call__(
         self, x_BTD: Array, sublayer: Callable, dropout_rng: Array | None, has_aux: bool = False
@@ -337,9 +340,11 @@ class Residual(nnx.Module):
         def run(h_BTD):
             y = sublayer(h_BTD)
             y_BTD, aux = y if has_aux else (y, None)
+            if self.cfg.norm_position == "sandwich":
+                y_BTD = self.post_norm(y_BTD)
             return F.dropout(y_BTD, self.cfg.dropout_rate, dropout_rng), aux
 
-        if self.cfg.norm_position == "pre":
+        if self.cfg.norm_position != "post":
             x_BTD = materialized_grad(x_BTD)
             y_BTD, aux = run(self.norm(x_BTD))
             x_BTD = x_BTD + y_BTD
@@ -428,11 +433,12 @@ class DecoderLayer(nnx.Module):
         cfg: the model's config.
         cross: with cross-attention over the encoder memory (encoder_decoder).
         moe: the feed-forward is a mixture of experts.
+        local: the self-attention sees the `sliding_window` latest positions alone (`cfg.is_local_layer`).
         rngs: the initialisation keys.
     """
 
-    def __init__(self, cfg: ModelConfig, *, cross: bool, moe: bool = False, rngs: nnx.Rngs):
-        self.self_attn = MultiHeadAttention(cfg, rngs=rngs)
+    def __init__(self, cfg: ModelConfig, *, cross: bool, moe: bool = False, local: bool = False, rngs: nnx.Rngs):
+        self.self_attn = MultiHeadAttention(cfg, window=cfg.sliding_window if local else 0, rngs=rngs)
         self.self_attn_res = Residual(cfg, rngs=rngs)
         if cross:
             self.cross_attn = MultiHeadAttention(cfg, cross=True, rngs=rngs)

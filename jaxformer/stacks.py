@@ -120,7 +120,7 @@ class TransformerStack(nnx.Module):
         if cfg.position == "relative":
             self.relative_bias = RelativePositionBias(cfg, bidirectional=not causal, rngs=rngs)
         self.stack = LayerStack(cfg, make_layer, num_layers, rngs=rngs)
-        if cfg.norm_position == "pre":
+        if cfg.norm_position != "post":
             self.final_norm = Norm(cfg, rngs=rngs)
 
     def embed_inputs(self, ids_BT: Array, positions_BT: Array, token_types_BT: Array | None) -> Array:
@@ -198,7 +198,7 @@ class TransformerStack(nnx.Module):
         mask = self_attention_mask(lengths, segments, causal=self.causal)
         layer_inputs |= self.position_bias(positions_BT, positions_BT)
         x_BTD = self.stack(x_BTD, mask=mask, positions_BT=positions_BT, dropout_rng=r_layers, **layer_inputs)
-        return self.final_norm(x_BTD) if cfg.norm_position == "pre" else x_BTD
+        return self.final_norm(x_BTD) if cfg.norm_position != "post" else x_BTD
 
     def extend(self, ids_BT: Array, positions_BT: Array | None, cache: list, **layer_inputs) -> tuple[Array, list]:
         """Decoding: new ids [B, T] at `positions_BT` (per row; None: a prefill from position 0)
@@ -223,7 +223,7 @@ class TransformerStack(nnx.Module):
         slots_BS = jnp.broadcast_to(jnp.arange(S), (B, S))
         layer_inputs |= self.position_bias(positions_BT, slots_BS)  # slot s holds position s
         x_BTD, cache = self.stack.extend(x_BTD, cache, mask=mask, positions_BT=positions_BT, **layer_inputs)
-        return (self.final_norm(x_BTD) if self.cfg.norm_position == "pre" else x_BTD), cache
+        return (self.final_norm(x_BTD) if self.cfg.norm_position != "post" else x_BTD), cache
 
 
 def Encoder(cfg: ModelConfig, embed: Embed, *, rngs: nnx.Rngs) -> TransformerStack:
@@ -262,7 +262,9 @@ def Decoder(cfg: ModelConfig, embed: Embed, *, cross: bool, rngs: nnx.Rngs) -> T
     return TransformerStack(
         cfg,
         embed,
-        lambda r, i: DecoderLayer(cfg, cross=cross, moe=cfg.moe.is_moe_layer("decoder", i), rngs=r),
+        lambda r, i: DecoderLayer(
+            cfg, cross=cross, moe=cfg.moe.is_moe_layer("decoder", i), local=cfg.is_local_layer(i), rngs=r
+        ),
         cfg.num_decoder_layers,
         causal=True,
         rngs=rngs,

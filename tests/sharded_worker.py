@@ -10,8 +10,10 @@
 costs seconds of imports before any work) the tasks named after the mode: `remesh DIR` (decoder_only:
 its FSDP=8 state saved to DIR, restored on DP=4 and on 1 device) and `moe`.
     python tests/sharded_worker.py hf_moe GOLDEN           # Mixtral, Switch loaded onto fsdp=2 x expert=4
+    python tests/sharded_worker.py hf_families GOLDEN      # Qwen 2, 3, 3 MoE, Gemma 3 onto fsdp=2 x tensor=2 x expert=2
 
-Prints one JSON line of results for tests/test_sharding.py (hf_moe: tests/test_interop_moe.py) to check.
+Prints one JSON line of results for tests/test_sharding.py (hf_moe: tests/test_interop_moe.py, hf_families:
+tests/test_interop_families.py) to check.
 """
 
 from __future__ import annotations
@@ -380,6 +382,50 @@ def hf_moe_sharded(golden: str) -> dict:
     return out
 
 
+def hf_families_sharded(golden: str) -> dict:
+    """The golden Qwen 2, Qwen 3, Qwen 3 MoE and Gemma 3 checkpoints (Qwen 3 MoE also scanned) loaded onto
+    an fsdp=2 x tensor=2 x expert=2 mesh: their logits against transformers' (the golden files, one
+    program for all), every parameter against the same checkpoint loaded onto one device, and where the
+    attention's and the experts' kernels landed."""
+    import pathlib
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxformer import sharding
+    from jaxformer.config import MeshConfig
+    from jaxformer.interop.hf import load_hf
+
+    def flat(model):
+        return {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+    mesh_cfg = MeshConfig(fsdp=2, tensor=2, expert=2)
+    mesh = sharding.make_mesh(mesh_cfg)
+    cases = {"qwen2": ("qwen2", False), "qwen3": ("qwen3", False), "qwen3_moe": ("qwen3_moe", False),
+             "qwen3_moe_scanned": ("qwen3_moe", True), "gemma3_text": ("gemma3_text", False)}  # fmt: skip
+    models, out = {}, {}
+    for name, (family, scan) in cases.items():
+        directory = pathlib.Path(golden) / family
+        reference = flat(load_hf(directory, scan_layers=scan))
+        with sharding.use(mesh, sharding.rules_for(mesh_cfg)):
+            models[name] = load_hf(directory, mesh=mesh, scan_layers=scan)
+        params = flat(models[name])
+        diff = max(float(np.abs(np.asarray(v) - np.asarray(reference[k])).max()) for k, v in params.items())
+        out[name] = {
+            "max_abs_diff": diff,
+            "specs": {k: str(tuple(v.sharding.spec)) for k, v in params.items()
+                      if k.endswith(("self_attn.q", "self_attn.q_bias", "self_attn.q_norm", "ffn.wi"))},
+            "devices": sorted({d.id for v in params.values() for d in v.sharding.device_set}),
+        }  # fmt: skip
+    ids = jnp.asarray(np.load(pathlib.Path(golden) / "qwen2" / "logits.npz")["input_ids"])
+    with sharding.use(mesh, sharding.rules_for(mesh_cfg)), jax.default_matmul_precision("highest"):
+        logits = nnx.jit(lambda ms, ids: {k: m(ids) for k, m in ms.items()})(models, ids)
+    for name, (family, _) in cases.items():
+        ref = np.load(pathlib.Path(golden) / family / "logits.npz")["logits"]
+        out[name]["logits_diff"] = float(np.abs(np.asarray(logits[name]) - ref).max())
+    return out
+
+
 def data_shares(mesh_shape, cache_dir: str) -> dict:
     """This process's rows of a few global batches of real data (pairs, bucketed; MLM, masked per
     row), read through the loader as `fit` reads them: {objective: [[example index, ...], ...]} and
@@ -430,6 +476,8 @@ def main() -> None:
         print(json.dumps(hf_sharded(sys.argv[2])))
     elif task == "hf_moe":
         print(json.dumps(hf_moe_sharded(sys.argv[2])))
+    elif task == "hf_families":
+        print(json.dumps(hf_families_sharded(sys.argv[2])))
     elif task == "moe":
         print(json.dumps(moe()))
     elif task == "singlehost":

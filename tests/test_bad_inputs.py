@@ -263,6 +263,18 @@ CLI_CASES = [
     cli_case(TRAIN + "model.attention_impl=flash", r"model\.attention_impl: 'flash' is not one of the choices"),
     cli_case(TRAIN + "model.matmul_precision=max", r"model\.matmul_precision: 'max' is not one of the choices"),
     cli_case(TRAIN + "model.num_kv_heads=3", r"model\.num_kv_heads: "),
+    cli_case(TRAIN + "model.qkv_bias=true", r"model\.qkv_bias: use_bias=True already gives every projection a bias"),
+    cli_case(
+        TRAIN + "model.sliding_window=4", r"model\.sliding_window: a window over the latest positions is a causal"
+    ),
+    cli_case(
+        TRAIN + "model.global_every=2", r"model\.global_every: places global layers among local ones: set sliding"
+    ),
+    cli_case(TRAIN + "model.norm_plus_one=true", r"model\.norm_plus_one: scales an RMSNorm by \(1 \+ w\): needs norm="),
+    cli_case(TRAIN + "model.attention_scale=-1", r"model\.attention_scale: must be positive \(or None\), got -1"),
+    cli_case(TRAIN + "model.final_logit_softcap=-1", r"model\.final_logit_softcap: must be >= 0 \(0 = none\), got -1"),
+    cli_case(TRAIN + "model.rope_local_base=100", r"model\.rope_local_base: is the local layers' RoPE base: needs"),
+    cli_case(TRAIN + "model.attention_softcap=-1", r"model\.attention_softcap: must be >= 0 \(0 = none\), got -1"),
     cli_case(TRAIN + "model.num_encoder_layers=0", r"model\.num_encoder_layers: "),
     cli_case(TRAIN + "model.num_classes=3", r"model\.num_classes: "),
     cli_case(TRAIN + "model.width=1", r"model\.width: unknown field \(known: "),  # nothing close: no guess

@@ -1,7 +1,7 @@
 """Attention as one concern: masks, the reference and fused kernels, the KV cache, the layer, the ring.
 
 - `masks`: which keys each query sees, as structure (`Mask`: causal, lengths, segments, cache
-  position) and as the dense boolean arrays the reference builds.
+  position, a sliding window) and as the dense boolean arrays the reference builds.
 - `kernels`: the reference attention and the dispatch to fused kernels (XLA, cuDNN, splash).
 - `cache`: writing new keys and values into a KV cache's slots.
 - `ring_kernels`, `ring`: context parallelism: the kernel inside each block, and the ring and

@@ -59,9 +59,11 @@ def fused_attention_args(mask: Mask | Array | None, B: int, T: int, S: int) -> d
         return {"mask": jnp.asarray(mask, bool)}
     args, rest = {}, Mask(q_segments=mask.q_segments, kv_segments=mask.kv_segments)
     if mask.causal and mask.q_offset is not None:
-        rest = dataclasses.replace(rest, causal=True, q_offset=mask.q_offset)
+        rest = dataclasses.replace(rest, causal=True, q_offset=mask.q_offset, window=mask.window)
     elif mask.causal:
         args["is_causal"] = True
+        if mask.window:  # the window's left side, the query itself not counted; nothing to its right
+            args["local_window_size"] = (mask.window - 1, 0)
     for name, key in (("q_lengths", "query_seq_lengths"), ("kv_lengths", "key_value_seq_lengths")):
         if getattr(mask, name) is not None:
             args[key] = jnp.broadcast_to(getattr(mask, name).astype(jnp.int32), (B,))
@@ -209,11 +211,14 @@ def _splash(q_BTHK, k_BSGK, v_BSGK, mask: Mask | None, scale: float | None, spec
             q_ids_BT = jnp.where(jnp.arange(T)[None, :] < mask.q_lengths[:, None], q_ids_BT, 0)
         segments = (jnp.where(q_ids_BT == 0, -1, q_ids_BT), kv_ids_BS)
     causal = isinstance(mask, Mask) and mask.causal
+    window = mask.window if causal else 0
     blocks = splash.BlockSizes(*(SPLASH_BLOCK,) * 2, *(SPLASH_BLOCK,) * 6)
 
     def attend(q_BTHK, k_BSGK, v_BSGK, *segments):  # one shard: its rows and heads
         H_local = q_BTHK.shape[2]
         one = splash.CausalMask((T, S)) if causal else splash.FullMask((T, S))
+        if window:  # the causal band of the window: window - 1 keys before the query, none after
+            one = splash.LocalMask((T, S), window_size=(window - 1, 0), offset=0)
         kernel = splash.make_splash_mha(
             splash.MultiHeadMask([one] * H_local), block_sizes=blocks, head_shards=1, q_seq_shards=1
         )
@@ -252,6 +257,7 @@ def dot_product_attention(
     return_weights: bool = False,
     implementation: AttentionImpl = "naive",
     spec_BTHK: tuple = (),
+    softcap: float = 0.0,
 ) -> Array | tuple[Array, Array]:
     """softmax(Q K^T * scale + bias, masked) V, with grouped-query support; scale 1/sqrt(K) by default.
 
@@ -278,6 +284,8 @@ def dot_product_attention(
         elsewhere, and the reference when weights or dropout are asked for.
       spec_BTHK: how [B, T, H, K] activations are split over the mesh in context (a
         PartitionSpec, as the sharding rules give it): splash runs once per shard of it.
+      softcap: > 0: the scaled logits become softcap * tanh(logits / softcap) before the bias and
+        the mask (Gemma 2); the reference path alone.
 
     Returns:
       out_BTHK in the dtype of v (and the weights if requested).
@@ -295,6 +303,7 @@ def dot_product_attention(
     mask = as_mask(mask)
     use_dropout = dropout_rate > 0.0 and dropout_rng is not None
     needs = "return weights" if return_weights else "apply dropout to probabilities" if use_dropout else None
+    needs = "soft-cap the attention logits" if softcap else needs
     backend = choose_backend(implementation, q_BTHK, needs)
     if backend != "naive":
         if kv_layout == "BGSK":
@@ -326,6 +335,8 @@ def dot_product_attention(
     # Logits and softmax in float32 whatever the compute dtype: bfloat16 exp/sum lose too much.
     logits = jnp.einsum(f"{q_spec},{kv_spec}->{w_spec}", q, k_BSGK, preferred_element_type=jnp.float32)
     logits_BHTS = logits.reshape(B, H, T, -1) * (1 / math.sqrt(K) if scale is None else scale)
+    if softcap:  # Gemma 2: the logits bounded smoothly to (-softcap, softcap)
+        logits_BHTS = softcap * jnp.tanh(logits_BHTS / softcap)
     if bias is not None:
         logits_BHTS = logits_BHTS + bias.astype(jnp.float32)
     if dense is not None:

@@ -16,9 +16,9 @@ from flax import nnx
 from jaxformer.attention import ring
 from jaxformer.attention.cache import CACHE, write_rows
 from jaxformer.attention.kernels import choose_backend, dot_product_attention, log_fallback
-from jaxformer.attention.masks import Mask
+from jaxformer.attention.masks import Mask, windowed
 from jaxformer.config import ConfigError, ModelConfig
-from jaxformer.functional import apply_rope, lift
+from jaxformer.functional import apply_rope, lift, rms_norm
 from jaxformer.projections import adapted, project
 from jaxformer.sharding import activation_spec, constrain, context_ways, param
 
@@ -35,31 +35,44 @@ class MultiHeadAttention(nnx.Module):
     Args:
         cfg: the model's config (D, H, G, K, position, attention_impl, dropout).
         cross: cross-attention: keys and values from the memory, no positions applied to them.
+        window: > 0: a local layer's self-attention, each query seeing the `window` latest positions
+            (`masks.windowed`), its RoPE at `cfg.rope_local_base` when set.
         rngs: the initialisation keys.
     """
 
-    def __init__(self, cfg: ModelConfig, *, cross: bool = False, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, cross: bool = False, window: int = 0, rngs: nnx.Rngs):
         self.cfg = cfg
         self.cross = cross
+        self.window = window
         self.use_rope = cfg.position == "rope" and not cross
+        local_base = cfg.rope_local_base if window else None
+        self.rope_base = cfg.rope_base if local_base is None else local_base
         D, H, G, K = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
         in_init = init.xavier_uniform(in_axis=0, out_axis=(1, 2))
         self.q = param(rngs, in_init, (D, H, K), ("embed", "heads", "kv"))
         self.k = param(rngs, in_init, (D, G, K), ("embed", "heads", "kv"))
         self.v = param(rngs, in_init, (D, G, K), ("embed", "heads", "kv"))
         self.o = param(rngs, init.xavier_uniform(in_axis=(0, 1), out_axis=2), (H, K, D), ("heads", "kv", "embed"))
-        if cfg.use_bias:
+        if cfg.use_bias or cfg.qkv_bias:  # qkv_bias: Qwen 2's biases on q, k, v and none on the output
             self.q_bias = param(rngs, init.zeros, (H, K), ("heads", "kv"))
             self.k_bias = param(rngs, init.zeros, (G, K), ("heads", "kv"))
             self.v_bias = param(rngs, init.zeros, (G, K), ("heads", "kv"))
+        if cfg.use_bias:
             self.o_bias = param(rngs, init.zeros, (D,), ("embed",))
+        if cfg.qk_norm:  # Qwen 3: one [K] gain shared by the heads, for queries and for keys
+            gain = init.zeros if cfg.norm_plus_one else init.ones  # Gemma's (1 + w) starts at w = 0
+            self.q_norm = param(rngs, gain, (K,), ("kv",))
+            self.k_norm = param(rngs, gain, (K,), ("kv",))
 
     def _project(self, x_BTD: Array, name: str, dropout_rng: Array | None = None) -> Array:
         dt = self.cfg.dtype
         y_BTHK = project(self, name, "BTD,DHK->BTHK", x_BTD)
         y_BTHK = adapted(self, name, x_BTD, y_BTHK, dropout_rng)
-        if self.cfg.use_bias:
+        if self.cfg.use_bias or self.cfg.qkv_bias:
             y_BTHK = y_BTHK + lift(getattr(self, f"{name}_bias")[...].astype(dt), y_BTHK)
+        if self.cfg.qk_norm and name in "qk":  # per head over K, before RoPE
+            scale = getattr(self, f"{name}_norm")[...]
+            y_BTHK = rms_norm(y_BTHK, scale, self.cfg.norm_eps, plus_one=self.cfg.norm_plus_one)
         return constrain(y_BTHK, ("batch", "length", "heads", None))  # column-parallel under TP
 
     def project_kv(
@@ -78,7 +91,7 @@ class MultiHeadAttention(nnx.Module):
         k_BSGK = self._project(kv_BSD, "k", dropout_rng)
         v_BSGK = self._project(kv_BSD, "v", dropout_rng)
         if self.use_rope:
-            k_BSGK = apply_rope(k_BSGK, positions_BS, self.cfg.rope_base)
+            k_BSGK = apply_rope(k_BSGK, positions_BS, self.rope_base)
         return k_BSGK, v_BSGK
 
     def __call__(
@@ -119,6 +132,7 @@ class MultiHeadAttention(nnx.Module):
             return self._attend(x_BTD, *memory_kv, "BGSK", mask, bias, positions_BT, dropout_rng, return_weights)
         kv_BSD = x_BTD if memory_BSD is None else memory_BSD
         kv_positions_BS = positions_BT if kv_positions_BS is None else kv_positions_BS
+        mask = windowed(mask, self.window)
         k_BSGK, v_BSGK = self.project_kv(kv_BSD, kv_positions_BS, dropout_rng)
         return self._attend(
             x_BTD, k_BSGK, v_BSGK, "BSGK", mask, bias, positions_BT, dropout_rng, return_weights, kv_positions_BS
@@ -176,6 +190,7 @@ class MultiHeadAttention(nnx.Module):
             (y_BTD, the updated cache).
         """
         start_B = positions_BT[:, 0]
+        mask = windowed(mask, self.window, positions_BT)
         new = dict(zip("kv", self.project_kv(x_BTD, positions_BT), strict=True))  # [B, T, G, K]
         if context_ways() > 1:  # the cache's slots are split over the mesh's context axis
             return self._extend_context(x_BTD, cache, new, mask, positions_BT)
@@ -192,6 +207,7 @@ class MultiHeadAttention(nnx.Module):
         over its own keys, which then fill the cache's first slots (one reshard). Fewer new positions
         (a decoding step) are on every device: each attends to the slots it holds, the partial softmaxes
         combined by log-sum-exp (`ring.cache_attention`), and the device holding their slots writes them."""
+        self._refuse_in_context()
         q_BTHK = self._queries(x_BTD, positions_BT, None)
         T, n = x_BTD.shape[1], context_ways()
         if mask.causal and mask.q_offset is None and T % n == 0 and T > 1:  # a prefill the axis divides
@@ -201,13 +217,13 @@ class MultiHeadAttention(nnx.Module):
             return self._out(out_BTHK, None), cache
         out_BTHK, k, v = ring.cache_attention(
             q_BTHK, cache["k"], cache["v"], q_index_BT=positions_BT, causal=True, new_kv=(new["k"], new["v"]),
-            scale=None if self.cfg.scale_attention else 1.0, spec_BTHK=activation_spec(("batch", None, "heads", None)),
+            scale=self.cfg.logits_scale, spec_BTHK=activation_spec(("batch", None, "heads", None)),
         )  # fmt: skip
         return self._out(out_BTHK, None), {"k": constrain(k, CACHE), "v": constrain(v, CACHE)}
 
     def _queries(self, x_BTD: Array, positions_BT: Array, dropout_rng: Array | None) -> Array:
         q_BTHK = self._project(x_BTD, "q", dropout_rng)
-        return apply_rope(q_BTHK, positions_BT, self.cfg.rope_base) if self.use_rope else q_BTHK
+        return apply_rope(q_BTHK, positions_BT, self.rope_base) if self.use_rope else q_BTHK
 
     def _attend(
         self, x_BTD, k, v, kv_layout, mask, bias, positions_BT, dropout_rng, return_weights, kv_positions_BS=None
@@ -219,11 +235,12 @@ class MultiHeadAttention(nnx.Module):
                 self._context_attention(q_BTHK, k, v, mask, bias, positions_BT, kv_positions_BS), dropout_rng
             )
         if context_ways() > 1:  # decoding's cross-attention: the source's keys and values split by position
+            self._refuse_in_context()
             if bias is not None or not isinstance(mask, Mask) or mask.causal or mask.kv_segments is not None:
                 raise ValueError("context parallelism decodes over a memory masked by its lengths only")
             out_BTHK, _, _ = ring.cache_attention(
                 q_BTHK, k, v, q_index_BT=positions_BT, causal=False, kv_lengths_B=mask.kv_lengths,
-                scale=None if cfg.scale_attention else 1.0, spec_BTHK=activation_spec(("batch", None, "heads", None)),
+                scale=cfg.logits_scale, spec_BTHK=activation_spec(("batch", None, "heads", None)),
             )  # fmt: skip
             return self._out(out_BTHK, dropout_rng)
         result = dot_product_attention(
@@ -231,12 +248,13 @@ class MultiHeadAttention(nnx.Module):
             kv_layout=kv_layout,
             mask=mask,
             bias=bias,
-            scale=None if cfg.scale_attention else 1.0,
+            scale=cfg.logits_scale,
             dropout_rate=cfg.attention_dropout_rate,
             dropout_rng=dropout_rng,
             return_weights=return_weights,
             implementation=cfg.attention_impl,
             spec_BTHK=activation_spec(("batch", None, "heads", None)),  # splash runs per shard of it
+            softcap=cfg.attention_softcap,
         )  # fmt: skip
         out_BTHK, weights = result if return_weights else (result, None)
         y_BTD = self._out(out_BTHK, dropout_rng)
@@ -247,6 +265,7 @@ class MultiHeadAttention(nnx.Module):
         positions (as packed rows number them: causal within a segment is causal by position)."""
         if bias is not None or not (mask is None or isinstance(mask, Mask)) or (mask and mask.q_offset is not None):
             raise ValueError("context parallelism takes a structural mask only (no logits bias or q_offset)")
+        self._refuse_in_context()
         mask = mask or Mask()
         return ring.context_attention(
             q_BTHK, k_BSGK, v_BSGK, strategy=self.cfg.context_attention, causal=mask.causal,
@@ -254,8 +273,17 @@ class MultiHeadAttention(nnx.Module):
             q_index_BT=positions_BT, kv_index_BS=kv_positions_BS,
             q_segments_BT=mask.q_segments, kv_segments_BS=mask.kv_segments,
             kv_lengths_B=mask.kv_lengths, q_lengths_B=mask.q_lengths,
-            scale=None if self.cfg.scale_attention else 1.0, spec_BTHK=activation_spec(("batch", None, "heads", None)),
+            scale=self.cfg.logits_scale, spec_BTHK=activation_spec(("batch", None, "heads", None)),
         )  # fmt: skip
+
+    def _refuse_in_context(self) -> None:
+        """What the context-parallel paths cannot do yet: a sliding window, soft-capped logits."""
+        if self.window:
+            raise ValueError(f"context parallelism has no sliding window yet (model.sliding_window={self.window})")
+        if self.cfg.attention_softcap:
+            raise ValueError(
+                f"context parallelism has no soft-capped logits (model.attention_softcap={self.cfg.attention_softcap})"
+            )
 
     def _ring_kernel(self, q_BTHK: Array, k_BSGK: Array) -> str:
         """What attends each block inside the ring: the fused kernel `attention_impl` chooses (auto:

@@ -20,7 +20,7 @@ Array = jax.Array
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["q_lengths", "kv_lengths", "q_segments", "kv_segments", "q_offset"],
-    meta_fields=["causal"],
+    meta_fields=["causal", "window"],
 )
 @dataclasses.dataclass(frozen=True)
 class Mask:
@@ -39,6 +39,8 @@ class Mask:
       kv_segments: [B, S] the keys' segments, read as q_segments.
       q_offset: [B] with causal: the key index of query 0 (decoding against a KV cache whose
         slot s holds position s).
+      window: with causal, > 0: query t sees only the `window` latest keys, t - window < s <= t
+        (+ q_offset): sliding-window attention (Mistral, Gemma's local layers); 0: no window.
     """
 
     causal: bool = False
@@ -47,6 +49,7 @@ class Mask:
     q_segments: Array | None = None
     kv_segments: Array | None = None
     q_offset: Array | None = None
+    window: int = 0
 
     def dense(self, T: int, S: int) -> Array | None:
         """The boolean mask [B or 1, 1, T, S] this structure means (None: everything is visible).
@@ -66,6 +69,8 @@ class Mask:
         if self.causal:
             offset = 0 if self.q_offset is None else self.q_offset[:, None, None]
             parts.append(s_11S <= t_1T1 + offset)
+            if self.window:
+                parts.append(s_11S > t_1T1 + offset - self.window)
         if self.q_lengths is not None:
             parts.append(t_1T1 < self.q_lengths[:, None, None])
         if self.kv_lengths is not None:
@@ -113,6 +118,32 @@ def as_mask(mask: Mask | Array | None) -> Mask | Array | None:
     if isinstance(mask, Mask) and not mask.causal and not jax.tree.leaves(mask):
         return None
     return mask
+
+
+def windowed(mask: Mask | Array | None, window: int, positions_BT: Array | None = None) -> Mask | Array | None:
+    """`mask` with a sliding window: each query sees only the `window` latest keys (itself included).
+
+    A causal `Mask` takes the window as it is; a cache step's mask of key lengths (`causal_cache_mask`
+    of one position) becomes the causal mask at the queries' positions, which says the same keys.
+
+    Args:
+        mask: the self-attention mask of a causal stack.
+        window: the window (0: `mask` unchanged).
+        positions_BT: [B, T] the queries' positions (a cache step's), or None.
+
+    Returns:
+        The windowed `Mask` (or `mask` itself when window is 0).
+
+    Raises:
+        ValueError: a mask that is not causal structure, which a window cannot be said over.
+    """
+    if not window:
+        return mask
+    if isinstance(mask, Mask) and not mask.causal and positions_BT is not None and mask.q_offset is None:
+        mask = dataclasses.replace(mask, causal=True, q_offset=positions_BT[:, 0].astype(jnp.int32))
+    if not isinstance(mask, Mask) or not mask.causal:
+        raise ValueError(f"a sliding window of {window} is said over a causal Mask, not {type(mask).__name__}")
+    return dataclasses.replace(mask, window=window)
 
 
 def causal_cache_mask(positions_BT: Array | None) -> Mask:

@@ -142,18 +142,35 @@ class ModelConfig:
     # gelu: tanh approximation (GPT-2); gelu_exact: with erf (BERT, BART); swiglu, geglu: gated (Llama, T5 v1.1)
     activation: Literal["relu", "gelu", "gelu_exact", "swiglu", "geglu"] = "relu"
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # rmsnorm: no mean subtracted, no bias (T5, Llama)
-    norm_position: Literal["post", "pre"] = "post"  # post: LayerNorm(x + Sublayer(x)) as in the paper
+    # post: LayerNorm(x + Sublayer(x)) as in the paper; pre: x + Sublayer(Norm(x)); sandwich: x +
+    # Norm(Sublayer(Norm(x))), a norm on each sublayer's output too (Gemma 2, 3)
+    norm_position: Literal["post", "pre", "sandwich"] = "post"
+    norm_plus_one: bool = False  # rmsnorm scales by (1 + w), w stored and initialised at 0 (Gemma)
     norm_eps: float = 1e-6  # added to the variance inside every norm
     # relative: T5's bucketed relative-position bias on each stack's self-attention logits
     position: Literal["sinusoidal", "learned", "rope", "relative", "none"] = "sinusoidal"
     rope_base: float = 10_000.0  # rope: base of the rotary frequencies, base^(-2i/K) (Llama: 10000)
+    # > 0: a local layer's query sees the `sliding_window` latest positions, itself included (Mistral, Gemma)
+    sliding_window: int = 0
+    # with sliding_window: layer i is global (the whole causal prefix) when (i + 1) % global_every == 0
+    # (Gemma 3: 6, Gemma 2: 2), the others local; 0 = every layer local
+    global_every: int = 0
+    rope_local_base: float | None = None  # the local layers' RoPE base (Gemma 3: 10000); None = rope_base
     position_offset: int = 0  # learned: position p reads table row p + offset (BART: 2; max_len + offset rows)
     relative_buckets: int = 32  # relative: buckets of the bias table (T5: 32)
     relative_max_distance: int = 128  # relative: distances beyond this share the last bucket (T5: 128)
     embed_norm: bool = False  # a norm on the summed embeddings before the first layer (BERT, BART)
     type_vocab_size: int = 0  # encoder: > 0 adds token-type (sentence A/B) embeddings (BERT: 2)
     scale_attention: bool = True  # attention logits / sqrt(K); T5 folds the scale into its initialisation
+    # the attention logits' scale instead (Gemma: query_pre_attn_scalar^-0.5); None: as scale_attention says
+    attention_scale: float | None = None
+    final_logit_softcap: float = 0.0  # > 0: logits = c * tanh(logits / c) (Gemma 2: 30); 0 = none
+    # > 0: attention logits = c * tanh(logits / c) before the mask (Gemma 2: 50); the reference path alone
+    attention_softcap: float = 0.0
     use_bias: bool = True  # biases in projections (the paper's linear layers have them)
+    qkv_bias: bool = False  # biases on the query, key and value projections alone (Qwen 2), with use_bias=False
+    # RMSNorm over each head's K on queries and keys, before RoPE (Qwen 3, Gemma 3): a [K] gain each
+    qk_norm: bool = False
     share_embeddings: bool = True  # encoder and decoder input embeddings are one matrix
     tie_output: bool = True  # output logits use the (decoder) input embedding, transposed
     scale_embeddings: bool = True  # multiply embeddings by sqrt(D), paper section 3.4
@@ -218,6 +235,48 @@ class ModelConfig:
         for name in ("dropout_rate", "attention_dropout_rate"):
             rate = getattr(self, name)
             require(0.0 <= rate < 1.0, f"{p}.{name}", f"must be in [0, 1), got {rate}")
+        require(
+            not (self.qkv_bias and self.use_bias),
+            f"{p}.qkv_bias",
+            "use_bias=True already gives every projection a bias; qkv_bias adds them to q, k, v alone",
+        )
+        require(
+            not self.norm_plus_one or self.norm == "rmsnorm",
+            f"{p}.norm_plus_one",
+            f"scales an RMSNorm by (1 + w): needs norm='rmsnorm', not {self.norm!r}",
+        )
+        require(self.sliding_window >= 0, f"{p}.sliding_window", f"must be >= 0 (0 = none), got {self.sliding_window}")
+        require(self.global_every >= 0, f"{p}.global_every", f"must be >= 0, got {self.global_every}")
+        if self.sliding_window:
+            require(
+                self.mode == "decoder_only",
+                f"{p}.sliding_window",
+                f"a window over the latest positions is a causal decoder's: mode={self.mode!r}",
+            )
+        else:
+            require(
+                not self.global_every, f"{p}.global_every", "places global layers among local ones: set sliding_window"
+            )
+        require(
+            self.rope_local_base is None or (self.sliding_window > 0 and self.position == "rope"),
+            f"{p}.rope_local_base",
+            "is the local layers' RoPE base: needs position='rope' and sliding_window > 0",
+        )
+        require(
+            self.attention_scale is None or 0 < self.attention_scale < math.inf,
+            f"{p}.attention_scale",
+            f"must be positive (or None), got {self.attention_scale}",
+        )
+        require(
+            0 <= self.final_logit_softcap < math.inf,
+            f"{p}.final_logit_softcap",
+            f"must be >= 0 (0 = none), got {self.final_logit_softcap}",
+        )
+        require(
+            0 <= self.attention_softcap < math.inf,
+            f"{p}.attention_softcap",
+            f"must be >= 0 (0 = none), got {self.attention_softcap}",
+        )
         require(self.norm_eps > 0, f"{p}.norm_eps", f"must be positive, got {self.norm_eps}")
         require(0 <= self.pad_id < self.vocab_size, f"{p}.pad_id", f"must be in [0, vocab_size={self.vocab_size})")
         if self.position == "sinusoidal":
@@ -265,6 +324,13 @@ class ModelConfig:
             "a classification head needs mode='encoder_only'",
         )
         N = self.scan_block
+        if self.scan_layers and self.sliding_window and self.global_every:
+            require(
+                self.num_decoder_layers % N == 0,
+                f"{p}.global_every",
+                f"global_every={self.global_every} with scan_layers=True scans blocks of {N} layers: "
+                f"{p}.num_decoder_layers={self.num_decoder_layers} is not a multiple; set scan_layers=False",
+            )
         if self.scan_layers and N > 1:  # scanned in blocks of N layers: whole blocks only
             for stack in self.stacks:
                 name, own = f"num_{stack}_layers", getattr(self.moe, f"{stack}_every")
@@ -277,6 +343,25 @@ class ModelConfig:
                     f"{p}.{name}={getattr(self, name)} is not a multiple; set scan_layers=False",
                 )
 
+    def is_local_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` (from 0) attends over a sliding window (`sliding_window`,
+        `global_every`).
+
+        Args:
+            index: the layer's index in the decoder stack.
+
+        Returns:
+            True for a local (windowed) layer.
+        """
+        return self.sliding_window > 0 and not (self.global_every and (index + 1) % self.global_every == 0)
+
+    @property
+    def logits_scale(self) -> float | None:
+        """The attention logits' scale: `attention_scale`, else None (K^-0.5) or 1 without `scale_attention`."""
+        if self.attention_scale is not None:
+            return self.attention_scale
+        return None if self.scale_attention else 1.0
+
     @property
     def stacks(self) -> tuple[str, ...]:
         """The mode's layer stacks: ("encoder",), ("decoder",) or ("encoder", "decoder")."""
@@ -286,8 +371,10 @@ class ModelConfig:
     def scan_block(self) -> int:
         """Layers per block of a scanned stack: N when MoE takes every N-th layer (N - 1 dense layers and
         the MoE one scanned as one body), the least common multiple of the stacks' N when they differ
-        (`moe.encoder_every`, `moe.decoder_every`), else 1 (every layer alike)."""
-        return math.lcm(*(max(self.moe.layout(stack)[0], 1) for stack in self.stacks))
+        (`moe.encoder_every`, `moe.decoder_every`) and of `global_every` with a sliding window, else 1
+        (every layer alike)."""
+        windows = self.global_every if self.sliding_window else 1  # local and global layers alternate
+        return math.lcm(windows or 1, *(max(self.moe.layout(stack)[0], 1) for stack in self.stacks))
 
     @property
     def kv_heads(self) -> int:

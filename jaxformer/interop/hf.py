@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints in and out: GPT-2, Llama, BERT, BART, T5, and the mixtures of experts
-Mixtral and Switch Transformers.
+"""Hugging Face checkpoints in and out: GPT-2, Llama, BERT, BART, T5, Qwen 2 and 3, Gemma 2 and 3, and the
+mixtures of experts Mixtral, Switch Transformers and Qwen 3 MoE.
 
 A Hugging Face model directory holds `config.json` and the weights in the hub's PyTorch naming,
 in `model.safetensors` or in shards listed by `model.safetensors.index.json`:
@@ -27,7 +27,7 @@ they define is importable from here as well:
 - `jaxformer.interop.rules`: `Rule`, the helpers a table is written with, the layout transforms,
   `UnsupportedCheckpoint`;
 - `jaxformer.interop.families`: `FAMILIES` and `PEFT_MODULES`, a module per family (`gpt2`, `llama`,
-  `bert`, `bart`, `t5`, `mixtral`, `switch`), what they share in `families.common`;
+  `bert`, `bart`, `t5`, `mixtral`, `switch`, `qwen`, `gemma`), what they share in `families.common`;
 - `jaxformer.interop.hf_config`: config.json as a `ModelConfig` and back, `family_of`;
 - `jaxformer.interop.tensors`: the safetensors files read one tensor at a time;
 - `jaxformer.interop.params`: our side: where a parameter path lives, tensors placed, one read back;

@@ -5,18 +5,40 @@ A family's module holds three functions: `_X_config` (config.json -> `ModelConfi
 tensor, `jaxformer.interop.rules`). Adding a family is adding its module here and its row in
 `FAMILIES` (its model_type, the base model's prefix, the tensors it ignores), and in `PEFT_MODULES`
 when PEFT adapters of it are read. A family that changes one part of another reuses the other's
-functions: Mixtral is Llama with experts in the feed-forward, Switch Transformers is T5 with them.
+functions: Mixtral is Llama with experts in the feed-forward, Switch Transformers is T5 with them, and
+Qwen 2, Qwen 3 and Qwen 3 MoE are Llama with q, k, v biases, QK-norm, and many small experts;
+Gemma 3 reuses Llama's feed-forward rules.
 """
 
 from jaxformer.interop.families.bart import _bart_config, _bart_hf, _bart_rules
 from jaxformer.interop.families.bert import _bert_config, _bert_hf, _bert_rules
 from jaxformer.interop.families.common import Family
+from jaxformer.interop.families.gemma import (
+    _gemma2_config,
+    _gemma2_hf,
+    _gemma2_rules,
+    _gemma3_config,
+    _gemma3_hf,
+    _gemma3_rules,
+)
 from jaxformer.interop.families.gpt2 import _gpt2_config, _gpt2_hf, _gpt2_rules
 from jaxformer.interop.families.llama import _llama_config, _llama_hf, _llama_rules
 from jaxformer.interop.families.mixtral import _mixtral_config, _mixtral_experts, _mixtral_hf
+from jaxformer.interop.families.qwen import (
+    _qwen2_config,
+    _qwen2_hf,
+    _qwen2_rules,
+    _qwen3_config,
+    _qwen3_hf,
+    _qwen3_moe_config,
+    _qwen3_moe_hf,
+    _qwen3_moe_rules,
+    _qwen3_rules,
+)
 from jaxformer.interop.families.switch import _switch_config, _switch_ffn, _switch_hf
 from jaxformer.interop.families.t5 import _t5_config, _t5_hf, _t5_rules
 
+LLAMA_IGNORED = (r"rotary_emb\.inv_freq$", r"^lm_head\.weight$")  # a buffer; the tied output's copy
 TIED_COPIES = (r"^(model\.)?(encoder|decoder)\.embed_tokens\.weight$", r"^lm_head\.weight$")
 FAMILIES = {
     "gpt2": Family("gpt2", "transformer.", _gpt2_config, _gpt2_hf, _gpt2_rules,
@@ -31,6 +53,12 @@ FAMILIES = {
     "mixtral": Family("mixtral", "model.", _mixtral_config, _mixtral_hf,
                       lambda cfg: _llama_rules(cfg, _mixtral_experts),
                       ignore=(r"rotary_emb\.inv_freq$", r"^lm_head\.weight$")),
+    "qwen2": Family("qwen2", "model.", _qwen2_config, _qwen2_hf, _qwen2_rules, ignore=LLAMA_IGNORED),
+    "qwen3": Family("qwen3", "model.", _qwen3_config, _qwen3_hf, _qwen3_rules, ignore=LLAMA_IGNORED),
+    "qwen3_moe": Family("qwen3_moe", "model.", _qwen3_moe_config, _qwen3_moe_hf, _qwen3_moe_rules,
+                        ignore=LLAMA_IGNORED),
+    "gemma3_text": Family("gemma3_text", "model.", _gemma3_config, _gemma3_hf, _gemma3_rules, ignore=LLAMA_IGNORED),
+    "gemma2": Family("gemma2", "model.", _gemma2_config, _gemma2_hf, _gemma2_rules, ignore=LLAMA_IGNORED),
     "switch_transformers": Family("switch_transformers", "", _switch_config, _switch_hf,
                                   lambda cfg: _t5_rules(cfg, _switch_ffn), ignore=TIED_COPIES),
 }  # fmt: skip
@@ -40,10 +68,13 @@ FAMILIES = {
 # jaxformer kernels it holds. A fused module (GPT-2's c_attn = q, k, v) carries one low-rank update of
 # the fused kernel: it reads exactly as q, k and v adapters sharing one A; separate q, k, v adapters
 # write exactly as one of rank n*R (A stacked, B block-diagonal) via peft's rank_pattern.
+LLAMA_PEFT = {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "o_proj": ("o",), "gate_proj": ("wi_gate",),
+              "up_proj": ("wi",), "down_proj": ("wo",)}  # fmt: skip
 PEFT_MODULES = {
     "gpt2": {"c_attn": ("q", "k", "v"), "attn.c_proj": ("o",), "c_fc": ("wi",), "mlp.c_proj": ("wo",)},
-    "llama": {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "o_proj": ("o",), "gate_proj": ("wi_gate",),
-              "up_proj": ("wi",), "down_proj": ("wo",)},
+    "llama": LLAMA_PEFT,
+    # Qwen 2, 3 and Gemma 3 name their projections as Llama does (Qwen 2's q, k, v biases are not adapted).
+    "qwen2": LLAMA_PEFT, "qwen3": LLAMA_PEFT, "gemma3_text": LLAMA_PEFT, "gemma2": LLAMA_PEFT,
     # BERT's attention output and FFN output are both "...output.dense": fuller names tell them apart here;
     # in peft's suffix matching "output.dense" takes both (save_peft writes a regex for the FFN's alone).
     "bert": {"query": ("q",), "key": ("k",), "value": ("v",), "attention.output.dense": ("o",),
