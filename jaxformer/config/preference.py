@@ -15,17 +15,10 @@ PREFERENCE_LOSSES = {"sigmoid": True, "ipo": True, "simpo": False, "orpo": False
 
 @dataclasses.dataclass(frozen=True)
 class PreferenceConfig:
-    """Preference tuning on {prompt, chosen, rejected} pairs (`train.objective="preference"`).
+    """Preference tuning on {prompt, chosen, rejected} pairs (`train.objective="preference"`): DPO's sigmoid
+    loss (Rafailov et al. 2023), IPO (Azar et al. 2023), SimPO (Meng et al. 2024) or ORPO (Hong et al. 2024)."""
 
-    Attributes:
-        loss: sigmoid (DPO, Rafailov et al. 2023), ipo (Azar et al. 2023), simpo (Meng et al. 2024) or
-            orpo (Hong et al. 2024).
-        beta: the inverse temperature of the implicit reward (ORPO: the weight of its odds-ratio term).
-        label_smoothing: the share of pairs assumed flipped (conservative DPO); sigmoid and simpo only.
-        simpo_gamma: SimPO's target reward margin gamma (the margin in log-probabilities is gamma / beta).
-    """
-
-    loss: Literal["sigmoid", "ipo", "simpo", "orpo"] = "sigmoid"
+    loss: Literal["sigmoid", "ipo", "simpo", "orpo"] = "sigmoid"  # DPO's sigmoid loss, IPO, SimPO or ORPO
     # DPO's beta: how far from the reference the policy may go for a given margin (TRL's default 0.1);
     # IPO's regularisation tau; SimPO's reward scale (paper: 2.0-2.5); ORPO's lambda (paper: 0.1).
     beta: float = 0.1

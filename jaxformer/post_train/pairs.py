@@ -197,7 +197,9 @@ def tokenize(cfg: Config, tok, records: list[tuple[str, str, str, str]]) -> tupl
     return prompts, completions
 
 
-def build_pairs(cfg: Config, workdir: str | pathlib.Path | None = None, progress: bool = False) -> Dataset:
+def build_pairs(
+    cfg: Config, workdir: str | pathlib.Path | None = None, progress: bool = False, own: bool = True
+) -> Dataset:
     """The preference pairs of `cfg`, split (data.val_fraction, data.test_fraction, data.split_seed) and
     batched by step, as `data.build_dataset` gives the other objectives' data.
 
@@ -205,6 +207,7 @@ def build_pairs(cfg: Config, workdir: str | pathlib.Path | None = None, progress
         cfg: the run's config.
         workdir: the run's directory (an imported model's tokenizer), or None.
         progress: unused (nothing is prepared on disk); `build_dataset`'s signature.
+        own: unused (no cache is recorded); `build_dataset`'s signature.
 
     Returns:
         The dataset (no samples: pairs are scored, not decoded).
