@@ -215,8 +215,8 @@ def make_steps(graphdef: nnx.GraphDef, cfg: Config, optimizer: optax.GradientTra
     tcfg = cfg.train
     schedule = learning_rate_schedule(tcfg, cfg.model.d_model)
     sums_of, with_reference = loss_sums, lambda state, batch: batch
-    if tcfg.objective == "preference":  # pairs against the reference (jaxformer.post_train.objective)
-        from jaxformer.post_train import objective as preference
+    if tcfg.objective == "preference":  # pairs against the reference (jaxformer.post_train.pair_loss)
+        from jaxformer.post_train import pair_loss as preference
 
         sums_of = lambda model, _, batch, rng: preference.preference_sums(model, cfg.preference, batch, rng)
         with_reference = lambda state, batch: preference.with_reference(cfg.preference, model_of, state, batch)

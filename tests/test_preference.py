@@ -15,7 +15,7 @@ import pytest
 import jaxformer as jf
 from jaxformer.config import Config, DataConfig, LoRAConfig, PreferenceConfig, TrainConfig
 from jaxformer.data import ByteTokenizer, templates
-from jaxformer.post_train import objective, pairs
+from jaxformer.post_train import pair_loss, pairs
 from jaxformer.post_train import preference as P
 from jaxformer.state import init_state
 from jaxformer.train import make_steps, summarize
@@ -92,7 +92,7 @@ def test_pair_logprobs_are_each_completion_scored_alone(mode):
     S = 6 if mode == "encoder_decoder" else 0
     prompts = [np.append(p, TOK.eos_id) for p in PROMPTS] if S else PROMPTS  # the source ends in EOS
     batch = pairs.PreferencePairs(prompts, COMPLETIONS, 8, S, TOK).take(np.arange(2))
-    sums, counts = objective.pair_logprobs(model, {k: jnp.asarray(v) for k, v in batch.items()}, None)
+    sums, counts = pair_loss.pair_logprobs(model, {k: jnp.asarray(v) for k, v in batch.items()}, None)
     for b, (prompt, pair) in enumerate(zip(prompts, COMPLETIONS, strict=True)):
         for j, completion in enumerate(pair):
             if S:  # the decoder reads BOS + the completion, the encoder the prompt alone

@@ -1,7 +1,7 @@
 """Post-training: preference tuning (the DPO family: DPO's sigmoid loss, IPO, SimPO, ORPO).
 
 - `preference`: the losses as pure functions of per-sequence log-probabilities, and those log-probs
-- `objective`: the train step's preference objective (completion-only log-probs, the reference)
+- `pair_loss`: the train step's preference objective (completion-only log-probs, the reference)
 - `pairs`: {prompt, chosen, rejected} records into batches of pairs
 """
 
