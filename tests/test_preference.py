@@ -222,3 +222,27 @@ def test_records_plain_and_conversational_are_read_as_documented(tmp_path):
             kept = batch["targets"][b, j][batch["weights"][b, j] == 1]
             assert tok.decode(kept) == text and kept[-1] == tok.eos_id  # the completion and its EOS, nothing else
             assert tok.decode(batch["inputs"][b, j][: len(tok.encode(prompt))]) == prompt
+
+
+def test_a_state_saved_before_the_reference_field_still_restores(tmp_path):
+    """A checkpoint whose tree has no `reference` entry (as every one saved before it existed) restores into
+    a state without a reference, array for array, instead of being set aside as unreadable."""
+    import dataclasses
+
+    import orbax.checkpoint as ocp
+
+    from jaxformer.checkpoint import Checkpointer
+
+    cfg = Config(
+        model=jf.tiny("decoder_only", vocab_size=V, max_len=16, num_decoder_layers=1), data=DataConfig(max_len=8)
+    )
+    _, state, _ = init_state(cfg)
+    old = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "reference"}
+    ckpt = Checkpointer(tmp_path, cfg)
+    meta = {"config": cfg.to_dict(), "data": {"step": 0, "seed": 0}}
+    ckpt.manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave(old), meta=ocp.args.JsonSave(meta)))
+    ckpt.wait()
+    restored = ckpt.restore_latest(state)
+    ckpt.close()
+    assert restored is not None and restored.reference is None
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.tree.map(np.asarray, state), restored)))
