@@ -742,6 +742,18 @@ def record(**fields):
     return lambda m, p: pairs.record_texts(fields, pairs.FIELDS, None)
 
 
+def tokenize_pair(record: tuple, max_len: int):
+    """One (where, prompt, chosen, rejected) record tokenized for a decoder of `max_len` positions."""
+    from jaxformer.post_train import pairs
+
+    cfg = jf.config.Config(
+        model=jf.tiny("decoder_only", vocab_size=260),
+        train=TrainConfig(objective="preference"),
+        data=jf.config.DataConfig(source="files", files=("pairs.jsonl",), tokenizer="byte", max_len=max_len),
+    )
+    return pairs.tokenize(cfg, jf.data.ByteTokenizer(), [record])
+
+
 API_CASES = [
     # Preference tuning built in code: the section, the mode, and one record at a time.
     api_case(
@@ -771,6 +783,12 @@ API_CASES = [
         record(chosen=[{"role": "assistant", "content": "x"}], rejected=[{"role": "assistant", "content": "y"}]),
         ValueError,
         r"'chosen' and 'rejected' hold messages: set data\.template",
+    ),
+    api_case(
+        "pair longer than the context",
+        lambda m, p: tokenize_pair(("pairs.jsonl:3", "Upper: abc", "ABC", "abc"), max_len=8),
+        DataError,
+        r"pairs\.jsonl:3: 'prompt' and 'chosen' take 14 tokens \(EOS included\), more than data\.max_len \+ 1 = 9",
     ),
     api_case(
         "pair whose completion is a number",
