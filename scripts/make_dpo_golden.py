@@ -1,6 +1,6 @@
 """Golden values of the DPO family's losses and metrics from Hugging Face TRL, on fixed log-probabilities.
 
-    python3 -m venv /tmp/venv-trl && /tmp/venv-trl/bin/pip install torch==2.13.0 trl
+    python3 -m venv /tmp/venv-trl && /tmp/venv-trl/bin/pip install torch==2.13.0 trl==1.16.0
     /tmp/venv-trl/bin/python scripts/make_dpo_golden.py   # writes tests/golden/dpo/trl.npz
 
 CI has no torch: tests/test_preference.py compares jaxformer.post_train with the file written here.
