@@ -276,13 +276,15 @@ class Checkpointer:
                 continue
             check_compatible(saved, self.cfg, self.directory / str(step))
             try:
+                item = _as_saved(abstract, self.directory / str(step) / "state" / "_METADATA")
                 restored = self.manager.restore(
-                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(item), meta=ocp.args.JsonRestore())
                 )
             except Exception as e:
                 self._set_aside(step, e)
                 continue
-            return restored["state"]
+            state = restored["state"]
+            return state if item is abstract else like.replace(**state)
         return None
 
     def _set_aside(self, step: int, error: Exception) -> None:
@@ -297,6 +299,21 @@ class Checkpointer:
         print(f"warning: checkpoint {src} cannot be restored ({reason}); moved to {dst}")
         src.rename(dst)
         self.manager.reload()
+
+
+def _as_saved(abstract, metadata: pathlib.Path):
+    """`abstract` as the checkpoint's tree: a state saved before `TrainState.reference` existed has no
+    such entry (orbax's tree metadata names every field, None ones too), and is read as a dict of the
+    other fields (the reference, None, is not read)."""
+    if abstract.reference is not None:
+        return abstract
+    try:
+        saved = json.loads(metadata.read_text())["tree_metadata"]
+    except (OSError, ValueError, KeyError):  # another layout: restored as it is, or set aside as unreadable
+        return abstract
+    if any(key.startswith("('reference'") for key in saved):
+        return abstract
+    return {f.name: getattr(abstract, f.name) for f in dataclasses.fields(abstract) if f.name != "reference"}
 
 
 def _quiet_abandoned_io() -> None:

@@ -162,6 +162,8 @@ def cmd_eval(args) -> int:
 
     cfg = _load_config(args)
     graphdef, state, optimizer = restore_workdir(cfg, args.workdir)
+    if cfg.train.objective == "preference":  # {prompt, chosen, rejected} records, read as training read them
+        from jaxformer.post_train.pairs import build_pairs as build_dataset
     data = build_dataset(cfg, args.workdir, own=False)  # a reader: the training's record of its cache stays
     step = int(state.step)
     print(f"evaluating the checkpoint of step {step} on held-out data")

@@ -108,6 +108,9 @@ METRICS = {
     "router_entropy": ("router entropy", "{:.4f}".format),  # nats per token: log E when uniform
     # expert_load/<l>/<e>: the share of MoE layer l's tokens that chose expert e (a layer's sum to k)
     "expert_load": ("expert load", "{:.2%}".format),
+    # preference pairs (TRL's names): the share whose chosen reward is the larger, the mean reward margin
+    "rewards/accuracies": ("reward accuracy", "{:.2%}".format),
+    "rewards/margins": ("reward margin", "{:.4f}".format),
 }
 
 
@@ -157,6 +160,8 @@ def shown(objective: str) -> tuple[str, ...]:
     Returns:
         The metric names.
     """
+    if objective == "preference":  # TRL's names: the share of pairs whose chosen reward is the larger, the margin
+        return ("loss", "rewards/accuracies", "rewards/margins")
     return ("loss", "nll", "accuracy") if objective == "classify" else ("loss", "perplexity", "accuracy")
 
 

@@ -31,6 +31,9 @@ class TrainState:
     opt_state: optax.OptState  # of `params` only
     rng: Array  # root key as raw uint32 key data (checkpointable); step t's dropout key is fold_in(rng, t)
     frozen: nnx.State | None = None  # LoRA: the base parameters, in the compute dtype (or int8), never updated
+    # Preference tuning without LoRA: the starting parameters, the reference the losses compare with (never
+    # updated); with LoRA the reference is the base without its adapters, nothing is copied.
+    reference: nnx.State | None = None
 
     @property
     def weights(self) -> nnx.State:
@@ -136,7 +139,8 @@ def start_state(cfg: Config, params: nnx.State, optimizer: optax.GradientTransfo
 
     With LoRA, `params` holds the adapters too (`lora.add_adapters`): they alone train and have an
     optimizer state; the rest becomes `frozen`, in the compute dtype (its kernels in int8 when `params`
-    comes from a model through `lora.quantize_base`).
+    comes from a model through `lora.quantize_base`). Preference tuning with a reference and without
+    LoRA keeps a copy of `params` as the `reference`.
 
     Args:
         cfg: the run's config (train.seed, lora, model.dtype).
@@ -147,10 +151,12 @@ def start_state(cfg: Config, params: nnx.State, optimizer: optax.GradientTransfo
         The TrainState at step 0.
     """
     rng = jax.random.key_data(jax.random.key(cfg.train.seed))
-    frozen = None
+    frozen = reference = None
     if cfg.lora.enabled:
         params, frozen = lora.partition(params, cfg.model.dtype)
-    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), rng, frozen)
+    elif cfg.train.objective == "preference" and cfg.preference.uses_reference:  # its own buffers (donation)
+        reference = jax.tree.map(jnp.copy, params)
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), rng, frozen, reference)
 
 
 def init_state(

@@ -214,20 +214,26 @@ def make_steps(graphdef: nnx.GraphDef, cfg: Config, optimizer: optax.GradientTra
     """
     tcfg = cfg.train
     schedule = learning_rate_schedule(tcfg, cfg.model.d_model)
+    sums_of, with_reference = loss_sums, lambda state, batch: batch
+    if tcfg.objective == "preference":  # pairs against the reference (jaxformer.post_train.pair_loss)
+        from jaxformer.post_train import pair_loss as preference
+
+        sums_of = lambda model, _, batch, rng: preference.preference_sums(model, cfg.preference, batch, rng)
+        with_reference = lambda state, batch: preference.with_reference(cfg.preference, model_of, state, batch)
 
     def model_of(params, frozen):  # ids are checked on the host (`check_batch_ids`): no callback in the steps
         return without_id_checks(nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen))
 
     def grads_and_sums(params, frozen, batch, rng):
         def f(params):  # gradients of the trained parameters only (LoRA: the adapters; the base is a constant)
-            return loss_sums(model_of(params, frozen), tcfg, batch, rng)
+            return sums_of(model_of(params, frozen), tcfg, batch, rng)
 
         (_, sums), grads = jax.value_and_grad(f, has_aux=True)(params)
         return grads, sums
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)  # same step, same masks
-        k = tcfg.grad_accum
+        batch, k = with_reference(state, batch), tcfg.grad_accum
         if k == 1:
             grads, sums = grads_and_sums(state.params, state.frozen, batch, rng)
         else:  # k micro-batches; gradients of summed losses add up exactly to the big batch's
@@ -259,7 +265,7 @@ def make_steps(graphdef: nnx.GraphDef, cfg: Config, optimizer: optax.GradientTra
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     def eval_step(state: TrainState, batch: dict) -> dict:
-        _, sums = loss_sums(model_of(state.params, state.frozen), tcfg, batch, None)
+        _, sums = sums_of(model_of(state.params, state.frozen), tcfg, with_reference(state, batch), None)
         return sums
 
     return train_step, eval_step
@@ -302,6 +308,8 @@ def summarize(sums: dict) -> dict:
         Mean metrics.
     """
     count = jnp.maximum(sums["count"], 1.0)
+    if "nll" not in sums:  # preference pairs: each metric a mean over the pairs
+        return {name: value / count for name, value in sums.items() if name != "count"} | {"pairs": sums["count"]}
     nll = sums["nll"] / count
     means = {
         "loss": sums["loss"] / count,
@@ -441,9 +449,11 @@ def batch_cost(cfg: Config, batch: dict) -> tuple[float, float]:
         (target tokens, FLOPs).
     """
     objective = cfg.train.objective
-    src_len = batch["src"].shape[1] if "src" in batch else batch["inputs"].shape[1]
-    tgt_len = batch["inputs"].shape[1] if "inputs" in batch else 0
+    src_len = batch["src"].shape[1] if "src" in batch else batch["inputs"].shape[-1]
+    tgt_len = batch["inputs"].shape[-1] if "inputs" in batch else 0
     B = len(next(iter(batch.values())))
+    if objective == "preference":  # two completions a pair, and the reference's forward (1/3 of a step) on both
+        objective, B = "seq2seq" if "src" in batch else "lm", B * 2 * (4 / 3 if cfg.preference.uses_reference else 1)
     # Tokens that carry a target; for classification, the input tokens read.
     tokens = real_fraction(batch)[0] if objective == "classify" else float(batch["weights"].sum())
     return tokens, flops_per_example(cfg.model, objective, src_len, tgt_len) * B
@@ -581,6 +591,8 @@ def _fit(
     if lead:
         (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         (workdir / "environment.json").write_text(json.dumps(env, indent=2))
+    if tcfg.objective == "preference":  # {prompt, chosen, rejected} records
+        from jaxformer.post_train.pairs import build_pairs as build_dataset
     data = build_dataset(cfg, workdir, progress=not quiet)
     train_step, eval_step = jit_steps(*make_steps(graphdef, cfg, optimizer), state, mesh)
 
@@ -603,7 +615,7 @@ def _fit(
     bar = tqdm(range(start, tcfg.steps), initial=start, total=tcfg.steps, disable=True if quiet else None)
     window = {"tokens": 0.0, "flops": 0.0, "start": time.perf_counter()}
     pending, result, preempted, stopped, done = None, {}, False, False, start
-    samples = tcfg.num_samples and jax.process_count() == 1
+    samples = tcfg.num_samples and jax.process_count() == 1 and tcfg.objective != "preference"
 
     def flush():
         """Log the metrics of the step before the one just dispatched (reading them waits for it)."""

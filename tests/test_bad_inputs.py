@@ -103,6 +103,9 @@ def places(tmp_path_factory):
         # responses that are all empty (each record is dropped), and all but one
         "empty_responses": {"pairs.jsonl": 3 * '{"prompt": "Upper: ab", "response": " "}\n'},
         "one_response": {"pairs.jsonl": GOOD_PAIR + 2 * '{"prompt": "Upper: ab", "response": ""}\n'},
+        # Preference records (train.objective=preference): a good first pair, then the fault on line 2.
+        "pref_equal": {"pairs.jsonl": GOOD_PREFERENCE + '{"prompt": "Upper: ab", "chosen": "AB", "rejected": "AB"}\n'},
+        "pref_no_rejected": {"pairs.jsonl": GOOD_PREFERENCE + '{"prompt": "Upper: ab", "chosen": "AB"}\n'},
     }
     for name, content in files.items():
         directory = root / name
@@ -141,6 +144,7 @@ def _peft_adapters(root):
 
 
 GOOD_PAIR = '{"prompt": "Reverse: ab", "response": "ba"}\n'
+GOOD_PREFERENCE = '{"prompt": "Reverse: ab", "chosen": "ba", "rejected": "ab"}\n'
 
 
 def cli_case(argv: str, message: str, rc: int = 2, found_while_reading: bool = False, marks=()):
@@ -157,6 +161,7 @@ HARNESS = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason
 
 TRAIN = "train --config experiments/copy_task.py --workdir {tmp}/never --set "
 INSTRUCT = "train --config experiments/instruct_tiny.py --workdir {tmp}/never --set "
+DPO = "train --config experiments/dpo_tiny.py --workdir {tmp}/never --set "
 CLI_CASES = [
     # Config fields, refused before anything is read, built or written (the workdir is never created).
     cli_case(TRAIN + "model.mode=gpt", r"model\.mode: 'gpt' is not one of the choices: 'encoder_only', 'decoder_only'"),
@@ -383,6 +388,20 @@ CLI_CASES = [
     cli_case(
         INSTRUCT + "data.files={chat_no_answer}/chat.jsonl",
         r"\S+chat\.jsonl:2: messages: no assistant turn",
+        found_while_reading=True,
+    ),
+    # Preference pairs: the loss and its constants, what the pairs need, and the records read.
+    cli_case(DPO + "preference.loss=kto", r"preference\.loss: 'kto' is not one of the choices: 'sigmoid', 'ipo'"),
+    cli_case(DPO + "preference.beta=0", r"preference\.beta: must be positive, got 0\.0"),
+    cli_case(DPO + "data.pack=true", r"data\.pack: preference pairs are not packed"),
+    cli_case(
+        DPO + "data.files={pref_equal}/pairs.jsonl",
+        r"\S+pairs\.jsonl:2: 'chosen' equals 'rejected': the pair prefers nothing",
+        found_while_reading=True,
+    ),
+    cli_case(
+        DPO + "data.files={pref_no_rejected}/pairs.jsonl",
+        r"\S+pairs\.jsonl:2: no field 'rejected' \(a preference record has 'prompt', 'chosen' and 'rejected'\)",
         found_while_reading=True,
     ),
     cli_case(
@@ -773,7 +792,68 @@ def save_switch_with_first_layer_sparse(places):
 
 
 TOKENS = types.SimpleNamespace(bos_id=1, eos_id=2)  # a tokenizer's special ids, for id lists given as sources
+
+
+def record(**fields):
+    from jaxformer.post_train import pairs
+
+    return lambda m, p: pairs.record_texts(fields, pairs.FIELDS, None)
+
+
+def tokenize_pair(record: tuple, max_len: int):
+    """One (where, prompt, chosen, rejected) record tokenized for a decoder of `max_len` positions."""
+    from jaxformer.post_train import pairs
+
+    cfg = jf.config.Config(
+        model=jf.tiny("decoder_only", vocab_size=260),
+        train=TrainConfig(objective="preference"),
+        data=jf.config.DataConfig(source="files", files=("pairs.jsonl",), tokenizer="byte", max_len=max_len),
+    )
+    return pairs.tokenize(cfg, jf.data.ByteTokenizer(), [record])
+
+
 API_CASES = [
+    # Preference tuning built in code: the section, the mode, and one record at a time.
+    api_case(
+        "PreferenceConfig label smoothing on IPO",
+        lambda m, p: jf.config.PreferenceConfig(loss="ipo", label_smoothing=0.1),
+        ConfigError,
+        r"preference\.label_smoothing: applies to the sigmoid and simpo losses, not 'ipo'",
+    ),
+    api_case(
+        "preference objective on an encoder",
+        lambda m, p: jf.config.Config(
+            model=jf.tiny("encoder_only"),
+            train=TrainConfig(objective="preference"),
+            data=jf.config.DataConfig(source="files", files=("pairs.jsonl",), tokenizer="byte"),
+        ),
+        ConfigError,
+        r"train\.objective: objective='preference' needs model\.mode=\('decoder_only', 'encoder_decoder'\)",
+    ),
+    api_case(
+        "pair with an empty completion",
+        record(prompt="a", chosen=" ", rejected="b"),
+        ValueError,
+        r"field 'chosen' is empty: nothing to prefer or reject",
+    ),
+    api_case(
+        "pair of messages without a template",
+        record(chosen=[{"role": "assistant", "content": "x"}], rejected=[{"role": "assistant", "content": "y"}]),
+        ValueError,
+        r"'chosen' and 'rejected' hold messages: set data\.template",
+    ),
+    api_case(
+        "pair longer than the context",
+        lambda m, p: tokenize_pair(("pairs.jsonl:3", "Upper: abc", "ABC", "abc"), max_len=8),
+        DataError,
+        r"pairs\.jsonl:3: 'prompt' and 'chosen' take 14 tokens \(EOS included\), more than data\.max_len \+ 1 = 9",
+    ),
+    api_case(
+        "pair whose completion is a number",
+        record(prompt="a", chosen=1, rejected="b"),
+        ValueError,
+        r"field 'chosen' is int, not a string",
+    ),
     # A per-stack MoE layout Hugging Face's Switch cannot say: refused naming both fields, nothing written.
     api_case(
         "save_hf Switch layout with no sparse step",

@@ -31,6 +31,7 @@ SECTIONS = {  # module of jaxformer.config -> the sections it defines
     "architecture": "ModelConfig MoEConfig",
     "sections": "TrainConfig DataConfig CheckpointConfig DecodeConfig MeshConfig",
     "lora": "LoRAConfig",
+    "preference": "PreferenceConfig",
 }
 DOCUMENTED_ELSEWHERE = {
     f"jaxformer.config.{module}.{name}": CONFIG_SECTION for module, names in SECTIONS.items() for name in names.split()

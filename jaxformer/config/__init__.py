@@ -12,6 +12,7 @@ import Config, ModelConfig, load_experiment`); each module holds one concern:
   t5_v1_1_small, llama, tiny, PRESETS)
 - `sections`: the run's other sections (TrainConfig, DataConfig, CheckpointConfig, DecodeConfig, MeshConfig)
 - `lora`: the LoRA section (LoRAConfig) and its check against the model (check_lora_fits)
+- `preference`: the preference-tuning section (PreferenceConfig: the DPO family's loss and constants)
 - `run`: the run's Config and what its sections ask of one another (ring_blocks_unfit), SECTIONS
 - `files`: experiment files and saved config.json (load_experiment, read_config, from_dict)
 - `engine`: the inference engine's paged cache and scheduler (EngineConfig)
@@ -39,6 +40,7 @@ from jaxformer.config.overrides import (
     parse_overrides,
     with_values,
 )
+from jaxformer.config.preference import PREFERENCE_LOSSES, PreferenceConfig
 from jaxformer.config.presets import (
     PRESETS,
     bart_base,
@@ -68,6 +70,7 @@ __all__ = [
     "LORA_TARGETS",
     "MODES",
     "MODE_STACKS",
+    "PREFERENCE_LOSSES",
     "PRESETS",
     "SECTIONS",
     "SPLASH_TILE",
@@ -82,6 +85,7 @@ __all__ = [
     "MeshConfig",
     "MoEConfig",
     "ModelConfig",
+    "PreferenceConfig",
     "ServeConfig",
     "TrainConfig",
     "apply_overrides",

@@ -9,6 +9,7 @@ import dataclasses
 from jaxformer.config.architecture import ModelConfig
 from jaxformer.config.base import require
 from jaxformer.config.lora import LoRAConfig, check_lora_fits
+from jaxformer.config.preference import PreferenceConfig
 from jaxformer.config.sections import (
     SYNTHETIC,
     CheckpointConfig,
@@ -63,6 +64,7 @@ class Config:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     decode: DecodeConfig = dataclasses.field(default_factory=DecodeConfig)
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
+    preference: PreferenceConfig = dataclasses.field(default_factory=PreferenceConfig)
 
     def __post_init__(self):
         objective, mode = self.train.objective, self.model.mode
@@ -71,12 +73,15 @@ class Config:
             "seq2seq": "encoder_decoder",
             "mlm": "encoder_only",
             "classify": "encoder_only",
+            "preference": ("decoder_only", "encoder_decoder"),  # a completion after its prompt, or from it
         }
         require(
-            allowed[objective] == mode,
+            mode in ((allowed[objective],) if isinstance(allowed[objective], str) else allowed[objective]),
             "train.objective",
             f"objective={objective!r} needs model.mode={allowed[objective]!r}, got {mode!r}",
         )
+        if objective == "preference":
+            self._check_preference()
         if objective == "classify":
             require(self.model.num_classes > 0, "model.num_classes", "classification needs num_classes > 0")
             n = len(self.data.labels)
@@ -84,17 +89,21 @@ class Config:
             require(n <= classes, "data.labels", f"{n} labels but model.num_classes={classes}")
         d = self.data
         require(
-            d.src_max_len is None or objective in ("seq2seq", "classify"),
+            d.src_max_len is None
+            or objective in ("seq2seq", "classify")
+            or (objective == "preference" and self.model.mode == "encoder_decoder"),
             "data.src_max_len",
-            f"objective={objective!r} reads no source (only seq2seq and classify do)",
+            f"objective={objective!r} reads no source (only seq2seq, classify and encoder_decoder preference do)",
         )
         require(
             not (d.pack and objective == "classify") or d.max_segments <= d.src_len,
             "data.max_segments",
             f"{d.max_segments} texts cannot share a row of {d.src_len} tokens",
         )
-        needs = {"lm": 1, "mlm": 1, "seq2seq": 2, "classify": 2}.get(objective)
-        if d.template != "none":  # instruction records: a prompt and a response, from the user's files
+        needs = {"lm": 1, "mlm": 1, "seq2seq": 2, "classify": 2, "preference": 3}.get(objective)
+        if (
+            d.template != "none" and objective != "preference"
+        ):  # instruction records: a prompt and a response, from the user's files
             require(
                 objective in ("lm", "seq2seq"),
                 "data.template",
@@ -146,6 +155,17 @@ class Config:
                 "data.src_max_len",
                 f"data.src_max_len={d.src_len} exceeds model.max_len={self.model.max_len}",
             )
+
+    def _check_preference(self) -> None:
+        """What preference pairs need of the data and mesh (`jaxformer.post_train`)."""
+        d = self.data
+        require(d.source == "files", "data.source", f"preference pairs are read from data.files (JSONL), not "
+                f"{d.source!r}")  # fmt: skip
+        require(d.format in ("auto", "jsonl"), "data.format", f"preference pairs are JSONL records, not {d.format!r}")
+        require(d.tokenizer in ("byte", "hf"), "data.tokenizer", f"preference pairs use a tokenizer that needs no "
+                f"training ('byte', or an imported model's 'hf'), not {d.tokenizer!r}")  # fmt: skip
+        require(not d.pack, "data.pack", "preference pairs are not packed (a row holds one completion)")
+        require(self.mesh.context == 1, "mesh.context", "preference pairs are not split over a context axis")
 
     def _check_context(self) -> None:
         """What context parallelism cannot split (ring attention takes no logits bias or dropout)."""
@@ -250,4 +270,5 @@ SECTIONS = {
     "mesh": MeshConfig,
     "decode": DecodeConfig,
     "lora": LoRAConfig,
+    "preference": PreferenceConfig,
 }

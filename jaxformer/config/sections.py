@@ -17,7 +17,8 @@ SYNTHETIC = ("copy", "reverse")
 class TrainConfig:
     """Optimisation and the training loop."""
 
-    objective: Literal["lm", "seq2seq", "mlm", "classify"] = "lm"  # the loss; each needs its model.mode
+    # The loss; each needs its model.mode. preference: chosen/rejected pairs, the loss in `preference`.
+    objective: Literal["lm", "seq2seq", "mlm", "classify", "preference"] = "lm"
     steps: int = 1000  # optimizer steps of the whole run (a resumed run goes on to this count)
     batch_size: int = 32  # global batch, in sequences
     grad_accum: int = 1  # micro-batches per step; batch_size must divide by it
