@@ -11,6 +11,7 @@ and decoding speed with and without the KV cache.
     python scripts/benchmark.py --loss-chunk 512 --modes decoder_only --vocab 50257   # chunked vs plain loss
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/benchmark.py --context-attention \
         ring,allgather,none --lengths 1024,2048,4096 --modes decoder_only --batch 8   # long context (8 CPU devices)
+    PYTHONPATH=. python scripts/benchmark.py --eval --rounds 5   # lm-eval's jaxformer vs its hf model (torch)
     python scripts/benchmark.py --matmul-floor --vocab 8192 --modes decoder_only   # the step's products timed alone
     python scripts/benchmark.py --gpt2-vs-torch --d-model 2048 --heads 16 --layers 24 --vocab 50304 --seq 1024 \
         --attention auto --batches 8,16    # the 1.3B GPT-2 shape beside torch.compile (scripts/gpu_check.sh)
@@ -699,6 +700,7 @@ def main() -> None:
     p.add_argument("--recompute-batches", default="1", help="batch sizes also run without the cache (slow)")
     p.add_argument("--repeats", type=int, default=3, help="decode: timed runs per setting (fewer past 20 s)")
     p.add_argument("--compare", action="store_true", help="side by side with Hugging Face Flax and PyTorch")
+    p.add_argument("--eval", action="store_true", help="lm-eval: jaxformer vs the hf model (torch), examples/s")
     p.add_argument("--serve", action="store_true", help="the engine vs static generate on mixed requests")
     p.add_argument("--serve-requests", type=int, default=32, help="serve: requests at once")
     p.add_argument("--serve-slots", type=int, default=32, help="serve: the engine's slots")
@@ -709,7 +711,7 @@ def main() -> None:
     p.add_argument("--gpt2-vs-torch", action="store_true", help="GPT-2 shape in bf16 beside torch.compile (GPU)")
     p.add_argument("--batches", default="8,16", help="gpt2-vs-torch: batch sizes")
     p.add_argument("--stacks", default="unrolled,scanned", help="gpt2-vs-torch: unrolled / scanned[:REMAT], ...")
-    p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True, help="gpt2-vs-torch: run torch")
+    p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True, help="gpt2-vs-torch, eval: run torch")
     p.add_argument("--gpt2-step", help=argparse.SUPPRESS)  # one of gpt2-vs-torch's runs, in its own process
     p.add_argument("--lora", type=int, default=0, help="full fine-tuning vs LoRA of this rank, interleaved")
     p.add_argument("--lora-targets", default="q,k,v,o", help="lora: the adapted projections")
@@ -730,6 +732,11 @@ def main() -> None:
         return
     if args.serve:
         serve_speed(args)
+        return
+    if args.eval:
+        import eval_speed  # the harness and, where installed, torch: only for this run
+
+        eval_speed.eval_speed(args)
         return
     if args.lora:
         lora_vs_full(args)
