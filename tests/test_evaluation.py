@@ -151,3 +151,28 @@ def test_an_encoder_only_model_is_refused_naming_what_it_can_do():
     model = build_model(tiny("encoder_only", vocab_size=V, max_len=16, num_classes=2))
     with pytest.raises(HarnessError, match=r"^an encoder_only model has no next-token distribution: .+Engine\.score$"):
         JaxformerLM(model=model, tokenizer=Chars())
+
+
+def test_train_evals_runs_inside_fit_and_logs_what_eval_tasks_gives(tmp_path, capsys):
+    """train.evals inside `fit`: at step 2 metrics.jsonl holds the task's metrics, equal to those
+    `jaxformer eval --tasks` gives on the checkpoint that run saved (the same weights, another route)."""
+    from jaxformer import cli
+    from jaxformer.config import apply_overrides, load_experiment
+    from jaxformer.train import fit
+
+    cfg = apply_overrides(
+        load_experiment("experiments/lm_shakespeare.py"),
+        ["model.d_model=16", "model.num_heads=2", "model.d_ff=32", "model.num_decoder_layers=1",
+         "data.max_examples=64", "train.steps=2", "train.batch_size=4", "train.eval_every=2",
+         "train.eval_batches=1", "train.num_samples=0", "train.evals=shakespeare_cloze", "train.evals_limit=4"],
+    )  # fmt: skip
+    fit(cfg, tmp_path / "w", quiet=True)
+    logged = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    at_end = next(r for r in logged if r["split"] == "eval" and r["step"] == 2)
+    out = tmp_path / "results.json"
+    argv = ["eval", "--workdir", str(tmp_path / "w"), "--tasks", "shakespeare_cloze", "--limit", "4"]
+    assert cli.main([*argv, "--output", str(out)]) == 0
+    capsys.readouterr()
+    results = json.loads(out.read_text())["results"]["shakespeare_cloze"]
+    for metric in ("acc", "acc_norm"):
+        assert at_end[f"shakespeare_cloze/{metric}"] == pytest.approx(results[f"{metric},none"]), metric
