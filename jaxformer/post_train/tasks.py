@@ -84,3 +84,29 @@ def addition(split: str, count: int, seed: int = 0, digits: int = 2) -> list[dic
         if (zlib.crc32(prompt.encode()) % 10 == 0) == (split == "test"):
             out.append({"prompt": prompt, "answer": str(a + b)})
     return out
+
+
+def reverse(split: str, count: int, seed: int = 0, length: int = 5) -> list[dict]:
+    """`count` problems "31415?" with answer "51413": the digits reversed; held out as `addition` does.
+
+    Args:
+        split: "train" or "test".
+        count: how many problems.
+        seed: which ones.
+        length: digits per problem.
+
+    Returns:
+        [{"prompt": "31415?", "answer": "51413"}, ...].
+
+    Raises:
+        ValueError: an unknown split.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    rng = np.random.default_rng([seed, split == "test"])
+    out = []
+    while len(out) < count:
+        digits = "".join(str(int(d)) for d in rng.integers(0, 10, length))
+        if (zlib.crc32(digits.encode()) % 10 == 0) == (split == "test"):
+            out.append({"prompt": f"{digits}?", "answer": digits[::-1]})
+    return out
