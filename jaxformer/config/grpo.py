@@ -54,8 +54,8 @@ class GRPOConfig:
     dynamic_sampling: bool = False  # DAPO: groups of equal rewards are masked out of the update
     updates: int = 1  # optimizer steps per rollout (mu); 1 = the ratio is 1 at the step, only clipping of later ones
     sft_steps: int = 0  # supervised steps on the task before GRPO, saved apart (workdir/sft); 0 = none
-    sft_learning_rate: float = 3e-3
-    sft_batch_size: int = 64
+    sft_learning_rate: float = 3e-3  # the warm-up's (constant after a tenth of its steps of warmup)
+    sft_batch_size: int = 64  # the warm-up's records a step
     eval_prompts: int = 64  # held-out prompts answered greedily at each evaluation (train.eval_every)
 
     def __post_init__(self):
