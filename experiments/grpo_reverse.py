@@ -16,7 +16,7 @@ iterations (81.2% at 70), the sampled reward (temperature 1) from 0.16-0.33 in i
 iterations to 0.40-0.59 in its last 10; the same figures on a rerun.
 """
 
-from jaxformer.config import Config, DataConfig, GRPOConfig, ModelConfig, TrainConfig
+from jaxformer.config import CheckpointConfig, Config, DataConfig, GRPOConfig, ModelConfig, TrainConfig
 
 
 def get_config() -> Config:
@@ -45,6 +45,7 @@ def get_config() -> Config:
             eval_every=10,
             log_every=5,
         ),
+        checkpoint=CheckpointConfig(every=20),  # a stopped run resumes from its last 20th iteration, the same
         grpo=GRPOConfig(
             group_size=8,
             task="jaxformer.post_train.tasks:reverse",

@@ -717,6 +717,15 @@ def save_switch_with_first_layer_sparse(places):
 TOKENS = types.SimpleNamespace(bos_id=1, eos_id=2)  # a tokenizer's special ids, for id lists given as sources
 
 
+def engine_with_a_request(model):
+    """An engine over `model` with one request queued."""
+    from jaxformer.engine import Engine, SamplingParams
+
+    engine = Engine(model, jf.config.EngineConfig(page_size=4, num_pages=8, max_slots=1), eos_id=2)
+    engine.add_request([3, 4], SamplingParams(max_tokens=2))
+    return engine
+
+
 def post_train_rewards():
     from jaxformer.post_train import rewards
 
@@ -983,6 +992,12 @@ API_CASES = [
         r"modle: unknown config section; did you mean model\?",
     ),
     # GRPO: the section, the run it needs, and the task's and reward functions' output, each named.
+    api_case(
+        "Engine.load_weights while a request waits",
+        lambda m, p: engine_with_a_request(m[LM]).load_weights(m[LM]),
+        ValueError,
+        r"load_weights: requests are still running; finish or abort them first",
+    ),
     api_case(
         "GRPO group of one",
         lambda m, p: jf.config.GRPOConfig(group_size=1),

@@ -51,8 +51,7 @@ def grpo_loss(cfg: Config):
         cfg: the run's config (its `grpo` section).
 
     Returns:
-        result (tuple[Callable, Callable]): (loss(model, batch, rng) -> (summed loss, sums), metrics(sums)
-        -> means).
+        result (tuple[Callable, Callable]): (loss(model, batch, rng) -> (summed loss, sums), metrics(sums) -> means).
     """
     g = cfg.grpo
 
@@ -95,7 +94,7 @@ def reference_weights(state, kept=None):
         kept (nnx.State | None): the starting parameters (full training).
 
     Returns:
-        The weights (`nnx.merge(graphdef, weights)`).
+        weights (nnx.State | None): for `nnx.merge(graphdef, weights)`.
     """
     if state.frozen is None:
         return kept
@@ -256,9 +255,9 @@ def supervised_start(cfg: Config, workdir: pathlib.Path, mesh, task, tok, log) -
     Args:
         cfg: the run's config.
         workdir: the run's directory.
-        mesh: the device mesh.
+        mesh (jax.sharding.Mesh): the device mesh.
         task (Callable): the task.
-        tok: the tokenizer.
+        tok (CharTokenizer): the tokenizer.
         log (Callable): where progress lines go.
 
     Returns:
