@@ -2,6 +2,8 @@
 run (rollout from the engine + update) that checks the engine reads the updated weights, that a
 rollout is a function of (seed, step), and that a resumed run ends with the same parameters."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -202,11 +204,22 @@ def test_the_engine_samples_from_the_updated_weights(one_run):
 
 
 def test_a_resumed_run_ends_with_the_same_parameters(tmp_path):
-    """Two iterations at once, or one and a rerun of the same command to two: the same bits."""
+    """Two iterations at once, or one and a rerun of the same command to two: the same bits, the same log."""
     cfg = tiny_config(steps=2, kl_coef=0.1)
     whole = rl.run(cfg, tmp_path / "whole", quiet=True)["state"]
     rl.run(tiny_config(steps=1, kl_coef=0.1), tmp_path / "resumed", quiet=True)
     resumed = rl.run(cfg, tmp_path / "resumed", quiet=True)["state"]
+    logs = [
+        [
+            {k: v for k, v in json.loads(line).items() if not k.endswith("_s")}
+            for line in (d / "metrics.jsonl").read_text().splitlines()
+        ]
+        for d in (tmp_path / "whole", tmp_path / "resumed")
+    ]
+    train = [[r for r in log if r["split"] == "train"] for log in logs]
+    assert train[0] == train[1] and len(train[0]) == 2  # the same records, timings aside
+    # (the stopped run's final evaluation, at step 1, stays beside the uninterrupted run's)
+    assert all(r in logs[1] for r in logs[0] if r["split"] == "eval")
     for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(whole.params)), jax.tree.leaves(nnx.to_pure_dict(resumed.params)),
                     strict=True):  # fmt: skip
         np.testing.assert_array_equal(a, b)

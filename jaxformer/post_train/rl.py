@@ -476,7 +476,7 @@ def _run(cfg: Config, workdir: pathlib.Path, mesh, log) -> dict:
                 state = state.replace(step=state.step + g.updates)
             row |= {"rollout_s": t1 - t0, "update_s": time.perf_counter() - t1}
             history.append(row)
-            writer.write((it + 1) * g.updates, "train", row)
+            writer.write(it * g.updates, "train", row)  # its first step, as `fit` logs a step
             if (it + 1) % tcfg.log_every == 0 or it + 1 == tcfg.steps:
                 log(f"iteration {it + 1}: reward {row['reward']:.3f}, loss {row.get('loss', 0.0):.4f}, "
                     f"rollout {row['rollout_s']:.2f}s, update {row['update_s']:.2f}s")  # fmt: skip
