@@ -16,12 +16,13 @@ from jaxformer.post_train.grpo import (
     surrogate_loss,
     token_logprobs,
 )
-from jaxformer.post_train.rewards import exact_match, format_check, load_callable, math_answer, score
-from jaxformer.post_train.tasks import CharTokenizer, addition
+from jaxformer.post_train.rewards import RewardError, exact_match, format_check, load_callable, math_answer, score
+from jaxformer.post_train.tasks import CharTokenizer, addition, reverse
 
 __all__ = [
     "AGGREGATIONS",
     "CharTokenizer",
+    "RewardError",
     "addition",
     "aggregate",
     "exact_match",
@@ -31,6 +32,7 @@ __all__ = [
     "kl_k3",
     "load_callable",
     "math_answer",
+    "reverse",
     "score",
     "surrogate_loss",
     "token_logprobs",
