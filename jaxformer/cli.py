@@ -1,5 +1,5 @@
-"""`jaxformer train | prepare | eval | generate | translate | serve | export | import-hf | export-hf | plan | sweep |
-plot | check | config`."""
+"""`jaxformer train | prepare | eval | generate | translate | serve | grpo | export | import-hf | export-hf | plan |
+sweep | plot | check | config`."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ EXAMPLES = {
     "generate": 'jaxformer generate --workdir runs/lm_shakespeare --prompt "KING HENRY:" --set decode.temperature=0.7',
     "translate": 'jaxformer translate --workdir runs/translate_en_de --src "Click the OK button."',
     "serve": "jaxformer serve --workdir runs/instruct_tiny --port 8000 --set engine.max_slots=16",
+    "grpo": "jaxformer grpo --config experiments/grpo_reverse.py --workdir runs/grpo_reverse",
     "sweep": "jaxformer sweep experiments/sweeps/copy_task.py --workdir sweeps/copy_task --workers 2",
     "plan": "jaxformer plan --config experiments/gpt2_1p3b.py --target tpu-v5p:4x4x4",
     "plot": "jaxformer plot --workdir runs/lm_shakespeare",
@@ -253,6 +254,18 @@ def cmd_generate(args) -> int:
     for text, out in zip(texts, outs, strict=True):
         for i, o in enumerate([out] if isinstance(out, str) else out):
             print(f"{text}\n=> {o}\n" if i == 0 else f"{i + 1:d}> {o}\n")
+    return 0
+
+
+def cmd_grpo(args) -> int:
+    """GRPO with rollouts from the engine (jaxformer.post_train.rl); rerun the same command to resume."""
+    from jaxformer.post_train.rl import run
+
+    try:
+        result = run(_load_config(args), args.workdir, quiet=args.quiet)
+    except ValueError as e:  # a task, a reward or a prompt that cannot be used: the message names it
+        raise CommandError(str(e)) from None
+    print(f"held-out exact match by iteration: {result['eval']}; logs: {args.workdir}/metrics.jsonl")
     return 0
 
 
@@ -522,6 +535,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--model-name", help="the model's id in /v1/models and in requests (default: the workdir's name)")
     sv.add_argument("--set", action="append", metavar="engine.FIELD=VALUE", help="an engine setting, e.g. "
                     "engine.max_slots=16")  # fmt: skip
+    gr = sub.add_parser("grpo", help="GRPO on an experiment's task and rewards, sampling from the engine")
+    gr.add_argument("--config", help="experiments/NAME.py with a grpo section (default: the workdir's config.json)")
+    gr.add_argument("--workdir", required=True, help="the run's directory; rerun to resume")
+    gr.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help=SET_HELP)
+    gr.add_argument("--quiet", action="store_true", help="no progress output")
     sw = sub.add_parser("sweep", help="run (or continue) a hyperparameter sweep on Optuna")
     sw.add_argument("file", help="experiments/sweeps/NAME.py")
     sw.add_argument("--workdir", required=True, help="the sweep's directory: storage, trials, results")
@@ -617,6 +635,7 @@ def main(argv: list[str] | None = None) -> int:
             "generate": cmd_generate,
             "translate": cmd_generate,
             "serve": cmd_serve,
+            "grpo": cmd_grpo,
             "sweep": cmd_sweep,
             "plot": cmd_plot,
             "plan": cmd_plan,

@@ -371,6 +371,22 @@ def label_logits(logits_BTV: Array, labels_BT: Array) -> Array:
     return jnp.take_along_axis(logits_BTV, labels_BT[..., None], axis=-1)[..., 0]
 
 
+def token_logprobs(logits_BTV: Array, targets_BT: Array, temperature: float = 1.0) -> Array:
+    """log p(target | prefix) at each position under softmax(logits / temperature), in float32 (a
+    bfloat16 normaliser loses the small probabilities). Post-training's sequence scores are sums of these.
+
+    Args:
+        logits_BTV: [B, T, V] logits.
+        targets_BT: [B, T] the ids whose log-probabilities are taken.
+        temperature: the sampling temperature the targets were drawn at (1: the model's own distribution).
+
+    Returns:
+        [B, T] float32 log-probabilities.
+    """
+    logits = logits_BTV.astype(jnp.float32) / temperature
+    return label_logits(logits, targets_BT) - jax.nn.logsumexp(logits, axis=-1)
+
+
 def top1_correct(logits_BTV: Array, labels_BT: Array) -> Array:
     """[B, T] bool: the label's logit is the largest (a tie counts as correct).
 

@@ -198,35 +198,45 @@ def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Ar
     return sums["loss"], sums
 
 
-def make_steps(graphdef: nnx.GraphDef, cfg: Config, optimizer: optax.GradientTransformation):
+def make_steps(
+    graphdef: nnx.GraphDef, cfg: Config, optimizer: optax.GradientTransformation, *, loss=None, metrics=None
+):
     """Build the pure `train_step(state, batch)` and `eval_step(state, batch)` (not yet jitted).
 
     They do not check token ids (a host callback per step would also keep them out of JAX's
     persistent compilation cache): check host batches with `layers.check_batch_ids`, as `fit` does.
+    Another objective (post-training's) brings its own `loss` and `metrics`; the step around them
+    (accumulation, clipping, the optimizer, LoRA's frozen base, non-finite handling) is the same.
 
     Args:
         graphdef: the model's graph (`nnx.split`).
         cfg: the run's config.
         optimizer: the optax transformation.
+        loss (Callable | None): (model, batch, dropout_rng) -> (summed loss, summed metrics with "count",
+            what the sums are divided by); None: `loss_sums` of `cfg.train.objective`.
+        metrics (Callable | None): summed metrics -> logged means; None: `summarize`.
 
     Returns:
         steps (tuple[Callable, Callable]): (train_step, eval_step).
     """
     tcfg = cfg.train
     schedule = learning_rate_schedule(tcfg, cfg.model.d_model)
-    sums_of, with_reference = loss_sums, lambda state, batch: batch
-    if tcfg.objective == "preference":  # pairs against the reference (jaxformer.post_train.pair_loss)
+    with_reference = lambda state, batch: batch
+    if loss is None and tcfg.objective == "preference":  # pairs against the reference (post_train.pair_loss)
         from jaxformer.post_train import pair_loss as preference
 
-        sums_of = lambda model, _, batch, rng: preference.preference_sums(model, cfg.preference, batch, rng)
+        loss = lambda model, batch, rng: preference.preference_sums(model, cfg.preference, batch, rng)
         with_reference = lambda state, batch: preference.with_reference(cfg.preference, model_of, state, batch)
 
     def model_of(params, frozen):  # ids are checked on the host (`check_batch_ids`): no callback in the steps
         return without_id_checks(nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen))
 
+    loss = loss or (lambda model, batch, rng: loss_sums(model, tcfg, batch, rng))
+    metrics = metrics or summarize
+
     def grads_and_sums(params, frozen, batch, rng):
         def f(params):  # gradients of the trained parameters only (LoRA: the adapters; the base is a constant)
-            return sums_of(model_of(params, frozen), tcfg, batch, rng)
+            return loss(model_of(params, frozen), batch, rng)
 
         (_, sums), grads = jax.value_and_grad(f, has_aux=True)(params)
         return grads, sums
@@ -259,13 +269,13 @@ def make_steps(graphdef: nnx.GraphDef, cfg: Config, optimizer: optax.GradientTra
         if tcfg.offload_optimizer:
             opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
         params = optax.apply_updates(state.params, updates)
-        metrics = summarize(sums) | {"grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step)}
+        means = metrics(sums) | {"grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step)}
         if tcfg.on_nonfinite == "skip":  # optax.apply_if_finite kept params and optimizer state on such a step
-            metrics["skipped_steps"] = opt_state.total_notfinite
-        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+            means["skipped_steps"] = opt_state.total_notfinite
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), means
 
     def eval_step(state: TrainState, batch: dict) -> dict:
-        _, sums = sums_of(model_of(state.params, state.frozen), tcfg, with_reference(state, batch), None)
+        _, sums = loss(model_of(state.params, state.frozen), with_reference(state, batch), None)
         return sums
 
     return train_step, eval_step

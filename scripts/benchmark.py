@@ -5,6 +5,7 @@ and decoding speed with and without the KV cache.
     python scripts/benchmark.py --d-model 1024 --layers 12 --batch 64 --seq 1024 --dtype bfloat16   # accelerator
     python scripts/benchmark.py --decode              # greedy and beam 4, batch 1 and 8, 64/256/1024 tokens
     python scripts/benchmark.py --serve --modes decoder_only   # the engine vs static generate, 32 mixed requests
+    python scripts/benchmark.py --grpo --serve-max-new 32   # a GRPO iteration: rollout vs update, rollout vs engine
     python scripts/benchmark.py --compare             # side by side with Hugging Face Flax and PyTorch (bench extra)
     python scripts/benchmark.py --lora 16 --modes decoder_only --d-model 512 --heads 8 --layers 6 --seq 256 --batch 8
                                                       # full fine-tuning vs LoRA rank 16 on q,k,v,o, interleaved
@@ -26,6 +27,7 @@ dtype from the table, or, for a device the table lacks (a CPU), a matmul probe i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -340,6 +342,56 @@ def serve_speed(args) -> None:
         print(f"{name:38s} {statistics.median(ts):8.2f} s {rate[name]:9.0f} tokens/s")
     static, paged = rate.values()
     print(f"engine / static: {paged / static:.2f}x tokens/s")
+
+
+def grpo_speed(args) -> None:
+    """A GRPO iteration (`jaxformer.post_train.rl`) at the command line's decoder_only shape, random
+    weights: `--grpo-prompts` prompts of the addition task x `--grpo-group` samples of up to
+    `--serve-max-new` tokens (temperature 1, EOS = id 2 may end one), then one update; its time split
+    into rollout and update (the median of `--rounds` iterations after the first), and the rollout's
+    tokens/s against the engine's plain throughput on as many requests, each alone (no prefix sharing)."""
+    import tempfile
+
+    from flax import nnx
+
+    from jaxformer.config import Config, DataConfig, GRPOConfig, TrainConfig
+    from jaxformer.engine import Engine, SamplingParams
+    from jaxformer.post_train import rl
+
+    P, G, max_new = args.grpo_prompts, args.grpo_group, args.serve_max_new
+    width = 8 + max_new  # the addition task's prompts are 4-6 characters
+    cfg = Config(
+        model=model_config("decoder_only", args, max_len=width + 1, dropout_rate=0.0, position="rope"),
+        data=DataConfig(max_len=width),
+        train=TrainConfig(objective="lm", steps=1 + args.rounds, batch_size=P * G, schedule="constant", warmup_steps=0,
+                          log_every=10**6, eval_every=10**6),
+        grpo=GRPOConfig(group_size=G, max_new_tokens=max_new, eval_prompts=1),
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as workdir:
+        out = rl.run(cfg, workdir, quiet=True)
+    rows = out["history"][1:]
+    rollout, update = (statistics.median(r[k] for r in rows) for k in ("rollout_s", "update_s"))
+    tokens = statistics.median(r["completion_tokens"] for r in rows) * P * G
+    model = nnx.merge(out["graphdef"], out["state"].weights)
+    ecfg = dataclasses.replace(rl.engine_config(cfg), prefix_sharing=False)
+    engine = Engine(model, ecfg, eos_id=2, bos_id=1)
+    prompts = [[1, *rl.CharTokenizer().encode(f"{i % 90 + 10}+{i % 7}=")] for i in range(P * G)]
+    params = [SamplingParams(max_tokens=max_new, temperature=1.0, seed=i) for i in range(P * G)]
+    engine.generate(prompts, params)  # compiles
+    times, counts = [], []
+    for _ in range(args.rounds):
+        t = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        times.append(time.perf_counter() - t)
+        counts.append(sum(len(o.token_ids) + (o.finish_reason == "stop") for o in outs))
+    plain = statistics.median(c / t for c, t in zip(counts, times, strict=True))
+    print(
+        f"grpo: D={args.d_model} H={args.heads} L={args.layers} V={args.vocab} dtype={args.dtype}; {P} prompts x {G} "
+        f"samples, up to {max_new} new tokens; {args.rounds} iterations after the first"
+    )
+    print(f"rollout {rollout:.3f} s ({rollout / (rollout + update):.0%}), update {update:.3f} s "
+          f"({update / (rollout + update):.0%})")  # fmt: skip
+    print(f"rollout {tokens / rollout:.0f} tokens/s; the engine alone on {P * G} requests {plain:.0f} tokens/s")
 
 
 PEER_ARCH = {  # jaxformer set up as each peer's architecture: same shapes, norms, positions, activation
@@ -707,6 +759,9 @@ def main() -> None:
     p.add_argument("--serve-max-new", type=int, default=128, help="serve: the longest output")
     p.add_argument("--serve-chunk", type=int, default=64, help="serve: prefill chunk")
     p.add_argument("--serve-steps", type=int, default=8, help="serve: the engine's decode steps a call")
+    p.add_argument("--grpo", action="store_true", help="a GRPO iteration: rollout vs update, rollout vs engine")
+    p.add_argument("--grpo-prompts", type=int, default=8, help="grpo: prompts a step")
+    p.add_argument("--grpo-group", type=int, default=8, help="grpo: samples a prompt")
     p.add_argument("--matmul-floor", action="store_true", help="the training step's matrix products timed alone")
     p.add_argument("--gpt2-vs-torch", action="store_true", help="GPT-2 shape in bf16 beside torch.compile (GPU)")
     p.add_argument("--batches", default="8,16", help="gpt2-vs-torch: batch sizes")
@@ -737,6 +792,9 @@ def main() -> None:
         import eval_speed  # the harness and, where installed, torch: only for this run
 
         eval_speed.eval_speed(args)
+        return
+    if args.grpo:
+        grpo_speed(args)
         return
     if args.lora:
         lora_vs_full(args)

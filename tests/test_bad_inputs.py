@@ -812,6 +812,36 @@ def tokenize_pair(record: tuple, max_len: int):
     return pairs.tokenize(cfg, jf.data.ByteTokenizer(), [record])
 
 
+def engine_with_a_request(model):
+    """An engine over `model` with one request queued."""
+    from jaxformer.engine import Engine, SamplingParams
+
+    engine = Engine(model, jf.config.EngineConfig(page_size=4, num_pages=8, max_slots=1), eos_id=2)
+    engine.add_request([3, 4], SamplingParams(max_tokens=2))
+    return engine
+
+
+def post_train_rewards():
+    from jaxformer.post_train import rewards
+
+    return rewards
+
+
+def score_with(fn):
+    """The rewards of two samples by one reward function `fn`, named "bad:fn"."""
+    return post_train_rewards().score([("bad:fn", fn)], (1.0,), ["p", "q"], ["a", "b"], ["a", "c"])
+
+
+def grpo_prompts(records):
+    """The prompts of `records` checked for a GRPO run whose rows are 16 positions wide."""
+    from jaxformer.post_train import rl
+
+    cfg = jf.config.Config(
+        model=jf.tiny("decoder_only"), data=jf.config.DataConfig(max_len=16), grpo=jf.config.GRPOConfig(group_size=2)
+    )
+    return rl.check_records(records, rl.CharTokenizer(), cfg, "grpo.task train")
+
+
 API_CASES = [
     # Preference tuning built in code: the section, the mode, and one record at a time.
     api_case(
@@ -1096,6 +1126,75 @@ API_CASES = [
         lambda m, p: from_dict({"modle": {}}),
         ConfigError,
         r"modle: unknown config section; did you mean model\?",
+    ),
+    # GRPO: the section, the run it needs, and the task's and reward functions' output, each named.
+    api_case(
+        "Engine.load_weights while a request waits",
+        lambda m, p: engine_with_a_request(m[LM]).load_weights(m[LM]),
+        ValueError,
+        r"load_weights: requests are still running; finish or abort them first",
+    ),
+    api_case(
+        "GRPO group of one",
+        lambda m, p: jf.config.GRPOConfig(group_size=1),
+        ConfigError,
+        r"grpo\.group_size: 1 sample per prompt has no group to compare with",
+    ),
+    api_case(
+        "GRPO groups that do not divide the batch",
+        lambda m, p: jf.config.Config(
+            model=jf.tiny("decoder_only"), train=TrainConfig(batch_size=6), grpo=jf.config.GRPOConfig(group_size=4)
+        ),
+        ConfigError,
+        r"grpo\.group_size: group_size=4 does not divide train\.batch_size=6",
+    ),
+    api_case(
+        "GRPO reward weights of another length",
+        lambda m, p: jf.config.GRPOConfig(group_size=2, reward_weights=(1.0, 2.0)),
+        ConfigError,
+        r"grpo\.reward_weights: 2 weights for 1 rewards",
+    ),
+    api_case(
+        "GRPO reward that is not module:function",
+        lambda m, p: jf.config.GRPOConfig(group_size=2, rewards=("exact_match",)),
+        ConfigError,
+        r"grpo\.rewards: 'exact_match' is not 'module:function'",
+    ),
+    api_case(
+        "GRPO reward module without the function",
+        lambda m, p: post_train_rewards().load_callable("jaxformer.post_train.rewards:nope", "grpo.rewards"),
+        ValueError,
+        r"grpo\.rewards: 'jaxformer\.post_train\.rewards' has no function 'nope'",
+    ),
+    api_case(
+        "GRPO reward that raises",
+        lambda m, p: score_with(lambda **kw: 1 / 0),
+        ValueError,
+        r"reward bad:fn raised ZeroDivisionError: division by zero",
+    ),
+    api_case(
+        "GRPO reward that returns NaN",
+        lambda m, p: score_with(lambda completions, **kw: [0.0, float("nan")]),
+        ValueError,
+        r"reward bad:fn returned nan for sample 1 \(completion 'b'\)",
+    ),
+    api_case(
+        "GRPO reward of the wrong shape",
+        lambda m, p: score_with(lambda completions, **kw: [1.0]),
+        ValueError,
+        r"reward bad:fn returned shape \(1,\), expected one per sample \(2,\)",
+    ),
+    api_case(
+        "GRPO prompt over the context",
+        lambda m, p: grpo_prompts([{"prompt": "1" * 20, "answer": "1"}]),
+        ValueError,
+        r"grpo\.task train record 0 \('1{20}'\): 20 prompt tokens \+ grpo\.max_new_tokens=8 exceed data\.max_len=16",
+    ),
+    api_case(
+        "GRPO prompt outside the characters",
+        lambda m, p: grpo_prompts([{"prompt": "1+1=", "answer": "2"}, {"prompt": "one+1=", "answer": "2"}]),
+        ValueError,
+        r"grpo\.task train record 1 \('one\+1='\): 'o' is not one of the tokenizer's characters",
     ),
     api_case("unknown field", lambda m, p: from_dict({"model": {"w": 1}}), ConfigError, r"model\.w: unknown field"),
     api_case("decode field type", lambda m, p: DecodeConfig(beam_size="4"), ConfigError, r"decode\.beam_size: "),

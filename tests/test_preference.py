@@ -70,7 +70,7 @@ def test_cdpo_simpo_and_orpo_equal_trls_per_pair():
 def test_completion_logprobs_equal_trls_get_batch_logps():
     """Token log-probs from logits, summed and averaged over the completion (labels -100 on the prompt)."""
     logits, ids, mask = (jnp.asarray(GOLDEN[k]) for k in ("logits", "ids", "completion_mask"))
-    logp = P.token_logprobs(logits[:, :-1].astype(jnp.float32), ids[:, 1:])  # position t predicts token t + 1
+    logp = jf.functional.token_logprobs(logits[:, :-1], ids[:, 1:])  # position t predicts token t + 1
     sums, counts = P.sequence_logprobs(logp, mask[:, 1:].astype(jnp.float32))
     np.testing.assert_allclose(sums, GOLDEN["batch_logps/sum"], **TOL)
     np.testing.assert_allclose(sums / counts, GOLDEN["batch_logps/mean"], **TOL)

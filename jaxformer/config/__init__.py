@@ -15,6 +15,7 @@ import Config, ModelConfig, load_experiment`); each module holds one concern:
 - `preference`: the preference-tuning section (PreferenceConfig: the DPO family's loss and constants)
 - `run`: the run's Config and what its sections ask of one another (ring_blocks_unfit), SECTIONS
 - `files`: experiment files and saved config.json (load_experiment, read_config, from_dict)
+- `grpo`: the GRPO section (GRPOConfig) and what it asks of the run (check_grpo)
 - `engine`: the inference engine's paged cache and scheduler (EngineConfig)
 - `serve`: the HTTP server's section (ServeConfig), apart from the run's Config
 - `overrides`: `--set section.field=value` (field_hint, parse_overrides, with_values, apply_overrides,
@@ -25,6 +26,7 @@ from jaxformer.config.architecture import MODES, ModelConfig, MoEConfig
 from jaxformer.config.base import ConfigError, check_field_types, did_you_mean, require
 from jaxformer.config.engine import EngineConfig
 from jaxformer.config.files import call_file, from_dict, load_experiment, read_config
+from jaxformer.config.grpo import GRPOConfig, check_grpo
 from jaxformer.config.lora import (
     LORA_MODEL_TARGETS,
     LORA_STACKS,
@@ -81,6 +83,7 @@ __all__ = [
     "DataConfig",
     "DecodeConfig",
     "EngineConfig",
+    "GRPOConfig",
     "LoRAConfig",
     "MeshConfig",
     "MoEConfig",
@@ -94,6 +97,7 @@ __all__ = [
     "bert_base",
     "call_file",
     "check_field_types",
+    "check_grpo",
     "check_lora_fits",
     "did_you_mean",
     "field_hint",

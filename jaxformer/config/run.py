@@ -1,5 +1,5 @@
-"""The run's config (Config): one section each of model, train, data, checkpoint, mesh, decode and
-lora, and what the sections ask of one another (an objective and its mode, the batch over the mesh,
+"""The run's config (Config): one section each of model, train, data, checkpoint, mesh, decode,
+lora and grpo, and what the sections ask of one another (an objective and its mode, the batch over the mesh,
 context parallelism and the ring's kernels, the tokenizer against the vocabulary); SECTIONS by name."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import dataclasses
 
 from jaxformer.config.architecture import ModelConfig
 from jaxformer.config.base import require
+from jaxformer.config.grpo import GRPOConfig, check_grpo
 from jaxformer.config.lora import LoRAConfig, check_lora_fits
 from jaxformer.config.preference import PreferenceConfig
 from jaxformer.config.sections import (
@@ -65,6 +66,7 @@ class Config:
     decode: DecodeConfig = dataclasses.field(default_factory=DecodeConfig)
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
     preference: PreferenceConfig = dataclasses.field(default_factory=PreferenceConfig)
+    grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)  # `jaxformer grpo` only
 
     def __post_init__(self):
         objective, mode = self.train.objective, self.model.mode
@@ -120,6 +122,8 @@ class Config:
         )
         self._check_tokenizer()
         self._check_lora()
+        if self.grpo.enabled:
+            check_grpo(self)
         m = self.mesh
         if m.data > 0 and m.fsdp > 0 and m.expert > 0:  # a fill (-1) is known only with the devices
             shards, names = m.data * m.fsdp * m.expert, "mesh.data x mesh.fsdp"
@@ -271,4 +275,5 @@ SECTIONS = {
     "decode": DecodeConfig,
     "lora": LoRAConfig,
     "preference": PreferenceConfig,
+    "grpo": GRPOConfig,
 }

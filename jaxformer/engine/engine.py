@@ -226,6 +226,29 @@ class Engine:
         engine.chat_template = None if run.data.template == "none" else run.data.template
         return engine
 
+    def load_weights(self, model) -> None:
+        """Serve `model`'s current weights from the next step on (a training loop hands over its new
+        parameters: the arrays themselves, folded and unrolled as at construction, nothing synchronised).
+        Pages cached for prefix sharing held keys of the old weights: they are forgotten.
+
+        Args:
+            model (Transformer): a model of the engine's structure (the one it was built on, updated).
+
+        Raises:
+            EngineError: requests are still running or waiting, or the model's structure differs.
+        """
+        from jaxformer.decode import decodable
+        from jaxformer.layers import without_id_checks
+
+        if self.has_unfinished():
+            raise EngineError("load_weights: requests are still running; finish or abort them first")
+        graphdef, params = nnx.split(decodable(without_id_checks(nnx.merge(*nnx.split(model)))))
+        if graphdef != self._graphdef:
+            raise EngineError("load_weights: the model's structure differs from the engine's")
+        self._params = params
+        self._alloc.by_hash.clear()
+        self._alloc.hash_of.clear()
+
     # ------------------------------------------------------------------------- requests
 
     def add_request(

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.config import PreferenceConfig
-from jaxformer.post_train.preference import preference_loss, sequence_logprobs, token_logprobs
+from jaxformer.functional import token_logprobs
+from jaxformer.post_train.preference import preference_loss, sequence_logprobs
 
 Array = jax.Array
 

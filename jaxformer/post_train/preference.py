@@ -19,21 +19,6 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
-def token_logprobs(logits_BTV: Array, targets_BT: Array) -> Array:
-    """log p(target) at each position, from the logits.
-
-    Args:
-        logits_BTV: [B, T, V] logits.
-        targets_BT: [B, T] target ids.
-
-    Returns:
-        [B, T] float32 log-probabilities.
-    """
-    logits = logits_BTV.astype(jnp.float32)  # the normaliser in float32: bfloat16 loses the small probabilities
-    picked = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
-    return picked - jax.nn.logsumexp(logits, axis=-1)
-
-
 def sequence_logprobs(logp_BT: Array, weights_BT: Array) -> tuple[Array, Array]:
     """Per-sequence sums of the token log-probs where `weights` is 1 (the completion, prompt masked),
     and the number of tokens summed.
