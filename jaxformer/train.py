@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxformer import distributed, moe, ring, sharding
+from jaxformer import distributed, moe, pipeline, ring, sharding
 from jaxformer import functional as F
 from jaxformer.config import Config, ModelConfig, TrainConfig
 from jaxformer.layers import check_batch_ids, without_id_checks
@@ -214,20 +214,27 @@ def make_steps(graphdef: nnx.GraphDef, cfg: Config, optimizer: optax.GradientTra
     """
     tcfg = cfg.train
     schedule = learning_rate_schedule(tcfg, cfg.model.d_model)
+    # mesh.stage > 1: the stacks run as a pipeline of grad_accum micro-batches (`jaxformer.pipeline`),
+    # which replaces the accumulation loop below; without stages the context changes nothing.
+    staged = cfg.mesh.stage > 1
+    in_pipeline = lambda: (
+        pipeline.schedule(tcfg.grad_accum, cfg.mesh.virtual_stages) if staged else contextlib.nullcontext()
+    )
 
     def model_of(params, frozen):  # ids are checked on the host (`check_batch_ids`): no callback in the steps
         return without_id_checks(nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen))
 
     def grads_and_sums(params, frozen, batch, rng):
         def f(params):  # gradients of the trained parameters only (LoRA: the adapters; the base is a constant)
-            return loss_sums(model_of(params, frozen), tcfg, batch, rng)
+            with in_pipeline():
+                return loss_sums(model_of(params, frozen), tcfg, batch, rng)
 
         (_, sums), grads = jax.value_and_grad(f, has_aux=True)(params)
         return grads, sums
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)  # same step, same masks
-        k = tcfg.grad_accum
+        k = 1 if staged else tcfg.grad_accum
         if k == 1:
             grads, sums = grads_and_sums(state.params, state.frozen, batch, rng)
         else:  # k micro-batches; gradients of summed losses add up exactly to the big batch's
@@ -259,7 +266,8 @@ def make_steps(graphdef: nnx.GraphDef, cfg: Config, optimizer: optax.GradientTra
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     def eval_step(state: TrainState, batch: dict) -> dict:
-        _, sums = loss_sums(model_of(state.params, state.frozen), tcfg, batch, None)
+        with in_pipeline():
+            _, sums = loss_sums(model_of(state.params, state.frozen), tcfg, batch, None)
         return sums
 
     return train_step, eval_step
