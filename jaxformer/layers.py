@@ -572,7 +572,8 @@ class LayerStack(nnx.Module):
             apply = jax.checkpoint(
                 apply, policy=REMAT_POLICIES[remat], prevent_cse=not self.cfg.scan_layers, static_argnums=(0,)
             )
-        if self.cfg.scan_layers and pipeline.active() is not None:
+        plan = pipeline.active()  # a batch the micro-batches do not divide (an odd evaluation batch) runs whole
+        if self.cfg.scan_layers and plan is not None and x_BTD.shape[0] % plan.microbatches == 0:
             return self._pipelined(apply, x_BTD, dropout_rng, kwargs)
         if self.cfg.scan_layers:
             N = self.block

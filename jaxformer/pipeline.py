@@ -38,8 +38,12 @@ from jaxformer.sharding import constrain
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """How a pipelined stack runs: `microbatches` (M) micro-batches through `virtual_stages` (V)
-    chunks of layers per stage."""
+    """How a pipelined stack runs.
+
+    Args:
+        microbatches: M, the micro-batches the batch is cut into.
+        virtual_stages: V, the chunks of layers each stage runs in turn.
+    """
 
     microbatches: int
     virtual_stages: int = 1
@@ -57,8 +61,8 @@ def schedule(microbatches: int, virtual_stages: int = 1) -> Iterator[Schedule]:
         microbatches: M, the micro-batches the batch is cut into (train.grad_accum).
         virtual_stages: V, chunks of layers per stage (mesh.virtual_stages).
 
-    Yields:
-        The schedule.
+    Returns:
+        schedule (Iterator[Schedule]): a context manager; `with` gives the schedule.
     """
     _SCHEDULE.append(Schedule(microbatches, virtual_stages))
     try:

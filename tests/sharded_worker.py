@@ -1,6 +1,6 @@
 """Sharded training in a process of its own (XLA_FLAGS must be set before JAX starts).
 
-    python tests/sharded_worker.py strategies MODE [remesh DIR] [moe]  # 8 devices: each strategy vs 1 device
+    python tests/sharded_worker.py strategies MODE [remesh DIR] [moe] [pipeline DIR]  # 8 devices: vs 1 device
     python tests/sharded_worker.py multihost PID PORT      # one of two processes, 4 devices each
     python tests/sharded_worker.py singlehost              # the same run in one process, 8 devices
     python tests/sharded_worker.py hf DIR                  # a Hugging Face checkpoint loaded onto FSDP=4 x TP=2
@@ -8,7 +8,8 @@
 
 `strategies` trains and generates with each strategy, and runs in the same process (a worker process
 costs seconds of imports before any work) the tasks named after the mode: `remesh DIR` (decoder_only:
-its FSDP=8 state saved to DIR, restored on DP=4 and on 1 device) and `moe`.
+its FSDP=8 state saved to DIR, restored on DP=4 and on 1 device), `moe` and `pipeline DIR` (the pipelined
+schedules of every mode, a pipelined state saved to DIR and restored without stages).
     python tests/sharded_worker.py hf_moe GOLDEN           # Mixtral, Switch loaded onto fsdp=2 x expert=4
 
 Prints one JSON line of results for tests/test_sharding.py (hf_moe: tests/test_interop_moe.py) to check.
@@ -88,6 +89,8 @@ def train(cfg, devices=None) -> tuple[list[float], object, object, object]:
                 step = lowered.compile()
                 # key/value blocks passed around the context axis's ring (0 without one)
                 train.ring_permutes = lowered.as_text().count("collective_permute")
+                # the partitioned program's permutes: the pipeline's activations moving stage to stage
+                train.permutes = step.as_text().count(" collective-permute")
                 train.all_to_all = step.as_text().count(" all-to-all(")  # the partitioned program's
             state, metrics = step(state, global_batch)
             losses.append(float(metrics["loss"]))
@@ -101,7 +104,7 @@ def first_gradients(cfg, devices=None) -> dict:
     lr-sized moves, which no two reduction orders reproduce."""
     from flax import nnx
 
-    from jaxformer import sharding
+    from jaxformer import pipeline, sharding
     from jaxformer.state import init_state
     from jaxformer.train import loss_sums
 
@@ -110,8 +113,9 @@ def first_gradients(cfg, devices=None) -> dict:
         graphdef, state, _ = init_state(cfg, mesh)
         batch = sharding.global_batch(batches(cfg.model.mode)[0], mesh, B)
 
-        def mean_loss(params):
-            loss, sums = loss_sums(nnx.merge(graphdef, params), cfg.train, batch, None)
+        def mean_loss(params):  # as the steps trace it: pipelined where the mesh has stages
+            with pipeline.schedule(cfg.train.grad_accum, cfg.mesh.virtual_stages):
+                loss, sums = loss_sums(nnx.merge(graphdef, params), cfg.train, batch, None)
             return loss / sums["count"]
 
         step = jax.jit(jax.value_and_grad(mean_loss)).lower(state.params).compile()
@@ -125,6 +129,7 @@ def first_gradients(cfg, devices=None) -> dict:
         "grads": gathered(grads),
         "specs": specs,
         "all_to_all": step.as_text().count(" all-to-all("),
+        "permutes": step.as_text().count(" collective-permute"),
     }
 
 
@@ -250,6 +255,71 @@ def moe() -> dict:
     return results
 
 
+# Pipelines over 2 stages, 2 micro-batches (each compile costs seconds, so two cases cover the two
+# schedules and the two compositions; scripts/pipeline_check.py runs every mode): GPipe of a 2-layer
+# decoder beside data, trained 5 steps; interleaved (2 chunks of 1 layer a stage) of a 4-layer decoder
+# beside FSDP and tensor parallelism, the first batch's loss and gradients.
+PIPELINES = {  # name: (mode, layers, stage, virtual_stages, data, fsdp, tensor)
+    "decoder_only/gpipe_dp4": ("decoder_only", 2, 2, 1, 4, 1, 1),
+    "decoder_only/interleaved_fsdp2_tp2": ("decoder_only", 4, 2, 2, 1, 2, 2),
+}
+
+
+def pipeline_config(mode: str, num_layers: int, stage=1, virtual_stages=1, data=1, fsdp=1, tensor=1):
+    """`config(mode)` with `num_layers` scanned layers a stack, no dropout (a pipeline draws its masks
+    per micro-batch), 2 micro-batches (train.grad_accum), on the mesh given."""
+    import dataclasses
+
+    from jaxformer import config as C
+
+    cfg = config(mode, (1, 1, 1))
+    layers = {n: num_layers if getattr(cfg.model, n) else 0 for n in ("num_encoder_layers", "num_decoder_layers")}
+    return dataclasses.replace(
+        cfg,
+        model=cfg.model.replace(scan_layers=True, dropout_rate=0.0, **layers),
+        train=dataclasses.replace(cfg.train, grad_accum=2),
+        mesh=C.MeshConfig(stage=stage, virtual_stages=virtual_stages, data=data, fsdp=fsdp, tensor=tensor),
+    )
+
+
+def pipelines(remesh_dir: str) -> dict:
+    """PIPELINES against one device accumulating the same 2 micro-batches: losses and parameters
+    after 5 steps (GPipe; its state then saved and restored without stages) or the first batch's loss
+    and gradients (interleaved), the collective permutes of the compiled program, and the largest share
+    of the parameters' bytes a device holds."""
+    mode, layers, *mesh = PIPELINES["decoder_only/gpipe_dp4"]
+    ref_losses, ref_state, _, _ = train(pipeline_config(mode, layers), jax.devices()[:1])
+    ref_params = gathered(ref_state.params)
+    cfg = pipeline_config(mode, layers, *mesh)
+    losses, state, _, _ = train(cfg)
+    params = gathered(state.params)
+    held = [0] * len(jax.devices())
+    for x in jax.tree.leaves(state.params):
+        for shard in x.addressable_shards:
+            held[shard.device.id] += shard.data.nbytes
+    rel = lambda got, ref: {  # the key bias is left out (see strategies)
+        k: float(np.max(np.abs(got[k] - ref[k])) / (np.max(np.abs(ref[k])) + 1e-12)) for k in ref if "k_bias" not in k
+    }
+    results = {
+        "decoder_only/gpipe_dp4": {
+            "loss_rel": float(np.max(np.abs(np.array(losses) - ref_losses) / np.abs(ref_losses))),
+            "rel": max(rel(params, ref_params).values()),
+            "permutes": train.permutes,
+            "params_fraction": max(held) / sum(x.nbytes for x in jax.tree.leaves(state.params)),
+        },  # the pipelined state restores onto meshes without stages
+        "remesh": remesh(remesh_dir, state, cfg, lambda shape: pipeline_config(mode, layers, data=shape[0])),
+    }
+    mode, layers, *mesh = PIPELINES["decoder_only/interleaved_fsdp2_tp2"]
+    ref = first_gradients(pipeline_config(mode, layers), jax.devices()[:1])
+    got = first_gradients(pipeline_config(mode, layers, *mesh))
+    results["decoder_only/interleaved_fsdp2_tp2"] = {
+        "loss_rel": abs(got["loss"] - ref["loss"]) / abs(ref["loss"]),
+        "rel": max(rel(got["grads"], ref["grads"]).values()),
+        "permutes": got["permutes"],
+    }
+    return results
+
+
 def errors() -> dict:
     from jaxformer import config as C
     from jaxformer import sharding
@@ -273,14 +343,15 @@ def errors() -> dict:
     return out
 
 
-def remesh(directory: str, state) -> dict:
-    """A checkpoint written under FSDP over 8 devices (`state`, trained by `strategies`) restores onto
-    DP over 4 and onto 1 device."""
+def remesh(directory: str, state, cfg=None, target=None) -> dict:
+    """A checkpoint written under FSDP over 8 devices (`state`, trained by `strategies`; or under `cfg`)
+    restores onto DP over 4 and onto 1 device (`target(mesh shape)`: the config there)."""
     from jaxformer import sharding
     from jaxformer.checkpoint import Checkpointer
     from jaxformer.state import init_state
 
-    cfg = config("decoder_only", (1, 8, 1))
+    cfg = cfg or config("decoder_only", (1, 8, 1))
+    target = target or (lambda shape: config("decoder_only", shape))
     saved = gathered(state)
     ckpt = Checkpointer(directory, cfg)
     ckpt.save(state)
@@ -290,10 +361,10 @@ def remesh(directory: str, state) -> dict:
         "dp4": ((4, 1, 1), jax.devices()[:4]),
         "one": ((1, 1, 1), jax.devices()[:1]),
     }.items():
-        target = config("decoder_only", mesh_shape)
-        mesh = sharding.make_mesh(target.mesh, devices)
-        with sharding.use(mesh, sharding.rules_for(target.mesh)):
-            _, like, _ = init_state(target, mesh)
+        to = target(mesh_shape)
+        mesh = sharding.make_mesh(to.mesh, devices)
+        with sharding.use(mesh, sharding.rules_for(to.mesh)):
+            _, like, _ = init_state(to, mesh)
         restored = ckpt.restore_latest(like)
         values = gathered(restored)
         out[name] = {
@@ -415,6 +486,8 @@ def main() -> None:
         out = {"strategies": strategies(mode, remesh_dir), "errors": errors() if mode == "decoder_only" else {}}
         if "moe" in more:
             out["moe"] = moe()
+        if "pipeline" in more:
+            out["pipeline"] = pipelines(more[more.index("pipeline") + 1])
         print(json.dumps(out))
     elif task == "multihost":
         pid, port = int(sys.argv[2]), int(sys.argv[3])

@@ -20,7 +20,7 @@ class TrainConfig:
     objective: Literal["lm", "seq2seq", "mlm", "classify"] = "lm"  # the loss; each needs its model.mode
     steps: int = 1000  # optimizer steps of the whole run (a resumed run goes on to this count)
     batch_size: int = 32  # global batch, in sequences
-    grad_accum: int = 1  # micro-batches per step; batch_size must divide by it
+    grad_accum: int = 1  # micro-batches per step; batch_size must divide by it (mesh.stage > 1: the pipeline's)
     optimizer: Literal["adamw", "adam"] = "adamw"  # adam: the paper's, no weight decay
     learning_rate: float = 1e-3  # peak; for the noam schedule a multiplier on the paper's formula
     schedule: Literal["noam", "cosine", "constant"] = "cosine"  # noam: the paper's warmup then 1/sqrt(step)
