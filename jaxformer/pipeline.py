@@ -40,7 +40,7 @@ from jaxformer.sharding import constrain
 class Schedule:
     """How a pipelined stack runs.
 
-    Args:
+    Attributes:
         microbatches: M, the micro-batches the batch is cut into.
         virtual_stages: V, the chunks of layers each stage runs in turn.
     """
