@@ -130,6 +130,7 @@ def first_gradients(cfg, devices=None) -> dict:
         "specs": specs,
         "all_to_all": step.as_text().count(" all-to-all("),
         "permutes": step.as_text().count(" collective-permute"),
+        "state": state,
     }
 
 
@@ -255,12 +256,12 @@ def moe() -> dict:
     return results
 
 
-# Pipelines over 2 stages, 2 micro-batches (each compile costs seconds, so two cases cover the two
-# schedules and the two compositions; scripts/pipeline_check.py runs every mode): GPipe of a 2-layer
-# decoder beside data, trained 5 steps; interleaved (2 chunks of 1 layer a stage) of a 4-layer decoder
-# beside FSDP and tensor parallelism, the first batch's loss and gradients.
+# A 4-layer decoder pipelined over 2 stages, 2 micro-batches (each compile costs seconds, so two cases
+# cover the two schedules and the two compositions; scripts/pipeline_check.py runs every mode): GPipe
+# (2 layers a stage) beside data, interleaved (2 chunks of 1 layer a stage) beside FSDP and tensor
+# parallelism.
 PIPELINES = {  # name: (mode, layers, stage, virtual_stages, data, fsdp, tensor)
-    "decoder_only/gpipe_dp4": ("decoder_only", 2, 2, 1, 4, 1, 1),
+    "decoder_only/gpipe_dp4": ("decoder_only", 4, 2, 1, 4, 1, 1),
     "decoder_only/interleaved_fsdp2_tp2": ("decoder_only", 4, 2, 2, 1, 2, 2),
 }
 
@@ -283,41 +284,53 @@ def pipeline_config(mode: str, num_layers: int, stage=1, virtual_stages=1, data=
 
 
 def pipelines(remesh_dir: str) -> dict:
-    """PIPELINES against one device accumulating the same 2 micro-batches: losses and parameters
-    after 5 steps (GPipe; its state then saved and restored without stages) or the first batch's loss
-    and gradients (interleaved), the collective permutes of the compiled program, and the largest share
-    of the parameters' bytes a device holds."""
-    mode, layers, *mesh = PIPELINES["decoder_only/gpipe_dp4"]
-    ref_losses, ref_state, _, _ = train(pipeline_config(mode, layers), jax.devices()[:1])
-    ref_params = gathered(ref_state.params)
-    cfg = pipeline_config(mode, layers, *mesh)
-    losses, state, _, _ = train(cfg)
-    params = gathered(state.params)
-    held = [0] * len(jax.devices())
-    for x in jax.tree.leaves(state.params):
-        for shard in x.addressable_shards:
-            held[shard.device.id] += shard.data.nbytes
+    """PIPELINES against one device accumulating the same 2 micro-batches: the first batch's loss and
+    gradients, the collective permutes of the compiled program, the largest share of the parameters'
+    bytes a device holds; the GPipe case's state saved and restored onto one device without stages."""
     rel = lambda got, ref: {  # the key bias is left out (see strategies)
         k: float(np.max(np.abs(got[k] - ref[k])) / (np.max(np.abs(ref[k])) + 1e-12)) for k in ref if "k_bias" not in k
     }
-    results = {
-        "decoder_only/gpipe_dp4": {
-            "loss_rel": float(np.max(np.abs(np.array(losses) - ref_losses) / np.abs(ref_losses))),
-            "rel": max(rel(params, ref_params).values()),
-            "permutes": train.permutes,
+    ref = first_gradients(pipeline_config("decoder_only", 4), jax.devices()[:1])
+    results = {}
+    for name, (mode, layers, *mesh) in PIPELINES.items():
+        cfg = pipeline_config(mode, layers, *mesh)
+        got = first_gradients(cfg)
+        state = got.pop("state")
+        held = [0] * len(jax.devices())
+        for x in jax.tree.leaves(state.params):
+            for shard in x.addressable_shards:
+                held[shard.device.id] += shard.data.nbytes
+        results[name] = {
+            "loss_rel": abs(got["loss"] - ref["loss"]) / abs(ref["loss"]),
+            "rel": max(rel(got["grads"], ref["grads"]).values()),
+            "permutes": got["permutes"],
             "params_fraction": max(held) / sum(x.nbytes for x in jax.tree.leaves(state.params)),
-        },  # the pipelined state restores onto meshes without stages
-        "remesh": remesh(remesh_dir, state, cfg, lambda shape: pipeline_config(mode, layers, data=shape[0])),
-    }
-    mode, layers, *mesh = PIPELINES["decoder_only/interleaved_fsdp2_tp2"]
-    ref = first_gradients(pipeline_config(mode, layers), jax.devices()[:1])
-    got = first_gradients(pipeline_config(mode, layers, *mesh))
-    results["decoder_only/interleaved_fsdp2_tp2"] = {
-        "loss_rel": abs(got["loss"] - ref["loss"]) / abs(ref["loss"]),
-        "rel": max(rel(got["grads"], ref["grads"]).values()),
-        "permutes": got["permutes"],
-    }
+        }
+        if name == "decoder_only/gpipe_dp4":
+            results["restore"] = restore_without_stages(remesh_dir, cfg, state, ref["state"])
     return results
+
+
+def restore_without_stages(directory: str, cfg, state, like) -> dict:
+    """`state` (layers split over stage), changed so that no initialisation gives it, saved and
+    restored into `like`: the same state on one device, without stages (nothing more to compile)."""
+    from jaxformer.checkpoint import Checkpointer
+
+    saved = jax.jit(lambda s: jax.tree.map(lambda x: x * 2 + 1, s))(state)  # one program, shardings kept
+    ckpt = Checkpointer(directory, cfg)
+    ckpt.save(saved)
+    ckpt.wait()
+    restored = ckpt.restore_latest(like)
+    ckpt.close()
+    want, got = gathered(saved), gathered(restored)
+    return {
+        "equal": all(np.array_equal(got[k], want[k]) for k in want),
+        "devices": sorted({d.id for x in jax.tree.leaves(restored) for d in x.sharding.device_set}),
+        "shardings_as_requested": all(
+            x.sharding.is_equivalent_to(y.sharding, x.ndim)
+            for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(like), strict=True)
+        ),
+    }
 
 
 def errors() -> dict:
@@ -343,15 +356,14 @@ def errors() -> dict:
     return out
 
 
-def remesh(directory: str, state, cfg=None, target=None) -> dict:
-    """A checkpoint written under FSDP over 8 devices (`state`, trained by `strategies`; or under `cfg`)
-    restores onto DP over 4 and onto 1 device (`target(mesh shape)`: the config there)."""
+def remesh(directory: str, state) -> dict:
+    """A checkpoint written under FSDP over 8 devices (`state`, trained by `strategies`) restores onto
+    DP over 4 and onto 1 device."""
     from jaxformer import sharding
     from jaxformer.checkpoint import Checkpointer
     from jaxformer.state import init_state
 
-    cfg = cfg or config("decoder_only", (1, 8, 1))
-    target = target or (lambda shape: config("decoder_only", shape))
+    cfg = config("decoder_only", (1, 8, 1))
     saved = gathered(state)
     ckpt = Checkpointer(directory, cfg)
     ckpt.save(state)
@@ -361,10 +373,10 @@ def remesh(directory: str, state, cfg=None, target=None) -> dict:
         "dp4": ((4, 1, 1), jax.devices()[:4]),
         "one": ((1, 1, 1), jax.devices()[:1]),
     }.items():
-        to = target(mesh_shape)
-        mesh = sharding.make_mesh(to.mesh, devices)
-        with sharding.use(mesh, sharding.rules_for(to.mesh)):
-            _, like, _ = init_state(to, mesh)
+        target = config("decoder_only", mesh_shape)
+        mesh = sharding.make_mesh(target.mesh, devices)
+        with sharding.use(mesh, sharding.rules_for(target.mesh)):
+            _, like, _ = init_state(target, mesh)
         restored = ckpt.restore_latest(like)
         values = gathered(restored)
         out[name] = {
