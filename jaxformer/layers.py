@@ -23,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxformer import functional as F
 from jaxformer import moe as M
-from jaxformer import quant
+from jaxformer import pipeline, quant
 from jaxformer.attention.cache import CACHE  # noqa: F401  (re-exported)
 from jaxformer.attention.layer import MultiHeadAttention
 from jaxformer.config import ModelConfig
@@ -568,9 +568,9 @@ class LayerStack(nnx.Module):
             [B, T, D] after the L layers.
         """
 
-        def apply(graphdef, state, x_BTD, index, kwargs):  # -> (x, MoE statistics or None)
+        def apply(graphdef, state, x_BTD, index, kwargs, stack_rng=dropout_rng):  # -> (x, MoE statistics or None)
             x_BTD = checkpoint_name(x_BTD, LAYER_INPUT)
-            rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, index)
+            rng = None if stack_rng is None else jax.random.fold_in(stack_rng, index)
             return nnx.merge(graphdef, state)(x_BTD, dropout_rng=rng, with_aux=True, **kwargs)
 
         remat = self.cfg.remat if self.cfg.remat != "auto" else "dots_saveable" if self.cfg.scan_layers else "none"
@@ -578,6 +578,9 @@ class LayerStack(nnx.Module):
             apply = jax.checkpoint(
                 apply, policy=REMAT_POLICIES[remat], prevent_cse=not self.cfg.scan_layers, static_argnums=(0,)
             )
+        plan = pipeline.active()  # a batch the micro-batches do not divide (an odd evaluation batch) runs whole
+        if self.cfg.scan_layers and plan is not None and x_BTD.shape[0] % plan.microbatches == 0:
+            return self._pipelined(apply, x_BTD, dropout_rng, kwargs)
         if self.cfg.scan_layers:
             N = self.block
             splits = [nnx.split(self.layers)] if N == 1 else [nnx.split(stack) for stack in self.layers]
@@ -603,6 +606,24 @@ class LayerStack(nnx.Module):
         if sums:
             M.report(jax.tree.map(lambda *xs: jnp.stack(xs), *sums))
         return x_BTD
+
+    def _pipelined(self, apply, x_BTD: Array, dropout_rng: Array | None, kwargs: dict) -> Array:
+        """The scanned layers as a pipeline over the mesh's stages (`jaxformer.pipeline`); dense layers
+        only (Config refuses MoE layers with mesh.stage > 1)."""
+        graphdef, state = nnx.split(self.layers)
+        variables = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        treedef = jax.tree.structure(state)
+        names = [v.get_metadata()["out_sharding"] for v in variables]
+
+        def stage_fn(chunk, x_bTD, first, rng, kw):  # one stage's run of layers, in order
+            def body(x_bTD, xs):
+                layer, i = xs
+                return apply(graphdef, jax.tree.unflatten(treedef, layer), x_bTD, first + i, kw, rng)[0], None
+
+            return jax.lax.scan(body, x_bTD, (chunk, jnp.arange(chunk[0].shape[0])))[0]
+
+        params = [v[...] for v in variables]
+        return pipeline.run(stage_fn, params, names, x_BTD, kwargs, dropout_rng=dropout_rng, plan=pipeline.active())
 
     # Decoding runs the layers one by one, scanned or not, each with a cache of its own that a step
     # writes in place: a list of {"self": the layer's KV cache, "memory": the memory's keys and

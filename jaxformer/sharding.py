@@ -14,6 +14,8 @@ Every parameter names its axes where it is defined (`vocab`, `embed`, `heads`, `
     data=2, context=4       context parallel: each row's sequence split 4 ways (activations on
                             `length`), attention by ring (or all-gather) over the `context` axis
     data=2, expert=4        expert parallel (MoE): experts' kernels split 4 ways, batch split 8 ways
+    stage=2, data=4         pipeline parallel: scanned stacks split by layer over 2 stages, the batch
+                            run through them in micro-batches (`jaxformer.pipeline`)
 
 Activations are constrained with the same names (`batch` for their leading axis, `heads`
 and `vocab` for attention heads and logits), so XLA's partitioner sees one consistent plan.
@@ -36,13 +38,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxformer import distributed
 from jaxformer.config import ConfigError, MeshConfig
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor", "context")
+MESH_AXES = ("stage", "data", "fsdp", "expert", "tensor", "context")
 """The mesh's axes, in its order."""
 LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layers", "expert", "expert_batch")
 """The names parameters and activations give their dimensions; the rules map them to mesh axes."""
 BATCH = ("data", "fsdp", "expert")  # the global batch is split over every axis that is not tensor parallel
 
-# logical axis -> mesh axis (None: replicated). Unlisted names (kv, layers) are replicated.
+# logical axis -> mesh axis (None: replicated). Unlisted names (kv) are replicated.
 # Expert parallelism (mesh.expert > 1): the experts' kernels are split by expert, and the MoE layer
 # sends tokens to their experts' devices and back by an all-to-all in a shard_map (`moe.*_expert_parallel`);
 # `expert_batch` places the capacity dispatch's [B, E, P, D] slots where it is left to XLA's partitioner.
@@ -50,10 +52,14 @@ BATCH = ("data", "fsdp", "expert")  # the global batch is split over every axis 
 # changes nothing.
 EXPERT = (("expert", "expert"), ("expert_batch", ("data", "fsdp")))
 CP = (("length", "context"),)
+# Pipeline stages (mesh.stage > 1): a scanned stack's leading `layers` axis is split over `stage`, each
+# stage holding a contiguous run of layers (`jaxformer.pipeline`); without stages (`rules_for`) it is
+# left out, so that the layers axis stays unnamed in specs as before.
+PP = (("layers", "stage"),)
 RULES = {
-    "dp": (("batch", BATCH), *EXPERT, *CP),
-    "fsdp": (("batch", BATCH), ("embed", "fsdp"), *EXPERT, *CP),
-    "tp": (("batch", BATCH), ("heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"), *EXPERT, *CP),
+    "dp": (("batch", BATCH), *EXPERT, *CP, *PP),
+    "fsdp": (("batch", BATCH), ("embed", "fsdp"), *EXPERT, *CP, *PP),
+    "tp": (("batch", BATCH), ("heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"), *EXPERT, *CP, *PP),
     "fsdp_tp": (
         ("batch", BATCH),
         ("embed", "fsdp"),
@@ -62,6 +68,7 @@ RULES = {
         ("vocab", "tensor"),
         *EXPERT,
         *CP,
+        *PP,
     ),
 }
 """The named rules tables (`mesh.rules`; "default" is fsdp_tp): logical axis -> mesh axis, axes or None."""
@@ -82,6 +89,8 @@ def rules_for(cfg: MeshConfig) -> tuple:
         ConfigError: a logical axis mapped twice, or to a mesh axis that does not exist.
     """
     rules = cfg.custom_rules if cfg.custom_rules is not None else RULES[cfg.rules]
+    if cfg.custom_rules is None and cfg.stage == 1:
+        rules = tuple(rule for rule in rules if rule not in PP)
     seen: dict[str, object] = {}
     for logical, target in rules:
         if logical in seen and seen[logical] != target:
@@ -124,12 +133,12 @@ def _env_int(name: str) -> int | None:
 
 
 def _said(name: str, size: int) -> bool:
-    """Whether messages name this axis: the expert and context axes only when they are used."""
-    return name not in ("expert", "context") or size != 1
+    """Whether messages name this axis: the stage, expert and context axes only when they are used."""
+    return name not in ("stage", "expert", "context") or size != 1
 
 
 def axis_sizes(mesh: jax.sharding.Mesh) -> dict[str, int]:
-    """{axis: size} of a mesh as logs and reports say it (the expert and context axes only when used).
+    """{axis: size} of a mesh as logs and reports say it (the stage, expert and context axes only when used).
 
     Args:
         mesh: the device mesh.
@@ -140,20 +149,20 @@ def axis_sizes(mesh: jax.sharding.Mesh) -> dict[str, int]:
     return {name: size for name, size in mesh.shape.items() if _said(name, size)}
 
 
-def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int, int, int]:
-    """(data, fsdp, expert, tensor, context) with one -1 filled from the device count.
+def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int, int, int, int]:
+    """(stage, data, fsdp, expert, tensor, context) with one -1 filled from the device count.
 
     Args:
-        cfg: the mesh section (data, fsdp, expert, tensor, context).
+        cfg: the mesh section (stage, data, fsdp, expert, tensor, context).
         num_devices: the devices the mesh spans.
 
     Returns:
-        The five axis sizes, their product `num_devices`.
+        The six axis sizes, their product `num_devices`.
 
     Raises:
         ConfigError: more than one -1, or sizes that do not make `num_devices` (the fields named).
     """
-    sizes = [cfg.data, cfg.fsdp, cfg.expert, cfg.tensor, cfg.context]
+    sizes = [cfg.stage, cfg.data, cfg.fsdp, cfg.expert, cfg.tensor, cfg.context]
     if sizes.count(-1) > 1:
         raise ConfigError("mesh: at most one of data, fsdp, tensor, expert may be -1 (fill)")
     known = math.prod(s for s in sizes if s != -1)
@@ -187,7 +196,7 @@ def check_experts(mesh: jax.sharding.Mesh, cfg: MeshConfig, num_experts: int) ->
 
 
 def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
-    """A (data, fsdp, expert, tensor, context) mesh of Auto axes over `devices` (default: all, every process).
+    """A (stage, data, fsdp, expert, tensor, context) mesh of Auto axes over `devices` (default: all, every process).
 
     With `dcn_data` > 1 (several slices or hosts linked by a slower network), the data axis
     is split into an outer DCN part and an inner ICI part (`mesh_utils.create_hybrid_device_mesh`).
@@ -208,10 +217,12 @@ def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
     if cfg.dcn_data > 1:
         from jax.experimental import mesh_utils
 
-        if shape[0] % cfg.dcn_data:
-            raise ConfigError(f"mesh.dcn_data={cfg.dcn_data} does not divide mesh data={shape[0]}")
-        ici = (shape[0] // cfg.dcn_data, *shape[1:])
-        grid = mesh_utils.create_hybrid_device_mesh(ici, (cfg.dcn_data, *(1,) * (len(shape) - 1)), devices)
+        at = MESH_AXES.index("data")
+        if shape[at] % cfg.dcn_data:
+            raise ConfigError(f"mesh.dcn_data={cfg.dcn_data} does not divide mesh data={shape[at]}")
+        ici = (*shape[:at], shape[at] // cfg.dcn_data, *shape[at + 1 :])
+        dcn = tuple(cfg.dcn_data if i == at else 1 for i in range(len(shape)))
+        grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
         return jax.sharding.Mesh(grid, MESH_AXES, axis_types=auto)
     if devices[0].platform == "tpu":  # laid out on the torus; an axis may take part of a physical one (8 of 4x4x4)
         from jax.experimental import mesh_utils

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxformer import distributed, moe, ring, sharding
+from jaxformer import distributed, moe, pipeline, ring, sharding
 from jaxformer import functional as F
 from jaxformer.config import Config, ConfigError, ModelConfig, TrainConfig
 from jaxformer.layers import check_batch_ids, without_id_checks
@@ -227,6 +227,12 @@ def make_steps(
 
         loss = lambda model, batch, rng: preference.preference_sums(model, cfg.preference, batch, rng)
         with_reference = lambda state, batch: preference.with_reference(cfg.preference, model_of, state, batch)
+    # mesh.stage > 1: the stacks run as a pipeline of grad_accum micro-batches (`jaxformer.pipeline`),
+    # which replaces the accumulation loop below; without stages the context changes nothing.
+    staged = cfg.mesh.stage > 1
+    in_pipeline = lambda: (
+        pipeline.schedule(tcfg.grad_accum, cfg.mesh.virtual_stages) if staged else contextlib.nullcontext()
+    )
 
     def model_of(params, frozen):  # ids are checked on the host (`check_batch_ids`): no callback in the steps
         return without_id_checks(nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen))
@@ -236,14 +242,15 @@ def make_steps(
 
     def grads_and_sums(params, frozen, batch, rng):
         def f(params):  # gradients of the trained parameters only (LoRA: the adapters; the base is a constant)
-            return loss(model_of(params, frozen), batch, rng)
+            with in_pipeline():
+                return loss(model_of(params, frozen), batch, rng)
 
         (_, sums), grads = jax.value_and_grad(f, has_aux=True)(params)
         return grads, sums
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)  # same step, same masks
-        batch, k = with_reference(state, batch), tcfg.grad_accum
+        batch, k = with_reference(state, batch), 1 if staged else tcfg.grad_accum
         if k == 1:
             grads, sums = grads_and_sums(state.params, state.frozen, batch, rng)
         else:  # k micro-batches; gradients of summed losses add up exactly to the big batch's
@@ -275,7 +282,8 @@ def make_steps(
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), means
 
     def eval_step(state: TrainState, batch: dict) -> dict:
-        _, sums = loss(model_of(state.params, state.frozen), with_reference(state, batch), None)
+        with in_pipeline():
+            _, sums = loss(model_of(state.params, state.frozen), with_reference(state, batch), None)
         return sums
 
     return train_step, eval_step

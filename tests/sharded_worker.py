@@ -1,6 +1,6 @@
 """Sharded training in a process of its own (XLA_FLAGS must be set before JAX starts).
 
-    python tests/sharded_worker.py strategies MODE [remesh DIR] [moe]  # 8 devices: each strategy vs 1 device
+    python tests/sharded_worker.py strategies MODE [remesh DIR] [moe] [pipeline DIR]  # 8 devices: vs 1 device
     python tests/sharded_worker.py multihost PID PORT      # one of two processes, 4 devices each
     python tests/sharded_worker.py singlehost              # the same run in one process, 8 devices
     python tests/sharded_worker.py hf DIR                  # a Hugging Face checkpoint loaded onto FSDP=4 x TP=2
@@ -8,7 +8,8 @@
 
 `strategies` trains and generates with each strategy, and runs in the same process (a worker process
 costs seconds of imports before any work) the tasks named after the mode: `remesh DIR` (decoder_only:
-its FSDP=8 state saved to DIR, restored on DP=4 and on 1 device) and `moe`.
+its FSDP=8 state saved to DIR, restored on DP=4 and on 1 device), `moe` and `pipeline DIR` (the pipelined
+schedules of every mode, a pipelined state saved to DIR and restored without stages).
     python tests/sharded_worker.py hf_moe GOLDEN           # Mixtral, Switch loaded onto fsdp=2 x expert=4
     python tests/sharded_worker.py hf_families GOLDEN      # Qwen 2, 3, 3 MoE, Gemma 3 onto fsdp=2 x tensor=2 x expert=2
 
@@ -90,6 +91,8 @@ def train(cfg, devices=None) -> tuple[list[float], object, object, object]:
                 step = lowered.compile()
                 # key/value blocks passed around the context axis's ring (0 without one)
                 train.ring_permutes = lowered.as_text().count("collective_permute")
+                # the partitioned program's permutes: the pipeline's activations moving stage to stage
+                train.permutes = step.as_text().count(" collective-permute")
                 train.all_to_all = step.as_text().count(" all-to-all(")  # the partitioned program's
             state, metrics = step(state, global_batch)
             losses.append(float(metrics["loss"]))
@@ -103,7 +106,7 @@ def first_gradients(cfg, devices=None) -> dict:
     lr-sized moves, which no two reduction orders reproduce."""
     from flax import nnx
 
-    from jaxformer import sharding
+    from jaxformer import pipeline, sharding
     from jaxformer.state import init_state
     from jaxformer.train import loss_sums
 
@@ -112,8 +115,9 @@ def first_gradients(cfg, devices=None) -> dict:
         graphdef, state, _ = init_state(cfg, mesh)
         batch = sharding.global_batch(batches(cfg.model.mode)[0], mesh, B)
 
-        def mean_loss(params):
-            loss, sums = loss_sums(nnx.merge(graphdef, params), cfg.train, batch, None)
+        def mean_loss(params):  # as the steps trace it: pipelined where the mesh has stages
+            with pipeline.schedule(cfg.train.grad_accum, cfg.mesh.virtual_stages):
+                loss, sums = loss_sums(nnx.merge(graphdef, params), cfg.train, batch, None)
             return loss / sums["count"]
 
         step = jax.jit(jax.value_and_grad(mean_loss)).lower(state.params).compile()
@@ -127,6 +131,8 @@ def first_gradients(cfg, devices=None) -> dict:
         "grads": gathered(grads),
         "specs": specs,
         "all_to_all": step.as_text().count(" all-to-all("),
+        "permutes": step.as_text().count(" collective-permute"),
+        "state": state,
     }
 
 
@@ -250,6 +256,83 @@ def moe() -> dict:
             "all_to_all": got["all_to_all"],
         }
     return results
+
+
+# A 4-layer decoder pipelined over 2 stages, 2 micro-batches (each compile costs seconds, so two cases
+# cover the two schedules and the two compositions; scripts/pipeline_check.py runs every mode): GPipe
+# (2 layers a stage) beside data, interleaved (2 chunks of 1 layer a stage) beside FSDP and tensor
+# parallelism.
+PIPELINES = {  # name: (mode, layers, stage, virtual_stages, data, fsdp, tensor)
+    "decoder_only/gpipe_dp4": ("decoder_only", 4, 2, 1, 4, 1, 1),
+    "decoder_only/interleaved_fsdp2_tp2": ("decoder_only", 4, 2, 2, 1, 2, 2),
+}
+
+
+def pipeline_config(mode: str, num_layers: int, stage=1, virtual_stages=1, data=1, fsdp=1, tensor=1):
+    """`config(mode)` with `num_layers` scanned layers a stack, no dropout (a pipeline draws its masks
+    per micro-batch), 2 micro-batches (train.grad_accum), on the mesh given."""
+    import dataclasses
+
+    from jaxformer import config as C
+
+    cfg = config(mode, (1, 1, 1))
+    layers = {n: num_layers if getattr(cfg.model, n) else 0 for n in ("num_encoder_layers", "num_decoder_layers")}
+    return dataclasses.replace(
+        cfg,
+        model=cfg.model.replace(scan_layers=True, dropout_rate=0.0, **layers),
+        train=dataclasses.replace(cfg.train, grad_accum=2),
+        mesh=C.MeshConfig(stage=stage, virtual_stages=virtual_stages, data=data, fsdp=fsdp, tensor=tensor),
+    )
+
+
+def pipelines(remesh_dir: str) -> dict:
+    """PIPELINES against one device accumulating the same 2 micro-batches: the first batch's loss and
+    gradients, the collective permutes of the compiled program, the largest share of the parameters'
+    bytes a device holds; the GPipe case's state saved and restored onto one device without stages."""
+    rel = lambda got, ref: {  # the key bias is left out (see strategies)
+        k: float(np.max(np.abs(got[k] - ref[k])) / (np.max(np.abs(ref[k])) + 1e-12)) for k in ref if "k_bias" not in k
+    }
+    ref = first_gradients(pipeline_config("decoder_only", 4), jax.devices()[:1])
+    results = {}
+    for name, (mode, layers, *mesh) in PIPELINES.items():
+        cfg = pipeline_config(mode, layers, *mesh)
+        got = first_gradients(cfg)
+        state = got.pop("state")
+        held = [0] * len(jax.devices())
+        for x in jax.tree.leaves(state.params):
+            for shard in x.addressable_shards:
+                held[shard.device.id] += shard.data.nbytes
+        results[name] = {
+            "loss_rel": abs(got["loss"] - ref["loss"]) / abs(ref["loss"]),
+            "rel": max(rel(got["grads"], ref["grads"]).values()),
+            "permutes": got["permutes"],
+            "params_fraction": max(held) / sum(x.nbytes for x in jax.tree.leaves(state.params)),
+        }
+        if name == "decoder_only/gpipe_dp4":
+            results["restore"] = restore_without_stages(remesh_dir, cfg, state, ref["state"])
+    return results
+
+
+def restore_without_stages(directory: str, cfg, state, like) -> dict:
+    """`state` (layers split over stage), changed so that no initialisation gives it, saved and
+    restored into `like`: the same state on one device, without stages (nothing more to compile)."""
+    from jaxformer.checkpoint import Checkpointer
+
+    saved = jax.jit(lambda s: jax.tree.map(lambda x: x * 2 + 1, s))(state)  # one program, shardings kept
+    ckpt = Checkpointer(directory, cfg)
+    ckpt.save(saved)
+    ckpt.wait()
+    restored = ckpt.restore_latest(like)
+    ckpt.close()
+    want, got = gathered(saved), gathered(restored)
+    return {
+        "equal": all(np.array_equal(got[k], want[k]) for k in want),
+        "devices": sorted({d.id for x in jax.tree.leaves(restored) for d in x.sharding.device_set}),
+        "shardings_as_requested": all(
+            x.sharding.is_equivalent_to(y.sharding, x.ndim)
+            for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(like), strict=True)
+        ),
+    }
 
 
 def errors() -> dict:
@@ -461,6 +544,8 @@ def main() -> None:
         out = {"strategies": strategies(mode, remesh_dir), "errors": errors() if mode == "decoder_only" else {}}
         if "moe" in more:
             out["moe"] = moe()
+        if "pipeline" in more:
+            out["pipeline"] = pipelines(more[more.index("pipeline") + 1])
         print(json.dumps(out))
     elif task == "multihost":
         pid, port = int(sys.argv[2]), int(sys.argv[3])

@@ -458,6 +458,44 @@ CLI_CASES = [
     ),
     cli_case(TRAIN + "mesh.fsdp=-1", r"mesh\.fsdp: at most one of data, fsdp, tensor, expert may be -1 \(fill\)"),
     cli_case(TRAIN + "mesh.data=2 --set mesh.dcn_data=3", r"mesh\.dcn_data: dcn_data=3 does not divide mesh\.data=2"),
+    # Pipeline stages: what the pipeline needs of the stacks, the micro-batches and the other axes.
+    cli_case(TRAIN + "mesh.stage=0", r"mesh\.stage: must be positive, got 0"),
+    cli_case(TRAIN + "mesh.virtual_stages=2", r"mesh\.virtual_stages: virtual_stages=2 needs mesh\.stage > 1"),
+    cli_case(TRAIN + "mesh.stage=2", r"model\.scan_layers: mesh\.stage=2 splits a scanned stack's layers"),
+    cli_case(
+        TRAIN + "mesh.stage=3 --set model.scan_layers=true --set train.grad_accum=4",
+        r"model\.num_encoder_layers: num_encoder_layers=2 does not divide into mesh\.stage x mesh\.virtual_stages = "
+        r"3 x 1 chunks",
+    ),
+    cli_case(
+        TRAIN + "mesh.stage=2 --set mesh.virtual_stages=2 --set model.scan_layers=true --set train.grad_accum=2",
+        r"model\.num_encoder_layers: num_encoder_layers=2 does not divide into .* 2 x 2 chunks",
+    ),
+    cli_case(
+        TRAIN + "mesh.stage=2 --set model.scan_layers=true",
+        r"train\.grad_accum: the pipeline runs train\.grad_accum micro-batches: grad_accum=1 leaves stages",
+    ),
+    cli_case(
+        TRAIN + "mesh.stage=2 --set model.scan_layers=true --set train.grad_accum=16 --set mesh.data=8",
+        r"train\.batch_size: a micro-batch of 4 rows \(batch_size=64 / grad_accum=16\) does not divide over "
+        r"mesh\.data x mesh\.fsdp = 8 x 1",
+    ),
+    cli_case(
+        TRAIN + "mesh.stage=2 --set model.scan_layers=true --set train.grad_accum=2 --set mesh.context=2",
+        r"mesh\.context: mesh\.stage=2: pipelining does not compose with mesh\.context",
+    ),
+    cli_case(
+        TRAIN + "mesh.stage=2 --set model.scan_layers=true --set train.grad_accum=2 --set model.moe.num_experts=4",
+        r"model\.moe: mesh\.stage=2: pipelining does not compose with model\.moe",
+    ),
+    cli_case(
+        DPO + "mesh.stage=2 --set model.scan_layers=true --set train.grad_accum=2",
+        r"train\.objective: mesh\.stage=2: pipelining does not compose with train\.objective",
+    ),
+    cli_case(
+        TRAIN + "mesh.stage=2 --set model.scan_layers=true --set train.grad_accum=2",
+        r"mesh: 1 devices are not divisible by the fixed axes' product stage=2",
+    ),
     cli_case(
         TRAIN + "mesh.data=1 --set mesh.fsdp=3",
         r"train\.batch_size: batch_size=64 does not divide over the batch shards \(mesh\.data x mesh\.fsdp = 1 x 3\)",

@@ -48,7 +48,11 @@ def strategies(tmp_path_factory):
     """One worker per mode, run side by side (compilation dominates their time). Each also runs what
     would otherwise take a process of its own (seconds of imports before any work): decoder_only the
     remesh check on its state trained under FSDP=8, encoder_only (it generates nothing) the MoE one."""
-    more = {"decoder_only": ["remesh", tmp_path_factory.mktemp("remesh")], "encoder_only": ["moe"]}
+    more = {
+        "decoder_only": ["remesh", tmp_path_factory.mktemp("remesh")],
+        "encoder_only": ["moe"],
+        "encoder_decoder": ["pipeline", tmp_path_factory.mktemp("restage")],  # the worker with least to do
+    }
     procs = [worker("strategies", mode, *more.get(mode, [])) for mode in MODES]
     merged = {"strategies": {}, "errors": {}}
     try:
@@ -56,7 +60,7 @@ def strategies(tmp_path_factory):
             r = result(proc)
             merged["strategies"].update(r["strategies"])
             merged["errors"].update(r["errors"])
-            merged.update({k: r[k] for k in ("moe",) if k in r})
+            merged.update({k: r[k] for k in ("moe", "pipeline") if k in r})
     finally:
         for p in procs:  # never leave a worker behind
             if p.poll() is None:
@@ -123,6 +127,28 @@ def test_expert_parallel_moe_equals_one_device(strategies):
     specs = r["capacity"]["specs"]
     wi = next(v for k, v in specs.items() if k.endswith("ffn']['wi'].value") or k.endswith("ffn.wi"))
     assert wi.startswith("('expert', 'fsdp'"), specs  # [E, D, F]: experts over `expert`, D over `fsdp`
+
+
+@pytest.mark.parametrize("name", ["decoder_only/gpipe_dp4", "decoder_only/interleaved_fsdp2_tp2"])
+def test_pipeline_equals_one_device(strategies, name):
+    """A 4-layer decoder pipelined over 2 stages, 2 micro-batches: GPipe (2 layers a stage) beside
+    data=4, interleaved (2 chunks of 1 layer a stage) beside fsdp=2 x tensor=2. The first batch's loss
+    and gradients equal one device's accumulating the same micro-batches; the activations move between
+    stages by collective permutes; a device holds its stage's layers only. (The other modes:
+    scripts/pipeline_check.py.)"""
+    r = strategies["pipeline"][name]
+    assert r["loss_rel"] < LOSS_RTOL, r
+    assert r["rel"] < PARAM_RTOL, r
+    assert r["permutes"] > 0, r
+    if name.endswith("dp4"):  # the stack's layers split over the 2 stages; embeddings and head on both
+        assert r["params_fraction"] < 0.7, r
+
+
+def test_pipelined_checkpoint_restores_without_stages(strategies):
+    """The pipelined state of decoder_only/gpipe_dp4 (layers split over stage, 8 devices), saved,
+    restored onto one device without stages: the same values, laid out as that mesh asks (orbax reshards)."""
+    r = strategies["pipeline"]["restore"]
+    assert r["equal"] and r["shardings_as_requested"] and r["devices"] == [0], r
 
 
 def free_port() -> int:

@@ -148,6 +148,8 @@ class Config:
         )
         if m.context > 1:
             self._check_context()
+        if m.stage > 1 or m.virtual_stages > 1:
+            self._check_stage()
         if self.model.position in ("sinusoidal", "learned"):
             require(
                 self.data.max_len <= self.model.max_len,
@@ -200,6 +202,32 @@ class Config:
                     "use 'contiguous'")  # fmt: skip
             require(d.max_len % (2 * m.context) == 0, "data.max_len",
                     f"{d.max_len} is not divisible by 2 x mesh.context={m.context} (zigzag's 2n blocks)")  # fmt: skip
+
+    def _check_stage(self) -> None:
+        """What a pipeline over `mesh.stage` needs: scanned stacks it can split, enough micro-batches,
+        micro-batches the batch axes divide, and none of the axes or layers it does not compose with."""
+        m, model, t = self.mesh, self.model, self.train
+        require(m.stage > 1, "mesh.virtual_stages", f"virtual_stages={m.virtual_stages} needs mesh.stage > 1")
+        require(model.scan_layers, "model.scan_layers",
+                f"mesh.stage={m.stage} splits a scanned stack's layers: set model.scan_layers=true")  # fmt: skip
+        for name in ("num_encoder_layers", "num_decoder_layers"):
+            layers = getattr(model, name)
+            require(layers % (m.stage * m.virtual_stages) == 0, f"model.{name}",
+                    f"{name}={layers} does not divide into mesh.stage x mesh.virtual_stages = "
+                    f"{m.stage} x {m.virtual_stages} chunks of whole layers")  # fmt: skip
+        require(t.grad_accum >= m.stage, "train.grad_accum",
+                f"the pipeline runs train.grad_accum micro-batches: grad_accum={t.grad_accum} leaves stages of "
+                f"mesh.stage={m.stage} idle; set it >= {m.stage}")  # fmt: skip
+        if m.data > 0 and m.fsdp > 0:
+            shards, micro = m.data * m.fsdp, t.batch_size // t.grad_accum
+            require(micro % shards == 0, "train.batch_size",
+                    f"a micro-batch of {micro} rows (batch_size={t.batch_size} / grad_accum={t.grad_accum}) "
+                    f"does not divide over mesh.data x mesh.fsdp = {m.data} x {m.fsdp}")  # fmt: skip
+        for field, on in (("mesh.context", m.context > 1), ("mesh.expert", m.expert != 1),
+                          ("model.moe", model.moe.enabled), ("lora.rank", self.lora.enabled),
+                          ("train.objective", t.objective == "preference")):  # fmt: skip
+            require(not on, field, f"mesh.stage={m.stage}: pipelining does not compose with {field} (yet): "
+                    "the pipeline supports the data, fsdp and tensor axes and dense layers")  # fmt: skip
 
     def _check_lora(self) -> None:
         """The rank against the widths of the projections adapted (known only with the model)."""

@@ -21,7 +21,7 @@ class TrainConfig:
     objective: Literal["lm", "seq2seq", "mlm", "classify", "preference"] = "lm"
     steps: int = 1000  # optimizer steps of the whole run (a resumed run goes on to this count)
     batch_size: int = 32  # global batch, in sequences
-    grad_accum: int = 1  # micro-batches per step; batch_size must divide by it
+    grad_accum: int = 1  # micro-batches per step; batch_size must divide by it (mesh.stage > 1: the pipeline's)
     optimizer: Literal["adamw", "adam"] = "adamw"  # adam: the paper's, no weight decay
     learning_rate: float = 1e-3  # peak; for the noam schedule a multiplier on the paper's formula
     schedule: Literal["noam", "cosine", "constant"] = "cosine"  # noam: the paper's warmup then 1/sqrt(step)
@@ -259,8 +259,12 @@ class DecodeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """The device mesh (axes data, fsdp, expert, tensor, context) and the rules placing logical axes on it."""
+    """The device mesh (axes stage, data, fsdp, expert, tensor, context) and the rules placing logical axes on it."""
 
+    # Pipeline stages (docs/guides/pipeline.md): the scanned layer stacks split by layer over `stage`
+    # devices, the batch run through them as train.grad_accum micro-batches; 1 = no pipeline.
+    stage: int = 1
+    virtual_stages: int = 1  # layer chunks per stage, visited in turn (interleaved, circular); 1 = GPipe
     data: int = -1  # data-parallel ways; -1 = all devices the other axes leave
     fsdp: int = 1  # FSDP (ZeRO-3) ways: parameters and optimizer state split, batch split too
     tensor: int = 1  # Megatron tensor-parallel ways
@@ -277,7 +281,8 @@ class MeshConfig:
     def __post_init__(self):
         object.__setattr__(self, "custom_rules", _as_tuples(self.custom_rules))  # JSON gives lists
         check_field_types(self, "mesh")
-        require(self.context > 0, "mesh.context", f"must be positive, got {self.context}")
+        for name in ("stage", "virtual_stages", "context"):
+            require(getattr(self, name) > 0, f"mesh.{name}", f"must be positive, got {getattr(self, name)}")
         for name in ("data", "fsdp", "tensor", "expert"):
             size = getattr(self, name)
             require(size == -1 or size > 0, f"mesh.{name}", f"must be positive or -1 (fill), got {size}")

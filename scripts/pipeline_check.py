@@ -1,0 +1,78 @@
+"""Every mode pipelined over 2 stages of 8 CPU devices against one device: the first batch's loss and
+gradients, GPipe beside data=4 and interleaved (2 chunks a stage) beside fsdp=2 x tensor=2, 4 scanned
+layers a stack, 2 micro-batches, float32. The suite runs two of these cases (tests/test_sharding.py);
+this runs all six (a few minutes of compiling on a CPU).
+
+    python scripts/pipeline_check.py
+
+Prints one line per case: the relative error of the loss and the largest of the gradients', and the
+collective permutes of the compiled program.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxformer import config as C
+from jaxformer import pipeline, sharding
+from jaxformer.state import init_state
+from jaxformer.train import loss_sums
+
+B, T = 8, 8
+CASES = {"gpipe_dp4": dict(stage=2, data=4), "interleaved_fsdp2_tp2": dict(stage=2, virtual_stages=2, fsdp=2, tensor=2)}
+
+
+def config(mode: str, mesh: dict) -> C.Config:
+    objective = {"decoder_only": "lm", "encoder_decoder": "seq2seq", "encoder_only": "mlm"}[mode]
+    model = C.tiny(mode, vocab_size=64, d_model=32, num_heads=4, d_ff=64, dropout_rate=0.0, check_token_ids=False)
+    layers = {n: 4 if getattr(model, n) else 0 for n in ("num_encoder_layers", "num_decoder_layers")}
+    return C.Config(
+        model=model.replace(scan_layers=True, **layers),
+        data=C.DataConfig(max_len=T),
+        train=C.TrainConfig(objective=objective, batch_size=B, grad_accum=2),
+        mesh=C.MeshConfig(**{"data": 1} | mesh),
+    )
+
+
+def loss_and_grads(cfg: C.Config, devices=None):
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    rng = np.random.default_rng(0)
+    ids = lambda: rng.integers(1, 64, (B, T)).astype(np.int32)
+    batch = {"inputs": ids(), "targets": ids(), "weights": np.ones((B, T), np.float32), "src": ids()}
+    with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
+        graphdef, state, _ = init_state(cfg, mesh)
+        batch = sharding.global_batch(batch, mesh, B)
+
+        def mean_loss(params):
+            with pipeline.schedule(cfg.train.grad_accum, cfg.mesh.virtual_stages):
+                loss, sums = loss_sums(nnx.merge(graphdef, params), cfg.train, batch, None)
+            return loss / sums["count"]
+
+        step = jax.jit(jax.value_and_grad(mean_loss)).lower(state.params).compile()
+        loss, grads = step(state.params)
+    flat = {jax.tree_util.keystr(p): np.asarray(g) for p, g in jax.tree_util.tree_leaves_with_path(grads)}
+    return float(loss), flat, step.as_text().count(" collective-permute")
+
+
+def main() -> None:
+    for mode in ("decoder_only", "encoder_only", "encoder_decoder"):
+        ref_loss, ref_grads, _ = loss_and_grads(config(mode, {}), jax.devices()[:1])
+        for name, mesh in CASES.items():
+            loss, grads, permutes = loss_and_grads(config(mode, mesh))
+            worst = max(  # the key bias's gradient is zero in exact arithmetic: rounding noise only
+                float(np.max(np.abs(grads[k] - g)) / (np.max(np.abs(g)) + 1e-12))
+                for k, g in ref_grads.items()
+                if "k_bias" not in k
+            )
+            print(f"{mode:16s} {name:22s} loss {abs(loss - ref_loss) / abs(ref_loss):.1e}  "
+                  f"gradients {worst:.1e}  permutes {permutes}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
