@@ -60,7 +60,7 @@ def eos_id(model):
 
 
 def test_paged_view_equals_the_dense_cache():
-    """Writing positions into pages then gathering a row's pages gives the dense cache [B, G, S, K]
+    """Writing positions into pages then reading a row's pages gives the dense cache [B, G, S, K]
     that writing the same positions into slots gives (slot s = position s)."""
     rng = np.random.default_rng(1)
     N, page, G, K, B, P = 9, 4, 2, 3, 2, 3
@@ -77,7 +77,7 @@ def test_paged_view_equals_the_dense_cache():
             for t in range(T):
                 if valid[b, t]:
                     dense[b, :, positions[b, t]] = new[b, t]
-    view = np.asarray(paged.gather_pages(pool, jnp.asarray(table)))
+    view = np.swapaxes(np.asarray(paged.read_pages(pool, jnp.asarray(table))), 1, 2)  # [B, G, S, K]
     np.testing.assert_array_equal(view[0], dense[0])
     np.testing.assert_array_equal(view[1, :, :8], dense[1, :, :8])  # its third entry is scratch page 0
 
