@@ -19,13 +19,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxformer.attention.cache import page_slots, read_pages, write_pages
 from jaxformer.attention.masks import Mask
 
 Array = jax.Array
 PAGES = (None, None, "heads", None)  # a pool [N, page, G, K]: heads split over `tensor` like the model's
-__all__ = ["PAGES", "choose_rows", "filter_rows", "page_slots", "paged_step", "read_pages", "request_keys"]
-__all__ += ["write_pages"]
 
 
 def paged_step(
