@@ -219,7 +219,9 @@ class TransformerStack(nnx.Module):
         mask = F.causal_cache_mask(positions_BT)
         positions_BT = default_positions(ids_BT) if positions_BT is None else positions_BT
         x_BTD = self.embed_inputs(ids_BT, positions_BT, None)
-        B, S = ids_BT.shape[0], cache[0]["self"]["k"].shape[2]
+        first, B = cache[0]["self"], ids_BT.shape[0]
+        paged = "table" in first  # a paged cache: each row's P pages of `page` slots
+        S = first["table"].shape[1] * first["k"].shape[1] if paged else first["k"].shape[2]
         slots_BS = jnp.broadcast_to(jnp.arange(S), (B, S))
         layer_inputs |= self.position_bias(positions_BT, slots_BS)  # slot s holds position s
         x_BTD, cache = self.stack.extend(x_BTD, cache, mask=mask, positions_BT=positions_BT, **layer_inputs)

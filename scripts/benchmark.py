@@ -4,7 +4,7 @@ and decoding speed with and without the KV cache.
     python scripts/benchmark.py                       # CPU-sized defaults, all three modes
     python scripts/benchmark.py --d-model 1024 --layers 12 --batch 64 --seq 1024 --dtype bfloat16   # accelerator
     python scripts/benchmark.py --decode              # greedy and beam 4, batch 1 and 8, 64/256/1024 tokens
-    python scripts/benchmark.py --serve --modes decoder_only   # the engine vs static generate, 32 mixed requests
+    python scripts/benchmark.py --serve --seq 64   # engine vs static generate vs torch generate, 128 requests
     python scripts/benchmark.py --grpo --serve-max-new 32   # a GRPO iteration: rollout vs update, rollout vs engine
     python scripts/benchmark.py --compare             # side by side with Hugging Face Flax and PyTorch (bench extra)
     python scripts/benchmark.py --lora 16 --modes decoder_only --d-model 512 --heads 8 --layers 6 --seq 256 --batch 8
@@ -290,23 +290,59 @@ def decode_speed(args) -> None:
             print(f"{mode} {strategy} B={B}: the cache is {speedup:.1f}x faster than recomputation at {N} tokens")
 
 
+def serve_lengths(args) -> tuple[list[list[int]], list[int]]:
+    """The stream of `--serve-requests` requests: prompts of 8 to `--seq` tokens, uniform, and outputs of
+    8 to `--serve-max-new` tokens, uniform (`--serve-lengths uniform`) or log-uniform (`longtail`: many
+    short answers, a few long ones, as chat outputs run); random ids, seeded."""
+    rng = np.random.default_rng(0)
+    n, max_new = args.serve_requests, args.serve_max_new
+    prompts = [rng.integers(4, args.vocab, int(p)).tolist() for p in rng.integers(8, args.seq + 1, n)]
+    if args.serve_lengths == "uniform":
+        outs = rng.integers(8, max_new + 1, n)
+    else:
+        outs = np.exp(rng.uniform(np.log(8), np.log(max_new + 1), n)).astype(int)
+    return prompts, [int(o) for o in outs]
+
+
+def _percentiles(xs: list[float]) -> str:
+    if not xs:
+        return f"{'-':>8s} {'-':>8s}"
+    return f"{1e3 * np.percentile(xs, 50):8.1f} {1e3 * np.percentile(xs, 90):8.1f}"
+
+
 def serve_speed(args) -> None:
-    """Throughput of the engine (continuous batching over a paged KV cache, `--serve-slots` slots)
-    against the static `generate` path (one batch of every request, padded to the longest prompt, run
-    to the longest output) on the same decoder_only model: `--serve-requests` requests at once, prompts
-    of 8 to `--seq` tokens and outputs of 8 to `--serve-max-new`, EOS never stopping a row (random
-    weights). Tokens/s counts each request's own new tokens only; interleaved rounds, the median."""
+    """A stream of `--serve-requests` requests of mixed prompt and output lengths (`serve_lengths`), all
+    there at the start, at most `--serve-slots` at once, on one GPT-2-shaped decoder_only model (random
+    weights, EOS never ending a request early), three ways, interleaved round by round:
+
+    - the engine: continuous batching over the paged KV cache, `--serve-slots` slots, the requests
+      streamed (time to first token and inter-token latency from the events of each `step`);
+    - static `generate`: the requests in batches of `--serve-slots` as they come, each batch padded to
+      its longest prompt and run to its longest output, as a user of `decode.generate` would batch them;
+    - Hugging Face transformers' PyTorch `generate` on the same weights (exported by
+      `interop.save_hf`), batched the same way, greedy, left-padded (when torch is importable).
+
+    Tokens/s counts each request's own new tokens only. Time to first token: from the start to the
+    request's first token (a batch path returns every token of a batch when the batch ends). Inter-token
+    latency: per request, (time of its last token - time of its first) / (tokens - 1). Throughput is the
+    median over rounds; latencies are pooled over rounds."""
+    import tempfile
+
     from jaxformer.config import DecodeConfig, EngineConfig
     from jaxformer.decode import generate
     from jaxformer.engine import Engine, SamplingParams
+    from jaxformer.interop.hf import save_hf
     from jaxformer.models import build_model
 
-    n, max_new, slots = args.serve_requests, args.serve_max_new, args.serve_slots
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(4, args.vocab, int(p)).tolist() for p in rng.integers(8, args.seq + 1, n)]
-    outs = [int(o) for o in rng.integers(8, max_new + 1, n)]
+    slots, max_new = args.serve_slots, args.serve_max_new
+    prompts, outs = serve_lengths(args)
     width = 1 << (args.seq - 1).bit_length()  # generate pads prompts to a power of two
-    model = build_model(model_config("decoder_only", args, max_len=width + max_new, dropout_rate=0.0))
+    mcfg = C.gpt2_small(
+        vocab_size=args.vocab, d_model=args.d_model, num_heads=args.heads, d_ff=4 * args.d_model,
+        num_decoder_layers=args.layers, max_len=width + max_new, dropout_rate=0.0, dtype=args.dtype,
+        check_token_ids=False,
+    )  # fmt: skip
+    model = build_model(mcfg)
     page = 16
     per_seq = -(-(args.seq + max_new) // page)
     cfg = EngineConfig(
@@ -314,34 +350,113 @@ def serve_speed(args) -> None:
         decode_steps=args.serve_steps, prefix_sharing=False,
     )  # fmt: skip
     engine = Engine(model, cfg, eos_id=None)
-    params = [SamplingParams(max_tokens=o) for o in outs]
-    settings = DecodeConfig(strategy="greedy", max_new_tokens=max_new)
-    runs = {
-        "static generate": lambda: generate(model, prompts, settings, eos_id=None),
-        f"engine ({slots} slots, {args.serve_steps} steps a call)": lambda: engine.generate(prompts, params),
-    }
-    mcfg = model.cfg
+    batches = [range(i, min(i + slots, len(prompts))) for i in range(0, len(prompts), slots)]
+    total = sum(outs)
+
+    def engine_run():
+        t0, first, last = time.perf_counter(), {}, {}
+        for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+            engine.add_request(p, SamplingParams(max_tokens=o), f"r{i}")
+        while engine.has_unfinished():
+            events = engine.step()
+            now = time.perf_counter() - t0
+            for e in events:
+                if e.token_ids:
+                    first.setdefault(e.request_id, now)
+                    last[e.request_id] = now
+        end = time.perf_counter() - t0
+        itl = [(last[f"r{i}"] - first[f"r{i}"]) / (o - 1) for i, o in enumerate(outs) if o > 1]
+        return end, list(first.values()), itl
+
+    def static_run():
+        t0, ttft = time.perf_counter(), []
+        for b in batches:
+            settings = DecodeConfig(strategy="greedy", max_new_tokens=max(outs[i] for i in b))
+            np.asarray(generate(model, [prompts[i] for i in b], settings, eos_id=None).tokens)
+            ttft += [time.perf_counter() - t0] * len(b)
+        return time.perf_counter() - t0, ttft, []
+
+    runs = {f"engine ({slots} slots, {args.serve_steps} steps a call)": engine_run, "static generate": static_run}
+    torch_run = _torch_serve(model, prompts, outs, batches, tempfile.mkdtemp(), save_hf)
+    if torch_run is not None:
+        runs["transformers torch generate"] = torch_run
     kv_bytes = (
-        2 * mcfg.num_decoder_layers * mcfg.kv_heads * mcfg.dim_per_head * np.dtype(jnp.dtype(args.dtype)).itemsize
+        2 * mcfg.num_decoder_layers * mcfg.kv_heads * mcfg.dim_per_head * np.dtype(jnp.dtype(mcfg.dtype)).itemsize
     )
     print(
-        f"serve: D={args.d_model} H={args.heads} L={args.layers} V={args.vocab} dtype={args.dtype}; {n} requests, "
-        f"prompts 8-{args.seq}, outputs 8-{max_new} ({sum(outs)} new tokens in all); page {page}, "
-        f"chunk {args.serve_chunk}; the paged cache holds {kv_bytes} bytes per token"
+        f"serve: GPT-2 shape D={args.d_model} H={args.heads} L={args.layers} V={args.vocab} {args.dtype}; "
+        f"{len(prompts)} requests, {slots} at once; prompts 8-{args.seq}, outputs 8-{max_new} {args.serve_lengths} "
+        f"({total} new tokens in all); page {page}, chunk {args.serve_chunk}; the paged cache holds "
+        f"{kv_bytes} bytes per token ({kv_bytes * page} a page); {jax.devices()[0].device_kind}, "
+        f"{os.cpu_count()} cores"
     )
     for fn in runs.values():
-        fn()  # compiles
-    times = {name: [] for name in runs}
+        fn()  # compiles every shape
+    times, ttft, itl = ({name: [] for name in runs} for _ in range(3))
     for _ in range(args.rounds):
         for name, fn in runs.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-    rate = {name: sum(outs) / statistics.median(ts) for name, ts in times.items()}
-    for name, ts in times.items():
-        print(f"{name:38s} {statistics.median(ts):8.2f} s {rate[name]:9.0f} tokens/s")
-    static, paged = rate.values()
-    print(f"engine / static: {paged / static:.2f}x tokens/s")
+            t, first, gaps = fn()
+            times[name].append(t)
+            ttft[name] += first
+            itl[name] += gaps
+    rate = {name: total / statistics.median(ts) for name, ts in times.items()}
+    print(f"{'':38s} {'s':>7s} {'tokens/s':>9s} {'TTFT p50':>8s} {'p90 ms':>8s} {'ITL p50':>8s} {'p90 ms':>8s}")
+    for name in runs:
+        print(
+            f"{name:38s} {statistics.median(times[name]):7.2f} {rate[name]:9.0f} "
+            f"{_percentiles(ttft[name])} {_percentiles(itl[name])}"
+        )
+    names = list(runs)
+    for other in names[1:]:
+        print(f"engine / {other}: {rate[names[0]] / rate[other]:.2f}x tokens/s")
+
+
+def _torch_serve(model, prompts, outs, batches, directory, save_hf):
+    """Hugging Face transformers' PyTorch `generate` over `model`'s weights (written with `save_hf`),
+    batch by batch as the static path runs; None (and a line saying so) where torch is not importable.
+    Checks that its greedy tokens of the first batch equal the engine's model's (`generate`)."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        print("transformers torch generate: skipped (torch is not importable: pip install -e '.[bench]')")
+        return None
+    from jaxformer.config import DecodeConfig
+    from jaxformer.decode import generate
+
+    save_hf(model, directory)
+    peer = transformers.AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32).eval()
+
+    def batch(b):
+        rows = [prompts[i] for i in b]
+        width = max(map(len, rows))
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for j, r in enumerate(rows):  # left-padded, as decoder-only generation wants
+            ids[j, width - len(r) :], mask[j, width - len(r) :] = torch.tensor(r), 1
+        n = max(outs[i] for i in b)
+        with torch.inference_mode():
+            out = peer.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                pad_token_id=0, eos_token_id=None,
+            )  # fmt: skip
+        return out[:, width:].tolist()
+
+    got = batch(batches[0])
+    settings = DecodeConfig(strategy="greedy", max_new_tokens=max(outs[i] for i in batches[0]))
+    want = generate(model, [prompts[i] for i in batches[0]], settings, eos_id=None).tokens[:, 0].tolist()
+    same = sum(g[: outs[i]] == w[: outs[i]] for i, g, w in zip(batches[0], got, want, strict=True))
+    print(f"transformers torch {torch.__version__}, {torch.get_num_threads()} threads: greedy tokens of the first "
+          f"batch equal generate's for {same} of {len(got)} requests")  # fmt: skip
+
+    def run():
+        t0, ttft = time.perf_counter(), []
+        for b in batches:
+            batch(b)
+            ttft += [time.perf_counter() - t0] * len(b)
+        return time.perf_counter() - t0, ttft, []
+
+    return run
 
 
 def grpo_speed(args) -> None:
@@ -753,9 +868,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="decode: timed runs per setting (fewer past 20 s)")
     p.add_argument("--compare", action="store_true", help="side by side with Hugging Face Flax and PyTorch")
     p.add_argument("--eval", action="store_true", help="lm-eval: jaxformer vs the hf model (torch), examples/s")
-    p.add_argument("--serve", action="store_true", help="the engine vs static generate on mixed requests")
-    p.add_argument("--serve-requests", type=int, default=32, help="serve: requests at once")
-    p.add_argument("--serve-slots", type=int, default=32, help="serve: the engine's slots")
+    p.add_argument("--serve", action="store_true", help="engine vs static generate vs torch on a request stream")
+    p.add_argument("--serve-requests", type=int, default=128, help="serve: requests in the stream")
+    p.add_argument("--serve-slots", type=int, default=32, help="serve: requests at once (engine slots, batch)")
+    p.add_argument("--serve-lengths", default="uniform", choices=["uniform", "longtail"], help="serve: outputs")
     p.add_argument("--serve-max-new", type=int, default=128, help="serve: the longest output")
     p.add_argument("--serve-chunk", type=int, default=64, help="serve: prefill chunk")
     p.add_argument("--serve-steps", type=int, default=8, help="serve: the engine's decode steps a call")

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from jaxformer import decode
+from jaxformer.attention import cache as kv_cache
 from jaxformer.config import ConfigError, DecodeConfig, EngineConfig, tiny
 from jaxformer.engine import Engine, EngineError, SamplingParams, paged
 from jaxformer.engine import engine as engine_module
@@ -60,7 +61,7 @@ def eos_id(model):
 
 
 def test_paged_view_equals_the_dense_cache():
-    """Writing positions into pages then gathering a row's pages gives the dense cache [B, G, S, K]
+    """Writing positions into pages then reading a row's pages gives the dense cache [B, G, S, K]
     that writing the same positions into slots gives (slot s = position s)."""
     rng = np.random.default_rng(1)
     N, page, G, K, B, P = 9, 4, 2, 3, 2, 3
@@ -71,15 +72,27 @@ def test_paged_view_equals_the_dense_cache():
         positions = start + np.arange(T)[None].repeat(B, 0)
         valid = positions < np.array([[12], [8]])
         new = rng.normal(size=(B, T, G, K)).astype(np.float32)
-        page_BT, offset_BT = paged.page_slots(jnp.asarray(table), jnp.asarray(positions), jnp.asarray(valid), page)
-        pool = paged.write_pages(pool, jnp.asarray(new), page_BT, offset_BT)
+        page_BT, offset_BT = kv_cache.page_slots(jnp.asarray(table), jnp.asarray(positions), jnp.asarray(valid), page)
+        pool = kv_cache.write_pages(pool, jnp.asarray(new), page_BT, offset_BT)
         for b in range(B):
             for t in range(T):
                 if valid[b, t]:
                     dense[b, :, positions[b, t]] = new[b, t]
-    view = np.asarray(paged.gather_pages(pool, jnp.asarray(table)))
+    view = np.swapaxes(np.asarray(kv_cache.read_pages(pool, jnp.asarray(table))), 1, 2)  # [B, G, S, K]
     np.testing.assert_array_equal(view[0], dense[0])
     np.testing.assert_array_equal(view[1, :, :8], dense[1, :, :8])  # its third entry is scratch page 0
+
+
+def test_decode_step_logits_at_one_position_equal_the_full_logits(model):
+    """`decode_step(..., logits_at_B=)` (a prefill chunk's head on its last real position only) gives the
+    row of the full [B, T, V] logits at that position, and the same cache."""
+    ids = jnp.asarray(np.random.default_rng(2).integers(2, V, (2, 5)), jnp.int32)
+    positions = jnp.asarray([[0, 1, 2, 3, 4], [3, 4, 5, 6, 7]], jnp.int32)
+    at = jnp.asarray([4, 1], jnp.int32)
+    full, cache = model.decode_step(model.init_cache(2, 16), ids, positions)
+    one, cache_one = model.decode_step(model.init_cache(2, 16), ids, positions, logits_at_B=at)
+    np.testing.assert_allclose(np.asarray(one[:, 0]), np.asarray(full[[0, 1], [4, 1]]), rtol=1e-6, atol=1e-6)
+    jax.tree.map(np.testing.assert_array_equal, cache_one, cache)
 
 
 def test_row_filters_equal_decode_filters():

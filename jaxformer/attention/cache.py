@@ -4,12 +4,17 @@ A self-attention cache holds keys and values heads-major, [B, G, S, K] (the atte
 read them in place, where [B, S, G, K] would be transposed in full at every step); slot s holds
 position s. With a context axis the slots are split over it by position (`CACHE`). The layer that
 fills and reads it is `jaxformer.attention.layer.MultiHeadAttention` (`empty_cache`, `extend`).
+
+A paged cache (the inference engine's) holds every sequence's keys and values in one pool of pages
+instead; `page_slots`, `write_pages` and `read_pages` below are its maths, and `extend` attends over it
+in place when its cache entry carries a page table.
 Plain `jax.numpy`, no Flax.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 Array = jax.Array
 CACHE = ("batch", "heads", "length", None)  # a KV cache [B, G, S, K] split by position on the context axis
@@ -33,3 +38,63 @@ def write_rows(buffer_BS: Array, new_BT: Array, start_B: Array, axis: int = 1) -
     row_axis = axis - 1  # inside one row
     write = lambda buf, new, start: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), start, row_axis)
     return jax.vmap(write)(buffer_BS, new_BT, start_B)
+
+
+# A paged cache (the inference engine's, `jaxformer.engine`): a pool of pages [N, page, G, K] shared by
+# every sequence, and a page table [B, P] per row listing its pages in order, so position p of row b
+# lives in page table[b, p // page] at offset p % page. Page 0 is scratch: positions that are not real
+# (a chunk's padding, an idle row) write there, and no row reads it as one of its own pages.
+
+
+def page_slots(table_BP: Array, positions_BT: Array, valid_BT: Array, page_size: int) -> tuple[Array, Array]:
+    """Where each position lives: (page [B, T], offset [B, T]); page 0 (scratch) where not `valid`.
+
+    Args:
+        table_BP: [B, P] the rows' page tables.
+        positions_BT: [B, T] positions.
+        valid_BT: [B, T] bool, the positions that are real.
+        page_size: positions per page.
+
+    Returns:
+        result (tuple[Array, Array]): (page_BT, offset_BT), int32.
+    """
+    column_BT = jnp.clip(positions_BT // page_size, 0, table_BP.shape[1] - 1)
+    page_BT = jnp.take_along_axis(table_BP, column_BT, axis=1)
+    return jnp.where(valid_BT, page_BT, 0).astype(jnp.int32), (positions_BT % page_size).astype(jnp.int32)
+
+
+def write_pages(pool_NPGK: Array, new_BTGK: Array, page_BT: Array, offset_BT: Array) -> Array:
+    """pool[page[b, t], offset[b, t]] = new[b, t] for every (b, t): B * T rows written, the rest of the
+    pool untouched (in place where the pool is donated or carried by a loop). Writes to page 0 are scratch.
+
+    Args:
+        pool_NPGK: [N, page, G, K] the pool.
+        new_BTGK: [B, T, G, K] keys (or values) of new positions.
+        page_BT: [B, T] their pages.
+        offset_BT: [B, T] their offsets in the pages.
+
+    Returns:
+        The updated pool, its shape and dtype.
+    """
+    N, S, G, K = pool_NPGK.shape
+    rows = (page_BT * S + offset_BT).reshape(-1)  # one row [G * K] per position of the flattened pool
+    flat = pool_NPGK.reshape(N * S, G * K).at[rows].set(new_BTGK.reshape(rows.shape[0], G * K).astype(pool_NPGK.dtype))
+    return flat.reshape(N, S, G, K)
+
+
+def read_pages(pool_NPGK: Array, table_BP: Array) -> Array:
+    """Each row's pages in its table's order, position-major as the pool holds them: [B, P * page, G, K]
+    (slot s of row b is position s of its sequence). Whole pages are copied (one gather of P rows of
+    page * G * K values per row), never transposed: attention reads the result as keys [B, S, G, K].
+
+    Args:
+        pool_NPGK: [N, page, G, K] the pool.
+        table_BP: [B, P] int, the pages of each row (page 0 where it has none).
+
+    Returns:
+        [B, P * page, G, K].
+    """
+    N, S, G, K = pool_NPGK.shape
+    B, P = table_BP.shape
+    rows = jnp.take(pool_NPGK.reshape(N, S * G * K), table_BP, axis=0, mode="clip")  # [B, P, page * G * K]
+    return rows.reshape(B, P * S, G, K)

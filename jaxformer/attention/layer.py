@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxformer.attention import ring
-from jaxformer.attention.cache import CACHE, write_rows
+from jaxformer.attention.cache import CACHE, page_slots, read_pages, write_pages, write_rows
 from jaxformer.attention.kernels import choose_backend, dot_product_attention, log_fallback
 from jaxformer.attention.masks import Mask, windowed
 from jaxformer.config import ConfigError, ModelConfig
@@ -179,9 +179,14 @@ class MultiHeadAttention(nnx.Module):
         slots, and each query attends to the cache under `mask` (`functional.causal_cache_mask`).
         Returns (y [B, T, D], the updated cache).
 
+        A paged cache ({"k", "v": pools [N, page, G, K], "table": [B, P] page tables, "valid": [B, T]
+        the real positions}, see `attention.cache`) is read in place: the new positions' keys and
+        values go into their pages (the padding's into scratch page 0), then each row attends over its
+        own pages, gathered by its table as [B, P * page, G, K] (slot s holds position s).
+
         Args:
             x_BTD: [B, T, D] the new positions.
-            cache: {"k", "v"}: [B, G, S_max, K].
+            cache: {"k", "v"}: [B, G, S_max, K]; or a paged cache (above).
             mask: which cache slots each query sees.
             positions_BT: [B, T] the new positions' indices.
             bias: attention logits bias broadcastable to [B, H, T, S_max], or None.
@@ -192,6 +197,13 @@ class MultiHeadAttention(nnx.Module):
         start_B = positions_BT[:, 0]
         mask = windowed(mask, self.window, positions_BT)
         new = dict(zip("kv", self.project_kv(x_BTD, positions_BT), strict=True))  # [B, T, G, K]
+        if "table" in cache:  # paged: B * T rows written into the pool, each row's pages read from it
+            table_BP = cache["table"]
+            page_BT, offset_BT = page_slots(table_BP, positions_BT, cache["valid"], cache["k"].shape[1])
+            pools = {name: write_pages(cache[name], new[name], page_BT, offset_BT) for name in "kv"}
+            k_BSGK, v_BSGK = (read_pages(pools[name], table_BP) for name in "kv")
+            y_BTD = self._attend(x_BTD, k_BSGK, v_BSGK, "BSGK", mask, bias, positions_BT, None, False)
+            return y_BTD, {**cache, **pools}
         if context_ways() > 1:  # the cache's slots are split over the mesh's context axis
             return self._extend_context(x_BTD, cache, new, mask, positions_BT)
         cache = {

@@ -78,10 +78,10 @@ def _forward(
     seeds_B, temperature_B, top_k_B, top_p_B = sampling
 
     def one(pools, ids_BT, positions_BT, valid_BT, last_B):
-        logits_BTV, pools = paged.paged_step(
-            model, pools, table_BP, ids_BT, positions_BT, valid_BT, memory, src_lengths_B
+        logits_B1V, pools = paged.paged_step(
+            model, pools, table_BP, ids_BT, positions_BT, valid_BT, memory, src_lengths_B, last_B
         )
-        logits_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
+        logits_BV = logits_B1V[:, 0]
         positions_B = jnp.take_along_axis(positions_BT, last_B[:, None], axis=1)[:, 0] + 1  # the drawn token's
         keys_B = paged.request_keys(seeds_B, positions_B)
         tokens_B, logp_B = paged.choose_rows(logits_BV, keys_B, temperature_B, top_k_B, top_p_B)
