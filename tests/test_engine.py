@@ -127,6 +127,18 @@ def test_greedy_equals_generate(model, eos_id, page_size):
         assert stats["running"] == stats["waiting"] == 0 and stats["pages_free"] == stats["pages_total"]
 
 
+def test_a_chunk_past_a_learned_position_table_leaves_the_pages_clean():
+    """A prefill chunk wider than the model's learned position table (prefill_chunk 32, max_len 16): its
+    padding positions lie past the table, whose rows there are NaN; they must not reach the scratch page
+    every row reads (the engine answered 0s before padding read position 0)."""
+    model = build_model(tiny("decoder_only", vocab_size=V, max_len=16, position="learned"), seed=3)
+    nnx.update(model, jax.tree.map(lambda x: 3.0 * x, nnx.state(model, nnx.Param)))
+    prompts = [[5, 9, 3, 7, 11], [4, 8, 12, 16, 20, 24, 28, 3, 6]]
+    want = _reference(model, prompts, 5, None)
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=12, max_slots=2, prefill_chunk=32), eos_id=None)
+    assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=5))] == want
+
+
 def test_continuous_batching_admits_and_retires(model, eos_id):
     """More requests than slots: never more than max_slots run, a request is admitted as another retires
     (some run while others already finished), and every one ends."""

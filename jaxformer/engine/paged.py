@@ -60,6 +60,9 @@ def paged_step(
     Returns:
         result (tuple[Array, list]): (logits [B, T, V] or [B, 1, V], the updated pools).
     """
+    # Padding reads position 0: a position past a sinusoidal or learned table is NaN (`jnp.take` fills), and
+    # padding's NaN keys and values in the scratch page would reach every row that reads it (0 x NaN).
+    positions_BT = jnp.where(valid_BT, positions_BT, 0)
     layers = [{"self": {"k": pool["k"], "v": pool["v"], "table": table_BP, "valid": valid_BT}} for pool in pools]
     cache = {"layers": layers}
     if memory is not None:  # cross-attention over each row's source, its keys and values computed once
