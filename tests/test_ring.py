@@ -47,8 +47,15 @@ CASES = [
      "contiguous" if kind == "cross" else layout, causal, T, 32, padded and n > 2, 1, padded)
     for kind, (causal, T, layouts) in KINDS.items() for n in (4,) for layout in layouts
     for padded in (False, True)
+] + [
+    # A sliding window of 6 over blocks of 8 (contiguous) or 2 x 4 (zig-zag): the diagonal block is
+    # cut by it, the one before partly seen, older ones skipped; packed and padded rows as above.
+    ("ring4 causal contiguous window6", "ring", 4, "contiguous", "contiguous", True, 32, 32, True, 1, True, 6),
+    ("fused ring4 causal zigzag window6", "fused", 4, "zigzag", "zigzag", True, 32, 32, False, 1, False, 6),
+    ("allgather4 causal zigzag window6", "allgather", 4, "zigzag", "zigzag", True, 32, 32, True, 1, True, 6),
 ]  # fmt: skip
-CASES = [c if len(c) == 11 else (*c, True) for c in CASES]  # (..., padded): q and kv lengths given
+CASES = [c if len(c) >= 11 else (*c, True) for c in CASES]  # (..., padded): q and kv lengths given
+CASES = [c if len(c) == 12 else (*c, 0) for c in CASES]  # (..., window): 0, none
 
 
 @functools.cache
@@ -60,7 +67,7 @@ def contract_kernel():
     return ring.KERNELS["reference"]()
 
 
-def _ours(mesh, strategy, causal, q, k, v, q_order, kv_order, q_lengths, kv_lengths, q_seg, kv_seg):
+def _ours(mesh, strategy, causal, window, q, k, v, q_order, kv_order, q_lengths, kv_lengths, q_seg, kv_seg):
     """Context-parallel attention of the sequence laid out in `q_order` / `kv_order` (int arrays, so
     that one compile serves every layout), its output put back in sequence order. Strategy "fused":
     the ring with `contract_kernel` inside."""
@@ -76,16 +83,17 @@ def _ours(mesh, strategy, causal, q, k, v, q_order, kv_order, q_lengths, kv_leng
         lay(q, q_order), lay(k, kv_order), lay(v, kv_order), mesh=mesh, strategy=strategy, causal=causal, kernel=kernel,
         q_index_BT=jnp.broadcast_to(q_order, (B, T)), kv_index_BS=jnp.broadcast_to(kv_order, (B, S)),
         q_segments_BT=lay(q_seg, q_order), kv_segments_BS=lay(kv_seg, kv_order),
-        kv_lengths_B=kv_lengths, q_lengths_B=q_lengths, spec_BTHK=("data",),
+        kv_lengths_B=kv_lengths, q_lengths_B=q_lengths, spec_BTHK=("data",), window=window,
     )  # fmt: skip
     return lay(o, jnp.argsort(q_order))
 
 
-def _reference(causal, q, k, v, q_order, kv_order, q_lengths, kv_lengths, q_seg, kv_seg):
+def _reference(causal, window, q, k, v, q_order, kv_order, q_lengths, kv_lengths, q_seg, kv_seg):
     """One device's attention over the whole sequence in its order (the layouts play no part)."""
     from jaxformer import functional as F
 
-    mask = F.Mask(causal=causal, q_lengths=q_lengths, kv_lengths=kv_lengths, q_segments=q_seg, kv_segments=kv_seg)
+    mask = F.Mask(causal=causal, q_lengths=q_lengths, kv_lengths=kv_lengths, q_segments=q_seg, kv_segments=kv_seg,
+                  window=window)  # fmt: skip
     return F.dot_product_attention(q, k, v, mask=mask)
 
 
@@ -105,7 +113,7 @@ def _jitted():  # one jit: its cache compiles each (side, mesh, strategy, causal
     return jax.jit(_out_and_grads, static_argnums=(0, 1))
 
 
-def case_errors(seed, strategy, n, q_layout, kv_layout, causal, T, S, segments, data, padded) -> dict:
+def case_errors(seed, strategy, n, q_layout, kv_layout, causal, T, S, segments, data, padded, window) -> dict:
     """The largest differences from one device's attention, of the outputs and of the gradients."""
     import jax
     import jax.numpy as jnp
@@ -124,8 +132,8 @@ def case_errors(seed, strategy, n, q_layout, kv_layout, causal, T, S, segments, 
     seg = lambda L: jnp.stack([jnp.where(jnp.arange(L) < L // 3, 1, 2), jnp.where(jnp.arange(L) < L - 6, 1, 0)])
     segs = (seg(T), seg(S)) if segments else (None, None)
     orders = tuple(jnp.asarray(ring.layout_order(L, n, lay)) for L, lay in ((T, q_layout), (S, kv_layout)))
-    o1, g1 = _jitted()(_ours, (mesh, strategy, causal), q, k, v, *orders, *lengths, *segs)
-    o2, g2 = _jitted()(_reference, (causal,), q, k, v, *orders, *lengths, *segs)
+    o1, g1 = _jitted()(_ours, (mesh, strategy, causal, window), q, k, v, *orders, *lengths, *segs)
+    o2, g2 = _jitted()(_reference, (causal, window), q, k, v, *orders, *lengths, *segs)
     return {
         "out": float(jnp.abs(o1 - o2).max()),
         "grad": max(float(jnp.abs(a - b).max()) for a, b in zip(g1, g2, strict=True)),
@@ -133,9 +141,10 @@ def case_errors(seed, strategy, n, q_layout, kv_layout, causal, T, S, segments, 
     }
 
 
-def zigzag_training_errors(mode: str) -> dict:
+def zigzag_training_errors(mode: str, window: int = 0) -> dict:
     """The summed loss and the gradients of a (deterministic) step's loss with the sequence laid out
-    zig-zag over a context axis of 4 beside a data axis of 2, against one device, contiguous."""
+    zig-zag over a context axis of 4 beside a data axis of 2, against one device, contiguous;
+    `window` > 0: the first of two layers local (`model.sliding_window`), the second global."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -146,8 +155,9 @@ def zigzag_training_errors(mode: str) -> dict:
     from jaxformer.train import laid_out, loss_sums
 
     objective = {"decoder_only": "lm", "encoder_decoder": "seq2seq"}[mode]
+    window_fields = dict(sliding_window=window, global_every=2, num_decoder_layers=2) if window else {}
     cfg = C.Config(
-        model=C.tiny(mode, num_heads=4, context_layout="zigzag"), data=C.DataConfig(max_len=16),
+        model=C.tiny(mode, num_heads=4, context_layout="zigzag", **window_fields), data=C.DataConfig(max_len=16),
         train=C.TrainConfig(objective=objective, batch_size=4), mesh=C.MeshConfig(data=2, context=4),
     )  # fmt: skip
     ids = lambda seed: jax.random.randint(jax.random.key(seed), (4, 16), 3, 32)
@@ -292,6 +302,7 @@ def run_cases() -> dict:
 
     out = {name: case_errors(i, *case) for i, (name, *case) in enumerate(CASES)}
     out |= {f"zigzag {mode}": zigzag_training_errors(mode) for mode in ("decoder_only", "encoder_decoder")}
+    out["zigzag decoder_only window"] = zigzag_training_errors("decoder_only", window=3)
     out["chunked loss gathers"] = chunked_loss_gathers()
     for mode, data in (("decoder_only", 2), ("encoder_decoder", 1)):
         out[f"decode {mode}"] = decoding_errors(mode, data)
@@ -319,16 +330,17 @@ def test_context_parallel_attention_equals_one_device(errors, case):
     assert errors[case]["out"] <= 1e-5 and errors[case]["grad"] <= 1e-5, errors[case]
 
 
-@pytest.mark.parametrize("mode", ["decoder_only", "encoder_decoder"])
+@pytest.mark.parametrize("mode", ["decoder_only", "encoder_decoder", "decoder_only window"])
 def test_a_zigzag_layout_trains_as_one_device(errors, mode):
     """The step's loss (packed rows; seq2seq with padded sources) and its gradients with the causal
-    sequence laid zig-zag over 4 devices (`model.context_layout`), against one device."""
+    sequence laid zig-zag over 4 devices (`model.context_layout`), against one device; "window":
+    a local layer (`model.sliding_window=3`, by the packed rows' own positions) before a global one."""
     r = errors[f"zigzag {mode}"]
     assert r["loss"] <= 1e-5 and r["correct"] == 0 and r["grad"] <= 1e-5, r
     assert r["permutes"] > 0, "ring attention over the context axis"
     zigzag = [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]  # device i: blocks i and 7 - i of 8
     packed = [p if p < 10 else p - 10 for p in zigzag]  # decoder_only's rows hold two documents
-    assert r["laid_out"] == (packed if mode == "decoder_only" else zigzag)
+    assert r["laid_out"] == (zigzag if mode == "encoder_decoder" else packed)
 
 
 @pytest.mark.parametrize("mode", ["decoder_only", "encoder_decoder"])
@@ -385,18 +397,21 @@ def test_what_context_parallelism_cannot_split_is_refused_naming_the_field():
 
 
 @pytest.mark.parametrize(
-    "layout, causal, kinds",
+    "layout, causal, window, kinds",
     [
-        ("contiguous", True, {"SKIP", "FULL", "CAUSAL"}),
-        ("zigzag", True, {"CAUSAL", "KV_FRONT", "Q_BACK"}),
-        ("striped", True, {"CAUSAL", "MASKED"}),
-        ("striped", False, {"FULL"}),
+        ("contiguous", True, 0, {"SKIP", "FULL", "CAUSAL"}),
+        ("zigzag", True, 0, {"CAUSAL", "KV_FRONT", "Q_BACK"}),
+        ("striped", True, 0, {"CAUSAL", "MASKED"}),
+        ("striped", False, 0, {"FULL"}),
+        ("contiguous", True, 8, {"SKIP", "CAUSAL", "MASKED"}),
     ],
 )
-def test_each_layout_s_blocks_are_the_kinds_a_fused_kernel_needs_no_mask_for(layout, causal, kinds):
+def test_each_layout_s_blocks_are_the_kinds_a_fused_kernel_needs_no_mask_for(layout, causal, window, kinds):
     """`ring.block_kind` of every (device, visiting block) pair of a ring of 4 over 32 positions, from
     the blocks' positions: the balanced zig-zag layout needs no mask array at all, striped one for the
-    blocks from later devices (keys strictly before the queries' own), and any padding makes one."""
+    blocks from later devices (keys strictly before the queries' own), and any padding makes one.
+    A sliding window of one block's length leaves each device its own block causal, the block
+    before it cut (masked) and every older one skipped: never a FULL block."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -408,6 +423,8 @@ def test_each_layout_s_blocks_are_the_kinds_a_fused_kernel_needs_no_mask_for(lay
 
     def kind(q_pos, kv_pos, kv_length=T):
         vis = (kv_pos[None, :] <= q_pos[:, None]) if causal else np.ones((T // n, T // n), bool)
+        if window:
+            vis = vis & (kv_pos[None, :] > q_pos[:, None] - window)
         vis = vis & (kv_pos < kv_length)[None, :]
         return names[int(ring.block_kind(jnp.asarray(vis)[None, None, None], causal))]
 

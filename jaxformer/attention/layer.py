@@ -277,7 +277,7 @@ class MultiHeadAttention(nnx.Module):
         positions (as packed rows number them: causal within a segment is causal by position)."""
         if bias is not None or not (mask is None or isinstance(mask, Mask)) or (mask and mask.q_offset is not None):
             raise ValueError("context parallelism takes a structural mask only (no logits bias or q_offset)")
-        self._refuse_in_context()
+        self._refuse_in_context(window=False)
         mask = mask or Mask()
         return ring.context_attention(
             q_BTHK, k_BSGK, v_BSGK, strategy=self.cfg.context_attention, causal=mask.causal,
@@ -286,12 +286,16 @@ class MultiHeadAttention(nnx.Module):
             q_segments_BT=mask.q_segments, kv_segments_BS=mask.kv_segments,
             kv_lengths_B=mask.kv_lengths, q_lengths_B=mask.q_lengths,
             scale=self.cfg.logits_scale, spec_BTHK=activation_spec(("batch", None, "heads", None)),
+            window=mask.window,
         )  # fmt: skip
 
-    def _refuse_in_context(self) -> None:
-        """What the context-parallel paths cannot do yet: a sliding window, soft-capped logits."""
-        if self.window:
-            raise ValueError(f"context parallelism has no sliding window yet (model.sliding_window={self.window})")
+    def _refuse_in_context(self, window: bool = True) -> None:
+        """What the context-parallel paths cannot do yet: soft-capped logits; a sliding window in
+        decoding over a cache split by position (`window`: the ring and all-gather take one)."""
+        if window and self.window:
+            raise ValueError(
+                f"context-parallel decoding has no sliding window yet (model.sliding_window={self.window})"
+            )
         if self.cfg.attention_softcap:
             raise ValueError(
                 f"context parallelism has no soft-capped logits (model.attention_softcap={self.cfg.attention_softcap})"

@@ -18,7 +18,9 @@ attention over contiguous blocks leaves the first device idle for most of the ri
 only its own keys) and the last one busy on every step; `layout_order(T, n, "zigzag")` gives each
 device block i and block 2n - 1 - i (Striped/zig-zag ring attention, as in Llama 3 context
 parallelism), so every device has the same share of the causal triangle; a block no query of a
-device sees is skipped there (`lax.cond`), in both passes.
+device sees is skipped there (`lax.cond`), in both passes. A sliding window (`window`: query t sees
+t - window < s <= t) is part of that visibility, so blocks wholly before every query's window are
+skipped too, and one the window cuts is masked.
 
 The kernel that attends each visiting block (`DENSE`, or a fused kernel: cuDNN, splash) is
 `jaxformer.attention.ring_kernels`. The functions below run inside `jax.shard_map` with the sequence
@@ -74,6 +76,7 @@ def ring_attention(
     causal: bool,
     scale,
     kernel: BlockKernel = DENSE,
+    window: int = 0,
 ) -> Array:
     """softmax(Q K^T * scale, masked) V over the whole sequence, for this device's query block.
 
@@ -91,29 +94,31 @@ def ring_attention(
         causal: query t sees keys s <= t (positions in the whole sequence).
         scale (float): the logits' factor (1/sqrt(K) for the paper's attention).
         kernel: how each visiting block is attended (`DENSE`, or a fused kernel: `fused_kernel`).
+        window: with causal, > 0: query t sees only keys t - window < s <= t (sliding-window
+            attention); a visiting block wholly outside the window is skipped, one it cuts is masked.
 
     Returns:
         [B, T, H, K] in q's dtype.
     """
-    return _ring(q_BTHK, k_BSGK, v_BSGK, where, axis_name, axis_size, causal, scale, kernel)
+    return _ring(q_BTHK, k_BSGK, v_BSGK, where, axis_name, axis_size, causal, scale, kernel, window)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _ring(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale, kernel):
-    return _ring_forward(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale, kernel)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _ring(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale, kernel, window):
+    return _ring_forward(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale, kernel, window)[0]
 
 
 def _kind(kernel: BlockKernel, vis: Array, causal: bool) -> Array:
     return block_kind(vis, causal) if kernel.classify else jnp.where(vis.any(), MASKED, SKIP)
 
 
-def _ring_forward(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale, kernel):
+def _ring_forward(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale, kernel, window):
     q = kernel.enter(q_BTHK, k_BSGK.shape[2])  # in the kernel's layout
 
     def fold(carry, kv):  # one visiting block into the running output and log-sum-exp
         o, lse = carry
         k, v, meta = kv
-        vis = _visible(where, meta, causal)
+        vis = _visible(where, meta, causal, window)
         kind = _kind(kernel, vis, causal)
 
         def compute(_):
@@ -140,12 +145,12 @@ def _ring_forward(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale, ke
     return out.astype(q_BTHK.dtype), jnp.where(seen, lse, NEG)
 
 
-def _ring_fwd(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale, kernel):
-    out, lse = _ring_forward(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale, kernel)
+def _ring_fwd(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale, kernel, window):
+    out, lse = _ring_forward(q_BTHK, k_BSGK, v_BSGK, where, axis_name, n, causal, scale, kernel, window)
     return out, (q_BTHK, k_BSGK, v_BSGK, where, out, lse)
 
 
-def _ring_bwd(axis_name, n, causal, scale, kernel, res, dout_BTHK):
+def _ring_bwd(axis_name, n, causal, scale, kernel, window, res, dout_BTHK):
     """A second trip around the ring: each visiting block's share of the gradients from the whole
     attention's output and log-sum-exp (`BlockKernel.bwd`); dK and dV travel with their block."""
     q_BTHK, k_BSGK, v_BSGK, where, out_BTHK, lse = res
@@ -154,7 +159,7 @@ def _ring_bwd(axis_name, n, causal, scale, kernel, res, dout_BTHK):
 
     def step(_, state):
         dq, (k, v, meta, dk, dv) = state
-        vis = _visible(where, meta, causal)
+        vis = _visible(where, meta, causal, window)
         kind = _kind(kernel, vis, causal)
 
         def compute(_):
@@ -183,7 +188,7 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def allgather_attention(
-    q_BTHK: Array, k_BSGK: Array, v_BSGK: Array, where: Where, axis_name: str, causal: bool, scale
+    q_BTHK: Array, k_BSGK: Array, v_BSGK: Array, where: Where, axis_name: str, causal: bool, scale, window: int = 0
 ) -> Array:
     """The same result as `ring_attention`, by gathering every key and value block first (autodiff:
     the gather's transpose sums the key/value gradients back onto their devices).
@@ -196,6 +201,7 @@ def allgather_attention(
         axis_name: the context mesh axis.
         causal: query t sees keys s <= t (positions in the whole sequence).
         scale (float): the logits' factor.
+        window: with causal, > 0: query t sees only keys t - window < s <= t.
 
     Returns:
         [B, T, H, K] in q's dtype.
@@ -204,7 +210,7 @@ def allgather_attention(
     k, v = gather(k_BSGK), gather(v_BSGK)
     meta = tuple(gather(x) for x in _kv_meta(where))
     q = _grouped(q_BTHK, k.shape[2])
-    vis = _visible(where, meta, causal)
+    vis = _visible(where, meta, causal, window)
     s = _scores(q, k, vis, scale)
     m = jax.lax.stop_gradient(s.max(-1, keepdims=True))
     p = jnp.where(vis, jnp.exp(s - m), 0.0)
@@ -380,6 +386,7 @@ def context_attention(
     scale: float | None = None,
     spec_BTHK: tuple = (),
     kernel: Literal["dense", "cudnn", "splash", "reference"] | BlockKernel = "dense",
+    window: int = 0,
 ) -> Array:
     """Attention with T and S sharded over mesh axis `axis` of `mesh` (default: the mesh in context).
 
@@ -411,13 +418,17 @@ def context_attention(
             "splash" (TPUs; blocks of whole tiles: `splash_unservable`), "reference" (the fused
             kernels' contract in XLA), or a `BlockKernel` of your own (`fused_kernel` makes one from a
             fused attention's two calls).
+        window: with causal, > 0: query t sees only the `window` latest positions, t - window < s <= t
+            (sliding-window attention); the ring skips a visiting block wholly outside the window and
+            masks one the window cuts (`block_kind` reads both off the visibility).
 
     Returns:
         [B, T, H, K] in q's dtype, sharded as q.
 
     Raises:
-        ValueError: the axis does not divide T or S, only one of the segment arrays is given, or a
-            fused kernel with the all-gather strategy or with blocks it cannot attend.
+        ValueError: the axis does not divide T or S, only one of the segment arrays is given, a
+            window without causal attention, or a fused kernel with the all-gather strategy or with
+            blocks it cannot attend.
     """
     mesh_shape = (mesh or jax.sharding.get_abstract_mesh()).shape
     n = mesh_shape[axis]
@@ -426,6 +437,8 @@ def context_attention(
     for what, length in (("queries", T), ("keys", S)):
         if length % n:
             raise ValueError(f"{what}: length {length} is not divisible by the context axis ({axis}={n})")
+    if window and not causal:
+        raise ValueError(f"a sliding window ({window}) is said over causal attention, not bidirectional")
     if kernel != "dense" and strategy != "ring":
         raise ValueError(f"kernel={kernel!r} attends the ring's blocks: the all-gather strategy is dense")
     if kernel in UNSERVABLE and (why := UNSERVABLE[kernel](q_BTHK, k_BSGK, n)):
@@ -454,8 +467,8 @@ def context_attention(
 
     def local(q, k, v, where):
         if strategy == "ring":
-            return ring_attention(q, k, v, where, axis, n, causal, scale, block_kernel)
-        return allgather_attention(q, k, v, where, axis, causal, scale)
+            return ring_attention(q, k, v, where, axis, n, causal, scale, block_kernel, window)
+        return allgather_attention(q, k, v, where, axis, causal, scale, window)
 
     specs = dict(in_specs=(x_spec, x_spec, x_spec, where_specs), out_specs=x_spec)
     f = jax.shard_map(local, mesh=mesh, check_vma=block_kernel.vma, **specs)

@@ -52,13 +52,16 @@ class Where(NamedTuple):
     q_lengths_B: Array | None = None
 
 
-def _visible(where: Where, kv: tuple, causal: bool) -> Array:
-    """[B, 1, 1, T, S]: which visiting keys (`kv`: index, segments, lengths of the block) each query sees."""
+def _visible(where: Where, kv: tuple, causal: bool, window: int = 0) -> Array:
+    """[B, 1, 1, T, S]: which visiting keys (`kv`: index, segments, lengths of the block) each query
+    sees; `window` > 0 (causal): only the `window` latest positions, t - window < s <= t."""
     kv_index_BS, kv_segments_BS = kv
     q_BT1, k_B1S = where.q_index_BT[:, :, None], kv_index_BS[:, None, :]
     vis = jnp.ones(q_BT1.shape[:2] + k_B1S.shape[2:], bool)
     if causal:
         vis = k_B1S <= q_BT1
+        if window:  # a block wholly before the window is then SKIP, one it cuts MASKED (`block_kind`)
+            vis = vis & (k_B1S > q_BT1 - window)
     if where.kv_lengths_B is not None:
         vis = vis & (k_B1S < where.kv_lengths_B[:, None, None])
     if where.q_lengths_B is not None:
