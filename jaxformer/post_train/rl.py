@@ -374,7 +374,8 @@ def run(cfg: Config, workdir: str | pathlib.Path, *, quiet: bool = False) -> dic
         quiet: no progress output.
 
     Returns:
-        {"state", "graphdef", "engine", "eval": {step: exact match}, "history": per-iteration metrics}.
+        {"state", "graphdef", "engine", "eval": {step: exact match}, "history": per-iteration metrics,
+        "preempted": whether SIGTERM or Ctrl-C stopped the run (saved) before `train.steps`}.
 
     Raises:
         ValueError: GRPO off, a task or reward that cannot be loaded or fails, or a prompt over the context.
