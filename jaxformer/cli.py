@@ -259,12 +259,15 @@ def cmd_generate(args) -> int:
 
 def cmd_grpo(args) -> int:
     """GRPO with rollouts from the engine (jaxformer.post_train.rl); rerun the same command to resume."""
+    from jaxformer.checkpoint import EXIT_PREEMPTED
     from jaxformer.post_train.rl import run
 
     try:
         result = run(_load_config(args), args.workdir, quiet=args.quiet)
     except ValueError as e:  # a task, a reward or a prompt that cannot be used: the message names it
         raise CommandError(str(e)) from None
+    if result["preempted"]:  # SIGTERM or Ctrl-C: saved, and the line saying so printed
+        return EXIT_PREEMPTED
     print(f"held-out exact match by iteration: {result['eval']}; logs: {args.workdir}/metrics.jsonl")
     return 0
 

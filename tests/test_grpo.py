@@ -1,8 +1,11 @@
 """GRPO: the maths against a NumPy transcription of the papers' formulas, the rewards, and one tiny
 run (rollout from the engine + update) that checks the engine reads the updated weights, that a
-rollout is a function of (seed, step), and that a resumed run ends with the same parameters."""
+rollout is a function of (seed, step), and that a resumed run (extended, or stopped by SIGTERM) ends
+with the same parameters and log as an uninterrupted one."""
 
 import json
+import os
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -203,23 +206,79 @@ def test_the_engine_samples_from_the_updated_weights(one_run):
     assert engine.stats()["prefix_hits"] > 0  # a group's later samples found its first one's prompt pages
 
 
-def test_a_resumed_run_ends_with_the_same_parameters(tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Two iterations at once (a KL penalty: the reference is rebuilt on resume): the resume tests' reference."""
+    workdir = tmp_path_factory.mktemp("whole")
+    return workdir, rl.run(tiny_config(steps=2, kl_coef=0.1), workdir, quiet=True)["state"]
+
+
+def log_of(workdir) -> list[dict]:
+    """metrics.jsonl's records, timings (rollout_s, update_s) aside."""
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if not k.endswith("_s")} for line in lines]
+
+
+def assert_same_bits(a, b) -> None:
+    pure = lambda t: nnx.to_pure_dict(t) if isinstance(t, nnx.State) else t
+    for x, y in zip(jax.tree.leaves(pure(a)), jax.tree.leaves(pure(b)), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_a_resumed_run_ends_with_the_same_parameters(tmp_path, uninterrupted):
     """Two iterations at once, or one and a rerun of the same command to two: the same bits, the same log."""
-    cfg = tiny_config(steps=2, kl_coef=0.1)
-    whole = rl.run(cfg, tmp_path / "whole", quiet=True)["state"]
+    whole_dir, whole = uninterrupted
     rl.run(tiny_config(steps=1, kl_coef=0.1), tmp_path / "resumed", quiet=True)
-    resumed = rl.run(cfg, tmp_path / "resumed", quiet=True)["state"]
-    logs = [
-        [
-            {k: v for k, v in json.loads(line).items() if not k.endswith("_s")}
-            for line in (d / "metrics.jsonl").read_text().splitlines()
-        ]
-        for d in (tmp_path / "whole", tmp_path / "resumed")
-    ]
+    resumed = rl.run(tiny_config(steps=2, kl_coef=0.1), tmp_path / "resumed", quiet=True)["state"]
+    logs = [log_of(whole_dir), log_of(tmp_path / "resumed")]
     train = [[r for r in log if r["split"] == "train"] for log in logs]
     assert train[0] == train[1] and len(train[0]) == 2  # the same records, timings aside
     # (the stopped run's final evaluation, at step 1, stays beside the uninterrupted run's)
     assert all(r in logs[1] for r in logs[0] if r["split"] == "eval")
-    for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(whole.params)), jax.tree.leaves(nnx.to_pure_dict(resumed.params)),
-                    strict=True):  # fmt: skip
-        np.testing.assert_array_equal(a, b)
+    assert_same_bits(whole.params, resumed.params)
+
+
+def test_sigterm_mid_iteration_saves_at_its_end_and_the_rerun_is_the_uninterrupted_run(
+    tmp_path, uninterrupted, monkeypatch, capsys
+):
+    """`jaxformer grpo` sent SIGTERM during iteration 0's rollout finishes the iteration, saves step 1,
+    says how to go on and exits 3, as `train` does; the same command again ends with the uninterrupted
+    run's parameters and optimizer state, bit for bit, and its metrics.jsonl, timings aside."""
+    from jaxformer import cli
+    from jaxformer.checkpoint import EXIT_PREEMPTED, Checkpointer
+    from jaxformer.state import init_state
+
+    whole_dir, whole = uninterrupted
+    cfg = tiny_config(steps=2, kl_coef=0.1)
+    workdir = tmp_path / "stopped"
+    workdir.mkdir()
+    (workdir / "config.json").write_text(json.dumps(cfg.to_dict()))  # the command's config: no --config
+    rollout = rl.rollout
+
+    def signalled(*args):
+        if args[-1] == 0:  # the step: mid-iteration 0, before its update
+            os.kill(os.getpid(), signal.SIGTERM)
+        return rollout(*args)
+
+    monkeypatch.setattr(rl, "rollout", signalled)
+    caught = []  # a loop that did not take the signal must not end the test session with it
+    previous = signal.signal(signal.SIGTERM, lambda *a: caught.append(a))
+    try:
+        code = cli.main(["grpo", "--workdir", str(workdir), "--quiet"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    out = capsys.readouterr().out
+    assert not caught and code == EXIT_PREEMPTED, out
+    assert f"SIGTERM: saved step 1 to {workdir / 'checkpoints'}; rerun the same command to resume" in out
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["1"]
+    assert [r["step"] for r in log_of(workdir) if r["split"] == "train"] == [0], "the log stops where the save does"
+
+    monkeypatch.setattr(rl, "rollout", rollout)
+    assert cli.main(["grpo", "--workdir", str(workdir), "--quiet"]) == 0
+    assert log_of(workdir) == log_of(whole_dir)  # evaluations at 0 and 2, train records of 0 and 1
+    ckpt = Checkpointer(workdir, cfg, read_only=True)
+    resumed = ckpt.restore_latest(init_state(cfg)[1])
+    ckpt.close()
+    assert int(resumed.step) == int(whole.step) == 2
+    assert_same_bits(whole.params, resumed.params)
+    assert_same_bits(whole.opt_state, resumed.opt_state)

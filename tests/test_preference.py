@@ -246,3 +246,62 @@ def test_a_state_saved_before_the_reference_field_still_restores(tmp_path):
     ckpt.close()
     assert restored is not None and restored.reference is None
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.tree.map(np.asarray, state), restored)))
+
+
+# ----------------------------------------------------------------------------- exact resume
+
+
+def dpo_tiny(steps=4):
+    """experiments/dpo_tiny.py shrunk: 4 steps of 4 pairs from its first 96 records, saved every 2 steps."""
+    from jaxformer.config import apply_overrides, load_experiment
+
+    sets = [
+        f"train.steps={steps}", "train.batch_size=4", "train.log_every=1", "train.eval_every=4", "train.eval_batches=1",
+        "train.warmup_steps=1", "train.peak_flops=1e13", "checkpoint.every=2", "data.max_examples=96",
+        "model.d_model=16", "model.num_heads=2", "model.d_ff=32", "model.num_decoder_layers=1",
+    ]  # fmt: skip
+    return apply_overrides(load_experiment("experiments/dpo_tiny.py"), sets)
+
+
+def dpo_log(workdir) -> list[dict]:
+    """metrics.jsonl's records, timings aside."""
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(r).items() if k not in {"tokens_per_s", "mfu", "step_time"}} for r in lines]
+
+
+def test_a_dpo_run_stopped_by_sigterm_resumes_to_the_uninterrupted_run(tmp_path, monkeypatch):
+    """`fit` with the preference objective, sent SIGTERM while its third step of 4 runs, saves step 3 and stops; the
+    rerun ends with the uninterrupted run's state (parameters, the reference's copy, Adam's moments) bit for
+    bit and its metrics.jsonl, timings aside: the pairs of a step are a function of (seed, step)."""
+    import os
+    import signal
+
+    from jaxformer import distributed
+    from jaxformer.train import fit
+
+    whole = fit(dpo_tiny(), tmp_path / "whole", quiet=True)["state"]
+    reached = distributed.reached
+
+    def signalled(step):  # called once a step has been dispatched, with the steps started so far
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        reached(step)
+
+    monkeypatch.setattr(distributed, "reached", signalled)
+    caught = []  # a loop that did not take the signal must not end the test session with it
+    previous = signal.signal(signal.SIGTERM, lambda *a: caught.append(a))
+    try:
+        stopped = fit(dpo_tiny(), tmp_path / "resumed", quiet=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not caught and stopped["preempted"] and int(stopped["state"].step) == 3
+    assert sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()) == ["2", "3"]
+    monkeypatch.setattr(distributed, "reached", reached)
+    resumed = fit(dpo_tiny(), tmp_path / "resumed", quiet=True)["state"]
+    assert int(resumed.step) == int(whole.step) == 4
+    assert resumed.reference is not None
+    for a, b in ((whole.params, resumed.params), (whole.reference, resumed.reference),
+                 (whole.opt_state, resumed.opt_state)):  # fmt: skip
+        jax.tree.map(np.testing.assert_array_equal, a, b)
+    assert dpo_log(tmp_path / "resumed") == dpo_log(tmp_path / "whole")
+    assert [r["step"] for r in dpo_log(tmp_path / "whole")] == [0, 1, 2, 3, 4], "train 0-3, the evaluation at 4"

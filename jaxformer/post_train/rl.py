@@ -374,7 +374,8 @@ def run(cfg: Config, workdir: str | pathlib.Path, *, quiet: bool = False) -> dic
         quiet: no progress output.
 
     Returns:
-        {"state", "graphdef", "engine", "eval": {step: exact match}, "history": per-iteration metrics}.
+        {"state", "graphdef", "engine", "eval": {step: exact match}, "history": per-iteration metrics,
+        "preempted": whether SIGTERM or Ctrl-C stopped the run (saved) before `train.steps`}.
 
     Raises:
         ValueError: GRPO off, a task or reward that cannot be loaded or fails, or a prompt over the context.
@@ -392,7 +393,7 @@ def _run(cfg: Config, workdir: pathlib.Path, mesh, log) -> dict:
     from jaxformer.engine import Engine
     from jaxformer.models import Transformer
     from jaxformer.state import init_state, start_state, state_shardings
-    from jaxformer.train import jit_steps, make_steps
+    from jaxformer.train import _Preemption, jit_steps, make_steps
 
     g, tcfg = cfg.grpo, cfg.train
     tok = CharTokenizer(g.chars)
@@ -435,6 +436,8 @@ def _run(cfg: Config, workdir: pathlib.Path, mesh, log) -> dict:
         writer.write(it * g.updates, "eval", {"exact_match": evals[it]})
         log(f"iteration {it}: held-out exact match {evals[it]:.3f} ({len(held_out)} prompts, greedy)")
 
+    # SIGTERM or Ctrl-C stops the run at the end of the iteration, saved, as `train` does (its handler, restored after)
+    preemption, preempted = _Preemption(ckpt.manager).__enter__(), False
     try:  # a task or reward that fails stops the run; the checkpoints already saved are kept, whole
         if start == 0:
             evaluate(0)
@@ -484,11 +487,19 @@ def _run(cfg: Config, workdir: pathlib.Path, mesh, log) -> dict:
             done = it + 1
             if done % tcfg.eval_every == 0 or done == tcfg.steps:
                 evaluate(done)
-            if done % cfg.checkpoint.every == 0 or done == tcfg.steps:
+            preempted = preemption.reached(int(state.step)) and done < tcfg.steps
+            if done % cfg.checkpoint.every == 0 or done == tcfg.steps or preempted:
                 ckpt.save(state)
+            if preempted:  # "saved" only once it is: a save that cannot be written raises here
+                ckpt.wait()
+                why = preemption.requested or "preemption"  # shown even when quiet: it says how to go on
+                print(f"{why}: saved step {int(state.step)} to {ckpt.directory}; rerun the same command to resume")
+                break
     finally:
+        preemption.__exit__()
         ckpt.wait()
         ckpt.close()
         writer.close()
     engine.load_weights(nnx.merge(graphdef, state.weights))
-    return {"state": state, "graphdef": graphdef, "engine": engine, "eval": evals, "history": history}
+    return {"state": state, "graphdef": graphdef, "engine": engine, "eval": evals, "history": history,
+            "preempted": preempted}  # fmt: skip
