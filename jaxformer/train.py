@@ -287,13 +287,17 @@ class NonFiniteLoss(FloatingPointError):
     """A step's loss or gradient norm is NaN or inf and `train.on_nonfinite` is "stop"."""
 
 
-class _Preemption:
+class Preemption:
     """Whether to stop after this step: SIGTERM or Ctrl-C (SIGINT) on one process, or, on several,
     the step all processes agreed on through JAX's preemption sync (orbax `reached_preemption`).
 
     A Python SIGTERM handler would replace the notifier that sync relies on, and hosts
     stopping at different steps would hang in the save, so it is installed on one process only.
-    A second Ctrl-C interrupts at once, without saving.
+    A second Ctrl-C interrupts at once, without saving. A context manager (the handlers are restored
+    on exit); `fit` and post-training's loop (`post_train.rl`) ask it after each step.
+
+    Args:
+        manager (orbax.checkpoint.CheckpointManager): the run's manager (its preemption sync, many processes).
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -314,6 +318,14 @@ class _Preemption:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def reached(self, step: int) -> bool:
+        """Whether to save and stop after `step` (on every process alike).
+
+        Args:
+            step: the step just finished.
+
+        Returns:
+            True once a stop was asked for.
+        """
         return self.requested is not None if self.local else self.manager.reached_preemption(step)
 
     def __exit__(self, *exc):
@@ -481,7 +493,7 @@ def _fit(
                 log(f"step {prev_step}: {said}, ETA {eta:.0f}s")
 
     try:
-        with _Preemption(ckpt.manager) as preemption:
+        with Preemption(ckpt.manager) as preemption:
             for step in bar:
                 local = check_batch_ids(next(train_batches), cfg.model)
                 profiler.before(step)

@@ -393,7 +393,7 @@ def _run(cfg: Config, workdir: pathlib.Path, mesh, log) -> dict:
     from jaxformer.engine import Engine
     from jaxformer.models import Transformer
     from jaxformer.state import init_state, start_state, state_shardings
-    from jaxformer.train import _Preemption, jit_steps, make_steps
+    from jaxformer.train import Preemption, jit_steps, make_steps
 
     g, tcfg = cfg.grpo, cfg.train
     tok = CharTokenizer(g.chars)
@@ -437,7 +437,7 @@ def _run(cfg: Config, workdir: pathlib.Path, mesh, log) -> dict:
         log(f"iteration {it}: held-out exact match {evals[it]:.3f} ({len(held_out)} prompts, greedy)")
 
     # SIGTERM or Ctrl-C stops the run at the end of the iteration, saved, as `train` does (its handler, restored after)
-    preemption, preempted = _Preemption(ckpt.manager).__enter__(), False
+    preemption, preempted = Preemption(ckpt.manager).__enter__(), False
     try:  # a task or reward that fails stops the run; the checkpoints already saved are kept, whole
         if start == 0:
             evaluate(0)
