@@ -3,7 +3,9 @@ log-likelihood is the sum of the model's token log-probabilities (one forward pa
 `loglikelihood_rolling` of a document is the perplexity `jaxformer eval` reports on it (the training's
 loss sums); greedy `generate_until` is `decode.generate` cut at the same stop strings; and on a tiny
 GPT-2 and a tiny T5, every example's answers equal those of the harness's own `hf` model on the
-PyTorch weights (golden files: scripts/make_lm_eval_golden.py)."""
+PyTorch weights (golden files: scripts/make_lm_eval_golden.py); the harness's own client for
+OpenAI-compatible servers against `jaxformer serve` on a workdir gives the numbers the model `jaxformer`
+gives on it."""
 
 import json
 import pathlib
@@ -176,3 +178,79 @@ def test_train_evals_runs_inside_fit_and_logs_what_eval_tasks_gives(tmp_path, ca
     results = json.loads(out.read_text())["results"]["shakespeare_cloze"]
     for metric in ("acc", "acc_norm"):
         assert at_end[f"shakespeare_cloze/{metric}"] == pytest.approx(results[f"{metric},none"]), metric
+
+
+@pytest.fixture(scope="module")
+def gpt2_served(tmp_path_factory):
+    """The tiny GPT-2 imported as a workdir (its tokenizer files in W/hf), `jaxformer serve`'s app on it
+    (uvicorn in a thread, a free port of 127.0.0.1), and the native model on the same workdir with the
+    same engine settings (so the two share their compilations)."""
+    for extra in ("uvicorn", "starlette", "aiohttp", "tenacity", "transformers"):
+        pytest.importorskip(extra, reason=f"{extra}: the serve, eval and test extras")
+    import socket
+    import threading
+    import time
+
+    import processes
+    import uvicorn
+
+    from jaxformer.config import EngineConfig, ServeConfig
+    from jaxformer.engine import Engine
+    from jaxformer.interop.hf_workdir import import_hf
+    from jaxformer.serve import create_app
+
+    workdir = tmp_path_factory.mktemp("served") / "gpt2"
+    import_hf(GOLDEN / "gpt2", workdir)
+    settings = EngineConfig(max_slots=8, page_size=8)
+    engine = Engine.from_workdir(workdir, settings)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = create_app(engine, ServeConfig(port=port), "tiny-gpt2")
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + processes.HANG_GUARD_S  # a hang guard, not a time budget
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started, "uvicorn did not start"
+    native = JaxformerLM(workdir=str(workdir), batch_size=8, engine=settings)
+    yield workdir, f"http://127.0.0.1:{port}/v1/completions", engine.max_context, native
+    server.should_exit = True
+    thread.join(20)
+
+
+def test_lm_evals_openai_client_through_serve_gives_the_native_models_numbers(gpt2_served):
+    """lm-eval's `local-completions` (HTTP, `echo` + `logprobs` for log-likelihoods, the Hugging Face
+    tokenizer cutting contexts) against `jaxformer serve`, and the model `jaxformer`, on one workdir:
+    every example's answers and every metric agree, on a multiple-choice task and a generation task."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    workdir, url, max_context, native = gpt2_served
+    # max_length: the client keeps one position for the token it asks for (max_tokens=1) beside the prompt.
+    client = LocalCompletionsAPI(
+        model="tiny-gpt2", base_url=url, tokenizer=str(workdir / "hf"), tokenizer_backend="huggingface",
+        max_length=max_context, batch_size=8, max_retries=1,
+    )  # fmt: skip
+    tasks = ["shakespeare_cloze", "instruct_exact"]
+    served, ours = (run.evaluate(lm, tasks, limit=4, log_samples=True) for lm in (client, native))
+    for task in tasks:
+        theirs = {s["doc_id"]: s["resps"] for s in served["samples"][task]}
+        for sample in ours["samples"][task]:
+            mine, got = sample["resps"], theirs[sample["doc_id"]]
+            if isinstance(mine[0][0], list | tuple):  # loglikelihood: [[(ll, is_greedy)] per choice]
+                np.testing.assert_allclose([r[0][0] for r in got], [r[0][0] for r in mine], rtol=1e-6)
+                assert [r[0][1] for r in got] == [r[0][1] for r in mine]
+            else:
+                assert got == mine, (task, sample["doc_id"])
+        assert served["results"][task] == ours["results"][task]  # acc and acc_norm, or exact_match
+    # The tasks' continuations are nobody's greedy choice: ask for greedy ones (each context's own
+    # generation), so that is_greedy is seen true as well as false through both routes.
+    contexts = ["KING HENRY:", "to be or not"]
+    greedy = native.generate_until(
+        requests("generate_until", *[(c, {"until": ["zzz"], "max_gen_toks": 6}) for c in contexts])
+    )
+    asked = requests("loglikelihood", *zip(contexts, greedy, strict=True))
+    got, mine = client.loglikelihood(asked), native.loglikelihood(asked)
+    np.testing.assert_allclose([g[0] for g in got], [m[0] for m in mine], rtol=1e-6)
+    assert [g[1] for g in got] == [m[1] for m in mine] and any(m[1] for m in mine)

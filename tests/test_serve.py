@@ -364,6 +364,22 @@ BAD = [  # (body, HTTP status, the field named, a word of the message)
     ({"model": MODEL, "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty", "not supported"),
     ({"model": MODEL, "prompt": "x", "colour": "red"}, 400, "colour", "unrecognized"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "[1,"),  # without echo: nothing asked
+    ({"model": MODEL, "prompt": "x", "max_tokens": -1, "echo": True}, 400, "max_tokens", "[0,"),
+    ({"model": MODEL, "prompt": "x" * 160, "echo": True, "logprobs": 1, "max_tokens": 1}, 400, "prompt", "context"),
+    (
+        {"model": MODEL, "prompt": ["ab", "x" * 161], "echo": True, "logprobs": 0, "max_tokens": 0},
+        400,
+        "prompt[1]",
+        "context",
+    ),
+    (
+        {"model": MODEL, "prompt": [5, 99999], "echo": True, "logprobs": 1, "max_tokens": 0},
+        400,
+        "prompt",
+        "vocabulary",
+    ),
+    ({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "stream", "not streamed"),
 ]
 BAD_CHAT = [
     ({"model": MODEL, "messages": []}, 400, "messages", "non-empty"),
@@ -408,6 +424,37 @@ def test_the_openai_client_sees_bad_requests_as_its_errors_and_the_server_answer
         client.post("/nowhere", body={}, cast_to=object)
     assert server.health()["status"] == "ok"
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_echo_with_logprobs_scores_the_prompt_by_the_models_forward_pass(server, engine, reference):
+    """OpenAI's legacy scoring call (lm-eval's `local-completions` makes it): with echo and logprobs the
+    prompt's tokens come first, the first one's log-probability null, each other's and the most likely
+    token there as one forward pass of the served model gives them; max_tokens 0: the prompt alone."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    prompt = "KING HENRY: to be"
+    ids = ids_of(prompt)
+    logp = np.asarray(jax.nn.log_softmax(engine.model(jnp.asarray([ids]))[0].astype(jnp.float32)))
+    expected = logp[np.arange(len(ids) - 1), ids[1:]]
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 1, "temperature": 0}
+    status, alone = server.post("/v1/completions", body | {"max_tokens": 0})
+    assert status == 200, alone
+    status, more = server.post("/v1/completions", body | {"prompt": [ids], "max_tokens": 3})
+    assert status == 200, more
+    n = len(ids)
+    for out, new in ((alone, 0), (more, 3)):
+        choice, lp = out["choices"][0], out["choices"][0]["logprobs"]
+        assert out["usage"]["prompt_tokens"] == n and out["usage"]["completion_tokens"] == new
+        assert choice["text"] == prompt + (text_of(reference(ids, new)) if new else "")
+        assert lp["tokens"][:n] == [text_of([t]) for t in ids] and len(lp["tokens"]) == n + new
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        np.testing.assert_allclose(lp["token_logprobs"][1:n], expected, rtol=1e-5, atol=1e-5)
+        tops = lp["top_logprobs"][1:n]
+        assert [list(t) for t in tops] == [[text_of([int(i)])] for i in logp[: n - 1].argmax(-1)]
+        np.testing.assert_allclose([v for t in tops for v in t.values()], logp[: n - 1].max(-1), rtol=1e-5, atol=1e-5)
+    assert choice["finish_reason"] == "length" and alone["choices"][0]["finish_reason"] == "length"
+    assert lp["top_logprobs"][n:] == [None] * 3  # the generated tokens': not computed
 
 
 def test_the_api_key_is_asked_for_and_checked(server):

@@ -226,6 +226,16 @@ class Engine:
         engine.chat_template = None if run.data.template == "none" else run.data.template
         return engine
 
+    @property
+    def model(self):
+        """The model as the engine runs it, over its current weights (the same arrays, nothing copied): what
+        the server scores prompts with (`echo` with `logprobs`).
+
+        Returns:
+            model (Transformer): adapters folded, layers unrolled.
+        """
+        return nnx.merge(self._graphdef, self._params)
+
     def load_weights(self, model) -> None:
         """Serve `model`'s current weights from the next step on (a training loop hands over its new
         parameters: the arrays themselves, folded and unrolled as at construction, nothing synchronised).

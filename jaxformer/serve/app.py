@@ -160,7 +160,13 @@ class _Server:
         async def answer():
             body = await self._body(request, protocol.COMPLETION_FIELDS)
             job = protocol.completion_job(body, self.tok, self.engine.max_context)
-            return await self._run(request, job)
+            scores = await self._score(job) if job.score_prompt else None
+            if not job.generate:  # echo with max_tokens 0: the prompt alone, the engine not asked
+                choices = [_Choice(self.tok, job, index, scores) for index in range(len(job.prompts) * job.n)]
+                for c in choices:
+                    c.done, c.finish_reason = True, "length"
+                return JSONResponse(self._whole(job, choices))
+            return await self._run(request, job, scores)
 
         return await self._guarded(request, answer)
 
@@ -172,6 +178,37 @@ class _Server:
             return await self._run(request, job)
 
         return await self._guarded(request, answer)
+
+    async def _score(self, job: Job) -> list[dict]:
+        """Each prompt's tokens, their log-probabilities (the first's None) and the most likely token at
+        each position, by one batched forward pass (jaxformer.evaluation.scoring) in the engine's thread,
+        over the weights it serves."""
+        from jaxformer.evaluation.scoring import Scorer, ScoringError
+
+        for i, ids in enumerate(job.prompts):
+            V = self.engine.vocab_size
+            outside = [t for t in ids if not 0 <= t < V]
+            if outside:
+                where = f"prompt[{i}]" if len(job.prompts) > 1 else "prompt"
+                raise protocol.bad(where, f"token id {outside[0]} is outside the vocabulary [0, {V})")
+        scored = [i for i, ids in enumerate(job.prompts) if len(ids) > 1]
+
+        def score(engine):
+            scorer = Scorer(engine.model, batch_size=engine.cfg.max_slots)  # weights as served now
+            return scorer.prompt_logprobs([job.prompts[i] for i in scored])
+
+        try:
+            found = dict(zip(scored, await asyncio.wrap_future(self.runner.call(score)), strict=True))
+        except ScoringError as e:
+            raise protocol.bad("echo", f"this model cannot score a prompt: {e}", "unsupported") from None
+        out = []
+        for i, ids in enumerate(job.prompts):
+            logp, top, top_logp = found.get(i, ((), (), ()))
+            tops = [{self.tok.decode([int(t)]): float(lp)} if job.top_logprobs else {}
+                    for t, lp in zip(top, top_logp, strict=True)]  # fmt: skip
+            out.append({"tokens": [self.tok.decode([t]) for t in ids],
+                        "token_logprobs": [None, *map(float, logp)], "top_logprobs": [None, *tops]})  # fmt: skip
+        return out
 
     async def _submit(self, job: Job) -> tuple[asyncio.Queue, list[str]]:
         """Every (prompt, choice) of the job added to the engine; their Events come on one queue as
@@ -204,9 +241,9 @@ class _Server:
             raise e
         return events, list(results)
 
-    async def _run(self, request: Request, job: Job) -> Response:
+    async def _run(self, request: Request, job: Job, scores: list[dict] | None = None) -> Response:
         events, ids = await self._submit(job)
-        choices = [_Choice(self.tok, job, index) for index in range(len(ids))]
+        choices = [_Choice(self.tok, job, index, scores) for index in range(len(ids))]
         if job.stream:
             return StreamingResponse(
                 self._stream(job, events, ids, choices), media_type="text/event-stream",
@@ -249,8 +286,8 @@ class _Server:
         return {
             "id": protocol.new_id("cmpl"), "object": "text_completion", "created": protocol.now(),
             "model": self.model_name,
-            "choices": [{"index": c.index, "text": c.text, "logprobs": c.text_logprobs(c.logprobs) if job.logprobs
-                         else None, "finish_reason": c.finish_reason} for c in choices],
+            "choices": [{"index": c.index, "text": c.text, "logprobs": c.text_logprobs(c.logprobs, whole=True)
+                         if job.logprobs else None, "finish_reason": c.finish_reason} for c in choices],
             "usage": usage,
         }  # fmt: skip
 
@@ -299,9 +336,10 @@ class _Server:
 class _Choice:
     """One choice's state: its text so far (TextStream), tokens, log-probabilities and finish reason."""
 
-    def __init__(self, tok, job: Job, index: int):
+    def __init__(self, tok, job: Job, index: int, scores: list[dict] | None = None):
         self.tok, self.index = tok, index
         self.prompt = job.prompts[index // job.n]
+        self.scores = None if scores is None else scores[index // job.n]  # the prompt's (echo with logprobs)
         self.echo = job.prompt_texts[index // job.n] if job.echo else ""
         self.stream = TextStream(tok, job.stop, getattr(tok, "eos_id", None))
         self.text, self.tokens, self.logprobs = self.echo, [], []
@@ -326,10 +364,17 @@ class _Choice:
         self.text += piece
         return piece
 
-    def text_logprobs(self, pairs: list) -> dict:
+    def text_logprobs(self, pairs: list, whole: bool = False) -> dict:
+        """OpenAI's logprobs of a text completion: the chosen tokens' (with `whole` and a scored prompt, the
+        prompt's tokens first, the first one's None, and the most likely token at each; the generated
+        tokens' top_logprobs are not computed: None)."""
         tokens = [self.tok.decode([t]) for t, _ in pairs]
-        return {"tokens": tokens, "token_logprobs": [lp for _, lp in pairs], "top_logprobs": None,
-                "text_offset": None}  # fmt: skip
+        lps = [lp for _, lp in pairs]
+        if whole and self.scores is not None:
+            s = self.scores
+            return {"tokens": s["tokens"] + tokens, "token_logprobs": s["token_logprobs"] + lps,
+                    "top_logprobs": s["top_logprobs"] + [None] * len(pairs), "text_offset": None}  # fmt: skip
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": None}
 
     def chat_logprobs(self, pairs: list) -> dict:
         content = []

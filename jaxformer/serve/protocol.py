@@ -94,6 +94,9 @@ class Job:
         echo: the prompt's text before the completion's.
         logprobs: each chosen token's log-probability.
         stop: the stop strings (the template's end marker included).
+        score_prompt: echo with logprobs: each prompt token's log-probability too (a forward pass).
+        top_logprobs: how many most likely tokens each scored prompt position lists (0 or 1).
+        generate: new tokens are asked for (false: echo with max_tokens 0, the prompt alone).
     """
 
     chat: bool
@@ -105,6 +108,9 @@ class Job:
     echo: bool
     logprobs: bool
     stop: tuple[str, ...]
+    score_prompt: bool = False
+    top_logprobs: int = 0
+    generate: bool = True
 
     @property
     def n(self) -> int:
@@ -237,10 +243,10 @@ def sampling(body: dict, max_tokens: int, stop: tuple[str, ...], logprobs: bool,
         raise bad(None, str(e)) from None
 
 
-def _max_tokens(body: dict, names: tuple[str, ...], default: int | None, max_context: int) -> int | None:
+def _max_tokens(body: dict, names: tuple[str, ...], default: int | None, max_context: int, lo: int = 1) -> int | None:
     for name in names:
         if body.get(name) is not None:
-            return _int(body, name, None, 1, max_context)
+            return _int(body, name, None, lo, max_context)
     return default
 
 
@@ -303,12 +309,25 @@ def completion_job(body: dict, tok, max_context: int) -> Job:
     if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= 1):
         raise bad("logprobs", f"0 or 1: the chosen token's log-probability only, got {logprobs!r}", "unsupported")
     stop = _stops(body)
-    max_tokens = _max_tokens(body, ("max_tokens",), 16, max_context)
+    echo = _bool(body, "echo")
+    # With echo, max_tokens 0 asks for the prompt alone (its log-probabilities: OpenAI's legacy scoring call).
+    max_tokens = _max_tokens(body, ("max_tokens",), 16, max_context, lo=0 if echo else 1)
+    score = echo and logprobs is not None
+    if stream and (score or max_tokens == 0):
+        raise bad("stream", "echo with logprobs or max_tokens=0 (the prompt scored) is answered whole, not streamed",
+                  "unsupported")  # fmt: skip
+    if score:
+        for i, ids in enumerate(prompts):
+            if len(ids) + max_tokens > max_context:
+                raise bad(f"prompt[{i}]" if len(prompts) > 1 else "prompt",
+                          f"{len(ids)} tokens + max_tokens={max_tokens}: the model's context is {max_context}",
+                          "context_length_exceeded")  # fmt: skip
     return Job(
         chat=False, prompts=prompts, prompt_texts=texts,
-        params=sampling(body, max_tokens, stop, logprobs is not None, n),
-        stream=stream, include_usage=_stream_options(body, stream), echo=_bool(body, "echo"),
-        logprobs=logprobs is not None, stop=stop,
+        params=sampling(body, max(max_tokens, 1), stop, logprobs is not None, n),
+        stream=stream, include_usage=_stream_options(body, stream), echo=echo,
+        logprobs=logprobs is not None, stop=stop, score_prompt=score, top_logprobs=logprobs or 0,
+        generate=max_tokens > 0,
     )  # fmt: skip
 
 
