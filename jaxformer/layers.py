@@ -23,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxformer import functional as F
 from jaxformer import moe as M
-from jaxformer import pipeline, quant
+from jaxformer import pipeline, pipeline_1f1b, quant
 from jaxformer.attention.cache import CACHE  # noqa: F401  (re-exported)
 from jaxformer.attention.layer import MultiHeadAttention
 from jaxformer.config import ModelConfig
@@ -622,8 +622,11 @@ class LayerStack(nnx.Module):
 
             return jax.lax.scan(body, x_bTD, (chunk, jnp.arange(chunk[0].shape[0])))[0]
 
-        params = [v[...] for v in variables]
-        return pipeline.run(stage_fn, params, names, x_BTD, kwargs, dropout_rng=dropout_rng, plan=pipeline.active())
+        params, plan, tail = [v[...] for v in variables], pipeline.active(), pipeline_1f1b.current_tail()
+        if plan.kind == "1f1b" and tail is not None:  # without a loss to run per micro-batch: GPipe's
+            return pipeline_1f1b.run_1f1b(stage_fn, params, names, x_BTD, kwargs, dropout_rng=dropout_rng,
+                                          plan=plan, loss=tail)  # fmt: skip
+        return pipeline.run(stage_fn, params, names, x_BTD, kwargs, dropout_rng=dropout_rng, plan=plan)
 
     # Decoding runs the layers one by one, scanned or not, each with a cache of its own that a step
     # writes in place: a list of {"self": the layer's KV cache, "memory": the memory's keys and

@@ -6,11 +6,14 @@ differentiates `loss_sums`; post-training's objectives bring their own (`jaxform
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxformer import functional as F
-from jaxformer import moe, ring, sharding
+from jaxformer import moe, pipeline, pipeline_1f1b, ring, sharding
 from jaxformer.config import TrainConfig
 from jaxformer.models import Transformer
 
@@ -130,6 +133,35 @@ def loss_chunk(
     return None if n == 1 else -(-positions // n) * length_ways
 
 
+def stack_loss(model: Transformer, batch: dict, smoothing: dict) -> contextlib.AbstractContextManager:
+    """Under a 1F1B pipeline (`jaxformer.pipeline_1f1b`), the per-micro-batch loss its last stage runs:
+    the stack's final norm, the head and the summed cross-entropy (decoder_only's or encoder_only's
+    stack; Config refuses the other cases); elsewhere a context that changes nothing.
+
+    Args:
+        model: the Transformer.
+        batch: the laid-out device batch (targets, weights).
+        smoothing: cross_entropy_sums' label_smoothing and z_loss.
+
+    Returns:
+        tail (contextlib.AbstractContextManager): a context manager giving the `pipeline_1f1b.Tail`
+            (None without 1F1B).
+    """
+    plan = pipeline.active()
+    if plan is None or plan.kind != "1f1b":
+        return contextlib.nullcontext(None)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    stack = "encoder" if model.cfg.mode == "encoder_only" else "decoder"
+
+    def tail(params, y_bTD, rows):  # the micro-batch's summed loss, as the loss below sums it
+        m = nnx.merge(graphdef, params, rest)
+        final = getattr(m, stack)
+        h_bTD = final.final_norm(y_bTD) if m.cfg.norm_position != "post" else y_bTD
+        return F.cross_entropy_sums(m.head(h_bTD), rows[0], rows[1], **smoothing)["loss"]
+
+    return pipeline_1f1b.tail(tail, params, (batch["targets"], batch["weights"]))
+
+
 def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Array | None) -> tuple[Array, dict]:
     """Summed loss (to be divided by the token count) and summed metrics of one (micro-)batch.
 
@@ -160,7 +192,8 @@ def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Ar
             sums = F.cross_entropy_sums(classify_logits(model, batch, dropout_rng), labels, weights, **smoothing)
         else:
             batch = laid_out(batch, cfg.objective, model.cfg.context_layout)
-            h_BTD = hidden_states(model, cfg.objective, batch, dropout_rng)
+            with stack_loss(model, batch, smoothing) as pipelined:
+                h_BTD = hidden_states(model, cfg.objective, batch, dropout_rng)
             labels_BT = batch["targets"]
             # the ways the logits' rows, positions and columns are split over the devices
             rows, blocks, columns = sharding.shard_counts(("batch", "length", "vocab"))
@@ -169,6 +202,8 @@ def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Ar
             sums = F.chunked_cross_entropy(
                 h_BTD, model.head, labels_BT, batch["weights"], chunk=chunk, blocks=blocks, **smoothing
             )
+            if pipelined is not None:  # 1F1B: the stack's gradients flow through its own summed loss
+                sums["loss"] = pipeline_1f1b.routed(pipelined, sums["loss"])
     per_layer, layers = moe.totals(reports)
     if layers:  # a micro-batch's MoE losses weigh as many tokens as it counts: accumulation stays a token mean
         aux = jax.tree.map(lambda a: a.sum(0), per_layer)  # summed over the MoE layers

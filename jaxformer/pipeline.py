@@ -16,7 +16,7 @@ The mechanism is SPMD, one program for every stage, left to XLA's partitioner li
 - Backward is autodiff through the scan (GPipe): every micro-batch's forward, then every backward, the
   permutes reversed. Ticks where a stage holds no micro-batch (the bubble: (S - 1) / (M V + S - 1) of
   the ticks) compute on stand-in values whose results are never used, so they add nothing to the
-  gradients.
+  gradients. The 1F1B schedule (`jaxformer.pipeline_1f1b`) writes its backward out instead.
 
 Embeddings, the final norm and the heads run outside the pipeline, on the whole batch, replicated over
 `stage` (a tied embedding is one array read at both ends; nothing crosses stages but activations).
@@ -43,28 +43,31 @@ class Schedule:
     Attributes:
         microbatches: M, the micro-batches the batch is cut into.
         virtual_stages: V, the chunks of layers each stage runs in turn.
+        kind: "gpipe" (interleaved where V > 1) or "1f1b" (`jaxformer.pipeline_1f1b`).
     """
 
     microbatches: int
     virtual_stages: int = 1
+    kind: str = "gpipe"
 
 
 _SCHEDULE: list[Schedule] = []
 
 
 @contextlib.contextmanager
-def schedule(microbatches: int, virtual_stages: int = 1) -> Iterator[Schedule]:
+def schedule(microbatches: int, virtual_stages: int = 1, kind: str = "gpipe") -> Iterator[Schedule]:
     """Scanned stacks traced in this context run as a pipeline where the mesh has a `stage` axis
     of more than one device (the train and eval steps trace the loss in it).
 
     Args:
         microbatches: M, the micro-batches the batch is cut into (train.grad_accum).
         virtual_stages: V, chunks of layers per stage (mesh.virtual_stages).
+        kind: "gpipe" or "1f1b" (mesh.schedule).
 
     Returns:
         schedule (Iterator[Schedule]): a context manager; `with` gives the schedule.
     """
-    _SCHEDULE.append(Schedule(microbatches, virtual_stages))
+    _SCHEDULE.append(Schedule(microbatches, virtual_stages, kind))
     try:
         yield _SCHEDULE[-1]
     finally:

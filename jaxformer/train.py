@@ -71,7 +71,9 @@ def make_steps(
     # which replaces the accumulation loop below; without stages the context changes nothing.
     staged = cfg.mesh.stage > 1
     in_pipeline = lambda: (
-        pipeline.schedule(tcfg.grad_accum, cfg.mesh.virtual_stages) if staged else contextlib.nullcontext()
+        pipeline.schedule(tcfg.grad_accum, cfg.mesh.virtual_stages, cfg.mesh.schedule)
+        if staged
+        else contextlib.nullcontext()
     )
 
     def model_of(params, frozen):  # ids are checked on the host (`check_batch_ids`): no callback in the steps

@@ -116,7 +116,7 @@ def first_gradients(cfg, devices=None) -> dict:
         batch = sharding.global_batch(batches(cfg.model.mode)[0], mesh, B)
 
         def mean_loss(params):  # as the steps trace it: pipelined where the mesh has stages
-            with pipeline.schedule(cfg.train.grad_accum, cfg.mesh.virtual_stages):
+            with pipeline.schedule(cfg.train.grad_accum, cfg.mesh.virtual_stages, cfg.mesh.schedule):
                 loss, sums = loss_sums(nnx.merge(graphdef, params), cfg.train, batch, None)
             return loss / sums["count"]
 
@@ -258,17 +258,18 @@ def moe() -> dict:
     return results
 
 
-# A 4-layer decoder pipelined over 2 stages, 2 micro-batches (each compile costs seconds, so two cases
-# cover the two schedules and the two compositions; scripts/pipeline_check.py runs every mode): GPipe
+# A 4-layer decoder pipelined over 2 stages, 2 micro-batches (each compile costs seconds, so three cases
+# cover the three schedules and the two compositions; scripts/pipeline_check.py runs every mode): GPipe
 # (2 layers a stage) beside data, interleaved (2 chunks of 1 layer a stage) beside FSDP and tensor
-# parallelism.
-PIPELINES = {  # name: (mode, layers, stage, virtual_stages, data, fsdp, tensor)
-    "decoder_only/gpipe_dp4": ("decoder_only", 4, 2, 1, 4, 1, 1),
-    "decoder_only/interleaved_fsdp2_tp2": ("decoder_only", 4, 2, 2, 1, 2, 2),
+# parallelism, 1F1B beside data.
+PIPELINES = {  # name: (mode, layers, stage, virtual_stages, data, fsdp, tensor, schedule)
+    "decoder_only/gpipe_dp4": ("decoder_only", 4, 2, 1, 4, 1, 1, "gpipe"),
+    "decoder_only/interleaved_fsdp2_tp2": ("decoder_only", 4, 2, 2, 1, 2, 2, "gpipe"),
+    "decoder_only/1f1b_dp4": ("decoder_only", 4, 2, 1, 4, 1, 1, "1f1b"),
 }
 
 
-def pipeline_config(mode: str, num_layers: int, stage=1, virtual_stages=1, data=1, fsdp=1, tensor=1):
+def pipeline_config(mode: str, num_layers: int, stage=1, virtual_stages=1, data=1, fsdp=1, tensor=1, schedule="gpipe"):
     """`config(mode)` with `num_layers` scanned layers a stack, no dropout (a pipeline draws its masks
     per micro-batch), 2 micro-batches (train.grad_accum), on the mesh given."""
     import dataclasses
@@ -281,7 +282,9 @@ def pipeline_config(mode: str, num_layers: int, stage=1, virtual_stages=1, data=
         cfg,
         model=cfg.model.replace(scan_layers=True, dropout_rate=0.0, **layers),
         train=dataclasses.replace(cfg.train, grad_accum=2),
-        mesh=C.MeshConfig(stage=stage, virtual_stages=virtual_stages, data=data, fsdp=fsdp, tensor=tensor),
+        mesh=C.MeshConfig(
+            stage=stage, virtual_stages=virtual_stages, data=data, fsdp=fsdp, tensor=tensor, schedule=schedule
+        ),
     )
 
 

@@ -496,6 +496,16 @@ CLI_CASES = [
         TRAIN + "mesh.stage=2 --set model.scan_layers=true --set train.grad_accum=2",
         r"mesh: 1 devices are not divisible by the fixed axes' product stage=2",
     ),
+    # 1F1B: one stack and its token loss per micro-batch
+    cli_case(TRAIN + "mesh.schedule=1f1b", r"mesh\.schedule: schedule='1f1b' needs mesh\.stage > 1"),
+    cli_case(
+        TRAIN + "mesh.stage=2 --set model.scan_layers=true --set train.grad_accum=2 --set mesh.schedule=1f1b",
+        r"mesh\.schedule: '1f1b' pipelines one stack and its loss: mode='encoder_decoder' needs 'gpipe'",
+    ),
+    cli_case(
+        DPO + "mesh.stage=2 --set model.scan_layers=true --set train.grad_accum=2 --set mesh.schedule=1f1b",
+        r"mesh\.schedule: '1f1b' runs the token loss per micro-batch: objective='preference' needs 'gpipe'",
+    ),
     cli_case(
         TRAIN + "mesh.data=1 --set mesh.fsdp=3",
         r"train\.batch_size: batch_size=64 does not divide over the batch shards \(mesh\.data x mesh\.fsdp = 1 x 3\)",

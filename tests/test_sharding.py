@@ -129,13 +129,16 @@ def test_expert_parallel_moe_equals_one_device(strategies):
     assert wi.startswith("('expert', 'fsdp'"), specs  # [E, D, F]: experts over `expert`, D over `fsdp`
 
 
-@pytest.mark.parametrize("name", ["decoder_only/gpipe_dp4", "decoder_only/interleaved_fsdp2_tp2"])
+@pytest.mark.parametrize(
+    "name", ["decoder_only/gpipe_dp4", "decoder_only/interleaved_fsdp2_tp2", "decoder_only/1f1b_dp4"]
+)
 def test_pipeline_equals_one_device(strategies, name):
     """A 4-layer decoder pipelined over 2 stages, 2 micro-batches: GPipe (2 layers a stage) beside
-    data=4, interleaved (2 chunks of 1 layer a stage) beside fsdp=2 x tensor=2. The first batch's loss
-    and gradients equal one device's accumulating the same micro-batches; the activations move between
-    stages by collective permutes; a device holds its stage's layers only. (The other modes:
-    scripts/pipeline_check.py.)"""
+    data=4, interleaved (2 chunks of 1 layer a stage) beside fsdp=2 x tensor=2, 1F1B (its backward
+    written out, not autodiff's) beside data=4. The first batch's loss and gradients equal one device's
+    accumulating the same micro-batches; the activations move between stages by collective permutes; a
+    device holds its stage's layers only. (The other modes, and 1F1B's memory against GPipe's at 8
+    micro-batches: scripts/pipeline_check.py, scripts/pipeline_memory.py.)"""
     r = strategies["pipeline"][name]
     assert r["loss_rel"] < LOSS_RTOL, r
     assert r["rel"] < PARAM_RTOL, r

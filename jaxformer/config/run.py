@@ -148,7 +148,7 @@ class Config:
         )
         if m.context > 1:
             self._check_context()
-        if m.stage > 1 or m.virtual_stages > 1:
+        if m.stage > 1 or m.virtual_stages > 1 or m.schedule != "gpipe":
             self._check_stage()
         if self.model.position in ("sinusoidal", "learned"):
             require(
@@ -207,7 +207,9 @@ class Config:
         """What a pipeline over `mesh.stage` needs: scanned stacks it can split, enough micro-batches,
         micro-batches the batch axes divide, and none of the axes or layers it does not compose with."""
         m, model, t = self.mesh, self.model, self.train
-        require(m.stage > 1, "mesh.virtual_stages", f"virtual_stages={m.virtual_stages} needs mesh.stage > 1")
+        require(m.stage > 1 or m.virtual_stages == 1, "mesh.virtual_stages",
+                f"virtual_stages={m.virtual_stages} needs mesh.stage > 1")  # fmt: skip
+        require(m.stage > 1, "mesh.schedule", f"schedule={m.schedule!r} needs mesh.stage > 1")
         require(model.scan_layers, "model.scan_layers",
                 f"mesh.stage={m.stage} splits a scanned stack's layers: set model.scan_layers=true")  # fmt: skip
         for name in ("num_encoder_layers", "num_decoder_layers"):
@@ -223,6 +225,13 @@ class Config:
             require(micro % shards == 0, "train.batch_size",
                     f"a micro-batch of {micro} rows (batch_size={t.batch_size} / grad_accum={t.grad_accum}) "
                     f"does not divide over mesh.data x mesh.fsdp = {m.data} x {m.fsdp}")  # fmt: skip
+        if m.schedule == "1f1b":  # its backward is the tail's summed loss: a token loss on one stack
+            require(m.virtual_stages == 1, "mesh.schedule",
+                    f"'1f1b' runs one chunk a stage: virtual_stages={m.virtual_stages} needs 'gpipe'")  # fmt: skip
+            require(model.mode != "encoder_decoder", "mesh.schedule",
+                    "'1f1b' pipelines one stack and its loss: mode='encoder_decoder' needs 'gpipe'")  # fmt: skip
+            require(t.objective in ("lm", "mlm"), "mesh.schedule",
+                    f"'1f1b' runs the token loss per micro-batch: objective={t.objective!r} needs 'gpipe'")  # fmt: skip
         for field, on in (("mesh.context", m.context > 1), ("mesh.expert", m.expert != 1),
                           ("model.moe", model.moe.enabled), ("lora.rank", self.lora.enabled),
                           ("train.objective", t.objective == "preference")):  # fmt: skip

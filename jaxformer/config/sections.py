@@ -265,6 +265,9 @@ class MeshConfig:
     # devices, the batch run through them as train.grad_accum micro-batches; 1 = no pipeline.
     stage: int = 1
     virtual_stages: int = 1  # layer chunks per stage, visited in turn (interleaved, circular); 1 = GPipe
+    # "1f1b": each micro-batch's backward starts as its forward ends (a stage holds at most 2 S - 1
+    # micro-batches' inputs, GPipe all M of them); lm and mlm objectives, virtual_stages=1
+    schedule: Literal["gpipe", "1f1b"] = "gpipe"
     data: int = -1  # data-parallel ways; -1 = all devices the other axes leave
     fsdp: int = 1  # FSDP (ZeRO-3) ways: parameters and optimizer state split, batch split too
     tensor: int = 1  # Megatron tensor-parallel ways
