@@ -294,7 +294,8 @@ CLI_CASES = [
     ),
     cli_case(
         TRAIN + "modle.d_model=1",
-        r"modle\.d_model: a field is section\.field \(model, train, data, checkpoint, mesh, decode, lora\); "
+        r"modle\.d_model: a field is section\.field "
+        r"\(model, train, data, checkpoint, mesh, decode, lora, preference, grpo\); "
         r"did you mean model\?$",
     ),
     cli_case(TRAIN + "model.d_model", r"model\.d_model: an override is section\.field=value"),
@@ -328,7 +329,8 @@ CLI_CASES = [
     cli_case(TRAIN + "data.src_max_len=100", r"data\.src_max_len: data\.src_max_len=100 exceeds model\.max_len=16"),
     cli_case(
         "train --config experiments/lm_shakespeare.py --workdir {tmp}/never --set data.src_max_len=16",
-        r"data\.src_max_len: objective='lm' reads no source \(only seq2seq and classify do\)",
+        r"data\.src_max_len: objective='lm' reads no source "
+        r"\(only seq2seq, classify and encoder_decoder preference do\)",
     ),
     cli_case(TRAIN + "data.max_segments=0", r"data\.max_segments: must be positive, got 0"),
     cli_case(TRAIN + "data.source=wikipedia", r"data\.source: 'wikipedia' is not one of the choices"),
@@ -655,7 +657,8 @@ CLI_CASES = [
     cli_case("import-hf {empty} --workdir {tmp}/never", r"\S+config\.json does not exist"),
     cli_case(
         "import-hf {unknown_family} --workdir {tmp}/never",
-        r"\S+config\.json: model_type='mamba' is not supported \(jaxformer reads \['bart', 'bert', 'gpt2', ",
+        r"\S+config\.json: model_type='mamba' is not supported "
+        r"\(jaxformer reads \['bart', 'bert', 'gemma2', 'gemma3_text', 'gpt2', ",
     ),
     cli_case(
         "import-hf {no_weights} --workdir {tmp}/never",
