@@ -465,6 +465,29 @@ def restore_workdir(cfg, workdir: str | pathlib.Path):
     return graphdef, state, optimizer
 
 
+def load_workdir(workdir: str | pathlib.Path):
+    """The model of a training workdir (its latest checkpoint's weights) or of a directory `export`
+    wrote, with the run's config: what serving and evaluation read.
+
+    Args:
+        workdir: a training workdir or an exported directory.
+
+    Returns:
+        loaded (tuple): (Transformer, Config).
+
+    Raises:
+        FileNotFoundError: no config.json there, or no checkpoint.
+    """
+    workdir = pathlib.Path(workdir)
+    if not (workdir / "config.json").is_file():
+        raise FileNotFoundError(f"{workdir / 'config.json'} does not exist: is {workdir} a jaxformer workdir?")
+    run = read_config(workdir / "config.json")
+    if (workdir / "checkpoints").is_dir():
+        graphdef, state, _ = restore_workdir(run, workdir)
+        return nnx.merge(graphdef, state.weights), run
+    return load_model(workdir), run
+
+
 def export(workdir: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path:
     """Write the latest checkpoint's parameters (no optimizer state) and config to `out`.
 

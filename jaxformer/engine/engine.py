@@ -21,7 +21,6 @@ import collections
 import dataclasses
 import functools
 import itertools
-import pathlib
 import zlib
 
 import jax
@@ -208,19 +207,10 @@ class Engine:
         Raises:
             FileNotFoundError: no config.json or no checkpoint there.
         """
-        from jaxformer.checkpoint import load_model, restore_workdir
-        from jaxformer.config import read_config
+        from jaxformer.checkpoint import load_workdir
         from jaxformer.data import load_tokenizer
 
-        workdir = pathlib.Path(workdir)
-        if not (workdir / "config.json").is_file():
-            raise FileNotFoundError(f"{workdir / 'config.json'} does not exist: is {workdir} a workdir?")
-        run = read_config(workdir / "config.json")
-        if (workdir / "checkpoints").is_dir():
-            graphdef, state, _ = restore_workdir(run, workdir)
-            model = nnx.merge(graphdef, state.weights)
-        else:
-            model = load_model(workdir)
+        model, run = load_workdir(workdir)
         tok = load_tokenizer(run, workdir)
         engine = cls(model, cfg, tokenizer=tok, eos_id=tok.eos_id, bos_id=getattr(tok, "bos_id", None))
         engine.chat_template = None if run.data.template == "none" else run.data.template

@@ -225,17 +225,8 @@ def load(workdir: str | pathlib.Path | None = None, hf: str | pathlib.Path | Non
         if not pathlib.Path(hf).is_dir():
             raise FileNotFoundError(f"hf={hf}: no such directory")
         return load_hf(hf), HFTokenizer(hf)
-    from jaxformer.checkpoint import load_model, restore_workdir
-    from jaxformer.config import read_config
+    from jaxformer.checkpoint import load_workdir
     from jaxformer.data import load_tokenizer
 
-    workdir = pathlib.Path(workdir)
-    if not (workdir / "config.json").is_file():
-        raise FileNotFoundError(f"{workdir / 'config.json'} does not exist: is {workdir} a jaxformer workdir?")
-    run = read_config(workdir / "config.json")
-    if (workdir / "checkpoints").is_dir():
-        graphdef, state, _ = restore_workdir(run, workdir)
-        model = nnx.merge(graphdef, state.weights)
-    else:
-        model = load_model(workdir)
+    model, run = load_workdir(workdir)
     return model, load_tokenizer(run, workdir)
