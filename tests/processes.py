@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pathlib
 import subprocess
+import sys
 import time
 
 import pytest
@@ -27,6 +28,15 @@ def cpu_env(**extra: str) -> dict[str, str]:
     if "XLA_FLAGS" in extra:
         flags = f"{flags} {extra.pop('XLA_FLAGS')}"
     return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **extra)
+
+
+def sharded_worker(*args, devices: int = 8) -> subprocess.Popen:
+    """tests/sharded_worker.py `args` in a process of its own, on `devices` CPU devices (the count is
+    fixed when JAX starts), its output piped: collect it with `communicate`."""
+    env = cpu_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    worker = pathlib.Path(__file__).with_name("sharded_worker.py")
+    command = [sys.executable, str(worker), *map(str, args)]
+    return subprocess.Popen(command, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def _text(output) -> str:

@@ -11,8 +11,6 @@ direction, transformers reading what `save_hf` writes: `make_family_golden.py ex
 import dataclasses
 import json
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -32,10 +30,7 @@ FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma2")
 def sharded_load():
     """The 8-device sharded loads (tests/sharded_worker.py hf_families), started first in a process of
     its own (the device count is fixed when JAX starts) so that it runs while the tests below do."""
-    env = processes.cpu_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    worker = pathlib.Path(__file__).parent / "sharded_worker.py"
-    proc = subprocess.Popen([sys.executable, str(worker), "hf_families", str(GOLDEN)], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    proc = processes.sharded_worker("hf_families", GOLDEN)
     yield proc
     if proc.poll() is None:  # bounded: never leave a worker behind
         proc.kill()

@@ -5,15 +5,12 @@ is fixed when JAX starts.
 """
 
 import json
-import pathlib
 import socket
-import subprocess
-import sys
 
 import pytest
-from processes import communicate, cpu_env
+from processes import communicate
+from processes import sharded_worker as worker
 
-WORKER = pathlib.Path(__file__).with_name("sharded_worker.py")
 # float32, 5 steps: sharding changes only the order of reductions.
 LOSS_RTOL, PARAM_RTOL = 1e-5, 1e-5
 MODES = ["decoder_only", "encoder_decoder", "encoder_only"]
@@ -22,17 +19,6 @@ MODES = ["decoder_only", "encoder_decoder", "encoder_only"]
 # (against the plain loss on one device), and context parallelism beside data, and beside FSDP with the
 # chunked loss over the split length.
 STRATEGIES = ["dp8", "fsdp8", "fsdp4_tp2", "dp2_cp4", "fsdp2_cp4_chunked", "tp2_cp4_chunked"]
-
-
-def worker(*args, devices=8):
-    env = cpu_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    return subprocess.Popen(
-        [sys.executable, str(WORKER), *map(str, args)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
 
 
 def result(proc) -> dict:
