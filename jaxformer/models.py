@@ -272,7 +272,13 @@ class Transformer(nnx.Module):
 
     @in_precision
     def decode_step(
-        self, cache: dict, ids_BT: Array, positions_BT: Array | None, *, logits_at_B: Array | None = None
+        self,
+        cache: dict,
+        ids_BT: Array,
+        positions_BT: Array | None,
+        *,
+        logits_at_B: Array | None = None,
+        lengths_B: Array | None = None,
     ) -> tuple[Array, dict]:
         """Logits [B, T, V] of new decoder positions and the updated cache: a prompt from position 0
         (`positions_BT` None, a prefill), or new tokens at `positions_BT` [B, T] (one per row per step).
@@ -284,11 +290,14 @@ class Transformer(nnx.Module):
             logits_at_B: [B] int, the one new position (index into T) of each row whose logits are
                 wanted: the output head runs on those alone (a prefill chunk needs its last one), and
                 the logits are [B, 1, V]; None: every position's.
+            lengths_B: [B] a prefill's prompt lengths (the rest of each row is padding, which a local
+                layer's ring of its window's slots does not keep), or None: every position is real.
 
         Returns:
             (logits [B, T, V] (or [B, 1, V]), the updated cache).
         """
-        h_BTD, layers = self.decoder.extend(ids_BT, positions_BT, cache["layers"], memory_mask=cache.get("memory_mask"))
+        memory_mask = cache.get("memory_mask")
+        h_BTD, layers = self.decoder.extend(ids_BT, positions_BT, cache["layers"], lengths_B, memory_mask=memory_mask)
         if logits_at_B is not None:
             h_BTD = jax.numpy.take_along_axis(h_BTD, logits_at_B[:, None, None], axis=1)
         return self.lm_head(h_BTD), {**cache, "layers": layers}

@@ -200,7 +200,9 @@ class TransformerStack(nnx.Module):
         x_BTD = self.stack(x_BTD, mask=mask, positions_BT=positions_BT, dropout_rng=r_layers, **layer_inputs)
         return self.final_norm(x_BTD) if cfg.norm_position != "post" else x_BTD
 
-    def extend(self, ids_BT: Array, positions_BT: Array | None, cache: list, **layer_inputs) -> tuple[Array, list]:
+    def extend(
+        self, ids_BT: Array, positions_BT: Array | None, cache: list, lengths_B: Array | None = None, **layer_inputs
+    ) -> tuple[Array, list]:
         """Decoding: new ids [B, T] at `positions_BT` (per row; None: a prefill from position 0)
         against the layers' KV `cache`.
 
@@ -211,12 +213,15 @@ class TransformerStack(nnx.Module):
             ids_BT: [B, T] new token ids.
             positions_BT: [B, T] their positions, or None.
             cache: the layers' caches.
+            lengths_B: [B] a prefill's real lengths (its keys past them are padding), or None.
             **layer_inputs (object): passed to every layer (memory keys and mask).
 
         Returns:
             (h_BTD, the updated caches).
         """
         mask = F.causal_cache_mask(positions_BT)
+        if lengths_B is not None and positions_BT is None:  # a padded prompt, masked as training masks it
+            mask = F.Mask(causal=True, kv_lengths=jnp.asarray(lengths_B, jnp.int32))
         positions_BT = default_positions(ids_BT) if positions_BT is None else positions_BT
         x_BTD = self.embed_inputs(ids_BT, positions_BT, None)
         first, B = cache[0]["self"], ids_BT.shape[0]

@@ -29,25 +29,38 @@ def run(model, rows, **settings):
     return decode.translate(model, rows, settings, bos_id=BOS, eos_id=EOS)
 
 
-@pytest.mark.parametrize("mode", ["decoder_only", "encoder_decoder"])
+# Gemma's interleaving: layer 0 local over the 3 latest positions (its cache a ring of 3 slots), layer 1 global
+WINDOWED = dict(sliding_window=3, global_every=2, num_decoder_layers=2)
+
+
 @pytest.mark.parametrize(
-    "dtype, atol, scan, position",
+    "mode, dtype, atol, scan, position, window",
     [
-        ("float32", 2e-5, False, "rope"),
-        ("bfloat16", 0.05, False, "rope"),
-        ("float32", 2e-5, True, "rope"),
-        ("float32", 2e-5, False, "relative"),
+        *(
+            (mode, *case, 0)
+            for mode in ("decoder_only", "encoder_decoder")
+            for case in (
+                ("float32", 2e-5, False, "rope"),
+                ("bfloat16", 0.05, False, "rope"),
+                ("float32", 2e-5, True, "rope"),
+                ("float32", 2e-5, False, "relative"),
+            )
+        ),
+        ("decoder_only", "float32", 2e-5, False, "rope", 3),
     ],
 )
-def test_cached_logits_equal_recomputation_at_every_step(mode, dtype, atol, scan, position):
+def test_cached_logits_equal_recomputation_at_every_step(mode, dtype, atol, scan, position, window):
     """Prefill of 5 positions, then one position per step: logits == the full forward pass,
     with the layers unrolled or scanned (sliced out of their stacked parameters to decode),
-    with rotary positions or T5's relative-position bias (read at the cache's slots).
+    with rotary positions or T5's relative-position bias (read at the cache's slots), and with a
+    local layer whose cache is a ring of its window's 3 slots (12 positions: past 2 windows; the
+    prefill, at given positions, attends over the ring and its own keys).
 
     Measured: float32 within 1e-6; bfloat16 within 0.03 for logits up to |3.2|, about two
     bfloat16 ulps, as the two paths round their partial sums differently.
     """
-    cfg = jf.tiny(mode, vocab_size=V, max_len=32, dtype=dtype, position=position, scan_layers=scan)
+    cfg = jf.tiny(mode, vocab_size=V, max_len=32, dtype=dtype, position=position, scan_layers=scan,
+                  **(WINDOWED if window else {}))  # fmt: skip
     model = jf.build_model(cfg, seed=2)
     tgt = jax.random.randint(jax.random.key(0), (2, 12), 3, V)
     src = jax.random.randint(jax.random.key(1), (2, 9), 3, V).at[1, 6:].set(0)  # row 1 has padding
@@ -70,6 +83,28 @@ def test_generation_with_cache_equals_recomputation(model, strategy):
     cached, recomputed = run(model, ROWS, **kw), run(model, ROWS, use_cache=False, **kw)
     np.testing.assert_array_equal(cached.tokens, recomputed.tokens)
     np.testing.assert_allclose(cached.scores, recomputed.scores, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "sample"])
+def test_a_local_layer_s_ring_cache_generates_as_recomputation(strategy):
+    """Local and global layers interleaved (`WINDOWED`): generation over the local layer's ring of 3 slots
+    (the padded prompts' prefill keeping each row's last 3 real positions) gives the tokens and scores of
+    recomputing every prefix, 8 new tokens after prompts of 3 to 7 (past 2 windows)."""
+    model = jf.build_model(jf.tiny("decoder_only", vocab_size=V, max_len=32, **WINDOWED), seed=1)
+    kw = {"strategy": strategy, "top_k": 5}
+    cached, recomputed = run(model, ROWS, **kw), run(model, ROWS, use_cache=False, **kw)
+    np.testing.assert_array_equal(cached.tokens, recomputed.tokens)
+    np.testing.assert_allclose(cached.scores, recomputed.scores, atol=1e-5)
+
+
+def test_a_local_layer_s_cache_holds_its_window_alone():
+    """The local layer's keys and values take 3 slots (its window), the global layer's all 16: bytes
+    of [B, G, slots, K] float32 for each."""
+    model = jf.build_model(jf.tiny("decoder_only", vocab_size=V, max_len=32, **WINDOWED), seed=1)
+    cfg, (local, global_) = model.cfg, model.init_cache(2, 16)["layers"]
+    per_slot = 2 * cfg.kv_heads * cfg.dim_per_head * 4  # a row's key or value at one position, float32
+    assert [local["self"][n].nbytes for n in "kv"] == [3 * per_slot] * 2
+    assert [global_["self"][n].nbytes for n in "kv"] == [16 * per_slot] * 2
 
 
 @pytest.mark.parametrize("mode", ["decoder_only", "encoder_decoder"])

@@ -54,8 +54,8 @@ def imported():
 
     def run(ms, ids):
         logits = {k: m(ids) for k, m in ms.items()}
-        # Gemma 3 decoding: a 3-token prefill, then one token a step over its cache (the window's layer
-        # keeps every slot; its mask sees the last 3); the cache 16 slots long
+        # Gemma 3 decoding: a 3-token prefill, then one token a step over its cache (16 slots; the local
+        # layer's a ring of its window's 3)
         gemma = ms["gemma3_text"]
         cache = gemma.init_cache(ids.shape[0], 16)
         steps, cache = gemma.decode_step(cache, ids[:, :3], None)

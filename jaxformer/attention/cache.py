@@ -2,7 +2,9 @@
 
 A self-attention cache holds keys and values heads-major, [B, G, S, K] (the attention products
 read them in place, where [B, S, G, K] would be transposed in full at every step); slot s holds
-position s. With a context axis the slots are split over it by position (`CACHE`). The layer that
+position s. With a context axis the slots are split over it by position (`CACHE`). On one device a
+local layer's cache (a sliding window's) is a ring of the window's slots (`ring_positions`, `write_ring`).
+The layer that
 fills and reads it is `jaxformer.attention.layer.MultiHeadAttention` (`empty_cache`, `extend`).
 
 A paged cache (the inference engine's) holds every sequence's keys and values in one pool of pages
@@ -38,6 +40,44 @@ def write_rows(buffer_BS: Array, new_BT: Array, start_B: Array, axis: int = 1) -
     row_axis = axis - 1  # inside one row
     write = lambda buf, new, start: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), start, row_axis)
     return jax.vmap(write)(buffer_BS, new_BT, start_B)
+
+
+# A local layer's cache (a sliding window of W positions) is a ring of R = min(W, S_max) slots: position p
+# lives at slot p % R, so the ring holds the R latest positions, all that a query of the window sees.
+
+
+def ring_positions(last_B: Array, slots: int) -> Array:
+    """[B, R] the position each slot of a ring of R slots holds once every position up to `last_B` has been
+    written at slot p % R: last - ((last - s) mod R); negative where nothing was written yet.
+
+    Args:
+        last_B: [B] int, each row's latest position written (-1: none).
+        slots: R.
+
+    Returns:
+        [B, R] int positions.
+    """
+    return last_B[:, None] - (last_B[:, None] - jnp.arange(slots)[None, :]) % slots
+
+
+def write_ring(ring_BGRK: Array, new_BGTK: Array, first_B: Array, count_B: Array | None = None) -> Array:
+    """The ring ([B, G, R, K] heads-major) after new positions first_b, first_b + 1, ... are written at
+    slots p % R in order: each slot takes the newest new position it holds and keeps its own otherwise.
+
+    Args:
+        ring_BGRK: [B, G, R, K] the ring, holding every position before `first_B`.
+        new_BGTK: [B, G, T, K] keys (or values) of T positions from `first_B` on.
+        first_B: [B] int, each row's first new position.
+        count_B: [B] int, how many of the T are real (the rest, padding, are not written); None: all T.
+
+    Returns:
+        The updated ring, its shape and dtype.
+    """
+    R, T = ring_BGRK.shape[2], new_BGTK.shape[2]
+    count_B = jnp.full_like(first_B, T) if count_B is None else count_B
+    t_BR = ring_positions(first_B + count_B - 1, R) - first_B[:, None]  # index into T; < 0: an older position
+    taken_BGRK = jnp.take_along_axis(new_BGTK, jnp.clip(t_BR, 0, T - 1)[:, None, :, None], axis=2)
+    return jnp.where((t_BR >= 0)[:, None, :, None], taken_BGRK.astype(ring_BGRK.dtype), ring_BGRK)
 
 
 # A paged cache (the inference engine's, `jaxformer.engine`): a pool of pages [N, page, G, K] shared by

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxformer.attention import ring
-from jaxformer.attention.cache import CACHE, page_slots, read_pages, write_pages, write_rows
+from jaxformer.attention.cache import CACHE, page_slots, read_pages, ring_positions, write_pages, write_ring, write_rows
 from jaxformer.attention.kernels import choose_backend, dot_product_attention, log_fallback
 from jaxformer.attention.masks import Mask, windowed
 from jaxformer.config import ConfigError, ModelConfig
@@ -142,17 +142,21 @@ class MultiHeadAttention(nnx.Module):
     # them in place, where [B, S, G, K] would be transposed in full at every step.
 
     # With a context axis, a cache is split by position: slot s on the device holding block s // (S / n).
+    # On one device, a local layer's (`window`) is a ring of min(window, S) slots: position p at slot p % R.
 
     def empty_cache(self, batch: int, length: int) -> dict:
-        """A self-attention KV cache of `length` slots: {"k", "v"}: zeros [B, G, length, K].
+        """A self-attention KV cache of `length` slots: {"k", "v"}: zeros [B, G, length, K]; a local
+        layer's (`window` > 0, no context axis) holds its window alone: min(window, length) slots, a ring.
 
         Args:
             batch: B.
             length: the slots, S_max.
 
         Returns:
-            {"k", "v"}: zeros [B, G, length, K] in the compute dtype.
+            {"k", "v"}: zeros [B, G, length (or the ring's slots), K] in the compute dtype.
         """
+        if self.window and context_ways() == 1:  # the window's latest positions are all a query sees
+            length = min(length, self.window)
         zeros = jnp.zeros((batch, self.cfg.kv_heads, length, self.cfg.dim_per_head), self.cfg.dtype)
         zeros = constrain(zeros, CACHE) if context_ways() > 1 else zeros
         return {"k": zeros, "v": zeros}
@@ -184,6 +188,8 @@ class MultiHeadAttention(nnx.Module):
         values go into their pages (the padding's into scratch page 0), then each row attends over its
         own pages, gathered by its table as [B, P * page, G, K] (slot s holds position s).
 
+        A local layer's cache on one device is a ring of its window's slots (`_extend_ring`).
+
         Args:
             x_BTD: [B, T, D] the new positions.
             cache: {"k", "v"}: [B, G, S_max, K]; or a paged cache (above).
@@ -206,12 +212,41 @@ class MultiHeadAttention(nnx.Module):
             return y_BTD, {**cache, **pools}
         if context_ways() > 1:  # the cache's slots are split over the mesh's context axis
             return self._extend_context(x_BTD, cache, new, mask, positions_BT)
+        if self.window:  # a local layer: a ring of the window's slots
+            return self._extend_ring(x_BTD, cache, new, mask, positions_BT, bias)
         cache = {
             name: constrain(write_rows(cache[name], jnp.swapaxes(new[name], 1, 2), start_B, axis=2),
                             ("batch", "heads", None, None))
             for name in "kv"
         }  # fmt: skip
         return self._attend(x_BTD, cache["k"], cache["v"], "BGSK", mask, bias, positions_BT, None, False), cache
+
+    def _extend_ring(self, x_BTD, cache, new, mask, positions_BT, bias) -> tuple[Array, dict]:
+        """`extend` over a local layer's ring of R = min(window, S_max) slots, position p at slot p % R
+        (`cache.write_ring`). A prefill from position 0 attends over its own keys under the causal
+        window, as training does, then each row keeps its R latest real positions (`mask.kv_lengths`:
+        the prompt's length); one new position a step is written in place and attends to the filled
+        slots; a few new positions attend over the ring and their own keys, each key seen by its position."""
+        if bias is not None:
+            raise ValueError("a sliding window's ring cache takes no position bias (model.position='relative')")
+        R, T = cache["k"].shape[2], x_BTD.shape[1]
+        first_B = positions_BT[:, 0].astype(jnp.int32)
+        new_BGTK = {name: jnp.swapaxes(new[name], 1, 2) for name in "kv"}
+        constrained = lambda c: {name: constrain(c[name], ("batch", "heads", None, None)) for name in "kv"}
+        if mask.q_offset is None:  # a prefill from position 0
+            y_BTD = self._attend(x_BTD, new["k"], new["v"], "BSGK", mask, None, positions_BT, None, False)
+            ring = {name: write_ring(cache[name], new_BGTK[name], first_B, mask.kv_lengths) for name in "kv"}
+            return y_BTD, constrained(ring)
+        if T == 1:  # a decoding step: one slot written in place; slots 0..p are filled until the ring is
+            ring = constrained({name: write_rows(cache[name], new_BGTK[name], first_B % R, axis=2) for name in "kv"})
+            filled = Mask(kv_lengths=jnp.minimum(first_B + 1, R))
+            return self._attend(x_BTD, ring["k"], ring["v"], "BGSK", filled, None, positions_BT, None, False), ring
+        kv_positions_BS = jnp.concatenate([ring_positions(first_B - 1, R), positions_BT], axis=1)  # [B, R + T]
+        q_BT1, kv_B1S = positions_BT[:, :, None], kv_positions_BS[:, None, :]
+        seen_B1TS = ((kv_B1S >= 0) & (kv_B1S <= q_BT1) & (kv_B1S > q_BT1 - self.window))[:, None]
+        keys = {name: jnp.concatenate([cache[name], new_BGTK[name].astype(cache[name].dtype)], 2) for name in "kv"}
+        y_BTD = self._attend(x_BTD, keys["k"], keys["v"], "BGSK", seen_B1TS, None, positions_BT, None, False)
+        return y_BTD, constrained({name: write_ring(cache[name], new_BGTK[name], first_B) for name in "kv"})
 
     def _extend_context(self, x_BTD, cache, new, mask, positions_BT) -> tuple[Array, dict]:
         """`extend` with the cache's slots split over the context axis (`cache_spec`). A prompt the axis
