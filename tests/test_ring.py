@@ -193,11 +193,12 @@ def zigzag_training_errors(mode: str, window: int = 0) -> dict:
     }
 
 
-def decoding_errors(mode: str, data: int) -> dict:
+def decoding_errors(mode: str, data: int, window: int = 0) -> dict:
     """Cached decoding with the caches split by position over a context axis of 4 (beside `data`
     ways of batch): a prefill (decoder_only: a 16-token prompt through ring attention; encoder_decoder:
     a 16-token source encoded over the axis, BOS first) then greedy steps, each step's logits against
-    one device's, and where the compiled step's collectives move bytes."""
+    one device's, and where the compiled step's collectives move bytes. `window` > 0: a local layer
+    (`model.sliding_window`) before a global one; one device keeps the local layer's ring of `window` slots."""
     import re
 
     import jax
@@ -212,7 +213,8 @@ def decoding_errors(mode: str, data: int) -> dict:
 
     B, P, L = 4, 16, 22  # L: positions in the cache, rounded up to 24 slots (6 a device)
     cfg = C.Config(
-        model=C.tiny(mode, num_heads=4, num_kv_heads=2, num_decoder_layers=1, num_encoder_layers=int(data == 1)),
+        model=C.tiny(mode, num_heads=4, num_kv_heads=2, num_decoder_layers=1 + bool(window),
+                     num_encoder_layers=int(data == 1), sliding_window=window, global_every=2 * bool(window)),
         data=C.DataConfig(max_len=P),
         train=C.TrainConfig(objective="lm" if mode == "decoder_only" else "seq2seq", batch_size=B),
         mesh=C.MeshConfig(data=data, context=4),
@@ -253,7 +255,7 @@ def decoding_errors(mode: str, data: int) -> dict:
     with sharding.use(sharding.make_mesh(cfg.mesh, devices), sharding.rules_for(cfg.mesh)):
         got, cache, hlo = greedy()
     layer = cache["layers"][0]
-    specs = {"self": str(layer["self"]["k"].sharding.spec)}
+    specs = {f"self {i}": str(c["self"]["k"].sharding.spec) for i, c in enumerate(cache["layers"])}
     if "memory" in layer:
         specs["memory"] = str(layer["memory"]["k"].sharding.spec)
     moved = {}  # collective -> the largest array it moves (bytes)
@@ -305,7 +307,7 @@ def run_cases() -> dict:
     out["zigzag decoder_only window"] = zigzag_training_errors("decoder_only", window=3)
     out["chunked loss gathers"] = chunked_loss_gathers()
     for mode, data in (("decoder_only", 2), ("encoder_decoder", 1)):
-        out[f"decode {mode}"] = decoding_errors(mode, data)
+        out[f"decode {mode}"] = decoding_errors(mode, data, window=5 if mode == "decoder_only" else 0)
     mesh = jax.make_mesh((4,), ("context",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
     x = jnp.zeros((1, 30, 2, 8))
     try:
@@ -349,7 +351,9 @@ def test_decoding_over_a_cache_split_by_position_equals_one_device(errors, mode)
     source encoded over the context axis) and greedy steps against caches split over the context
     axis give one device's logits and tokens; the caches are split by position, and a compiled step
     moves nothing of them: its only collectives are the log-sum-exp all-reduces, each no larger than
-    one position's attention output."""
+    one position's attention output. decoder_only's first layer is local over 5 positions (6 slots a
+    device: the steps' windows cross a device's edge, and leave two devices none): one device holds
+    its ring of 5 slots, the context axis the whole cache with the window masked."""
     r = errors[f"decode {mode}"]
     assert r["logits"] <= 1e-5 and r["tokens_equal"], r
     assert all(spec.endswith("'context')") for spec in r["specs"].values()), r["specs"]

@@ -253,7 +253,8 @@ class MultiHeadAttention(nnx.Module):
         divides, from position 0 (a prefill), runs as training does: ring (or all-gather) attention
         over its own keys, which then fill the cache's first slots (one reshard). Fewer new positions
         (a decoding step) are on every device: each attends to the slots it holds, the partial softmaxes
-        combined by log-sum-exp (`ring.cache_attention`), and the device holding their slots writes them."""
+        combined by log-sum-exp (`ring.cache_attention`), and the device holding their slots writes them.
+        A local layer's cache stays whole here, its slots outside the window masked (`window`)."""
         self._refuse_in_context()
         q_BTHK = self._queries(x_BTD, positions_BT, None)
         T, n = x_BTD.shape[1], context_ways()
@@ -264,7 +265,7 @@ class MultiHeadAttention(nnx.Module):
             return self._out(out_BTHK, None), cache
         out_BTHK, k, v = ring.cache_attention(
             q_BTHK, cache["k"], cache["v"], q_index_BT=positions_BT, causal=True, new_kv=(new["k"], new["v"]),
-            scale=self.cfg.logits_scale, spec_BTHK=activation_spec(("batch", None, "heads", None)),
+            scale=self.cfg.logits_scale, spec_BTHK=activation_spec(("batch", None, "heads", None)), window=self.window,
         )  # fmt: skip
         return self._out(out_BTHK, None), {"k": constrain(k, CACHE), "v": constrain(v, CACHE)}
 
@@ -312,7 +313,7 @@ class MultiHeadAttention(nnx.Module):
         positions (as packed rows number them: causal within a segment is causal by position)."""
         if bias is not None or not (mask is None or isinstance(mask, Mask)) or (mask and mask.q_offset is not None):
             raise ValueError("context parallelism takes a structural mask only (no logits bias or q_offset)")
-        self._refuse_in_context(window=False)
+        self._refuse_in_context()
         mask = mask or Mask()
         return ring.context_attention(
             q_BTHK, k_BSGK, v_BSGK, strategy=self.cfg.context_attention, causal=mask.causal,
@@ -324,13 +325,8 @@ class MultiHeadAttention(nnx.Module):
             window=mask.window,
         )  # fmt: skip
 
-    def _refuse_in_context(self, window: bool = True) -> None:
-        """What the context-parallel paths cannot do yet: soft-capped logits; a sliding window in
-        decoding over a cache split by position (`window`: the ring and all-gather take one)."""
-        if window and self.window:
-            raise ValueError(
-                f"context-parallel decoding has no sliding window yet (model.sliding_window={self.window})"
-            )
+    def _refuse_in_context(self) -> None:
+        """What the context-parallel paths cannot do yet: soft-capped logits."""
         if self.cfg.attention_softcap:
             raise ValueError(
                 f"context parallelism has no soft-capped logits (model.attention_softcap={self.cfg.attention_softcap})"

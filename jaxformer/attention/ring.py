@@ -263,6 +263,7 @@ def cache_attention(
     axis: str = "context",
     scale: float | None = None,
     spec_BTHK: tuple = (),
+    window: int = 0,
 ) -> tuple[Array, Array, Array]:
     """Decoding: a few new queries (the same on every device of `axis`) attend to a KV cache whose
     slots are split over `axis` ([B, G, S, K] heads-major, slot s holds position s, device i the
@@ -287,6 +288,8 @@ def cache_attention(
         axis: the mesh axis the cache's slots are split over.
         scale: the logits' scale (None: K**-0.5).
         spec_BTHK: the queries' partition spec, for the row and head axes the mesh splits.
+        window: with causal, > 0: a query at position t sees only the slots t - window < s <= t (a local
+            layer's sliding window); a device none of whose slots a query sees adds nothing to its sum.
 
     Returns:
         (out_BTHK, k_BGSK, v_BGSK): the attention output and the cache with `new_kv` written.
@@ -314,7 +317,7 @@ def cache_attention(
             new_k, new_v = new_kv
             k_BGSK = _write_local(k_BGSK, new_k, slots_BS, q_index_BT)
             v_BGSK = _write_local(v_BGSK, new_v, slots_BS, q_index_BT)
-        vis = _visible(Where(q_index_BT, slots_BS, kv_lengths_B=kv_lengths_B), (slots_BS, None), causal)
+        vis = _visible(Where(q_index_BT, slots_BS, kv_lengths_B=kv_lengths_B), (slots_BS, None), causal, window)
         q = _grouped(q_BTHK, G)  # [B, G, R, T, K]
         s = jnp.einsum("BGRTK,BGSK->BGRTS", q, k_BGSK, preferred_element_type=jnp.float32) * scale
         s = jnp.where(vis, s, NEG)
