@@ -174,7 +174,7 @@ def cached_stepper(model, length: int, memory_BSD: Array | None, src_lengths_B: 
 
     def start(prompt_BP, lengths_B):
         cache = model.init_cache(prompt_BP.shape[0], length, memory_BSD, src_lengths=src_lengths_B)
-        logits_BPV, cache = model.decode_step(cache, prompt_BP, None)  # a prefill from position 0
+        logits_BPV, cache = model.decode_step(cache, prompt_BP, None, lengths_B=lengths_B)  # a prefill from 0
         return _at(logits_BPV, lengths_B - 1), cache
 
     def step(cache, tokens_B, positions_B):
