@@ -47,6 +47,7 @@ WINDOWED = dict(sliding_window=3, global_every=2, num_decoder_layers=2)
             )
         ),
         ("decoder_only", "float32", 2e-5, False, "rope", 3),
+        ("decoder_only", "float32", 2e-5, False, "relative", 3),  # T5's bias read at the slots: no ring
     ],
 )
 def test_cached_logits_equal_recomputation_at_every_step(mode, dtype, atol, scan, position, window):
@@ -54,7 +55,7 @@ def test_cached_logits_equal_recomputation_at_every_step(mode, dtype, atol, scan
     with the layers unrolled or scanned (sliced out of their stacked parameters to decode),
     with rotary positions or T5's relative-position bias (read at the cache's slots), and with a
     local layer whose cache is a ring of its window's 3 slots (12 positions: past 2 windows; the
-    prefill, at given positions, attends over the ring and its own keys).
+    prefill, at given positions, attends over the ring and its own keys), or, with T5's bias, every slot.
 
     Measured: float32 within 1e-6; bfloat16 within 0.03 for logits up to |3.2|, about two
     bfloat16 ulps, as the two paths round their partial sums differently.

@@ -142,11 +142,13 @@ class MultiHeadAttention(nnx.Module):
     # them in place, where [B, S, G, K] would be transposed in full at every step.
 
     # With a context axis, a cache is split by position: slot s on the device holding block s // (S / n).
-    # On one device, a local layer's (`window`) is a ring of min(window, S) slots: position p at slot p % R.
+    # On one device, a local layer's (`window`) is a ring of min(window, S) slots: position p at slot p % R
+    # (`_rings`; T5's relative bias keeps every slot).
 
     def empty_cache(self, batch: int, length: int) -> dict:
         """A self-attention KV cache of `length` slots: {"k", "v"}: zeros [B, G, length, K]; a local
-        layer's (`window` > 0, no context axis) holds its window alone: min(window, length) slots, a ring.
+        layer's (`window` > 0, one device, no relative bias) holds its window alone: min(window, length)
+        slots, a ring.
 
         Args:
             batch: B.
@@ -155,7 +157,7 @@ class MultiHeadAttention(nnx.Module):
         Returns:
             {"k", "v"}: zeros [B, G, length (or the ring's slots), K] in the compute dtype.
         """
-        if self.window and context_ways() == 1:  # the window's latest positions are all a query sees
+        if self._rings():  # the window's latest positions are all a query sees
             length = min(length, self.window)
         zeros = jnp.zeros((batch, self.cfg.kv_heads, length, self.cfg.dim_per_head), self.cfg.dtype)
         zeros = constrain(zeros, CACHE) if context_ways() > 1 else zeros
@@ -212,8 +214,8 @@ class MultiHeadAttention(nnx.Module):
             return y_BTD, {**cache, **pools}
         if context_ways() > 1:  # the cache's slots are split over the mesh's context axis
             return self._extend_context(x_BTD, cache, new, mask, positions_BT)
-        if self.window:  # a local layer: a ring of the window's slots
-            return self._extend_ring(x_BTD, cache, new, mask, positions_BT, bias)
+        if self._rings():  # a local layer: a ring of the window's slots
+            return self._extend_ring(x_BTD, cache, new, mask, positions_BT)
         cache = {
             name: constrain(write_rows(cache[name], jnp.swapaxes(new[name], 1, 2), start_B, axis=2),
                             ("batch", "heads", None, None))
@@ -221,14 +223,17 @@ class MultiHeadAttention(nnx.Module):
         }  # fmt: skip
         return self._attend(x_BTD, cache["k"], cache["v"], "BGSK", mask, bias, positions_BT, None, False), cache
 
-    def _extend_ring(self, x_BTD, cache, new, mask, positions_BT, bias) -> tuple[Array, dict]:
+    def _rings(self) -> bool:
+        """Whether this layer decodes over a ring of its window's slots: a local layer on one device, its
+        logits free of T5's relative bias (read at the slots as positions, it keeps every slot)."""
+        return bool(self.window) and context_ways() == 1 and self.cfg.position != "relative"
+
+    def _extend_ring(self, x_BTD, cache, new, mask, positions_BT) -> tuple[Array, dict]:
         """`extend` over a local layer's ring of R = min(window, S_max) slots, position p at slot p % R
         (`cache.write_ring`). A prefill from position 0 attends over its own keys under the causal
         window, as training does, then each row keeps its R latest real positions (`mask.kv_lengths`:
         the prompt's length); one new position a step is written in place and attends to the filled
         slots; a few new positions attend over the ring and their own keys, each key seen by its position."""
-        if bias is not None:
-            raise ValueError("a sliding window's ring cache takes no position bias (model.position='relative')")
         R, T = cache["k"].shape[2], x_BTD.shape[1]
         first_B = positions_BT[:, 0].astype(jnp.int32)
         new_BGTK = {name: jnp.swapaxes(new[name], 1, 2) for name in "kv"}
