@@ -10,10 +10,11 @@ import pytest
 from flax import nnx
 
 from jaxformer import config as C
+from jaxformer import functional as F
 from jaxformer import moe
 from jaxformer.models import build_model, unrolled
 from jaxformer.state import init_state
-from jaxformer.train import make_steps
+from jaxformer.train import loss_sums, make_steps
 
 
 def hf_topk_router(logits, bias, k, n_group, topk_group, norm_topk_prob, scaling):
@@ -131,3 +132,64 @@ def test_a_step_moves_each_bias_by_the_rule_on_the_counted_loads_and_the_optimiz
     assert np.abs(want).sum() > 0
     # the step's own loads are the ones counted: metrics expert_load/<layer>/<expert> = load / tokens
     np.testing.assert_allclose(metrics["expert_load/1/3"], load_LE[1, 3] / 32, rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def mtp_model():
+    """Depth 2 over a one-layer MoE decoder (the modules' layers MoE too, as in DeepSeek-V3)."""
+    cfg = deepseek_model(num_decoder_layers=1, mtp_depth=2, moe={"first_dense": 0})
+    return cfg, build_model(cfg, seed=3)
+
+
+def naive_mtp_loss(model, inputs, targets, k_max):
+    """The MTP loss by hand: module k on the truncated sequences, positions 0..T-1-k, from its parts."""
+    h = model.hidden(inputs)
+    T, total = inputs.shape[1], 0.0
+    for k in range(1, k_max + 1):
+        m, n = model.mtp[k - 1], T - k
+        h = h[:, :n]
+        e = model.decoder.embed(inputs[:, k:])  # rope: no positions in the embedding
+        x = jnp.concatenate([m.enorm(e), m.hnorm(h)], -1) @ m.eh_proj[...]
+        positions = jnp.broadcast_to(jnp.arange(n), (inputs.shape[0], n))
+        h = m.stack.layers[0](x, mask=F.Mask(causal=True), positions_BT=positions)
+        logits = model.head(m.final_norm(h)).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits, -1)
+        total += -jnp.take_along_axis(logp, targets[:, k:, None], -1).sum()
+    return total / k_max
+
+
+def test_mtp_loss_equals_a_hand_written_loop_and_weight_zero_leaves_the_main_loss_and_grads(mtp_model):
+    cfg, model = mtp_model
+    plain = build_model(cfg.replace(mtp_depth=0), seed=3)  # the same main parameters: the modules' keys come last
+    batch = {k: jnp.asarray(v) for k, v in lm_batch(seed=4).items()}
+    (graphdef, params), (plain_def, plain_params) = nnx.split(model, nnx.Param), nnx.split(plain, nnx.Param)
+
+    def loss(graphdef, params, weight):
+        return loss_sums(nnx.merge(graphdef, params), C.TrainConfig(objective="lm", mtp_weight=weight), batch, None)
+
+    @jax.jit
+    def run(params, plain_params):  # one compile for every quantity compared
+        _, sums = loss(graphdef, params, 0.3)
+        naive = naive_mtp_loss(nnx.merge(graphdef, params), batch["inputs"], batch["targets"], 2)
+        grad = lambda g, p: jax.value_and_grad(lambda q: loss(g, q, 0.0)[0])(p)
+        return sums, naive, grad(graphdef, params), grad(plain_def, plain_params)
+
+    sums, want, (loss0, g0), (loss_plain, g_plain) = run(params, plain_params)
+    np.testing.assert_allclose(sums["mtp_loss"], want, rtol=1e-5)
+    np.testing.assert_allclose(sums["mtp_nll"], want, rtol=1e-5)  # no smoothing: the loss is the NLL
+    assert sums["moe_load"].shape == (3, 8)  # the decoder's MoE layer, then each module's
+    np.testing.assert_allclose(sums["loss"], sums["nll"] + 0.3 * want, rtol=1e-5)  # + mtp_weight * the mean
+    # weight 0: the main loss and its gradients, bitwise; the modules get no gradient
+    assert float(loss0) == float(loss_plain)
+    flat0 = {p: v[...] for p, v in nnx.to_flat_state(g0)}
+    for path, g in nnx.to_flat_state(g_plain):
+        np.testing.assert_array_equal(flat0[path], g[...])
+    assert all(not np.asarray(v[...]).any() for p, v in nnx.to_flat_state(g0) if p[0] == "mtp")
+
+
+def test_generation_ignores_the_mtp_modules(mtp_model):
+    cfg, model = mtp_model
+    plain = build_model(cfg.replace(mtp_depth=0), seed=3)
+    ids = jnp.asarray(lm_batch(seed=5)["inputs"])
+    np.testing.assert_array_equal(model(ids), plain(ids))
+    assert "mtp" not in [p[0] for p, _ in nnx.to_flat_state(nnx.state(plain))]
