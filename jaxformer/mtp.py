@@ -92,7 +92,7 @@ def mtp_sums(model, batch: dict, h_BTD: Array, dropout_rng: Array | None, **loss
     token i + k lies in another segment, count for nothing.
 
     Args:
-        model: a decoder_only Transformer with `mtp` modules.
+        model (models.Transformer): a decoder_only Transformer with `mtp` modules.
         batch: the laid-out device batch (inputs, targets, weights; segments, positions when packed).
         h_BTD: [B, T, D] the decoder's final hidden states (h^0).
         dropout_rng: the step's dropout key, or None.

@@ -12,6 +12,7 @@ from flax import nnx
 from jaxformer import config as C
 from jaxformer import functional as F
 from jaxformer import moe
+from jaxformer.checkpoint import Checkpointer
 from jaxformer.models import build_model, unrolled
 from jaxformer.state import init_state
 from jaxformer.train import loss_sums, make_steps
@@ -84,12 +85,18 @@ def test_first_dense_layers_are_dense_and_scanned_equals_unrolled(every, layers)
     assert ffns == ["FeedForward" if i == 0 or i % every != every - 1 else "MoEFeedForward" for i in range(layers)]
     assert flat.decoder.stack.layers[0].ffn.wi.shape == (16, 32)  # model.d_ff, not the experts' width
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 7)))
-    with moe.collect() as scanned_reports:
-        scanned = model(ids)
-    with moe.collect() as unrolled_reports:
-        want = flat(ids)
+
+    @jax.jit
+    def run(ids):  # logits and expert loads of both forms, one compile
+        out = []
+        for m in (model, flat):
+            with moe.collect() as reports:
+                out.append((m(ids), moe.totals(reports)[0]["load"]))
+        return out
+
+    (scanned, scanned_load), (want, want_load) = run(ids)
     np.testing.assert_allclose(scanned, want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(moe.totals(scanned_reports)[0]["load"], moe.totals(unrolled_reports)[0]["load"])
+    np.testing.assert_array_equal(scanned_load, want_load)
 
 
 def lm_config(model, **train):
@@ -107,9 +114,10 @@ def router_biases(params):
     return {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(params) if p[-1] == "router_bias"}
 
 
-def test_a_step_moves_each_bias_by_the_rule_on_the_counted_loads_and_the_optimizer_never_does():
+def test_a_step_moves_each_bias_by_the_rule_on_the_counted_loads_and_the_optimizer_never_does(tmp_path):
     """Two micro-batches, scanned layers after a dense one, weight decay on: the bias after one step is
-    exactly rate * sign(mean load - load) of the loads counted here by a forward pass per micro-batch."""
+    exactly rate * sign(mean load - load) of the loads counted here by a forward pass per micro-batch;
+    a checkpoint of the state gives it back bitwise, and the next step from it is the same step."""
     rate = 0.125  # a power of two: the expected bias is exact in float32
     model = deepseek_model(num_decoder_layers=3, scan_layers=True, moe={"balance_rate": rate})
     cfg = lm_config(model, grad_accum=2, weight_decay=0.1)
@@ -122,9 +130,9 @@ def test_a_step_moves_each_bias_by_the_rule_on_the_counted_loads_and_the_optimiz
         loads.append(np.asarray(moe.totals(reports)[0]["load"]))
     load_LE = loads[0] + loads[1]  # [2 MoE layers, 8 experts]
     assert load_LE.sum() == 2 * 2 * 4 * 8  # k = 2 choices of 32 tokens, per layer
-    step, _ = make_steps(graphdef, cfg, optimizer)
+    step = jax.jit(make_steps(graphdef, cfg, optimizer)[0])  # one compile for the three steps below
     before = router_biases(state.params)
-    state, metrics = jax.jit(step)(state, batch)
+    state, metrics = step(state, batch)
     after = router_biases(state.params)
     (path,) = after  # one stacked bias [2 blocks, 8]: the scanned MoE layers 1 and 2
     want = rate * np.sign(load_LE.mean(-1, keepdims=True) - load_LE)
@@ -132,6 +140,14 @@ def test_a_step_moves_each_bias_by_the_rule_on_the_counted_loads_and_the_optimiz
     assert np.abs(want).sum() > 0
     # the step's own loads are the ones counted: metrics expert_load/<layer>/<expert> = load / tokens
     np.testing.assert_allclose(metrics["expert_load/1/3"], load_LE[1, 3] / 32, rtol=1e-6)
+    # the bias is state: saved, restored, and the next step from the restored state moves it alike
+    saver = Checkpointer(tmp_path, cfg)
+    saver.save(state)
+    saver.wait()
+    restored = Checkpointer(tmp_path, cfg, read_only=True).restore_latest(state)
+    np.testing.assert_array_equal(router_biases(restored.params)[path], after[path])
+    again, resumed = step(state, lm_batch(seed=1))[0], step(restored, lm_batch(seed=1))[0]
+    np.testing.assert_array_equal(router_biases(again.params)[path], router_biases(resumed.params)[path])
 
 
 @pytest.fixture(scope="module")
@@ -191,5 +207,20 @@ def test_generation_ignores_the_mtp_modules(mtp_model):
     cfg, model = mtp_model
     plain = build_model(cfg.replace(mtp_depth=0), seed=3)
     ids = jnp.asarray(lm_batch(seed=5)["inputs"])
-    np.testing.assert_array_equal(model(ids), plain(ids))
+    np.testing.assert_array_equal(*jax.jit(lambda ids: (model(ids), plain(ids)))(ids))
     assert "mtp" not in [p[0] for p, _ in nnx.to_flat_state(nnx.state(plain))]
+
+
+def test_sigmoid_routing_in_each_dispatch_gives_the_same_layer():
+    """A capacity with room for every pair (causal or GShard's order) equals dropless, with a nonzero bias."""
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(2, 6, 16)), jnp.float32)
+    outs = []
+    for capacity_factor, causal in ((0.0, True), (4.0, True), (4.0, False)):
+        cfg = deepseek_model(moe={"capacity_factor": capacity_factor})
+        layer = moe.MoEFeedForward(cfg, causal=causal, rngs=nnx.Rngs(params=7))
+        layer.router_bias[...] = jnp.linspace(-0.3, 0.3, 8)
+        y, aux = layer(x)
+        assert float(aux["dropped"]) == 0
+        outs.append(y)
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(outs[2], outs[0], rtol=1e-5, atol=1e-6)
