@@ -12,7 +12,7 @@ from flax import nnx
 from jaxformer import config as C
 from jaxformer import functional as F
 from jaxformer import moe
-from jaxformer.checkpoint import Checkpointer
+from jaxformer.checkpoint import Checkpointer, check_compatible
 from jaxformer.models import build_model, unrolled
 from jaxformer.state import init_state
 from jaxformer.train import loss_sums, make_steps
@@ -224,3 +224,18 @@ def test_sigmoid_routing_in_each_dispatch_gives_the_same_layer():
         outs.append(y)
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(outs[2], outs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_resuming_may_change_the_routing_but_not_the_parameters_it_adds():
+    cfg = lm_config(deepseek_model(moe={"balance_rate": 1e-3}))
+    routing = ["model.moe.routed_scaling=1.0", "model.moe.num_groups=2", "model.moe.balance_rate=0"]
+    check_compatible(cfg, C.apply_overrides(cfg, routing), "ckpt")
+    softmax = ["model.moe.router=topk_softmax", "model.moe.routed_scaling=1.0", "model.moe.num_groups=1",
+               "model.moe.groups_per_token=1", "model.moe.balance_rate=0"]  # fmt: skip
+    for changes, message in (
+        (softmax, r"model\.moe\.router: checkpoint 'sigmoid_topk', config 'softmax_topk or topk_softmax'"),
+        (["model.moe.first_dense=0"], r"model\.moe\.first_dense: checkpoint 1, config 0"),
+        (["model.mtp_depth=1"], r"model\.mtp_depth: checkpoint 0, config 1"),
+    ):
+        with pytest.raises(C.ConfigError, match=message):
+            check_compatible(cfg, C.apply_overrides(cfg, changes), "ckpt")
