@@ -24,6 +24,7 @@ from flax import nnx
 from jaxformer.config import ModelConfig
 from jaxformer.heads import ClassificationHead, LMHead, MaskedLMHead
 from jaxformer.layers import Embed, as_token_ids, split_rng
+from jaxformer.mtp import MTPModule
 from jaxformer.sharding import context_ways
 from jaxformer.stacks import (  # noqa: F401  (re-exported: the stacks and their masks live there)
     Decoder,
@@ -96,6 +97,8 @@ class Transformer(nnx.Module):
             self.tgt_embed = Embed(cfg, rngs=rngs)
         self.decoder = Decoder(cfg, self.tgt_embed, cross=mode == "encoder_decoder", rngs=rngs)
         self.lm_head = LMHead(cfg, self.tgt_embed if cfg.tie_output else None, bias=cfg.logits_bias, rngs=rngs)
+        if cfg.mtp_depth:  # multi-token prediction's modules (training only), after the rest: its keys come last
+            self.mtp = nnx.List([MTPModule(cfg, k, rngs=rngs) for k in range(1, cfg.mtp_depth + 1)])
 
     def src_lengths(self, src_ids_BS: Array, src_lengths: Array | None, src_segments: Array | None = None):
         """[B] source lengths: as given, or the rows taken as right-padded with `pad_id`; None for
@@ -486,14 +489,19 @@ def unrolled(model: Transformer) -> Transformer:
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(model.cfg.replace(scan_layers=False), rngs=nnx.Rngs(0))))
     flat = []
     for path, var in nnx.to_flat_state(nnx.state(model)):
-        if "layers" not in path:
+        if "dense_layers" in path:  # a scanned stack's unrolled dense layers (moe.first_dense): layers 0..H-1
+            at = path.index("dense_layers")
+            flat.append(((*path[:at], "layers", *path[at + 1 :]), var))
+            continue
+        if "layers" not in path or path[0] == "mtp":  # (multi-token prediction's one layer is never scanned)
             flat.append((path, var))
             continue
         at = path.index("layers") + 1  # (..., "stack", "layers", *rest) -> (..., "stack", "layers", i, *rest)
-        N = model.cfg.scan_block  # in blocks of N layers: (..., "layers", j, *rest) holds layers b * N + j
+        N = model.cfg.scan_block  # in blocks of N layers: (..., "layers", j, *rest) holds layers H + b * N + j
+        H = model.cfg.dense_head(path[0])
         j, at_rest = (0, at) if N == 1 else (path[at], at + 1)
         names = var.get_metadata()["out_sharding"][1:]  # the leading "layers" axis is gone
-        flat += [((*path[:at], b * N + j, *path[at_rest:]), var.replace(var[...][b], out_sharding=names))
+        flat += [((*path[:at], H + b * N + j, *path[at_rest:]), var.replace(var[...][b], out_sharding=names))
                  for b in range(var[...].shape[0])]  # fmt: skip
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
