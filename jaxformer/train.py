@@ -119,9 +119,11 @@ def make_steps(
         if tcfg.offload_optimizer:
             opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
         params = optax.apply_updates(state.params, updates)
-        if balance_rate and "moe_load" in sums:  # the routers' biases follow the step's loads, not the gradient
-            params = balance_routers(graphdef, params, sums["moe_load"], balance_rate)
-        means = metrics(sums) | {"grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step)}
+        grad_norm = optax.tree.norm(grads)
+        if balance_rate and "moe_load" in sums:  # the routers' biases follow the step's loads, not the gradient;
+            # a non-finite step (skipped by train.on_nonfinite="skip") moves them no more than the weights
+            params = balance_routers(graphdef, params, sums["moe_load"], balance_rate, jnp.isfinite(grad_norm))
+        means = metrics(sums) | {"grad_norm": grad_norm, "learning_rate": schedule(state.step)}
         if tcfg.on_nonfinite == "skip":  # optax.apply_if_finite kept params and optimizer state on such a step
             means["skipped_steps"] = opt_state.total_notfinite
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), means
@@ -154,7 +156,9 @@ def moe_rows(model: nnx.Module) -> list:
     return rows
 
 
-def balance_routers(graphdef: nnx.GraphDef, params: nnx.State, load_LE: Array, rate: float) -> nnx.State:
+def balance_routers(
+    graphdef: nnx.GraphDef, params: nnx.State, load_LE: Array, rate: float, apply: Array | bool = True
+) -> nnx.State:
     """DeepSeek-V3's aux-loss-free balancing after an optimizer step: every sigmoid router's bias moves by
     `rate` towards its under-loaded experts (`moe.balance_biases`), by the loads the step counted.
 
@@ -163,6 +167,7 @@ def balance_routers(graphdef: nnx.GraphDef, params: nnx.State, load_LE: Array, r
         params: the parameters after the step's update.
         load_LE: [L, E] the tokens each MoE layer sent each expert in the step (all micro-batches, all shards).
         rate: `model.moe.balance_rate`.
+        apply: False on a step whose update is skipped (its loads may come from NaN logits): biases kept.
 
     Returns:
         The parameters with the routers' biases moved.
@@ -170,7 +175,8 @@ def balance_routers(graphdef: nnx.GraphDef, params: nnx.State, load_LE: Array, r
     model = nnx.merge(graphdef, params)
     for ffn, rows in moe_rows(model):
         bias = ffn.router_bias[...]
-        ffn.router_bias[...] = moe.balance_biases(bias, load_LE[rows].reshape(bias.shape), rate)
+        moved = moe.balance_biases(bias, load_LE[rows].reshape(bias.shape), rate)
+        ffn.router_bias[...] = jnp.where(apply, moved, bias)
     return nnx.state(model, nnx.Param)
 
 

@@ -117,10 +117,11 @@ def router_biases(params):
 def test_a_step_moves_each_bias_by_the_rule_on_the_counted_loads_and_the_optimizer_never_does(tmp_path):
     """Two micro-batches, scanned layers after a dense one, weight decay on: the bias after one step is
     exactly rate * sign(mean load - load) of the loads counted here by a forward pass per micro-batch;
-    a checkpoint of the state gives it back bitwise, and the next step from it is the same step."""
+    a checkpoint of the state gives it back bitwise, and the next step from it is the same step; a
+    step whose loss is NaN leaves it where it was."""
     rate = 0.125  # a power of two: the expected bias is exact in float32
     model = deepseek_model(num_decoder_layers=3, scan_layers=True, moe={"balance_rate": rate})
-    cfg = lm_config(model, grad_accum=2, weight_decay=0.1)
+    cfg = lm_config(model, grad_accum=2, weight_decay=0.1, on_nonfinite="skip")
     graphdef, state, optimizer = init_state(cfg)
     batch = lm_batch()
     loads = []
@@ -148,6 +149,11 @@ def test_a_step_moves_each_bias_by_the_rule_on_the_counted_loads_and_the_optimiz
     np.testing.assert_array_equal(router_biases(restored.params)[path], after[path])
     again, resumed = step(state, lm_batch(seed=1))[0], step(restored, lm_batch(seed=1))[0]
     np.testing.assert_array_equal(router_biases(again.params)[path], router_biases(resumed.params)[path])
+    # a non-finite step, skipped (train.on_nonfinite="skip" keeps the weights), moves no bias either
+    poisoned = lm_batch(seed=2) | {"weights": np.full((4, 8), np.nan, np.float32)}
+    skipped, metrics = step(state, poisoned)
+    assert int(metrics["skipped_steps"]) == 1
+    np.testing.assert_array_equal(router_biases(skipped.params)[path], after[path])
 
 
 @pytest.fixture(scope="module")
