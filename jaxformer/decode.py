@@ -429,12 +429,25 @@ def _check_special_ids(model, **ids) -> dict:
     return {k: None if t is None else int(as_token_ids(t, k, vocab_size=V, rank=0)) for k, t in ids.items()}
 
 
+def _program_settings(settings: DecodeConfig) -> DecodeConfig:
+    """The settings `_generate`'s program reads, the others at their defaults: calls that differ only in
+    what is passed or applied apart from it (seed: the key; max_new_tokens, extra_len: num_new and
+    length; num_return: a slice of its output) or in a strategy's settings another strategy ignores
+    share one trace and one compiled program."""
+    kept = {"strategy": settings.strategy, "use_cache": settings.use_cache}
+    if settings.strategy == "beam":
+        kept |= {"beam_size": settings.beam_size, "length_penalty": settings.length_penalty}
+    elif settings.strategy == "sample":
+        kept |= {"temperature": settings.temperature, "top_k": settings.top_k, "top_p": settings.top_p}
+    return DecodeConfig(**kept)
+
+
 def _run(model, prompt_BP, lengths_B, max_new_B, src, settings: DecodeConfig, num_new, length, eos_id, rng):
     graphdef, params = nnx.split(model)
     rng = jax.random.key(settings.seed) if rng is None else rng
     tokens, scores = _generate(
-        graphdef, params, prompt_BP, lengths_B, max_new_B, src, rng, settings=settings, num_new=num_new,
-        length=length, eos_id=-1 if eos_id is None else eos_id, pad_id=model.cfg.pad_id,
+        graphdef, params, prompt_BP, lengths_B, max_new_B, src, rng, settings=_program_settings(settings),
+        num_new=num_new, length=length, eos_id=-1 if eos_id is None else eos_id, pad_id=model.cfg.pad_id,
     )  # fmt: skip
     n = settings.num_return
     return Generation(np.asarray(tokens)[:, :n], np.asarray(scores)[:, :n])

@@ -188,7 +188,11 @@ def test_a_sampled_row_does_not_depend_on_the_other_rows(model):
 
 
 def test_generation_stops_at_eos_and_pads_after_it(model):
+    from jaxformer.decode import _generate
+
+    traced = _generate._cache_size()
     out = np.concatenate([run(model, ROWS, strategy="sample", seed=seed).tokens[:, 0] for seed in range(4)])
+    assert _generate._cache_size() - traced <= 1, "the seed is the key, not a new program: one trace for all four"
     ended = 0
     for seq in out:
         ends = np.flatnonzero(seq == EOS)

@@ -174,10 +174,11 @@ def test_a_split_smaller_than_a_batch_is_one_padded_batch_with_its_exact_metrics
 
 def test_a_tiny_model_learns_to_answer(tmp_path, capsys):
     """Through the CLI: the held-out response loss falls well below the untrained model's, and
-    `generate` answers in the template."""
+    `generate` answers in the template. 100 steps: the loss is on its plateau from about step 80 (2.94
+    nats at 100, 2.93 at 200, from the untrained 5.59)."""
     workdir = tmp_path / "run"
-    small = ["model.d_model=64", "model.d_ff=256", "model.num_heads=2", "train.steps=200", "train.eval_every=200",
-             "train.num_samples=0", "train.learning_rate=3e-3", "checkpoint.every=200"]  # fmt: skip
+    small = ["model.d_model=64", "model.d_ff=256", "model.num_heads=2", "train.steps=100", "train.eval_every=100",
+             "train.num_samples=0", "train.learning_rate=3e-3", "checkpoint.every=100"]  # fmt: skip
     argv = ["train", "--config", "experiments/instruct_tiny.py", "--workdir", str(workdir)]
     assert cli.main([*argv, *(x for s in small for x in ("--set", s))]) == 0
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]

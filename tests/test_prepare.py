@@ -11,9 +11,9 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
+import processes
 import pytest
 
 from jaxformer import config as C
@@ -106,10 +106,8 @@ def test_a_killed_prepare_is_never_read_and_a_rerun_finishes_its_parts(tmp_path,
     corpus, cache = tmp_path / "c.jsonl", tmp_path / "cache"
     write_corpus(corpus, n=1500)
     proc = subprocess.Popen([sys.executable, "-c", KILLED, str(corpus), str(cache)])
-    deadline = time.time() + 60
-    while len(list(cache.glob("*.tmp-*/p[0-9]*.json"))) < 2:  # two parts finished, others half-written
-        assert time.time() < deadline and proc.poll() is None, "the build never finished a part"
-        time.sleep(0.02)
+    parts = lambda: len(list(cache.glob("*.tmp-*/p[0-9]*.json"))) >= 2  # two parts finished, others half-written
+    processes.wait_until(parts, proc, "the build to finish two parts", poll=0.02)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not list(cache.glob("*/manifest.json")), "a killed build left a cache that would be read"

@@ -97,11 +97,10 @@ class Server:
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        for _ in range(400):
-            if self.server.started:
-                break
+        deadline = time.monotonic() + processes.HANG_GUARD_S  # a hang guard: starting takes a busy machine long
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.025)
-        assert self.server.started, "uvicorn did not start"
+        assert self.server.started, "uvicorn did not start" + ("" if self.thread.is_alive() else ": its thread ended")
 
     @property
     def runner(self):
