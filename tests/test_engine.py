@@ -65,7 +65,7 @@ def test_paged_view_equals_the_dense_cache():
     that writing the same positions into slots gives (slot s = position s)."""
     rng = np.random.default_rng(1)
     N, page, G, K, B, P = 9, 4, 2, 3, 2, 3
-    pool = jnp.zeros((N, page, G, K))
+    pool = jnp.zeros((N, G, page, K))
     table = np.array([[3, 7, 1], [5, 2, 0]], np.int32)  # row 1 holds two pages
     dense = np.zeros((B, G, P * page, K), np.float32)
     for start, T in ((0, 5), (5, 3), (8, 1)):  # a chunk, another, a decode step
@@ -78,7 +78,7 @@ def test_paged_view_equals_the_dense_cache():
             for t in range(T):
                 if valid[b, t]:
                     dense[b, :, positions[b, t]] = new[b, t]
-    view = np.swapaxes(np.asarray(kv_cache.read_pages(pool, jnp.asarray(table))), 1, 2)  # [B, G, S, K]
+    view = np.asarray(kv_cache.read_pages(pool, jnp.asarray(table)))  # [B, G, S, K]
     np.testing.assert_array_equal(view[0], dense[0])
     np.testing.assert_array_equal(view[1, :, :8], dense[1, :, :8])  # its third entry is scratch page 0
 
@@ -399,8 +399,8 @@ def test_the_paged_decode_step_compiles_for_a_tpu_slice():
         abstract = nnx.eval_shape(lambda: without_id_checks(build_model(mcfg)))
         graphdef, params = nnx.split(abstract)
         params = with_shardings(params, sharding.state_shardings(params, mesh))
-        heads = NamedSharding(mesh, PartitionSpec(None, None, "tensor", None))
-        pool = jax.ShapeDtypeStruct((pages, page, mcfg.kv_heads, mcfg.dim_per_head), mcfg.dtype, sharding=heads)
+        heads = NamedSharding(mesh, PartitionSpec(None, "tensor", None, None))
+        pool = jax.ShapeDtypeStruct((pages, mcfg.kv_heads, page, mcfg.dim_per_head), mcfg.dtype, sharding=heads)
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)
         sampling = (jax.ShapeDtypeStruct((slots,), np.uint32), jax.ShapeDtypeStruct((slots,), np.float32))
         sampling = (*sampling, i32(slots), jax.ShapeDtypeStruct((slots,), np.float32))
@@ -411,7 +411,7 @@ def test_the_paged_decode_step_compiles_for_a_tpu_slice():
     text = compiled.as_text()
     assert " gather(" in text and "tpu_custom_call" not in text
     out_pools = compiled.output_shardings[2]
-    assert out_pools[0]["k"].spec == PartitionSpec(None, None, "tensor")
+    assert out_pools[0]["k"].spec == PartitionSpec(None, "tensor")
 
 
 def test_encoder_only_scores_equal_the_model_on_each_input_alone():

@@ -169,7 +169,7 @@ class Engine:
         own = nnx.merge(*nnx.split(model))  # new modules over the same arrays: the caller's keep their id checks
         self._graphdef, self._params = nnx.split(decodable(without_id_checks(own)))
         G, K = mcfg.kv_heads, mcfg.dim_per_head
-        shape = (cfg.num_pages, cfg.page_size, G, K)
+        shape = (cfg.num_pages, G, cfg.page_size, K)
         zeros = jax.jit(lambda: constrain(jnp.zeros(shape, mcfg.dtype), paged.PAGES))
         self.encoder_only = mcfg.mode == "encoder_only"  # scores only (`score`): no cache, no decoding
         self._pools = [{"k": zeros(), "v": zeros()} for _ in range(mcfg.num_decoder_layers)]
