@@ -220,8 +220,8 @@ def test_sampling_is_reproducible_and_independent_of_the_batch(model):
 
 
 def test_decode_step_compiles_once_for_every_mix(model):
-    """Greedy and sampled rows, prompts of many lengths, requests coming and going: one decode
-    compilation [max_slots, 1], and prefill only at power-of-two row counts."""
+    """Greedy and sampled rows, prompts of many lengths, requests coming and going: steps compile only at
+    power-of-two counts of rows and of pages (the pages the longest row reads), each shape once."""
     cfg = EngineConfig(page_size=4, num_pages=40, max_slots=5, prefill_chunk=8)  # 5 slots: no other test's shape
     before = collections.Counter(engine_module._TRACES)
     engine = Engine(model, cfg, eos_id=None)
@@ -229,9 +229,10 @@ def test_decode_step_compiles_once_for_every_mix(model):
     engine.generate(_prompts(), params)
     engine.generate(_prompts()[:2], SamplingParams(max_tokens=3, top_p=0.5, temperature=1.0))
     traced = engine_module._TRACES - before
-    assert traced[(5, 1)] == 1
-    assert {rows for rows, width in traced if width == 8} <= {1, 2, 4, 5}
-    assert sum(traced.values()) <= 5  # one decode shape and at most four prefill shapes
+    assert set(traced.values()) == {1}  # no shape compiled twice
+    assert (5, 1, 8) in traced and {width for _, width, _ in traced} <= {1, 8}  # decode steps, prefill chunks
+    assert {rows for rows, _, _ in traced} <= {1, 2, 4, 5}  # powers of two, then max_slots
+    assert {pages for _, _, pages in traced} == {8}  # 32 positions at least: the rows' 29 at most fit
 
 
 # ----------------------------------------------------------------------------- bad requests
