@@ -1,8 +1,8 @@
 """The inference engine against `decode.generate` and naive references: the paged cache's gather and
 write equal a dense cache, greedy outputs equal generate's token for token (prefix sharing on and off,
 two page sizes, more requests than slots, a pool small enough to preempt), sampling is reproducible
-and independent of the batch, bad requests are refused naming what is wrong, and the decode step
-compiles once for every mix of requests."""
+and independent of the batch, bad requests are refused naming what is wrong, and the steps compile a
+few bucketed shapes (rows and pages), each once, for every mix of requests."""
 
 import collections
 import dataclasses
