@@ -228,7 +228,7 @@ class TransformerStack(nnx.Module):
         first, B = cache[0]["self"], ids_BT.shape[0]
         paged = "table" in first  # a paged cache: each row's P pages of `page` slots
         if paged:
-            S = first["table"].shape[1] * first["k"].shape[1]
+            S = first["table"].shape[1] * first["k"].shape[2]
         else:  # a KV cache [B, G, S, K], or latent attention's {"c": [B, S, C], ...}
             S = first["k"].shape[2] if "k" in first else first["c"].shape[1]
         slots_BS = jnp.broadcast_to(jnp.arange(S), (B, S))

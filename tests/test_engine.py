@@ -1,8 +1,8 @@
 """The inference engine against `decode.generate` and naive references: the paged cache's gather and
 write equal a dense cache, greedy outputs equal generate's token for token (prefix sharing on and off,
 two page sizes, more requests than slots, a pool small enough to preempt), sampling is reproducible
-and independent of the batch, bad requests are refused naming what is wrong, and the decode step
-compiles once for every mix of requests."""
+and independent of the batch, bad requests are refused naming what is wrong, and the steps compile a
+few bucketed shapes (rows and pages), each once, for every mix of requests."""
 
 import collections
 import dataclasses
@@ -65,7 +65,7 @@ def test_paged_view_equals_the_dense_cache():
     that writing the same positions into slots gives (slot s = position s)."""
     rng = np.random.default_rng(1)
     N, page, G, K, B, P = 9, 4, 2, 3, 2, 3
-    pool = jnp.zeros((N, page, G, K))
+    pool = jnp.zeros((N, G, page, K))
     table = np.array([[3, 7, 1], [5, 2, 0]], np.int32)  # row 1 holds two pages
     dense = np.zeros((B, G, P * page, K), np.float32)
     for start, T in ((0, 5), (5, 3), (8, 1)):  # a chunk, another, a decode step
@@ -78,7 +78,7 @@ def test_paged_view_equals_the_dense_cache():
             for t in range(T):
                 if valid[b, t]:
                     dense[b, :, positions[b, t]] = new[b, t]
-    view = np.swapaxes(np.asarray(kv_cache.read_pages(pool, jnp.asarray(table))), 1, 2)  # [B, G, S, K]
+    view = np.asarray(kv_cache.read_pages(pool, jnp.asarray(table)))  # [B, G, S, K]
     np.testing.assert_array_equal(view[0], dense[0])
     np.testing.assert_array_equal(view[1, :, :8], dense[1, :, :8])  # its third entry is scratch page 0
 
@@ -220,8 +220,8 @@ def test_sampling_is_reproducible_and_independent_of_the_batch(model):
 
 
 def test_decode_step_compiles_once_for_every_mix(model):
-    """Greedy and sampled rows, prompts of many lengths, requests coming and going: one decode
-    compilation [max_slots, 1], and prefill only at power-of-two row counts."""
+    """Greedy and sampled rows, prompts of many lengths, requests coming and going: steps compile only at
+    power-of-two counts of rows and of pages (the pages the longest row reads), each shape once."""
     cfg = EngineConfig(page_size=4, num_pages=40, max_slots=5, prefill_chunk=8)  # 5 slots: no other test's shape
     before = collections.Counter(engine_module._TRACES)
     engine = Engine(model, cfg, eos_id=None)
@@ -229,9 +229,10 @@ def test_decode_step_compiles_once_for_every_mix(model):
     engine.generate(_prompts(), params)
     engine.generate(_prompts()[:2], SamplingParams(max_tokens=3, top_p=0.5, temperature=1.0))
     traced = engine_module._TRACES - before
-    assert traced[(5, 1)] == 1
-    assert {rows for rows, width in traced if width == 8} <= {1, 2, 4, 5}
-    assert sum(traced.values()) <= 5  # one decode shape and at most four prefill shapes
+    assert set(traced.values()) == {1}  # no shape compiled twice
+    assert (5, 1, 8) in traced and {width for _, width, _ in traced} <= {1, 8}  # decode steps, prefill chunks
+    assert {rows for rows, _, _ in traced} <= {1, 2, 4, 5}  # powers of two, then max_slots
+    assert {pages for _, _, pages in traced} == {8}  # 32 positions at least: the rows' 29 at most fit
 
 
 # ----------------------------------------------------------------------------- bad requests
@@ -399,8 +400,8 @@ def test_the_paged_decode_step_compiles_for_a_tpu_slice():
         abstract = nnx.eval_shape(lambda: without_id_checks(build_model(mcfg)))
         graphdef, params = nnx.split(abstract)
         params = with_shardings(params, sharding.state_shardings(params, mesh))
-        heads = NamedSharding(mesh, PartitionSpec(None, None, "tensor", None))
-        pool = jax.ShapeDtypeStruct((pages, page, mcfg.kv_heads, mcfg.dim_per_head), mcfg.dtype, sharding=heads)
+        heads = NamedSharding(mesh, PartitionSpec(None, "tensor", None, None))
+        pool = jax.ShapeDtypeStruct((pages, mcfg.kv_heads, page, mcfg.dim_per_head), mcfg.dtype, sharding=heads)
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)
         sampling = (jax.ShapeDtypeStruct((slots,), np.uint32), jax.ShapeDtypeStruct((slots,), np.float32))
         sampling = (*sampling, i32(slots), jax.ShapeDtypeStruct((slots,), np.float32))
@@ -411,7 +412,7 @@ def test_the_paged_decode_step_compiles_for_a_tpu_slice():
     text = compiled.as_text()
     assert " gather(" in text and "tpu_custom_call" not in text
     out_pools = compiled.output_shardings[2]
-    assert out_pools[0]["k"].spec == PartitionSpec(None, None, "tensor")
+    assert out_pools[0]["k"].spec == PartitionSpec(None, "tensor")
 
 
 def test_encoder_only_scores_equal_the_model_on_each_input_alone():

@@ -185,10 +185,10 @@ class MultiHeadAttention(nnx.Module):
         slots, and each query attends to the cache under `mask` (`functional.causal_cache_mask`).
         Returns (y [B, T, D], the updated cache).
 
-        A paged cache ({"k", "v": pools [N, page, G, K], "table": [B, P] page tables, "valid": [B, T]
+        A paged cache ({"k", "v": pools [N, G, page, K], "table": [B, P] page tables, "valid": [B, T]
         the real positions}, see `attention.cache`) is read in place: the new positions' keys and
         values go into their pages (the padding's into scratch page 0), then each row attends over its
-        own pages, gathered by its table as [B, P * page, G, K] (slot s holds position s).
+        own pages, gathered by its table as [B, G, P * page, K] (slot s holds position s).
 
         A local layer's cache on one device is a ring of its window's slots (`_extend_ring`).
 
@@ -207,10 +207,10 @@ class MultiHeadAttention(nnx.Module):
         new = dict(zip("kv", self.project_kv(x_BTD, positions_BT), strict=True))  # [B, T, G, K]
         if "table" in cache:  # paged: B * T rows written into the pool, each row's pages read from it
             table_BP = cache["table"]
-            page_BT, offset_BT = page_slots(table_BP, positions_BT, cache["valid"], cache["k"].shape[1])
+            page_BT, offset_BT = page_slots(table_BP, positions_BT, cache["valid"], cache["k"].shape[2])
             pools = {name: write_pages(cache[name], new[name], page_BT, offset_BT) for name in "kv"}
-            k_BSGK, v_BSGK = (read_pages(pools[name], table_BP) for name in "kv")
-            y_BTD = self._attend(x_BTD, k_BSGK, v_BSGK, "BSGK", mask, bias, positions_BT, None, False)
+            k_BGSK, v_BGSK = (read_pages(pools[name], table_BP) for name in "kv")
+            y_BTD = self._attend(x_BTD, k_BGSK, v_BGSK, "BGSK", mask, bias, positions_BT, None, False)
             return y_BTD, {**cache, **pools}
         if context_ways() > 1:  # the cache's slots are split over the mesh's context axis
             return self._extend_context(x_BTD, cache, new, mask, positions_BT)

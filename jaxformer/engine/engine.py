@@ -4,9 +4,11 @@ A scheduler in plain Python (outside jit) runs each `step`: it admits waiting re
 (sharing the pages of a prompt prefix already in the pool), runs one chunk of prefill for every slot
 still reading its prompt (`prefill_chunk` tokens each, so a long prompt never stalls the others), then
 one decode step for every slot that is generating, and retires requests at EOS, a stop string or
-`max_tokens`. Shapes are static: one compiled decode step [max_slots, 1] serves every mix of requests
-(each row's sampling settings are arrays), and prefill runs [R, prefill_chunk] with R a power of two up
-to `max_slots`. When the pool runs out of pages, the latest admitted request is preempted (its pages
+`max_tokens`. Shapes are static per bucket: a decode step runs [R, 1] and prefill [R, prefill_chunk]
+with R a power of two up to `max_slots`, over page tables cut to P pages, P the power of two (up to
+max_context's) covering the longest row of the call, so attention reads the live sequences' pages and
+not the whole context's; a few compilations serve every mix of requests (each row's sampling settings
+are arrays). When the pool runs out of pages, the latest admitted request is preempted (its pages
 freed, it waits to be recomputed, prompt and tokens so far); its tokens do not change, since a row draws
 with a key from its request's seed and the token's position.
 
@@ -56,7 +58,15 @@ class _Request:
         return self.prompt + self.out
 
 
-_TRACES = collections.Counter()  # compilations of the engine's step, by (rows, width): tests count them
+_TRACES = collections.Counter()  # compilations of the engine's step, by (rows, width, pages): tests count them
+
+
+_MIN_READ = 32  # positions a step's page tables cover at least: fewer buckets, each compiled once
+
+
+def _bucket(n: int, most: int) -> int:
+    """The power of two at or above n, at most `most`: the row and page counts a few compilations cover."""
+    return min(1 << (n - 1).bit_length(), most)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames=("pools",))
@@ -67,7 +77,7 @@ def _forward(
     T = 1) `steps` - 1 more, each feeding the token just drawn, row b running `steps_B[b]` in all; `source`:
     None, or (per layer the slots' cross-attention keys and values, the slots' source lengths, each row's
     slot). Returns tokens and log-probabilities [B, steps] and the pools."""
-    _TRACES[ids_BT.shape if steps == 1 else (*ids_BT.shape, steps)] += 1
+    _TRACES[(*ids_BT.shape, table_BP.shape[1]) if steps == 1 else (*ids_BT.shape, table_BP.shape[1], steps)] += 1
     model = nnx.merge(graphdef, params)
     memory, src_lengths_B = None, None
     if source is not None:
@@ -174,7 +184,7 @@ class Engine:
         own = nnx.merge(*nnx.split(model))  # new modules over the same arrays: the caller's keep their id checks
         self._graphdef, self._params = nnx.split(decodable(without_id_checks(own)))
         G, K = mcfg.kv_heads, mcfg.dim_per_head
-        shape = (cfg.num_pages, cfg.page_size, G, K)
+        shape = (cfg.num_pages, G, cfg.page_size, K)
         zeros = jax.jit(lambda: constrain(jnp.zeros(shape, mcfg.dtype), paged.PAGES))
         self.encoder_only = mcfg.mode == "encoder_only"  # scores only (`score`): no cache, no decoding
         self._pools = [{"k": zeros(), "v": zeros()} for _ in range(mcfg.num_decoder_layers)]
@@ -490,19 +500,21 @@ class Engine:
         reqs = [r for r in spans if r.slot is not None]
         if not reqs:
             return
-        if width == 1:  # decode: every slot a row, one compiled shape
-            rows = list(range(self.cfg.max_slots))
-            row_of = {r: r.slot for r in reqs}
-        else:  # prefill: a power of two of rows
-            R = min(1 << (len(reqs) - 1).bit_length(), self.cfg.max_slots)
-            rows = [r.slot for r in reqs] + [None] * (R - len(reqs))
-            row_of = {r: i for i, r in enumerate(reqs)}
-        R = len(rows)
+        # A power of two of rows, and of pages: the pages the longest row reads in this call (positions up
+        # to the last it writes), so a step's attention reads the live sequences' pages, not max_context's.
+        # A few shapes serve every mix, one compilation each.
+        R = _bucket(len(reqs), self.cfg.max_slots)
+        rows = [r.slot for r in reqs] + [None] * (R - len(reqs))
+        row_of = {r: i for i, r in enumerate(reqs)}
+        size = self.cfg.page_size
+        P = _bucket(
+            max(-(-_MIN_READ // size), *(-(-(r.computed + spans[r]) // size) for r in reqs)), self.pages_per_seq
+        )
         ids = np.zeros((R, width), np.int32)
         positions = np.zeros((R, width), np.int32)
         valid = np.zeros((R, width), bool)
         last = np.zeros(R, np.int32)
-        table = np.zeros((R, self.pages_per_seq), np.int32)
+        table = np.zeros((R, P), np.int32)
         steps = np.zeros(R, np.int32)
         seeds, temps, top_k, top_p = (
             np.zeros(R, np.uint32),
@@ -519,7 +531,7 @@ class Engine:
                 positions[i] = start + np.arange(width)
                 valid[i, :n] = True
                 last[i] = n - 1
-            table[i] = self._table[req.slot]
+            table[i] = self._table[req.slot, :P]
             p = req.params
             seeds[i], temps[i], top_k[i], top_p[i] = req.seed, p.temperature, p.top_k, p.top_p
         slots = np.asarray([0 if s is None else s for s in rows], np.int32)
