@@ -330,7 +330,8 @@ def pipelines(remesh_dir: str) -> dict:
 
 def restore_without_stages(directory: str, cfg, state, like) -> dict:
     """`state` (layers split over stage), changed so that no initialisation gives it, saved and
-    restored into `like`: the same state on one device, without stages (nothing more to compile)."""
+    restored into `like`: the same state on one device, without stages (nothing more to compile);
+    that state changed again, saved and restored into `state`'s layout: back onto the stages."""
     from jaxformer.checkpoint import Checkpointer
 
     saved = jax.jit(lambda s: jax.tree.map(lambda x: x * 2 + 1, s))(state)  # one program, shardings kept
@@ -339,15 +340,26 @@ def restore_without_stages(directory: str, cfg, state, like) -> dict:
     ckpt.wait()
     restored = ckpt.restore_latest(like)
     ckpt.close()
-    want, got = gathered(saved), gathered(restored)
-    return {
-        "equal": all(np.array_equal(got[k], want[k]) for k in want),
-        "devices": sorted({d.id for x in jax.tree.leaves(restored) for d in x.sharding.device_set}),
-        "shardings_as_requested": all(
-            x.sharding.is_equivalent_to(y.sharding, x.ndim)
-            for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(like), strict=True)
-        ),
-    }
+    # and back: the one-device state, changed again, saved and restored onto the pipelined mesh
+    unstaged = jax.jit(lambda s: jax.tree.map(lambda x: x * 3 - 1, s))(restored)
+    ckpt = Checkpointer(f"{directory}/back", cfg)
+    ckpt.save(unstaged)
+    ckpt.wait()
+    staged = ckpt.restore_latest(state)
+    ckpt.close()
+
+    def same(got, want, requested) -> dict:  # got's values are want's; laid out as requested
+        values, wanted = gathered(got), gathered(want)
+        return {
+            "equal": all(np.array_equal(values[k], wanted[k]) for k in wanted),
+            "devices": sorted({d.id for x in jax.tree.leaves(got) for d in x.sharding.device_set}),
+            "shardings_as_requested": all(
+                x.sharding.is_equivalent_to(y.sharding, x.ndim)
+                for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(requested), strict=True)
+            ),
+        }
+
+    return {"without_stages": same(restored, saved, like), "back": same(staged, unstaged, state)}
 
 
 def errors() -> dict:

@@ -326,10 +326,10 @@ def test_bytes_moved_counts_what_xla_s_cost_analysis_counts_and_a_loop_once_a_tr
 
 
 def test_plan_search_compiles_each_split_and_names_the_one_with_the_smallest_bound():
-    """Three splits of 2 fake H100s (2 layers of width 32, one head: no tensor axis): FSDP, data, and 2
-    stages of 4 micro-batches (of 4 S, 2 S, S, the most that a batch of 4 divides). Each row's bound is the largest of its floors, its bubble and stage
-    traffic are the formulas', the pipeline's compute is the others' over 1 - bubble, and the best
-    is the fitting row with the smallest bound."""
+    """Three splits of 2 fake H100s (2 layers of width 32, one head: no tensor axis): FSDP, data, and
+    2 stages of 4 micro-batches (of 4 S, 2 S, S, the most that a batch of 4 divides). Each row's bound
+    is the largest of its floors, its bubble and stage traffic are the formulas', the pipeline's
+    compute is the others' over 1 - bubble, and the best is the fitting row with the smallest bound."""
     tiny = ["model.d_model=32", "model.num_heads=1", "model.d_ff=64", "model.num_decoder_layers=2",
             "model.max_len=32", "data.max_len=32", "train.batch_size=4", "model.vocab_size=64"]  # fmt: skip
     cmd = ["-m", "jaxformer.cli", "plan", "--config", "experiments/lm_shakespeare.py", "--target", "gpu-h100x2"]

@@ -133,11 +133,14 @@ def test_pipeline_equals_one_device(strategies, name):
         assert r["params_fraction"] < 0.7, r
 
 
-def test_pipelined_checkpoint_restores_without_stages(strategies):
+def test_pipelined_checkpoint_restores_without_stages_and_back(strategies):
     """The pipelined state of decoder_only/gpipe_dp4 (layers split over stage, 8 devices), saved,
-    restored onto one device without stages: the same values, laid out as that mesh asks (orbax reshards)."""
-    r = strategies["pipeline"]["restore"]
+    restored onto one device without stages: the same values, laid out as that mesh asks (orbax
+    reshards); that state saved from one device and restored onto stage=2 x data=4: the same again."""
+    r = strategies["pipeline"]["restore"]["without_stages"]
     assert r["equal"] and r["shardings_as_requested"] and r["devices"] == [0], r
+    r = strategies["pipeline"]["restore"]["back"]
+    assert r["equal"] and r["shardings_as_requested"] and r["devices"] == list(range(8)), r
 
 
 def free_port() -> int:
