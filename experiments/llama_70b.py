@@ -8,12 +8,16 @@ jaxformer[gpu-plan], else fake CPU devices with the H100's memory):
     jaxformer plan --config experiments/llama_70b.py --target tpu-v5p:8x8x8 --search
     jaxformer plan --config experiments/llama_70b.py --target gpu-h100:8x8 --search --set train.batch_size=256
 
+Train it (on a slice or cluster that holds it; the mesh as the search chose, e.g. --set mesh.fsdp=512):
+
+    jaxformer train --config experiments/llama_70b.py --workdir runs/llama_70b
+
 Run locally (tiny shrink): --set model.d_model=64 --set model.num_heads=4 --set model.num_kv_heads=2
     --set model.d_ff=128 --set model.num_decoder_layers=4 --set data.max_len=128 --set model.max_len=128
     --set train.batch_size=8
 
-Time and output: not a CPU run (1.1 TB of float32 weights, gradients and Adam moments); on 2 CPU
-cores, plan only and the tiny shrink, which checks the program (a random model on Shakespeare).
+Time and output: not a CPU run: 1.1 TB of float32 weights, gradients and Adam moments; on
+2 CPU cores, plan only and the tiny shrink, which checks the program (a random model on Shakespeare).
 """
 
 from jaxformer.config import Config, DataConfig, TrainConfig, llama
