@@ -32,6 +32,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 
 import jax
 import numpy as np
@@ -307,23 +308,24 @@ def _compile(pool, lowered, key: str, c: Candidate, mesh, progress) -> concurren
 def _bounded(row: Row, cfg: Config, params: int, step: Compiled, chip, memory: float, n: int, per_host) -> Row:
     """`row` with its compiled peak and the three floors of its step's time."""
     c = row.candidate
-    if step.refused:
-        return dataclasses.replace(row, why=f"the compiler refused it: {step.refused[:80]}")
+    bubble, moved = bubble_fraction(c.stage, c.microbatches), traffic(cfg, c, params)
+    row = dataclasses.replace(row, bubble=bubble, stage_bytes=moved["stage"])
+    if step.refused:  # "... required for HLO temporaries (99.31G) exceeds available HBM (95.73G) ..."
+        temporaries = re.search(r"temporaries \(([\d.]+G)\)", step.refused)
+        return dataclasses.replace(row, why=f"refused: temporaries {temporaries[1]}" if temporaries else "refused")
     fits = step.peak <= memory
     why = "" if fits else f"peak {step.peak / 1e9:.1f} GB > {memory / 1e9:.1f} GB"
     if chip is None:
         return dataclasses.replace(row, peak=step.peak, fits=fits, why=why)
     model_flops = flops_per_example(cfg.model, cfg.train.objective, cfg.data.src_len, cfg.data.max_len)
-    bubble = bubble_fraction(c.stage, c.microbatches)
     compute = model_flops * cfg.train.batch_size / n / chip.peak(cfg.model.dtype) / (1 - bubble)
     accessed = step.bytes_accessed if math.isfinite(step.bytes_accessed) else step.bytes_moved
     memory_s = accessed / chip.bandwidth if math.isfinite(accessed) else 0.0
-    moved = traffic(cfg, c, params)
     links = link_seconds(chip, moved, _spans_hosts(c, per_host))
     bound = max(compute, memory_s, links if math.isfinite(links) else 0.0)
     return dataclasses.replace(
         row, peak=step.peak, fits=fits, compute_seconds=compute, memory_seconds=memory_s, link_seconds=links,
-        stage_bytes=moved["stage"], bubble=bubble, step_seconds=bound, why=why,
+        step_seconds=bound, why=why,
     )  # fmt: skip
 
 
