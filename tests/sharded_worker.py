@@ -1,8 +1,8 @@
 """Sharded training in a process of its own (XLA_FLAGS must be set before JAX starts).
 
     python tests/sharded_worker.py strategies MODE [remesh DIR] [moe] [pipeline DIR] [mla]  # 8 devices: vs 1 device
-    python tests/sharded_worker.py multihost PID PORT      # one of two processes, 4 devices each
-    python tests/sharded_worker.py singlehost              # the same run in one process, 8 devices
+    python tests/sharded_worker.py multihost PID PORT      # one of two processes, 4 devices each (and stage x data)
+    python tests/sharded_worker.py singlehost              # the same runs in one process, 8 devices
     python tests/sharded_worker.py hf DIR                  # a Hugging Face checkpoint loaded onto FSDP=4 x TP=2
     python tests/sharded_worker.py moe                     # MoE loss and gradients, experts split, vs 1 device
 
@@ -158,6 +158,18 @@ def generated(cfg, graphdef, state, mesh) -> dict | None:
         else:
             out = decode.translate(model, rows, settings, bos_id=1, eos_id=2)
     return {"tokens": out.tokens.tolist(), "scores": out.scores.tolist()}
+
+
+def pipelined_gradients() -> dict:
+    """The first batch's loss and gradients of a 2-layer decoder over stage=2 x data=4 (GPipe, 2
+    micro-batches), each gradient as its sum and its dot with fixed random numbers: where two processes
+    hold 4 devices each, the stages lie one a process, so the activations cross between them."""
+    got = first_gradients(pipeline_config("decoder_only", 2, stage=2, data=4))
+    rng = np.random.default_rng(0)
+    sums = {
+        k: [float(g.sum()), float((g * rng.standard_normal(g.shape)).sum())] for k, g in sorted(got["grads"].items())
+    }
+    return {"loss": got["loss"], "grads": sums, "permutes": got["permutes"]}
 
 
 def gathered(tree) -> dict:
@@ -348,7 +360,8 @@ def pipelines(remesh_dir: str) -> dict:
 
 def restore_without_stages(directory: str, cfg, state, like) -> dict:
     """`state` (layers split over stage), changed so that no initialisation gives it, saved and
-    restored into `like`: the same state on one device, without stages (nothing more to compile)."""
+    restored into `like`: the same state on one device, without stages (nothing more to compile);
+    that state changed again, saved and restored into `state`'s layout: back onto the stages."""
     from jaxformer.checkpoint import Checkpointer
 
     saved = jax.jit(lambda s: jax.tree.map(lambda x: x * 2 + 1, s))(state)  # one program, shardings kept
@@ -357,15 +370,26 @@ def restore_without_stages(directory: str, cfg, state, like) -> dict:
     ckpt.wait()
     restored = ckpt.restore_latest(like)
     ckpt.close()
-    want, got = gathered(saved), gathered(restored)
-    return {
-        "equal": all(np.array_equal(got[k], want[k]) for k in want),
-        "devices": sorted({d.id for x in jax.tree.leaves(restored) for d in x.sharding.device_set}),
-        "shardings_as_requested": all(
-            x.sharding.is_equivalent_to(y.sharding, x.ndim)
-            for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(like), strict=True)
-        ),
-    }
+    # and back: the one-device state, changed again, saved and restored onto the pipelined mesh
+    unstaged = jax.jit(lambda s: jax.tree.map(lambda x: x * 3 - 1, s))(restored)
+    ckpt = Checkpointer(f"{directory}/back", cfg)
+    ckpt.save(unstaged)
+    ckpt.wait()
+    staged = ckpt.restore_latest(state)
+    ckpt.close()
+
+    def same(got, want, requested) -> dict:  # got's values are want's; laid out as requested
+        values, wanted = gathered(got), gathered(want)
+        return {
+            "equal": all(np.array_equal(values[k], wanted[k]) for k in wanted),
+            "devices": sorted({d.id for x in jax.tree.leaves(got) for d in x.sharding.device_set}),
+            "shardings_as_requested": all(
+                x.sharding.is_equivalent_to(y.sharding, x.ndim)
+                for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(requested), strict=True)
+            ),
+        }
+
+    return {"without_stages": same(restored, saved, like), "back": same(staged, unstaged, state)}
 
 
 def errors() -> dict:
@@ -590,7 +614,8 @@ def main() -> None:
         params = gathered(state.params)
         shares = data_shares((2, 2, 2), sys.argv[4])
         checksum = float(sum(np.abs(v).sum() for k, v in params.items() if "k_bias" not in k))  # see strategies
-        print(json.dumps({"losses": losses, "checksum": checksum, "data": shares}))
+        out = {"losses": losses, "checksum": checksum, "data": shares, "pipelined": pipelined_gradients()}
+        print(json.dumps(out))
         jax.distributed.shutdown()
     elif task == "hf":
         print(json.dumps(hf_sharded(sys.argv[2])))
@@ -604,7 +629,8 @@ def main() -> None:
         losses, state, _, _ = train(config("encoder_decoder", (2, 2, 2)))
         params = gathered(state.params)
         checksum = float(sum(np.abs(v).sum() for k, v in params.items() if "k_bias" not in k))  # see strategies
-        print(json.dumps({"losses": losses, "checksum": checksum, "data": data_shares((2, 2, 2), sys.argv[2])}))
+        shares = data_shares((2, 2, 2), sys.argv[2])
+        print(json.dumps({"losses": losses, "checksum": checksum, "data": shares, "pipelined": pipelined_gradients()}))
 
 
 if __name__ == "__main__":

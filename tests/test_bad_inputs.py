@@ -764,6 +764,13 @@ CLI_CASES = [
     cli_case("plan --config experiments/copy_task.py --within 100", r"--within: a percentage in \[0, 100\), got 100"),
     cli_case("plan --config experiments/copy_task.py --jobs 0", r"--jobs: must be positive, got 0"),
     cli_case("plan --config {tmp}/missing.py", r"experiment file \S+missing\.py does not exist"),
+    cli_case("plan --config experiments/copy_task.py --search", r"--device-memory: give the memory of one device"),
+    cli_case(
+        "plan --config experiments/copy_task.py --search --target tpu-v5e:2x2 --set train.batch_size=3 "
+        "--set model.num_heads=1",
+        r"train\.batch_size=3 does not divide over the batch shards of any split of 4 devices",
+    ),
+    cli_case("plan --config experiments/copy_task.py --search --target tpu-v9:2x2", r"--target tpu-v9:2x2: libtpu"),
     cli_case("sweep {tmp}/missing.py --workdir {tmp}/never", r"sweep file \S+missing\.py does not exist"),
     cli_case("sweep {sweep_without_function}/sweep.py --workdir {tmp}/never", r"\S+sweep\.py defines no get_sweep"),
     cli_case("sweep experiments/sweeps/copy_task.py --workdir {tmp}/never --workers 0", r"--workers: must be"),

@@ -90,6 +90,7 @@ def test_eval_and_translate_over_a_context_axis_equal_one_device(copy_run, tmp_p
         "gpt2_1p3b",
         "instruct_tiny",
         "llama_7b_lora",
+        "llama_70b",
         "dpo_tiny",
         "qwen3_8b_lora",
         "gemma3_12b",
