@@ -36,9 +36,20 @@ from golden import TOLERANCE, against_saved, main, torch_logits  # scripts/golde
 
 GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "tests" / "golden"
 VOCAB, D, T = 64, 32, 8
-FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma2")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma2", "deepseek_v3")
 CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-           "gemma3_text": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}  # fmt: skip
+           "gemma3_text": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+           "deepseek_v3": "DeepseekV3ForCausalLM"}  # fmt: skip
+EAGER = ("gemma2", "deepseek_v3")  # attention through transformers' eager path (see `_config`)
+# The same weights with a RoPE scaling, their logits beside the others (`logits_scaled`): Qwen 3 with yarn
+# (every layer, cos and sin times its attention factor), Gemma 3 linear (its global layer alone).
+SCALED = {"qwen3": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 8.0,
+                    "beta_slow": 2.0},
+          "gemma3_text": {"rope_type": "linear", "factor": 8.0}}  # fmt: skip
+# DeepSeek-V3's yarn: mscale != mscale_all_dim, so cos and sin are scaled (by their ratio) and the
+# logits (by mscale(factor, mscale_all_dim)^2), over 8 trained positions of 32
+DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 8.0,
+                 "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 0.707}  # fmt: skip
 
 
 def _config(family: str):
@@ -52,6 +63,14 @@ def _config(family: str):
                                    layer_types=["sliding_attention", "full_attention"],
                                    final_logit_softcapping=5.0)  # fmt: skip
     common["rope_theta"] = 10_000.0
+    if family == "deepseek_v3":  # MLA with both low ranks, 8 experts in 4 groups, layer 0 dense; eager as gemma2
+        ds = dict(common, num_hidden_layers=3, num_key_value_heads=4, intermediate_size=48)
+        return tf.DeepseekV3Config(**ds, moe_intermediate_size=8, q_lora_rank=24, kv_lora_rank=16,
+                                   qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=8,
+                                   n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+                                   norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=1,
+                                   rope_scaling=dict(DEEPSEEK_YARN), rope_interleave=True, tie_word_embeddings=False,
+                                   attn_implementation="eager")  # fmt: skip
     if family == "gemma2":  # layer 0 local over 3 positions, layer 1 global; both soft caps
         # eager: transformers' SDPA path drops attn_logit_softcapping (its eager one is Gemma 2's reference)
         return tf.Gemma2Config(**common, head_dim=16, tie_word_embeddings=True, sliding_window=3,
@@ -76,6 +95,9 @@ def _randomize(model, scale: float = 0.3) -> None:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(scale * torch.randn_like(p))
+        for name, b in model.named_buffers():  # DeepSeek's balance bias: positive, so every chosen score is > 0
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.5 * torch.rand_like(b))
 
 
 def _inputs() -> dict:
@@ -83,7 +105,9 @@ def _inputs() -> dict:
 
 
 def _routing_margin(model, inputs: dict) -> float:
-    """The smallest gap between a token's k-th and (k+1)-th router probability over every MoE layer."""
+    """The smallest gap between a token's k-th and (k+1)-th router probability over every MoE layer
+    (DeepSeek: between its k-th and (k+1)-th biased score within the chosen groups, and between the
+    chosen groups' scores and the next group's)."""
     import torch
 
     gaps, hooks = [], []
@@ -93,9 +117,23 @@ def _routing_margin(model, inputs: dict) -> float:
         top = torch.topk(probs, module.top_k + 1, -1).values
         gaps.append(float((top[:, -2] - top[:, -1]).min()))
 
+    def deepseek_hook(router, args, out):
+        x = args[0].reshape(-1, router.weight.shape[1]).float()
+        choice = torch.sigmoid(x @ router.weight.float().T) + router.e_score_correction_bias  # [M, E]
+        groups = choice.view(len(choice), router.n_group, -1).topk(2, -1).values.sum(-1)  # [M, groups]
+        top_groups = groups.topk(router.topk_group + 1, -1)
+        gaps.append(float((top_groups.values[:, -2] - top_groups.values[:, -1]).min()))
+        keep = torch.zeros_like(groups).scatter_(1, top_groups.indices[:, :-1], 1.0).bool()
+        within = choice.masked_fill(~keep.repeat_interleave(choice.shape[1] // router.n_group, 1), -1e9)
+        top = within.topk(router.top_k + 1, -1).values
+        gaps.append(float((top[:, -2] - top[:, -1]).min()))
+        assert float(top[:, :-1].min()) > 0  # transformers masks the other groups with 0: never chosen here
+
     for m in model.modules():
         if type(m).__name__ == "Qwen3MoeSparseMoeBlock":
             hooks.append(m.register_forward_hook(hook))
+        if type(m).__name__ == "DeepseekV3TopkRouter":
+            hooks.append(m.register_forward_hook(deepseek_hook))
     torch_logits(model, inputs)
     for h in hooks:
         h.remove()
@@ -117,14 +155,21 @@ def make(family: str) -> None:
     inputs = _inputs()
     arrays = dict(inputs, logits=torch_logits(model, inputs))
     extra = ""
-    if family == "qwen3_moe":
+    if family in SCALED:
+        cfg = _config(family)
+        cfg.rope_scaling = dict(SCALED[family])
+        scaled = getattr(transformers, CLASSES[family])(cfg).float().eval()
+        scaled.load_state_dict(model.state_dict())
+        arrays["logits_scaled"] = torch_logits(scaled, inputs)
+    if family in ("qwen3_moe", "deepseek_v3"):
         margin = _routing_margin(model, inputs)
         assert margin > 1e-3, margin
+        extra = f", routing margin {margin:.3g}"
+    if family == "qwen3_moe":
         for m in model.modules():
             if type(m).__name__ == "Qwen3MoeSparseMoeBlock":
                 m.norm_topk_prob = False
         arrays["logits_unnormalised"] = torch_logits(model, inputs)
-        extra = f", routing margin {margin:.3g}"
     np.savez(out / "logits.npz", **arrays)
     size = sum(p.stat().st_size for p in out.iterdir())
     print(
@@ -197,7 +242,7 @@ def check(out: pathlib.Path) -> None:
         d = out / case
         fields = json.loads((d / "config.json").read_text())
         cls = getattr(tf, CLASSES[fields["model_type"]])
-        eager = {"attn_implementation": "eager"} if fields["model_type"] == "gemma2" else {}  # as in `_config`
+        eager = {"attn_implementation": "eager"} if fields["model_type"] in EAGER else {}  # as in `_config`
         model, info = cls.from_pretrained(d, output_loading_info=True, **eager)
         model = model.float().eval()
         unexpected, missing = info["unexpected_keys"], [k for k in info["missing_keys"] if "lm_head" not in k]

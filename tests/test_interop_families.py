@@ -20,10 +20,13 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
+from jaxformer.config import RopeScalingConfig
 from jaxformer.interop import hf
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma2")
+SCALED = {"qwen3": dict(kind="yarn", factor=4.0, original_max_len=8, beta_fast=8.0, beta_slow=2.0),
+          "gemma3_text": dict(kind="linear", factor=8.0, layers="global")}  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,6 +54,8 @@ def imported():
     ids = refs["qwen2"]["input_ids"]
     assert all(np.array_equal(r["input_ids"], ids) for r in refs.values())
     models["gemma3_text_xla"] = hf.load_hf(GOLDEN / "gemma3_text", attention_impl="xla")  # local_window_size
+    for f, scaling in SCALED.items():  # the same weights, RoPE scaled (make_family_golden.py's SCALED)
+        models[f"{f}_scaled"] = hf.load_hf(GOLDEN / f, rope_scaling=RopeScalingConfig(**scaling))
 
     def run(ms, ids):
         logits = {k: m(ids) for k, m in ms.items()}
@@ -76,7 +81,8 @@ def test_imported_models_give_transformers_logits(imported):
     3 positions of 8, layer 1 global, each its RoPE base; sandwich norms of (1 + w), logits soft-capped)
     and Gemma 2 (the same with one RoPE base, no QK-norm, attention logits soft-capped at 2) within 1e-5 of
     transformers' float32 logits, unrolled and scanned; Gemma 3 also through XLA's fused attention (the
-    window as local_window_size) and decoded over its cache one token a step."""
+    window as local_window_size) and decoded over its cache one token a step; Qwen 3 with yarn RoPE scaling
+    and Gemma 3 with linear scaling of its global layer's RoPE, as transformers scales the same weights."""
     models, logits, refs = imported
     cfg = {f: models[f].cfg for f in FAMILIES}
     assert cfg["qwen2"].qkv_bias and not cfg["qwen2"].use_bias and not cfg["qwen2"].qk_norm
@@ -96,6 +102,9 @@ def test_imported_models_give_transformers_logits(imported):
     unnormalised = refs["qwen3_moe"]["logits_unnormalised"]
     np.testing.assert_allclose(logits["qwen3_moe_unnormalised"], unnormalised, atol=1e-5, rtol=0)
     assert np.abs(unnormalised - refs["qwen3_moe"]["logits"]).max() > 0.01  # the two routers differ here
+    for f in SCALED:  # RoPE scaling: Qwen 3's yarn on every layer, Gemma 3's linear on its global layer alone
+        np.testing.assert_allclose(logits[f"{f}_scaled"], refs[f]["logits_scaled"], atol=1e-5, rtol=0, err_msg=f)
+        assert np.abs(refs[f]["logits_scaled"] - refs[f]["logits"]).max() > 0.1  # the scaling shows
 
 
 def test_save_hf_writes_back_the_checkpoint(imported, tmp_path):
@@ -128,7 +137,12 @@ def _golden_config(name: str) -> dict:
 REFUSED = [  # (golden, config.json changes, the message naming the field)
     ("qwen2", {"use_sliding_window": True, "sliding_window": 4}, r"use_sliding_window=True is not supported"),
     ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types \['full_attention', 'sliding"),
-    ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_scaling=\{'rope_type': 'yarn'"),
+    ("qwen2", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, r"rope_scaling=\{'rope_type': 'dynamic'"),
+    ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 1.0}},
+     r"rope_scaling\.mscale_all_dim=1\.0 is not supported: jaxformer scales the attention logits by it"),
+    ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "truncate": False}},
+     r"rope_scaling\.truncate=False is not supported for yarn"),
+    ("qwen3", {"rope_scaling": {"rope_type": "linear", "factor": 0.5}}, r"model\.rope_scaling\.factor: must be >= 1"),
     ("qwen3", {"attention_bias": True}, r"attention_bias=True is not supported"),
     ("qwen3", {"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported"),
     ("qwen3_moe", {"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\] is not supported"),
@@ -139,7 +153,8 @@ REFUSED = [  # (golden, config.json changes, the message naming the field)
      r"layer_types=\['full_attention', 'sliding_attention'\] is not supported: jaxformer places a global layer"),
     ("gemma3_text", {"layer_types": ["sliding_attention"]}, r"layer_types=\['sliding_attention'\] must list"),
     ("gemma3_text", {"attn_logit_softcapping": 50.0}, r"attn_logit_softcapping=50\.0 is not supported"),
-    ("gemma3_text", {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, r"rope_scaling=\{'rope_type': 'linear'"),
+    ("gemma3_text", {"rope_scaling": {"rope_type": "longrope", "factor": 8.0}}, r"rope_scaling=\{'rope_type': 'long"),
+    ("gemma2", {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, r"rope_scaling=\{'rope_type': 'linear'"),
     ("gemma3_text", {"hidden_activation": "gelu"}, r"hidden_activation='gelu' is not supported"),
     ("gemma3_text", {"use_bidirectional_attention": True}, r"use_bidirectional_attention=True is not supported"),
     ("gemma3_text", {"sliding_window": 0}, r"sliding_window=0 must be a positive number of positions"),
