@@ -12,7 +12,13 @@ of 2 sparse (decoder_sparse_step 2: layer 0 a dense feed-forward), 8 experts of 
 renormalised (norm_topk_prob), and in `logits_unnormalised` the same model with norm_topk_prob off;
 Gemma 3: layer 0 local over a window of 3 positions (RoPE base 10000), layer 1 global (RoPE base
 10^6), head dim 16, query_pre_attn_scalar 24, final logits soft-capped at 5, tied embeddings; Gemma 2:
-the same layers with one RoPE base, no QK-norm, attention logits soft-capped at 2 (where a cap bites).
+the same layers with one RoPE base, no QK-norm, attention logits soft-capped at 2 (where a cap bites);
+Qwen 3 and Gemma 3 also `logits_scaled`, the same weights with a RoPE scaling (`SCALED`). DeepSeek-V3:
+3 layers, multi-head latent attention (q_lora_rank 24, kv_lora_rank 16, rope 8 interleaved, nope 16,
+v 12 per head, 4 heads), yarn RoPE scaling (factor 4 over 8 trained positions, mscale 1 against
+mscale_all_dim 0.707), layer 0 dense (d_ff 48), layers 1-2 top-2 of 8 experts of width 8 by sigmoid
+scores in 4 groups of 2 (2 groups a token), a random balance bias, renormalised and times 2.5, one
+shared expert.
 Every parameter is drawn at a scale where the routing is decided by clear margins (checked), so the
 two implementations choose the same experts. Seeded: a rerun writes the same numbers.
 
