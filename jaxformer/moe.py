@@ -38,6 +38,14 @@ Array = jax.Array
 RouterOrder = Literal["softmax_topk", "topk_softmax"]
 
 
+class RouterBias(nnx.Param):
+    """DeepSeek-V3's balance bias [E] of a sigmoid router (Hugging Face `e_score_correction_bias`): added
+    to the scores that choose the experts, never to the weights. Not trained by the gradient (it has
+    none: it moves only a top-k's choice) but by the train step's balancing rule (`balance_biases`);
+    a `Param` so that it lives in the parameters' state, the checkpoint and the weight maps, like
+    `lora.QuantScale`."""
+
+
 # ----------------------------------------------------------------------------- routing
 
 
@@ -70,6 +78,73 @@ def route(logits_ME: Array, k: int, order: RouterOrder = "softmax_topk") -> tupl
     else:
         raise ValueError(f"router order {order!r} is not 'softmax_topk' or 'topk_softmax'")
     return weights_MA, experts_MA.astype(jnp.int32), probs_ME
+
+
+def route_sigmoid(
+    logits_ME: Array,
+    bias_E: Array,
+    k: int,
+    *,
+    num_groups: int = 1,
+    groups_per_token: int = 1,
+    normalize: bool = True,
+    scaling: float = 1.0,
+) -> tuple[Array, Array, Array]:
+    """DeepSeek-V3's router (Hugging Face `DeepseekV3TopkRouter`): scores s = sigmoid(logits); the k
+    experts of the largest s + bias; their weights the chosen s themselves (the bias steers the choice
+    alone), divided by their sum (+1e-20) when `normalize`, times `scaling`.
+
+    Group-limited: the E experts fall in `num_groups` groups of consecutive experts, a group scored by
+    the sum of its two largest biased scores; the experts outside a token's best `groups_per_token`
+    groups have their biased score set to 0.0 before the top-k (as Hugging Face masks them: with a
+    negative bias a masked expert can still outrank a kept one).
+
+    Args:
+        logits_ME: router logits [..., E].
+        bias_E: [E] the balance bias (`RouterBias`).
+        k: A, experts per token.
+        num_groups: groups of experts (1: plain top-k).
+        groups_per_token: groups a token may choose from.
+        normalize: divide the k weights by their sum.
+        scaling: multiply the weights by this.
+
+    Returns:
+        (weights [..., A] float32, experts [..., A] int32, probs [..., E] float32: the scores normalised
+        to sum to 1, which the load-balancing loss and the router entropy read).
+    """
+    scores_ME = jax.nn.sigmoid(logits_ME.astype(jnp.float32))
+    bias_E = jax.lax.stop_gradient(bias_E.astype(jnp.float32))
+    choice_ME = scores_ME + bias_E.reshape((1,) * (scores_ME.ndim - 1) + bias_E.shape)
+    if num_groups > 1:
+        E = choice_ME.shape[-1]
+        grouped = choice_ME.reshape(*choice_ME.shape[:-1], num_groups, E // num_groups)
+        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [..., G]
+        _, best = jax.lax.top_k(group_score, groups_per_token)
+        keep_G = jax.nn.one_hot(best, num_groups, dtype=jnp.bool_).any(-2)  # [..., G]
+        keep_ME = jnp.repeat(keep_G, E // num_groups, axis=-1)
+        choice_ME = jnp.where(keep_ME, choice_ME, 0.0)
+    _, experts_MA = jax.lax.top_k(choice_ME, k)
+    weights_MA = jnp.take_along_axis(scores_ME, experts_MA, axis=-1)
+    if normalize:
+        weights_MA = weights_MA / (weights_MA.sum(-1, keepdims=True) + 1e-20)
+    probs_ME = scores_ME / scores_ME.sum(-1, keepdims=True)
+    return weights_MA * scaling, experts_MA.astype(jnp.int32), probs_ME
+
+
+def balance_biases(bias_LE: Array, load_LE: Array, rate: float) -> Array:
+    """DeepSeek-V3's auxiliary-loss-free balancing (section 2.1.2): each layer's bias moves by `rate`
+    towards its under-loaded experts, bias_e + rate * sign(mean_e load - load_e).
+
+    Args:
+        bias_LE: [..., E] the routers' biases.
+        load_LE: [..., E] the tokens each expert was sent in the step (all micro-batches and shards).
+        rate: the update speed (`model.moe.balance_rate`).
+
+    Returns:
+        [..., E] the new biases.
+    """
+    load_LE = load_LE.astype(jnp.float32)
+    return bias_LE + rate * jnp.sign(load_LE.mean(-1, keepdims=True) - load_LE)
 
 
 def _live_or_ones(live_M: Array | None, shape: tuple[int, ...]) -> Array:
@@ -578,6 +653,9 @@ class MoEFeedForward(nnx.Module):
         # Switch's router initialisation: truncated normal of variance 0.1 / D (small logits, near-uniform start).
         self.router = param(rngs, nnx.initializers.variance_scaling(0.1, "fan_in", "truncated_normal"), (D, E),
                             ("embed", None))  # fmt: skip
+        if moe.router == "sigmoid_topk":  # the balance bias: zeros, moved by the train step, not the gradient
+            zeros = nnx.with_partitioning(nnx.initializers.zeros, (None,), eager_sharding=False)
+            self.router_bias = RouterBias(zeros(rngs.params(), (E,), jnp.float32))
         kernel = nnx.initializers.xavier_uniform(in_axis=-2, out_axis=-1, batch_axis=(0,))  # per expert
         self.wi = param(rngs, kernel, (E, D, Fw), ("expert", "embed", "mlp"))
         if self.gated:
@@ -633,7 +711,13 @@ class MoEFeedForward(nnx.Module):
             noise_rng = jax.random.fold_in(dropout_rng, 0x6E6F6973)
             x_router_BTD = x_router_BTD * jax.random.uniform(noise_rng, x_BTD.shape, jnp.float32, 1 - eps, 1 + eps)
         logits_BTE = jnp.einsum("BTD,DE->BTE", x_router_BTD, self.router[...])
-        weights_BTA, experts_BTA, probs_BTE = route(logits_BTE, k, moe.router)
+        if moe.router == "sigmoid_topk":
+            weights_BTA, experts_BTA, probs_BTE = route_sigmoid(
+                logits_BTE, self.router_bias[...], k, num_groups=moe.num_groups,
+                groups_per_token=moe.groups_per_token, normalize=moe.normalize_topk, scaling=moe.routed_scaling,
+            )  # fmt: skip
+        else:
+            weights_BTA, experts_BTA, probs_BTE = route(logits_BTE, k, moe.router)
         aux = {
             "router_z_loss": router_z_loss(logits_BTE, live_BT),
             "load_balance_loss": load_balance_loss(probs_BTE, experts_BTA, live_BT),

@@ -29,8 +29,22 @@ class MoEConfig:
     decoder_every: int | None = None  # the decoder's own (a decoder-only model's stack); None = every, 0 = none
     decoder_offset: int | None = None  # decoder layer i is MoE when i % decoder_every == this; None = period - 1
     # softmax_topk: top-k of the softmax probabilities, kept as they are (Switch, GShard);
-    # topk_softmax: softmax over the k largest logits (Mixtral)
-    router: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
+    # topk_softmax: softmax over the k largest logits (Mixtral); sigmoid_topk (DeepSeek-V3): sigmoid
+    # scores, the k chosen by score + a balance bias (`router_bias`), weighted by their unbiased scores
+    router: Literal["softmax_topk", "topk_softmax", "sigmoid_topk"] = "softmax_topk"
+    normalize_topk: bool = True  # sigmoid_topk: the k weights divided by their sum (HF norm_topk_prob)
+    routed_scaling: float = 1.0  # sigmoid_topk: the weights times this (HF routed_scaling_factor; V3: 2.5)
+    # sigmoid_topk, group-limited top-k (HF n_group, topk_group; V3: 8, 4): the experts in num_groups
+    # groups, a group scored by the sum of its two best biased scores; a token chooses among the experts
+    # of its best groups_per_token groups alone (in DeepSeek-V3: at most 4 nodes per token)
+    num_groups: int = 1
+    groups_per_token: int = 1  # the best groups a token may choose its experts from (HF topk_group)
+    # sigmoid_topk, aux-loss-free balancing (DeepSeek-V3 2.1.2; V3: 1e-3): after each optimizer step each
+    # MoE layer's bias_e += balance_rate * sign(mean load - load_e), load = the step's tokens sent to e
+    balance_rate: float = 0.0
+    # the first k layers of each MoE stack are dense FFNs of model.d_ff (HF first_k_dense_replace; V3: 3);
+    # `every`/offsets still count from layer 0: layer i is MoE when i >= first_dense and the pattern says so
+    first_dense: int = 0
     # 0 = dropless (tokens sorted by expert, a grouped matmul); > 0: each expert takes at most
     # ceil(capacity_factor * T * k / E) tokens of a row, the rest skip the FFN (Switch: 1.25)
     capacity_factor: float = 0.0
@@ -80,11 +94,51 @@ class MoEConfig:
             "capacity: give one (the other 0)",
         )
         require(0 <= self.router_noise < 1, f"{p}.router_noise", f"must be in [0, 1), got {self.router_noise}")
+        require(self.first_dense >= 0, f"{p}.first_dense", f"must be >= 0, got {self.first_dense}")
+        require(
+            0 < self.routed_scaling < math.inf, f"{p}.routed_scaling", f"must be positive, got {self.routed_scaling}"
+        )
+        require(
+            0 <= self.balance_rate < math.inf, f"{p}.balance_rate", f"must be >= 0 (0 = off), got {self.balance_rate}"
+        )
+        require(self.num_groups >= 1, f"{p}.num_groups", f"must be >= 1, got {self.num_groups}")
+        require(
+            1 <= self.groups_per_token <= self.num_groups,
+            f"{p}.groups_per_token",
+            f"must be in [1, num_groups={self.num_groups}], got {self.groups_per_token}",
+        )
+        if self.router != "sigmoid_topk":  # DeepSeek-V3's routing options mean nothing to a softmax router
+            for name, off in (("normalize_topk", True), ("routed_scaling", 1.0), ("num_groups", 1),
+                              ("balance_rate", 0.0)):  # fmt: skip
+                require(
+                    getattr(self, name) == off,
+                    f"{p}.{name}",
+                    f"belongs to router='sigmoid_topk' (DeepSeek-V3), not router={self.router!r}",
+                )
         if self.num_experts:
             require(
                 1 <= self.experts_per_token <= self.num_experts,
                 f"{p}.experts_per_token",
                 f"must be in [1, num_experts={self.num_experts}], got {self.experts_per_token}",
+            )
+            G = self.num_groups
+            require(
+                self.num_experts % G == 0,
+                f"{p}.num_groups",
+                f"num_groups={G} does not divide num_experts={self.num_experts}",
+            )
+            per_group = self.num_experts // G
+            require(
+                G == 1 or per_group >= 2,
+                f"{p}.num_groups",
+                f"a group is scored by its two best experts: num_experts={self.num_experts} / num_groups={G} "
+                f"leaves {per_group}",
+            )
+            require(
+                self.experts_per_token <= self.groups_per_token * per_group,
+                f"{p}.experts_per_token",
+                f"{self.experts_per_token} experts cannot be chosen from groups_per_token={self.groups_per_token} "
+                f"groups of {per_group}",
             )
 
     @property
@@ -118,7 +172,7 @@ class MoEConfig:
             True for an MoE layer.
         """
         every, offset = self.layout(stack)
-        return every > 0 and index % every == offset
+        return every > 0 and index >= self.first_dense and index % every == offset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +261,9 @@ class ModelConfig:
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)  # mixture of experts (num_experts=0: dense)
     # RoPE's frequencies stretched past the trained length (linear, yarn, llama3; kind="none": plain RoPE)
     rope_scaling: RopeScalingConfig = dataclasses.field(default_factory=RopeScalingConfig)
+    # multi-token prediction (DeepSeek-V3 2.2; V3: 1): D extra modules, module k predicting token i + k + 1
+    # from module k-1's states and the embedding of token i + k; training only (train.mtp_weight), decoder_only
+    mtp_depth: int = 0
 
     def __post_init__(self):
         p = "model"
@@ -341,24 +398,41 @@ class ModelConfig:
             f"{p}.num_classes",
             "a classification head needs mode='encoder_only'",
         )
+        require(self.mtp_depth >= 0, f"{p}.mtp_depth", f"must be >= 0 (0 = none), got {self.mtp_depth}")
+        require(
+            not self.mtp_depth or self.mode == "decoder_only",
+            f"{p}.mtp_depth",
+            f"multi-token prediction extends a causal language model: needs mode='decoder_only', not {self.mode!r}",
+        )
+        for stack in self.stacks:
+            if self.moe.first_dense and self.moe.layout(stack)[0]:
+                layers = getattr(self, f"num_{stack}_layers")
+                require(
+                    self.moe.first_dense < layers,
+                    f"{p}.moe.first_dense",
+                    f"first_dense={self.moe.first_dense} leaves no MoE layer in the {stack}'s {layers} layers",
+                )
         N = self.scan_block
         if self.scan_layers and self.sliding_window and self.global_every:
             require(
-                self.num_decoder_layers % N == 0,
+                (self.num_decoder_layers - self.dense_head("decoder")) % N == 0,
                 f"{p}.global_every",
                 f"global_every={self.global_every} with scan_layers=True scans blocks of {N} layers: "
-                f"{p}.num_decoder_layers={self.num_decoder_layers} is not a multiple; set scan_layers=False",
+                f"{p}.num_decoder_layers={self.num_decoder_layers} (less moe.first_dense) is not a multiple; "
+                "set scan_layers=False",
             )
         if self.scan_layers and N > 1:  # scanned in blocks of N layers: whole blocks only
             for stack in self.stacks:
                 name, own = f"num_{stack}_layers", getattr(self.moe, f"{stack}_every")
                 field, value = ("every", self.moe.every) if own is None else (f"{stack}_every", own)
                 why = "" if self.moe.layout(stack)[0] == N else " (the least common multiple of the stacks' every)"
+                head = self.dense_head(stack)
                 require(
-                    getattr(self, name) % N == 0,
+                    (getattr(self, name) - head) % N == 0,
                     f"{p}.moe.{field}",
                     f"{field}={value} with scan_layers=True scans blocks of {N} layers{why}: "
-                    f"{p}.{name}={getattr(self, name)} is not a multiple; set scan_layers=False",
+                    f"{p}.{name}={getattr(self, name)}{f' less first_dense={head}' if head else ''} is not a "
+                    "multiple; set scan_layers=False",
                 )
 
     def is_local_layer(self, index: int) -> bool:
@@ -372,6 +446,18 @@ class ModelConfig:
             True for a local (windowed) layer.
         """
         return self.sliding_window > 0 and not (self.global_every and (index + 1) % self.global_every == 0)
+
+    def dense_head(self, stack: Literal["encoder", "decoder"]) -> int:
+        """The dense layers a stack starts with (`moe.first_dense`), which a scanned stack runs unrolled
+        before its scanned blocks; 0 when the stack has no MoE layer.
+
+        Args:
+            stack: "encoder" or "decoder".
+
+        Returns:
+            The number of leading dense layers.
+        """
+        return self.moe.first_dense if self.moe.layout(stack)[0] else 0
 
     @property
     def logits_scale(self) -> float | None:

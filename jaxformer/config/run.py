@@ -122,6 +122,7 @@ class Config:
         )
         self._check_tokenizer()
         self._check_lora()
+        self._check_deepseek()
         if self.grpo.enabled:
             check_grpo(self)
         m = self.mesh
@@ -161,6 +162,26 @@ class Config:
                 "data.src_max_len",
                 f"data.src_max_len={d.src_len} exceeds model.max_len={self.model.max_len}",
             )
+
+    def _check_deepseek(self) -> None:
+        """Multi-token prediction trains a language model's extra modules; the balance bias is state the
+        full train step updates."""
+        model, t = self.model, self.train
+        require(
+            not t.mtp_weight or model.mtp_depth,
+            "train.mtp_weight",
+            f"mtp_weight={t.mtp_weight} weighs the multi-token prediction loss: set model.mtp_depth > 0",
+        )
+        require(
+            not model.mtp_depth or t.objective == "lm",
+            "model.mtp_depth",
+            f"multi-token prediction is a language-model loss: objective 'lm', not {t.objective!r}",
+        )
+        require(
+            not (model.moe.enabled and model.moe.balance_rate and self.lora.enabled),
+            "model.moe.balance_rate",
+            "LoRA trains adapters alone: the routers' balance bias is part of the frozen base",
+        )
 
     def _check_preference(self) -> None:
         """What preference pairs need of the data and mesh (`jaxformer.post_train`)."""
@@ -234,7 +255,8 @@ class Config:
                     f"'1f1b' runs the token loss per micro-batch: objective={t.objective!r} needs 'gpipe'")  # fmt: skip
         for field, on in (("mesh.context", m.context > 1), ("mesh.expert", m.expert != 1),
                           ("model.moe", model.moe.enabled), ("lora.rank", self.lora.enabled),
-                          ("train.objective", t.objective == "preference")):  # fmt: skip
+                          ("train.objective", t.objective == "preference"),
+                          ("model.mtp_depth", model.mtp_depth > 0)):  # fmt: skip
             require(not on, field, f"mesh.stage={m.stage}: pipelining does not compose with {field} (yet): "
                     "the pipeline supports the data, fsdp and tensor axes and dense layers")  # fmt: skip
 

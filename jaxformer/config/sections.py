@@ -33,6 +33,9 @@ class TrainConfig:
     clip_norm: float = 1.0  # global gradient-norm clipping; 0 disables
     label_smoothing: float = 0.0  # paper: 0.1
     z_loss: float = 0.0  # weight of log(Z)^2 on the softmax normaliser Z, keeps logits from drifting (PaLM: 1e-4)
+    # lambda of multi-token prediction (model.mtp_depth; DeepSeek-V3: 0.3, then 0.1): the loss adds
+    # mtp_weight / depth * the sum over the depth's modules of their cross-entropy
+    mtp_weight: float = 0.0
     # The token loss (lm, seq2seq, mlm) a chunk of positions at a time: each chunk's logits are made, used
     # and dropped (and remade in the backward pass), so the whole [B, T, V] never exists; the same loss and
     # gradients for a little more time (the output layer's FLOPs x 4/3). loss_chunk: tokens per chunk on
@@ -84,6 +87,7 @@ class TrainConfig:
         require(0 < self.eps < math.inf, f"{p}.eps", f"must be positive, got {self.eps}")
         require(self.warmup_steps >= 0, f"{p}.warmup_steps", "must be >= 0")
         require(0 <= self.label_smoothing < 1, f"{p}.label_smoothing", "must be in [0, 1)")
+        require(0 <= self.mtp_weight < math.inf, f"{p}.mtp_weight", f"must be >= 0, got {self.mtp_weight}")
         require(
             self.loss_chunk == "auto" or self.loss_chunk >= 0,
             f"{p}.loss_chunk",
