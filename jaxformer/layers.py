@@ -26,6 +26,7 @@ from jaxformer import moe as M
 from jaxformer import pipeline, pipeline_1f1b, quant
 from jaxformer.attention.cache import CACHE  # noqa: F401  (re-exported)
 from jaxformer.attention.layer import MultiHeadAttention
+from jaxformer.attention.mla_layer import MultiHeadLatentAttention
 from jaxformer.config import ModelConfig
 from jaxformer.projections import adapted, project
 from jaxformer.sharding import constrain, param
@@ -378,6 +379,22 @@ def _ffn_sublayer(layer: nnx.Module, x_BTD: Array, mask, r_ffn: Array | None) ->
     return layer.ffn_res(x_BTD, lambda h_BTD: layer.ffn(h_BTD, r_ffn, live_BT), r_ffn, has_aux=True)
 
 
+def self_attention(cfg: ModelConfig, *, window: int = 0, rngs: nnx.Rngs) -> nnx.Module:
+    """A layer's self-attention: latent attention with `model.mla`, else `MultiHeadAttention`.
+
+    Args:
+        cfg: the model's config.
+        window: a local layer's sliding window (0: none; `model.mla` refuses one).
+        rngs: the initialisation keys.
+
+    Returns:
+        The attention module.
+    """
+    if cfg.mla.enabled:
+        return MultiHeadLatentAttention(cfg, rngs=rngs)
+    return MultiHeadAttention(cfg, window=window, rngs=rngs)
+
+
 class EncoderLayer(nnx.Module):
     """Self-attention then feed-forward (dense, or a mixture of experts with `moe`), each wrapped in `Residual`.
 
@@ -388,7 +405,7 @@ class EncoderLayer(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, moe: bool = False, rngs: nnx.Rngs):
-        self.self_attn = MultiHeadAttention(cfg, rngs=rngs)
+        self.self_attn = self_attention(cfg, rngs=rngs)
         self.self_attn_res = Residual(cfg, rngs=rngs)
         self.ffn = feed_forward(cfg, moe, rngs, causal=False)  # bidirectional: GShard's order of service
         self.ffn_res = Residual(cfg, rngs=rngs)
@@ -438,7 +455,7 @@ class DecoderLayer(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, cross: bool, moe: bool = False, local: bool = False, rngs: nnx.Rngs):
-        self.self_attn = MultiHeadAttention(cfg, window=cfg.sliding_window if local else 0, rngs=rngs)
+        self.self_attn = self_attention(cfg, window=cfg.sliding_window if local else 0, rngs=rngs)
         self.self_attn_res = Residual(cfg, rngs=rngs)
         if cross:
             self.cross_attn = MultiHeadAttention(cfg, cross=True, rngs=rngs)

@@ -40,7 +40,9 @@ from jaxformer.config import ConfigError, MeshConfig
 
 MESH_AXES = ("stage", "data", "fsdp", "expert", "tensor", "context")
 """The mesh's axes, in its order."""
-LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layers", "expert", "expert_batch")
+LOGICAL_AXES = (
+    "batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layers", "expert", "expert_batch", "latent"
+)  # fmt: skip
 """The names parameters and activations give their dimensions; the rules map them to mesh axes."""
 BATCH = ("data", "fsdp", "expert")  # the global batch is split over every axis that is not tensor parallel
 
@@ -51,6 +53,9 @@ BATCH = ("data", "fsdp", "expert")  # the global batch is split over every axis 
 # Activations' sequence axis (`length`) is on `context`. An axis of size 1 (the default for both)
 # changes nothing.
 EXPERT = (("expert", "expert"), ("expert_batch", ("data", "fsdp")))
+# Latent attention's up-projections [C, H, K] (`model.mla`): their latent axis C is FSDP's to split (their
+# input axis is not `embed`), the heads tensor parallelism's; the down-projections [D, C] split on `embed`.
+LATENT = (("latent", "fsdp"),)
 CP = (("length", "context"),)
 # Pipeline stages (mesh.stage > 1): a scanned stack's leading `layers` axis is split over `stage`, each
 # stage holding a contiguous run of layers (`jaxformer.pipeline`); without stages (`rules_for`) it is
@@ -58,11 +63,12 @@ CP = (("length", "context"),)
 PP = (("layers", "stage"),)
 RULES = {
     "dp": (("batch", BATCH), *EXPERT, *CP, *PP),
-    "fsdp": (("batch", BATCH), ("embed", "fsdp"), *EXPERT, *CP, *PP),
+    "fsdp": (("batch", BATCH), ("embed", "fsdp"), *LATENT, *EXPERT, *CP, *PP),
     "tp": (("batch", BATCH), ("heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"), *EXPERT, *CP, *PP),
     "fsdp_tp": (
         ("batch", BATCH),
         ("embed", "fsdp"),
+        *LATENT,
         ("heads", "tensor"),
         ("mlp", "tensor"),
         ("vocab", "tensor"),

@@ -221,7 +221,10 @@ class TransformerStack(nnx.Module):
         x_BTD = self.embed_inputs(ids_BT, positions_BT, None)
         first, B = cache[0]["self"], ids_BT.shape[0]
         paged = "table" in first  # a paged cache: each row's P pages of `page` slots
-        S = first["table"].shape[1] * first["k"].shape[1] if paged else first["k"].shape[2]
+        if paged:
+            S = first["table"].shape[1] * first["k"].shape[1]
+        else:  # a KV cache [B, G, S, K], or latent attention's {"c": [B, S, C], ...}
+            S = first["k"].shape[2] if "k" in first else first["c"].shape[1]
         slots_BS = jnp.broadcast_to(jnp.arange(S), (B, S))
         layer_inputs |= self.position_bias(positions_BT, slots_BS)  # slot s holds position s
         x_BTD, cache = self.stack.extend(x_BTD, cache, mask=mask, positions_BT=positions_BT, **layer_inputs)

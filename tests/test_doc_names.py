@@ -41,6 +41,7 @@ def _fields(cls) -> set[str]:
 FILE_ENDINGS = {"py", "json", "jsonl", "md", "txt", "yaml", "toml"}
 SECTIONS = {f.name: _fields(getattr(C, f.type)) for f in dataclasses.fields(C.Config)}
 SECTIONS["moe"] = _fields(C.MoEConfig)
+SECTIONS["mla"] = _fields(C.MLAConfig)
 
 
 def resolve(dotted: str):

@@ -28,7 +28,7 @@ CONFIG_SECTION = (
 )
 SECTIONS = {  # module of jaxformer.config -> the sections it defines
     "run": "Config",
-    "architecture": "ModelConfig MoEConfig",
+    "architecture": "ModelConfig MoEConfig MLAConfig",
     "sections": "TrainConfig DataConfig CheckpointConfig DecodeConfig MeshConfig",
     "lora": "LoRAConfig",
     "preference": "PreferenceConfig",

@@ -7,7 +7,7 @@ Every name of the modules below is importable from `jaxformer.config` itself (`f
 import Config, ModelConfig, load_experiment`); each module holds one concern:
 
 - `base`: ConfigError, `require`, each field's value checked against its annotation, "did you mean"
-- `architecture`: the model section (ModelConfig) and its mixture of experts (MoEConfig)
+- `architecture`: the model section (ModelConfig), its mixture of experts (MoEConfig) and latent attention (MLAConfig)
 - `rope`: RoPE scaling (RopeScalingConfig, `model.rope_scaling`: linear, yarn, llama3) and yarn_mscale
 - `presets`: the published shapes (paper_base, paper_big, bert_base, gpt2_small, bart_base, t5_small,
   t5_v1_1_small, llama, tiny, PRESETS)
@@ -23,7 +23,7 @@ import Config, ModelConfig, load_experiment`); each module holds one concern:
   apply_section_overrides)
 """
 
-from jaxformer.config.architecture import MODES, ModelConfig, MoEConfig
+from jaxformer.config.architecture import MODES, MLAConfig, ModelConfig, MoEConfig
 from jaxformer.config.base import ConfigError, check_field_types, did_you_mean, require
 from jaxformer.config.engine import EngineConfig
 from jaxformer.config.files import call_file, from_dict, load_experiment, read_config
@@ -87,6 +87,7 @@ __all__ = [
     "EngineConfig",
     "GRPOConfig",
     "LoRAConfig",
+    "MLAConfig",
     "MeshConfig",
     "MoEConfig",
     "ModelConfig",

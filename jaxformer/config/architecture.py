@@ -1,5 +1,5 @@
-"""The model's architecture: ModelConfig (the `model` section) and its mixture of experts, MoEConfig
-(`model.moe`): what the layers are built from."""
+"""The model's architecture: ModelConfig (the `model` section), its mixture of experts, MoEConfig
+(`model.moe`), and its multi-head latent attention, MLAConfig (`model.mla`): what the layers are built from."""
 
 from __future__ import annotations
 
@@ -176,6 +176,49 @@ class MoEConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2, V3): keys and values come per head from a latent of C
+    = `kv_lora_rank` dims, which is what decoding caches (with the R rope dims of the key, shared by
+    the heads), instead of 2 * H * K values per token. kv_lora_rank=0 (the default) is ordinary attention.
+
+    Overridden as `--set model.mla.kv_lora_rank=512`.
+    """
+
+    kv_lora_rank: int = 0  # C, the cached latent's width (DeepSeek-V3: 512); 0 = MLA off
+    q_lora_rank: int = 0  # Cq, the queries' low-rank width (V3: 1536); 0 = queries straight from D (V2-Lite)
+    rope_head_dim: int = 64  # R, decoupled RoPE dims per head; the key's R computed once for all heads
+    nope_head_dim: int = 128  # query and key dims per head that carry no position
+    v_head_dim: int = 128  # value dims per head
+
+    def __post_init__(self):
+        p = "model.mla"
+        check_field_types(self, p)
+        for name in ("kv_lora_rank", "q_lora_rank"):
+            value = getattr(self, name)
+            require(value >= 0, f"{p}.{name}", f"must be >= 0 (0 = off), got {value}")
+        for name in ("rope_head_dim", "nope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            require(value > 0, f"{p}.{name}", f"must be positive, got {value}")
+        require(
+            self.rope_head_dim % 2 == 0, f"{p}.rope_head_dim", f"RoPE needs an even width, got {self.rope_head_dim}"
+        )
+        require(
+            not self.q_lora_rank or self.kv_lora_rank,
+            f"{p}.q_lora_rank",
+            f"compresses MLA's queries: set kv_lora_rank too (got q_lora_rank={self.q_lora_rank}, kv_lora_rank=0)",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Each head's query and key width, nope_head_dim + rope_head_dim."""
+        return self.nope_head_dim + self.rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Transformer in one of three modes.
 
@@ -264,19 +307,17 @@ class ModelConfig:
     # multi-token prediction (DeepSeek-V3 2.2; V3: 1): D extra modules, module k predicting token i + k + 1
     # from module k-1's states and the embedding of token i + k; training only (train.mtp_weight), decoder_only
     mtp_depth: int = 0
+    mla: MLAConfig = dataclasses.field(default_factory=MLAConfig)  # latent attention (kv_lora_rank=0: off)
 
     def __post_init__(self):
         p = "model"
-        if isinstance(self.moe, dict):  # JSON (a saved config) gives the section as an object
-            known = {f.name for f in dataclasses.fields(MoEConfig)}
-            for key in self.moe:
-                require(key in known, f"{p}.moe.{key}", f"unknown field (known: {', '.join(sorted(known))})")
-            object.__setattr__(self, "moe", MoEConfig(**self.moe))
-        if isinstance(self.rope_scaling, dict):  # the same for model.rope_scaling
-            known = {f.name for f in dataclasses.fields(RopeScalingConfig)}
-            for key in self.rope_scaling:
-                require(key in known, f"{p}.rope_scaling.{key}", f"unknown field (known: {', '.join(sorted(known))})")
-            object.__setattr__(self, "rope_scaling", RopeScalingConfig(**self.rope_scaling))
+        for name, cls in (("moe", MoEConfig), ("mla", MLAConfig), ("rope_scaling", RopeScalingConfig)):
+            section = getattr(self, name)
+            if isinstance(section, dict):  # JSON (a saved config) gives the section as an object
+                known = {f.name for f in dataclasses.fields(cls)}
+                for key in section:
+                    require(key in known, f"{p}.{name}.{key}", f"unknown field (known: {', '.join(sorted(known))})")
+                object.__setattr__(self, name, cls(**section))
         check_field_types(self, p)
         for name in ("vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
             require(getattr(self, name) > 0, f"{p}.{name}", f"must be positive, got {getattr(self, name)}")
@@ -412,6 +453,8 @@ class ModelConfig:
                     f"{p}.moe.first_dense",
                     f"first_dense={self.moe.first_dense} leaves no MoE layer in the {stack}'s {layers} layers",
                 )
+        if self.mla.enabled:
+            self._check_mla()
         N = self.scan_block
         if self.scan_layers and self.sliding_window and self.global_every:
             require(
@@ -434,6 +477,29 @@ class ModelConfig:
                     f"{p}.{name}={getattr(self, name)}{f' less first_dense={head}' if head else ''} is not a "
                     "multiple; set scan_layers=False",
                 )
+
+    def _check_mla(self) -> None:
+        """What latent attention (`model.mla`) takes: its own RoPE dims, no biases or norms on q, k, v."""
+        p = "model"
+        refusals = (
+            (
+                "position",
+                self.position != "rope",
+                f"MLA's decoupled dims are rotary: needs 'rope', not {self.position!r}",
+            ),
+            ("use_bias", self.use_bias, "MLA's projections have no biases (DeepSeek): set use_bias=False"),
+            ("qkv_bias", self.qkv_bias, "MLA's projections have no biases"),
+            ("qk_norm", self.qk_norm, "MLA normalises its latents (q_norm, kv_norm), not each head's q and k"),
+            ("sliding_window", self.sliding_window > 0, "MLA attends over the whole causal prefix (no window yet)"),
+            ("attention_softcap", self.attention_softcap > 0, "MLA's logits are not soft-capped (yet)"),
+            (
+                "num_kv_heads",
+                self.num_kv_heads not in (None, self.num_heads),
+                "MLA's keys and values come per head from the latent: leave num_kv_heads unset",
+            ),
+        )
+        for name, refused, why in refusals:
+            require(not refused, f"{p}.{name}", f"{why} (model.mla.kv_lora_rank={self.mla.kv_lora_rank})")
 
     def is_local_layer(self, index: int) -> bool:
         """Whether decoder layer `index` (from 0) attends over a sliding window (`sliding_window`,
