@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -546,30 +547,43 @@ class LayerStack(nnx.Module):
     N layers (N - 1 dense and the MoE one, at the stack's offset; `ModelConfig.scan_block`, the least
     common multiple of the stacks' N when they differ): `layers` is then a list of N stacks, the j-th
     holding layer j of every block [L / N, ...] (layer i is block i // N, position i % N), and the scan
-    runs over blocks. The statistics of the MoE layers, one row per
+    runs over blocks. A stack that starts with `head` dense layers (`model.moe.first_dense`) keeps
+    them unrolled in `dense_layers` when scanned and scans the layers after them: layer i >= head is then
+    block (i - head) // N, position (i - head) % N. The statistics of the MoE layers, one row per
     layer (`jaxformer.moe`), go to `moe.collect` at each call.
 
     Args:
         cfg: the model's config (scan_layers, remat, moe.every).
         make_layer: (rngs, i) -> layer i.
         num_layers: L.
+        head: the leading layers a scanned stack runs unrolled (its dense ones, `ModelConfig.dense_head`).
         rngs: the initialisation keys.
     """
 
     def __init__(
-        self, cfg: ModelConfig, make_layer: Callable[[nnx.Rngs, int], nnx.Module], num_layers: int, *, rngs: nnx.Rngs
+        self,
+        cfg: ModelConfig,
+        make_layer: Callable[[nnx.Rngs, int], nnx.Module],
+        num_layers: int,
+        *,
+        head: int = 0,
+        rngs: nnx.Rngs,
     ):
         self.cfg = cfg
         self.num_layers = num_layers
         self.block = cfg.scan_block if cfg.scan_layers else 1  # N layers per scanned block
         keys = jax.random.split(rngs.params(), num_layers)
+        self.head_layers = head if cfg.scan_layers else 0
         if cfg.scan_layers:
+            H = self.head_layers
+            if H:  # the dense layers before the scanned blocks, unrolled
+                self.dense_layers = nnx.List([make_layer(nnx.Rngs(params=keys[i]), i) for i in range(H)])
             make = lambda j: nnx.vmap(  # layer j of a block, once per block, from unrolled layer i's key
-                lambda k: make_layer(nnx.Rngs(params=k), j),
+                lambda k: make_layer(nnx.Rngs(params=k), H + j),
                 in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"},
             )  # fmt: skip
-            N = self.block
-            self.layers = make(0)(keys) if N == 1 else nnx.List([make(j)(keys[j::N]) for j in range(N)])
+            N, tail = self.block, keys[H:]
+            self.layers = make(0)(tail) if N == 1 else nnx.List([make(j)(tail[j::N]) for j in range(N)])
         else:
             self.layers = nnx.List([make_layer(nnx.Rngs(params=k), i) for i, k in enumerate(keys)])
 
@@ -599,19 +613,21 @@ class LayerStack(nnx.Module):
         if self.cfg.scan_layers and plan is not None and x_BTD.shape[0] % plan.microbatches == 0:
             return self._pipelined(apply, x_BTD, dropout_rng, kwargs)
         if self.cfg.scan_layers:
-            N = self.block
+            N, H = self.block, self.head_layers
+            for index in range(H):  # the dense head (no MoE statistics)
+                x_BTD, _ = apply(*nnx.split(self.dense_layers[index]), x_BTD, index, kwargs)
             splits = [nnx.split(self.layers)] if N == 1 else [nnx.split(stack) for stack in self.layers]
             graphdefs, states = [g for g, _ in splits], [s for _, s in splits]
 
-            def body(x_BTD, block):  # layers b * N .. b * N + N - 1; the MoE ones' statistics, in order
+            def body(x_BTD, block):  # layers H + b * N .. H + b * N + N - 1; the MoE ones' statistics, in order
                 states_b, b = block
                 auxes = []
                 for j in range(N):
-                    x_BTD, aux = apply(graphdefs[j], states_b[j], x_BTD, b * N + j, kwargs)
+                    x_BTD, aux = apply(graphdefs[j], states_b[j], x_BTD, H + b * N + j, kwargs)
                     auxes += [] if aux is None else [aux]
                 return x_BTD, jax.tree.map(lambda *xs: jnp.stack(xs), *auxes) if auxes else None
 
-            x_BTD, aux = jax.lax.scan(body, x_BTD, (states, jnp.arange(self.num_layers // N)))
+            x_BTD, aux = jax.lax.scan(body, x_BTD, (states, jnp.arange((self.num_layers - H) // N)))
             if aux is not None:  # the MoE layers' statistics, one row per layer: [blocks, per block] -> rows
                 M.report(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), aux))
             return x_BTD
@@ -659,12 +675,29 @@ class LayerStack(nnx.Module):
         """
         if not self.cfg.scan_layers:
             return list(self.layers)
-        N = self.block
+        N, H = self.block, self.head_layers
         splits = [nnx.split(self.layers)] if N == 1 else [nnx.split(stack) for stack in self.layers]
-        return [
+        return [self.dense_layers[i] for i in range(H)] + [
             nnx.merge(splits[i % N][0], jax.tree.map(lambda a, b=i // N: a[b], splits[i % N][1]))
-            for i in range(self.num_layers)
+            for i in range(self.num_layers - H)
         ]
+
+    def moe_rows(self) -> list[tuple[M.MoEFeedForward, np.ndarray]]:
+        """The stack's MoE feed-forwards, each with the rows its statistics take in the stack's report
+        (`moe.report`, one row per MoE layer in the order they run): a layer of an unrolled stack has
+        one row; a scanned one, stacked over B blocks, has B rows (block b's at b * per_block + m, the
+        m-th MoE layer of its block), its parameters a leading [B] axis in the same order.
+
+        Returns:
+            [(the MoE feed-forward, its rows)], in the order of the report.
+        """
+        if not self.cfg.scan_layers:
+            ffns = [layer.ffn for layer in self.layers if isinstance(layer.ffn, M.MoEFeedForward)]
+            return [(ffn, np.array([r])) for r, ffn in enumerate(ffns)]
+        stacks = [self.layers] if self.block == 1 else list(self.layers)
+        ffns = [stack.ffn for stack in stacks if isinstance(stack.ffn, M.MoEFeedForward)]
+        blocks = (self.num_layers - self.head_layers) // self.block
+        return [(ffn, m + len(ffns) * np.arange(blocks)) for m, ffn in enumerate(ffns)]
 
     def map_layers(self, fn: Callable[[nnx.Module], object]) -> list:
         """[fn(layer) for every layer].

@@ -477,14 +477,19 @@ def unrolled(model: Transformer) -> Transformer:
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(model.cfg.replace(scan_layers=False), rngs=nnx.Rngs(0))))
     flat = []
     for path, var in nnx.to_flat_state(nnx.state(model)):
+        if "dense_layers" in path:  # a scanned stack's unrolled dense layers (moe.first_dense): layers 0..H-1
+            at = path.index("dense_layers")
+            flat.append(((*path[:at], "layers", *path[at + 1 :]), var))
+            continue
         if "layers" not in path:
             flat.append((path, var))
             continue
         at = path.index("layers") + 1  # (..., "stack", "layers", *rest) -> (..., "stack", "layers", i, *rest)
-        N = model.cfg.scan_block  # in blocks of N layers: (..., "layers", j, *rest) holds layers b * N + j
+        N = model.cfg.scan_block  # in blocks of N layers: (..., "layers", j, *rest) holds layers H + b * N + j
+        H = model.cfg.dense_head(path[0])
         j, at_rest = (0, at) if N == 1 else (path[at], at + 1)
         names = var.get_metadata()["out_sharding"][1:]  # the leading "layers" axis is gone
-        flat += [((*path[:at], b * N + j, *path[at_rest:]), var.replace(var[...][b], out_sharding=names))
+        flat += [((*path[:at], H + b * N + j, *path[at_rest:]), var.replace(var[...][b], out_sharding=names))
                  for b in range(var[...].shape[0])]  # fmt: skip
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 

@@ -119,7 +119,8 @@ class TransformerStack(nnx.Module):
             self.embed_norm = Norm(cfg, rngs=rngs)
         if cfg.position == "relative":
             self.relative_bias = RelativePositionBias(cfg, bidirectional=not causal, rngs=rngs)
-        self.stack = LayerStack(cfg, make_layer, num_layers, rngs=rngs)
+        head = cfg.dense_head("decoder" if causal else "encoder")  # a scanned stack's unrolled dense layers
+        self.stack = LayerStack(cfg, make_layer, num_layers, head=head, rngs=rngs)
         if cfg.norm_position != "post":
             self.final_norm = Norm(cfg, rngs=rngs)
 

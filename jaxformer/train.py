@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxformer import distributed, pipeline, sharding
+from jaxformer import distributed, moe, pipeline, sharding
 from jaxformer import functional as F
 from jaxformer.config import Config, ConfigError, ModelConfig
 from jaxformer.layers import check_batch_ids, without_id_checks
@@ -61,6 +61,7 @@ def make_steps(
     """
     tcfg = cfg.train
     schedule = learning_rate_schedule(tcfg, cfg.model.d_model)
+    balance_rate = cfg.model.moe.balance_rate if cfg.model.moe.router == "sigmoid_topk" else 0.0
     with_reference = lambda state, batch: batch
     if loss is None and tcfg.objective == "preference":  # pairs against the reference (post_train.pair_loss)
         from jaxformer.post_train import pair_loss as preference
@@ -118,6 +119,8 @@ def make_steps(
         if tcfg.offload_optimizer:
             opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
         params = optax.apply_updates(state.params, updates)
+        if balance_rate and "moe_load" in sums:  # the routers' biases follow the step's loads, not the gradient
+            params = balance_routers(graphdef, params, sums["moe_load"], balance_rate)
         means = metrics(sums) | {"grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step)}
         if tcfg.on_nonfinite == "skip":  # optax.apply_if_finite kept params and optimizer state on such a step
             means["skipped_steps"] = opt_state.total_notfinite
@@ -129,6 +132,46 @@ def make_steps(
         return sums
 
     return train_step, eval_step
+
+
+def moe_rows(model: nnx.Module) -> list:
+    """The model's MoE feed-forwards with their rows in the stacked MoE statistics of a forward pass
+    (`moe.totals`: the encoder's layers, the decoder's, then the multi-token prediction modules').
+
+    Args:
+        model: the Transformer.
+
+    Returns:
+        [(an `moe.MoEFeedForward`, its rows: an int array)].
+    """
+    rows, start = [], 0
+    stacks = [getattr(model, name).stack for name in ("encoder", "decoder") if hasattr(model, name)]
+    stacks += [module.stack for module in getattr(model, "mtp", [])]
+    for stack in stacks:
+        found = stack.moe_rows()
+        rows += [(ffn, start + r) for ffn, r in found]
+        start += sum(len(r) for _, r in found)
+    return rows
+
+
+def balance_routers(graphdef: nnx.GraphDef, params: nnx.State, load_LE: Array, rate: float) -> nnx.State:
+    """DeepSeek-V3's aux-loss-free balancing after an optimizer step: every sigmoid router's bias moves by
+    `rate` towards its under-loaded experts (`moe.balance_biases`), by the loads the step counted.
+
+    Args:
+        graphdef: the model's graph (`nnx.split(model, nnx.Param)`).
+        params: the parameters after the step's update.
+        load_LE: [L, E] the tokens each MoE layer sent each expert in the step (all micro-batches, all shards).
+        rate: `model.moe.balance_rate`.
+
+    Returns:
+        The parameters with the routers' biases moved.
+    """
+    model = nnx.merge(graphdef, params)
+    for ffn, rows in moe_rows(model):
+        bias = ffn.router_bias[...]
+        ffn.router_bias[...] = moe.balance_biases(bias, load_LE[rows].reshape(bias.shape), rate)
+    return nnx.state(model, nnx.Param)
 
 
 def parameter_counts(state: TrainState) -> tuple[int, int]:

@@ -3,11 +3,17 @@ aux-loss-free balancing, first-k dense layers) and multi-token prediction, again
 transcription of Hugging Face's `DeepseekV3TopkRouter` (transformers 4.57), the paper's update
 rule on counted loads, and a hand-written loop over the MTP modules' parts."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from jaxformer import config as C
 from jaxformer import moe
+from jaxformer.models import build_model, unrolled
+from jaxformer.state import init_state
+from jaxformer.train import make_steps
 
 
 def hf_topk_router(logits, bias, k, n_group, topk_group, norm_topk_prob, scaling):
@@ -56,3 +62,72 @@ def test_balance_rule_moves_each_bias_towards_the_mean_load():
     bias = jnp.asarray([[0.0, 0.5, -0.5, 0.0]])
     load = jnp.asarray([[3.0, 1.0, 2.0, 2.0]])  # mean 2
     np.testing.assert_allclose(moe.balance_biases(bias, load, 0.1), [[-0.1, 0.6, -0.5, 0.0]], rtol=1e-6)
+
+
+def deepseek_model(**kw):
+    """A small DeepSeek-style decoder: sigmoid routing in groups, a shared expert, a dense first layer."""
+    moe_kw = dict(num_experts=8, experts_per_token=2, router="sigmoid_topk", num_groups=4, groups_per_token=2,
+                  routed_scaling=2.5, shared_experts=1, expert_d_ff=8, first_dense=1) | kw.pop("moe", {})  # fmt: skip
+    base = dict(mode="decoder_only", vocab_size=32, d_model=16, num_heads=2, d_ff=32, num_decoder_layers=3, max_len=16,
+                dropout_rate=0.0, activation="swiglu", norm="rmsnorm", norm_position="pre", position="rope",
+                use_bias=False, moe=C.MoEConfig(**moe_kw))  # fmt: skip
+    return C.ModelConfig(**(base | kw))
+
+
+@pytest.mark.parametrize("every, layers", [(1, 3), (2, 5)])
+def test_first_dense_layers_are_dense_and_scanned_equals_unrolled(every, layers):
+    cfg = deepseek_model(num_decoder_layers=layers, scan_layers=True, moe={"every": every})
+    model = build_model(cfg, seed=1)
+    flat = unrolled(model)
+    ffns = [type(layer.ffn).__name__ for layer in flat.decoder.stack.layers]
+    assert ffns == ["FeedForward" if i == 0 or i % every != every - 1 else "MoEFeedForward" for i in range(layers)]
+    assert flat.decoder.stack.layers[0].ffn.wi.shape == (16, 32)  # model.d_ff, not the experts' width
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 7)))
+    with moe.collect() as scanned_reports:
+        scanned = model(ids)
+    with moe.collect() as unrolled_reports:
+        want = flat(ids)
+    np.testing.assert_allclose(scanned, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(moe.totals(scanned_reports)[0]["load"], moe.totals(unrolled_reports)[0]["load"])
+
+
+def lm_config(model, **train):
+    return C.Config(model=model, data=C.DataConfig(max_len=8), train=C.TrainConfig(
+        objective="lm", batch_size=4, learning_rate=1e-2, warmup_steps=0, schedule="constant", **train))  # fmt: skip
+
+
+def lm_batch(seed=0, B=4, T=8):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, 32, (B, T + 1)).astype(np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((B, T), np.float32)}
+
+
+def router_biases(params):
+    return {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(params) if p[-1] == "router_bias"}
+
+
+def test_a_step_moves_each_bias_by_the_rule_on_the_counted_loads_and_the_optimizer_never_does():
+    """Two micro-batches, scanned layers after a dense one, weight decay on: the bias after one step is
+    exactly rate * sign(mean load - load) of the loads counted here by a forward pass per micro-batch."""
+    rate = 0.125  # a power of two: the expected bias is exact in float32
+    model = deepseek_model(num_decoder_layers=3, scan_layers=True, moe={"balance_rate": rate})
+    cfg = lm_config(model, grad_accum=2, weight_decay=0.1)
+    graphdef, state, optimizer = init_state(cfg)
+    batch = lm_batch()
+    loads = []
+    for half in (slice(0, 2), slice(2, 4)):
+        with moe.collect() as reports:
+            nnx.merge(graphdef, state.params)(jnp.asarray(batch["inputs"][half]))
+        loads.append(np.asarray(moe.totals(reports)[0]["load"]))
+    load_LE = loads[0] + loads[1]  # [2 MoE layers, 8 experts]
+    assert load_LE.sum() == 2 * 2 * 4 * 8  # k = 2 choices of 32 tokens, per layer
+    step, _ = make_steps(graphdef, cfg, optimizer)
+    before = router_biases(state.params)
+    state, metrics = jax.jit(step)(state, batch)
+    after = router_biases(state.params)
+    (path,) = after  # one stacked bias [2 blocks, 8]: the scanned MoE layers 1 and 2
+    want = rate * np.sign(load_LE.mean(-1, keepdims=True) - load_LE)
+    np.testing.assert_array_equal(after[path] - before[path], want)
+    assert np.abs(want).sum() > 0
+    # the step's own loads are the ones counted: metrics expert_load/<layer>/<expert> = load / tokens
+    np.testing.assert_allclose(metrics["expert_load/1/3"], load_LE[1, 3] / 32, rtol=1e-6)
