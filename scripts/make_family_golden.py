@@ -152,8 +152,9 @@ def make(family: str) -> None:
 
     torch.manual_seed(0)
     model = getattr(transformers, CLASSES[family])(_config(family)).float().eval()
-    # Gemma 2 (no QK-norm: logits of 0.3-scale weights reach float32's 1e-5 limit through the soft cap) at 0.2
-    _randomize(model, 0.2 if family == "gemma2" else 0.3)
+    # Gemma 2 (no QK-norm: logits of 0.3-scale weights reach float32's 1e-5 limit through the soft cap) and
+    # DeepSeek-V3 (float32 differences of 1.2e-5 on logits up to 5.9 at 0.3) at 0.2
+    _randomize(model, 0.2 if family in ("gemma2", "deepseek_v3") else 0.3)
     out = GOLDEN / family
     shutil.rmtree(out, ignore_errors=True)
     model.save_pretrained(out, safe_serialization=True)

@@ -24,7 +24,7 @@ from jaxformer.config import RopeScalingConfig
 from jaxformer.interop import hf
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
-FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma2")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma2", "deepseek_v3")
 SCALED = {"qwen3": dict(kind="yarn", factor=4.0, original_max_len=8, beta_fast=8.0, beta_slow=2.0),
           "gemma3_text": dict(kind="linear", factor=8.0, layers="global")}  # fmt: skip
 
@@ -99,6 +99,16 @@ def test_imported_models_give_transformers_logits(imported):
     for name in ("gemma3_text_xla", "gemma3_text_cached"):
         np.testing.assert_allclose(logits[name], refs["gemma3_text"]["logits"], atol=1e-5, rtol=0, err_msg=name)
     assert cfg["gemma2"].attention_softcap == 2.0 and not cfg["gemma2"].qk_norm
+    ds = cfg["deepseek_v3"]  # MLA with both ranks, yarn (mscale != mscale_all_dim), groups, layer 0 dense
+    assert (ds.mla.q_lora_rank, ds.mla.kv_lora_rank, ds.mla.rope_head_dim, ds.mla.v_head_dim) == (24, 16, 8, 12)
+    assert (ds.moe.router, ds.moe.num_groups, ds.moe.groups_per_token, ds.moe.routed_scaling) == (
+        "sigmoid_topk",
+        4,
+        2,
+        2.5,
+    )
+    assert [ds.moe.is_moe_layer("decoder", i) for i in range(3)] == [False, True, True] and ds.moe.shared_experts == 1
+    assert ds.rope_scaling.kind == "yarn" and ds.rope_scaling.attention_factor != 1 != ds.rope_scaling.logits_factor
     unnormalised = refs["qwen3_moe"]["logits_unnormalised"]
     np.testing.assert_allclose(logits["qwen3_moe_unnormalised"], unnormalised, atol=1e-5, rtol=0)
     assert np.abs(unnormalised - refs["qwen3_moe"]["logits"]).max() > 0.01  # the two routers differ here
@@ -158,6 +168,16 @@ REFUSED = [  # (golden, config.json changes, the message naming the field)
     ("gemma3_text", {"hidden_activation": "gelu"}, r"hidden_activation='gelu' is not supported"),
     ("gemma3_text", {"use_bidirectional_attention": True}, r"use_bidirectional_attention=True is not supported"),
     ("gemma3_text", {"sliding_window": 0}, r"sliding_window=0 must be a positive number of positions"),
+    ("deepseek_v3", {"rope_interleave": False}, r"rope_interleave=False is not supported"),
+    ("deepseek_v3", {"num_key_value_heads": 2}, r"num_key_value_heads=2 is not supported: latent attention's keys"),
+    ("deepseek_v3", {"rms_norm_eps": 1e-5}, r"rms_norm_eps=1e-05 is not supported"),
+    ("deepseek_v3", {"attention_bias": True}, r"attention_bias=True is not supported"),
+    ("deepseek_v3", {"first_k_dense_replace": 3}, r"first_k_dense_replace=3 must leave an MoE layer of num_hidden"),
+    ("deepseek_v3", {"n_group": 0}, r"n_group=0 must be a positive integer"),
+    ("deepseek_v3", {"num_experts_per_tok": 9}, r"num_experts_per_tok=9 must be in \[1, n_routed_experts=8\]"),
+    ("deepseek_v3", {"topk_group": 5}, r"topk_group=5 must be in \[1, n_group=4\]"),
+    ("deepseek_v3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.2}},
+     r"rope_scaling\.attention_factor=1\.2 is not supported for yarn"),
 ]  # fmt: skip
 
 
@@ -184,13 +204,13 @@ def test_peft_adapts_the_dense_families_projections_by_their_hub_names():
 
 
 def test_a_sharded_load_onto_fsdp_tensor_and_expert_axes_gives_transformers_logits(sharded_load):
-    """Each family (Qwen 3 MoE unrolled and scanned, Gemma 3) loaded straight onto fsdp=2 x tensor=2 x expert=2:
-    every parameter equal to a one-device load, heads over tensor, experts over expert, and the logits
+    """Each family (Qwen 3 MoE unrolled and scanned, Gemma 3, DeepSeek-V3) loaded straight onto fsdp=2 x tensor=2
+    x expert=2: every parameter equal to a one-device load, heads over tensor, experts over expert, and the logits
     within 1e-5 of transformers'."""
     out, err = processes.communicate(sharded_load, "tests/sharded_worker.py hf_families")
     assert sharded_load.returncode == 0, err[-4000:]
     r = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
-    for name in ("qwen2", "qwen3", "qwen3_moe", "qwen3_moe_scanned", "gemma3_text"):
+    for name in ("qwen2", "qwen3", "qwen3_moe", "qwen3_moe_scanned", "gemma3_text", "deepseek_v3"):
         assert r[name]["max_abs_diff"] == 0.0 and r[name]["devices"] == list(range(8)), name
         assert r[name]["logits_diff"] < 1e-5, name
     layer = "decoder.stack.layers.1"
@@ -199,6 +219,8 @@ def test_a_sharded_load_onto_fsdp_tensor_and_expert_axes_gives_transformers_logi
     assert r["qwen3_moe"]["specs"]["decoder.stack.layers.0.ffn.wi"] == "('fsdp', 'tensor')"  # dense [D, F]
     assert r["qwen3_moe"]["specs"][f"{layer}.ffn.wi"] == "('expert', 'fsdp', 'tensor')"  # [E, D, F]
     assert r["qwen3_moe_scanned"]["specs"][f"{layer}.ffn.wi"] == "(None, 'expert', 'fsdp', 'tensor')"
+    assert r["deepseek_v3"]["specs"][f"{layer}.self_attn.q_up"] == "('fsdp', 'tensor', None)"  # [Cq, H, N + R]
+    assert r["deepseek_v3"]["specs"][f"{layer}.ffn.wi"] == "('expert', 'fsdp', 'tensor')"
 
 
 def test_a_sliding_window_mask_is_the_band_of_the_formula():

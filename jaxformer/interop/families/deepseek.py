@@ -53,11 +53,14 @@ def _deepseek_config(hf: dict) -> dict:
         raise UnsupportedCheckpoint(
             f"config.json: first_k_dense_replace={first!r} must leave an MoE layer of num_hidden_layers={layers}"
         )
+    groups, chosen = _positive(hf, "n_group"), _positive(hf, "topk_group")
+    if chosen > groups:
+        raise UnsupportedCheckpoint(f"config.json: topk_group={chosen} must be in [1, n_group={groups}]")
     moe = MoEConfig(
         num_experts=E, experts_per_token=k, router="sigmoid_topk",
         normalize_topk=bool(_get(hf, "norm_topk_prob", True)),
-        routed_scaling=float(_get(hf, "routed_scaling_factor", 1.0)), num_groups=_positive(hf, "n_group"),
-        groups_per_token=_positive(hf, "topk_group"), first_dense=first,
+        routed_scaling=float(_get(hf, "routed_scaling_factor", 1.0)), num_groups=groups,
+        groups_per_token=chosen, first_dense=first,
         shared_experts=_positive(hf, "n_shared_experts"), expert_d_ff=hf["moe_intermediate_size"],
     )  # fmt: skip
     mla = MLAConfig(kv_lora_rank=_positive(hf, "kv_lora_rank"), q_lora_rank=_get(hf, "q_lora_rank", 0),
