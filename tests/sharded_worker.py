@@ -1,6 +1,6 @@
 """Sharded training in a process of its own (XLA_FLAGS must be set before JAX starts).
 
-    python tests/sharded_worker.py strategies MODE [remesh DIR] [moe] [pipeline DIR]  # 8 devices: vs 1 device
+    python tests/sharded_worker.py strategies MODE [remesh DIR] [moe] [pipeline DIR] [mla]  # 8 devices: vs 1 device
     python tests/sharded_worker.py multihost PID PORT      # one of two processes, 4 devices each
     python tests/sharded_worker.py singlehost              # the same run in one process, 8 devices
     python tests/sharded_worker.py hf DIR                  # a Hugging Face checkpoint loaded onto FSDP=4 x TP=2
@@ -8,8 +8,9 @@
 
 `strategies` trains and generates with each strategy, and runs in the same process (a worker process
 costs seconds of imports before any work) the tasks named after the mode: `remesh DIR` (decoder_only:
-its FSDP=8 state saved to DIR, restored on DP=4 and on 1 device), `moe` and `pipeline DIR` (the pipelined
-schedules of every mode, a pipelined state saved to DIR and restored without stages).
+its FSDP=8 state saved to DIR, restored on DP=4 and on 1 device), `moe`, `pipeline DIR` (the pipelined
+schedules of every mode, a pipelined state saved to DIR and restored without stages) and `mla` (latent
+attention on fsdp=4 x tensor=2).
     python tests/sharded_worker.py hf_moe GOLDEN           # Mixtral, Switch loaded onto fsdp=2 x expert=4
     python tests/sharded_worker.py hf_families GOLDEN      # the new families onto fsdp=2 x tensor=2 x expert=2
 
@@ -256,6 +257,29 @@ def moe() -> dict:
             "all_to_all": got["all_to_all"],
         }
     return results
+
+
+def mla() -> dict:
+    """A decoder with latent attention (`model.mla`, queries compressed too) on fsdp=4 x tensor=2 against
+    one device: the first batch's loss and gradients, and the specs the rules gave its projections."""
+    import dataclasses
+
+    from jaxformer import config as C
+
+    base = config("decoder_only", (1, 1, 1))
+    mla_cfg = C.MLAConfig(kv_lora_rank=16, q_lora_rank=16, rope_head_dim=4, nope_head_dim=8, v_head_dim=8)
+    model = base.model.replace(dropout_rate=0.0, position="rope", use_bias=False, mla=mla_cfg)
+    base = dataclasses.replace(base, model=model)
+    ref = first_gradients(base, jax.devices()[:1])
+    got = first_gradients(dataclasses.replace(base, mesh=C.MeshConfig(fsdp=4, tensor=2)))
+    return {
+        "loss_rel": abs(got["loss"] - ref["loss"]) / abs(ref["loss"]),
+        "grad_rel": {
+            k: float(np.max(np.abs(g - ref["grads"][k])) / (np.max(np.abs(ref["grads"][k])) + 1e-12))
+            for k, g in got["grads"].items()
+        },
+        "specs": {k: v for k, v in got["specs"].items() if "self_attn" in k},
+    }
 
 
 # A 4-layer decoder pipelined over 2 stages, 2 micro-batches (each compile costs seconds, so three cases
@@ -551,6 +575,8 @@ def main() -> None:
             out["moe"] = moe()
         if "pipeline" in more:
             out["pipeline"] = pipelines(more[more.index("pipeline") + 1])
+        if "mla" in more:
+            out["mla"] = mla()
         print(json.dumps(out))
     elif task == "multihost":
         pid, port = int(sys.argv[2]), int(sys.argv[3])

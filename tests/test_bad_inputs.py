@@ -160,6 +160,7 @@ HARNESS = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason
 
 
 TRAIN = "train --config experiments/copy_task.py --workdir {tmp}/never --set "
+MLA = "model.mla.kv_lora_rank=8 --set model.position=rope"  # latent attention on the copy task's model
 INSTRUCT = "train --config experiments/instruct_tiny.py --workdir {tmp}/never --set "
 DPO = "train --config experiments/dpo_tiny.py --workdir {tmp}/never --set "
 CLI_CASES = [
@@ -228,6 +229,18 @@ CLI_CASES = [
         TRAIN + "mesh.context=2 --set model.attention_impl=cudnn --set model.dtype=bfloat16",
         r"model\.attention_impl: 'cudnn': cuDNN flash .*: blocks of even lengths, not 5 and 5 \(mesh\.context=2",
     ),
+    # Latent attention (model.mla): its own fields, and what it does not combine with, each named.
+    cli_case(TRAIN + "model.mla.kv_lora_rank=-1", r"model\.mla\.kv_lora_rank: must be >= 0 \(0 = off\), got -1"),
+    cli_case(TRAIN + "model.mla.rope_head_dim=3", r"model\.mla\.rope_head_dim: RoPE needs an even width, got 3"),
+    cli_case(TRAIN + "model.mla.q_lora_rank=8", r"model\.mla\.q_lora_rank: compresses MLA's queries: set kv_lora_rank"),
+    cli_case(TRAIN + "model.mla.kv_lora_rank=8", r"model\.position: MLA's decoupled dims are rotary: needs 'rope'"),
+    cli_case(TRAIN + MLA, r"model\.use_bias: MLA's projections have no biases \(DeepSeek\): set use_bias=False"),
+    cli_case(TRAIN + MLA + " --set model.use_bias=false --set model.qk_norm=true", r"model\.qk_norm: MLA normalises"),
+    cli_case(
+        TRAIN + MLA + " --set model.use_bias=false --set mesh.context=2",
+        r"mesh\.context: context parallelism has no latent attention \(model\.mla\)",
+    ),
+    cli_case(TRAIN + MLA + " --set model.use_bias=false --set lora.rank=4", r"lora\.rank: LoRA adapts q, k, v and o;"),
     cli_case(TRAIN + "model.moe.num_experts=-1", r"model\.moe\.num_experts: must be >= 0 \(0 = dense\), got -1"),
     cli_case(TRAIN + "model.moe.expert_capacity=-2", r"model\.moe\.expert_capacity: must be >= 0, got -2"),
     cli_case(TRAIN + "model.moe.encoder_every=-1", r"model\.moe\.encoder_every: must be >= 0 \(0 = no MoE layer in"),
@@ -1180,6 +1193,12 @@ API_CASES = [
     ),
     # GRPO: the section, the run it needs, and the task's and reward functions' output, each named.
     api_case(
+        "Engine of a latent-attention model",
+        lambda m, p: mla_engine(),
+        ValueError,
+        r"model\.mla \(kv_lora_rank=8\): the engine's paged pool holds keys and values, not latents",
+    ),
+    api_case(
         "Engine.load_weights while a request waits",
         lambda m, p: engine_with_a_request(m[LM]).load_weights(m[LM]),
         ValueError,
@@ -1275,6 +1294,15 @@ API_CASES = [
         r"lm is a training workdir: export it first \(jaxformer export --workdir \S+ --out DIR\)",
     ),
 ]
+
+
+def mla_engine():
+    """The engine over a tiny decoder with latent attention (`model.mla`), which it refuses."""
+    from jaxformer.config import MLAConfig
+    from jaxformer.engine import Engine
+
+    cfg = jf.tiny("decoder_only", position="rope", use_bias=False, mla=MLAConfig(kv_lora_rank=8, rope_head_dim=4))
+    return Engine(jf.build_model(cfg), eos_id=2)
 
 
 @pytest.mark.parametrize("call, error, message", API_CASES)

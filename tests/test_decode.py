@@ -11,7 +11,7 @@ from flax import nnx
 
 import jaxformer as jf
 from jaxformer import decode
-from jaxformer.config import ConfigError, DecodeConfig
+from jaxformer.config import ConfigError, DecodeConfig, MLAConfig
 
 V, BOS, EOS = 20, 1, 2
 ROWS = [[5, 9, 3], [7, 4, 11, 6, 8, 12, 3], [13, 3, 17, 5, 9]]  # prompts / sources of different lengths
@@ -29,6 +29,9 @@ def run(model, rows, **settings):
     return decode.translate(model, rows, settings, bos_id=BOS, eos_id=EOS)
 
 
+MLA = MLAConfig(kv_lora_rank=8, q_lora_rank=6, rope_head_dim=4, nope_head_dim=6, v_head_dim=10)
+
+
 @pytest.mark.parametrize("mode", ["decoder_only", "encoder_decoder"])
 @pytest.mark.parametrize(
     "dtype, atol, scan, position",
@@ -37,17 +40,21 @@ def run(model, rows, **settings):
         ("bfloat16", 0.05, False, "rope"),
         ("float32", 2e-5, True, "rope"),
         ("float32", 2e-5, False, "relative"),
+        ("float32", 2e-5, True, "mla"),
     ],
 )
 def test_cached_logits_equal_recomputation_at_every_step(mode, dtype, atol, scan, position):
     """Prefill of 5 positions, then one position per step: logits == the full forward pass,
     with the layers unrolled or scanned (sliced out of their stacked parameters to decode),
-    with rotary positions or T5's relative-position bias (read at the cache's slots).
+    with rotary positions or T5's relative-position bias (read at the cache's slots), or with
+    latent attention's cache of latents and rope keys (`model.mla`; the decoder's self-attention,
+    its steps in the absorbed form).
 
     Measured: float32 within 1e-6; bfloat16 within 0.03 for logits up to |3.2|, about two
     bfloat16 ulps, as the two paths round their partial sums differently.
     """
-    cfg = jf.tiny(mode, vocab_size=V, max_len=32, dtype=dtype, position=position, scan_layers=scan)
+    mla = {"mla": MLA, "position": "rope", "use_bias": False} if position == "mla" else {"position": position}
+    cfg = jf.tiny(mode, vocab_size=V, max_len=32, dtype=dtype, scan_layers=scan, **mla)
     model = jf.build_model(cfg, seed=2)
     tgt = jax.random.randint(jax.random.key(0), (2, 12), 3, V)
     src = jax.random.randint(jax.random.key(1), (2, 9), 3, V).at[1, 6:].set(0)  # row 1 has padding
@@ -68,6 +75,18 @@ def test_cached_logits_equal_recomputation_at_every_step(mode, dtype, atol, scan
 def test_generation_with_cache_equals_recomputation(model, strategy):
     kw = {"strategy": strategy, "top_k": 5, "num_return": 2 if strategy == "beam" else 1}
     cached, recomputed = run(model, ROWS, **kw), run(model, ROWS, use_cache=False, **kw)
+    np.testing.assert_array_equal(cached.tokens, recomputed.tokens)
+    np.testing.assert_allclose(cached.scores, recomputed.scores, atol=1e-5)
+
+
+def test_generation_with_the_latent_cache_equals_recomputation():
+    """Latent attention (`model.mla`, queries straight from D): greedy search over the latent cache (the
+    prompts' prefill in the plain form, every later step in the absorbed form) chooses the tokens
+    recomputation does, with its scores."""
+    cfg = jf.tiny("decoder_only", vocab_size=V, max_len=32, position="rope", use_bias=False,
+                  mla=MLAConfig(kv_lora_rank=8, rope_head_dim=4, nope_head_dim=6, v_head_dim=10))  # fmt: skip
+    model = jf.build_model(cfg, seed=1)
+    cached, recomputed = run(model, ROWS), run(model, ROWS, use_cache=False)
     np.testing.assert_array_equal(cached.tokens, recomputed.tokens)
     np.testing.assert_allclose(cached.scores, recomputed.scores, atol=1e-5)
 

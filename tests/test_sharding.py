@@ -37,7 +37,7 @@ def strategies(tmp_path_factory):
     more = {
         "decoder_only": ["remesh", tmp_path_factory.mktemp("remesh")],
         "encoder_only": ["moe"],
-        "encoder_decoder": ["pipeline", tmp_path_factory.mktemp("restage")],  # the worker with least to do
+        "encoder_decoder": ["pipeline", tmp_path_factory.mktemp("restage"), "mla"],  # the worker with least to do
     }
     procs = [worker("strategies", mode, *more.get(mode, [])) for mode in MODES]
     merged = {"strategies": {}, "errors": {}}
@@ -46,7 +46,7 @@ def strategies(tmp_path_factory):
             r = result(proc)
             merged["strategies"].update(r["strategies"])
             merged["errors"].update(r["errors"])
-            merged.update({k: r[k] for k in ("moe", "pipeline") if k in r})
+            merged.update({k: r[k] for k in ("moe", "pipeline", "mla") if k in r})
     finally:
         for p in procs:  # never leave a worker behind
             if p.poll() is None:
@@ -113,6 +113,19 @@ def test_expert_parallel_moe_equals_one_device(strategies):
     specs = r["capacity"]["specs"]
     wi = next(v for k, v in specs.items() if k.endswith("ffn']['wi'].value") or k.endswith("ffn.wi"))
     assert wi.startswith("('expert', 'fsdp'"), specs  # [E, D, F]: experts over `expert`, D over `fsdp`
+
+
+def test_latent_attention_sharded_equals_one_device(strategies):
+    """Latent attention (`model.mla`) on fsdp=4 x tensor=2: the first batch's loss and gradients equal
+    one device's; the up-projections [C, H, K] split C over fsdp and heads over tensor, the
+    down-projections [D, C + R] split D over fsdp."""
+    r = strategies["mla"]
+    assert r["loss_rel"] < LOSS_RTOL, r["loss_rel"]
+    worst = max(r["grad_rel"].items(), key=lambda kv: kv[1])
+    assert worst[1] < PARAM_RTOL, worst
+    spec = lambda name: next(v for k, v in r["specs"].items() if f"'{name}'" in k or k.endswith(f".{name}"))
+    assert spec("kv_up").startswith("('fsdp', 'tensor'") and spec("q_up").startswith("('fsdp', 'tensor'"), r["specs"]
+    assert spec("kv_down").startswith("('fsdp',") and spec("out").startswith("('tensor', None, 'fsdp'"), r["specs"]
 
 
 @pytest.mark.parametrize(

@@ -201,6 +201,9 @@ class Config:
                 "context parallelism takes no relative position bias (model.position='relative', T5)")  # fmt: skip
         require(model.attention_dropout_rate == 0, "mesh.context",
                 "context parallelism applies no attention dropout: set model.attention_dropout_rate to 0")  # fmt: skip
+        require(not model.mla.enabled, "mesh.context",
+                "context parallelism has no latent attention (model.mla): its ring takes one head dim for keys and "
+                "values")  # fmt: skip
         # Inside the ring cuDNN or splash attends each visiting block (ring.fused_kernel); the all-gather
         # strategy attends densely: a fused kernel asked for by name there is refused rather than
         # ignored ("auto" falls back to XLA's einsums, and says so).
@@ -265,6 +268,9 @@ class Config:
         lora, model = self.lora, self.model
         if not lora.enabled:
             return
+        require(not model.mla.enabled, "lora.rank",
+                "LoRA adapts q, k, v and o; latent attention (model.mla) has other projections (no adapters "
+                "yet)")  # fmt: skip
         ffn = [t for t in lora.targets if t in ("wi", "wi_gate", "wo")]
         require(
             not (ffn and model.moe.enabled),

@@ -156,6 +156,11 @@ class Engine:
         if not isinstance(cfg, EngineConfig):
             raise TypeError(f"cfg: a jaxformer.config.EngineConfig, got {type(cfg).__name__}")
         mcfg = model.cfg
+        if mcfg.mla.enabled and mcfg.mode != "encoder_only":  # its cache is a latent, not pages of K and V
+            raise EngineError(
+                f"model.mla (kv_lora_rank={mcfg.mla.kv_lora_rank}): the engine's paged pool holds keys and values, "
+                "not latents; decode an MLA model with `jaxformer generate`"
+            )
         if cfg.max_context is not None and cfg.max_context > mcfg.max_len:
             raise EngineError(f"engine.max_context={cfg.max_context} exceeds the model's max_len={mcfg.max_len}")
         for name, value in (("eos_id", eos_id), ("bos_id", bos_id)):
