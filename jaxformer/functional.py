@@ -91,7 +91,7 @@ def sinusoidal_positions(length: int, d_model: int, max_timescale: float = 10_00
     return pe.at[:, 0::2].set(jnp.sin(angles_TI)).at[:, 1::2].set(jnp.cos(angles_TI))
 
 
-def rope_frequencies(dim: int, base: float = 10_000.0, scaling=None) -> tuple[np.ndarray, float]:
+def rope_frequencies(dim: int, base: float = 10_000.0, scaling: object | None = None) -> tuple[np.ndarray, float]:
     """RoPE's inverse frequencies base^(-2i/dim), stretched by a RoPE scaling, and the attention factor.
 
     As Hugging Face's `ROPE_INIT_FUNCTIONS` compute them. `linear`: every frequency / factor. `yarn`:
@@ -143,7 +143,7 @@ def rope_frequencies(dim: int, base: float = 10_000.0, scaling=None) -> tuple[np
     raise ValueError(f"unknown RoPE scaling kind {kind!r}")
 
 
-def apply_rope(x_BTHK: Array, positions_BT: Array, base: float = 10_000.0, scaling=None) -> Array:
+def apply_rope(x_BTHK: Array, positions_BT: Array, base: float = 10_000.0, scaling: object | None = None) -> Array:
     """Rotary position embedding (Su et al. 2021), rotate-half convention.
 
     Feature pairs (i, i + K/2) are rotated by angle pos * base^(-2i/K), so the dot

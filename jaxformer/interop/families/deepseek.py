@@ -35,6 +35,12 @@ def _positive(hf: dict, key: str) -> int:
 
 
 def _deepseek_config(hf: dict) -> dict:
+    if hf.get("quantization_config"):  # the published V3 is FP8 blocks with their weight_scale_inv tensors
+        method = hf["quantization_config"].get("quant_method") if isinstance(hf["quantization_config"], dict) else None
+        raise UnsupportedCheckpoint(
+            f"config.json: quantization_config (quant_method={method!r}) is not supported: jaxformer reads "
+            "float weights (dequantize the checkpoint to bfloat16 first)"
+        )
     _require(hf, "hidden_act", ("silu",), "silu")
     _require(hf, "attention_bias", (False,), False)
     _require(hf, "rope_interleave", (True,), True)  # the rope rows' order the rules read
