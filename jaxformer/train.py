@@ -231,7 +231,9 @@ def flops_per_example(cfg: ModelConfig, objective: str, src_len: int, tgt_len: i
     attention projections 2 * D * (2 H K + 2 G K), feed-forward 2 * D * F * (2 or 3 if gated),
     attention scores and values 2 * 2 * H * K * context (full context for the encoder and
     cross-attention, T for decoder self-attention as it is computed unmasked); plus the
-    output head 2 * D * V per predicted token. Embedding lookups and norms are ignored.
+    output head 2 * D * V per predicted token. Embedding lookups and norms are ignored. Latent
+    attention's self-attention (`model.mla`) counts its own kernels (2 FLOPs a weight) and scores and
+    values of 2 * H * (N + R + V) * context, as training computes it (the plain form).
 
     Args:
         cfg: the model's config.
@@ -252,12 +254,19 @@ def flops_per_example(cfg: ModelConfig, objective: str, src_len: int, tgt_len: i
     moe_ffn = 2 * D * m.num_experts + 2 * D * (m.expert_d_ff or Fw) * matmuls * (m.experts_per_token + m.shared_experts)
     ffn_total = lambda stack, layers: sum(moe_ffn if m.is_moe_layer(stack, i) else ffn for i in range(layers))
     attn = lambda ctx: 4 * H * K * ctx
+    self_proj, self_attn = proj, attn
+    if cfg.mla.enabled:  # latent attention's self-attention: its projections; keys of N + R, values of Vh
+        C, Cq, R, N, Vh = (getattr(cfg.mla, f) for f in ("kv_lora_rank", "q_lora_rank", "rope_head_dim",
+                                                          "nope_head_dim", "v_head_dim"))  # fmt: skip
+        queries = 2 * Cq * (D + H * (N + R)) if Cq else 2 * D * H * (N + R)
+        self_proj = queries + 2 * D * (C + R) + 2 * C * H * (N + Vh) + 2 * H * Vh * D
+        self_attn = lambda ctx: 2 * H * (N + R + Vh) * ctx
     enc_len = src_len if objective in ("seq2seq", "classify", "mlm") else 0
     L_enc, L_dec = cfg.num_encoder_layers, cfg.num_decoder_layers
-    total = enc_len * (L_enc * (proj + attn(enc_len)) + ffn_total("encoder", L_enc)) if enc_len else 0.0
+    total = enc_len * (L_enc * (self_proj + self_attn(enc_len)) + ffn_total("encoder", L_enc)) if enc_len else 0.0
     if objective in ("lm", "seq2seq"):
         cross = (proj + attn(src_len)) if objective == "seq2seq" else 0
-        total += tgt_len * (L_dec * (proj + attn(tgt_len) + cross) + ffn_total("decoder", L_dec))
+        total += tgt_len * (L_dec * (self_proj + self_attn(tgt_len) + cross) + ffn_total("decoder", L_dec))
     head_tokens = tgt_len if objective in ("lm", "seq2seq") else src_len if objective == "mlm" else 0
     total += 2 * D * V * head_tokens
     return 3.0 * total

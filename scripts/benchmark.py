@@ -10,6 +10,7 @@ and decoding speed with and without the KV cache.
     python scripts/benchmark.py --lora 16 --modes decoder_only --d-model 512 --heads 8 --layers 6 --seq 256 --batch 8
                                                       # full fine-tuning vs LoRA rank 16 on q,k,v,o, interleaved
     python scripts/benchmark.py --loss-chunk 512 --modes decoder_only --vocab 50257   # chunked vs plain loss
+    python scripts/benchmark.py --mla --seq 1024 --batch 8   # a decoding step: latent cache vs multi-head cache
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/benchmark.py --context-attention \
         ring,allgather,none --lengths 1024,2048,4096 --modes decoder_only --batch 8   # long context (8 CPU devices)
     PYTHONPATH=. python scripts/benchmark.py --eval --rounds 5   # lm-eval's jaxformer vs its hf model (torch)
@@ -673,6 +674,10 @@ def main() -> None:
     p.add_argument("--dropout", type=float, default=0.1, help="compare: residual/embedding dropout")
     p.add_argument("--moe", help="E,K: dense vs MoE (E experts, K a token) of equal active parameters, interleaved")
     p.add_argument("--capacity-factor", type=float, default=1.25, help="moe: the capacity run's factor")
+    p.add_argument("--mla", action="store_true", help="a decoding step: MLA's latent cache vs a multi-head cache")
+    p.add_argument("--mla-rank", type=int, default=128, help="mla: the latent's width C (kv_lora_rank)")
+    p.add_argument("--mla-rope", type=int, default=32, help="mla: the decoupled rope dims R (rope_head_dim)")
+    p.add_argument("--mla-q-rank", type=int, default=0, help="mla: the queries' latent width (0: from D)")
     args = p.parse_args()
     tpu.compile_only_without_chips()  # with the tpu extra on a machine without chips: no libtpu errors
     if args.checkpoint_overhead:
@@ -704,6 +709,11 @@ def main() -> None:
         return
     if args.moe:
         moe_vs_dense(args)
+        return
+    if args.mla:
+        import mla_speed
+
+        mla_speed.mla_speed(args, model_config)
         return
     if args.context_attention:
         context_parallel(args)

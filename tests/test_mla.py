@@ -142,3 +142,21 @@ def test_gradients_unrolled_scanned_and_rematerialised_agree(ids):
     assert grads.keys() == ref.keys()
     for path, g in grads.items():
         np.testing.assert_allclose(g, ref[path], atol=1e-5 * float(jnp.max(jnp.abs(ref[path]))) + 1e-8)
+
+
+def test_training_flops_count_the_latent_projections(model):
+    """`train.flops_per_example` of the MLA decoder against the multi-head one of the same D, H and T:
+    the difference is 3 x (2 x the attention kernels' weights each layer, counted from the two models'
+    parameters, plus the scores and values' 2 H (N + R + V) against 4 H K a position of context) a token."""
+    from jaxformer.train import flops_per_example
+
+    mha = jf.build_model(config(mla=MLAConfig()), seed=3)
+    weights = lambda m: sum(
+        v[...].size for k, v in nnx.to_flat_state(nnx.state(m.decoder.stack.layers[0].self_attn, nnx.Param))
+        if not str(k[-1]).endswith("norm")
+    )  # fmt: skip
+    cfg, H, L = model.cfg, model.cfg.num_heads, model.cfg.num_decoder_layers
+    per_position = 2 * H * MLA.qk_head_dim + 2 * H * MLA.v_head_dim - 4 * H * mha.cfg.dim_per_head
+    want = 3 * T * L * (2 * (weights(model) - weights(mha)) + per_position * T)
+    got = flops_per_example(cfg, "lm", 0, T) - flops_per_example(mha.cfg, "lm", 0, T)
+    assert got == want
