@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxformer import functional as F
-from jaxformer import moe, pipeline, pipeline_1f1b, ring, sharding
+from jaxformer import moe, mtp, pipeline, pipeline_1f1b, ring, sharding
 from jaxformer.config import TrainConfig
 from jaxformer.models import Transformer
 
@@ -171,7 +171,9 @@ def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Ar
     With MoE layers the loss adds, per counted token, the router z-loss and the load-balancing loss
     (each a mean over the MoE layers) times their weights in `model.moe`; the metrics add both
     (token-weighted, as the loss), the dropped and assigned token-expert pairs, the router entropy and
-    each MoE layer's tokens per expert (`summarize` makes them fractions). Under `grad_accum`
+    each MoE layer's tokens per expert (`summarize` makes them fractions). With multi-token prediction
+    (`model.mtp_depth`) the loss adds `train.mtp_weight` times the modules' mean summed loss
+    (`mtp.mtp_sums`), logged as mtp_loss and mtp_nll. Under `grad_accum`
     each micro-batch routes on its own: its router losses are its own means, weighted by the tokens
     it counts (the load-balancing loss, a product of two batch means, has no exact split).
 
@@ -204,6 +206,11 @@ def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Ar
             )
             if pipelined is not None:  # 1F1B: the stack's gradients flow through its own summed loss
                 sums["loss"] = pipeline_1f1b.routed(pipelined, sums["loss"])
+            if model.cfg.mtp_depth:  # multi-token prediction: mtp_weight / depth * its modules' summed loss
+                loss_kw = dict(chunk=chunk, blocks=blocks, **smoothing)
+                mtp_loss, mtp_nll = mtp.mtp_sums(model, batch, h_BTD, dropout_rng, **loss_kw)
+                sums["loss"] = sums["loss"] + cfg.mtp_weight / model.cfg.mtp_depth * mtp_loss
+                sums |= {"mtp_loss": mtp_loss / model.cfg.mtp_depth, "mtp_nll": mtp_nll / model.cfg.mtp_depth}
     per_layer, layers = moe.totals(reports)
     if layers:  # a micro-batch's MoE losses weigh as many tokens as it counts: accumulation stays a token mean
         aux = jax.tree.map(lambda a: a.sum(0), per_layer)  # summed over the MoE layers
@@ -236,6 +243,8 @@ def summarize(sums: dict) -> dict:
         "perplexity": jnp.exp(nll),
         "tokens": sums["count"],
     }
+    if "mtp_loss" in sums:  # multi-token prediction: its modules' mean loss and NLL per counted token
+        means |= {name: sums[name] / count for name in ("mtp_loss", "mtp_nll")}
     if "moe_assigned" in sums:  # MoE: router losses (means over MoE layers) and the share of pairs dropped
         means |= {name: sums[name] / count for name in ("router_z_loss", "load_balance_loss")}
         means["dropped_fraction"] = sums["moe_dropped"] / jnp.maximum(sums["moe_assigned"], 1.0)

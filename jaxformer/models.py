@@ -24,6 +24,7 @@ from flax import nnx
 from jaxformer.config import ModelConfig
 from jaxformer.heads import ClassificationHead, LMHead, MaskedLMHead
 from jaxformer.layers import Embed, as_token_ids, split_rng
+from jaxformer.mtp import MTPModule
 from jaxformer.sharding import context_ways
 from jaxformer.stacks import (  # noqa: F401  (re-exported: the stacks and their masks live there)
     Decoder,
@@ -96,6 +97,8 @@ class Transformer(nnx.Module):
             self.tgt_embed = Embed(cfg, rngs=rngs)
         self.decoder = Decoder(cfg, self.tgt_embed, cross=mode == "encoder_decoder", rngs=rngs)
         self.lm_head = LMHead(cfg, self.tgt_embed if cfg.tie_output else None, bias=cfg.logits_bias, rngs=rngs)
+        if cfg.mtp_depth:  # multi-token prediction's modules (training only), after the rest: its keys come last
+            self.mtp = nnx.List([MTPModule(cfg, k, rngs=rngs) for k in range(1, cfg.mtp_depth + 1)])
 
     def src_lengths(self, src_ids_BS: Array, src_lengths: Array | None, src_segments: Array | None = None):
         """[B] source lengths: as given, or the rows taken as right-padded with `pad_id`; None for
@@ -481,7 +484,7 @@ def unrolled(model: Transformer) -> Transformer:
             at = path.index("dense_layers")
             flat.append(((*path[:at], "layers", *path[at + 1 :]), var))
             continue
-        if "layers" not in path:
+        if "layers" not in path or path[0] == "mtp":  # (multi-token prediction's one layer is never scanned)
             flat.append((path, var))
             continue
         at = path.index("layers") + 1  # (..., "stack", "layers", *rest) -> (..., "stack", "layers", i, *rest)

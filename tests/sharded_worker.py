@@ -119,16 +119,17 @@ def first_gradients(cfg, devices=None) -> dict:
         def mean_loss(params):  # as the steps trace it: pipelined where the mesh has stages
             with pipeline.schedule(cfg.train.grad_accum, cfg.mesh.virtual_stages, cfg.mesh.schedule):
                 loss, sums = loss_sums(nnx.merge(graphdef, params), cfg.train, batch, None)
-            return loss / sums["count"]
+            return loss / sums["count"], sums.get("moe_load", np.zeros(()))  # MoE: the loads balancing reads
 
-        step = jax.jit(jax.value_and_grad(mean_loss)).lower(state.params).compile()
-        loss, grads = step(state.params)
+        step = jax.jit(jax.value_and_grad(mean_loss, has_aux=True)).lower(state.params).compile()
+        (loss, load), grads = step(state.params)
         specs = {
             jax.tree_util.keystr(p): str(tuple(x.sharding.spec))
             for p, x in jax.tree_util.tree_leaves_with_path(state.params)
         }
     return {
         "loss": float(loss),
+        "load": np.asarray(load),
         "grads": gathered(grads),
         "specs": specs,
         "all_to_all": step.as_text().count(" all-to-all("),
@@ -231,22 +232,27 @@ def moe() -> dict:
 
     from jaxformer import config as C
 
+    # DeepSeek-V3's router (sigmoid scores, 2 groups of 2, one chosen) on the data x expert dropless case:
+    # its loads, which the balance bias follows, counted over the shards equal one device's
+    deepseek = dict(router="sigmoid_topk", num_groups=2, groups_per_token=1, routed_scaling=2.5, balance_rate=1e-3)
     results, refs = {}, {}
-    for name, capacity_factor, mesh in (
-        ("capacity", 1.0, dict(fsdp=2, expert=4)),
-        ("capacity_data", 1.0, dict(data=2, expert=4)),
-        ("dropless", 0.0, dict(data=2, expert=4)),
-        ("dropless_fsdp_tensor", 0.0, dict(fsdp=2, expert=2, tensor=2)),  # hidden width split, partial sums
-        ("capacity_context", 1.0, dict(data=1, expert=4, context=2)),  # each row's positions split 2 ways
+    for name, capacity_factor, mesh, routing in (
+        ("capacity", 1.0, dict(fsdp=2, expert=4), {}),
+        ("capacity_data", 1.0, dict(data=2, expert=4), {}),
+        ("dropless", 0.0, dict(data=2, expert=4), deepseek),
+        ("dropless_fsdp_tensor", 0.0, dict(fsdp=2, expert=2, tensor=2), {}),  # hidden width split, partial sums
+        ("capacity_context", 1.0, dict(data=1, expert=4, context=2), {}),  # each row's positions split 2 ways
     ):
         base = config("decoder_only", (1, 1, 1))
         moe_cfg = C.MoEConfig(num_experts=4, experts_per_token=2, capacity_factor=capacity_factor,
-                              z_loss_weight=1e-3, aux_loss_weight=1e-2)  # fmt: skip
+                              z_loss_weight=1e-3, aux_loss_weight=1e-2, **routing)  # fmt: skip
         base = dataclasses.replace(base, model=base.model.replace(dropout_rate=0.0, moe=moe_cfg))
-        if capacity_factor not in refs:  # one device's run, once per dispatch
-            refs[capacity_factor] = first_gradients(base, jax.devices()[:1])
-        ref, got = refs[capacity_factor], first_gradients(dataclasses.replace(base, mesh=C.MeshConfig(**mesh)))
+        key = (capacity_factor, bool(routing))
+        if key not in refs:  # one device's run, once per dispatch and router
+            refs[key] = first_gradients(base, jax.devices()[:1])
+        ref, got = refs[key], first_gradients(dataclasses.replace(base, mesh=C.MeshConfig(**mesh)))
         results[name] = {
+            "load_equal": bool(np.array_equal(got["load"], ref["load"])),
             "loss_rel": abs(got["loss"] - ref["loss"]) / abs(ref["loss"]),
             "grad_rel": {  # the key bias is left out (see strategies)
                 k: float(np.max(np.abs(g - ref["grads"][k])) / (np.max(np.abs(ref["grads"][k])) + 1e-12))

@@ -297,6 +297,33 @@ CLI_CASES = [
         TRAIN + "model.moe.expert_capacity=4 --set model.moe.capacity_factor=1.25",
         r"model\.moe\.expert_capacity: expert_capacity=4 and capacity_factor=1\.25 both set the capacity",
     ),
+    # DeepSeek-V3's routing, balancing, dense head and multi-token prediction
+    cli_case(
+        TRAIN + "model.moe.num_experts=8 --set model.moe.router=sigmoid_topk --set model.moe.num_groups=3",
+        r"model\.moe\.num_groups: num_groups=3 does not divide num_experts=8",
+    ),
+    cli_case(
+        TRAIN + "model.moe.num_experts=8 --set model.moe.router=sigmoid_topk --set model.moe.num_groups=4 "
+        "--set model.moe.groups_per_token=5",
+        r"model\.moe\.groups_per_token: must be in \[1, num_groups=4\], got 5",
+    ),
+    cli_case(
+        TRAIN + "model.moe.num_experts=4 --set model.moe.balance_rate=0.001",
+        r"model\.moe\.balance_rate: belongs to router='sigmoid_topk' \(DeepSeek-V3\), not router='softmax_topk'",
+    ),
+    cli_case(
+        TRAIN + "model.moe.num_experts=4 --set model.moe.first_dense=2",
+        r"model\.moe\.first_dense: first_dense=2 leaves no MoE layer in the encoder's 2 layers",
+    ),
+    cli_case(
+        TRAIN + "model.moe.num_experts=4 --set model.moe.every=2 --set model.scan_layers=true "
+        "--set model.moe.first_dense=1",
+        r"model\.moe\.every: every=2 with scan_layers=True scans blocks of 2 layers: "
+        r"model\.num_encoder_layers=2 less first_dense=1 is not a multiple",
+    ),
+    cli_case(TRAIN + "model.mtp_depth=1", r"model\.mtp_depth: multi-token prediction extends a causal language model"),
+    cli_case(TRAIN + "train.mtp_weight=0.3", r"train\.mtp_weight: mtp_weight=0\.3 weighs the multi-token prediction"),
+    cli_case(TRAIN + "train.mtp_weight=-1", r"train\.mtp_weight: must be >= 0, got -1"),
     cli_case(TRAIN + "model.remat=offload", r"model\.remat: 'offload' is not one of the choices: .*'offload_dots'"),
     cli_case(TRAIN + "train.offload_optimizer=maybe", r"train\.offload_optimizer: "),
     cli_case(TRAIN + "train.loss_chunk=-5", r"train\.loss_chunk: must be tokens per chunk >= 0 \(0 = never chunk\)"),

@@ -10,10 +10,12 @@ import pytest
 from flax import nnx
 
 from jaxformer import config as C
+from jaxformer import functional as F
 from jaxformer import moe
+from jaxformer.checkpoint import Checkpointer
 from jaxformer.models import build_model, unrolled
 from jaxformer.state import init_state
-from jaxformer.train import make_steps
+from jaxformer.train import loss_sums, make_steps
 
 
 def hf_topk_router(logits, bias, k, n_group, topk_group, norm_topk_prob, scaling):
@@ -83,12 +85,18 @@ def test_first_dense_layers_are_dense_and_scanned_equals_unrolled(every, layers)
     assert ffns == ["FeedForward" if i == 0 or i % every != every - 1 else "MoEFeedForward" for i in range(layers)]
     assert flat.decoder.stack.layers[0].ffn.wi.shape == (16, 32)  # model.d_ff, not the experts' width
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 7)))
-    with moe.collect() as scanned_reports:
-        scanned = model(ids)
-    with moe.collect() as unrolled_reports:
-        want = flat(ids)
+
+    @jax.jit
+    def run(ids):  # logits and expert loads of both forms, one compile
+        out = []
+        for m in (model, flat):
+            with moe.collect() as reports:
+                out.append((m(ids), moe.totals(reports)[0]["load"]))
+        return out
+
+    (scanned, scanned_load), (want, want_load) = run(ids)
     np.testing.assert_allclose(scanned, want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(moe.totals(scanned_reports)[0]["load"], moe.totals(unrolled_reports)[0]["load"])
+    np.testing.assert_array_equal(scanned_load, want_load)
 
 
 def lm_config(model, **train):
@@ -106,9 +114,10 @@ def router_biases(params):
     return {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(params) if p[-1] == "router_bias"}
 
 
-def test_a_step_moves_each_bias_by_the_rule_on_the_counted_loads_and_the_optimizer_never_does():
+def test_a_step_moves_each_bias_by_the_rule_on_the_counted_loads_and_the_optimizer_never_does(tmp_path):
     """Two micro-batches, scanned layers after a dense one, weight decay on: the bias after one step is
-    exactly rate * sign(mean load - load) of the loads counted here by a forward pass per micro-batch."""
+    exactly rate * sign(mean load - load) of the loads counted here by a forward pass per micro-batch;
+    a checkpoint of the state gives it back bitwise, and the next step from it is the same step."""
     rate = 0.125  # a power of two: the expected bias is exact in float32
     model = deepseek_model(num_decoder_layers=3, scan_layers=True, moe={"balance_rate": rate})
     cfg = lm_config(model, grad_accum=2, weight_decay=0.1)
@@ -121,9 +130,9 @@ def test_a_step_moves_each_bias_by_the_rule_on_the_counted_loads_and_the_optimiz
         loads.append(np.asarray(moe.totals(reports)[0]["load"]))
     load_LE = loads[0] + loads[1]  # [2 MoE layers, 8 experts]
     assert load_LE.sum() == 2 * 2 * 4 * 8  # k = 2 choices of 32 tokens, per layer
-    step, _ = make_steps(graphdef, cfg, optimizer)
+    step = jax.jit(make_steps(graphdef, cfg, optimizer)[0])  # one compile for the three steps below
     before = router_biases(state.params)
-    state, metrics = jax.jit(step)(state, batch)
+    state, metrics = step(state, batch)
     after = router_biases(state.params)
     (path,) = after  # one stacked bias [2 blocks, 8]: the scanned MoE layers 1 and 2
     want = rate * np.sign(load_LE.mean(-1, keepdims=True) - load_LE)
@@ -131,3 +140,87 @@ def test_a_step_moves_each_bias_by_the_rule_on_the_counted_loads_and_the_optimiz
     assert np.abs(want).sum() > 0
     # the step's own loads are the ones counted: metrics expert_load/<layer>/<expert> = load / tokens
     np.testing.assert_allclose(metrics["expert_load/1/3"], load_LE[1, 3] / 32, rtol=1e-6)
+    # the bias is state: saved, restored, and the next step from the restored state moves it alike
+    saver = Checkpointer(tmp_path, cfg)
+    saver.save(state)
+    saver.wait()
+    restored = Checkpointer(tmp_path, cfg, read_only=True).restore_latest(state)
+    np.testing.assert_array_equal(router_biases(restored.params)[path], after[path])
+    again, resumed = step(state, lm_batch(seed=1))[0], step(restored, lm_batch(seed=1))[0]
+    np.testing.assert_array_equal(router_biases(again.params)[path], router_biases(resumed.params)[path])
+
+
+@pytest.fixture(scope="module")
+def mtp_model():
+    """Depth 2 over a one-layer MoE decoder (the modules' layers MoE too, as in DeepSeek-V3)."""
+    cfg = deepseek_model(num_decoder_layers=1, mtp_depth=2, moe={"first_dense": 0})
+    return cfg, build_model(cfg, seed=3)
+
+
+def naive_mtp_loss(model, inputs, targets, k_max):
+    """The MTP loss by hand: module k on the truncated sequences, positions 0..T-1-k, from its parts."""
+    h = model.hidden(inputs)
+    T, total = inputs.shape[1], 0.0
+    for k in range(1, k_max + 1):
+        m, n = model.mtp[k - 1], T - k
+        h = h[:, :n]
+        e = model.decoder.embed(inputs[:, k:])  # rope: no positions in the embedding
+        x = jnp.concatenate([m.enorm(e), m.hnorm(h)], -1) @ m.eh_proj[...]
+        positions = jnp.broadcast_to(jnp.arange(n), (inputs.shape[0], n))
+        h = m.stack.layers[0](x, mask=F.Mask(causal=True), positions_BT=positions)
+        logits = model.head(m.final_norm(h)).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits, -1)
+        total += -jnp.take_along_axis(logp, targets[:, k:, None], -1).sum()
+    return total / k_max
+
+
+def test_mtp_loss_equals_a_hand_written_loop_and_weight_zero_leaves_the_main_loss_and_grads(mtp_model):
+    cfg, model = mtp_model
+    plain = build_model(cfg.replace(mtp_depth=0), seed=3)  # the same main parameters: the modules' keys come last
+    batch = {k: jnp.asarray(v) for k, v in lm_batch(seed=4).items()}
+    (graphdef, params), (plain_def, plain_params) = nnx.split(model, nnx.Param), nnx.split(plain, nnx.Param)
+
+    def loss(graphdef, params, weight):
+        return loss_sums(nnx.merge(graphdef, params), C.TrainConfig(objective="lm", mtp_weight=weight), batch, None)
+
+    @jax.jit
+    def run(params, plain_params):  # one compile for every quantity compared
+        _, sums = loss(graphdef, params, 0.3)
+        naive = naive_mtp_loss(nnx.merge(graphdef, params), batch["inputs"], batch["targets"], 2)
+        grad = lambda g, p: jax.value_and_grad(lambda q: loss(g, q, 0.0)[0])(p)
+        return sums, naive, grad(graphdef, params), grad(plain_def, plain_params)
+
+    sums, want, (loss0, g0), (loss_plain, g_plain) = run(params, plain_params)
+    np.testing.assert_allclose(sums["mtp_loss"], want, rtol=1e-5)
+    np.testing.assert_allclose(sums["mtp_nll"], want, rtol=1e-5)  # no smoothing: the loss is the NLL
+    assert sums["moe_load"].shape == (3, 8)  # the decoder's MoE layer, then each module's
+    np.testing.assert_allclose(sums["loss"], sums["nll"] + 0.3 * want, rtol=1e-5)  # + mtp_weight * the mean
+    # weight 0: the main loss and its gradients, bitwise; the modules get no gradient
+    assert float(loss0) == float(loss_plain)
+    flat0 = {p: v[...] for p, v in nnx.to_flat_state(g0)}
+    for path, g in nnx.to_flat_state(g_plain):
+        np.testing.assert_array_equal(flat0[path], g[...])
+    assert all(not np.asarray(v[...]).any() for p, v in nnx.to_flat_state(g0) if p[0] == "mtp")
+
+
+def test_generation_ignores_the_mtp_modules(mtp_model):
+    cfg, model = mtp_model
+    plain = build_model(cfg.replace(mtp_depth=0), seed=3)
+    ids = jnp.asarray(lm_batch(seed=5)["inputs"])
+    np.testing.assert_array_equal(*jax.jit(lambda ids: (model(ids), plain(ids)))(ids))
+    assert "mtp" not in [p[0] for p, _ in nnx.to_flat_state(nnx.state(plain))]
+
+
+def test_sigmoid_routing_in_each_dispatch_gives_the_same_layer():
+    """A capacity with room for every pair (causal or GShard's order) equals dropless, with a nonzero bias."""
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(2, 6, 16)), jnp.float32)
+    outs = []
+    for capacity_factor, causal in ((0.0, True), (4.0, True), (4.0, False)):
+        cfg = deepseek_model(moe={"capacity_factor": capacity_factor})
+        layer = moe.MoEFeedForward(cfg, causal=causal, rngs=nnx.Rngs(params=7))
+        layer.router_bias[...] = jnp.linspace(-0.3, 0.3, 8)
+        y, aux = layer(x)
+        assert float(aux["dropped"]) == 0
+        outs.append(y)
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(outs[2], outs[0], rtol=1e-5, atol=1e-6)

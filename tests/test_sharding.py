@@ -101,10 +101,13 @@ def test_mesh_errors_name_what_is_wrong(strategies):
 def test_expert_parallel_moe_equals_one_device(strategies):
     """MoE layers with their experts split over `mesh.expert` (8 devices), both dispatches in the
     explicit all-to-all `shard_map` of `moe.*_expert_parallel`, beside data, FSDP, FSDP with tensor
-    parallelism and context parallelism: the first batch's loss and gradients of one device."""
+    parallelism and context parallelism: the first batch's loss and gradients of one device. The
+    data x expert dropless case routes as DeepSeek-V3 (sigmoid, groups): its expert loads, the global
+    counts the balance bias follows, equal one device's."""
     r = strategies["moe"]
     for name in ("capacity", "capacity_data", "dropless", "dropless_fsdp_tensor", "capacity_context"):
         assert r[name]["loss_rel"] < LOSS_RTOL, (name, r[name]["loss_rel"])
+        assert r[name]["load_equal"], name
         worst = max(r[name]["grad_rel"].items(), key=lambda kv: kv[1])
         assert worst[1] < PARAM_RTOL, (name, worst)
         # Each MoE layer's dispatch and combine are all-to-alls over the expert axis, forward and

@@ -178,6 +178,11 @@ class Config:
             f"multi-token prediction is a language-model loss: objective 'lm', not {t.objective!r}",
         )
         require(
+            not model.mtp_depth or self.mesh.context == 1,
+            "model.mtp_depth",
+            f"multi-token prediction shifts tokens along the sequence, which mesh.context={self.mesh.context} splits",
+        )
+        require(
             not (model.moe.enabled and model.moe.balance_rate and self.lora.enabled),
             "model.moe.balance_rate",
             "LoRA trains adapters alone: the routers' balance bias is part of the frozen base",
