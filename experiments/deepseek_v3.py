@@ -76,7 +76,7 @@ DEEPSEEK_V3 = dict(
     },
     tie_word_embeddings=False,
     attention_bias=False,
-    num_nextn_predict_layers=1,  # its MTP layer (model.layers.61) is not read
+    num_nextn_predict_layers=1,  # one multi-token prediction module: model.layers.61 (model.mtp_depth)
 )
 
 
@@ -89,6 +89,9 @@ def get_config() -> Config:
             scan_layers=True,  # the 3 dense layers unrolled, the 58 MoE layers one compiled body
             remat="full",  # recompute each layer's activations in the backward pass
             max_len=4096,  # DeepSeek-V3's pretraining length
+            # the MTP module (one more MoE layer, 1.7% of the parameters) is left out of the plan; train it
+            # with --set model.mtp_depth=1 --set train.mtp_weight=0.1
+            mtp_depth=0,
         ),
         data=DataConfig(source="shakespeare", tokenizer="byte", max_len=4096),  # point it at your data
         train=TrainConfig(

@@ -251,3 +251,31 @@ def test_a_sliding_window_mask_is_the_band_of_the_formula():
     np.testing.assert_allclose(np.asarray(xla), np.asarray(naive), atol=1e-6)
     with pytest.raises(ValueError, match=r"a sliding window of 3 is said over a causal Mask, not ndarray"):
         windowed(np.ones((1, 1, T, T), bool), w)
+
+
+def test_deepseek_multi_token_prediction_goes_out_and_back_as_the_checkpoints_layer_after_the_last(tmp_path):
+    """The golden DeepSeek-V3 with one MTP module (model.mtp_depth=1, config.json's num_nextn_predict_layers):
+    save_hf writes it as layer 3 of 3 (enorm, hnorm, eh_proj [D, 2D], shared_head.norm and an MoE decoder
+    layer's tensors, as the published checkpoint's layer 61), and load_hf, unrolled and scanned, gives back
+    every parameter bit for bit; the checkpoint's copies of the embedding and the head there are not read."""
+    import jaxformer as jf
+
+    cfg = hf.config_from_hf(_golden_config("deepseek_v3")).replace(mtp_depth=1)
+    model = jf.build_model(cfg, 0)
+    mtp = {k for k in load_file(hf.save_hf(model, tmp_path / "out") / hf.WEIGHTS) if k.startswith("model.layers.3.")}
+    assert {"model.layers.3.enorm.weight", "model.layers.3.eh_proj.weight", "model.layers.3.shared_head.norm.weight",
+            "model.layers.3.mlp.gate.e_score_correction_bias", "model.layers.3.mlp.experts.7.down_proj.weight",
+            "model.layers.3.self_attn.kv_a_proj_with_mqa.weight"} <= mtp  # fmt: skip
+    assert json.loads((tmp_path / "out" / hf.CONFIG).read_text())["num_nextn_predict_layers"] == 1
+    weights = load_file(tmp_path / "out" / hf.WEIGHTS)
+    weights["model.layers.3.embed_tokens.weight"] = weights["model.embed_tokens.weight"]  # as the release holds
+    from safetensors.numpy import save_file
+
+    save_file(weights, tmp_path / "out" / hf.WEIGHTS)
+    ours = {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    back = hf.load_hf(tmp_path / "out")
+    assert back.cfg.mtp_depth == 1
+    for path, value in nnx.to_flat_state(nnx.state(back, nnx.Param)):
+        np.testing.assert_array_equal(np.asarray(value[...]), ours[".".join(map(str, path))])
+    scanned = hf.load_hf(tmp_path / "out", scan_layers=True)
+    np.testing.assert_array_equal(np.asarray(scanned.mtp[0].eh_proj[...]), ours["mtp.0.eh_proj"])

@@ -27,7 +27,7 @@ def _stacked_path(path: str, block: int = 1, head: int = 0) -> tuple[str, int | 
     starting with `head` dense layers (`ModelConfig.dense_head`) keeps them unrolled in `dense_layers`
     ("decoder.stack.dense_layers.0.q", None) and counts the blocks from layer `head`."""
     match = re.match(r"^(.*)\.layers\.(\d+)\.(.*)$", path)
-    if not match:
+    if not match or path.startswith("mtp."):  # multi-token prediction's one layer is never scanned
         return path, None
     i = int(match[2])
     if i < head:

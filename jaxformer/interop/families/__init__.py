@@ -60,9 +60,9 @@ FAMILIES = {
                         ignore=LLAMA_IGNORED),
     "gemma3_text": Family("gemma3_text", "model.", _gemma3_config, _gemma3_hf, _gemma3_rules, ignore=LLAMA_IGNORED),
     "gemma2": Family("gemma2", "model.", _gemma2_config, _gemma2_hf, _gemma2_rules, ignore=LLAMA_IGNORED),
-    # transformers ignores V3's multi-token prediction layer (model.layers.61) as its checkpoint holds it
+    # the multi-token prediction layers' copies of the embedding and the output head
     "deepseek_v3": Family("deepseek_v3", "model.", _deepseek_config, _deepseek_hf, _deepseek_rules,
-                          ignore=(*LLAMA_IGNORED, r"^model\.layers\.61\.")),
+                          ignore=(*LLAMA_IGNORED, r"^model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$")),
     "switch_transformers": Family("switch_transformers", "", _switch_config, _switch_hf,
                                   lambda cfg: _t5_rules(cfg, _switch_ffn), ignore=TIED_COPIES),
 }  # fmt: skip

@@ -13,11 +13,15 @@ mscale_all_dim scaling the logits too.
 transformers (`rope_interleave=True`, the default) rotates interleaved pairs (0, 1), (2, 3), ... of a
 head's rope dims, jaxformer the halves (i, i + R/2): the rope rows of the query's up-projection and of
 the latent's down-projection are reordered on the way in (even dims first, then odd) and back on the
-way out, which leaves every q.k unchanged. The checkpoint's multi-token prediction layer (index
-num_hidden_layers, 61 in V3) is ignored as transformers ignores it.
+way out, which leaves every q.k unchanged. The checkpoint's multi-token prediction modules
+(`num_nextn_predict_layers`, `model.mtp_depth`) are its layers num_hidden_layers + k (61 in V3):
+`enorm`, `hnorm`, `eh_proj`, a decoder layer and `shared_head.norm` (their `embed_tokens` and
+`shared_head.head` are copies of the model's, not read, not written); transformers reads none of them.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from jaxformer.config import MLAConfig, ModelConfig, MoEConfig
 from jaxformer.interop.families.common import _experts, _get, _pad_token, _require, _rope_scaling, _rope_scaling_hf
@@ -80,6 +84,7 @@ def _deepseek_config(hf: dict) -> dict:
         norm="rmsnorm", norm_position="pre", use_bias=False, scale_embeddings=False,
         tie_output=_get(hf, "tie_word_embeddings", False), pad_id=_get(hf, "pad_token_id", 0),
         rope_scaling=_rope_scaling(hf, logits_mscale=True), mla=mla, moe=moe,
+        mtp_depth=_get(hf, "num_nextn_predict_layers", 0),
     )  # fmt: skip
 
 
@@ -98,7 +103,7 @@ def _deepseek_hf(cfg: ModelConfig) -> dict:
         first_k_dense_replace=moe.first_dense, norm_topk_prob=moe.normalize_topk, hidden_act="silu",
         max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_output,
         rope_theta=cfg.rope_base, rope_scaling=_rope_scaling_hf(cfg), rope_interleave=True, attention_bias=False,
-        attention_dropout=cfg.attention_dropout_rate, **_pad_token(cfg),
+        attention_dropout=cfg.attention_dropout_rate, num_nextn_predict_layers=cfg.mtp_depth, **_pad_token(cfg),
     )  # fmt: skip
 
 
@@ -136,5 +141,29 @@ def _deepseek_rules(cfg: ModelConfig) -> list[Rule]:
     for theirs, ours in (("gate_proj", "wi_gate"), ("up_proj", "wi"), ("down_proj", "wo")):
         rules.append(Rule(f"{mlp}.experts.{{e}}.{theirs}.weight", (f"{ffn}.{ours}[{{e}}]",), "linear", layers="moe"))
         rules.append(Rule(f"{mlp}.shared_experts.{theirs}.weight", (f"{ffn}.shared_{ours}",), "linear", layers="moe"))
+    layer = rules[1:]  # a decoder layer's rules, "{i}" for its index
     rules += norm("model.norm", "decoder.final_norm", bias=False)
+    rules += _mtp_rules(cfg, layer)
     return rules + ([] if cfg.tie_output else [Rule("lm_head.weight", ("lm_head.kernel",), "linear")])
+
+
+def _mtp_rules(cfg: ModelConfig, layer: list[Rule]) -> list[Rule]:
+    """Multi-token prediction module k (from 0) as the checkpoint's layer num_hidden_layers + k: its
+    norms, eh_proj [D, 2D] and a decoder layer's tensors (MoE where the decoder's pattern puts it)."""
+    rules = []
+    for k in range(cfg.mtp_depth):
+        index = cfg.num_decoder_layers + k
+        h, m = f"model.layers.{index}", f"mtp.{k}"
+        moe = cfg.moe.is_moe_layer("decoder", index)
+        rules += [same(f"{h}.enorm.weight", f"{m}.enorm.scale"), same(f"{h}.hnorm.weight", f"{m}.hnorm.scale"),
+                  Rule(f"{h}.eh_proj.weight", (f"{m}.eh_proj",), "linear"),
+                  same(f"{h}.shared_head.norm.weight", f"{m}.final_norm.scale")]  # fmt: skip
+        for r in layer:
+            if r.layers != "all" and (r.layers == "moe") != moe:
+                continue
+            theirs = r.theirs.replace("model.layers.{i}", h)
+            ours = tuple(o.replace("decoder.stack.layers.{i}", f"{m}.stack.layers.0") for o in r.ours)
+            for e in range(cfg.moe.num_experts) if "{e}" in theirs else (None,):
+                rules.append(dataclasses.replace(r, theirs=theirs.format(e=e), ours=tuple(o.format(e=e) for o in ours),
+                                                 layers="all"))  # fmt: skip
+    return rules
