@@ -117,7 +117,8 @@ class CheckpointWriteError(OSError):
 RUNTIME_MODEL_FIELDS = {"dtype", "attention_impl", "remat", "check_token_ids", "dropout_rate", "attention_dropout_rate"}
 # Of model.moe: how tokens are routed and weighed, not which parameters there are.
 RUNTIME_MOE_FIELDS = {
-    "router", "capacity_factor", "expert_capacity", "router_noise", "z_loss_weight", "aux_loss_weight"
+    "router", "capacity_factor", "expert_capacity", "router_noise", "z_loss_weight", "aux_loss_weight",
+    "normalize_topk", "routed_scaling", "num_groups", "groups_per_token", "balance_rate",
 }  # fmt: skip
 
 
@@ -133,6 +134,8 @@ def model_layout(model) -> dict:
     fields = dataclasses.asdict(model)
     moe = fields.pop("moe")
     fields |= {f"moe.{k}": v for k, v in moe.items() if k not in RUNTIME_MOE_FIELDS}
+    # the sigmoid router has a parameter more (its balance bias); the softmax routers share their parameters
+    fields["moe.router"] = moe["router"] if moe["router"] == "sigmoid_topk" else "softmax_topk or topk_softmax"
     return {k: v for k, v in fields.items() if k not in RUNTIME_MODEL_FIELDS}
 
 

@@ -12,7 +12,7 @@ from flax import nnx
 from jaxformer import config as C
 from jaxformer import functional as F
 from jaxformer import moe
-from jaxformer.checkpoint import Checkpointer
+from jaxformer.checkpoint import Checkpointer, check_compatible
 from jaxformer.models import build_model, unrolled
 from jaxformer.state import init_state
 from jaxformer.train import loss_sums, make_steps
@@ -188,9 +188,11 @@ def test_mtp_loss_equals_a_hand_written_loop_and_weight_zero_leaves_the_main_los
         _, sums = loss(graphdef, params, 0.3)
         naive = naive_mtp_loss(nnx.merge(graphdef, params), batch["inputs"], batch["targets"], 2)
         grad = lambda g, p: jax.value_and_grad(lambda q: loss(g, q, 0.0)[0])(p)
-        return sums, naive, grad(graphdef, params), grad(plain_def, plain_params)
+        logits = [nnx.merge(g, p)(batch["inputs"]) for g, p in ((graphdef, params), (plain_def, plain_params))]
+        return sums, naive, grad(graphdef, params), grad(plain_def, plain_params), logits
 
-    sums, want, (loss0, g0), (loss_plain, g_plain) = run(params, plain_params)
+    sums, want, (loss0, g0), (loss_plain, g_plain), logits = run(params, plain_params)
+    np.testing.assert_array_equal(*logits)  # generation's forward never runs the modules
     np.testing.assert_allclose(sums["mtp_loss"], want, rtol=1e-5)
     np.testing.assert_allclose(sums["mtp_nll"], want, rtol=1e-5)  # no smoothing: the loss is the NLL
     assert sums["moe_load"].shape == (3, 8)  # the decoder's MoE layer, then each module's
@@ -201,14 +203,6 @@ def test_mtp_loss_equals_a_hand_written_loop_and_weight_zero_leaves_the_main_los
     for path, g in nnx.to_flat_state(g_plain):
         np.testing.assert_array_equal(flat0[path], g[...])
     assert all(not np.asarray(v[...]).any() for p, v in nnx.to_flat_state(g0) if p[0] == "mtp")
-
-
-def test_generation_ignores_the_mtp_modules(mtp_model):
-    cfg, model = mtp_model
-    plain = build_model(cfg.replace(mtp_depth=0), seed=3)
-    ids = jnp.asarray(lm_batch(seed=5)["inputs"])
-    np.testing.assert_array_equal(*jax.jit(lambda ids: (model(ids), plain(ids)))(ids))
-    assert "mtp" not in [p[0] for p, _ in nnx.to_flat_state(nnx.state(plain))]
 
 
 def test_sigmoid_routing_in_each_dispatch_gives_the_same_layer():
@@ -224,3 +218,18 @@ def test_sigmoid_routing_in_each_dispatch_gives_the_same_layer():
         outs.append(y)
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(outs[2], outs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_resuming_may_change_the_routing_but_not_the_parameters_it_adds():
+    cfg = lm_config(deepseek_model(moe={"balance_rate": 1e-3}))
+    routing = ["model.moe.routed_scaling=1.0", "model.moe.num_groups=2", "model.moe.balance_rate=0"]
+    check_compatible(cfg, C.apply_overrides(cfg, routing), "ckpt")
+    softmax = ["model.moe.router=topk_softmax", "model.moe.routed_scaling=1.0", "model.moe.num_groups=1",
+               "model.moe.groups_per_token=1", "model.moe.balance_rate=0"]  # fmt: skip
+    for changes, message in (
+        (softmax, r"model\.moe\.router: checkpoint 'sigmoid_topk', config 'softmax_topk or topk_softmax'"),
+        (["model.moe.first_dense=0"], r"model\.moe\.first_dense: checkpoint 1, config 0"),
+        (["model.mtp_depth=1"], r"model\.mtp_depth: checkpoint 0, config 1"),
+    ):
+        with pytest.raises(C.ConfigError, match=message):
+            check_compatible(cfg, C.apply_overrides(cfg, changes), "ckpt")
