@@ -10,9 +10,9 @@ Plan it on any machine (no accelerator; `pip install -e ".[tpu]"` or `".[gpu-pla
     jaxformer plan --config experiments/deepseek_v3.py --target gpu-h100:8x8 --no-largest \\
         --set mesh.fsdp=8 --set mesh.expert=8 --set train.batch_size=64
 
-The v5p slice of 512 chips holds the training step (float32 weights, gradients and Adam moments,
-16 bytes a parameter: 10.7 TB over 512 chips); 64 H100s (8 hosts of 8) do not (168 GB a GPU before
-activations) and hold the evaluation step (the forward pass of the imported model) alone.
+The v5p slice of 512 chips holds the training step (planned: peak 97.9 GB of 102.0 a chip at one row
+of 4096 tokens a chip, float32 weights, gradients and Adam moments 29.0 GB of it); 64 H100s (8 hosts of
+8) do not (167.8 GB a GPU of training state, counted).
 
 With the weights (a Hugging Face DeepSeek-V3 directory in bfloat16: the published FP8 checkpoint is
 refused by name, dequantize it first), import them, then train:
