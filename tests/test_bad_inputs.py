@@ -724,7 +724,7 @@ CLI_CASES = [
     cli_case(
         "import-hf {unknown_family} --workdir {tmp}/never",
         r"\S+config\.json: model_type='mamba' is not supported "
-        r"\(jaxformer reads \['bart', 'bert', 'gemma2', 'gemma3_text', 'gpt2', ",
+        r"\(jaxformer reads \['bart', 'bert', 'deepseek_v3', 'gemma2', 'gemma3_text', 'gpt2', ",
     ),
     cli_case(
         "import-hf {no_weights} --workdir {tmp}/never",
