@@ -12,7 +12,7 @@ its FSDP=8 state saved to DIR, restored on DP=4 and on 1 device), `moe`, `pipeli
 schedules of every mode, a pipelined state saved to DIR and restored without stages) and `mla` (latent
 attention on fsdp=4 x tensor=2).
     python tests/sharded_worker.py hf_moe GOLDEN           # Mixtral, Switch loaded onto fsdp=2 x expert=4
-    python tests/sharded_worker.py hf_families GOLDEN      # Qwen 2, 3, 3 MoE, Gemma 3 onto fsdp=2 x tensor=2 x expert=2
+    python tests/sharded_worker.py hf_families GOLDEN      # the new families onto fsdp=2 x tensor=2 x expert=2
 
 Prints one JSON line of results for tests/test_sharding.py (hf_moe: tests/test_interop_moe.py, hf_families:
 tests/test_interop_families.py) to check.
@@ -523,7 +523,7 @@ def hf_moe_sharded(golden: str) -> dict:
 
 
 def hf_families_sharded(golden: str) -> dict:
-    """The golden Qwen 2, Qwen 3, Qwen 3 MoE and Gemma 3 checkpoints (Qwen 3 MoE also scanned) loaded onto
+    """The golden Qwen 2, Qwen 3, Qwen 3 MoE, Gemma 3 and DeepSeek-V3 checkpoints (Qwen 3 MoE also scanned) loaded onto
     an fsdp=2 x tensor=2 x expert=2 mesh: their logits against transformers' (the golden files, one
     program for all), every parameter against the same checkpoint loaded onto one device, and where the
     attention's and the experts' kernels landed."""
@@ -542,7 +542,8 @@ def hf_families_sharded(golden: str) -> dict:
     mesh_cfg = MeshConfig(fsdp=2, tensor=2, expert=2)
     mesh = sharding.make_mesh(mesh_cfg)
     cases = {"qwen2": ("qwen2", False), "qwen3": ("qwen3", False), "qwen3_moe": ("qwen3_moe", False),
-             "qwen3_moe_scanned": ("qwen3_moe", True), "gemma3_text": ("gemma3_text", False)}  # fmt: skip
+             "qwen3_moe_scanned": ("qwen3_moe", True), "gemma3_text": ("gemma3_text", False),
+             "deepseek_v3": ("deepseek_v3", False)}  # fmt: skip
     models, out = {}, {}
     for name, (family, scan) in cases.items():
         directory = pathlib.Path(golden) / family
@@ -554,7 +555,8 @@ def hf_families_sharded(golden: str) -> dict:
         out[name] = {
             "max_abs_diff": diff,
             "specs": {k: str(tuple(v.sharding.spec)) for k, v in params.items()
-                      if k.endswith(("self_attn.q", "self_attn.q_bias", "self_attn.q_norm", "ffn.wi"))},
+                      if k.endswith(("self_attn.q", "self_attn.q_bias", "self_attn.q_norm", "ffn.wi", "self_attn.q_up",
+                                     "ffn.router_bias"))},
             "devices": sorted({d.id for v in params.values() for d in v.sharding.device_set}),
         }  # fmt: skip
     ids = jnp.asarray(np.load(pathlib.Path(golden) / "qwen2" / "logits.npz")["input_ids"])

@@ -94,6 +94,7 @@ def test_eval_and_translate_over_a_context_axis_equal_one_device(copy_run, tmp_p
         "dpo_tiny",
         "qwen3_8b_lora",
         "gemma3_12b",
+        "deepseek_v3",
     ],
 )
 def test_every_experiment_validates_and_documents_its_command(name):
