@@ -227,8 +227,8 @@ class TransformerStack(nnx.Module):
         x_BTD = self.embed_inputs(ids_BT, positions_BT, None)
         first, B = cache[0]["self"], ids_BT.shape[0]
         paged = "table" in first  # a paged cache: each row's P pages of `page` slots
-        if paged:
-            S = first["table"].shape[1] * first["k"].shape[2]
+        if paged:  # pools [N, G, page, K], or latent attention's [N, page, C]
+            S = first["table"].shape[1] * (first["k"].shape[2] if "k" in first else first["c"].shape[1])
         else:  # a KV cache [B, G, S, K], or latent attention's {"c": [B, S, C], ...}
             S = first["k"].shape[2] if "k" in first else first["c"].shape[1]
         slots_BS = jnp.broadcast_to(jnp.arange(S), (B, S))

@@ -1264,12 +1264,6 @@ API_CASES = [
     ),
     # GRPO: the section, the run it needs, and the task's and reward functions' output, each named.
     api_case(
-        "Engine of a latent-attention model",
-        lambda m, p: mla_engine(),
-        ValueError,
-        r"model\.mla \(kv_lora_rank=8\): the engine's paged pool holds keys and values, not latents",
-    ),
-    api_case(
         "Engine.load_weights while a request waits",
         lambda m, p: engine_with_a_request(m[LM]).load_weights(m[LM]),
         ValueError,
@@ -1365,15 +1359,6 @@ API_CASES = [
         r"lm is a training workdir: export it first \(jaxformer export --workdir \S+ --out DIR\)",
     ),
 ]
-
-
-def mla_engine():
-    """The engine over a tiny decoder with latent attention (`model.mla`), which it refuses."""
-    from jaxformer.config import MLAConfig
-    from jaxformer.engine import Engine
-
-    cfg = jf.tiny("decoder_only", position="rope", use_bias=False, mla=MLAConfig(kv_lora_rank=8, rope_head_dim=4))
-    return Engine(jf.build_model(cfg), eos_id=2)
 
 
 @pytest.mark.parametrize("call, error, message", API_CASES)

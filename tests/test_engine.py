@@ -1,8 +1,9 @@
 """The inference engine against `decode.generate` and naive references: the paged cache's gather and
 write equal a dense cache, greedy outputs equal generate's token for token (prefix sharing on and off,
-two page sizes, more requests than slots, a pool small enough to preempt), sampling is reproducible
-and independent of the batch, bad requests are refused naming what is wrong, and the steps compile a
-few bucketed shapes (rows and pages), each once, for every mix of requests."""
+two page sizes, more requests than slots, a pool small enough to preempt; a latent-attention decoder's
+latent pages), sampling is reproducible and independent of the batch, bad requests are refused naming
+what is wrong, and the steps compile a few bucketed shapes (rows and pages), each once, for every mix
+of requests."""
 
 import collections
 import dataclasses
@@ -15,7 +16,8 @@ from flax import nnx
 
 from jaxformer import decode
 from jaxformer.attention import cache as kv_cache
-from jaxformer.config import ConfigError, DecodeConfig, EngineConfig, tiny
+from jaxformer.attention import mla
+from jaxformer.config import ConfigError, DecodeConfig, EngineConfig, MLAConfig, tiny
 from jaxformer.engine import Engine, EngineError, SamplingParams, paged
 from jaxformer.engine import engine as engine_module
 from jaxformer.models import build_model
@@ -60,27 +62,30 @@ def eos_id(model):
 # ----------------------------------------------------------------------------- pure parts
 
 
-def test_paged_view_equals_the_dense_cache():
+@pytest.mark.parametrize("latent", [False, True])
+def test_paged_view_equals_the_dense_cache(latent):
     """Writing positions into pages then reading a row's pages gives the dense cache [B, G, S, K]
-    that writing the same positions into slots gives (slot s = position s)."""
+    that writing the same positions into slots gives (slot s = position s); a latent pool [N, page, K]
+    (no heads' axis, latent attention's) gives [B, S, K] the same way."""
     rng = np.random.default_rng(1)
     N, page, G, K, B, P = 9, 4, 2, 3, 2, 3
-    pool = jnp.zeros((N, G, page, K))
+    heads = () if latent else (G,)
+    pool = jnp.zeros((N, *heads, page, K))
     table = np.array([[3, 7, 1], [5, 2, 0]], np.int32)  # row 1 holds two pages
-    dense = np.zeros((B, G, P * page, K), np.float32)
+    dense = np.zeros((B, *heads, P * page, K), np.float32)
     for start, T in ((0, 5), (5, 3), (8, 1)):  # a chunk, another, a decode step
         positions = start + np.arange(T)[None].repeat(B, 0)
         valid = positions < np.array([[12], [8]])
-        new = rng.normal(size=(B, T, G, K)).astype(np.float32)
+        new = rng.normal(size=(B, T, *heads, K)).astype(np.float32)
         page_BT, offset_BT = kv_cache.page_slots(jnp.asarray(table), jnp.asarray(positions), jnp.asarray(valid), page)
         pool = kv_cache.write_pages(pool, jnp.asarray(new), page_BT, offset_BT)
         for b in range(B):
             for t in range(T):
                 if valid[b, t]:
-                    dense[b, :, positions[b, t]] = new[b, t]
-    view = np.asarray(kv_cache.read_pages(pool, jnp.asarray(table)))  # [B, G, S, K]
+                    dense[b, ..., positions[b, t], :] = new[b, t]
+    view = np.asarray(kv_cache.read_pages(pool, jnp.asarray(table)))  # [B, G, S, K] or [B, S, K]
     np.testing.assert_array_equal(view[0], dense[0])
-    np.testing.assert_array_equal(view[1, :, :8], dense[1, :, :8])  # its third entry is scratch page 0
+    np.testing.assert_array_equal(view[1, ..., :8, :], dense[1, ..., :8, :])  # its third entry is scratch page 0
 
 
 def test_decode_step_logits_at_one_position_equal_the_full_logits(model):
@@ -125,6 +130,44 @@ def test_greedy_equals_generate(model, eos_id, page_size):
         stats = engine.stats()
         assert (stats["prefix_hits"] > 0) == sharing
         assert stats["running"] == stats["waiting"] == 0 and stats["pages_free"] == stats["pages_total"]
+        c = model.cfg  # keys and values: 2 G K float32s a position and layer
+        assert stats["cache_bytes_per_token"] == 2 * c.num_decoder_layers * c.kv_heads * c.dim_per_head * 4
+
+
+@pytest.fixture(scope="module")
+def mla_model():
+    """The two-layer decoder with latent attention (`model.mla`: C = 8, R = 4), parameters x3 as `model`'s."""
+    cfg = tiny("decoder_only", vocab_size=V, max_len=64, position="rope", use_bias=False,
+               mla=MLAConfig(kv_lora_rank=8, rope_head_dim=4))  # fmt: skip
+    model = build_model(cfg, seed=3)
+    nnx.update(model, jax.tree.map(lambda x: 3.0 * x, nnx.state(model, nnx.Param)))
+    return model
+
+
+@pytest.fixture(scope="module")
+def mla_want(mla_model):
+    """generate's greedy tokens for `_prompts()` (10 at most) and an EOS id that ends row 0's mid-way, no other."""
+    want = _reference(mla_model, _prompts(), 10, None)
+    eos_id = next(t for t in want[0][1:] if sum(t in w for w in want) == 1)
+    return [decode.strip_after_eos(w, eos_id) for w in want], eos_id
+
+
+@pytest.mark.parametrize("page_size", [4, 8])
+def test_latent_attention_greedy_equals_generate(mla_model, mla_want, page_size):
+    """An MLA decoder served from latent pages (prefill chunks and decode steps in the absorbed form over
+    the rows' pages) gives generate's tokens (its plain-form prefill, absorbed decode over a dense latent
+    cache), with prefix sharing finding the shared prompt pages; the pools hold (C + R) values a position
+    and layer, `mla.cache_bytes_per_token`."""
+    (want, eos_id), n = mla_want, 10
+    assert any(len(w) < n for w in want) and any(len(w) == n for w in want)
+    assert max(len(set(w)) for w in want) >= 3  # continuations that depend on the context
+    cfg = EngineConfig(page_size=page_size, num_pages=40, max_slots=2, prefill_chunk=8)  # 2 row buckets
+    engine = Engine(mla_model, cfg, eos_id=eos_id)
+    assert [o.token_ids for o in engine.generate(_prompts(), SamplingParams(max_tokens=n))] == want
+    stats = engine.stats()
+    assert stats["prefix_hits"] > 0 and stats["pages_free"] == stats["pages_total"]
+    m = mla_model.cfg.mla
+    assert stats["cache_bytes_per_token"] == 2 * mla.cache_bytes_per_token(m.kv_lora_rank, m.rope_head_dim, 4) == 96
 
 
 def test_a_chunk_past_a_learned_position_table_leaves_the_pages_clean():

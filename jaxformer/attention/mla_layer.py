@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxformer.attention.cache import write_rows
+from jaxformer.attention.cache import page_slots, read_pages, write_pages, write_rows
 from jaxformer.attention.masks import Mask
 from jaxformer.attention.mla import absorbed_attention, plain_attention, split_latent
 from jaxformer.config import ModelConfig
@@ -184,9 +184,15 @@ class MultiHeadLatentAttention(nnx.Module):
         plain form; any other step (one new token per row, or several at an offset) in the absorbed form
         over the whole cache.
 
+        A paged cache (the engine's: {"c": [N, page, C], "r": [N, page, R] pools, "table": [B, P] page
+        tables, "valid": [B, T] the real positions}, `attention.cache`) is read in place: the new
+        positions' latents and rope keys go into their pages (the padding's into scratch page 0), then
+        each row attends over its own pages, gathered as [B, P * page, C] and [B, P * page, R], in the
+        absorbed form (a prefill chunk too: the latents are never projected up).
+
         Args:
             x_BTD: [B, T, D] the new positions.
-            cache: {"c": [B, S_max, C], "r": [B, S_max, R]}.
+            cache: {"c": [B, S_max, C], "r": [B, S_max, R]}; or a paged cache (above).
             mask: which cache slots each query sees.
             positions_BT: [B, T] the new positions.
             bias: must be None.
@@ -195,12 +201,18 @@ class MultiHeadLatentAttention(nnx.Module):
             (y_BTD, the updated cache).
 
         Raises:
-            ValueError: a paged cache, a logits bias, or a context axis.
+            ValueError: a logits bias, or a context axis.
         """
-        if "table" in cache or bias is not None:
-            raise ValueError("multi-head latent attention (model.mla) decodes over its own latent cache, unpaged")
+        if bias is not None:
+            raise ValueError("multi-head latent attention (model.mla) takes no logits bias")
         self._refuse_context()
         c_BTC, r_BTR = self.latent(x_BTD, positions_BT)
+        if "table" in cache:  # paged: B * T positions written into the pools, each row's pages read from them
+            table_BP = cache["table"]
+            page_BT, offset_BT = page_slots(table_BP, positions_BT, cache["valid"], cache["c"].shape[1])
+            pools = {n: write_pages(cache[n], new, page_BT, offset_BT) for n, new in (("c", c_BTC), ("r", r_BTR))}
+            return self._absorbed(x_BTD, read_pages(pools["c"], table_BP), read_pages(pools["r"], table_BP),
+                                  positions_BT, mask), {**cache, **pools}  # fmt: skip
         start_B = positions_BT[:, 0]
         cache = {
             "c": constrain(write_rows(cache["c"], c_BTC, start_B), ("batch", None, None)),
@@ -208,12 +220,14 @@ class MultiHeadLatentAttention(nnx.Module):
         }
         if isinstance(mask, Mask) and mask.causal and mask.q_offset is None:  # a prefill: its own keys alone
             return self._plain(x_BTD, c_BTC, r_BTR, positions_BT, mask, None, False), cache
+        return self._absorbed(x_BTD, cache["c"], cache["r"], positions_BT, mask), cache
+
+    def _absorbed(self, x_BTD, c_BSC, r_BSR, positions_BT, mask) -> Array:
+        """The queries of x attended over cached latents [B, S, C] and rope keys [B, S, R], absorbed form."""
         q_nope_BTHN, q_rope_BTHR = self.queries(x_BTD, positions_BT)
         kv_up_CHX = self.kv_up[...].astype(self.cfg.dtype)
-        out_BTHV = absorbed_attention(
-            q_nope_BTHN, q_rope_BTHR, cache["c"], cache["r"], kv_up_CHX, mask=mask, scale=self.scale
-        )
-        return self._out(out_BTHV), cache
+        out_BTHV = absorbed_attention(q_nope_BTHN, q_rope_BTHR, c_BSC, r_BSR, kv_up_CHX, mask=mask, scale=self.scale)
+        return self._out(out_BTHV)
 
     def _refuse_context(self) -> None:
         if context_ways() > 1:

@@ -12,9 +12,11 @@ are arrays). When the pool runs out of pages, the latest admitted request is pre
 freed, it waits to be recomputed, prompt and tokens so far); its tokens do not change, since a row draws
 with a key from its request's seed and the token's position.
 
-An encoder_decoder model's request brings its source: encoded once when it takes a slot, each decoder
-layer's cross-attention keys and values of it stay in the slot until it leaves. An encoder_only model
-generates nothing: `Engine.score` classifies, fills masks or embeds whole inputs.
+A model with latent attention (`model.mla`) has pages of latents rather than of keys and values, read
+in the absorbed form; the scheduler is the same. An encoder_decoder model's request brings its source:
+encoded once when it takes a slot, each decoder layer's cross-attention keys and values of it stay in
+the slot until it leaves. An encoder_only model generates nothing: `Engine.score` classifies, fills
+masks or embeds whole inputs.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from jaxformer.config import EngineConfig
 from jaxformer.engine import paged
 from jaxformer.engine.pages import PageAllocator, page_hashes
 from jaxformer.engine.requests import EngineError, Event, Output, SamplingParams
-from jaxformer.sharding import constrain
 
 
 @dataclasses.dataclass(eq=False)
@@ -136,7 +137,7 @@ def _score(graphdef, params, ids_BS, lengths_B, *, kind):
 @functools.partial(jax.jit, donate_argnames=("pools",))
 def _copy_page(pools, src, dst):
     """Copy-on-write: page `dst` of every pool takes page `src`'s contents."""
-    return [{n: pool[n].at[dst].set(pool[n][src]) for n in "kv"} for pool in pools]
+    return [{n: p.at[dst].set(p[src]) for n, p in pool.items()} for pool in pools]
 
 
 class Engine:
@@ -166,11 +167,6 @@ class Engine:
         if not isinstance(cfg, EngineConfig):
             raise TypeError(f"cfg: a jaxformer.config.EngineConfig, got {type(cfg).__name__}")
         mcfg = model.cfg
-        if mcfg.mla.enabled and mcfg.mode != "encoder_only":  # its cache is a latent, not pages of K and V
-            raise EngineError(
-                f"model.mla (kv_lora_rank={mcfg.mla.kv_lora_rank}): the engine's paged pool holds keys and values, "
-                "not latents; decode an MLA model with `jaxformer generate`"
-            )
         if cfg.max_context is not None and cfg.max_context > mcfg.max_len:
             raise EngineError(f"engine.max_context={cfg.max_context} exceeds the model's max_len={mcfg.max_len}")
         for name, value in (("eos_id", eos_id), ("bos_id", bos_id)):
@@ -184,10 +180,8 @@ class Engine:
         own = nnx.merge(*nnx.split(model))  # new modules over the same arrays: the caller's keep their id checks
         self._graphdef, self._params = nnx.split(decodable(without_id_checks(own)))
         G, K = mcfg.kv_heads, mcfg.dim_per_head
-        shape = (cfg.num_pages, G, cfg.page_size, K)
-        zeros = jax.jit(lambda: constrain(jnp.zeros(shape, mcfg.dtype), paged.PAGES))
         self.encoder_only = mcfg.mode == "encoder_only"  # scores only (`score`): no cache, no decoding
-        self._pools = [{"k": zeros(), "v": zeros()} for _ in range(mcfg.num_decoder_layers)]
+        self._pools = paged.empty_pools(mcfg, cfg.num_pages, cfg.page_size)  # K/V pages, or MLA's latents
         self.encoder_decoder = mcfg.mode == "encoder_decoder"
         self._memory, self._src_lengths = None, np.zeros(cfg.max_slots, np.int32)
         if self.encoder_decoder:  # each slot's source, as cross-attention keys and values [slots, G, S, K]
@@ -374,10 +368,13 @@ class Engine:
         """The pool and the queue, now.
 
         Returns:
-            {"pages_total", "pages_free", "pages_cached", "running", "waiting", "preempted", "prefix_hits"}:
-            pages_total excludes the scratch page; pages_cached are free pages still holding a prefix.
+            {"pages_total", "pages_free", "pages_cached", "running", "waiting", "preempted", "prefix_hits",
+            "cache_bytes_per_token"}: pages_total excludes the scratch page; pages_cached are free pages still
+            holding a prefix; cache_bytes_per_token is what one position takes in the pools over all layers
+            (2 G K x the dtype's bytes a layer, latent attention's (C + R) x the dtype's bytes).
         """
         cached = sum(1 for p in self._alloc.free if p in self._alloc.hash_of)
+        positions = self.cfg.num_pages * self.cfg.page_size
         return {
             "pages_total": self.cfg.num_pages - 1,
             "pages_free": self._alloc.num_free(),
@@ -386,6 +383,7 @@ class Engine:
             "waiting": len(self._waiting),
             "preempted": self.num_preempted,
             "prefix_hits": self.prefix_hits,
+            "cache_bytes_per_token": sum(p.nbytes for pool in self._pools for p in pool.values()) // positions,
         }
 
     # ------------------------------------------------------------------------- scheduling

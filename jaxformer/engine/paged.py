@@ -4,7 +4,8 @@ per-row sampling of the engine's compiled step. Plain `jax.numpy` and the model.
 The pool of one layer holds keys (or values) as [N, G, page, K]: N pages of `page` positions each. A
 sequence's page table [P] lists its pages in order, so position p lives in page table[p // page] at
 offset p % page. Page 0 is scratch: rows and positions that write nothing real (padding of a chunk, an
-idle slot) write there, and no sequence reads it as one of its own pages. The maths of pages
+idle slot) write there, and no sequence reads it as one of its own pages. A layer of latent attention
+(`model.mla`) pages its latents instead, [N, page, C] and its rope keys [N, page, R] (`empty_pools`). The maths of pages
 (`page_slots`, `write_pages`, `read_pages`) lives with the other caches' in `jaxformer.attention.cache`.
 
 Attention reads the pool in place (every backend here): each layer writes only the new positions' keys
@@ -20,9 +21,33 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.attention.masks import Mask
+from jaxformer.sharding import constrain
 
 Array = jax.Array
 PAGES = (None, "heads", None, None)  # a pool [N, G, page, K]: heads split over `tensor` like the model's
+LATENT_PAGES = (None, None, None)  # latent attention's pools [N, page, C]: one latent for every head
+
+
+def empty_pools(mcfg, num_pages: int, page_size: int) -> list[dict]:
+    """Each decoder layer's zeroed pools: {"k", "v"}: [N, G, page, K], or with latent attention
+    (`model.mla`) {"c": [N, page, C], "r": [N, page, R]}: (C + R) values a position, not 2 G K.
+
+    Args:
+        mcfg (ModelConfig): the model's config.
+        num_pages: N (page 0 the scratch).
+        page_size: positions per page.
+
+    Returns:
+        One dict of pools per decoder layer, in the compute dtype.
+    """
+    if mcfg.mla.enabled:
+        widths = {"c": mcfg.mla.kv_lora_rank, "r": mcfg.mla.rope_head_dim}
+        shapes = {n: ((num_pages, page_size, w), LATENT_PAGES) for n, w in widths.items()}
+    else:
+        shape = (num_pages, mcfg.kv_heads, page_size, mcfg.dim_per_head)
+        shapes = {n: (shape, PAGES) for n in "kv"}
+    zeros = lambda shape, spec: jax.jit(lambda: constrain(jnp.zeros(shape, mcfg.dtype), spec))()
+    return [{n: zeros(*s) for n, s in shapes.items()} for _ in range(mcfg.num_decoder_layers)]
 
 
 def paged_step(
@@ -47,7 +72,8 @@ def paged_step(
 
     Args:
         model (Transformer): a decodable model (`decode.decodable`), decoder_only or encoder_decoder.
-        pools (list[dict]): per layer {"k", "v"}: [N, G, page, K].
+        pools (list[dict]): per layer {"k", "v"}: [N, G, page, K]; latent attention's {"c": [N, page, C],
+            "r": [N, page, R]}.
         table_BP: [B, P] the rows' page tables.
         ids_BT: [B, T] new ids.
         positions_BT: [B, T] their positions.
@@ -63,13 +89,13 @@ def paged_step(
     # Padding reads position 0: a position past a sinusoidal or learned table is NaN (`jnp.take` fills), and
     # padding's NaN keys and values in the scratch page would reach every row that reads it (0 x NaN).
     positions_BT = jnp.where(valid_BT, positions_BT, 0)
-    layers = [{"self": {"k": pool["k"], "v": pool["v"], "table": table_BP, "valid": valid_BT}} for pool in pools]
+    layers = [{"self": {**pool, "table": table_BP, "valid": valid_BT}} for pool in pools]
     cache = {"layers": layers}
     if memory is not None:  # cross-attention over each row's source, its keys and values computed once
         cache = {"layers": [v | {"memory": m} for v, m in zip(layers, memory, strict=True)]}
         cache["memory_mask"] = Mask(kv_lengths=src_lengths_B)
     logits_BTV, cache = model.decode_step(cache, ids_BT, positions_BT, logits_at_B=last_B)
-    return logits_BTV, [{n: layer["self"][n] for n in "kv"} for layer in cache["layers"]]
+    return logits_BTV, [{n: layer["self"][n] for n in pool} for layer, pool in zip(cache["layers"], pools, strict=True)]
 
 
 # ----------------------------------------------------------------------------- per-row sampling
