@@ -80,13 +80,14 @@ def write_ring(ring_BGRK: Array, new_BGTK: Array, first_B: Array, count_B: Array
     return jnp.where((t_BR >= 0)[:, None, :, None], taken_BGRK.astype(ring_BGRK.dtype), ring_BGRK)
 
 
-# A paged cache (the inference engine's, `jaxformer.engine`): a pool of pages [N, G, page, K] shared by
+# A paged cache (the inference engine's, `jaxformer.engine`): a pool of pages [G, N, page, K] shared by
 # every sequence, and a page table [B, P] per row listing its pages in order, so position p of row b
 # lives in page table[b, p // page] at offset p % page. Page 0 is scratch: positions that are not real
-# (a chunk's padding, an idle row) write there, and no row reads it as one of its own pages. A page is
-# heads-major as the dense cache is: a row's pages gathered side by side become its [B, G, S, K] keys by
-# moving whole [page, K] blocks (position-major pages [page, G, K] had to be transposed K values at a
-# time, which cost ~7x the rest of the attention on CPU at 32 rows of 12 pages).
+# (a chunk's padding, an idle row) write there, and no row reads it as one of its own pages. The pool is
+# heads-major, heads outermost, as TPU's Pallas paged-attention kernel reads it
+# (`jaxformer.attention.paged_kernel`); a row's pages of each head gathered side by side become its
+# [B, G, S, K] keys by moving whole [P * page, K] blocks (position-major pages [page, G, K] had to be
+# transposed K values at a time, which cost ~7x the rest of the attention on CPU at 32 rows of 12 pages).
 
 
 def page_slots(table_BP: Array, positions_BT: Array, valid_BT: Array, page_size: int) -> tuple[Array, Array]:
@@ -106,13 +107,13 @@ def page_slots(table_BP: Array, positions_BT: Array, valid_BT: Array, page_size:
     return jnp.where(valid_BT, page_BT, 0).astype(jnp.int32), (positions_BT % page_size).astype(jnp.int32)
 
 
-def write_pages(pool_NGPK: Array, new_BTGK: Array, page_BT: Array, offset_BT: Array) -> Array:
-    """pool[page[b, t], g, offset[b, t]] = new[b, t, g] for every (b, t, g): B * T * G rows of K values
+def write_pages(pool_GNPK: Array, new_BTGK: Array, page_BT: Array, offset_BT: Array) -> Array:
+    """pool[g, page[b, t], offset[b, t]] = new[b, t, g] for every (b, t, g): B * T * G rows of K values
     written, the rest of the pool untouched (in place where the pool is donated or carried by a loop).
     Writes to page 0 are scratch.
 
     Args:
-        pool_NGPK: [N, G, page, K] the pool.
+        pool_GNPK: [G, N, page, K] the pool.
         new_BTGK: [B, T, G, K] keys (or values) of new positions.
         page_BT: [B, T] their pages.
         offset_BT: [B, T] their offsets in the pages.
@@ -121,22 +122,24 @@ def write_pages(pool_NGPK: Array, new_BTGK: Array, page_BT: Array, offset_BT: Ar
         The updated pool, its shape and dtype.
     """
     # A scatter of [G, K] windows: the heads' axis stays whole, so its split over a mesh axis is kept.
-    return pool_NGPK.at[page_BT, :, offset_BT].set(new_BTGK.astype(pool_NGPK.dtype))
+    new_GBTK = jnp.moveaxis(new_BTGK, 2, 0).astype(pool_GNPK.dtype)
+    return pool_GNPK.at[:, page_BT, offset_BT].set(new_GBTK)
 
 
-def read_pages(pool_NGPK: Array, table_BP: Array) -> Array:
+def read_pages(pool_GNPK: Array, table_BP: Array) -> Array:
     """Each row's pages in its table's order, heads-major as the dense cache: [B, G, P * page, K] (slot s
-    of row b is position s of its sequence). One gather of P whole pages per row, then whole [page, K]
-    blocks moved into place; attention reads the result as it reads a dense cache.
+    of row b is position s of its sequence). One gather of P whole pages per row and head, then whole
+    [P * page, K] blocks moved into place; attention reads the result as it reads a dense cache.
 
     Args:
-        pool_NGPK: [N, G, page, K] the pool.
+        pool_GNPK: [G, N, page, K] the pool.
         table_BP: [B, P] int, the pages of each row (page 0 where it has none).
 
     Returns:
         [B, G, P * page, K].
     """
-    N, G, S, K = pool_NGPK.shape
+    G, N, S, K = pool_GNPK.shape
     B, P = table_BP.shape
-    rows = jnp.take(pool_NGPK.reshape(N, G * S * K), table_BP, axis=0, mode="clip")  # [B, P, G * page * K]
-    return jnp.swapaxes(rows.reshape(B, P, G, S, K), 1, 2).reshape(B, G, P * S, K)
+    # The heads' axis stays its own (its split over a mesh axis is kept); whole [P * page, K] blocks move after.
+    rows_GBP = jnp.take(pool_GNPK.reshape(G, N, S * K), table_BP, axis=1, mode="clip")  # [G, B, P, page * K]
+    return jnp.swapaxes(rows_GBP, 0, 1).reshape(B, G, P * S, K)

@@ -136,7 +136,7 @@ def _score(graphdef, params, ids_BS, lengths_B, *, kind):
 @functools.partial(jax.jit, donate_argnames=("pools",))
 def _copy_page(pools, src, dst):
     """Copy-on-write: page `dst` of every pool takes page `src`'s contents."""
-    return [{n: pool[n].at[dst].set(pool[n][src]) for n in "kv"} for pool in pools]
+    return [{n: pool[n].at[:, dst].set(pool[n][:, src]) for n in "kv"} for pool in pools]
 
 
 class Engine:
@@ -184,7 +184,7 @@ class Engine:
         own = nnx.merge(*nnx.split(model))  # new modules over the same arrays: the caller's keep their id checks
         self._graphdef, self._params = nnx.split(decodable(without_id_checks(own)))
         G, K = mcfg.kv_heads, mcfg.dim_per_head
-        shape = (cfg.num_pages, G, cfg.page_size, K)
+        shape = (G, cfg.num_pages, cfg.page_size, K)
         zeros = jax.jit(lambda: constrain(jnp.zeros(shape, mcfg.dtype), paged.PAGES))
         self.encoder_only = mcfg.mode == "encoder_only"  # scores only (`score`): no cache, no decoding
         self._pools = [{"k": zeros(), "v": zeros()} for _ in range(mcfg.num_decoder_layers)]
