@@ -227,7 +227,7 @@ class TransformerStack(nnx.Module):
         x_BTD = self.embed_inputs(ids_BT, positions_BT, None)
         first, B = cache[0]["self"], ids_BT.shape[0]
         paged = "table" in first  # a paged cache: each row's P pages of `page` slots
-        if paged:  # pools [N, G, page, K], or latent attention's [N, page, C]
+        if paged:  # pools [G, N, page, K], or latent attention's [N, page, C]
             S = first["table"].shape[1] * (first["k"].shape[2] if "k" in first else first["c"].shape[1])
         else:  # a KV cache [B, G, S, K], or latent attention's {"c": [B, S, C], ...}
             S = first["k"].shape[2] if "k" in first else first["c"].shape[1]

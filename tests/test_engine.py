@@ -3,7 +3,8 @@ write equal a dense cache, greedy outputs equal generate's token for token (pref
 two page sizes, more requests than slots, a pool small enough to preempt; a latent-attention decoder's
 latent pages), sampling is reproducible and independent of the batch, bad requests are refused naming
 what is wrong, and the steps compile a few bucketed shapes (rows and pages), each once, for every mix
-of requests."""
+of requests. On TPU (libtpu's compiler, and Pallas's interpreter on this CPU) a decode step runs
+the Pallas paged kernel where it serves, and it equals the gather."""
 
 import collections
 import dataclasses
@@ -70,7 +71,7 @@ def test_paged_view_equals_the_dense_cache(latent):
     rng = np.random.default_rng(1)
     N, page, G, K, B, P = 9, 4, 2, 3, 2, 3
     heads = () if latent else (G,)
-    pool = jnp.zeros((N, *heads, page, K))
+    pool = jnp.zeros((N, page, K) if latent else (G, N, page, K))
     table = np.array([[3, 7, 1], [5, 2, 0]], np.int32)  # row 1 holds two pages
     dense = np.zeros((B, *heads, P * page, K), np.float32)
     for start, T in ((0, 5), (5, 3), (8, 1)):  # a chunk, another, a decode step
@@ -423,10 +424,12 @@ def test_a_model_with_lora_adapters_serves_merged(model):
     assert want != _reference(model, prompts, 8, None)
 
 
-def test_the_paged_decode_step_compiles_for_a_tpu_slice():
+@pytest.mark.parametrize("d_model, kernel", [(256, True), (128, False)])
+def test_the_paged_decode_step_compiles_for_a_tpu_slice(d_model, kernel):
     """libtpu's compiler, no chip: the decode step [slots, 1] over pools whose heads are split over the
-    tensor axis of a v5e:2x2 slice compiles, reads the pages by XLA's gather (no Pallas kernel: the
-    ragged paged attention kernel is not wired in), and keeps the pools' sharding."""
+    tensor axis of a v5e:2x2 slice compiles and keeps the pools' sharding. At head dim 128 it runs the
+    Pallas paged-attention kernel (a Mosaic custom call) and gathers no page; at head dim 64, which the
+    kernel cannot take, it gathers the pages by XLA."""
     pytest.importorskip("libtpu")
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -437,14 +440,17 @@ def test_the_paged_decode_step_compiles_for_a_tpu_slice():
 
     mesh_cfg = MeshConfig(data=2, tensor=2)
     mesh = sharding.make_mesh(mesh_cfg, parse_target("tpu-v5e:2x2").devices())
-    mcfg = tiny("decoder_only", vocab_size=128, d_model=256, num_heads=2, max_len=128, num_decoder_layers=1)
+    mcfg = tiny(
+        "decoder_only", vocab_size=128, d_model=d_model, num_heads=2, max_len=128, num_decoder_layers=1,
+        attention_impl="auto", dtype="bfloat16",
+    )  # fmt: skip
     slots, pages, page = 8, 33, 16
     with sharding.use(mesh, sharding.rules_for(mesh_cfg)):
         abstract = nnx.eval_shape(lambda: without_id_checks(build_model(mcfg)))
         graphdef, params = nnx.split(abstract)
         params = with_shardings(params, sharding.state_shardings(params, mesh))
-        heads = NamedSharding(mesh, PartitionSpec(None, "tensor", None, None))
-        pool = jax.ShapeDtypeStruct((pages, mcfg.kv_heads, page, mcfg.dim_per_head), mcfg.dtype, sharding=heads)
+        heads = NamedSharding(mesh, PartitionSpec("tensor", None, None, None))
+        pool = jax.ShapeDtypeStruct((mcfg.kv_heads, pages, page, mcfg.dim_per_head), mcfg.dtype, sharding=heads)
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)
         sampling = (jax.ShapeDtypeStruct((slots,), np.uint32), jax.ShapeDtypeStruct((slots,), np.float32))
         sampling = (*sampling, i32(slots), jax.ShapeDtypeStruct((slots,), np.float32))
@@ -453,9 +459,73 @@ def test_the_paged_decode_step_compiles_for_a_tpu_slice():
             jax.ShapeDtypeStruct((slots, 1), bool), i32(slots), sampling, None, i32(slots), steps=1,
         ).compile()  # fmt: skip
     text = compiled.as_text()
-    assert " gather(" in text and "tpu_custom_call" not in text
+    # The pages' gather takes whole pages of a head: slices of page * K values.
+    gathers_pages = f"slice_sizes={{1,{page * mcfg.dim_per_head}}}" in text
+    assert ("tpu_custom_call" in text) == kernel and gathers_pages == (not kernel)
     out_pools = compiled.output_shardings[2]
-    assert out_pools[0]["k"].spec == PartitionSpec(None, "tensor")
+    assert out_pools[0]["k"].spec == PartitionSpec("tensor")
+
+
+def test_the_pallas_paged_kernel_equals_the_gather():
+    """The Pallas paged kernel in TPU interpret mode (on this CPU) equals the gathered pages attended by
+    the reference path: three rows of 12, 7 and 1 positions over 3 pages of 4, GQA (4 heads, 2 kv heads).
+    Inputs are ones bfloat16 holds: the interpreter's products, as the TPU's at default precision, round
+    theirs to bfloat16 (up to 8e-3 off at arbitrary float32 inputs)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    from jaxformer.attention import paged_kernel
+    from jaxformer.attention.kernels import dot_product_attention
+    from jaxformer.attention.masks import Mask
+
+    rng = np.random.default_rng(0)
+    B, H, G, K, N, page = 3, 4, 2, 128, 9, 4
+    held = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16).astype(jnp.float32)
+    q, k, v = held(B, H, K), held(G, N, page, K), held(G, N, page, K)
+    table = jnp.asarray([[3, 7, 1], [5, 2, 0], [8, 0, 0]], jnp.int32)
+    lengths = jnp.asarray([12, 7, 1], jnp.int32)
+    with pltpu.force_tpu_interpret_mode():
+        out = paged_kernel.paged_attention(q, k, v, lengths, table, scale=None)
+    k_dense, v_dense = kv_cache.read_pages(k, table), kv_cache.read_pages(v, table)
+    mask = Mask(kv_lengths=lengths)
+    want = dot_product_attention(q[:, None], k_dense, v_dense, kv_layout="BGSK", mask=mask, implementation="naive")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want[:, 0]), rtol=0, atol=1e-5)
+
+
+def test_the_paged_step_through_the_pallas_kernel_equals_the_gather(monkeypatch):
+    """The layer's wiring of the kernel (queries, scale, GQA, output projection): a decode step of a
+    one-layer model (head dim 128, 2 heads over 1 kv head) after a prefill of two rows, with the kernel
+    chosen as on a TPU and run by Pallas's TPU interpreter, gives the gathered step's logits and pools.
+    Tolerance 2e-2 on logits of magnitude ~10: the interpreted kernel's products lose what bfloat16 drops
+    (3.3e-3 measured); the scale left at 1 moves them by 2.0, the heads' outputs swapped by 0.93."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    from jaxformer.attention import layer as attention_layer
+    from jaxformer.attention import paged_kernel
+
+    mcfg = tiny(
+        "decoder_only", vocab_size=V, d_model=256, num_heads=2, num_kv_heads=1, max_len=32, num_decoder_layers=1,
+        attention_impl="auto",
+    )  # fmt: skip
+    model = build_model(mcfg, seed=0)
+    zeros = jnp.zeros((mcfg.kv_heads, 8, 4, mcfg.dim_per_head), mcfg.dtype)  # [G, N, page, K]
+    table = jnp.asarray([[1, 2, 3], [4, 5, 0]], jnp.int32)
+    ids = jnp.asarray(np.random.default_rng(0).integers(2, V, (2, 6)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+    _, pools = paged.paged_step(
+        model, [{"k": zeros, "v": zeros}], table, ids, positions, positions < jnp.asarray([[6], [3]])
+    )
+    new_ids, new_positions = jnp.asarray([[7], [9]], jnp.int32), jnp.asarray([[6], [3]], jnp.int32)
+    step = lambda: paged.paged_step(model, pools, table, new_ids, new_positions, jnp.ones((2, 1), bool))
+    want, want_pools = step()
+    calls = []
+    kernel = attention_layer.paged_attention
+    monkeypatch.setattr(attention_layer, "paged_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    monkeypatch.setattr(paged_kernel, "_platform", lambda: "tpu")
+    with jax.default_matmul_precision("default"), pltpu.force_tpu_interpret_mode():
+        got, got_pools = step()
+    assert calls  # the kernel ran
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-2)
+    jax.tree.map(np.testing.assert_array_equal, got_pools, want_pools)
 
 
 def test_encoder_only_scores_equal_the_model_on_each_input_alone():

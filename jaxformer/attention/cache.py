@@ -80,15 +80,16 @@ def write_ring(ring_BGRK: Array, new_BGTK: Array, first_B: Array, count_B: Array
     return jnp.where((t_BR >= 0)[:, None, :, None], taken_BGRK.astype(ring_BGRK.dtype), ring_BGRK)
 
 
-# A paged cache (the inference engine's, `jaxformer.engine`): a pool of pages [N, G, page, K] shared by
+# A paged cache (the inference engine's, `jaxformer.engine`): a pool of pages [G, N, page, K] shared by
 # every sequence, and a page table [B, P] per row listing its pages in order, so position p of row b
 # lives in page table[b, p // page] at offset p % page. Page 0 is scratch: positions that are not real
-# (a chunk's padding, an idle row) write there, and no row reads it as one of its own pages. A page is
-# heads-major as the dense cache is: a row's pages gathered side by side become its [B, G, S, K] keys by
-# moving whole [page, K] blocks (position-major pages [page, G, K] had to be transposed K values at a
-# time, which cost ~7x the rest of the attention on CPU at 32 rows of 12 pages). Latent attention's pools
-# (`model.mla`) have no heads' axis: its latents [N, page, C] and rope keys [N, page, R], (C + R) values a
-# position, read by the absorbed form.
+# (a chunk's padding, an idle row) write there, and no row reads it as one of its own pages. The pool is
+# heads-major, heads outermost, as TPU's Pallas paged-attention kernel reads it
+# (`jaxformer.attention.paged_kernel`); a row's pages of each head gathered side by side become its
+# [B, G, S, K] keys by moving whole [P * page, K] blocks (position-major pages [page, G, K] had to be
+# transposed K values at a time, which cost ~7x the rest of the attention on CPU at 32 rows of 12 pages).
+# Latent attention's pools (`model.mla`) have no heads' axis: its latents [N, page, C] and rope keys
+# [N, page, R], (C + R) values a position, read by the absorbed form.
 
 
 def page_slots(table_BP: Array, positions_BT: Array, valid_BT: Array, page_size: int) -> tuple[Array, Array]:
@@ -108,14 +109,14 @@ def page_slots(table_BP: Array, positions_BT: Array, valid_BT: Array, page_size:
     return jnp.where(valid_BT, page_BT, 0).astype(jnp.int32), (positions_BT % page_size).astype(jnp.int32)
 
 
-def write_pages(pool_NGPK: Array, new_BTGK: Array, page_BT: Array, offset_BT: Array) -> Array:
-    """pool[page[b, t], g, offset[b, t]] = new[b, t, g] for every (b, t, g): B * T * G rows of K values
+def write_pages(pool_GNPK: Array, new_BTGK: Array, page_BT: Array, offset_BT: Array) -> Array:
+    """pool[g, page[b, t], offset[b, t]] = new[b, t, g] for every (b, t, g): B * T * G rows of K values
     written, the rest of the pool untouched (in place where the pool is donated or carried by a loop).
     Writes to page 0 are scratch. A latent pool [N, page, X] (no heads' axis: latent attention's) takes
     new [B, T, X] the same way.
 
     Args:
-        pool_NGPK: [N, G, page, K] the pool (or [N, page, X]).
+        pool_GNPK: [G, N, page, K] the pool (or a latent pool [N, page, X]).
         new_BTGK: [B, T, G, K] keys (or values) of new positions (or [B, T, X] latents).
         page_BT: [B, T] their pages.
         offset_BT: [B, T] their offsets in the pages.
@@ -124,27 +125,30 @@ def write_pages(pool_NGPK: Array, new_BTGK: Array, page_BT: Array, offset_BT: Ar
         The updated pool, its shape and dtype.
     """
     # A scatter of [G, K] windows: the heads' axis stays whole, so its split over a mesh axis is kept.
-    heads = (slice(None),) * (pool_NGPK.ndim - 3)  # G's axis, or none in a latent pool
-    return pool_NGPK.at[(page_BT, *heads, offset_BT)].set(new_BTGK.astype(pool_NGPK.dtype))
+    if pool_GNPK.ndim == 3:  # a latent pool [N, page, X]
+        return pool_GNPK.at[page_BT, offset_BT].set(new_BTGK.astype(pool_GNPK.dtype))
+    new_GBTK = jnp.moveaxis(new_BTGK, 2, 0).astype(pool_GNPK.dtype)
+    return pool_GNPK.at[:, page_BT, offset_BT].set(new_GBTK)
 
 
-def read_pages(pool_NGPK: Array, table_BP: Array) -> Array:
+def read_pages(pool_GNPK: Array, table_BP: Array) -> Array:
     """Each row's pages in its table's order, heads-major as the dense cache: [B, G, P * page, K] (slot s
-    of row b is position s of its sequence). One gather of P whole pages per row, then whole [page, K]
-    blocks moved into place; attention reads the result as it reads a dense cache. A latent pool
+    of row b is position s of its sequence). One gather of P whole pages per row and head, then whole
+    [P * page, K] blocks moved into place; attention reads the result as it reads a dense cache. A latent pool
     [N, page, X] gives [B, P * page, X] (its pages are contiguous already: no move).
 
     Args:
-        pool_NGPK: [N, G, page, K] the pool (or [N, page, X]).
+        pool_GNPK: [G, N, page, K] the pool (or [N, page, X]).
         table_BP: [B, P] int, the pages of each row (page 0 where it has none).
 
     Returns:
         [B, G, P * page, K] (or [B, P * page, X]).
     """
     B, P = table_BP.shape
-    if pool_NGPK.ndim == 3:  # a latent pool: a row's pages side by side are its slots
-        N, S, X = pool_NGPK.shape
-        return jnp.take(pool_NGPK.reshape(N, S * X), table_BP, axis=0, mode="clip").reshape(B, P * S, X)
-    N, G, S, K = pool_NGPK.shape
-    rows = jnp.take(pool_NGPK.reshape(N, G * S * K), table_BP, axis=0, mode="clip")  # [B, P, G * page * K]
-    return jnp.swapaxes(rows.reshape(B, P, G, S, K), 1, 2).reshape(B, G, P * S, K)
+    if pool_GNPK.ndim == 3:  # a latent pool: a row's pages side by side are its slots
+        N, S, X = pool_GNPK.shape
+        return jnp.take(pool_GNPK.reshape(N, S * X), table_BP, axis=0, mode="clip").reshape(B, P * S, X)
+    G, N, S, K = pool_GNPK.shape
+    # The heads' axis stays its own (its split over a mesh axis is kept); whole [P * page, K] blocks move after.
+    rows_GBP = jnp.take(pool_GNPK.reshape(G, N, S * K), table_BP, axis=1, mode="clip")  # [G, B, P, page * K]
+    return jnp.swapaxes(rows_GBP, 0, 1).reshape(B, G, P * S, K)

@@ -17,6 +17,7 @@ from jaxformer.attention import ring
 from jaxformer.attention.cache import CACHE, page_slots, read_pages, ring_positions, write_pages, write_ring, write_rows
 from jaxformer.attention.kernels import choose_backend, dot_product_attention, log_fallback
 from jaxformer.attention.masks import Mask, windowed
+from jaxformer.attention.paged_kernel import paged_attention, paged_kernel_unservable
 from jaxformer.config import ConfigError, ModelConfig
 from jaxformer.functional import apply_rope, lift, rms_norm
 from jaxformer.projections import adapted, project
@@ -188,10 +189,11 @@ class MultiHeadAttention(nnx.Module):
         slots, and each query attends to the cache under `mask` (`functional.causal_cache_mask`).
         Returns (y [B, T, D], the updated cache).
 
-        A paged cache ({"k", "v": pools [N, G, page, K], "table": [B, P] page tables, "valid": [B, T]
+        A paged cache ({"k", "v": pools [G, N, page, K], "table": [B, P] page tables, "valid": [B, T]
         the real positions}, see `attention.cache`) is read in place: the new positions' keys and
         values go into their pages (the padding's into scratch page 0), then each row attends over its
-        own pages, gathered by its table as [B, G, P * page, K] (slot s holds position s).
+        own pages, gathered by its table as [B, G, P * page, K] (slot s holds position s). On a TPU a
+        decoding step reads them in place by the Pallas paged kernel instead (`_paged_kernel`).
 
         A local layer's cache on one device is a ring of its window's slots (`_extend_ring`).
 
@@ -212,6 +214,8 @@ class MultiHeadAttention(nnx.Module):
             table_BP = cache["table"]
             page_BT, offset_BT = page_slots(table_BP, positions_BT, cache["valid"], cache["k"].shape[2])
             pools = {name: write_pages(cache[name], new[name], page_BT, offset_BT) for name in "kv"}
+            if (y_BTD := self._paged_kernel(x_BTD, pools, table_BP, mask, bias, positions_BT)) is not None:
+                return y_BTD, {**cache, **pools}
             k_BGSK, v_BGSK = (read_pages(pools[name], table_BP) for name in "kv")
             y_BTD = self._attend(x_BTD, k_BGSK, v_BGSK, "BGSK", mask, bias, positions_BT, None, False)
             return y_BTD, {**cache, **pools}
@@ -225,6 +229,28 @@ class MultiHeadAttention(nnx.Module):
             for name in "kv"
         }  # fmt: skip
         return self._attend(x_BTD, cache["k"], cache["v"], "BGSK", mask, bias, positions_BT, None, False), cache
+
+    def _paged_kernel(self, x_BTD, pools, table_BP, mask, bias, positions_BT) -> Array | None:
+        """A decoding step over the pages by TPU's Pallas paged kernel (`attention.paged_kernel`), where
+        `attention_impl` ("auto", "splash") and the call let it; None where the pages are gathered instead
+        (said once by `log_fallback` where the kernel was meant to serve)."""
+        cfg = self.cfg
+        B, T, _ = x_BTD.shape
+        spec_BTHK = activation_spec(("batch", None, "heads", None))
+        shape_BTHK = (B, T, cfg.num_heads, cfg.dim_per_head)
+        why = paged_kernel_unservable(
+            cfg.attention_impl, mask, bias, self.window, cfg.attention_softcap, shape_BTHK, cfg.kv_heads,
+            pools["k"].dtype, spec_BTHK,
+        )  # fmt: skip
+        if why is not None:
+            if why:
+                log_fallback(f"{why}: the pages are gathered and attended by XLA")
+            return None
+        q_BTHK = self._queries(x_BTD, positions_BT, None)
+        out_BHK = paged_attention(
+            q_BTHK[:, 0], pools["k"], pools["v"], mask.kv_lengths, table_BP, scale=cfg.logits_scale, spec_BTHK=spec_BTHK
+        )
+        return self._out(out_BHK[:, None], None)
 
     def _rings(self) -> bool:
         """Whether this layer decodes over a ring of its window's slots: a local layer on one device, its

@@ -137,7 +137,10 @@ def _score(graphdef, params, ids_BS, lengths_B, *, kind):
 @functools.partial(jax.jit, donate_argnames=("pools",))
 def _copy_page(pools, src, dst):
     """Copy-on-write: page `dst` of every pool takes page `src`'s contents."""
-    return [{n: p.at[dst].set(p[src]) for n, p in pool.items()} for pool in pools]
+    return [
+        {n: p.at[dst].set(p[src]) if p.ndim == 3 else p.at[:, dst].set(p[:, src]) for n, p in pool.items()}
+        for pool in pools
+    ]
 
 
 class Engine:

@@ -1,18 +1,18 @@
 """The paged KV cache's decoding step (`paged_step`: the model's decoding step over pages) and the
 per-row sampling of the engine's compiled step. Plain `jax.numpy` and the model.
 
-The pool of one layer holds keys (or values) as [N, G, page, K]: N pages of `page` positions each. A
+The pool of one layer holds keys (or values) as [G, N, page, K]: N pages of `page` positions each. A
 sequence's page table [P] lists its pages in order, so position p lives in page table[p // page] at
 offset p % page. Page 0 is scratch: rows and positions that write nothing real (padding of a chunk, an
 idle slot) write there, and no sequence reads it as one of its own pages. A layer of latent attention
 (`model.mla`) pages its latents instead, [N, page, C] and its rope keys [N, page, R] (`empty_pools`). The maths of pages
 (`page_slots`, `write_pages`, `read_pages`) lives with the other caches' in `jaxformer.attention.cache`.
 
-Attention reads the pool in place (every backend here): each layer writes only the new positions' keys
-and values into their pages, then gathers each row's pages by its table (an XLA gather of whole pages,
-heads-major as the pool holds them, so that they land as a dense cache [B, G, S, K]) and attends over
-them. TPU's Pallas ragged paged attention (`jax.experimental.pallas.ops.tpu.ragged_paged_attention`),
-which would read the pages without the gather, is not wired in.
+Attention reads the pool in place: each layer writes only the new positions' keys and values into their
+pages, then gathers each row's pages by its table (an XLA gather of whole pages, heads-major as the pool
+holds them, so that they land as a dense cache [B, G, S, K]) and attends over them. On a TPU a decoding
+step (one position a row) is attended by JAX's Pallas paged-attention kernel instead, which reads the
+pages where they lie (`jaxformer.attention.paged_kernel`, where it serves); prefill chunks gather.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from jaxformer.attention.masks import Mask
 from jaxformer.sharding import constrain
 
 Array = jax.Array
-PAGES = (None, "heads", None, None)  # a pool [N, G, page, K]: heads split over `tensor` like the model's
+PAGES = ("heads", None, None, None)  # a pool [G, N, page, K]: heads split over `tensor` like the model's
 LATENT_PAGES = (None, None, None)  # latent attention's pools [N, page, C]: one latent for every head
 
 
 def empty_pools(mcfg, num_pages: int, page_size: int) -> list[dict]:
-    """Each decoder layer's zeroed pools: {"k", "v"}: [N, G, page, K], or with latent attention
+    """Each decoder layer's zeroed pools: {"k", "v"}: [G, N, page, K], or with latent attention
     (`model.mla`) {"c": [N, page, C], "r": [N, page, R]}: (C + R) values a position, not 2 G K.
 
     Args:
@@ -44,7 +44,7 @@ def empty_pools(mcfg, num_pages: int, page_size: int) -> list[dict]:
         widths = {"c": mcfg.mla.kv_lora_rank, "r": mcfg.mla.rope_head_dim}
         shapes = {n: ((num_pages, page_size, w), LATENT_PAGES) for n, w in widths.items()}
     else:
-        shape = (num_pages, mcfg.kv_heads, page_size, mcfg.dim_per_head)
+        shape = (mcfg.kv_heads, num_pages, page_size, mcfg.dim_per_head)
         shapes = {n: (shape, PAGES) for n in "kv"}
     zeros = lambda shape, spec: jax.jit(lambda: constrain(jnp.zeros(shape, mcfg.dtype), spec))()
     return [{n: zeros(*s) for n, s in shapes.items()} for _ in range(mcfg.num_decoder_layers)]
@@ -72,7 +72,7 @@ def paged_step(
 
     Args:
         model (Transformer): a decodable model (`decode.decodable`), decoder_only or encoder_decoder.
-        pools (list[dict]): per layer {"k", "v"}: [N, G, page, K]; latent attention's {"c": [N, page, C],
+        pools (list[dict]): per layer {"k", "v"}: [G, N, page, K]; latent attention's {"c": [N, page, C],
             "r": [N, page, R]}.
         table_BP: [B, P] the rows' page tables.
         ids_BT: [B, T] new ids.
