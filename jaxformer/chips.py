@@ -57,6 +57,21 @@ CHIPS: tuple[tuple[str, Chip], ...] = (
     (r"TPU v6 ?lite|TPU v6e", Chip("TPU v6e", 918e12, None, 32 * GiB, 1.64e12, f"{_TPU} (v6e Trillium)")),
 )
 
+# Links a chip's collectives run on, bytes/s one way a chip: (within a host or slice, across hosts,
+# source). NVIDIA: NVLink 4 (900 GB/s both ways) in a host, one 400 Gb/s NIC a GPU between hosts
+# (DGX H100/H200); A100: NVLink 3 (600 GB/s), one 200 Gb/s NIC a GPU. TPU: the slice's ICI a chip
+# (v5p 4,800 Gbps, v5e 1,600, v6e 3,200, v4 2,400), no hosts' network inside a slice.
+LINKS: dict[str, tuple[float, float, str]] = {
+    "H100 SXM": (450e9, 50e9, f"{_NVIDIA} (H100 SXM5, DGX H100)"),
+    "H200": (450e9, 50e9, f"{_NVIDIA} (H200 SXM, DGX H200)"),
+    "A100 80GB": (300e9, 25e9, f"{_NVIDIA} (A100, DGX A100)"),
+    "A100 40GB": (300e9, 25e9, f"{_NVIDIA} (A100, DGX A100)"),
+    "TPU v4": (300e9, 300e9, f"{_TPU} (v4)"),
+    "TPU v5e": (200e9, 200e9, f"{_TPU} (v5e)"),
+    "TPU v5p": (600e9, 600e9, f"{_TPU} (v5p)"),
+    "TPU v6e": (400e9, 400e9, f"{_TPU} (v6e Trillium)"),
+}
+
 
 def lookup(device_kind: str) -> Chip | None:
     """The table's chip for a `jax.Device.device_kind` (e.g. "NVIDIA H100 80GB HBM3"), or None."""

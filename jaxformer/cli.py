@@ -383,6 +383,12 @@ def cmd_plan(args) -> int:
         print(f"note: {target.note}", file=sys.stderr)
     cfg = _load_config(args)
     memory = parse_bytes(args.device_memory) if args.device_memory else None
+    if args.search:  # the candidate splits of the devices, each compiled and bounded
+        from jaxformer.plan import meshes
+
+        rows = meshes.search(cfg, target, memory, progress=lambda m: print(m, file=sys.stderr), jobs=args.jobs)
+        print(meshes.table(rows, memory or (target.chip.memory_bytes if target else None)))
+        return 0 if meshes.best(rows) else 1
     result = plan(
         cfg, device_memory=memory, target=target, largest=args.largest, within=args.within / 100, jobs=args.jobs,
         progress=lambda m: print(m, file=sys.stderr),
@@ -603,6 +609,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=2,
         help="compile up to this many steps side by side (default 2: the search's next try beside the one that "
         "would follow it; each compile takes a core and, for a large model, gigabytes of host memory)",
+    )
+    pn.add_argument(
+        "--search",
+        action="store_true",
+        help="compile candidate splits over stage, data, fsdp, tensor and micro-batches instead of the configured "
+        "mesh; print each one's per-device peak and step bound (with the pipeline's bubble and its links) and the best",
     )
     pn.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl = sub.add_parser("plot", help="draw a run's loss and eval curves to a PNG")

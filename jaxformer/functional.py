@@ -23,6 +23,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Attention lives in jaxformer.attention; its names stay importable from here.
 from jaxformer.attention.cache import write_rows  # noqa: F401
@@ -90,16 +91,71 @@ def sinusoidal_positions(length: int, d_model: int, max_timescale: float = 10_00
     return pe.at[:, 0::2].set(jnp.sin(angles_TI)).at[:, 1::2].set(jnp.cos(angles_TI))
 
 
-def apply_rope(x_BTHK: Array, positions_BT: Array, base: float = 10_000.0) -> Array:
+def rope_frequencies(dim: int, base: float = 10_000.0, scaling: object | None = None) -> tuple[np.ndarray, float]:
+    """RoPE's inverse frequencies base^(-2i/dim), stretched by a RoPE scaling, and the attention factor.
+
+    As Hugging Face's `ROPE_INIT_FUNCTIONS` compute them. `linear`: every frequency / factor. `yarn`:
+    with r_i = original_max_len * inv_freq_i / (2 pi) the turns of pair i over the trained length, pairs
+    below dim index floor(d(beta_fast)) are kept, above ceil(d(beta_slow)) divided by factor, a linear
+    ramp between, where d(b) = dim ln(original_max_len / (2 pi b)) / (2 ln base); the attention factor is
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim), or mscale(factor, 1) without them.
+    `llama3`: wavelengths over original_max_len / low_freq_factor divided by factor, under
+    original_max_len / high_freq_factor kept, a blend between.
+
+    Args:
+        dim: the rotated dims (K, or MLA's R); even.
+        base: the base of the frequencies.
+        scaling: None (plain RoPE) or a `model.rope_scaling` section (`RopeScalingConfig`: its kind,
+            factor, original_max_len, beta_fast, beta_slow, mscale, mscale_all_dim, low_freq_factor,
+            high_freq_factor).
+
+    Returns:
+        (inv_freq [dim/2] float32, attention_factor): cos and sin are multiplied by the factor.
+
+    Raises:
+        ValueError: `dim` is odd, or an unknown kind.
+    """
+    if dim % 2:
+        raise ValueError(f"RoPE needs an even head dim, got {dim}")
+    kind = "none" if scaling is None else scaling.kind
+    inv_freq = 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)  # [dim/2]
+    if kind == "none":
+        return inv_freq.astype(np.float32), 1.0
+    f = scaling.factor
+    if kind == "linear":
+        return (inv_freq / f).astype(np.float32), 1.0
+    if kind == "yarn":
+        n = scaling.original_max_len
+        turns_dim = lambda b: dim * math.log(n / (b * 2 * math.pi)) / (2 * math.log(base))
+        low = max(math.floor(turns_dim(scaling.beta_fast)), 0)
+        high = min(math.ceil(turns_dim(scaling.beta_slow)), dim - 1)
+        high = high + 0.001 if low == high else high  # as Hugging Face: no zero-width ramp
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)  # 0 kept .. 1 divided
+        inv_freq = inv_freq / f * ramp + inv_freq * (1 - ramp)
+        return inv_freq.astype(np.float32), scaling.attention_factor
+    if kind == "llama3":
+        n, lo, hi = scaling.original_max_len, scaling.low_freq_factor, scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (n / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * inv_freq / f + smooth * inv_freq
+        inv_freq = np.where(wavelen > n / lo, inv_freq / f, np.where(wavelen < n / hi, inv_freq, blended))
+        return inv_freq.astype(np.float32), 1.0
+    raise ValueError(f"unknown RoPE scaling kind {kind!r}")
+
+
+def apply_rope(x_BTHK: Array, positions_BT: Array, base: float = 10_000.0, scaling: object | None = None) -> Array:
     """Rotary position embedding (Su et al. 2021), rotate-half convention.
 
     Feature pairs (i, i + K/2) are rotated by angle pos * base^(-2i/K), so the dot
-    product of a rotated query and key depends only on their relative position.
+    product of a rotated query and key depends only on their relative position. A RoPE
+    scaling (`rope_frequencies`) changes the frequencies and multiplies the result by its
+    attention factor.
 
     Args:
         x_BTHK: queries or keys, [B, T, H, K] (K even).
         positions_BT: [B, T] positions of the tokens.
         base: the base of the rotary frequencies.
+        scaling: None, or a `model.rope_scaling` section (`rope_frequencies`).
 
     Returns:
         [B, T, H, K] in x's dtype.
@@ -108,11 +164,11 @@ def apply_rope(x_BTHK: Array, positions_BT: Array, base: float = 10_000.0) -> Ar
         ValueError: K is odd.
     """
     K = x_BTHK.shape[-1]
-    if K % 2:
-        raise ValueError(f"RoPE needs an even head dim, got {K}")
-    inv_freq_k = base ** (-jnp.arange(0, K, 2, dtype=jnp.float32) / K)  # [K/2]
-    angles_BTk = positions_BT[..., None].astype(jnp.float32) * inv_freq_k[None, None, :]
+    inv_freq, factor = rope_frequencies(K, base, scaling)
+    angles_BTk = positions_BT[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)[None, None, :]
     sin, cos = jnp.sin(angles_BTk)[:, :, None, :], jnp.cos(angles_BTk)[:, :, None, :]
+    if factor != 1.0:  # YaRN's temperature, on cos and sin as Hugging Face applies it
+        sin, cos = sin * factor, cos * factor
     x1, x2 = jnp.split(x_BTHK.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x_BTHK.dtype)

@@ -27,8 +27,8 @@ this schedule and whose backward returns the gradients it computed, ignoring the
 cotangent: that is right only when the quantity differentiated is the tail's summed loss (the train
 step's), which `Config` checks (mesh.schedule='1f1b' takes the lm and mlm objectives, decoder_only
 and encoder_only). The head and final norm run a second time outside, on the whole batch, for their
-own gradients and the metrics; without differentiation (evaluation) the stack runs GPipe's forward
-(and the tail, whose sum nothing reads there).
+own gradients and the metrics. Evaluation, with nothing to differentiate, traces its loss under
+GPipe's schedule (`train.make_steps`), so it runs no tail.
 """
 
 from __future__ import annotations

@@ -71,10 +71,8 @@ def make_steps(
     # mesh.stage > 1: the stacks run as a pipeline of grad_accum micro-batches (`jaxformer.pipeline`),
     # which replaces the accumulation loop below; without stages the context changes nothing.
     staged = cfg.mesh.stage > 1
-    in_pipeline = lambda: (
-        pipeline.schedule(tcfg.grad_accum, cfg.mesh.virtual_stages, cfg.mesh.schedule)
-        if staged
-        else contextlib.nullcontext()
+    in_pipeline = lambda kind=cfg.mesh.schedule: (
+        pipeline.schedule(tcfg.grad_accum, cfg.mesh.virtual_stages, kind) if staged else contextlib.nullcontext()
     )
 
     def model_of(params, frozen):  # ids are checked on the host (`check_batch_ids`): no callback in the steps
@@ -129,7 +127,8 @@ def make_steps(
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), means
 
     def eval_step(state: TrainState, batch: dict) -> dict:
-        with in_pipeline():
+        # Nothing to differentiate: 1F1B's forward is GPipe's, and its tail (the loss once more a micro-batch) unread.
+        with in_pipeline("gpipe"):
             _, sums = loss(model_of(state.params, state.frozen), with_reference(state, batch), None)
         return sums
 

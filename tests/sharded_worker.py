@@ -1,8 +1,8 @@
 """Sharded training in a process of its own (XLA_FLAGS must be set before JAX starts).
 
     python tests/sharded_worker.py strategies MODE [remesh DIR] [moe] [pipeline DIR] [mla]  # 8 devices: vs 1 device
-    python tests/sharded_worker.py multihost PID PORT      # one of two processes, 4 devices each
-    python tests/sharded_worker.py singlehost              # the same run in one process, 8 devices
+    python tests/sharded_worker.py multihost PID PORT      # one of two processes, 4 devices each (and stage x data)
+    python tests/sharded_worker.py singlehost              # the same runs in one process, 8 devices
     python tests/sharded_worker.py hf DIR                  # a Hugging Face checkpoint loaded onto FSDP=4 x TP=2
     python tests/sharded_worker.py moe                     # MoE loss and gradients, experts split, vs 1 device
 
@@ -12,7 +12,7 @@ its FSDP=8 state saved to DIR, restored on DP=4 and on 1 device), `moe`, `pipeli
 schedules of every mode, a pipelined state saved to DIR and restored without stages) and `mla` (latent
 attention on fsdp=4 x tensor=2).
     python tests/sharded_worker.py hf_moe GOLDEN           # Mixtral, Switch loaded onto fsdp=2 x expert=4
-    python tests/sharded_worker.py hf_families GOLDEN      # Qwen 2, 3, 3 MoE, Gemma 3 onto fsdp=2 x tensor=2 x expert=2
+    python tests/sharded_worker.py hf_families GOLDEN      # the new families onto fsdp=2 x tensor=2 x expert=2
 
 Prints one JSON line of results for tests/test_sharding.py (hf_moe: tests/test_interop_moe.py, hf_families:
 tests/test_interop_families.py) to check.
@@ -158,6 +158,18 @@ def generated(cfg, graphdef, state, mesh) -> dict | None:
         else:
             out = decode.translate(model, rows, settings, bos_id=1, eos_id=2)
     return {"tokens": out.tokens.tolist(), "scores": out.scores.tolist()}
+
+
+def pipelined_gradients() -> dict:
+    """The first batch's loss and gradients of a 2-layer decoder over stage=2 x data=4 (GPipe, 2
+    micro-batches), each gradient as its sum and its dot with fixed random numbers: where two processes
+    hold 4 devices each, the stages lie one a process, so the activations cross between them."""
+    got = first_gradients(pipeline_config("decoder_only", 2, stage=2, data=4))
+    rng = np.random.default_rng(0)
+    sums = {
+        k: [float(g.sum()), float((g * rng.standard_normal(g.shape)).sum())] for k, g in sorted(got["grads"].items())
+    }
+    return {"loss": got["loss"], "grads": sums, "permutes": got["permutes"]}
 
 
 def gathered(tree) -> dict:
@@ -348,7 +360,8 @@ def pipelines(remesh_dir: str) -> dict:
 
 def restore_without_stages(directory: str, cfg, state, like) -> dict:
     """`state` (layers split over stage), changed so that no initialisation gives it, saved and
-    restored into `like`: the same state on one device, without stages (nothing more to compile)."""
+    restored into `like`: the same state on one device, without stages (nothing more to compile);
+    that state changed again, saved and restored into `state`'s layout: back onto the stages."""
     from jaxformer.checkpoint import Checkpointer
 
     saved = jax.jit(lambda s: jax.tree.map(lambda x: x * 2 + 1, s))(state)  # one program, shardings kept
@@ -357,15 +370,26 @@ def restore_without_stages(directory: str, cfg, state, like) -> dict:
     ckpt.wait()
     restored = ckpt.restore_latest(like)
     ckpt.close()
-    want, got = gathered(saved), gathered(restored)
-    return {
-        "equal": all(np.array_equal(got[k], want[k]) for k in want),
-        "devices": sorted({d.id for x in jax.tree.leaves(restored) for d in x.sharding.device_set}),
-        "shardings_as_requested": all(
-            x.sharding.is_equivalent_to(y.sharding, x.ndim)
-            for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(like), strict=True)
-        ),
-    }
+    # and back: the one-device state, changed again, saved and restored onto the pipelined mesh
+    unstaged = jax.jit(lambda s: jax.tree.map(lambda x: x * 3 - 1, s))(restored)
+    ckpt = Checkpointer(f"{directory}/back", cfg)
+    ckpt.save(unstaged)
+    ckpt.wait()
+    staged = ckpt.restore_latest(state)
+    ckpt.close()
+
+    def same(got, want, requested) -> dict:  # got's values are want's; laid out as requested
+        values, wanted = gathered(got), gathered(want)
+        return {
+            "equal": all(np.array_equal(values[k], wanted[k]) for k in wanted),
+            "devices": sorted({d.id for x in jax.tree.leaves(got) for d in x.sharding.device_set}),
+            "shardings_as_requested": all(
+                x.sharding.is_equivalent_to(y.sharding, x.ndim)
+                for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(requested), strict=True)
+            ),
+        }
+
+    return {"without_stages": same(restored, saved, like), "back": same(staged, unstaged, state)}
 
 
 def errors() -> dict:
@@ -499,7 +523,7 @@ def hf_moe_sharded(golden: str) -> dict:
 
 
 def hf_families_sharded(golden: str) -> dict:
-    """The golden Qwen 2, Qwen 3, Qwen 3 MoE and Gemma 3 checkpoints (Qwen 3 MoE also scanned) loaded onto
+    """The golden Qwen 2, Qwen 3, Qwen 3 MoE, Gemma 3 and DeepSeek-V3 checkpoints (Qwen 3 MoE also scanned) loaded onto
     an fsdp=2 x tensor=2 x expert=2 mesh: their logits against transformers' (the golden files, one
     program for all), every parameter against the same checkpoint loaded onto one device, and where the
     attention's and the experts' kernels landed."""
@@ -518,7 +542,8 @@ def hf_families_sharded(golden: str) -> dict:
     mesh_cfg = MeshConfig(fsdp=2, tensor=2, expert=2)
     mesh = sharding.make_mesh(mesh_cfg)
     cases = {"qwen2": ("qwen2", False), "qwen3": ("qwen3", False), "qwen3_moe": ("qwen3_moe", False),
-             "qwen3_moe_scanned": ("qwen3_moe", True), "gemma3_text": ("gemma3_text", False)}  # fmt: skip
+             "qwen3_moe_scanned": ("qwen3_moe", True), "gemma3_text": ("gemma3_text", False),
+             "deepseek_v3": ("deepseek_v3", False)}  # fmt: skip
     models, out = {}, {}
     for name, (family, scan) in cases.items():
         directory = pathlib.Path(golden) / family
@@ -530,7 +555,8 @@ def hf_families_sharded(golden: str) -> dict:
         out[name] = {
             "max_abs_diff": diff,
             "specs": {k: str(tuple(v.sharding.spec)) for k, v in params.items()
-                      if k.endswith(("self_attn.q", "self_attn.q_bias", "self_attn.q_norm", "ffn.wi"))},
+                      if k.endswith(("self_attn.q", "self_attn.q_bias", "self_attn.q_norm", "ffn.wi", "self_attn.q_up",
+                                     "ffn.router_bias"))},
             "devices": sorted({d.id for v in params.values() for d in v.sharding.device_set}),
         }  # fmt: skip
     ids = jnp.asarray(np.load(pathlib.Path(golden) / "qwen2" / "logits.npz")["input_ids"])
@@ -590,7 +616,8 @@ def main() -> None:
         params = gathered(state.params)
         shares = data_shares((2, 2, 2), sys.argv[4])
         checksum = float(sum(np.abs(v).sum() for k, v in params.items() if "k_bias" not in k))  # see strategies
-        print(json.dumps({"losses": losses, "checksum": checksum, "data": shares}))
+        out = {"losses": losses, "checksum": checksum, "data": shares, "pipelined": pipelined_gradients()}
+        print(json.dumps(out))
         jax.distributed.shutdown()
     elif task == "hf":
         print(json.dumps(hf_sharded(sys.argv[2])))
@@ -604,7 +631,8 @@ def main() -> None:
         losses, state, _, _ = train(config("encoder_decoder", (2, 2, 2)))
         params = gathered(state.params)
         checksum = float(sum(np.abs(v).sum() for k, v in params.items() if "k_bias" not in k))  # see strategies
-        print(json.dumps({"losses": losses, "checksum": checksum, "data": data_shares((2, 2, 2), sys.argv[2])}))
+        shares = data_shares((2, 2, 2), sys.argv[2])
+        print(json.dumps({"losses": losses, "checksum": checksum, "data": shares, "pipelined": pipelined_gradients()}))
 
 
 if __name__ == "__main__":

@@ -72,6 +72,18 @@ def places(tmp_path_factory):
         # Mixture-of-experts checkpoints asking for what jaxformer's MoE cannot do (the golden models' configs).
         "mixtral_top5": {"config.json": json.dumps(_golden_config("mixtral") | {"num_experts_per_tok": 5})},
         "switch_router_bias": {"config.json": json.dumps(_golden_config("switch") | {"router_bias": True})},
+        "deepseek_fp8": {
+            "config.json": json.dumps(
+                _golden_config("deepseek_v3")
+                | {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
+            )
+        },
+        "deepseek_interleave": {"config.json": json.dumps(_golden_config("deepseek_v3") | {"rope_interleave": False})},
+        "qwen_dynamic_rope": {
+            "config.json": json.dumps(
+                _golden_config("qwen3") | {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+            )
+        },
         "switch_step_float": {"config.json": json.dumps(_golden_config("switch") | {"decoder_sparse_step": 1.5})},
         "no_weights": {
             "config.json": json.dumps(
@@ -241,6 +253,20 @@ CLI_CASES = [
         r"mesh\.context: context parallelism has no latent attention \(model\.mla\)",
     ),
     cli_case(TRAIN + MLA + " --set model.use_bias=false --set lora.rank=4", r"lora\.rank: LoRA adapts q, k, v and o;"),
+    # RoPE scaling (model.rope_scaling): its own fields, and the positions it needs.
+    cli_case(
+        TRAIN + "model.rope_scaling.kind=linear --set model.rope_scaling.factor=0.5",
+        r"model\.rope_scaling\.factor: must be >= 1 for kind='linear', got 0\.5",
+    ),
+    cli_case(
+        TRAIN + "model.rope_scaling.kind=yarn --set model.rope_scaling.factor=4",
+        r"model\.rope_scaling\.original_max_len: kind='yarn' needs the length the model was trained at",
+    ),
+    cli_case(
+        TRAIN + "model.rope_scaling.kind=linear --set model.rope_scaling.factor=2",
+        r"model\.rope_scaling\.kind: 'linear' scales RoPE's frequencies: needs position='rope', not 'sinusoidal'",
+    ),
+    cli_case(TRAIN + "model.rope_scaling.kind=ntk", r"model\.rope_scaling\.kind: 'ntk' is not one of the choices"),
     cli_case(TRAIN + "model.moe.num_experts=-1", r"model\.moe\.num_experts: must be >= 0 \(0 = dense\), got -1"),
     cli_case(TRAIN + "model.moe.expert_capacity=-2", r"model\.moe\.expert_capacity: must be >= 0, got -2"),
     cli_case(TRAIN + "model.moe.encoder_every=-1", r"model\.moe\.encoder_every: must be >= 0 \(0 = no MoE layer in"),
@@ -698,7 +724,7 @@ CLI_CASES = [
     cli_case(
         "import-hf {unknown_family} --workdir {tmp}/never",
         r"\S+config\.json: model_type='mamba' is not supported "
-        r"\(jaxformer reads \['bart', 'bert', 'gemma2', 'gemma3_text', 'gpt2', ",
+        r"\(jaxformer reads \['bart', 'bert', 'deepseek_v3', 'gemma2', 'gemma3_text', 'gpt2', ",
     ),
     cli_case(
         "import-hf {no_weights} --workdir {tmp}/never",
@@ -711,6 +737,17 @@ CLI_CASES = [
     ),
     cli_case(
         "import-hf {switch_router_bias} --workdir {tmp}/never", r"config\.json: router_bias=True is not supported"
+    ),
+    cli_case(
+        "import-hf {deepseek_fp8} --workdir {tmp}/never",
+        r"config\.json: quantization_config \(quant_method='fp8'\) is not supported: jaxformer reads float weights",
+    ),
+    cli_case(
+        "import-hf {deepseek_interleave} --workdir {tmp}/never", r"config\.json: rope_interleave=False is not supported"
+    ),
+    cli_case(
+        "import-hf {qwen_dynamic_rope} --workdir {tmp}/never",
+        r"config\.json: rope_scaling=\{'rope_type': 'dynamic', 'factor': 2\.0\} is not supported \(jaxformer reads",
     ),
     cli_case(
         "import-hf {switch_step_float} --workdir {tmp}/never",
@@ -764,6 +801,13 @@ CLI_CASES = [
     cli_case("plan --config experiments/copy_task.py --within 100", r"--within: a percentage in \[0, 100\), got 100"),
     cli_case("plan --config experiments/copy_task.py --jobs 0", r"--jobs: must be positive, got 0"),
     cli_case("plan --config {tmp}/missing.py", r"experiment file \S+missing\.py does not exist"),
+    cli_case("plan --config experiments/copy_task.py --search", r"--device-memory: give the memory of one device"),
+    cli_case(
+        "plan --config experiments/copy_task.py --search --target tpu-v5e:2x2 --set train.batch_size=3 "
+        "--set model.num_heads=1",
+        r"train\.batch_size=3 does not divide over the batch shards of any split of 4 devices",
+    ),
+    cli_case("plan --config experiments/copy_task.py --search --target tpu-v9:2x2", r"--target tpu-v9:2x2: libtpu"),
     cli_case("sweep {tmp}/missing.py --workdir {tmp}/never", r"sweep file \S+missing\.py does not exist"),
     cli_case("sweep {sweep_without_function}/sweep.py --workdir {tmp}/never", r"\S+sweep\.py defines no get_sweep"),
     cli_case("sweep experiments/sweeps/copy_task.py --workdir {tmp}/never --workers 0", r"--workers: must be"),

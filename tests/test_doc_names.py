@@ -42,6 +42,7 @@ FILE_ENDINGS = {"py", "json", "jsonl", "md", "txt", "yaml", "toml"}
 SECTIONS = {f.name: _fields(getattr(C, f.type)) for f in dataclasses.fields(C.Config)}
 SECTIONS["moe"] = _fields(C.MoEConfig)
 SECTIONS["mla"] = _fields(C.MLAConfig)
+SECTIONS["rope_scaling"] = _fields(C.RopeScalingConfig)
 
 
 def resolve(dotted: str):

@@ -32,6 +32,7 @@ SECTIONS = {  # module of jaxformer.config -> the sections it defines
     "sections": "TrainConfig DataConfig CheckpointConfig DecodeConfig MeshConfig",
     "lora": "LoRAConfig",
     "preference": "PreferenceConfig",
+    "rope": "RopeScalingConfig",
 }
 DOCUMENTED_ELSEWHERE = {
     f"jaxformer.config.{module}.{name}": CONFIG_SECTION for module, names in SECTIONS.items() for name in names.split()

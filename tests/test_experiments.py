@@ -95,9 +95,11 @@ def test_eval_and_translate_over_a_context_axis_equal_one_device(copy_run, tmp_p
         "gpt2_1p3b",
         "instruct_tiny",
         "llama_7b_lora",
+        "llama_70b",
         "dpo_tiny",
         "qwen3_8b_lora",
         "gemma3_12b",
+        "deepseek_v3",
     ],
 )
 def test_every_experiment_validates_and_documents_its_command(name):

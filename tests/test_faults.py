@@ -110,8 +110,9 @@ def test_uninterrupted_log_is_what_the_resume_tests_compare_against(uninterrupte
     assert [s for s, split in rows if split == "eval"] == [15, 30, 40]
 
 
-def start(command) -> subprocess.Popen:
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cpu_env())
+def start(command, env=None) -> subprocess.Popen:
+    env = cpu_env() if env is None else env
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def signal_when(proc: subprocess.Popen, ready, sig, what: str, poll: float = 0.01) -> str:
@@ -525,10 +526,15 @@ def test_resuming_with_another_optimizer_layout_is_refused_not_set_aside(tmp_pat
     assert checkpoint_names(workdir) == ["20", "30", "40"], "nothing set aside"
 
 
-def corpus_command(workdir, corpus, pack):
+# Two pipeline stages of a layer each over 2 CPU devices, 2 micro-batches (GPipe): the kill and the resume
+# of a pipelined run, its state saved and restored with the layers split over `stage`.
+PIPELINED = ["model.num_decoder_layers=2", "model.scan_layers=true", "mesh.stage=2", "train.grad_accum=2"]
+
+
+def corpus_command(workdir, corpus, pack, pipelined=False):
     """A tiny LM on a user's JSONL corpus: 24 steps of 8 windows, an epoch is longer. Packed, its
     feed-forward is a mixture of experts with a capacity and router noise (drawn per step: a resumed
-    run must draw the same), so its exact resume covers MoE training too."""
+    run must draw the same), so its exact resume covers MoE training too; pipelined, 2 stages."""
     sets = [
         "data.source=files", f"data.files={corpus}", f"data.pack={pack}", "data.max_examples=0", "data.max_len=32",
         "model.max_len=32", "model.d_model=32", "model.num_heads=2", "model.d_ff=64", "model.num_decoder_layers=1",
@@ -538,27 +544,30 @@ def corpus_command(workdir, corpus, pack):
     if pack:
         sets += ["model.moe.num_experts=4", "model.moe.capacity_factor=1.25", "model.moe.router_noise=0.1",
                  "model.moe.aux_loss_weight=0.01", "model.moe.z_loss_weight=0.001"]  # fmt: skip
+    sets += PIPELINED if pipelined else []
     args = ["train", "--config", "experiments/lm_shakespeare.py", "--workdir", str(workdir), "--quiet", "--no-report"]
     return [sys.executable, "-m", "jaxformer.cli", *args, *(x for s in sets for x in ("--set", s))]
 
 
-@pytest.mark.parametrize("pack", [False, True], ids=["unpacked", "packed"])
-def test_sigkill_mid_epoch_on_a_user_corpus_resumes_to_the_same_batches_and_state(tmp_path, pack):
+@pytest.mark.parametrize("pack, pipelined", [(False, False), (True, False), (False, True)],
+                         ids=["unpacked", "packed", "pipelined"])  # fmt: skip
+def test_sigkill_mid_epoch_on_a_user_corpus_resumes_to_the_same_batches_and_state(tmp_path, pack, pipelined):
     corpus = tmp_path / "corpus.jsonl"
     rng = np.random.default_rng(0)
     words = ["to", "be", "or", "not", "that", "is", "the", "question"]
     corpus.write_text(
         "".join(json.dumps({"text": " ".join(rng.choice(words, n))}) + "\n" for n in rng.integers(2, 12, 800))
     )
-    command = corpus_command(tmp_path / "whole", corpus, pack)
-    whole = run_process(command, env=cpu_env())
+    env = cpu_env(XLA_FLAGS="--xla_force_host_platform_device_count=2") if pipelined else cpu_env()
+    command = corpus_command(tmp_path / "whole", corpus, pack, pipelined)
+    whole = run_process(command, env=env)
     assert whole.returncode == 0, whole.stderr[-3000:]
     workdir = tmp_path / "killed"
-    proc = start(corpus_command(workdir, corpus, pack))
+    proc = start(corpus_command(workdir, corpus, pack, pipelined), env)
     # A checkpoint, and training on past it: killed mid-epoch.
     signal_when(proc, lambda: saved_steps(workdir), signal.SIGKILL, "checkpoint")
     assert saved_steps(workdir)[-1] < 24
-    resumed = run_process(corpus_command(workdir, corpus, pack), env=cpu_env())
+    resumed = run_process(corpus_command(workdir, corpus, pack, pipelined), env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     train = lambda w: [r for r in metrics(w) if r["split"] == "train"]
     assert [r["step"] for r in train(workdir)] == list(range(24))

@@ -20,10 +20,13 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
+from jaxformer.config import RopeScalingConfig
 from jaxformer.interop import hf
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
-FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma2")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma2", "deepseek_v3")
+SCALED = {"qwen3": dict(kind="yarn", factor=4.0, original_max_len=8, beta_fast=8.0, beta_slow=2.0),
+          "gemma3_text": dict(kind="linear", factor=8.0, layers="global")}  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,6 +54,8 @@ def imported():
     ids = refs["qwen2"]["input_ids"]
     assert all(np.array_equal(r["input_ids"], ids) for r in refs.values())
     models["gemma3_text_xla"] = hf.load_hf(GOLDEN / "gemma3_text", attention_impl="xla")  # local_window_size
+    for f, scaling in SCALED.items():  # the same weights, RoPE scaled (make_family_golden.py's SCALED)
+        models[f"{f}_scaled"] = hf.load_hf(GOLDEN / f, rope_scaling=RopeScalingConfig(**scaling))
 
     def run(ms, ids):
         logits = {k: m(ids) for k, m in ms.items()}
@@ -76,7 +81,8 @@ def test_imported_models_give_transformers_logits(imported):
     3 positions of 8, layer 1 global, each its RoPE base; sandwich norms of (1 + w), logits soft-capped)
     and Gemma 2 (the same with one RoPE base, no QK-norm, attention logits soft-capped at 2) within 1e-5 of
     transformers' float32 logits, unrolled and scanned; Gemma 3 also through XLA's fused attention (the
-    window as local_window_size) and decoded over its cache one token a step."""
+    window as local_window_size) and decoded over its cache one token a step; Qwen 3 with yarn RoPE scaling
+    and Gemma 3 with linear scaling of its global layer's RoPE, as transformers scales the same weights."""
     models, logits, refs = imported
     cfg = {f: models[f].cfg for f in FAMILIES}
     assert cfg["qwen2"].qkv_bias and not cfg["qwen2"].use_bias and not cfg["qwen2"].qk_norm
@@ -93,9 +99,22 @@ def test_imported_models_give_transformers_logits(imported):
     for name in ("gemma3_text_xla", "gemma3_text_cached"):
         np.testing.assert_allclose(logits[name], refs["gemma3_text"]["logits"], atol=1e-5, rtol=0, err_msg=name)
     assert cfg["gemma2"].attention_softcap == 2.0 and not cfg["gemma2"].qk_norm
+    ds = cfg["deepseek_v3"]  # MLA with both ranks, yarn (mscale != mscale_all_dim), groups, layer 0 dense
+    assert (ds.mla.q_lora_rank, ds.mla.kv_lora_rank, ds.mla.rope_head_dim, ds.mla.v_head_dim) == (24, 16, 8, 12)
+    assert (ds.moe.router, ds.moe.num_groups, ds.moe.groups_per_token, ds.moe.routed_scaling) == (
+        "sigmoid_topk",
+        4,
+        2,
+        2.5,
+    )
+    assert [ds.moe.is_moe_layer("decoder", i) for i in range(3)] == [False, True, True] and ds.moe.shared_experts == 1
+    assert ds.rope_scaling.kind == "yarn" and ds.rope_scaling.attention_factor != 1 != ds.rope_scaling.logits_factor
     unnormalised = refs["qwen3_moe"]["logits_unnormalised"]
     np.testing.assert_allclose(logits["qwen3_moe_unnormalised"], unnormalised, atol=1e-5, rtol=0)
     assert np.abs(unnormalised - refs["qwen3_moe"]["logits"]).max() > 0.01  # the two routers differ here
+    for f in SCALED:  # RoPE scaling: Qwen 3's yarn on every layer, Gemma 3's linear on its global layer alone
+        np.testing.assert_allclose(logits[f"{f}_scaled"], refs[f]["logits_scaled"], atol=1e-5, rtol=0, err_msg=f)
+        assert np.abs(refs[f]["logits_scaled"] - refs[f]["logits"]).max() > 0.1  # the scaling shows
 
 
 def test_save_hf_writes_back_the_checkpoint(imported, tmp_path):
@@ -128,7 +147,12 @@ def _golden_config(name: str) -> dict:
 REFUSED = [  # (golden, config.json changes, the message naming the field)
     ("qwen2", {"use_sliding_window": True, "sliding_window": 4}, r"use_sliding_window=True is not supported"),
     ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types \['full_attention', 'sliding"),
-    ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_scaling=\{'rope_type': 'yarn'"),
+    ("qwen2", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, r"rope_scaling=\{'rope_type': 'dynamic'"),
+    ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 1.0}},
+     r"rope_scaling\.mscale_all_dim=1\.0 is not supported: jaxformer scales the attention logits by it"),
+    ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "truncate": False}},
+     r"rope_scaling\.truncate=False is not supported for yarn"),
+    ("qwen3", {"rope_scaling": {"rope_type": "linear", "factor": 0.5}}, r"model\.rope_scaling\.factor: must be >= 1"),
     ("qwen3", {"attention_bias": True}, r"attention_bias=True is not supported"),
     ("qwen3", {"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported"),
     ("qwen3_moe", {"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\] is not supported"),
@@ -139,10 +163,21 @@ REFUSED = [  # (golden, config.json changes, the message naming the field)
      r"layer_types=\['full_attention', 'sliding_attention'\] is not supported: jaxformer places a global layer"),
     ("gemma3_text", {"layer_types": ["sliding_attention"]}, r"layer_types=\['sliding_attention'\] must list"),
     ("gemma3_text", {"attn_logit_softcapping": 50.0}, r"attn_logit_softcapping=50\.0 is not supported"),
-    ("gemma3_text", {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, r"rope_scaling=\{'rope_type': 'linear'"),
+    ("gemma3_text", {"rope_scaling": {"rope_type": "longrope", "factor": 8.0}}, r"rope_scaling=\{'rope_type': 'long"),
+    ("gemma2", {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, r"rope_scaling=\{'rope_type': 'linear'"),
     ("gemma3_text", {"hidden_activation": "gelu"}, r"hidden_activation='gelu' is not supported"),
     ("gemma3_text", {"use_bidirectional_attention": True}, r"use_bidirectional_attention=True is not supported"),
     ("gemma3_text", {"sliding_window": 0}, r"sliding_window=0 must be a positive number of positions"),
+    ("deepseek_v3", {"rope_interleave": False}, r"rope_interleave=False is not supported"),
+    ("deepseek_v3", {"num_key_value_heads": 2}, r"num_key_value_heads=2 is not supported: latent attention's keys"),
+    ("deepseek_v3", {"rms_norm_eps": 1e-5}, r"rms_norm_eps=1e-05 is not supported"),
+    ("deepseek_v3", {"attention_bias": True}, r"attention_bias=True is not supported"),
+    ("deepseek_v3", {"first_k_dense_replace": 3}, r"first_k_dense_replace=3 must leave an MoE layer of num_hidden"),
+    ("deepseek_v3", {"n_group": 0}, r"n_group=0 must be a positive integer"),
+    ("deepseek_v3", {"num_experts_per_tok": 9}, r"num_experts_per_tok=9 must be in \[1, n_routed_experts=8\]"),
+    ("deepseek_v3", {"topk_group": 5}, r"topk_group=5 must be in \[1, n_group=4\]"),
+    ("deepseek_v3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.2}},
+     r"rope_scaling\.attention_factor=1\.2 is not supported for yarn"),
 ]  # fmt: skip
 
 
@@ -169,13 +204,13 @@ def test_peft_adapts_the_dense_families_projections_by_their_hub_names():
 
 
 def test_a_sharded_load_onto_fsdp_tensor_and_expert_axes_gives_transformers_logits(sharded_load):
-    """Each family (Qwen 3 MoE unrolled and scanned, Gemma 3) loaded straight onto fsdp=2 x tensor=2 x expert=2:
-    every parameter equal to a one-device load, heads over tensor, experts over expert, and the logits
+    """Each family (Qwen 3 MoE unrolled and scanned, Gemma 3, DeepSeek-V3) loaded straight onto fsdp=2 x tensor=2
+    x expert=2: every parameter equal to a one-device load, heads over tensor, experts over expert, and the logits
     within 1e-5 of transformers'."""
     out, err = processes.communicate(sharded_load, "tests/sharded_worker.py hf_families")
     assert sharded_load.returncode == 0, err[-4000:]
     r = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
-    for name in ("qwen2", "qwen3", "qwen3_moe", "qwen3_moe_scanned", "gemma3_text"):
+    for name in ("qwen2", "qwen3", "qwen3_moe", "qwen3_moe_scanned", "gemma3_text", "deepseek_v3"):
         assert r[name]["max_abs_diff"] == 0.0 and r[name]["devices"] == list(range(8)), name
         assert r[name]["logits_diff"] < 1e-5, name
     layer = "decoder.stack.layers.1"
@@ -184,6 +219,8 @@ def test_a_sharded_load_onto_fsdp_tensor_and_expert_axes_gives_transformers_logi
     assert r["qwen3_moe"]["specs"]["decoder.stack.layers.0.ffn.wi"] == "('fsdp', 'tensor')"  # dense [D, F]
     assert r["qwen3_moe"]["specs"][f"{layer}.ffn.wi"] == "('expert', 'fsdp', 'tensor')"  # [E, D, F]
     assert r["qwen3_moe_scanned"]["specs"][f"{layer}.ffn.wi"] == "(None, 'expert', 'fsdp', 'tensor')"
+    assert r["deepseek_v3"]["specs"][f"{layer}.self_attn.q_up"] == "('fsdp', 'tensor', None)"  # [Cq, H, N + R]
+    assert r["deepseek_v3"]["specs"][f"{layer}.ffn.wi"] == "('expert', 'fsdp', 'tensor')"
 
 
 def test_a_sliding_window_mask_is_the_band_of_the_formula():
@@ -214,3 +251,31 @@ def test_a_sliding_window_mask_is_the_band_of_the_formula():
     np.testing.assert_allclose(np.asarray(xla), np.asarray(naive), atol=1e-6)
     with pytest.raises(ValueError, match=r"a sliding window of 3 is said over a causal Mask, not ndarray"):
         windowed(np.ones((1, 1, T, T), bool), w)
+
+
+def test_deepseek_multi_token_prediction_goes_out_and_back_as_the_checkpoints_layer_after_the_last(tmp_path):
+    """The golden DeepSeek-V3 with one MTP module (model.mtp_depth=1, config.json's num_nextn_predict_layers):
+    save_hf writes it as layer 3 of 3 (enorm, hnorm, eh_proj [D, 2D], shared_head.norm and an MoE decoder
+    layer's tensors, as the published checkpoint's layer 61), and load_hf, unrolled and scanned, gives back
+    every parameter bit for bit; the checkpoint's copies of the embedding and the head there are not read."""
+    import jaxformer as jf
+
+    cfg = hf.config_from_hf(_golden_config("deepseek_v3")).replace(mtp_depth=1)
+    model = jf.build_model(cfg, 0)
+    mtp = {k for k in load_file(hf.save_hf(model, tmp_path / "out") / hf.WEIGHTS) if k.startswith("model.layers.3.")}
+    assert {"model.layers.3.enorm.weight", "model.layers.3.eh_proj.weight", "model.layers.3.shared_head.norm.weight",
+            "model.layers.3.mlp.gate.e_score_correction_bias", "model.layers.3.mlp.experts.7.down_proj.weight",
+            "model.layers.3.self_attn.kv_a_proj_with_mqa.weight"} <= mtp  # fmt: skip
+    assert json.loads((tmp_path / "out" / hf.CONFIG).read_text())["num_nextn_predict_layers"] == 1
+    weights = load_file(tmp_path / "out" / hf.WEIGHTS)
+    weights["model.layers.3.embed_tokens.weight"] = weights["model.embed_tokens.weight"]  # as the release holds
+    from safetensors.numpy import save_file
+
+    save_file(weights, tmp_path / "out" / hf.WEIGHTS)
+    ours = {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    back = hf.load_hf(tmp_path / "out")
+    assert back.cfg.mtp_depth == 1
+    for path, value in nnx.to_flat_state(nnx.state(back, nnx.Param)):
+        np.testing.assert_array_equal(np.asarray(value[...]), ours[".".join(map(str, path))])
+    scanned = hf.load_hf(tmp_path / "out", scan_layers=True)
+    np.testing.assert_array_equal(np.asarray(scanned.mtp[0].eh_proj[...]), ours["mtp.0.eh_proj"])

@@ -263,8 +263,8 @@ def _add(name, shape):
     [
         ("gpt2", lambda d: (d / "config.json").unlink(), FileNotFoundError, "config.json does not exist"),
         ("gpt2", lambda d: _edit_config(d, model_type="gpt_neox"), hf.UnsupportedCheckpoint, "model_type='gpt_neox'"),
-        ("llama", lambda d: _edit_config(d, rope_scaling={"type": "linear", "factor": 2.0}), hf.UnsupportedCheckpoint,
-         "rope_scaling"),
+        ("llama", lambda d: _edit_config(d, rope_scaling={"type": "dynamic", "factor": 2.0}), hf.UnsupportedCheckpoint,
+         r"rope_scaling=\{.type.: .dynamic."),
         ("bert", lambda d: _edit_config(d, position_embedding_type="relative_key"), hf.UnsupportedCheckpoint,
          "position_embedding_type"),
         ("t5", lambda d: _edit_config(d, feed_forward_proj="gated-silu"), hf.UnsupportedCheckpoint,

@@ -323,3 +323,39 @@ def test_bytes_moved_counts_what_xla_s_cost_analysis_counts_and_a_loop_once_a_tr
     assert body[3] == body[6] >= 4 * (2 * M * K + K * K)
     assert moved[6] - moved[3] == 3 * body[3]
     assert body[6] < 4 * 6 * K * K  # a trip reads the slice, not the whole [6, K, K] stack
+
+
+def test_plan_search_compiles_each_split_and_names_the_one_with_the_smallest_bound():
+    """Three splits of 2 fake H100s (2 layers of width 32, one head: no tensor axis): FSDP, data, and
+    2 stages of 4 micro-batches (of 4 S, 2 S, S, the most that a batch of 4 divides). Each row's bound
+    is the largest of its floors, its bubble and stage traffic are the formulas', the pipeline's
+    compute is the others' over 1 - bubble, and the best is the fitting row with the smallest bound."""
+    tiny = ["model.d_model=32", "model.num_heads=1", "model.d_ff=64", "model.num_decoder_layers=2",
+            "model.max_len=32", "data.max_len=32", "train.batch_size=4", "model.vocab_size=64"]  # fmt: skip
+    cmd = ["-m", "jaxformer.cli", "plan", "--config", "experiments/lm_shakespeare.py", "--target", "gpu-h100x2"]
+    env = processes.cpu_env(JAXFORMER_PLAN_CACHE="")
+    out = processes.run([sys.executable, *cmd, "--search", *[a for s in tiny for a in ("--set", s)]], env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert head == ["split", "state GB", "peak GB", "fits", "bubble", "stage GB moved", "compute s", "memory s",
+                    "links s", "bound s"]  # fmt: skip
+    rows = {}
+    for line in lines[2:-1]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0].replace(" **best**", "")] = dict(zip(head, cells, strict=True))
+    assert set(rows) == {"S1 d1 f2 t1 M1", "S1 d2 f1 t1 M1", "S2 d1 f1 t1 M4"}
+    value = lambda row, col: float(rows[row][col])
+    for name, row in rows.items():
+        assert row["fits"] == "yes" and float(row["peak GB"]) >= float(row["state GB"]) > 0
+        floors = [value(name, c) for c in ("compute s", "memory s", "links s")]
+        assert value(name, "bound s") == pytest.approx(max(floors), rel=1e-2)
+    assert value("S2 d1 f1 t1 M4", "bubble") == pytest.approx(1 / 5, abs=5e-3)  # (S - 1) / (M + S - 1)
+    assert value("S2 d1 f1 t1 M4", "compute s") * (1 - 1 / 5) == pytest.approx(
+        value("S1 d1 f2 t1 M1", "compute s"), rel=1e-2
+    )
+    # 2 (M + S - 1) ticks, one way and back, of a micro-batch of 1 row x 32 positions x 32 float32 widths
+    assert value("S2 d1 f1 t1 M4", "stage GB moved") == pytest.approx(2 * 5 * 1 * 32 * 32 * 4 / 1e9, rel=1e-2)
+    best = min(rows, key=lambda name: value(name, "bound s"))
+    assert "**best**" in next(line for line in lines if line.startswith(f"| {best}"))
+    assert lines[-1].startswith(f"best: {best} (")

@@ -149,11 +149,14 @@ def test_pipeline_equals_one_device(strategies, name):
         assert r["params_fraction"] < 0.7, r
 
 
-def test_pipelined_checkpoint_restores_without_stages(strategies):
+def test_pipelined_checkpoint_restores_without_stages_and_back(strategies):
     """The pipelined state of decoder_only/gpipe_dp4 (layers split over stage, 8 devices), saved,
-    restored onto one device without stages: the same values, laid out as that mesh asks (orbax reshards)."""
-    r = strategies["pipeline"]["restore"]
+    restored onto one device without stages: the same values, laid out as that mesh asks (orbax
+    reshards); that state saved from one device and restored onto stage=2 x data=4: the same again."""
+    r = strategies["pipeline"]["restore"]["without_stages"]
     assert r["equal"] and r["shardings_as_requested"] and r["devices"] == [0], r
+    r = strategies["pipeline"]["restore"]["back"]
+    assert r["equal"] and r["shardings_as_requested"] and r["devices"] == list(range(8)), r
 
 
 def free_port() -> int:
@@ -164,7 +167,8 @@ def free_port() -> int:
 
 def test_two_processes_equal_one_process(tmp_path):
     """Two real processes (4 CPU devices each, gloo), each feeding half of every batch: the same
-    training, and through the data loader disjoint rows whose union is the one process's batch."""
+    training, and through the data loader disjoint rows whose union is the one process's batch. A
+    pipeline over stage=2 x data=4, a stage a process: the first batch's loss and gradients."""
     port = free_port()
     procs = [worker("multihost", pid, port, tmp_path / "cache", devices=4) for pid in (0, 1)]
     try:
@@ -179,6 +183,10 @@ def test_two_processes_equal_one_process(tmp_path):
     for a, b in zip(two["losses"], one["losses"], strict=True):
         assert a == pytest.approx(b, rel=LOSS_RTOL)
     assert two["checksum"] == pytest.approx(one["checksum"], rel=PARAM_RTOL)
+    piped, whole = two["pipelined"], one["pipelined"]
+    assert piped["permutes"] > 0 and piped["loss"] == pytest.approx(whole["loss"], rel=LOSS_RTOL)
+    for k, sums in whole["grads"].items():
+        assert piped["grads"][k] == pytest.approx(sums, rel=PARAM_RTOL, abs=1e-7), k
     for objective, whole in one["data"].items():
         halves = two["data"][objective], other["data"][objective]
         for i, rows in enumerate(whole["rows"]):

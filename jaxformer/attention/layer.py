@@ -47,6 +47,9 @@ class MultiHeadAttention(nnx.Module):
         self.use_rope = cfg.position == "rope" and not cross
         local_base = cfg.rope_local_base if window else None
         self.rope_base = cfg.rope_base if local_base is None else local_base
+        # a RoPE scaling stretches every layer's frequencies, or with layers="global" (Gemma 3) the global ones'
+        scaled = cfg.rope_scaling.enabled and not (window and cfg.rope_scaling.layers == "global")
+        self.rope_scaling = cfg.rope_scaling if scaled else None
         D, H, G, K = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
         in_init = init.xavier_uniform(in_axis=0, out_axis=(1, 2))
         self.q = param(rngs, in_init, (D, H, K), ("embed", "heads", "kv"))
@@ -91,7 +94,7 @@ class MultiHeadAttention(nnx.Module):
         k_BSGK = self._project(kv_BSD, "k", dropout_rng)
         v_BSGK = self._project(kv_BSD, "v", dropout_rng)
         if self.use_rope:
-            k_BSGK = apply_rope(k_BSGK, positions_BS, self.rope_base)
+            k_BSGK = apply_rope(k_BSGK, positions_BS, self.rope_base, self.rope_scaling)
         return k_BSGK, v_BSGK
 
     def __call__(
@@ -276,7 +279,7 @@ class MultiHeadAttention(nnx.Module):
 
     def _queries(self, x_BTD: Array, positions_BT: Array, dropout_rng: Array | None) -> Array:
         q_BTHK = self._project(x_BTD, "q", dropout_rng)
-        return apply_rope(q_BTHK, positions_BT, self.rope_base) if self.use_rope else q_BTHK
+        return apply_rope(q_BTHK, positions_BT, self.rope_base, self.rope_scaling) if self.use_rope else q_BTHK
 
     def _attend(
         self, x_BTD, k, v, kv_layout, mask, bias, positions_BT, dropout_rng, return_weights, kv_positions_BS=None

@@ -59,11 +59,12 @@ class MultiHeadLatentAttention(nnx.Module):
 
     @property
     def scale(self) -> float:
-        """The logits' factor: `model.attention_scale` if set, 1 without `scale_attention`, else (N + R)^-0.5."""
+        """The logits' factor: `model.attention_scale` if set, 1 without `scale_attention`, else (N + R)^-0.5;
+        times the RoPE scaling's `logits_factor` (DeepSeek's yarn mscale_all_dim)."""
         cfg = self.cfg
-        if cfg.logits_scale is not None:
+        if cfg.attention_scale is not None or not cfg.scale_attention:
             return cfg.logits_scale
-        return cfg.mla.qk_head_dim**-0.5
+        return cfg.mla.qk_head_dim**-0.5 * cfg.rope_scaling.logits_factor
 
     def _norm(self, x: Array, name: str) -> Array:
         return rms_norm(x, getattr(self, name)[...], self.cfg.norm_eps, plus_one=self.cfg.norm_plus_one)
@@ -85,7 +86,7 @@ class MultiHeadLatentAttention(nnx.Module):
             q_BTHK = project(self, "query", "BTD,DHK->BTHK", x_BTD)
         q_BTHK = constrain(q_BTHK, ("batch", "length", "heads", None))  # column-parallel under TP
         N = self.cfg.mla.nope_head_dim
-        return q_BTHK[..., :N], apply_rope(q_BTHK[..., N:], positions_BT, self.cfg.rope_base)
+        return q_BTHK[..., :N], apply_rope(q_BTHK[..., N:], positions_BT, self.cfg.rope_base, self.cfg.rope_scaling)
 
     def latent(self, x_BSD: Array, positions_BS: Array) -> tuple[Array, Array]:
         """What the cache holds of each input: the normalised latent [B, S, C] and the rotated rope key [B, S, R].
@@ -98,7 +99,7 @@ class MultiHeadLatentAttention(nnx.Module):
             (c_BSC, r_BSR).
         """
         c_BSC, r_BSR = split_latent(project(self, "kv_down", "BSD,DX->BSX", x_BSD), self.cfg.mla.kv_lora_rank)
-        r_BSR = apply_rope(r_BSR[:, :, None, :], positions_BS, self.cfg.rope_base)[:, :, 0, :]
+        r_BSR = apply_rope(r_BSR[:, :, None, :], positions_BS, self.cfg.rope_base, self.cfg.rope_scaling)[:, :, 0, :]
         return self._norm(c_BSC, "kv_norm"), r_BSR
 
     def _plain(self, x_BTD, c_BSC, r_BSR, positions_BT, mask, dropout_rng, return_weights):

@@ -8,6 +8,7 @@ import Config, ModelConfig, load_experiment`); each module holds one concern:
 
 - `base`: ConfigError, `require`, each field's value checked against its annotation, "did you mean"
 - `architecture`: the model section (ModelConfig), its mixture of experts (MoEConfig) and latent attention (MLAConfig)
+- `rope`: RoPE scaling (RopeScalingConfig, `model.rope_scaling`: linear, yarn, llama3) and yarn_mscale
 - `presets`: the published shapes (paper_base, paper_big, bert_base, gpt2_small, bart_base, t5_small,
   t5_v1_1_small, llama, tiny, PRESETS)
 - `sections`: the run's other sections (TrainConfig, DataConfig, CheckpointConfig, DecodeConfig, MeshConfig)
@@ -55,6 +56,7 @@ from jaxformer.config.presets import (
     t5_v1_1_small,
     tiny,
 )
+from jaxformer.config.rope import RopeScalingConfig, yarn_mscale
 from jaxformer.config.run import SECTIONS, SPLASH_TILE, Config, ring_blocks_unfit
 from jaxformer.config.sections import (
     SYNTHETIC,
@@ -90,6 +92,7 @@ __all__ = [
     "MoEConfig",
     "ModelConfig",
     "PreferenceConfig",
+    "RopeScalingConfig",
     "ServeConfig",
     "TrainConfig",
     "apply_overrides",
@@ -116,4 +119,5 @@ __all__ = [
     "t5_v1_1_small",
     "tiny",
     "with_values",
+    "yarn_mscale",
 ]

@@ -8,6 +8,7 @@ import math
 from typing import Literal
 
 from jaxformer.config.base import check_field_types, require
+from jaxformer.config.rope import RopeScalingConfig
 
 MODES = ("encoder_only", "decoder_only", "encoder_decoder")
 
@@ -301,6 +302,8 @@ class ModelConfig:
     remat: Literal["auto", "none", "full", "dots_saveable", "offload_dots", "offload_inputs"] = "auto"
     check_token_ids: bool = True  # reject ids outside [0, V): a host callback under jit; fit checks on the host
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)  # mixture of experts (num_experts=0: dense)
+    # RoPE's frequencies stretched past the trained length (linear, yarn, llama3; kind="none": plain RoPE)
+    rope_scaling: RopeScalingConfig = dataclasses.field(default_factory=RopeScalingConfig)
     # multi-token prediction (DeepSeek-V3 2.2; V3: 1): D extra modules, module k predicting token i + k + 1
     # from module k-1's states and the embedding of token i + k; training only (train.mtp_weight), decoder_only
     mtp_depth: int = 0
@@ -308,7 +311,7 @@ class ModelConfig:
 
     def __post_init__(self):
         p = "model"
-        for name, cls in (("moe", MoEConfig), ("mla", MLAConfig)):
+        for name, cls in (("moe", MoEConfig), ("mla", MLAConfig), ("rope_scaling", RopeScalingConfig)):
             section = getattr(self, name)
             if isinstance(section, dict):  # JSON (a saved config) gives the section as an object
                 known = {f.name for f in dataclasses.fields(cls)}
@@ -364,6 +367,16 @@ class ModelConfig:
             self.rope_local_base is None or (self.sliding_window > 0 and self.position == "rope"),
             f"{p}.rope_local_base",
             "is the local layers' RoPE base: needs position='rope' and sliding_window > 0",
+        )
+        require(
+            not self.rope_scaling.enabled or self.position == "rope",
+            f"{p}.rope_scaling.kind",
+            f"{self.rope_scaling.kind!r} scales RoPE's frequencies: needs position='rope', not {self.position!r}",
+        )
+        require(
+            self.rope_scaling.layers == "all" or self.sliding_window > 0,
+            f"{p}.rope_scaling.layers",
+            "'global' leaves the local layers unscaled: needs sliding_window > 0",
         )
         require(
             self.attention_scale is None or 0 < self.attention_scale < math.inf,
@@ -514,10 +527,14 @@ class ModelConfig:
 
     @property
     def logits_scale(self) -> float | None:
-        """The attention logits' scale: `attention_scale`, else None (K^-0.5) or 1 without `scale_attention`."""
+        """The attention logits' scale: `attention_scale`, else None (K^-0.5) or 1 without `scale_attention`;
+        times the RoPE scaling's `logits_factor` (a yarn mscale_all_dim: DeepSeek's softmax scale)."""
+        factor = self.rope_scaling.logits_factor
         if self.attention_scale is not None:
-            return self.attention_scale
-        return None if self.scale_attention else 1.0
+            return self.attention_scale * factor
+        if not self.scale_attention:
+            return factor
+        return None if factor == 1.0 else self.dim_per_head**-0.5 * factor
 
     @property
     def stacks(self) -> tuple[str, ...]:

@@ -94,6 +94,7 @@ from jaxformer.interop.hf_config import (  # noqa: F401
 from jaxformer.interop.params import (  # noqa: F401
     _fill,
     _fresh_params,
+    _head,
     _host_param,
     _key,
     _layer_sharding,
@@ -192,7 +193,7 @@ def load_hf(
         if rule.theirs not in names:
             continue  # reported below as missing parameters
         used.add(rule.theirs)
-        targets = [_locate(o, cfg.scan_layers, cfg.scan_block) for o in rule.ours]
+        targets = [_locate(o, cfg.scan_layers, cfg.scan_block, _head(cfg, o)) for o in rule.ours]
         shapes = [flat[p].shape[len(index) :] for p, index in targets]
         arrays = to_ours(reader[names[rule.theirs]], rule, shapes)
         filled |= _fill(arrays, targets, pending, flat, placement)

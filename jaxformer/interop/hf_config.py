@@ -12,7 +12,7 @@ import pathlib
 
 from jaxformer.config import ModelConfig
 from jaxformer.interop.families import FAMILIES
-from jaxformer.interop.families.common import _layout_of, _moe_layer_set
+from jaxformer.interop.families.common import _layout_of
 from jaxformer.interop.families.switch import _switch_scannable
 from jaxformer.interop.rules import UnsupportedCheckpoint
 
@@ -102,9 +102,11 @@ def _explicit(cfg: ModelConfig) -> ModelConfig:
     layout as the layers it makes MoE (one (every, offset) per stack of the mode: two spellings of the
     same layers are one model)."""
     layout = {"every": 1}
+    pattern = dataclasses.replace(cfg.moe, first_dense=0)  # the layout before the first dense layers (kept apart)
     for stack in ("encoder", "decoder"):
         layers = cfg.num_encoder_layers if stack == "encoder" else cfg.num_decoder_layers
-        every, offset = _layout_of(_moe_layer_set(cfg, stack), layers) if stack in cfg.stacks else (0, None)
+        moe_layers = {i for i in range(layers) if pattern.is_moe_layer(stack, i)}
+        every, offset = _layout_of(moe_layers, layers) if stack in cfg.stacks else (0, None)
         layout |= {f"{stack}_every": every, f"{stack}_offset": offset}
     moe = dataclasses.replace(cfg.moe, **layout)
     return cfg.replace(head_dim=cfg.dim_per_head, num_kv_heads=cfg.kv_heads, moe=moe)

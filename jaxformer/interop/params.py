@@ -20,29 +20,39 @@ from jaxformer.config import ModelConfig
 from jaxformer.models import Transformer
 
 
-def _stacked_path(path: str, block: int = 1) -> tuple[str, int | None]:
+def _stacked_path(path: str, block: int = 1, head: int = 0) -> tuple[str, int | None]:
     """An unrolled path in a scanned model: ("encoder.stack.layers.q", 3) for "encoder.stack.layers.3.q";
     scanned in blocks of `block` layers (`ModelConfig.scan_block`, MoE every N-th layer), layer i is
-    position i % N of block i // N: ("encoder.stack.layers.1.q", 1) for layer 3 with N = 2."""
-    match = re.match(r"^(.*\.layers)\.(\d+)\.(.*)$", path)
-    if not match:
+    position i % N of block i // N: ("encoder.stack.layers.1.q", 1) for layer 3 with N = 2. A stack
+    starting with `head` dense layers (`ModelConfig.dense_head`) keeps them unrolled in `dense_layers`
+    ("decoder.stack.dense_layers.0.q", None) and counts the blocks from layer `head`."""
+    match = re.match(r"^(.*)\.layers\.(\d+)\.(.*)$", path)
+    if not match or path.startswith("mtp."):  # multi-token prediction's one layer is never scanned
         return path, None
     i = int(match[2])
+    if i < head:
+        return f"{match[1]}.dense_layers.{i}.{match[3]}", None
+    i -= head
     position = "" if block == 1 else f".{i % block}"
-    return f"{match[1]}{position}.{match[3]}", i // block
+    return f"{match[1]}.layers{position}.{match[3]}", i // block
 
 
-def _locate(path: str, scanned: bool, block: int = 1) -> tuple[str, tuple[int, ...]]:
+def _head(cfg, path: str) -> int:
+    """The unrolled dense layers a scanned stack of `path` starts with (`ModelConfig.dense_head`)."""
+    stack = path.split(".")[0]
+    return cfg.dense_head(stack) if stack in ("encoder", "decoder") else 0
+
+
+def _locate(path: str, scanned: bool, block: int = 1, head: int = 0) -> tuple[str, tuple[int, ...]]:
     """Where a rule's (unrolled) path lives: the parameter and the leading indices of its slice in it.
     "decoder.stack.layers.3.ffn.wi[1]" is ("decoder.stack.layers.3.ffn.wi", (1,)) unrolled, and
     ("decoder.stack.layers.ffn.wi", (3, 1)) scanned (the layer axis first, then the expert axis;
-    in blocks of `block` layers, `_stacked_path`)."""
+    in blocks of `block` layers after `head` unrolled ones, `_stacked_path`)."""
     match = re.fullmatch(r"(.*)\[(\d+)\]", path)
     path, index = (match[1], (int(match[2]),)) if match else (path, ())
     if scanned:
-        stacked, layer = _stacked_path(path, block)
-        if layer is not None:
-            return stacked, (layer, *index)
+        stacked, layer = _stacked_path(path, block, head)
+        return stacked, index if layer is None else (layer, *index)
     return path, index
 
 
@@ -128,12 +138,12 @@ def _rules_in_effect(mesh):
 
 
 def _param_shape(flat: dict, path: str, cfg: ModelConfig) -> tuple[int, ...]:
-    stacked, index = _locate(path, cfg.scan_layers, cfg.scan_block)
+    stacked, index = _locate(path, cfg.scan_layers, cfg.scan_block, _head(cfg, path))
     return flat[stacked].shape[len(index) :]
 
 
 def _host_param(flat: dict, path: str, cfg: ModelConfig) -> np.ndarray:
     """One parameter (one layer's or expert's slice of a stack) gathered to the host as float32."""
-    stacked, index = _locate(path, cfg.scan_layers, cfg.scan_block)
+    stacked, index = _locate(path, cfg.scan_layers, cfg.scan_block, _head(cfg, path))
     value = flat[stacked][...]
     return np.asarray(jax.device_get(value[index] if index else value), np.float32)

@@ -36,6 +36,8 @@ class Rule:
       layers: the layers of its stack it is in: "all", or only those whose feed-forward is
         "dense" or "moe" (`model.moe.every`). "{e}" in `theirs` stands for the expert index, and
         `ours` then ends in "[{e}]": that expert's slice of the stacked kernel.
+      rows: linear only: ours' output features are the checkpoint's rows in this order (DeepSeek's
+        interleaved RoPE dims read as rotate-half ones); None keeps them.
     """
 
     theirs: str
@@ -43,6 +45,7 @@ class Rule:
     layout: Literal["same", "vector", "row", "linear", "conv1d"] = "same"
     inputs: int = 1
     layers: Literal["all", "dense", "moe"] = "all"
+    rows: tuple[int, ...] | None = None
 
 
 def same(theirs: str, ours: str) -> Rule:
@@ -124,6 +127,7 @@ def to_ours(tensor: np.ndarray, rule: Rule, shapes: list[tuple[int, ...]]) -> li
         UnsupportedCheckpoint: the tensor's size does not match the shapes, naming it.
     """
     if rule.layout in ("linear", "conv1d"):
+        tensor = tensor if rule.rows is None else tensor[np.asarray(rule.rows)]
         in_out = tensor.T if rule.layout == "linear" else tensor
         parts = np.split(in_out, len(shapes), axis=1)
     else:
@@ -150,7 +154,10 @@ def to_theirs(arrays: list[np.ndarray], rule: Rule) -> np.ndarray:
     """
     if rule.layout in ("linear", "conv1d"):
         in_out = np.concatenate([a.reshape(math.prod(a.shape[: rule.inputs]), -1) for a in arrays], axis=1)
-        return np.ascontiguousarray(in_out.T if rule.layout == "linear" else in_out)
+        out = in_out.T if rule.layout == "linear" else in_out
+        if rule.rows is not None:  # back to the checkpoint's order: row rows[j] is our feature j
+            out = out[np.argsort(np.asarray(rule.rows))]
+        return np.ascontiguousarray(out)
     if rule.layout == "vector" or len(arrays) > 1:
         return np.concatenate([a.reshape(-1) for a in arrays])
     return arrays[0].reshape(1, -1) if rule.layout == "row" else arrays[0]

@@ -7,12 +7,13 @@ tensor, `jaxformer.interop.rules`). Adding a family is adding its module here an
 when PEFT adapters of it are read. A family that changes one part of another reuses the other's
 functions: Mixtral is Llama with experts in the feed-forward, Switch Transformers is T5 with them, and
 Qwen 2, Qwen 3 and Qwen 3 MoE are Llama with q, k, v biases, QK-norm, and many small experts;
-Gemma 3 reuses Llama's feed-forward rules.
+Gemma 3 reuses Llama's feed-forward rules, DeepSeek-V3 them for its first dense layers.
 """
 
 from jaxformer.interop.families.bart import _bart_config, _bart_hf, _bart_rules
 from jaxformer.interop.families.bert import _bert_config, _bert_hf, _bert_rules
 from jaxformer.interop.families.common import Family
+from jaxformer.interop.families.deepseek import _deepseek_config, _deepseek_hf, _deepseek_rules
 from jaxformer.interop.families.gemma import (
     _gemma2_config,
     _gemma2_hf,
@@ -59,6 +60,9 @@ FAMILIES = {
                         ignore=LLAMA_IGNORED),
     "gemma3_text": Family("gemma3_text", "model.", _gemma3_config, _gemma3_hf, _gemma3_rules, ignore=LLAMA_IGNORED),
     "gemma2": Family("gemma2", "model.", _gemma2_config, _gemma2_hf, _gemma2_rules, ignore=LLAMA_IGNORED),
+    # the multi-token prediction layers' copies of the embedding and the output head
+    "deepseek_v3": Family("deepseek_v3", "model.", _deepseek_config, _deepseek_hf, _deepseek_rules,
+                          ignore=(*LLAMA_IGNORED, r"^model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$")),
     "switch_transformers": Family("switch_transformers", "", _switch_config, _switch_hf,
                                   lambda cfg: _t5_rules(cfg, _switch_ffn), ignore=TIED_COPIES),
 }  # fmt: skip

@@ -10,7 +10,7 @@ import dataclasses
 import re
 from collections.abc import Callable
 
-from jaxformer.config import ModelConfig
+from jaxformer.config import ConfigError, ModelConfig, RopeScalingConfig
 from jaxformer.interop.rules import Rule, UnsupportedCheckpoint
 
 
@@ -106,3 +106,69 @@ def _canonical(name: str, family: Family) -> str:
     if family.prefix and not name.startswith(family.prefix) and not name.startswith(heads):
         return family.prefix + name
     return name
+
+
+# rope_scaling keys each kind reads (besides rope_type / type) as Hugging Face's ROPE_INIT_FUNCTIONS do
+ROPE_KEYS = {
+    "linear": {"factor"},
+    "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"},
+    "llama3": {"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"},
+}
+
+
+def _rope_scaling(hf: dict, kinds=tuple(ROPE_KEYS), *, layers: str = "all", logits_mscale: bool = False):
+    """config.json's `rope_scaling` as `model.rope_scaling`: one of `kinds`, each key it has read;
+    what jaxformer cannot express refused naming the key. `logits_mscale`: the family's attention
+    multiplies its logits' scale by mscale(factor, mscale_all_dim)^2 (DeepSeek); elsewhere a
+    mscale_all_dim is refused, transformers' attention not reading it."""
+    scaling = hf.get("rope_scaling")
+    if scaling is None:
+        return RopeScalingConfig()
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if kind == "default":
+        return RopeScalingConfig()
+    if kind not in kinds:
+        raise UnsupportedCheckpoint(
+            f"config.json: rope_scaling={scaling!r} is not supported (jaxformer reads rope_type {list(kinds)})"
+        )
+    for key, value in scaling.items():
+        fixed = {"rope_type", "type", "truncate", "attention_factor"}
+        if (
+            key not in ROPE_KEYS[kind] | fixed
+            or (key == "truncate" and value is not True)
+            or (key == "attention_factor" and value is not None)
+        ):
+            raise UnsupportedCheckpoint(f"config.json: rope_scaling.{key}={value!r} is not supported for {kind}")
+    if scaling.get("mscale_all_dim") and not logits_mscale:
+        raise UnsupportedCheckpoint(
+            f"config.json: rope_scaling.mscale_all_dim={scaling['mscale_all_dim']!r} is not supported: "
+            f"jaxformer scales the attention logits by it, as DeepSeek does; {hf.get('model_type')} does not"
+        )
+    original = scaling.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
+    fields = dict(kind=kind, factor=float(scaling.get("factor", 1.0)), layers=layers)
+    if kind in ("yarn", "llama3"):
+        fields["original_max_len"] = original
+    if kind == "yarn":  # transformers' defaults where a key is absent or null
+        defaults = {"beta_fast": 32, "beta_slow": 1, "mscale": 0, "mscale_all_dim": 0}
+        fields |= {key: float(scaling.get(key) or value) for key, value in defaults.items()}
+    if kind == "llama3":
+        fields |= {key: float(scaling[key]) for key in ("low_freq_factor", "high_freq_factor")}
+    try:
+        return RopeScalingConfig(**fields)
+    except ConfigError as e:
+        raise UnsupportedCheckpoint(f"config.json: rope_scaling={scaling!r}: {e}") from None
+
+
+def _rope_scaling_hf(cfg: ModelConfig) -> dict | None:
+    """`model.rope_scaling` as config.json's `rope_scaling` (None for plain RoPE)."""
+    r = cfg.rope_scaling
+    if not r.enabled:
+        return None
+    out = {"rope_type": r.kind, "factor": r.factor}
+    if r.kind == "yarn":
+        out |= dict(original_max_position_embeddings=r.original_max_len, beta_fast=r.beta_fast, beta_slow=r.beta_slow)
+        out |= {k: getattr(r, k) for k in ("mscale", "mscale_all_dim") if getattr(r, k)}
+    if r.kind == "llama3":
+        out |= dict(original_max_position_embeddings=r.original_max_len, low_freq_factor=r.low_freq_factor,
+                    high_freq_factor=r.high_freq_factor)  # fmt: skip
+    return out

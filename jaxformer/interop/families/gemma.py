@@ -14,7 +14,7 @@ is the same less QK-norm and the local layers' RoPE base, its attention logits s
 from __future__ import annotations
 
 from jaxformer.config import ModelConfig
-from jaxformer.interop.families.common import _get, _pad_token, _require
+from jaxformer.interop.families.common import _get, _pad_token, _require, _rope_scaling, _rope_scaling_hf
 from jaxformer.interop.families.llama import _llama_mlp
 from jaxformer.interop.rules import Rule, UnsupportedCheckpoint, attention, norm, same
 
@@ -43,10 +43,14 @@ def _global_every(hf: dict, layers: int, pattern: int) -> int:
 def _gemma3_config(hf: dict) -> dict:
     _require(hf, "attn_logit_softcapping", (None,))
     _require(hf, "use_bidirectional_attention", (False,), False)
-    return _gemma_config(hf, pattern=6)
+    fields = _gemma_config(hf, pattern=6)
+    # transformers scales the global layers' RoPE alone (the local layers' rotary embedding is "default")
+    layers = "global" if fields["sliding_window"] else "all"
+    return fields | dict(rope_scaling=_rope_scaling(hf, layers=layers))
 
 
 def _gemma2_config(hf: dict) -> dict:
+    _rope_scaling(hf, kinds=())  # refused: jaxformer reads no RoPE scaling of Gemma 2's
     cap, base = float(_get(hf, "attn_logit_softcapping", 0.0)), float(_get(hf, "rope_theta", 10_000.0))
     fields = _gemma_config(hf, pattern=2)  # one RoPE base for every layer
     return fields | dict(qk_norm=False, attention_softcap=cap, rope_base=base, rope_local_base=None)
@@ -55,9 +59,6 @@ def _gemma2_config(hf: dict) -> dict:
 def _gemma_config(hf: dict, pattern: int) -> dict:
     _require(hf, "hidden_activation", ("gelu_pytorch_tanh",), "gelu_pytorch_tanh")
     _require(hf, "attention_bias", (False,), False)
-    scaling = hf.get("rope_scaling")
-    if scaling not in (None, {"rope_type": "default"}):
-        raise UnsupportedCheckpoint(f"config.json: rope_scaling={scaling!r} is not supported (jaxformer reads None)")
     D, H, layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
     K = _get(hf, "head_dim", 256)
     every = _global_every(hf, layers, pattern)
@@ -92,7 +93,8 @@ def _gemma3_hf(cfg: ModelConfig) -> dict:
         rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_base, rope_local_base_freq=cfg.rope_local_base or cfg.rope_base,
         sliding_window=cfg.sliding_window or cfg.max_len, layer_types=kinds, hidden_activation="gelu_pytorch_tanh",
         query_pre_attn_scalar=scalar, attention_bias=False, attention_dropout=cfg.attention_dropout_rate,
-        final_logit_softcapping=cfg.final_logit_softcap or None, attn_logit_softcapping=None, rope_scaling=None,
+        final_logit_softcapping=cfg.final_logit_softcap or None, attn_logit_softcapping=None,
+        rope_scaling=_rope_scaling_hf(cfg),
         tie_word_embeddings=cfg.tie_output, **_pad_token(cfg),
     )  # fmt: skip
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jaxformer.config import ModelConfig
-from jaxformer.interop.families.common import _get, _pad_token, _require
+from jaxformer.interop.families.common import _get, _pad_token, _require, _rope_scaling, _rope_scaling_hf
 from jaxformer.interop.rules import Rule, attention, dense, norm, same
 
 
 def _llama_config(hf: dict) -> dict:
     _require(hf, "hidden_act", ("silu",), "silu")
-    _require(hf, "rope_scaling", (None,))
     _require(hf, "attention_bias", (False,), False)
     _require(hf, "mlp_bias", (False,), False)
     D, H = hf["hidden_size"], hf["num_attention_heads"]
@@ -25,6 +24,7 @@ def _llama_config(hf: dict) -> dict:
         attention_dropout_rate=_get(hf, "attention_dropout", 0.0), position="rope", activation="swiglu",
         norm="rmsnorm", norm_position="pre", use_bias=False, scale_embeddings=False,
         tie_output=_get(hf, "tie_word_embeddings", False), pad_id=_get(hf, "pad_token_id", 0),
+        rope_scaling=_rope_scaling(hf),
     )  # fmt: skip
 
 
@@ -35,7 +35,7 @@ def _llama_hf(cfg: ModelConfig) -> dict:
         intermediate_size=cfg.d_ff, num_hidden_layers=cfg.num_decoder_layers, max_position_embeddings=cfg.max_len,
         rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_base, hidden_act="silu", attention_bias=False,
         mlp_bias=False, attention_dropout=cfg.attention_dropout_rate, tie_word_embeddings=cfg.tie_output,
-        **_pad_token(cfg),
+        rope_scaling=_rope_scaling_hf(cfg), **_pad_token(cfg),
     )  # fmt: skip
 
 
