@@ -112,6 +112,9 @@ def cmd_train(args) -> int:
         else:
             print(f"evaluate it with: jaxformer eval --workdir {args.workdir}; raise train.steps to train on")
         return 0
+    if args.no_report:
+        print(f"held-out report skipped (--no-report): jaxformer eval --workdir {args.workdir} makes it")
+        return 0
     report = evaluate_model(
         cfg, result["graphdef"], result["state"].weights, result["data"], result["eval_step"], result["state"]
     )
@@ -470,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help=SET_HELP)
     train.add_argument("--quiet", action="store_true", help="no progress output (the final report still prints)")
     train.add_argument("--profile-steps", metavar="A:B", help="trace steps A..B-1 into WORKDIR/profile")
+    train.add_argument(
+        "--no-report", action="store_true", help="skip the held-out report at the end (`jaxformer eval` makes it)"
+    )
     prep = sub.add_parser("prepare", help="tokenize an experiment's corpus once, into shards on disk (train reuses it)")
     prep.add_argument("--config", help="experiments/NAME.py (default: the workdir's own config.json)")
     prep.add_argument("--workdir", required=True, help="the training workdir (the tokenizer and WORKDIR/data)")

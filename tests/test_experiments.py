@@ -21,11 +21,16 @@ def figures(text: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def copy_run(tmp_path_factory) -> tuple[pathlib.Path, dict[str, float]]:
-    """The copy task trained once for the module: its workdir and the held-out figures train printed."""
+    """The copy task trained once for the module: its workdir and the held-out figures train printed.
+
+    300 steps, not the experiment's 400: runs of 200, 250 and 300 steps (the cosine schedule decaying to
+    each) copied 85.7%, 99.4% and 100% of the held-out sequences exactly, so 300 learns it with margin.
+    MFU's peak given: no matmul probe, MFU is no figure this test reads."""
     workdir = tmp_path_factory.mktemp("copy")
     out = io.StringIO()
+    sets = ["--set", "train.steps=300", "--set", "train.peak_flops=1e13"]
     with contextlib.redirect_stdout(out):
-        assert cli.main(["train", "--config", "experiments/copy_task.py", "--workdir", str(workdir)]) == 0
+        assert cli.main(["train", "--config", "experiments/copy_task.py", "--workdir", str(workdir), *sets]) == 0
     return workdir, figures(out.getvalue())
 
 
