@@ -1,7 +1,8 @@
 """Every mode pipelined over 2 stages of 8 CPU devices against one device: the first batch's loss and
 gradients, GPipe beside data=4, interleaved (2 chunks a stage) beside fsdp=2 x tensor=2 and 1F1B beside
-data=4 (decoder_only and encoder_only), 4 scanned layers a stack, 2 micro-batches, float32. The suite runs
-three of these cases (tests/test_sharding.py); this runs all eight (a few minutes of compiling on a CPU).
+data=4 (decoder_only and encoder_only), 4 scanned layers a stack, 2 micro-batches, float32, and the three
+schedules again for a decoder of multi-head latent attention (`model.mla`). The suite runs three of these
+cases (tests/test_sharding.py); this runs all eleven (a few minutes of compiling on a CPU).
 
     python scripts/pipeline_check.py
 
@@ -32,9 +33,15 @@ CASES = {
 }
 
 
+MLA = C.MLAConfig(kv_lora_rank=8, q_lora_rank=6, rope_head_dim=4, nope_head_dim=6, v_head_dim=10)
+
+
 def config(mode: str, mesh: dict) -> C.Config:
+    mode, latent = mode.removesuffix("+mla"), mode.endswith("+mla")
     objective = {"decoder_only": "lm", "encoder_decoder": "seq2seq", "encoder_only": "mlm"}[mode]
     model = C.tiny(mode, vocab_size=64, d_model=32, num_heads=4, d_ff=64, dropout_rate=0.0, check_token_ids=False)
+    if latent:  # latent attention's own projections: no biases, RoPE on its decoupled dims
+        model = model.replace(mla=MLA, position="rope", use_bias=False)
     layers = {n: 4 if getattr(model, n) else 0 for n in ("num_encoder_layers", "num_decoder_layers")}
     return C.Config(
         model=model.replace(scan_layers=True, **layers),
@@ -65,7 +72,7 @@ def loss_and_grads(cfg: C.Config, devices=None):
 
 
 def main() -> None:
-    for mode in ("decoder_only", "encoder_only", "encoder_decoder"):
+    for mode in ("decoder_only", "encoder_only", "encoder_decoder", "decoder_only+mla"):
         ref_loss, ref_grads, _ = loss_and_grads(config(mode, {}), jax.devices()[:1])
         for name, mesh in CASES.items():
             if mode == "encoder_decoder" and mesh.get("schedule") == "1f1b":
