@@ -51,9 +51,11 @@ def make(family: str) -> None:
                 p.mul_(0.25)
     model.save_pretrained(out / "adapter", safe_serialization=True)
     (out / "adapter" / "README.md").unlink(missing_ok=True)  # peft's model card template: not needed
-    written = out / "adapter" / "adapter_config.json"  # target_modules was a set: sorted, so reruns write the same
+    # target_modules was a set: sorted, so reruns write the same; the base's path is this machine's: left out
+    written = out / "adapter" / "adapter_config.json"
     fields = json.loads(written.read_text())
-    written.write_text(json.dumps(fields | {"target_modules": sorted(fields["target_modules"])}, indent=2) + "\n")
+    fields |= {"target_modules": sorted(fields["target_modules"]), "base_model_name_or_path": None}  # no local path
+    written.write_text(json.dumps(fields, indent=2) + "\n")
 
     inputs = {"input_ids": np.load(GOLDEN / family / "logits.npz")["input_ids"]}  # the family golden's ids
     # In float64 (the float32 weights as they are) peft's merged and unmerged forwards agree to float32's
