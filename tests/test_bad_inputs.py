@@ -800,6 +800,10 @@ CLI_CASES = [
     cli_case("plan --config experiments/copy_task.py --device-memory lots", r"--device-memory: cannot read 'lots'"),
     cli_case("plan --config experiments/copy_task.py --within 100", r"--within: a percentage in \[0, 100\), got 100"),
     cli_case("plan --config experiments/copy_task.py --jobs 0", r"--jobs: must be positive, got 0"),
+    cli_case(
+        "plan --config experiments/copy_task.py --device-memory 100kB",
+        r"mesh: the training state alone is 0\.00269 GB a device .* > 0\.0001 GB",
+    ),
     cli_case("plan --config {tmp}/missing.py", r"experiment file \S+missing\.py does not exist"),
     cli_case("plan --config experiments/copy_task.py --search", r"--device-memory: give the memory of one device"),
     cli_case(

@@ -89,6 +89,10 @@ def plan(
         abstract = jax.eval_shape(create)
         shardings = state_shardings(cfg, abstract, mesh)
         state = with_shardings(abstract, shardings)
+        params, opt = _shard_bytes(state.params), _shard_bytes(state.opt_state)
+        frozen = _shard_bytes(state.frozen) if state.frozen is not None else 0
+        held = 2 * params + frozen + (0 if cfg.train.offload_optimizer else opt)  # + float32 gradients
+        _check_state_fits(held, device_memory, sharding.axis_sizes(mesh))
         train, evaluate = make_steps(graphdef, cfg, optimizer)
         train_step = jax.jit(train, out_shardings=(shardings, None), donate_argnums=0)
         shards = math.prod(mesh.shape[a] for a in sharding.BATCH)
@@ -149,8 +153,6 @@ def plan(
             futures = [training(size) for size in sizes]  # all in the pool before any is awaited
             return [_peak(future.result(), device_memory) for future in futures]
 
-        params, opt = _shard_bytes(state.params), _shard_bytes(state.opt_state)
-        frozen = _shard_bytes(state.frozen) if state.frozen is not None else 0
         requested, configured_step = batch_size, training(batch_size)
         evaluated = evaluation(batch_size)  # beside the first round of the search
         find = device_memory is not None and (largest or configured_step.result().refused)
@@ -189,6 +191,21 @@ def plan(
         optimizer_on_host=cfg.train.offload_optimizer, host_arguments=step.host_arguments,
         host_outputs=step.host_outputs, host_temporaries=step.host_temporaries, **ceilings,
     )  # fmt: skip
+
+
+def _check_state_fits(state_bytes: float, memory: float | None, axes: dict[str, int]) -> None:
+    """Refuse, before any compile, a mesh whose training state alone (each device's shard of the
+    parameters, their float32 gradients, the optimizer's moments unless offloaded, a frozen base)
+    exceeds a device's memory: no batch can fit, and a compiler asked for such a step may fail
+    otherwise than by saying so (XLA's GPU compiler without a GPU stops on its CUDA libraries)."""
+    if memory is None or state_bytes <= memory:
+        return
+    split = " x ".join(f"{name} {size}" for name, size in axes.items())
+    raise ConfigError(
+        f"mesh: the training state alone is {state_bytes / 1e9:.3g} GB a device (parameters, their gradients and "
+        f"the optimizer's moments over {split}) > {memory / 1e9:.3g} GB: split it over more devices (mesh.fsdp, "
+        "mesh.expert, mesh.stage), train.offload_optimizer, or LoRA (lora.rank)"
+    )
 
 
 def _peak(figures: Compiled, memory: float | None) -> float:
