@@ -157,7 +157,7 @@ def stack_loss(model: Transformer, batch: dict, smoothing: dict) -> contextlib.A
         m = nnx.merge(graphdef, params, rest)
         final = getattr(m, stack)
         h_bTD = final.final_norm(y_bTD) if m.cfg.norm_position != "post" else y_bTD
-        return F.cross_entropy_sums(m.head(h_bTD), rows[0], rows[1], **smoothing)["loss"]
+        return F.cross_entropy_sums(m.head(h_bTD), rows[0], rows[1], **smoothing)
 
     return pipeline_1f1b.tail(tail, params, (batch["targets"], batch["weights"]))
 
@@ -196,16 +196,18 @@ def loss_sums(model: Transformer, cfg: TrainConfig, batch: dict, dropout_rng: Ar
             batch = laid_out(batch, cfg.objective, model.cfg.context_layout)
             with stack_loss(model, batch, smoothing) as pipelined:
                 h_BTD = hidden_states(model, cfg.objective, batch, dropout_rng)
+            piped = None if pipelined is None else pipeline_1f1b.summed(pipelined)
             labels_BT = batch["targets"]
             # the ways the logits' rows, positions and columns are split over the devices
             rows, blocks, columns = sharding.shard_counts(("batch", "length", "vocab"))
             blocks = blocks if labels_BT.shape[1] % blocks == 0 else 1  # (a length the axis does not divide is whole)
             chunk = loss_chunk(cfg, *labels_BT.shape, model.cfg.vocab_size, (rows, columns), blocks)
-            sums = F.chunked_cross_entropy(
-                h_BTD, model.head, labels_BT, batch["weights"], chunk=chunk, blocks=blocks, **smoothing
-            )
-            if pipelined is not None:  # 1F1B: the stack's gradients flow through its own summed loss
-                sums["loss"] = pipeline_1f1b.routed(pipelined, sums["loss"])
+            if piped is not None:  # 1F1B: its last stage ran the head and loss once a micro-batch, with gradients
+                sums = piped
+            else:
+                sums = F.chunked_cross_entropy(
+                    h_BTD, model.head, labels_BT, batch["weights"], chunk=chunk, blocks=blocks, **smoothing
+                )
             if model.cfg.mtp_depth:  # multi-token prediction: mtp_weight / depth * its modules' summed loss
                 loss_kw = dict(chunk=chunk, blocks=blocks, **smoothing)
                 mtp_loss, mtp_nll = mtp.mtp_sums(model, batch, h_BTD, dropout_rng, **loss_kw)

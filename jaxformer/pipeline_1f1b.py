@@ -26,8 +26,10 @@ The stack returns its outputs through a `jax.custom_vjp` whose forward (under di
 this schedule and whose backward returns the gradients it computed, ignoring the outputs' incoming
 cotangent: that is right only when the quantity differentiated is the tail's summed loss (the train
 step's), which `Config` checks (mesh.schedule='1f1b' takes the lm and mlm objectives, decoder_only
-and encoder_only). The head and final norm run a second time outside, on the whole batch, for their
-own gradients and the metrics. Evaluation, with nothing to differentiate, traces its loss under
+and encoder_only). The tail runs once a micro-batch: one `value_and_grad` gives its metrics, the
+cotangent of its input and the gradients of the parameters it reads (the head's, the final norm's),
+summed in the carry and returned by the backward; the step's loss and metrics are the pipeline's
+sums (`summed`). Evaluation, with nothing to differentiate, traces its loss under
 GPipe's schedule (`train.make_steps`), so it runs no tail.
 """
 
@@ -50,11 +52,12 @@ class Tail:
     """The loss a 1F1B pipeline's last stage runs on each micro-batch's outputs.
 
     Attributes:
-        fn: (shared, y [b, T, D], rows) -> the micro-batch's summed loss (a scalar).
+        fn: (shared, y [b, T, D], rows) -> the micro-batch's summed metrics, a dict of scalars whose
+            "loss" is the summed loss.
         shared: arrays the loss reads whole (the head's and final norm's parameters).
         rows: arrays with the batch's leading size (labels, weights), cut into micro-batches.
-        losses: where the pipeline puts the summed loss of its micro-batches, the value through which
-            its gradients flow (`routed`).
+        losses: where the pipeline puts the summed metrics of its micro-batches; their "loss" is the
+            value through which its gradients, the tail's parameters' included, flow.
     """
 
     fn: Callable
@@ -72,7 +75,7 @@ def tail(fn: Callable, shared: object, rows: object) -> Iterator[Tail]:
     is differentiated must be the sum of these).
 
     Args:
-        fn: (shared, y [b, T, D], rows) -> summed loss of the micro-batch.
+        fn: (shared, y [b, T, D], rows) -> the micro-batch's summed metrics ({"loss": ..., ...}).
         shared: a pytree of arrays `fn` reads whole.
         rows: a pytree of arrays [B, ...] cut into micro-batches of b rows.
 
@@ -149,20 +152,20 @@ def run_1f1b(
     @jax.custom_vjp
     def piped(params, x_BTD, values, shared, rows):
         y = run(stage_fn, params, names, x_BTD, with_leaves(values), dropout_rng=dropout_rng, plan=plan)
-        l = sum(loss.fn(shared, yb, r) for yb, r in zip(jnp.split(y, M), _split(rows, M), strict=True))
-        return y, l
+        each = [loss.fn(shared, yb, r) for yb, r in zip(jnp.split(y, M), _split(rows, M), strict=True)]
+        return y, jax.tree.map(lambda *a: sum(a), *each)
 
     def forward(params, x_BTD, values, shared, rows):
-        y, l, grads, dx, dvalues = _schedule(stage_fn, params, names, x_BTD, leaves, arrays, treedef, values,
-                                             shared, rows, loss.fn, dropout_rng, S, M)  # fmt: skip
-        zeros = jax.tree.map(_zero_cotangent, (shared, rows))
-        return (y, l), ((grads, dx, dvalues), zeros)
+        y, sums, grads, dx, dvalues, dshared = _schedule(stage_fn, params, names, x_BTD, leaves, arrays, treedef,
+                                                         values, shared, rows, loss.fn, dropout_rng, S, M)  # fmt: skip
+        drows = jax.tree.map(_zero_cotangent, rows)
+        return (y, sums), ((grads, dx, dvalues, dshared), drows)
 
     def backward(res, cotangents):  # the summed loss's gradients times its cotangent; y's is dropped
-        found, (dshared, drows) = res
-        _, dl = cotangents
+        found, drows = res
+        dl = cotangents[1]["loss"]
         scaled = jax.tree.map(lambda g: g if g.dtype == jax.dtypes.float0 else (dl * g).astype(g.dtype), found)
-        return (*scaled, dshared, drows)
+        return (*scaled, drows)
 
     piped.defvjp(forward, backward)
     y, l = piped(params, x_BTD, [leaves[i] for i in arrays], loss.shared, loss.rows)
@@ -175,24 +178,24 @@ def _split(rows, M):
     return [jax.tree.map(lambda a, m=m: a.reshape(M, -1, *a.shape[1:])[m], rows) for m in range(M)]
 
 
-def routed(loss: Tail, outer: jax.Array) -> jax.Array:
-    """`outer` (the loss computed again outside the stack, whose value is used) with the gradients of
-    the pipeline's own summed loss added: outer + (pipelined - stop_gradient(pipelined)).
+def summed(loss: Tail) -> dict | None:
+    """The summed metrics of the micro-batches the pipeline's tail ran, each a micro-batch's loss once.
 
     Args:
-        loss: the tail the pipeline ran (its `losses` filled), or one it did not run (unchanged).
-        outer: the summed loss as the step computes it.
+        loss: the tail the pipeline ran (its `losses` filled), or one it did not run.
 
     Returns:
-        The same value, differentiable through the pipeline's schedule.
+        The metrics summed over the pipeline's runs ("loss" differentiable through the schedule, the
+        tail's parameters included), or None where it did not run.
     """
-    for l in loss.losses:
-        outer = outer + (l - jax.lax.stop_gradient(l)).astype(outer.dtype)
-    return outer
+    if not loss.losses:
+        return None
+    return jax.tree.map(lambda *a: sum(a), *loss.losses)
 
 
 def _schedule(stage_fn, params, names, x_BTD, leaves, arrays, treedef, values, shared, rows, tail_fn, rng, S, M):
-    """The 1F1B ticks: (outputs [B, T, D], parameter gradients, input cotangents, kwargs' cotangents)."""
+    """The 1F1B ticks: (outputs [B, T, D], summed metrics, parameter gradients, input cotangents,
+    kwargs' cotangents, the tail's parameters' gradients)."""
     L = params[0].shape[0]
     B, T, D = x_BTD.shape
     b, Lc, K = B // M, L // S, min(M, 2 * S - 1)
@@ -238,7 +241,7 @@ def _schedule(stage_fn, params, names, x_BTD, leaves, arrays, treedef, values, s
         return vjp(g)
 
     def tick(carry, t, do_f, do_b):
-        fwd_SbTD, bwd_SbTD, stash, grads, y_buf, dx_buf, dvals, l_sum = carry
+        fwd_SbTD, bwd_SbTD, stash, grads, y_buf, dx_buf, dvals, sums, dshared = carry
         first_S = s_S * Lc
         if do_f:
             f_S = t - s_S
@@ -255,8 +258,10 @@ def _schedule(stage_fn, params, names, x_BTD, leaves, arrays, treedef, values, s
             y_bTD = out_SbTD[S - 1]
             y_buf = y_buf.at[m].set(jnp.where(ok, y_bTD, y_buf[m]))
             r = jax.tree.map(lambda a: a[m], tail_rows)
-            l, dy = jax.value_and_grad(lambda y: tail_fn(shared, y, r))(y_bTD)
-            l_sum = l_sum + jnp.where(ok, l, 0)
+            # the tail once: its value, its input's cotangent and its parameters' gradients from one vjp
+            (_, out), (dsh, dy) = jax.value_and_grad(with_loss, argnums=(0, 1), has_aux=True)(read, y_bTD, r)
+            sums = jax.tree.map(lambda a, o: a + jnp.where(ok, o, 0).astype(a.dtype), sums, out)
+            dshared = jax.tree.map(lambda a, d: a + jnp.where(ok, d, 0).astype(a.dtype), dshared, dsh)
             bwd_SbTD = bwd_SbTD.at[S - 1].set(jnp.where(ok, dy, 0).astype(bwd_SbTD.dtype))
             fwd_SbTD = jnp.roll(out_SbTD, 1, axis=0)
         if do_b:
@@ -273,21 +278,40 @@ def _schedule(stage_fn, params, names, x_BTD, leaves, arrays, treedef, values, s
             dx_buf = dx_buf.at[m0].set(jnp.where(ok0, dx_SbTD[0], dx_buf[m0]))
             dvals = _add_value_cotangents(dvals, dv, ok_b, m_b, [c for c, d in zip(cut, diff, strict=True) if d], S)
             bwd_SbTD = jnp.roll(dx_SbTD, -1, axis=0)  # stage s + 1's input cotangent to stage s
-        return (fwd_SbTD, bwd_SbTD, stash, grads, y_buf, dx_buf, dvals, l_sum), None
+        return (fwd_SbTD, bwd_SbTD, stash, grads, y_buf, dx_buf, dvals, sums, dshared), None
 
     x_buf = constrain(micro(x_BTD), (None, "batch", "length", None))
     zero_act = jnp.zeros((S, b, T, D), x_BTD.dtype)
     dvals0 = [jnp.zeros_like(a) for a, d in zip(vals, diff, strict=True) if d]
+    # the tail's gradients are kept only for the shared leaves it reads (the head's, the final norm's)
+    flat, shared_def = jax.tree.flatten(shared)
+    rows0 = jax.tree.map(lambda a: a[0], tail_rows)
+    jaxpr = jax.make_jaxpr(lambda f, y, r: tail_fn(jax.tree.unflatten(shared_def, f), y, r))(flat, x_buf[0], rows0)
+    used = {id(v) for e in jaxpr.jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.jaxpr.outvars}
+    reads = [id(v) in used and _float(a) for v, a in zip(jaxpr.jaxpr.invars[: len(flat)], flat, strict=True)]
+    read = [a for a, u in zip(flat, reads, strict=True) if u]
+
+    def with_loss(read, y, r):  # (summed loss, summed metrics) of the tail given the leaves it reads
+        it = iter(read)
+        out = tail_fn(jax.tree.unflatten(shared_def, [next(it) if u else a for a, u in zip(flat, reads, strict=True)]),
+                      y, r)  # fmt: skip
+        return out["loss"], out
+
+    sums0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(tail_fn, shared, x_buf[0], rows0))
     carry = (zero_act, zero_act, jnp.zeros((S, K, b, T, D), x_BTD.dtype), [jnp.zeros_like(c) for c in chunks],
-             jnp.zeros_like(x_buf), jnp.zeros_like(x_buf), dvals0, jnp.zeros((), jnp.float32))  # fmt: skip
+             jnp.zeros_like(x_buf), jnp.zeros_like(x_buf), dvals0, sums0, list(map(jnp.zeros_like, read)))  # fmt: skip
     for start, n, do_f, do_b in ((0, S - 1, True, False), (S - 1, M, True, True), (M + S - 1, S - 1, False, True)):
         body = lambda c, t, do_f=do_f, do_b=do_b: tick(c, t, do_f, do_b)
         carry, _ = jax.lax.scan(body, carry, start + jnp.arange(n))
-    _, _, _, grads, y_buf, dx_buf, dvals, l_sum = carry
+    _, _, _, grads, y_buf, dx_buf, dvals, sums, dshared = carry
     grads = [g.reshape(L, *g.shape[2:]) for g in grads]
     it = iter(dvals)
     dvalues = [(next(it).reshape(a.shape) if d else _zero_cotangent(a)) for a, d in zip(values, diff, strict=True)]
-    return y_buf.reshape(B, T, D), l_sum, grads, dx_buf.reshape(B, T, D), dvalues
+    it = iter(dshared)
+    dshared = jax.tree.unflatten(
+        shared_def, [next(it) if u else _zero_cotangent(a) for a, u in zip(flat, reads, strict=True)]
+    )
+    return y_buf.reshape(B, T, D), sums, grads, dx_buf.reshape(B, T, D), dvalues, dshared
 
 
 def _add_value_cotangents(dvals, dv, ok_b, m_b, cut, S):
