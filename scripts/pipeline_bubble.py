@@ -22,7 +22,7 @@ import time
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import jax
-import numpy as np
+from pipeline_common import random_batch  # beside this file
 
 from jaxformer import config as C
 from jaxformer import sharding
@@ -47,9 +47,7 @@ def step_seconds(cfg: C.Config, devices, repeats: int) -> float:
     """The least CPU time of the jitted training step over `repeats` runs, after one to compile."""
     B, T = cfg.train.batch_size, cfg.data.max_len
     mesh = sharding.make_mesh(cfg.mesh, devices)
-    rng = np.random.default_rng(0)
-    ids = lambda: rng.integers(1, 64, (B, T)).astype(np.int32)
-    batch = {"inputs": ids(), "targets": ids(), "weights": np.ones((B, T), np.float32)}
+    batch = random_batch(B, T)
     with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
         graphdef, state, optimizer = init_state(cfg, mesh)
         train, _ = jit_steps(*make_steps(graphdef, cfg, optimizer), state, mesh)

@@ -17,13 +17,9 @@ import os
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import jax
-import numpy as np
-from flax import nnx
+from pipeline_common import loss_and_grads, worst_gradient_error  # beside this file
 
 from jaxformer import config as C
-from jaxformer import pipeline, sharding
-from jaxformer.state import init_state
-from jaxformer.train import loss_sums
 
 B, T = 8, 8
 CASES = {
@@ -51,38 +47,14 @@ def config(mode: str, mesh: dict) -> C.Config:
     )
 
 
-def loss_and_grads(cfg: C.Config, devices=None):
-    mesh = sharding.make_mesh(cfg.mesh, devices)
-    rng = np.random.default_rng(0)
-    ids = lambda: rng.integers(1, 64, (B, T)).astype(np.int32)
-    batch = {"inputs": ids(), "targets": ids(), "weights": np.ones((B, T), np.float32), "src": ids()}
-    with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
-        graphdef, state, _ = init_state(cfg, mesh)
-        batch = sharding.global_batch(batch, mesh, B)
-
-        def mean_loss(params):
-            with pipeline.schedule(cfg.train.grad_accum, cfg.mesh.virtual_stages, cfg.mesh.schedule):
-                loss, sums = loss_sums(nnx.merge(graphdef, params), cfg.train, batch, None)
-            return loss / sums["count"]
-
-        step = jax.jit(jax.value_and_grad(mean_loss)).lower(state.params).compile()
-        loss, grads = step(state.params)
-    flat = {jax.tree_util.keystr(p): np.asarray(g) for p, g in jax.tree_util.tree_leaves_with_path(grads)}
-    return float(loss), flat, step.as_text().count(" collective-permute")
-
-
 def main() -> None:
     for mode in ("decoder_only", "encoder_only", "encoder_decoder", "decoder_only+mla"):
-        ref_loss, ref_grads, _ = loss_and_grads(config(mode, {}), jax.devices()[:1])
+        _, ref_loss, ref_grads = loss_and_grads(config(mode, {}), jax.devices()[:1])
         for name, mesh in CASES.items():
             if mode == "encoder_decoder" and mesh.get("schedule") == "1f1b":
                 continue
-            loss, grads, permutes = loss_and_grads(config(mode, mesh))
-            worst = max(  # the key bias's gradient is zero in exact arithmetic: rounding noise only
-                float(np.max(np.abs(grads[k] - g)) / (np.max(np.abs(g)) + 1e-12))
-                for k, g in ref_grads.items()
-                if "k_bias" not in k
-            )
+            step, loss, grads = loss_and_grads(config(mode, mesh))
+            worst, permutes = worst_gradient_error(grads, ref_grads), step.as_text().count(" collective-permute")
             print(f"{mode:16s} {name:22s} loss {abs(loss - ref_loss) / abs(ref_loss):.1e}  "
                   f"gradients {worst:.1e}  permutes {permutes}", flush=True)  # fmt: skip
 

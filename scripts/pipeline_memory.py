@@ -15,13 +15,9 @@ import os
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 
 import jax
-import numpy as np
-from flax import nnx
+from pipeline_common import loss_and_grads, worst_gradient_error  # beside this file
 
 from jaxformer import config as C
-from jaxformer import pipeline, sharding
-from jaxformer.state import init_state
-from jaxformer.train import loss_sums
 
 
 def config(args, schedule: str | None) -> C.Config:
@@ -36,28 +32,6 @@ def config(args, schedule: str | None) -> C.Config:
     )
 
 
-def compiled(cfg: C.Config, devices):
-    """The jitted gradient of the mean loss, as the train step traces it; its loss and gradients."""
-    B, T = cfg.train.batch_size, cfg.data.max_len
-    mesh = sharding.make_mesh(cfg.mesh, devices)
-    rng = np.random.default_rng(0)
-    ids = lambda: rng.integers(1, 64, (B, T)).astype(np.int32)
-    batch = {"inputs": ids(), "targets": ids(), "weights": np.ones((B, T), np.float32)}
-    with sharding.use(mesh, sharding.rules_for(cfg.mesh)):
-        graphdef, state, _ = init_state(cfg, mesh)
-        batch = sharding.global_batch(batch, mesh, B)
-
-        def mean_loss(params):
-            with pipeline.schedule(cfg.train.grad_accum, cfg.mesh.virtual_stages, cfg.mesh.schedule):
-                loss, sums = loss_sums(nnx.merge(graphdef, params), cfg.train, batch, None)
-            return loss / sums["count"]
-
-        step = jax.jit(jax.value_and_grad(mean_loss)).lower(state.params).compile()
-        loss, grads = step(state.params)
-    flat = {jax.tree_util.keystr(p): np.asarray(g) for p, g in jax.tree_util.tree_leaves_with_path(grads)}
-    return step, float(loss), flat
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--d_model", type=int, default=64)
@@ -65,13 +39,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--remat", default="none", help="model.remat of the stacks (auto, none, full, ...)")
     args = parser.parse_args()
-    _, ref_loss, ref_grads = compiled(config(args, None), jax.devices()[:1])
+    _, ref_loss, ref_grads = loss_and_grads(config(args, None), jax.devices()[:1])
     for schedule in ("gpipe", "1f1b"):
-        step, loss, grads = compiled(config(args, schedule), jax.devices()[:2])
-        worst = max(  # the key bias's gradient is zero in exact arithmetic: rounding noise only
-            float(np.max(np.abs(grads[k] - g)) / (np.max(np.abs(g)) + 1e-12)) for k, g in ref_grads.items()
-            if "k_bias" not in k
-        )  # fmt: skip
+        step, loss, grads = loss_and_grads(config(args, schedule), jax.devices()[:2])
+        worst = worst_gradient_error(grads, ref_grads)
         temp = step.memory_analysis().temp_size_in_bytes / 2**20
         print(f"{schedule:6s} M=8 S=2  temporaries {temp:8.2f} MiB  loss {abs(loss - ref_loss) / abs(ref_loss):.1e}  "
               f"gradients {worst:.1e}", flush=True)  # fmt: skip
