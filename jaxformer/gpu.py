@@ -28,8 +28,9 @@ SPECS = {
 
 
 def has_gpu_compiler() -> bool:
-    """Whether JAX's CUDA plugin (the optional `gpu-plan` extra, or a CUDA install of JAX) is here."""
-    return importlib.util.find_spec("jax_cuda12_plugin") is not None
+    """Whether JAX's CUDA plugin (the optional `gpu-plan` extra, or a CUDA install of JAX: CUDA 12's
+    plugin, or CUDA 13's as jax 0.11's CUDA images have) is here."""
+    return any(importlib.util.find_spec(f"jax_cuda{v}_plugin") is not None for v in (12, 13))
 
 
 def nvidia_gpus_here() -> bool:

@@ -14,6 +14,11 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d wheels flax==0.12.8 optax==0.2.8 orbax-checkpoint==0.12.8
 #
+# Carry only what the machine lacks, in versions its jax takes: jax 0.11.2's CUDA images already hold
+# flax 0.12.10, optax 0.2.8 and orbax-checkpoint 0.12.4, which run `quick` (2026-11-27, one H100), while
+# flax 0.12.8 does not import on jax 0.11.2; wheels that do not import where the machine's own do are
+# set aside with a message.
+#
 # (3.3 MB: what `quick` imports beyond jax, numpy, torch and transformers; their own needs, msgpack,
 # tensorstore, rich, treescope, etils, humanize, simplejson and the rest, are in the usual CUDA images.
 # The other parts need more: grain, array-record, portpicker, tensorboardX, optuna, alembic, sqlalchemy,
@@ -98,7 +103,18 @@ if [ -n "$wheels" ] && compgen -G "$wheels/*.whl" >/dev/null; then
   timeout 60 "$py" -m pip install -q --no-index --find-links "$wheels" --no-deps --no-compile --no-cache-dir \
     --upgrade --disable-pip-version-check --target "$site" "${whls[@]}" 2>&1 | tee "$out/wheels.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu_check: installing the wheels in $wheels/ failed (above)" >&2; exit 1; }
-  export PYTHONPATH="$PWD:$site${PYTHONPATH#"$PWD"}"
+  # Carried wheels made for another jax can fail where the machine's own work (flax 0.12.8 on jax 0.11.2:
+  # "jax.experimental.hijax has no attribute HiPrimitive"; its CUDA image's flax 0.12.10 runs): then use those.
+  probe=(-c "import flax.nnx, optax, orbax.checkpoint")
+  if PYTHONPATH="$PWD:$site${PYTHONPATH#"$PWD"}" "$py" "${probe[@]}" 2>"$out/wheels_probe.log"; then
+    export PYTHONPATH="$PWD:$site${PYTHONPATH#"$PWD"}"
+  elif "$py" "${probe[@]}" 2>/dev/null; then
+    echo "gpu_check: the wheels in $wheels/ do not import here ($(tail -n 1 "$out/wheels_probe.log")); the machine's own flax, optax and orbax do: using those"
+  else
+    echo "gpu_check: flax, optax and orbax import neither from $wheels/ nor from the machine (below)" >&2
+    cat "$out/wheels_probe.log" >&2
+    exit 1
+  fi
 elif [ -n "${WHEELS:-}" ]; then
   echo "gpu_check: WHEELS=$WHEELS holds no .whl files" >&2
   exit 2

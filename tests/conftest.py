@@ -20,9 +20,14 @@ import tempfile
 # fifth less CPU time (a tiny encoder-decoder's gradient: 1.6 s against 2.0 s; test_decode.py 80 s
 # against 93 s, the 8-device worker's compiles 22 s against 42 s). libtpu's XLA takes both flags.
 # Set before JAX starts its backend, and inherited by the training runs tests start as subprocesses.
-os.environ["XLA_FLAGS"] = (
-    f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1"
-).strip()
+# Set only without an NVIDIA GPU: there JAX's CUDA plugin parses XLA_FLAGS too, and the XLA:CPU flags
+# set here and below are not all its own (jax 0.11.2's CUDA 13 plugin on an H100: "Unknown flag in XLA_FLAGS:
+# --xla_cpu_use_fusion_emitters=false", exit 1, before pytest printed a line).
+ON_GPU = os.path.exists("/proc/driver/nvidia/version") or bool(glob.glob("/dev/nvidia[0-9]*"))
+if not ON_GPU:
+    os.environ["XLA_FLAGS"] = (
+        f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1"
+    ).strip()
 # Tests compare float32 results with references at ~1e-5: pin full-precision matmuls, which GPUs (TF32)
 # and TPUs (bfloat16 passes) do not use by default. Inherited by the runs tests start as subprocesses.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
@@ -51,10 +56,11 @@ compile_only_without_chips()
 # rsqrt, GELU op by op): a check made to the bit, or at the edge of its tolerance, for XLA:CPU as it
 # compiles by default compiles its program with `.lower(...).compile({"xla_cpu_use_fusion_emitters":
 # True})` (test_train) or runs in a subprocess (test_lora).
-_flags = os.environ["XLA_FLAGS"]
-os.environ["XLA_FLAGS"] = f"{_flags} --xla_cpu_use_fusion_emitters=false"
-jax.devices("cpu")
-os.environ["XLA_FLAGS"] = _flags
+if not ON_GPU:
+    _flags = os.environ["XLA_FLAGS"]
+    os.environ["XLA_FLAGS"] = f"{_flags} --xla_cpu_use_fusion_emitters=false"
+    jax.devices("cpu")
+    os.environ["XLA_FLAGS"] = _flags
 
 
 def pytest_collection_modifyitems(items):

@@ -81,3 +81,27 @@ def test_carried_wheels_two_versions_of_one_package_or_an_empty_folder_are_refus
     dupes = gpu_check(tmp_path / "out", "quick", WHEELS=str(wheels))
     assert dupes.returncode == 2 and "two versions of one package" in dupes.stderr and "(optax)" in dupes.stderr
     assert not (tmp_path / "out" / "wheels.log").exists()  # refused before pip ran
+
+
+def test_carried_wheels_that_do_not_import_are_set_aside_for_the_machine_s_own(tmp_path):
+    """As flax 0.12.8's wheel on jax 0.11.2's CUDA image, whose own flax runs: the check goes on with those."""
+    import zipfile
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    info = "flax-99.0.dist-info"
+    files = {
+        "flax/__init__.py": 'raise AttributeError("a flax made for another jax")\n',
+        f"{info}/METADATA": "Metadata-Version: 2.1\nName: flax\nVersion: 99.0\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(wheels / "flax-99.0-py3-none-any.whl", "w") as whl:
+        for name, text in files.items():
+            whl.writestr(name, text)
+    out = gpu_check(tmp_path / "out", "device", WHEELS=str(wheels), WHEEL_SITE=str(tmp_path / "site"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert (tmp_path / "site" / "flax" / "__init__.py").exists()  # installed, then set aside
+    assert "do not import here (AttributeError: a flax made for another jax)" in out.stdout
+    assert "the machine's own flax, optax and orbax do: using those" in out.stdout
+    assert "== device failed" not in out.stdout
