@@ -23,11 +23,14 @@ import tempfile
 # Set only without an NVIDIA GPU: there JAX's CUDA plugin parses XLA_FLAGS too, and the XLA:CPU flags
 # set here and below are not all its own (jax 0.11.2's CUDA 13 plugin on an H100: "Unknown flag in XLA_FLAGS:
 # --xla_cpu_use_fusion_emitters=false", exit 1, before pytest printed a line).
-ON_GPU = os.path.exists("/proc/driver/nvidia/version") or bool(glob.glob("/dev/nvidia[0-9]*"))
-if not ON_GPU:
-    os.environ["XLA_FLAGS"] = (
-        f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1"
-    ).strip()
+os.environ["XLA_FLAGS"] = " ".join(
+    os.environ.get("XLA_FLAGS", "").split()
+    + (
+        []  # an NVIDIA GPU here, as jaxformer.gpu.nvidia_gpus_here() tells (jaxformer is imported below)
+        if os.path.exists("/proc/driver/nvidia/version") or glob.glob("/dev/nvidia[0-9]*")
+        else ["--xla_backend_optimization_level=0", "--xla_cpu_parallel_codegen_split_count=1"]
+    )
+)
 # Tests compare float32 results with references at ~1e-5: pin full-precision matmuls, which GPUs (TF32)
 # and TPUs (bfloat16 passes) do not use by default. Inherited by the runs tests start as subprocesses.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
@@ -38,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxformer.gpu import nvidia_gpus_here
 from jaxformer.tpu import compile_only_without_chips
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -56,7 +60,7 @@ compile_only_without_chips()
 # rsqrt, GELU op by op): a check made to the bit, or at the edge of its tolerance, for XLA:CPU as it
 # compiles by default compiles its program with `.lower(...).compile({"xla_cpu_use_fusion_emitters":
 # True})` (test_train) or runs in a subprocess (test_lora).
-if not ON_GPU:
+if not nvidia_gpus_here():
     _flags = os.environ["XLA_FLAGS"]
     os.environ["XLA_FLAGS"] = f"{_flags} --xla_cpu_use_fusion_emitters=false"
     jax.devices("cpu")
