@@ -1,10 +1,11 @@
 """The inference engine against `decode.generate` and naive references: the paged cache's gather and
 write equal a dense cache, greedy outputs equal generate's token for token (prefix sharing on and off,
 two page sizes, more requests than slots, a pool small enough to preempt; a latent-attention decoder's
-latent pages), sampling is reproducible and independent of the batch, bad requests are refused naming
-what is wrong, and the steps compile a few bucketed shapes (rows and pages), each once, for every mix
-of requests. On TPU (libtpu's compiler, and Pallas's interpreter on this CPU) a decode step runs
-the Pallas paged kernel where it serves, and it equals the gather."""
+latent pages; a windowed model releasing the pages behind its window in a pool smaller than a request,
+and one with a global layer keeping them), sampling is reproducible and independent of the batch, bad
+requests are refused naming what is wrong, and the steps compile a few bucketed shapes (rows and
+pages), each once, for every mix of requests. On TPU (libtpu's compiler, and Pallas's interpreter on
+this CPU) a decode step runs the Pallas paged kernel where it serves, and it equals the gather."""
 
 import collections
 import dataclasses
@@ -549,3 +550,73 @@ def test_encoder_only_scores_equal_the_model_on_each_input_alone():
         engine.add_request([4, 5], SamplingParams())
     with pytest.raises(EngineError, match="kind must be"):
         engine.score(inputs, "summarize")
+
+
+# ----------------------------------------------------------------------------- sliding windows
+
+
+def _held_pages_are_counted(engine):
+    """The allocator's invariant: each page's reference count is the number of running requests that
+    hold it, a free page is held by none, and every page is either free or held."""
+    holders = collections.Counter(p for r in engine._slots if r is not None for p in r.pages if p)
+    refs = engine._alloc.refs
+    assert all(refs[p] == n for p, n in holders.items()) and not set(holders) & set(engine._alloc.free)
+    assert len(holders) + engine._alloc.num_free() == engine.cfg.num_pages - 1
+
+
+@pytest.fixture(scope="module")
+def windowed():
+    """Two layers, each attending over its 6 latest positions (Mistral-style: no global layer),
+    parameters x3 as `model`'s."""
+    model = build_model(tiny("decoder_only", vocab_size=V, max_len=64, sliding_window=6), seed=5)
+    nnx.update(model, jax.tree.map(lambda x: 3.0 * x, nnx.state(model, nnx.Param)))
+    return model
+
+
+def test_a_windowed_model_releases_the_pages_behind_its_window(windowed):
+    """Every layer local (window 6): a request holds at most ceil((6 + 4 - 2) / 4) + 1 = 3 pages of 4
+    at once (chunks of 4), so a pool of 4 pages serves prompts + 24 new tokens (up to 10 pages each
+    without releasing) and two slots that preempt each other; a prompt sharing another's first pages
+    shares them, released only when no request holds them. The tokens are generate's (which keeps a
+    ring of the window's slots), the allocator's counts stay consistent at every step, and the pool
+    comes back whole."""
+    rng = np.random.default_rng(4)
+    prefix = rng.integers(2, V, 8).tolist()
+    prompts = [[*prefix, 5, 9, 3], rng.integers(2, V, 5).tolist(), [*prefix, 7]]
+    n = 24
+    want = _reference(windowed, prompts, n, None)
+    assert max(len(set(w)) for w in want) >= 3  # continuations that depend on the context
+    engine = Engine(windowed, EngineConfig(page_size=4, num_pages=5, max_slots=2, prefill_chunk=4), eos_id=None)
+    assert -(-(len(prompts[0]) + n) // 4) > engine.stats()["pages_total"]  # too small to keep every page
+    ids = [engine.add_request(p, SamplingParams(max_tokens=n)) for p in prompts]
+    out = {rid: [] for rid in ids}
+    while engine.has_unfinished():
+        for e in engine.step():
+            out[e.request_id] += e.token_ids
+        _held_pages_are_counted(engine)
+    assert [out[rid] for rid in ids] == want
+    stats = engine.stats()
+    assert stats["window_released"] > 0 and stats["preempted"] > 0 and stats["prefix_hits"] > 0
+    assert stats["pages_free"] == stats["pages_total"]
+    with pytest.raises(EngineError, match=r"need 5 pages at once; the pool has 4"):  # chunks of 12: 6 + 12 - 2
+        Engine(windowed, EngineConfig(page_size=4, num_pages=5, prefill_chunk=12), eos_id=None).add_request(
+            prompts[0], SamplingParams(max_tokens=n)
+        )
+
+
+def test_a_model_with_a_global_layer_keeps_its_pages():
+    """Layer 1 global (`global_every=2`, Gemma 2's interleave): it reads every position, so no page is
+    released, the tokens are generate's, and a pool too small for a whole request refuses it."""
+    cfg = tiny("decoder_only", vocab_size=V, max_len=64, sliding_window=6, global_every=2)
+    model = build_model(cfg, seed=5)
+    nnx.update(model, jax.tree.map(lambda x: 3.0 * x, nnx.state(model, nnx.Param)))
+    prompts = [np.random.default_rng(4).integers(2, V, 11).tolist()]
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=10, max_slots=2, prefill_chunk=4), eos_id=None)
+    assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=24))] == _reference(
+        model, prompts, 24, None
+    )
+    assert engine.stats()["window_released"] == 0
+    with pytest.raises(EngineError, match=r"need 9 pages at once; the pool has 4"):
+        Engine(model, EngineConfig(page_size=4, num_pages=5), eos_id=None).add_request(
+            prompts[0], SamplingParams(max_tokens=24)
+        )

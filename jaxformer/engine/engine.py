@@ -10,7 +10,9 @@ max_context's) covering the longest row of the call, so attention reads the live
 not the whole context's; a few compilations serve every mix of requests (each row's sampling settings
 are arrays). When the pool runs out of pages, the latest admitted request is preempted (its pages
 freed, it waits to be recomputed, prompt and tokens so far); its tokens do not change, since a row draws
-with a key from its request's seed and the token's position.
+with a key from its request's seed and the token's position. A model whose every layer is local
+(`model.sliding_window`, Mistral's) releases a request's pages once they lie wholly behind its window
+(`pages.pages_behind`), so a request holds a few pages at once however long it grows.
 
 A model with latent attention (`model.mla`) has pages of latents rather than of keys and values, read
 in the absorbed form; the scheduler is the same. An encoder_decoder model's request brings its source:
@@ -34,7 +36,7 @@ from flax import nnx
 
 from jaxformer.config import EngineConfig
 from jaxformer.engine import paged
-from jaxformer.engine.pages import PageAllocator, page_hashes
+from jaxformer.engine.pages import PageAllocator, page_hashes, pages_at_once, pages_behind, releasable_window
 from jaxformer.engine.requests import EngineError, Event, Output, SamplingParams
 
 
@@ -52,6 +54,7 @@ class _Request:
     computed: int = 0  # positions whose keys and values are in its pages
     registered: int = 0  # full prompt pages entered in the prefix cache
     hashes: list[int] = dataclasses.field(default_factory=list)
+    behind: int = 0  # leading pages released behind the window (their entries 0)
     source: list[int] | None = None  # encoder_decoder: the source, encoded when the request takes a slot
 
     @property
@@ -193,6 +196,7 @@ class Engine:
         self.pad_id = mcfg.pad_id
         self._num_classes = mcfg.num_classes
         self._alloc = PageAllocator(cfg.num_pages)
+        self._window = releasable_window(mcfg)  # > 0: pages behind it are released as a request moves on
         self._table = np.zeros((cfg.max_slots, self.pages_per_seq), np.int32)
         self._slots: list[_Request | None] = [None] * cfg.max_slots
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -203,6 +207,7 @@ class Engine:
         self._order = itertools.count()
         self.num_preempted = 0
         self.prefix_hits = 0  # prompt pages found in the pool rather than computed
+        self.window_released = 0  # pages released behind the sliding window
 
     @classmethod
     def from_workdir(cls, workdir, cfg: EngineConfig | None = None) -> Engine:
@@ -310,9 +315,10 @@ class Engine:
                 f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} = {need} exceeds the context of "
                 f"{self.max_context} positions"
             )
-        if -(-need // self.cfg.page_size) > self.cfg.num_pages - 1:
+        span = max(self.cfg.prefill_chunk, self.cfg.decode_steps)
+        if (pages := pages_at_once(need, self._window, self.cfg.page_size, span)) > self.cfg.num_pages - 1:
             raise EngineError(
-                f"prompt + max_tokens = {need} positions need {-(-need // self.cfg.page_size)} pages; the pool has "
+                f"prompt + max_tokens = {need} positions need {pages} pages at once; the pool has "
                 f"{self.cfg.num_pages - 1} (engine.num_pages={self.cfg.num_pages}, one scratch)"
             )
         if params.stop and self.tokenizer is None:
@@ -372,9 +378,11 @@ class Engine:
 
         Returns:
             {"pages_total", "pages_free", "pages_cached", "running", "waiting", "preempted", "prefix_hits",
-            "cache_bytes_per_token"}: pages_total excludes the scratch page; pages_cached are free pages still
-            holding a prefix; cache_bytes_per_token is what one position takes in the pools over all layers
-            (2 G K x the dtype's bytes a layer, latent attention's (C + R) x the dtype's bytes).
+            "window_released", "cache_bytes_per_token"}: pages_total excludes the scratch page; pages_cached are
+            free pages still holding a prefix; window_released counts the pages released behind a sliding
+            window so far (a model whose every layer is local); cache_bytes_per_token is what one position
+            takes in the pools over all layers (2 G K x the dtype's bytes a layer, latent attention's
+            (C + R) x the dtype's bytes).
         """
         cached = sum(1 for p in self._alloc.free if p in self._alloc.hash_of)
         positions = self.cfg.num_pages * self.cfg.page_size
@@ -386,6 +394,7 @@ class Engine:
             "waiting": len(self._waiting),
             "preempted": self.num_preempted,
             "prefix_hits": self.prefix_hits,
+            "window_released": self.window_released,
             "cache_bytes_per_token": sum(p.nbytes for pool in self._pools for p in pool.values()) // positions,
         }
 
@@ -425,6 +434,7 @@ class Engine:
             req.computed = min(len(shared) * self.cfg.page_size, len(req.tokens) - 1)
             req.slot, req.order = self._slots.index(None), next(self._order)
             self._slots[req.slot] = req
+            self._slide(req)  # shared pages its first query no longer sees go back at once
             self._sync_table(req)
             if req.source is not None:
                 self._encode(req)
@@ -472,6 +482,14 @@ class Engine:
         self._sync_table(req)
         return True
 
+    def _slide(self, req: _Request) -> None:
+        """Release `req`'s pages wholly behind the window of its next position (every layer local)."""
+        upto = pages_behind(req.computed, self._window, self.cfg.page_size)
+        if upto > req.behind:
+            self.window_released += self._alloc.release_front(req.pages, req.behind, upto)
+            req.behind = upto
+            self._sync_table(req)
+
     def _preempt(self, req: _Request) -> None:
         self._release(req)
         req.computed = req.registered = 0
@@ -479,9 +497,9 @@ class Engine:
         self._waiting.appendleft(req)  # recomputed first, prompt and tokens so far
 
     def _release(self, req: _Request) -> None:
-        for page in req.pages:
+        for page in req.pages[req.behind :]:
             self._alloc.release(page)
-        req.pages = []
+        req.pages, req.behind = [], 0
         if req.slot is not None:
             self._slots[req.slot] = None
             self._table[req.slot] = 0
@@ -553,6 +571,9 @@ class Engine:
                 req.computed += 1
                 if self._accept(req, int(tokens[i, j]), float(logp[i, j]), events):
                     break
+        for req in row_of:
+            if req.slot is not None:  # still running
+                self._slide(req)
 
     def _register(self, req: _Request) -> None:
         """Enter the prompt pages now computed into the prefix cache."""

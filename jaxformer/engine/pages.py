@@ -5,6 +5,12 @@ A full page of prompt is known by a hash of its token ids chained with the hash 
 it (vLLM's prefix caching), so equal hashes mean equal prefixes up to the page's end. A page whose
 last reference goes returns to the free list but keeps its hash until it is handed out again, so a
 later request with the same prefix still finds it (least recently freed pages are reused first).
+
+A model whose every layer attends over a sliding window (Mistral's) never reads a position again once
+it is older than the window of the sequence's next query: the pages wholly behind it are released as
+the sequence moves on (`releasable_window`, `pages_behind`), so a sequence holds a bounded number of
+pages at once (`pages_at_once`) however long it grows. A shared page goes back to the pool only when
+its last holder releases it, as any page does.
 """
 
 from __future__ import annotations
@@ -29,6 +35,55 @@ def page_hashes(ids: list[int], page_size: int, root: int | None = None) -> list
         h = hash((h, tuple(ids[start : start + page_size])))
         hashes.append(h)
     return hashes
+
+
+def releasable_window(mcfg) -> int:
+    """The window behind which a sequence's positions are never read again: the model's sliding window
+    when every decoder layer is local, else 0 (a global layer reads the whole prefix: Gemma 2 and 3
+    interleave them, so their pages are all kept).
+
+    Args:
+        mcfg (ModelConfig): the model's config.
+
+    Returns:
+        W > 0, or 0: keep every page.
+    """
+    layers = range(mcfg.num_decoder_layers)
+    return mcfg.sliding_window if layers and all(mcfg.is_local_layer(i) for i in layers) else 0
+
+
+def pages_behind(position: int, window: int, page_size: int) -> int:
+    """How many leading pages of a sequence hold only positions that the query at `position`, and every
+    later one, no longer sees: those before position - window + 1 (0 without a window).
+
+    Args:
+        position: the sequence's next position to compute.
+        window: W (`releasable_window`; 0: none).
+        page_size: positions per page.
+
+    Returns:
+        The count of leading pages that can be released.
+    """
+    return max(0, (position - window + 1) // page_size) if window else 0
+
+
+def pages_at_once(positions: int, window: int, page_size: int, span: int) -> int:
+    """The most pages a sequence of `positions` positions holds at one time when it computes at most
+    `span` positions a step and releases the pages behind its window after each (`pages_behind`):
+    those from the oldest page its next query sees to the page of the step's last position.
+
+    Args:
+        positions: the sequence's length at its end (prompt + max_tokens).
+        window: W (0: every page is kept).
+        page_size: positions per page.
+        span: positions computed in one step at most (a prefill chunk, or the decode steps of a call).
+
+    Returns:
+        The count of pages.
+    """
+    whole = -(-positions // page_size)
+    # From the page of p - W + 1 to that of p + span - 1: W + span - 2 positions apart at most.
+    return min(whole, -(-(window + span - 2) // page_size) + 1) if window else whole
 
 
 class PageAllocator:
@@ -89,6 +144,23 @@ class PageAllocator:
         self.refs[page] -= 1
         if self.refs[page] == 0:
             self.free[page] = None
+
+    def release_front(self, pages: list[int], start: int, stop: int) -> int:
+        """Release `pages[start:stop]` (a sequence's pages behind its window), each entry then 0 (scratch:
+        nothing of the sequence is there any more).
+
+        Args:
+            pages: a sequence's pages, in order.
+            start: the first not yet released.
+            stop: the end of those to release now.
+
+        Returns:
+            How many were released.
+        """
+        for i in range(start, stop):
+            self.release(pages[i])
+            pages[i] = 0
+        return max(0, stop - start)
 
     def lookup(self, h: int) -> int | None:
         """The page holding the prefix of hash `h`, or None.
