@@ -2,8 +2,9 @@
 without a GPU: each mode's training, evaluation and cached decoding steps compile with cuDNN's fused
 attention in them and no [B, H, T, S] score tensor, packed rows give cuDNN their segments as a bias
 broadcast over heads, what cuDNN refuses goes to XLA's path, the shipped descriptions of each GPU
-parse, a scanned layer stack needs no more memory than an unrolled one, and host offload puts the layer
-inputs and Adam's moments in host memory. Skipped without the plugin."""
+parse, a scanned layer stack needs no more memory than an unrolled one, host offload puts the layer
+inputs and Adam's moments in host memory, and the serving engine's step gathers its pages for cuDNN.
+Skipped without the plugin."""
 
 import dataclasses
 import logging
@@ -300,3 +301,61 @@ def test_host_offload_moves_bytes_off_the_h100(devices):
     assert layer_inputs <= offloaded.host_temporaries <= 2 * layer_inputs  # (the compiler may double-buffer)
     assert moments <= offloaded.host_arguments <= moments + 4096
     assert moments <= plain.arguments - offloaded.arguments <= moments + 4096
+
+
+def test_the_engine_s_step_gathers_pages_and_attends_by_cudnn_on_h100():
+    """The serving engine's compiled step (`engine._forward`) for one H100, bfloat16, head dim 64 (4 heads
+    over 2 kv heads): its decode step [4, 1] and a prefill chunk [4, 8] over page tables of 8 pages of 16
+    read each row's pages by XLA's gather of whole pages (slices of the 2 kv heads x 16 x 64 values),
+    landing as the dense [B, S, G, K] keys and values that cuDNN's fused attention reads: no kernel of
+    paged attention (no custom call but cuBLAS's and cuDNN's), no [B, H, T, S] scores. cuDNN serves the
+    decode step told the key lengths (a "PADDING" mask) and the prefill chunk told its causal offset as a
+    [B, 1, T, S] bias. Nothing goes to or from the host inside the step; the pools are updated in place
+    (aliased, not copied). The temporaries, 4,473,656 bytes (decode) and 4,510,264 (prefill), are cuBLAS's
+    4 MiB workspace, in whose space the compiler also lays the gathered pages (not live at once), and the
+    bfloat16 copies of the float32 weights (the same 4,473,656 at 32 pages a row: its buffer assignment)."""
+    from flax import nnx
+
+    from jaxformer.engine import engine as engine_module
+    from jaxformer.layers import without_id_checks
+
+    mesh_cfg = MeshConfig()
+    mesh = sharding.make_mesh(mesh_cfg, parse_target("gpu-h100:1x1").devices())
+    mcfg = tiny(
+        "decoder_only", vocab_size=64, d_model=64 * H, num_heads=H, num_kv_heads=2, d_ff=256, max_len=128,
+        num_decoder_layers=1, attention_impl="auto", dtype="bfloat16",
+    )  # fmt: skip
+    B, N, page, P, G, K = 4, 17, 16, 8, mcfg.kv_heads, mcfg.dim_per_head
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    spec = lambda dtype, *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=whole)
+    pool = spec(mcfg.dtype, G, N, page, K)
+    found = {}
+    with sharding.use(mesh, sharding.rules_for(mesh_cfg)):
+        graphdef, params = nnx.split(nnx.eval_shape(lambda: without_id_checks(build_model(mcfg))))
+        params = with_shardings(params, sharding.state_shardings(params, mesh))
+        sampling = (spec(np.uint32, B), spec(np.float32, B), spec(np.int32, B), spec(np.float32, B))
+        for width in (1, 8):  # a decode step, a prefill chunk
+            compiled = engine_module._forward.lower(
+                graphdef, params, [{"k": pool, "v": pool}], spec(np.int32, B, P), spec(np.int32, B, width),
+                spec(np.int32, B, width), spec(bool, B, width), spec(np.int32, B), sampling, None,
+                spec(np.int32, B), steps=1,
+            ).compile(NO_TRITON_GEMM)  # fmt: skip
+            found[width] = compiled.as_text(), compiled.memory_analysis()
+    gathered = 2 * B * P * page * G * K * 2  # keys and values, bfloat16
+    weights = sum(x.size for x in jax.tree.leaves(params)) * 2  # their bfloat16 copies (float32 parameters)
+    workspace = 4 * 2**20  # cuBLAS's, one region for every matmul
+    for width, kind, mask in ((1, "fmhaSoftmax", "PADDING"), (8, "fmhaScaleBiasSoftmax", "NO_MASK")):
+        text, memory = found[width]
+        targets = set(re.findall(r'custom_call_target="([^"]+)"', text))
+        assert targets == {"__cublas$lt$matmul", f"__cudnn${kind}"}, targets  # no paged-attention kernel
+        assert fused_calls(text) == [kind] and re.findall(r'mask_type\\?"\s*:\s*\\?"(\w+)', text) == [mask]
+        assert f"slice_sizes={{{G},1,{page * K}}}" in text  # the gather of whole pages, both kv heads
+        assert f"bf16[{B},{P * page},{G},{K}]" in text  # what cuDNN reads: the gathered pages as a dense cache
+        assert width == 1 or f"bf16[{B},1,{width},{P * page}]" in text  # the chunk's causal offset, a bias
+        assert not head_blocks(text, {(width, P * page)})
+        assert not re.search(r"S\(5\)|infeed|outfeed|\bsend\(|\brecv\(|MoveTo|pinned_host", text)
+        host = (memory.host_argument_size_in_bytes, memory.host_output_size_in_bytes, memory.host_temp_size_in_bytes)
+        assert host == (0, 0, 0)
+        assert memory.alias_size_in_bytes == 2 * G * N * page * K * 2  # the pools, donated and written in place
+        # No [B, H, T, S] block and no copy of a pool: cuBLAS's workspace, the weights in bfloat16, the pages.
+        assert workspace <= memory.temp_size_in_bytes <= workspace + weights + gathered, width
