@@ -1274,6 +1274,14 @@ API_CASES = [
         r"load_weights: requests are still running; finish or abort them first",
     ),
     api_case(
+        "Engine request larger than the pool",
+        lambda m, p: jf.engine.Engine(m[LM], jf.config.EngineConfig(page_size=4, num_pages=3), eos_id=2).add_request(
+            [3, 4, 5, 6, 7], jf.engine.SamplingParams(max_tokens=6)
+        ),
+        ValueError,
+        r"prompt \+ max_tokens = 11 positions need 3 pages at once; the pool has 2 \(engine\.num_pages=3",
+    ),
+    api_case(
         "GRPO group of one",
         lambda m, p: jf.config.GRPOConfig(group_size=1),
         ConfigError,
