@@ -74,8 +74,8 @@ def _bucket(n: int, most: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames=("pools",))
 def _forward(
-    graphdef, params, pools, table_BP, ids_BT, positions_BT, valid_BT, last_B, sampling, source, steps_B, rows_B,
-    *, steps,
+    graphdef, params, pools, table_BP, ids_BT, positions_BT, valid_BT, last_B, sampling, source, steps_B,
+    rows_B=None, *, steps,
 ):  # fmt: skip
     """One paged step and the next token of each row (from its last valid position `last_B`), then (decode,
     T = 1) `steps` - 1 more, each feeding the token just drawn, row b running `steps_B[b]` in all; `source`:
