@@ -18,12 +18,15 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxformer import lora
 from jaxformer.engine.requests import EngineError
+
+Array = jax.Array
 
 # Model settings that change how a model runs or trains, not its weights: they may differ between the base
 # and an adapter's run (the engine runs the base's).
@@ -48,14 +51,14 @@ class StackedAdapter(nnx.Module):
         scale: [N] each adapter's alpha / rank (0 where it has no adapter).
     """
 
-    def __init__(self, a, b, scale):
+    def __init__(self, a: Array, b: Array, scale: Array):
         self.a, self.b, self.scale = nnx.LoRAParam(a), nnx.LoRAParam(b), nnx.LoRAParam(scale)
         self.rows = AdapterRows(jnp.zeros((), jnp.int32))  # the base until `bind_rows`
 
-    def _rows(self, batch: int):
+    def _rows(self, batch: int) -> Array:
         return jnp.broadcast_to(self.rows[...], (batch,))
 
-    def __call__(self, x, dropout_rng=None):
+    def __call__(self, x: Array, dropout_rng: Array | None = None) -> Array:
         """The update of `x @ W`, each row its own adapter's.
 
         Args:
@@ -67,7 +70,7 @@ class StackedAdapter(nnx.Module):
         """
         return lora.lora_update_rows(x, self.a[...], self.b[...], self.scale[...], self._rows(x.shape[0]))
 
-    def lookup(self, ids, dtype):
+    def lookup(self, ids: Array, dtype) -> Array:
         """An adapted embedding's update for ids [B, ...]: [B, ..., D].
 
         Args:
@@ -79,7 +82,7 @@ class StackedAdapter(nnx.Module):
         """
         return lora.lora_lookup_rows(ids, self.a[...], self.b[...], self.scale[...], self._rows(ids.shape[0]), dtype)
 
-    def attend(self, x):
+    def attend(self, x: Array) -> Array:
         """A tied output projection's update: [B, ..., D] -> [B, ..., V].
 
         Args:
@@ -91,7 +94,7 @@ class StackedAdapter(nnx.Module):
         return lora.lora_attend_rows(x, self.a[...], self.b[...], self.scale[...], self._rows(x.shape[0]))
 
 
-def bind_rows(model: nnx.Module, rows) -> nnx.Module:
+def bind_rows(model: nnx.Module, rows: Array | int) -> nnx.Module:
     """Set which adapter each row runs in every `StackedAdapter` of `model` (in place).
 
     Args:
