@@ -85,9 +85,13 @@ def test_a_mixed_batch_equals_each_merged_model(models):
         assert expected[name] != expected[None], name
 
 
-def test_unknown_and_mismatched_adapters_are_refused(models):
+def test_model_of_an_adapter_and_refusals(models):
+    """`model_of(name)` (what the server scores prompts with) is the merged model; bad adapters are refused."""
     base, adapters = models
     engine = Engine(base, EngineConfig(max_slots=2, page_size=4, num_pages=16), eos_id=EOS, adapters=adapters)
+    ids = jnp.asarray([[3, 4, 5, 6, 7]])
+    merged = lora.merge(nnx.clone(adapters["wide"]))(ids)
+    np.testing.assert_allclose(engine.model_of("wide")(ids), merged, rtol=1e-4, atol=1e-4 * np.abs(merged).max())
     with pytest.raises(EngineError, match=r"adapter 'nope' is not served by this engine \(its adapters: 'small'"):
         engine.add_request([3, 4], SamplingParams(), adapter="nope")
     other = _adapted(_model(d_ff=48), 1, rank=2, targets=("q",))

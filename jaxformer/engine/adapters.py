@@ -110,6 +110,25 @@ def bind_rows(model: nnx.Module, rows: Array | int) -> nnx.Module:
     return model
 
 
+def index_of(names: tuple[str, ...], adapter: str | None) -> int:
+    """An adapter's index in the stacks: 0 for None (the base), i + 1 for names[i].
+
+    Args:
+        names: the served adapters' names (what `attach` returned).
+        adapter: a name, or None.
+
+    Returns:
+        The index.
+
+    Raises:
+        EngineError: a name the engine does not serve.
+    """
+    if adapter is not None and adapter not in names:
+        served = ", ".join(map(repr, names)) or "none"
+        raise EngineError(f"adapter {adapter!r} is not served by this engine (its adapters: {served})")
+    return 0 if adapter is None else names.index(adapter) + 1
+
+
 def attach(model: nnx.Module, adapters: dict) -> tuple[str, ...]:
     """Give the engine's model (merged, unrolled: `decode.decodable`) a `StackedAdapter` on every kernel
     some adapter targets, in place.

@@ -272,13 +272,7 @@ class Engine:
         Raises:
             EngineError: an adapter the engine does not serve.
         """
-        return _adapters.bind_rows(self.model, self._adapter_index(adapter))
-
-    def _adapter_index(self, adapter: str | None) -> int:
-        if adapter is not None and adapter not in self.adapters:
-            served = ", ".join(map(repr, self.adapters)) or "none"
-            raise EngineError(f"adapter {adapter!r} is not served by this engine (its adapters: {served})")
-        return 0 if adapter is None else self.adapters.index(adapter) + 1
+        return _adapters.bind_rows(self.model, _adapters.index_of(self.adapters, adapter))
 
     def load_weights(self, model) -> None:
         """Serve `model`'s current weights from the next step on (a training loop hands over its new
@@ -338,7 +332,7 @@ class Engine:
             raise EngineError("an encoder_only model generates nothing: use Engine.score")
         if not isinstance(params, SamplingParams):
             raise EngineError(f"params: a SamplingParams, got {type(params).__name__}")
-        index = self._adapter_index(adapter)
+        index = _adapters.index_of(self.adapters, adapter)
         source = None
         if self.encoder_decoder:
             if source_ids is None:
