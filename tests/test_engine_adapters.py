@@ -12,6 +12,7 @@ from flax import nnx
 from jaxformer import decode, lora
 from jaxformer.config import DecodeConfig, EngineConfig, LoRAConfig, tiny
 from jaxformer.engine import Engine, EngineError, SamplingParams
+from jaxformer.engine.adapters import StackedAdapter, attach
 from jaxformer.models import build_model
 
 V, EOS = 48, 1
@@ -68,7 +69,7 @@ def test_a_mixed_batch_equals_each_merged_model(models):
     prompts = [[*system, 5, 6], rng.integers(2, V, 5).tolist(), [*system, 7], [*system, 5, 6, 8]]
     rows = [(0, None), (0, "small"), (0, "wide"), (2, "wide"), (1, None), (3, "small"), (2, None), (3, "wide"),
             (0, "small"), (3, None)]  # fmt: skip
-    engine = Engine(base, EngineConfig(max_slots=4, page_size=4, num_pages=64), eos_id=EOS, adapters=adapters)
+    engine = Engine(base, EngineConfig(max_slots=2, page_size=4, num_pages=64), eos_id=EOS, adapters=adapters)
     assert engine.adapters == ("small", "wide")
     out = engine.generate([prompts[p] for p, _ in rows], SamplingParams(max_tokens=8), adapter=[a for _, a in rows])
     assert engine.prefix_hits > 0  # pages were shared (within an adapter)
@@ -94,6 +95,14 @@ def test_model_of_an_adapter_and_refusals(models):
     np.testing.assert_allclose(engine.model_of("wide")(ids), merged, rtol=1e-4, atol=1e-4 * np.abs(merged).max())
     with pytest.raises(EngineError, match=r"adapter 'nope' is not served by this engine \(its adapters: 'small'"):
         engine.add_request([3, 4], SamplingParams(), adapter="nope")
+    # An adapter trained over an int8 base (lora.base="int8"): its A and B, served over the engine's base.
+    plain = _adapted(base, 5, rank=2, targets=("q",))
+    int8 = lora.quantize_base(nnx.clone(plain), LoRAConfig(rank=2, base="int8"))
+    served = decode.decodable(nnx.clone(base))  # as the engine runs its base: unrolled
+    assert attach(served, {"a": int8}) == ("a",)
+    got = [m.a[...][1] for _, m in nnx.iter_modules(served) if isinstance(m, StackedAdapter)]  # layer by layer
+    (_, _, adapter), *_ = lora.adapters(plain)
+    assert len(got) == 2 and all(np.array_equal(x, y) for x, y in zip(got, adapter.a[...], strict=True))
     other = _adapted(_model(d_ff=48), 1, rank=2, targets=("q",))
     with pytest.raises(EngineError, match=r"adapters\['other'\]: model\.d_ff=48 differs from the served model's"):
         Engine(base, eos_id=EOS, adapters={"other": other})
