@@ -75,6 +75,8 @@ def test_the_request_model_picks_the_adapter(served):
     for name in (MODEL, ADAPTER):
         got = client.completions.create(model=name, prompt=PROMPT, max_tokens=6, temperature=0)
         assert (got.model, got.choices[0].text) == (name, expected[name])
+    streamed = client.completions.create(model=ADAPTER, prompt=PROMPT, max_tokens=6, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == expected[ADAPTER]
     cards = client.models.list().data
     assert [(c.id, getattr(c, "parent", None)) for c in cards] == [(MODEL, None), (ADAPTER, MODEL)]
     assert client.models.retrieve(ADAPTER).id == ADAPTER
