@@ -298,11 +298,19 @@ def cmd_serve(args) -> int:
         from jaxformer.engine import Engine, EngineError
     except ImportError as e:
         raise CommandError(f"the inference engine does not load here ({e}): `serve` needs jaxformer.engine") from None
+    from jaxformer.engine.adapters import parse_flags
+
     engine_cfg = apply_section_overrides(EngineConfig(), "engine", args.set or [])
     try:
-        engine = Engine.from_workdir(workdir, engine_cfg)
-    except EngineError as e:
+        loras = parse_flags(args.lora or [])
+    except ValueError as e:
         raise CommandError(str(e)) from None
+    if name in loras:
+        raise CommandError(f"--lora {name}=...: {name!r} is the base model's name too (--model-name)")
+    try:
+        engine = Engine.from_workdir(workdir, engine_cfg, adapters=loras or None)
+    except EngineError as e:
+        raise CommandError(f"--lora: {e}" if loras and str(e).startswith("adapters") else str(e)) from None
     from jaxformer.serve import run
 
     url = f"http://{cfg.host}:{cfg.port}"
@@ -550,6 +558,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--model-name", help="the model's id in /v1/models and in requests (default: the workdir's name)")
     sv.add_argument("--set", action="append", metavar="engine.FIELD=VALUE", help="an engine setting, e.g. "
                     "engine.max_slots=16")  # fmt: skip
+    sv.add_argument("--lora", action="append", metavar="NAME=WORKDIR", help="serve a LoRA run's adapters beside the "
+                    "model as model NAME (repeatable; a request's `model` picks one)")  # fmt: skip
     gr = sub.add_parser("grpo", help="GRPO on an experiment's task and rewards, sampling from the engine")
     gr.add_argument("--config", help="experiments/NAME.py with a grpo section (default: the workdir's config.json)")
     gr.add_argument("--workdir", required=True, help="the run's directory; rerun to resume")

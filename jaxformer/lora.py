@@ -69,6 +69,70 @@ def lora_update(x: Array, a: Array, b: Array, scale: float) -> Array:
     return jnp.tensordot(h, b.astype(x.dtype), axes=1) * jnp.asarray(scale, x.dtype)  # [..., out...]
 
 
+def lora_update_rows(x: Array, a: Array, b: Array, scale: Array, rows: Array) -> Array:
+    """Several adapters of one kernel at once: row i of the batch adds its own adapter's update,
+    (x[i] @ A[rows[i]]) @ B[rows[i]] * scale[rows[i]] (`lora_update` per row; an adapter of zeros
+    adds nothing, so the base model is one of them).
+
+    Args:
+        x: [B, ..., in...] the kernel's input, batch first.
+        a: A of every adapter [N, in..., R] (a smaller rank padded with zeros: exact).
+        b: B of every adapter [N, R, out...].
+        scale: [N] each adapter's alpha / rank.
+        rows: [B] int, the adapter of each row (in [0, N)).
+
+    Returns:
+        [B, ..., out...], x's dtype.
+    """
+    gather = lambda t: jnp.take(t, rows, axis=0)  # [B, ...]: each row's own A, B and scale
+    return jax.vmap(lora_update)(x, gather(a), gather(b), gather(scale))
+
+
+def lora_lookup_rows(ids: Array, a: Array, b: Array, scale: Array, rows: Array, dtype) -> Array:
+    """An adapted embedding's update for several adapters: row i's ids look up A[rows[i]], then
+    @ B[rows[i]] * scale[rows[i]].
+
+    Args:
+        ids: [B, ...] token ids, batch first.
+        a: [N, V, R] every adapter's A.
+        b: [N, R, D] every adapter's B.
+        scale: [N] each adapter's alpha / rank.
+        rows: [B] int, the adapter of each row.
+        dtype (jnp.dtype): the compute dtype.
+
+    Returns:
+        [B, ..., D] in `dtype`.
+    """
+
+    def one(ids, a, b, s):
+        h = jnp.take(a, ids, axis=0).astype(dtype)  # [..., R]
+        return jnp.tensordot(h, b.astype(dtype), axes=1) * s.astype(dtype)
+
+    return jax.vmap(one)(ids, *(jnp.take(t, rows, axis=0) for t in (a, b, scale)))
+
+
+def lora_attend_rows(x: Array, a: Array, b: Array, scale: Array, rows: Array) -> Array:
+    """A tied output projection's update for several adapters: row i's x @ (A @ B * scale)^T of
+    adapter rows[i], two thin matmuls.
+
+    Args:
+        x: [B, ..., D] hidden states, batch first.
+        a: [N, V, R] every adapter's A.
+        b: [N, R, D] every adapter's B.
+        scale: [N] each adapter's alpha / rank.
+        rows: [B] int, the adapter of each row.
+
+    Returns:
+        [B, ..., V] logits update, x's dtype.
+    """
+
+    def one(x, a, b, s):
+        h = jnp.tensordot(x, b.astype(x.dtype), axes=[[-1], [1]])  # [..., R]
+        return jnp.tensordot(h, a.astype(x.dtype), axes=[[-1], [1]]) * s.astype(x.dtype)
+
+    return jax.vmap(one)(x, *(jnp.take(t, rows, axis=0) for t in (a, b, scale)))
+
+
 def lora_kernel(a: Array, b: Array, scale: float) -> Array:
     """The update A @ B * scale as a kernel [in..., out...] (what `merge` adds to W).
 

@@ -670,6 +670,14 @@ CLI_CASES = [
     cli_case(
         "serve --workdir {lm} --set train.steps=3", r"--set train\.steps=3: `serve` --set changes the engine only"
     ),
+    # `serve --lora NAME=WORKDIR`: a LoRA run's adapters beside the model, refused before anything is served
+    cli_case("serve --workdir {lm} --lora tuned", r"--lora 'tuned': NAME=WORKDIR expected"),
+    cli_case("serve --workdir {lm} --lora lm={lm}", r"--lora lm=\.\.\.: 'lm' is the base model's name too"),
+    cli_case("serve --workdir {lm} --lora plain={lm}", r"--lora: adapters\['plain'\]: the model has no LoRA adapters"),
+    cli_case(
+        "serve --workdir {lm} --lora other={mlm}",
+        r"--lora: adapters\['other'\]: model\.mode='encoder_only' differs from the served model's 'decoder_only'",
+    ),
     cli_case("export --workdir {config_only} --out {tmp}/out", r"\S+checkpoints holds no checkpoint: train first"),
     cli_case("export-hf --workdir {empty} {tmp}/out", r"\S+config\.json does not exist"),
     cli_case("export-hf --workdir {copy} {tmp}/out", r"no Hugging Face family expresses this model"),

@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from jaxformer.config import EngineConfig
+from jaxformer.engine import adapters as _adapters
 from jaxformer.engine import paged
 from jaxformer.engine.pages import PageAllocator, page_hashes, pages_at_once, pages_behind, releasable_window
 from jaxformer.engine.requests import EngineError, Event, Output, SamplingParams
@@ -56,6 +57,7 @@ class _Request:
     hashes: list[int] = dataclasses.field(default_factory=list)
     behind: int = 0  # leading pages released behind the window (their entries 0)
     source: list[int] | None = None  # encoder_decoder: the source, encoded when the request takes a slot
+    adapter: int = 0  # its LoRA adapter's index in the stacks (engine.adapters): 0 is the base
 
     @property
     def tokens(self) -> list[int]:
@@ -75,14 +77,18 @@ def _bucket(n: int, most: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames=("pools",))
 def _forward(
-    graphdef, params, pools, table_BP, ids_BT, positions_BT, valid_BT, last_B, sampling, source, steps_B, *, steps
-):
+    graphdef, params, pools, table_BP, ids_BT, positions_BT, valid_BT, last_B, sampling, source, steps_B,
+    rows_B=None, *, steps,
+):  # fmt: skip
     """One paged step and the next token of each row (from its last valid position `last_B`), then (decode,
     T = 1) `steps` - 1 more, each feeding the token just drawn, row b running `steps_B[b]` in all; `source`:
     None, or (per layer the slots' cross-attention keys and values, the slots' source lengths, each row's
-    slot). Returns tokens and log-probabilities [B, steps] and the pools."""
+    slot); `rows_B`: None, or each row's adapter (engine.adapters). Returns tokens and log-probabilities [B, steps]
+    and the pools."""
     _TRACES[(*ids_BT.shape, table_BP.shape[1]) if steps == 1 else (*ids_BT.shape, table_BP.shape[1], steps)] += 1
     model = nnx.merge(graphdef, params)
+    if rows_B is not None:
+        _adapters.bind_rows(model, rows_B)
     memory, src_lengths_B = None, None
     if source is not None:
         memory_slots, src_lengths_slots, slots_B = source
@@ -158,13 +164,24 @@ class Engine:
         tokenizer (Tokenizer | None): detokenizes outputs and matches stop strings; None: ids only.
         eos_id: the end-of-sequence id (finish_reason "stop"; never in an output's token_ids).
         bos_id: the beginning-of-sequence id, or None.
+        adapters (dict | None): LoRA adapters served beside the base, each request choosing one by name
+            (`add_request(..., adapter=NAME)`): name -> a model of the same architecture with adapters, or
+            the workdir of a LoRA run (`jaxformer.engine.adapters`); decoder_only.
 
     Raises:
-        EngineError: a model the engine does not serve, or a context the model cannot hold.
+        EngineError: a model the engine does not serve, a context the model cannot hold, or an adapter that
+            does not fit the model.
     """
 
     def __init__(
-        self, model, cfg: EngineConfig | None = None, *, tokenizer=None, eos_id: int, bos_id: int | None = None
+        self,
+        model,
+        cfg: EngineConfig | None = None,
+        *,
+        tokenizer=None,
+        eos_id: int,
+        bos_id: int | None = None,
+        adapters: dict | None = None,
     ):
         from jaxformer.decode import decodable
         from jaxformer.layers import without_id_checks
@@ -184,7 +201,9 @@ class Engine:
         self.max_context = cfg.max_context or mcfg.max_len
         self.pages_per_seq = -(-self.max_context // cfg.page_size)
         own = nnx.merge(*nnx.split(model))  # new modules over the same arrays: the caller's keep their id checks
-        self._graphdef, self._params = nnx.split(decodable(without_id_checks(own)))
+        served = decodable(without_id_checks(own))
+        self.adapters = _adapters.attach(served, adapters) if adapters else ()  # names; index i + 1 in the stacks
+        self._graphdef, self._params = nnx.split(served)
         G, K = mcfg.kv_heads, mcfg.dim_per_head
         self.encoder_only = mcfg.mode == "encoder_only"  # scores only (`score`): no cache, no decoding
         self._pools = paged.empty_pools(mcfg, cfg.num_pages, cfg.page_size)  # K/V pages, or MLA's latents
@@ -210,26 +229,29 @@ class Engine:
         self.window_released = 0  # pages released behind the sliding window
 
     @classmethod
-    def from_workdir(cls, workdir, cfg: EngineConfig | None = None) -> Engine:
+    def from_workdir(cls, workdir, cfg: EngineConfig | None = None, *, adapters: dict | None = None) -> Engine:
         """An engine over a training workdir's latest checkpoint (or an exported directory): its model,
         tokenizer (EOS, BOS) and the chat template of its data (`data.template`), if any.
 
         Args:
             workdir (str | pathlib.Path): a training workdir or a directory `jaxformer export` wrote.
             cfg: the engine's settings (None: the defaults).
+            adapters (dict | None): name -> the workdir of a LoRA run of this model (or a model), served beside it.
 
         Returns:
             The engine.
 
         Raises:
             FileNotFoundError: no config.json or no checkpoint there.
+            EngineError: an adapter that does not fit the model.
         """
         from jaxformer.checkpoint import load_workdir
         from jaxformer.data import load_tokenizer
 
         model, run = load_workdir(workdir)
         tok = load_tokenizer(run, workdir)
-        engine = cls(model, cfg, tokenizer=tok, eos_id=tok.eos_id, bos_id=getattr(tok, "bos_id", None))
+        bos = getattr(tok, "bos_id", None)
+        engine = cls(model, cfg, tokenizer=tok, eos_id=tok.eos_id, bos_id=bos, adapters=adapters)
         engine.chat_template = None if run.data.template == "none" else run.data.template
         return engine
 
@@ -239,9 +261,23 @@ class Engine:
         the server scores prompts with (`echo` with `logprobs`).
 
         Returns:
-            model (Transformer): adapters folded, layers unrolled.
+            model (Transformer): its own adapters folded, layers unrolled; the served adapters' rows all 0 (the base).
         """
         return nnx.merge(self._graphdef, self._params)
+
+    def model_of(self, adapter: str | None):
+        """`model` running one served adapter (None: the base) on every row.
+
+        Args:
+            adapter: a name of `adapters`, or None.
+
+        Returns:
+            model (Transformer): over the engine's arrays.
+
+        Raises:
+            EngineError: an adapter the engine does not serve.
+        """
+        return _adapters.bind_rows(self.model, _adapters.index_of(self.adapters, adapter))
 
     def load_weights(self, model) -> None:
         """Serve `model`'s current weights from the next step on (a training loop hands over its new
@@ -259,6 +295,8 @@ class Engine:
 
         if self.has_unfinished():
             raise EngineError("load_weights: requests are still running; finish or abort them first")
+        if self.adapters:
+            raise EngineError("load_weights: this engine serves adapters over its base; build a new engine")
         graphdef, params = nnx.split(decodable(without_id_checks(nnx.merge(*nnx.split(model)))))
         if graphdef != self._graphdef:
             raise EngineError("load_weights: the model's structure differs from the engine's")
@@ -275,6 +313,7 @@ class Engine:
         request_id: str | None = None,
         *,
         source_ids: list[int] | None = None,
+        adapter: str | None = None,
     ) -> str:
         """Queue a request; it is admitted at a coming `step`.
 
@@ -283,11 +322,13 @@ class Engine:
             params: how to decode it.
             request_id: its id (None: one is made).
             source_ids: an encoder_decoder model's source (its prompt then may be empty: BOS).
+            adapter: the served LoRA adapter it runs (a name of `adapters`), or None: the base.
 
         Returns:
             The request id.
 
         Raises:
+            EngineError: an adapter the engine does not serve.
             EngineError: an empty prompt, ids outside the vocabulary, a prompt and max_tokens over the
                 context or the pool, a live id, stop strings without a tokenizer, or a source missing
                 (encoder_decoder) or given (decoder_only).
@@ -296,6 +337,7 @@ class Engine:
             raise EngineError("an encoder_only model generates nothing: use Engine.score")
         if not isinstance(params, SamplingParams):
             raise EngineError(f"params: a SamplingParams, got {type(params).__name__}")
+        index = _adapters.index_of(self.adapters, adapter)
         source = None
         if self.encoder_decoder:
             if source_ids is None:
@@ -330,8 +372,9 @@ class Engine:
         seed = params.seed
         if seed is None:
             seed = zlib.crc32(f"{self.cfg.seed}/{request_id}".encode())
-        req = _Request(request_id, prompt, params, seed, order=0, source=source)
+        req = _Request(request_id, prompt, params, seed, order=0, source=source, adapter=index)
         root = None if source is None else hash(("source", tuple(source)))  # its keys depend on the source
+        root = hash(("adapter", adapter)) if index else root  # and on the adapter: pages shared within one only
         req.hashes = page_hashes(prompt, self.cfg.page_size, root) if self.cfg.prefix_sharing else []
         self._live[request_id] = req
         self._waiting.append(req)
@@ -535,6 +578,7 @@ class Engine:
         last = np.zeros(R, np.int32)
         table = np.zeros((R, P), np.int32)
         steps = np.zeros(R, np.int32)
+        adapter_rows = np.zeros(R, np.int32)
         seeds, temps, top_k, top_p = (
             np.zeros(R, np.uint32),
             np.zeros(R, np.float32),
@@ -553,11 +597,13 @@ class Engine:
             table[i] = self._table[req.slot, :P]
             p = req.params
             seeds[i], temps[i], top_k[i], top_p[i] = req.seed, p.temperature, p.top_k, p.top_p
+            adapter_rows[i] = req.adapter
         slots = np.asarray([0 if s is None else s for s in rows], np.int32)
         source = None if self._memory is None else (self._memory, self._src_lengths, slots)
         tokens, logp, self._pools = _forward(
             self._graphdef, self._params, self._pools, table, ids, positions, valid, last,
-            (seeds, temps, top_k, top_p), source, steps, steps=self.cfg.decode_steps if width == 1 else 1,
+            (seeds, temps, top_k, top_p), source, steps, adapter_rows if self.adapters else None,
+            steps=self.cfg.decode_steps if width == 1 else 1,
         )  # fmt: skip
         tokens, logp = np.asarray(tokens), np.asarray(logp)
         for req, i in row_of.items():
@@ -670,19 +716,21 @@ class Engine:
                     out.append(got[i].tolist())
         return out
 
-    def generate(self, prompts, params, *, sources=None) -> list[Output]:
+    def generate(self, prompts, params, *, sources=None, adapter=None) -> list[Output]:
         """Run prompts to the end (with any requests already queued) and return their outputs.
 
         Args:
             prompts (list[list[int]]): token-id prompts.
             params (SamplingParams | list[SamplingParams]): one for all, or one per prompt.
             sources (list[list[int]] | None): encoder_decoder: the sources (prompts may then be empty: BOS).
+            adapter (str | None | list[str | None]): the served adapter of every prompt, or one per prompt.
 
         Returns:
             One Output per prompt, in prompt order.
 
         Raises:
-            EngineError: a bad request (nothing is queued then), or a params or sources list of another length.
+            EngineError: a bad request (nothing is queued then), or a params, sources or adapter list of another
+                length.
         """
         if sources is not None and len(sources) != len(prompts):
             raise EngineError(f"{len(sources)} sources for {len(prompts)} prompts")
@@ -690,10 +738,13 @@ class Engine:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise EngineError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        names = list(adapter) if isinstance(adapter, (list, tuple)) else [adapter] * len(prompts)
+        if len(names) != len(prompts):
+            raise EngineError(f"{len(names)} adapters for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p, src in zip(prompts, params, sources, strict=True):
-                ids.append(self.add_request(prompt, p, source_ids=src))
+            for prompt, p, src, name in zip(prompts, params, sources, names, strict=True):
+                ids.append(self.add_request(prompt, p, source_ids=src, adapter=name))
                 self._keep[ids[-1]] = None
         except EngineError:
             for rid in ids:

@@ -37,22 +37,26 @@ def create_app(engine, cfg: ServeConfig, model_name: str) -> Starlette:
     Args:
         engine (Engine): the engine, owned by the app's engine thread from then on.
         cfg: the server's settings (api_key).
-        model_name: the model's id in /v1/models and in requests.
+        model_name: the model's id in /v1/models and in requests; the engine's LoRA adapters (`engine.adapters`)
+            are models too, each by its name.
 
     Returns:
         The app (run it with uvicorn).
 
     Raises:
-        ValueError: an engine without a tokenizer (the server speaks text).
+        ValueError: an engine without a tokenizer (the server speaks text), or an adapter named as the model.
     """
     if getattr(engine, "tokenizer", None) is None:
         raise ValueError("the engine has no tokenizer: the server takes and answers text")
+    if model_name in getattr(engine, "adapters", ()):
+        raise ValueError(f"the model name {model_name!r} is also an adapter's: give them different names")
     return _Server(engine, cfg, model_name).app
 
 
 class _Server:
     def __init__(self, engine, cfg: ServeConfig, model_name: str):
         self.engine, self.cfg, self.model_name = engine, cfg, model_name
+        self.names = (model_name, *getattr(engine, "adapters", ()))  # the base, then each LoRA adapter
         self.tok = engine.tokenizer
         self.runner = EngineThread(engine)
         self.created = protocol.now()
@@ -92,19 +96,21 @@ class _Server:
             return JSONResponse({"status": "engine busy"}, status_code=503)
         return JSONResponse({"status": "ok", "model": self.model_name, "engine": stats})
 
-    def _model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "jaxformer",
+    def _model_card(self, name: str) -> dict:
+        card = {"id": name, "object": "model", "created": self.created, "owned_by": "jaxformer",
                 "max_context": self.engine.max_context}  # fmt: skip
+        return card if name == self.model_name else card | {"parent": self.model_name}  # a LoRA adapter of it
 
     async def models(self, request: Request) -> Response:
-        return await self._guarded(request, lambda: JSONResponse({"object": "list", "data": [self._model_card()]}))
+        cards = lambda: JSONResponse({"object": "list", "data": [self._model_card(n) for n in self.names]})
+        return await self._guarded(request, cards)
 
     async def model(self, request: Request) -> Response:
         async def answer():
             name = request.path_params["model"]
-            if name != self.model_name:
+            if name not in self.names:
                 raise APIError(404, f"The model `{name}` does not exist", "model", "model_not_found")
-            return JSONResponse(self._model_card())
+            return JSONResponse(self._model_card(name))
 
         return await self._guarded(request, answer)
 
@@ -151,15 +157,21 @@ class _Server:
         if not isinstance(body, dict):
             raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}", None, "invalid_json")
         protocol.check_fields(body, known)
-        protocol.check_model(body, self.model_name)
+        protocol.check_model(body, self.names)
         return body
+
+    def _named(self, job: Job, body: dict) -> Job:
+        """The job with the model its body names (a LoRA adapter's name runs that adapter)."""
+        job.model = body["model"]
+        job.adapter = None if job.model == self.model_name else job.model
+        return job
 
     # ------------------------------------------------------------------ generation
 
     async def completions(self, request: Request) -> Response:
         async def answer():
             body = await self._body(request, protocol.COMPLETION_FIELDS)
-            job = protocol.completion_job(body, self.tok, self.engine.max_context)
+            job = self._named(protocol.completion_job(body, self.tok, self.engine.max_context), body)
             scores = await self._score(job) if job.score_prompt else None
             if not job.generate:  # echo with max_tokens 0: the prompt alone, the engine not asked
                 choices = [_Choice(self.tok, job, index, scores) for index in range(len(job.prompts) * job.n)]
@@ -174,7 +186,7 @@ class _Server:
         async def answer():
             body = await self._body(request, protocol.CHAT_FIELDS)
             template = getattr(self.engine, "chat_template", None)
-            job = protocol.chat_job(body, self.tok, self.engine.max_context, template)
+            job = self._named(protocol.chat_job(body, self.tok, self.engine.max_context, template), body)
             return await self._run(request, job)
 
         return await self._guarded(request, answer)
@@ -194,7 +206,8 @@ class _Server:
         scored = [i for i, ids in enumerate(job.prompts) if len(ids) > 1]
 
         def score(engine):
-            scorer = Scorer(engine.model, batch_size=engine.cfg.max_slots)  # weights as served now
+            model = engine.model if job.adapter is None else engine.model_of(job.adapter)
+            scorer = Scorer(model, batch_size=engine.cfg.max_slots)  # weights as served now
             return scorer.prompt_logprobs([job.prompts[i] for i in scored])
 
         try:
@@ -221,7 +234,7 @@ class _Server:
             for j, params in enumerate(job.params):
                 index = p * job.n + j
                 deliver = lambda item, i=index: loop.call_soon_threadsafe(events.put_nowait, (i, item))
-                futures.append(self.runner.add(ids, params, deliver))
+                futures.append(self.runner.add(ids, params, deliver, job.adapter))
         try:
             results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
         except asyncio.CancelledError:  # the client left while the requests were being added
@@ -277,7 +290,7 @@ class _Server:
         if job.chat:
             return {
                 "id": protocol.new_id("chatcmpl"), "object": "chat.completion", "created": protocol.now(),
-                "model": self.model_name,
+                "model": job.model or self.model_name,
                 "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                              "logprobs": c.chat_logprobs(c.logprobs) if job.logprobs else None,
                              "finish_reason": c.finish_reason} for c in choices],
@@ -285,7 +298,7 @@ class _Server:
             }  # fmt: skip
         return {
             "id": protocol.new_id("cmpl"), "object": "text_completion", "created": protocol.now(),
-            "model": self.model_name,
+            "model": job.model or self.model_name,
             "choices": [{"index": c.index, "text": c.text, "logprobs": c.text_logprobs(c.logprobs, whole=True)
                          if job.logprobs else None, "finish_reason": c.finish_reason} for c in choices],
             "usage": usage,
@@ -294,7 +307,7 @@ class _Server:
     async def _stream(self, job: Job, events: asyncio.Queue, ids: list[str], choices: list[_Choice]):
         kind = "chat.completion.chunk" if job.chat else "text_completion"
         head = {"id": protocol.new_id("chatcmpl" if job.chat else "cmpl"), "object": kind,
-                "created": protocol.now(), "model": self.model_name}  # fmt: skip
+                "created": protocol.now(), "model": job.model or self.model_name}  # fmt: skip
 
         def chunk(index: int, text: str, finish: str | None, logprobs: list | None = None, first: bool = False) -> str:
             c = choices[index]

@@ -97,6 +97,8 @@ class Job:
         score_prompt: echo with logprobs: each prompt token's log-probability too (a forward pass).
         top_logprobs: how many most likely tokens each scored prompt position lists (0 or 1).
         generate: new tokens are asked for (false: echo with max_tokens 0, the prompt alone).
+        model: the model the request names (the served model's id, or a LoRA adapter's name).
+        adapter: the engine's adapter it runs (None: the base).
     """
 
     chat: bool
@@ -111,6 +113,8 @@ class Job:
     score_prompt: bool = False
     top_logprobs: int = 0
     generate: bool = True
+    model: str = ""
+    adapter: str | None = None
 
     @property
     def n(self) -> int:
@@ -186,22 +190,28 @@ def check_fields(body: dict, known: set[str]) -> None:
             raise bad(name, f"not supported by this server (only its default: {_NEUTRAL[name][0]!r})", "unsupported")
 
 
-def check_model(body: dict, model_name: str) -> None:
-    """The request names this server's model.
+def check_model(body: dict, model_name: str | tuple[str, ...]) -> str:
+    """The request names one of this server's models (the base, or a LoRA adapter served beside it).
 
     Args:
         body: the request body.
-        model_name: the served model's id.
+        model_name: the served model's id, or the ids of all the served models.
+
+    Returns:
+        The model named.
 
     Raises:
         APIError: no model (400), or another one (404, as OpenAI answers).
     """
+    names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+    served = ", ".join(f"`{n}`" for n in names)
     v = body.get("model")
     if not isinstance(v, str) or not v:
-        raise bad("model", "you must provide a model parameter (this server's: " + model_name + ")", "invalid_type")
-    if v != model_name:
-        raise APIError(404, f"The model `{v}` does not exist: this server serves `{model_name}`", "model",
+        raise bad("model", f"you must provide a model parameter (this server's: {served})", "invalid_type")
+    if v not in names:
+        raise APIError(404, f"The model `{v}` does not exist: this server serves {served}", "model",
                        "model_not_found")  # fmt: skip
+    return v
 
 
 def sampling(body: dict, max_tokens: int, stop: tuple[str, ...], logprobs: bool, n: int) -> list:

@@ -53,7 +53,9 @@ class EngineThread:
         """Whether the loop runs."""
         return self._thread.is_alive()
 
-    def add(self, prompt_ids: list[int], params, deliver: Callable) -> concurrent.futures.Future:
+    def add(
+        self, prompt_ids: list[int], params, deliver: Callable, adapter: str | None = None
+    ) -> concurrent.futures.Future:
         """Ask for a request to be added; `deliver(event)` is called (in the engine thread) with each of its
         Events, or with an Exception if the engine failed it.
 
@@ -61,12 +63,13 @@ class EngineThread:
             prompt_ids: the prompt's token ids.
             params (SamplingParams): its settings.
             deliver: the callback; it must not block.
+            adapter: the engine's LoRA adapter the request runs (None: the base).
 
         Returns:
             A future of the request id (or of the EngineError that refused it).
         """
         future = concurrent.futures.Future()
-        self._commands.put(("add", (prompt_ids, params, deliver), future))
+        self._commands.put(("add", (prompt_ids, params, deliver, adapter), future))
         return future
 
     def abort(self, request_id: str) -> None:
@@ -129,8 +132,9 @@ class EngineThread:
             if what == "call":
                 future.set_result(arg(self.engine))
                 return
-            prompt_ids, params, deliver = arg
-            request_id = self.engine.add_request(prompt_ids, params)
+            prompt_ids, params, deliver, adapter = arg
+            named = {} if adapter is None else {"adapter": adapter}  # an engine without adapters need not take it
+            request_id = self.engine.add_request(prompt_ids, params, **named)
             self._routes[request_id] = deliver
             future.set_result(request_id)
         except Exception as e:  # EngineError (a request the engine refuses) or worse: the caller's to answer

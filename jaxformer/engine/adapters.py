@@ -1,0 +1,261 @@
+"""Several LoRA adapters served side by side by one engine, each request choosing its own.
+
+The engine's model stays the base (its own adapters, if any, merged), and every kernel that some
+adapter targets gets a `StackedAdapter` as its `<name>_lora`: the A and B of every adapter stacked
+along a leading adapter axis, adapter 0 all zeros (the base itself), A [N, in..., R] and B [N, R, out...]
+with R the largest rank (a smaller one padded with zeros, which adds exactly nothing), and an adapter
+that does not target the kernel zeros there too. The compiled step binds each row's adapter index
+(`bind_rows`) and each layer adds `lora.lora_update_rows`: row i gathers its own A and B. One
+compiled step serves every mix of adapters, the base included.
+
+An adapter is a model of the engine's architecture with LoRA adapters (a `jaxformer train` workdir with
+`lora.rank > 0`, or a model in memory): only its A and B are read, over the engine's base, so its
+config must equal the base's up to the settings that do not change the weights (`IGNORED`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxformer import lora
+from jaxformer.engine.requests import EngineError
+
+Array = jax.Array
+
+# Model settings that change how a model runs or trains, not its weights: they may differ between the base
+# and an adapter's run (the engine runs the base's).
+IGNORED = frozenset({
+    "dropout_rate", "attention_dropout_rate", "attention_impl", "context_attention", "context_layout",
+    "matmul_precision", "scan_layers", "scan_block", "remat", "check_token_ids", "dtype",
+})  # fmt: skip
+
+
+class AdapterRows(nnx.Variable):
+    """Which adapter each row of the batch runs: [B] int32 indices into the stack, or a scalar for all rows."""
+
+
+class StackedAdapter(nnx.Module):
+    """Every served adapter of one kernel, stacked: A [N, in..., R], B [N, R, out...], scale [N]; adapter 0
+    is zeros (the base). Called as `lora.Adapter` is (`projections.adapted`, the embedding's `lookup` and
+    `attend`), each row of the batch adding its own adapter's update; no dropout (serving only).
+
+    Args:
+        a: [N, in..., R].
+        b: [N, R, out...].
+        scale: [N] each adapter's alpha / rank (0 where it has no adapter).
+    """
+
+    def __init__(self, a: Array, b: Array, scale: Array):
+        self.a, self.b, self.scale = nnx.LoRAParam(a), nnx.LoRAParam(b), nnx.LoRAParam(scale)
+        self.rows = AdapterRows(jnp.zeros((), jnp.int32))  # the base until `bind_rows`
+
+    def _rows(self, batch: int) -> Array:
+        return jnp.broadcast_to(self.rows[...], (batch,))
+
+    def __call__(self, x: Array, dropout_rng: Array | None = None) -> Array:
+        """The update of `x @ W`, each row its own adapter's.
+
+        Args:
+            x: [B, ..., in...] the kernel's input.
+            dropout_rng: ignored (no dropout while serving).
+
+        Returns:
+            [B, ..., out...].
+        """
+        return lora.lora_update_rows(x, self.a[...], self.b[...], self.scale[...], self._rows(x.shape[0]))
+
+    def lookup(self, ids: Array, dtype) -> Array:
+        """An adapted embedding's update for ids [B, ...]: [B, ..., D].
+
+        Args:
+            ids: [B, ...] token ids.
+            dtype (jnp.dtype): the compute dtype.
+
+        Returns:
+            [B, ..., D].
+        """
+        return lora.lora_lookup_rows(ids, self.a[...], self.b[...], self.scale[...], self._rows(ids.shape[0]), dtype)
+
+    def attend(self, x: Array) -> Array:
+        """A tied output projection's update: [B, ..., D] -> [B, ..., V].
+
+        Args:
+            x: [B, ..., D] hidden states.
+
+        Returns:
+            [B, ..., V].
+        """
+        return lora.lora_attend_rows(x, self.a[...], self.b[...], self.scale[...], self._rows(x.shape[0]))
+
+
+def bind_rows(model: nnx.Module, rows: Array | int) -> nnx.Module:
+    """Set which adapter each row runs in every `StackedAdapter` of `model` (in place).
+
+    Args:
+        model: the engine's model.
+        rows: [B] int32 adapter indices (0: the base), or one index for every row.
+
+    Returns:
+        The same model.
+    """
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, StackedAdapter):
+            module.rows.set_value(jnp.asarray(rows, jnp.int32))
+    return model
+
+
+def index_of(names: tuple[str, ...], adapter: str | None) -> int:
+    """An adapter's index in the stacks: 0 for None (the base), i + 1 for names[i].
+
+    Args:
+        names: the served adapters' names (what `attach` returned).
+        adapter: a name, or None.
+
+    Returns:
+        The index.
+
+    Raises:
+        EngineError: a name the engine does not serve.
+    """
+    if adapter is not None and adapter not in names:
+        served = ", ".join(map(repr, names)) or "none"
+        raise EngineError(f"adapter {adapter!r} is not served by this engine (its adapters: {served})")
+    return 0 if adapter is None else names.index(adapter) + 1
+
+
+def attach(model: nnx.Module, adapters: dict) -> tuple[str, ...]:
+    """Give the engine's model (merged, unrolled: `decode.decodable`) a `StackedAdapter` on every kernel
+    some adapter targets, in place.
+
+    Args:
+        model (Transformer): the engine's model.
+        adapters: name -> a model with LoRA adapters, or a workdir (str or path) of a LoRA run.
+
+    Returns:
+        The names, in order: adapter i + 1 of the stacks is names[i].
+
+    Raises:
+        EngineError: a name that is not a non-empty string, a model that is not decoder_only, a workdir or
+            model without adapters, or one whose config (`adapters['NAME']: model.FIELD`) or shapes differ.
+    """
+    mcfg = model.cfg
+    if mcfg.mode != "decoder_only":
+        raise EngineError(f"adapters: several adapters are served for decoder_only models; this one is {mcfg.mode}")
+    names, found = [], []
+    for name, given in adapters.items():
+        if not isinstance(name, str) or not name or name.strip() != name:
+            raise EngineError(f"adapters: a name must be a non-empty string without surrounding spaces, got {name!r}")
+        where = f"adapters[{name!r}]"
+        adapted = _load(given, where)
+        _check_config(adapted.cfg, mcfg, where)
+        arrays = _arrays(adapted)
+        if not arrays:
+            raise EngineError(
+                f"{where}: the model has no LoRA adapters (lora.rank=0): nothing to serve beside the base"
+            )
+        names.append(name)
+        found.append(arrays)
+    modules = dict(nnx.iter_modules(model))
+    for key in sorted({k for arrays in found for k in arrays}, key=str):
+        path, kernel_name = key
+        module = modules.get(path)
+        kernel = getattr(module, kernel_name, None) if module is not None else None
+        if not isinstance(kernel, nnx.Param):
+            where = ".".join(map(str, (*path, kernel_name)))
+            raise EngineError(f"adapters: an adapter adapts {where}, which the served model does not have")
+        parts = [arrays.get(key) for arrays in found]
+        R = max(a.shape[-1] for a, _, _ in filter(None, parts))
+        a0, b0, _ = next(filter(None, parts))
+        A = np.zeros((len(parts) + 1, *a0.shape[:-1], R), np.float32)
+        B = np.zeros((len(parts) + 1, R, *b0.shape[1:]), np.float32)
+        scale = np.zeros(len(parts) + 1, np.float32)
+        for i, part in enumerate(parts, start=1):
+            if part is None:
+                continue
+            a, b, s = part
+            if a.shape[:-1] != a0.shape[:-1] or b.shape[1:] != b0.shape[1:]:
+                raise EngineError(f"adapters[{names[i - 1]!r}]: the adapter of {key} has shapes {a.shape}, {b.shape}")
+            A[i, ..., : a.shape[-1]], B[i, : b.shape[0]], scale[i] = a, b, s
+        setattr(module, f"{kernel_name}_lora", StackedAdapter(jnp.asarray(A), jnp.asarray(B), jnp.asarray(scale)))
+    return tuple(names)
+
+
+def _load(given, where: str):
+    """A model with adapters: `given` itself, or the latest checkpoint of the workdir it names."""
+    if isinstance(given, (str, os.PathLike)):
+        from jaxformer.checkpoint import load_workdir
+
+        try:
+            return load_workdir(given)[0]
+        except FileNotFoundError as e:
+            raise EngineError(f"{where}: {e}") from None
+    if isinstance(given, nnx.Module) and hasattr(given, "cfg"):
+        return given
+    raise EngineError(f"{where}: a model with LoRA adapters or a workdir, got {type(given).__name__}")
+
+
+def _check_config(theirs, ours, where: str) -> None:
+    for field in dataclasses.fields(ours):
+        if field.name in IGNORED:
+            continue
+        a, b = getattr(theirs, field.name), getattr(ours, field.name)
+        if a != b:
+            raise EngineError(
+                f"{where}: model.{field.name}={a!r} differs from the served model's {b!r}: an adapter serves "
+                "only over the base it was trained on"
+            )
+
+
+def _arrays(model) -> dict:
+    """(module path in the unrolled model, kernel name) -> (A [in..., R], B [R, out...], scale) of every adapter
+    of `model`, a scanned stack's sliced per layer as `models.unrolled` numbers them."""
+    cfg, out = model.cfg, {}
+    for path, module in nnx.iter_modules(model):
+        kernels = next((k for kind, k in lora.KERNELS.items() if isinstance(module, kind)), {})
+        for name, (_, num_in) in kernels.items():
+            adapter = getattr(module, f"{name}_lora", None)
+            if not isinstance(adapter, lora.Adapter):
+                continue
+            a, b = np.asarray(adapter.a[...], np.float32), np.asarray(adapter.b[...], np.float32)
+            lead = a.ndim - num_in - 1
+            if "dense_layers" in path:  # a scanned stack's unrolled dense layers: layers 0..H-1
+                at = path.index("dense_layers")
+                path = (*path[:at], "layers", *path[at + 1 :])
+            if not lead:
+                out[(tuple(path), name)] = (a, b, adapter.scale)
+                continue
+            at, N = path.index("layers") + 1, cfg.scan_block  # (..., "layers", [j,] *rest), as models.unrolled
+            H = cfg.dense_head(path[0])
+            j, rest = (0, path[at:]) if N == 1 else (path[at], path[at + 1 :])
+            for k in range(a.shape[0]):
+                out[((*path[:at], H + k * N + j, *rest), name)] = (a[k], b[k], adapter.scale)
+    return out
+
+
+def parse_flags(values: list[str]) -> dict[str, str]:
+    """`--lora NAME=WORKDIR` flags (repeatable) as {name: workdir}.
+
+    Args:
+        values: the flags' values.
+
+    Returns:
+        name -> workdir, in the order given.
+
+    Raises:
+        ValueError: a value without `=`, an empty name or workdir, or a name given twice.
+    """
+    out = {}
+    for value in values:
+        name, eq, workdir = value.partition("=")
+        if not eq or not name.strip() or not workdir.strip():
+            raise ValueError(f"--lora {value!r}: NAME=WORKDIR expected (a LoRA run's workdir, served as model NAME)")
+        if name.strip() in out:
+            raise ValueError(f"--lora {value!r}: the name {name.strip()!r} is given twice")
+        out[name.strip()] = workdir.strip()
+    return out

@@ -1,0 +1,110 @@
+"""Several LoRA adapters served by one engine: a mixed batch (rows on the base and on two adapters of
+different ranks and targets, a prompt shared across them, prefix sharing on) gives, row by row, the
+greedy tokens of `decode.generate` on the model with that adapter merged in (`lora.merge`); the batched
+update equals the one-adapter maths row by row; bad adapters and unknown names are refused."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxformer import decode, lora
+from jaxformer.config import DecodeConfig, EngineConfig, LoRAConfig, tiny
+from jaxformer.engine import Engine, EngineError, SamplingParams
+from jaxformer.engine.adapters import StackedAdapter, attach
+from jaxformer.models import build_model
+
+V, EOS = 48, 1
+
+
+def _model(**changes):
+    """A scanned two-layer decoder, parameters x3 (so continuations depend on the context)."""
+    cfg = tiny("decoder_only", vocab_size=V, max_len=64, num_decoder_layers=2, scan_layers=True, **changes)
+    model = build_model(cfg, seed=3)
+    nnx.update(model, jax.tree.map(lambda x: 3.0 * x, nnx.state(model, nnx.Param)))
+    return model
+
+
+def _adapted(base, seed: int, **lora_cfg):
+    """A copy of `base` with adapters whose B is random (a fresh adapter's B = 0 would change nothing)."""
+    model = lora.add_adapters(nnx.clone(base), LoRAConfig(seed=seed, **lora_cfg))
+    for i, (_, _, adapter) in enumerate(lora.adapters(model)):
+        adapter.b[...] = 0.5 * jax.random.normal(jax.random.key(seed * 100 + i), adapter.b.shape)
+    return model
+
+
+@pytest.fixture(scope="module")
+def models():
+    base = _model()
+    small = _adapted(base, 1, rank=2, targets=("q", "v"))
+    wide = _adapted(base, 2, rank=4, alpha=8.0, targets=("q", "k", "v", "o", "wi", "wo", "embed"))
+    return base, {"small": small, "wide": wide}
+
+
+def test_rows_gather_their_own_adapter():
+    """`lora_update_rows` (and the embedding's lookup and tied attend) equal the one-adapter maths row by row."""
+    rng = np.random.default_rng(0)
+    rng_normal = lambda *shape: rng.normal(size=shape).astype(np.float32)
+    a, b = rng_normal(3, 5, 2), rng_normal(3, 2, 4, 3)  # N=3 adapters of a [5] -> [4, 3] kernel
+    scale, rows, x = np.array([0.0, 2.0, 0.5], np.float32), np.array([2, 0, 1, 2]), rng_normal(4, 6, 5)
+    got = lora.lora_update_rows(x, a, b, scale, rows)
+    for i, r in enumerate(rows):
+        np.testing.assert_allclose(got[i], lora.lora_update(x[i], a[r], b[r], scale[r]), rtol=1e-5, atol=1e-6)
+    ea, eb, ids = rng_normal(3, 7, 2), rng_normal(3, 2, 5), rng.integers(0, 7, (4, 6))
+    looked, attended = (
+        lora.lora_lookup_rows(ids, ea, eb, scale, rows, jnp.float32),
+        lora.lora_attend_rows(x, ea, eb, scale, rows),
+    )
+    for i, r in enumerate(rows):
+        w = ea[r] @ eb[r] * scale[r]  # [V, D], the merged update
+        np.testing.assert_allclose(looked[i], w[ids[i]], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(attended[i], x[i] @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_mixed_batch_equals_each_merged_model(models):
+    base, adapters = models
+    rng = np.random.default_rng(0)
+    system = rng.integers(2, V, 9).tolist()  # two whole pages of 4 shared by several prompts
+    prompts = [[*system, 5, 6], rng.integers(2, V, 5).tolist(), [*system, 7], [*system, 5, 6, 8]]
+    rows = [(0, None), (0, "small"), (0, "wide"), (2, "wide"), (1, None), (3, "small"), (2, None), (3, "wide"),
+            (0, "small"), (3, None)]  # fmt: skip
+    engine = Engine(base, EngineConfig(max_slots=2, page_size=4, num_pages=64), eos_id=EOS, adapters=adapters)
+    assert engine.adapters == ("small", "wide")
+    out = engine.generate([prompts[p] for p, _ in rows], SamplingParams(max_tokens=8), adapter=[a for _, a in rows])
+    assert engine.prefix_hits > 0  # pages were shared (within an adapter)
+
+    config = DecodeConfig(strategy="greedy", max_new_tokens=8)
+    expected = {}
+    for name, model in [(None, base), *adapters.items()]:
+        merged = model if name is None else lora.merge(nnx.clone(model))
+        tokens = decode.generate(merged, prompts, config, eos_id=EOS).tokens
+        expected[name] = [decode.strip_after_eos(row[0], EOS) for row in tokens]
+    for (p, name), o in zip(rows, out, strict=True):
+        assert o.token_ids == expected[name][p], (p, name)
+    for name in adapters:  # the adapters really change the model
+        assert expected[name] != expected[None], name
+
+
+def test_model_of_an_adapter_and_refusals(models):
+    """`model_of(name)` (what the server scores prompts with) is the merged model; bad adapters are refused."""
+    base, adapters = models
+    engine = Engine(base, EngineConfig(max_slots=2, page_size=4, num_pages=16), eos_id=EOS, adapters=adapters)
+    ids = jnp.asarray([[3, 4, 5, 6, 7]])
+    merged = lora.merge(nnx.clone(adapters["wide"]))(ids)
+    np.testing.assert_allclose(engine.model_of("wide")(ids), merged, rtol=1e-4, atol=1e-4 * np.abs(merged).max())
+    with pytest.raises(EngineError, match=r"adapter 'nope' is not served by this engine \(its adapters: 'small'"):
+        engine.add_request([3, 4], SamplingParams(), adapter="nope")
+    # An adapter trained over an int8 base (lora.base="int8"): its A and B, served over the engine's base.
+    plain = _adapted(base, 5, rank=2, targets=("q",))
+    int8 = lora.quantize_base(nnx.clone(plain), LoRAConfig(rank=2, base="int8"))
+    served = decode.decodable(nnx.clone(base))  # as the engine runs its base: unrolled
+    assert attach(served, {"a": int8}) == ("a",)
+    got = [m.a[...][1] for _, m in nnx.iter_modules(served) if isinstance(m, StackedAdapter)]  # layer by layer
+    (_, _, adapter), *_ = lora.adapters(plain)
+    assert len(got) == 2 and all(np.array_equal(x, y) for x, y in zip(got, adapter.a[...], strict=True))
+    other = _adapted(_model(d_ff=48), 1, rank=2, targets=("q",))
+    with pytest.raises(EngineError, match=r"adapters\['other'\]: model\.d_ff=48 differs from the served model's"):
+        Engine(base, eos_id=EOS, adapters={"other": other})
+    with pytest.raises(EngineError, match=r"adapters\['plain'\]: the model has no LoRA adapters"):
+        Engine(base, eos_id=EOS, adapters={"plain": _model()})

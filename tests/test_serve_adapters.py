@@ -1,0 +1,85 @@
+"""`jaxformer serve --lora NAME=WORKDIR`: a LoRA run's adapters served beside the base, a request's `model`
+picking one. The real `openai` client gets the adapter's completion (the engine's own, which differs from
+the base's), an unknown model gets OpenAI's `model_not_found`, and /v1/models lists the base and the adapter."""
+
+import dataclasses
+import socket
+import threading
+import time
+
+import jax
+import processes
+import pytest
+from flax import nnx
+
+openai = pytest.importorskip("openai", reason='the test extra is not installed: pip install -e ".[test]"')
+uvicorn = pytest.importorskip("uvicorn", reason='the test extra is not installed: pip install -e ".[test]"')
+
+from jaxformer import lora  # noqa: E402
+from jaxformer.config import Config, DataConfig, EngineConfig, LoRAConfig, ServeConfig, TrainConfig, tiny  # noqa: E402
+from jaxformer.engine import Engine, SamplingParams  # noqa: E402
+from jaxformer.models import build_model  # noqa: E402
+from jaxformer.serve import create_app  # noqa: E402
+
+MODEL, ADAPTER, PROMPT = "tiny", "tuned", "KING:"
+
+
+@pytest.fixture(scope="module")
+def workdirs(tmp_path_factory):
+    """A step-0 workdir of a tiny byte-level decoder, and a LoRA run's of the same base with random B."""
+    from jaxformer.checkpoint import start_workdir
+    from jaxformer.state import start_state, state_factory
+
+    model_cfg = tiny("decoder_only", vocab_size=260, d_model=32, d_ff=64, num_decoder_layers=1, max_len=64)
+    data = DataConfig(source="files", files=("a.txt",), tokenizer="byte", max_len=64)
+    cfg = Config(model=model_cfg, data=data, train=TrainConfig(objective="lm"))
+    root = tmp_path_factory.mktemp("serve-lora")
+    start_workdir(root / "base", cfg, jax.jit(state_factory(cfg)[1])())
+    tuned = dataclasses.replace(cfg, lora=LoRAConfig(rank=2, targets=("q", "v")))
+    model = lora.add_adapters(build_model(model_cfg, seed=tuned.train.seed), tuned.lora)  # the same base
+    for i, (_, _, adapter) in enumerate(lora.adapters(model)):
+        adapter.b[...] = jax.random.normal(jax.random.key(i), adapter.b.shape)
+    start_workdir(root / "tuned", tuned, start_state(tuned, nnx.state(model, nnx.Param), state_factory(tuned)[2]))
+    return root / "base", root / "tuned"
+
+
+@pytest.fixture(scope="module")
+def served(workdirs):
+    """The engine's own greedy answers (base, adapter), then a server of it on a free port of 127.0.0.1."""
+    base, tuned = workdirs
+    engine = Engine.from_workdir(base, EngineConfig(max_slots=2, page_size=8, num_pages=32), adapters={ADAPTER: tuned})
+    ids = engine.tokenizer.encode(PROMPT)
+    # One request at a time, as the server's will run: one compiled shape for both.
+    expected = [engine.generate([ids], SamplingParams(max_tokens=6), adapter=a)[0].text for a in (None, ADAPTER)]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = create_app(engine, ServeConfig(port=port), MODEL)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + processes.HANG_GUARD_S  # a hang guard: starting takes a busy machine long
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.025)
+    assert server.started, "uvicorn did not start"
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+                           timeout=processes.HANG_GUARD_S)  # fmt: skip
+    yield client, dict(zip((MODEL, ADAPTER), expected, strict=True))
+    server.should_exit = True
+    thread.join(20)
+
+
+def test_the_request_model_picks_the_adapter(served):
+    client, expected = served
+    assert expected[ADAPTER] != expected[MODEL]  # the adapter's B is not zero: it answers otherwise
+    for name in (MODEL, ADAPTER):
+        got = client.completions.create(model=name, prompt=PROMPT, max_tokens=6, temperature=0)
+        assert (got.model, got.choices[0].text) == (name, expected[name])
+    streamed = client.completions.create(model=ADAPTER, prompt=PROMPT, max_tokens=6, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == expected[ADAPTER]
+    cards = client.models.list().data
+    assert [(c.id, getattr(c, "parent", None)) for c in cards] == [(MODEL, None), (ADAPTER, MODEL)]
+    assert client.models.retrieve(ADAPTER).id == ADAPTER
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="other", prompt=PROMPT, max_tokens=2)
+    assert e.value.code == "model_not_found" and "serves `tiny`, `tuned`" in e.value.message
