@@ -280,6 +280,26 @@ def test_decode_step_compiles_once_for_every_mix(model):
     assert {pages for _, _, pages in traced} == {8}  # 32 positions at least: the rows' 29 at most fit
 
 
+def test_warmup_compiles_every_shape_the_stream_then_needs_and_leaves_the_outputs_alone(model):
+    """After `warmup`, requests of every length, sampled and greedy, coming and going, compile nothing, and
+    greedy outputs are still `generate`'s (the empty rows it ran wrote only the scratch page)."""
+    cfg = EngineConfig(page_size=4, num_pages=40, max_slots=3, prefill_chunk=4, decode_steps=2)  # shapes of its own
+    engine = Engine(model, cfg, eos_id=None)
+    before = collections.Counter(engine_module._TRACES)
+    shapes = engine.warmup()
+    warmed = engine_module._TRACES - before
+    assert shapes == len(warmed) == 2 * 3 * 2  # prefill and decode x rows 1, 2, 3 x pages 8, 16 (the context's)
+    prompts, n = _prompts(), 6
+    sampled = [SamplingParams(max_tokens=n, temperature=0.7, top_p=0.9, seed=i) for i in range(len(prompts))]
+    greedy = engine.generate(prompts, SamplingParams(max_tokens=n))
+    engine.generate(prompts, sampled)
+    assert engine_module._TRACES - before == warmed  # nothing compiled after the warm-up
+    assert [o.token_ids for o in greedy] == _reference(model, prompts, n, None)
+    engine.add_request([1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(EngineError, match="warm up before adding any"):
+        engine.warmup()
+
+
 # ----------------------------------------------------------------------------- bad requests
 
 

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -488,7 +489,8 @@ def test_jaxformer_serve_serves_a_workdir_until_interrupted(workdir):
         "--model-name",
         MODEL,
         "--set",
-        "engine.max_slots=4",
+        "engine.max_slots=1",  # one row: --warmup compiles a prefill chunk and a decode step per page bucket
+        "--warmup",
     ]
     env = dict(os.environ, JAXFORMER_API_KEY=KEY)  # the key from the environment, not the command line
     proc = subprocess.Popen([sys.executable, "-m", "jaxformer.cli", *argv], env=env, stderr=subprocess.PIPE, text=True)
@@ -512,6 +514,7 @@ def test_jaxformer_serve_serves_a_workdir_until_interrupted(workdir):
     finally:
         proc.send_signal(signal.SIGINT)  # Ctrl-C: uvicorn shuts down, the engine thread stops
         assert proc.wait(processes.HANG_GUARD_S) == 0
+    assert re.search(r"warmed up: \d+ shapes of the step compiled", proc.stderr.read())  # before serving
 
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

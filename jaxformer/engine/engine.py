@@ -566,46 +566,27 @@ class Engine:
         # to the last it writes), so a step's attention reads the live sequences' pages, not max_context's.
         # A few shapes serve every mix, one compilation each.
         R = _bucket(len(reqs), self.cfg.max_slots)
-        rows = [r.slot for r in reqs] + [None] * (R - len(reqs))
         row_of = {r: i for i, r in enumerate(reqs)}
         size = self.cfg.page_size
         P = _bucket(
             max(-(-_MIN_READ // size), *(-(-(r.computed + spans[r]) // size) for r in reqs)), self.pages_per_seq
         )
-        ids = np.zeros((R, width), np.int32)
-        positions = np.zeros((R, width), np.int32)
-        valid = np.zeros((R, width), bool)
-        last = np.zeros(R, np.int32)
-        table = np.zeros((R, P), np.int32)
-        steps = np.zeros(R, np.int32)
-        adapter_rows = np.zeros(R, np.int32)
-        seeds, temps, top_k, top_p = (
-            np.zeros(R, np.uint32),
-            np.zeros(R, np.float32),
-            np.zeros(R, np.int32),
-            np.ones(R, np.float32),
-        )
+        x = self._blank(R, width, P)
         for req, i in row_of.items():
             n, start = spans[req], req.computed
             if width == 1:
-                ids[i, 0], positions[i, 0], valid[i, 0], steps[i] = req.tokens[start], start, True, n
+                x["ids"][i, 0], x["positions"][i, 0], x["valid"][i, 0] = req.tokens[start], start, True
+                x["steps"][i] = n
             else:
-                ids[i, :n] = req.tokens[start : start + n]
-                positions[i] = start + np.arange(width)
-                valid[i, :n] = True
-                last[i] = n - 1
-            table[i] = self._table[req.slot, :P]
+                x["ids"][i, :n] = req.tokens[start : start + n]
+                x["positions"][i] = start + np.arange(width)
+                x["valid"][i, :n] = True
+                x["last"][i] = n - 1
+            x["table"][i] = self._table[req.slot, :P]
             p = req.params
-            seeds[i], temps[i], top_k[i], top_p[i] = req.seed, p.temperature, p.top_k, p.top_p
-            adapter_rows[i] = req.adapter
-        slots = np.asarray([0 if s is None else s for s in rows], np.int32)
-        source = None if self._memory is None else (self._memory, self._src_lengths, slots)
-        tokens, logp, self._pools = _forward(
-            self._graphdef, self._params, self._pools, table, ids, positions, valid, last,
-            (seeds, temps, top_k, top_p), source, steps, adapter_rows if self.adapters else None,
-            steps=self.cfg.decode_steps if width == 1 else 1,
-        )  # fmt: skip
-        tokens, logp = np.asarray(tokens), np.asarray(logp)
+            x["seeds"][i], x["temps"][i], x["top_k"][i], x["top_p"][i] = req.seed, p.temperature, p.top_k, p.top_p
+            x["adapters"][i], x["slots"][i] = req.adapter, req.slot
+        tokens, logp = self._call(x, width)
         for req, i in row_of.items():
             if width > 1:  # a prefill chunk
                 req.computed += spans[req]
@@ -620,6 +601,51 @@ class Engine:
         for req in row_of:
             if req.slot is not None:  # still running
                 self._slide(req)
+
+    def _blank(self, R: int, width: int, P: int) -> dict[str, np.ndarray]:
+        """The inputs of one compiled step, every row empty: R rows of `width` positions over P pages
+        (page 0, scratch), greedy; an empty row writes nothing that any request reads."""
+        zeros = lambda dtype, shape=(R,): np.zeros(shape, dtype)
+        return {
+            "ids": zeros(np.int32, (R, width)), "positions": zeros(np.int32, (R, width)),
+            "valid": zeros(bool, (R, width)), "last": zeros(np.int32), "table": zeros(np.int32, (R, P)),
+            "steps": zeros(np.int32), "adapters": zeros(np.int32), "slots": zeros(np.int32),
+            "seeds": zeros(np.uint32), "temps": zeros(np.float32), "top_k": zeros(np.int32),
+            "top_p": np.ones(R, np.float32),
+        }  # fmt: skip
+
+    def _call(self, x: dict[str, np.ndarray], width: int) -> tuple[np.ndarray, np.ndarray]:
+        """Run the compiled step on inputs `x` (`_blank`'s, filled): tokens and log-probabilities [R, steps]."""
+        source = None if self._memory is None else (self._memory, self._src_lengths, x["slots"])
+        tokens, logp, self._pools = _forward(
+            self._graphdef, self._params, self._pools, x["table"], x["ids"], x["positions"], x["valid"], x["last"],
+            (x["seeds"], x["temps"], x["top_k"], x["top_p"]), source, x["steps"],
+            x["adapters"] if self.adapters else None, steps=self.cfg.decode_steps if width == 1 else 1,
+        )  # fmt: skip
+        return np.asarray(tokens), np.asarray(logp)
+
+    def warmup(self) -> int:
+        """Compile every shape of the step the scheduler can call, before any request: prefill chunks and
+        decode steps, at each power of two of rows up to `max_slots` and of pages up to the context's,
+        so that no request waits for a compilation (as a server warms up before it takes traffic).
+
+        Returns:
+            The count of shapes run (each compiled once; 0 for an encoder_only engine, which only scores).
+
+        Raises:
+            EngineError: requests are queued or running (warm up an idle engine).
+        """
+        if self.has_unfinished():
+            raise EngineError("warmup: requests are queued or running; warm up before adding any")
+        if self.encoder_only:
+            return 0
+        top, pps = self.cfg.max_slots, self.pages_per_seq
+        rows = sorted({_bucket(n, top) for n in range(1, top + 1)})
+        pages = sorted({_bucket(n, pps) for n in range(min(-(-_MIN_READ // self.cfg.page_size), pps), pps + 1)})
+        shapes = [(R, width, P) for width in (self.cfg.prefill_chunk, 1) for R in rows for P in pages]
+        for R, width, P in shapes:
+            self._call(self._blank(R, width, P), width)
+        return len(shapes)
 
     def _register(self, req: _Request) -> None:
         """Enter the prompt pages now computed into the prefix cache."""
