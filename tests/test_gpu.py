@@ -304,7 +304,7 @@ def test_host_offload_moves_bytes_off_the_h100(devices):
 
 
 def test_the_engine_s_step_gathers_pages_and_attends_by_cudnn_on_h100():
-    """The serving engine's compiled step (`engine._forward`) for one H100, bfloat16, head dim 64 (4 heads
+    """The serving engine's compiled step (`engine.steps._forward`) for one H100, bfloat16, head dim 64 (4 heads
     over 2 kv heads): its decode step [4, 1] and a prefill chunk [4, 8] over page tables of 8 pages of 16
     read each row's pages by XLA's gather of whole pages (slices of the 2 kv heads x 16 x 64 values),
     landing as the dense [B, S, G, K] keys and values that cuDNN's fused attention reads: no kernel of
@@ -316,7 +316,7 @@ def test_the_engine_s_step_gathers_pages_and_attends_by_cudnn_on_h100():
     bfloat16 copies of the float32 weights (the same 4,473,656 at 32 pages a row: its buffer assignment)."""
     from flax import nnx
 
-    from jaxformer.engine import engine as engine_module
+    from jaxformer.engine import steps as engine_steps
     from jaxformer.layers import without_id_checks
 
     mesh_cfg = MeshConfig()
@@ -335,7 +335,7 @@ def test_the_engine_s_step_gathers_pages_and_attends_by_cudnn_on_h100():
         params = with_shardings(params, sharding.state_shardings(params, mesh))
         sampling = (spec(np.uint32, B), spec(np.float32, B), spec(np.int32, B), spec(np.float32, B))
         for width in (1, 8):  # a decode step, a prefill chunk
-            compiled = engine_module._forward.lower(
+            compiled = engine_steps._forward.lower(
                 graphdef, params, [{"k": pool, "v": pool}], spec(np.int32, B, P), spec(np.int32, B, width),
                 spec(np.int32, B, width), spec(bool, B, width), spec(np.int32, B), sampling, None,
                 spec(np.int32, B), steps=1,

@@ -1,0 +1,97 @@
+"""The engine's compiled programs, pure functions of the model's arrays and the pools: one step of the
+continuous batch over the paged cache (`_forward`: a prefill chunk or `steps` decode steps, each row
+sampling its own next token), an encoder_decoder source encoded into its slot (`_encode_into`), whole
+inputs scored by an encoder_only model (`_score`), and copy-on-write of a shared page (`_copy_page`).
+The scheduler (`jaxformer.engine.engine`) builds their inputs and owns what they return.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxformer.engine import adapters as _adapters
+from jaxformer.engine import paged
+
+_TRACES = collections.Counter()  # compilations of the engine's step, by (rows, width, pages): tests count them
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames=("pools",))
+def _forward(
+    graphdef, params, pools, table_BP, ids_BT, positions_BT, valid_BT, last_B, sampling, source, steps_B,
+    rows_B=None, *, steps,
+):  # fmt: skip
+    """One paged step and the next token of each row (from its last valid position `last_B`), then (decode,
+    T = 1) `steps` - 1 more, each feeding the token just drawn, row b running `steps_B[b]` in all; `source`:
+    None, or (per layer the slots' cross-attention keys and values, the slots' source lengths, each row's
+    slot); `rows_B`: None, or each row's adapter (engine.adapters). Returns tokens and log-probabilities [B, steps]
+    and the pools."""
+    _TRACES[(*ids_BT.shape, table_BP.shape[1]) if steps == 1 else (*ids_BT.shape, table_BP.shape[1], steps)] += 1
+    model = nnx.merge(graphdef, params)
+    if rows_B is not None:
+        _adapters.bind_rows(model, rows_B)
+    memory, src_lengths_B = None, None
+    if source is not None:
+        memory_slots, src_lengths_slots, slots_B = source
+        memory = jax.tree.map(lambda m: jnp.take(m, slots_B, axis=0), memory_slots)
+        src_lengths_B = jnp.take(src_lengths_slots, slots_B, axis=0)
+    seeds_B, temperature_B, top_k_B, top_p_B = sampling
+
+    def one(pools, ids_BT, positions_BT, valid_BT, last_B):
+        logits_B1V, pools = paged.paged_step(
+            model, pools, table_BP, ids_BT, positions_BT, valid_BT, memory, src_lengths_B, last_B
+        )
+        logits_BV = logits_B1V[:, 0]
+        positions_B = jnp.take_along_axis(positions_BT, last_B[:, None], axis=1)[:, 0] + 1  # the drawn token's
+        keys_B = paged.request_keys(seeds_B, positions_B)
+        tokens_B, logp_B = paged.choose_rows(logits_BV, keys_B, temperature_B, top_k_B, top_p_B)
+        return tokens_B, logp_B, pools
+
+    tokens_B, logp_B, pools = one(pools, ids_BT, positions_BT, valid_BT, last_B)
+    tokens_BN = jnp.zeros((ids_BT.shape[0], steps), jnp.int32).at[:, 0].set(tokens_B)
+    logp_BN = jnp.zeros((ids_BT.shape[0], steps), jnp.float32).at[:, 0].set(logp_B)
+
+    def body(i, carry):  # decoding: the token drawn at step i - 1 goes in at the next position
+        tokens_BN, logp_BN, pools = carry
+        valid_B1 = valid_BT & (i < steps_B)[:, None]
+        previous_B1 = jax.lax.dynamic_slice_in_dim(tokens_BN, i - 1, 1, axis=1)
+        t_B, l_B, pools = one(pools, previous_B1, positions_BT + i, valid_B1, jnp.zeros_like(last_B))
+        return tokens_BN.at[:, i].set(t_B), logp_BN.at[:, i].set(l_B), pools
+
+    return jax.lax.fori_loop(1, steps, body, (tokens_BN, logp_BN, pools)) if steps > 1 else (tokens_BN, logp_BN, pools)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("memory",))
+def _encode_into(graphdef, params, memory, src_1S, src_lengths_1, slot):
+    """Encode one source and write each decoder layer's cross-attention keys and values of it into `slot`."""
+    model = nnx.merge(graphdef, params)
+    memory_1SD = model.encode(src_1S, src_lengths=src_lengths_1)
+    layers = model.init_cache(1, 1, memory_1SD, src_lengths=src_lengths_1)["layers"]
+    write = lambda m, c: {n: m[n].at[slot].set(c["memory"][n][0].astype(m[n].dtype)) for n in "kv"}
+    return [write(m, c) for m, c in zip(memory, layers, strict=True)]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "kind"))
+def _score(graphdef, params, ids_BS, lengths_B, *, kind):
+    """encoder_only: class log-probabilities [B, C], masked-LM argmax ids [B, S], or mean states [B, D]."""
+    model = nnx.merge(graphdef, params)
+    if kind == "classify":
+        return jax.nn.log_softmax(model.classify(ids_BS, src_lengths=lengths_B).astype(jnp.float32))
+    h_BSD = model.hidden(ids_BS, lengths=lengths_B)
+    if kind == "fill":
+        return jnp.argmax(model.head(h_BSD), axis=-1)
+    valid_BS1 = (jnp.arange(ids_BS.shape[1])[None, :] < lengths_B[:, None])[..., None]
+    return jnp.sum(jnp.where(valid_BS1, h_BSD.astype(jnp.float32), 0.0), axis=1) / lengths_B[:, None]
+
+
+@functools.partial(jax.jit, donate_argnames=("pools",))
+def _copy_page(pools, src, dst):
+    """Copy-on-write: page `dst` of every pool takes page `src`'s contents."""
+    return [
+        {n: p.at[dst].set(p[src]) if p.ndim == 3 else p.at[:, dst].set(p[:, src]) for n, p in pool.items()}
+        for pool in pools
+    ]
