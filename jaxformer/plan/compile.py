@@ -3,6 +3,7 @@ the figures a plan reads from the compiled program (`Compiled`), and the disk ca
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
@@ -13,6 +14,7 @@ import math
 import os
 import pathlib
 import tempfile
+import time
 
 import jax
 import numpy as np
@@ -242,6 +244,31 @@ def _cache_write(key: str, figures: Compiled) -> None:
         partial.replace(directory / f"{key}.json")  # whole or absent, for a reader beside us
     except OSError:  # a read-only home: the plan is still right, only not kept
         pass
+
+
+def _compile_cached(pool, key: str, lower, *, gpu: bool, collectives: bool = False, on_read=None, on_compiled=None):
+    """The figures of the program `lower()` gives: read back from the plan cache under `key`, or the program
+    lowered here (tracing reads this thread's mesh) and compiled in `pool`, then written to the cache.
+    `on_read()` is called on a cache hit; `on_compiled(figures, start, end)` after a compile, with its times."""
+    if (figures := _cache_read(key)) is not None:
+        if on_read:
+            on_read()
+        done = concurrent.futures.Future()
+        done.set_result(figures)
+        return done
+    lowered = lower()
+
+    def compile_() -> Compiled:
+        start = time.perf_counter()
+        figures = Compiled.of(lowered, gpu=gpu, collectives=collectives)
+        end = time.perf_counter()
+        _give_back_memory()
+        if on_compiled:
+            on_compiled(figures, start, end)
+        _cache_write(key, figures)
+        return figures
+
+    return pool.submit(compile_)
 
 
 def _give_back_memory() -> None:

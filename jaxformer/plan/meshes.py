@@ -43,9 +43,7 @@ from jaxformer.pipeline import bubble_fraction
 from jaxformer.plan.compile import (
     Compiled,
     _cache_key,
-    _cache_read,
-    _cache_write,
-    _give_back_memory,
+    _compile_cached,
     _shard_bytes,
     lower_train_step,
     with_shardings,
@@ -287,22 +285,12 @@ def search(
 
 def _compile(pool, lowered, key: str, c: Candidate, mesh, progress) -> concurrent.futures.Future:
     """The figures of `lowered`, from the plan cache or compiled in `pool`."""
-    if (figures := _cache_read(key)) is not None:
-        if progress:
-            progress(f"read {c.name} from the plan cache")
-        done = concurrent.futures.Future()
-        done.set_result(figures)
-        return done
-
-    def compile_() -> Compiled:
-        figures = Compiled.of(lowered, gpu=mesh.devices.flat[0].platform == "gpu")
-        _give_back_memory()
-        if progress:
-            progress(f"compiled {c.name}: {figures.refused or f'peak {figures.peak / 1e9:.3f} GB'}")
-        _cache_write(key, figures)
-        return figures
-
-    return pool.submit(compile_)
+    said = lambda figures: figures.refused or f"peak {figures.peak / 1e9:.3f} GB"
+    return _compile_cached(
+        pool, key, lambda: lowered, gpu=mesh.devices.flat[0].platform == "gpu",
+        on_read=progress and (lambda: progress(f"read {c.name} from the plan cache")),
+        on_compiled=progress and (lambda figures, *_: progress(f"compiled {c.name}: {said(figures)}")),
+    )  # fmt: skip
 
 
 def _bounded(row: Row, cfg: Config, params: int, step: Compiled, chip, memory: float, n: int, per_host) -> Row:

@@ -7,7 +7,6 @@ import concurrent.futures
 import hashlib
 import json
 import math
-import time
 
 import jax
 
@@ -16,9 +15,7 @@ from jaxformer.config import Config, ConfigError
 from jaxformer.plan.compile import (
     Compiled,
     _cache_key,
-    _cache_read,
-    _cache_write,
-    _give_back_memory,
+    _compile_cached,
     _shard_bytes,
     abstract_batch,
     with_shardings,
@@ -115,28 +112,21 @@ def plan(
         def submit(name: str, size: int, key: str, program) -> concurrent.futures.Future:
             """`program()` (a step, lowered here: tracing reads this thread's mesh) compiled in the pool,
             or its figures read back from the plan cache."""
-            nonlocal cached
-            if (figures := _cache_read(key)) is not None:
+
+            def read() -> None:
+                nonlocal cached
                 cached += 1
                 if progress:
                     progress(f"read the {name} step at batch {size} from the plan cache")
-                done = concurrent.futures.Future()
-                done.set_result(figures)
-                return done
-            lowered = program()
 
-            def compile_() -> Compiled:
-                start = time.perf_counter()
-                figures = Compiled.of(lowered, gpu=mesh.devices.flat[0].platform == "gpu", collectives=experts)
-                busy.append((start, time.perf_counter()))
-                _give_back_memory()
+            def done(figures: Compiled, start: float, end: float) -> None:
+                busy.append((start, end))
                 if progress:
                     said = figures.refused or f"peak {figures.peak / 1e9:.3f} GB"
-                    progress(f"compiled the {name} step at batch {size}: {busy[-1][1] - start:.1f} s, {said}")
-                _cache_write(key, figures)
-                return figures
+                    progress(f"compiled the {name} step at batch {size}: {end - start:.1f} s, {said}")
 
-            return pool.submit(compile_)
+            gpu = mesh.devices.flat[0].platform == "gpu"
+            return _compile_cached(pool, key, program, gpu=gpu, collectives=experts, on_read=read, on_compiled=done)
 
         def training(size: int) -> concurrent.futures.Future:
             if size not in compiled:
