@@ -68,7 +68,7 @@ def serve_speed(args) -> None:
     mcfg = C.gpt2_small(
         vocab_size=args.vocab, d_model=args.d_model, num_heads=args.heads, d_ff=4 * args.d_model,
         num_decoder_layers=args.layers, max_len=width + max_new, dropout_rate=0.0, dtype=args.dtype,
-        check_token_ids=False,
+        check_token_ids=False, scan_layers=args.scan, attention_impl=args.attention,
     )  # fmt: skip
     model = build_model(mcfg)
     page = 16
@@ -105,7 +105,7 @@ def serve_speed(args) -> None:
         return time.perf_counter() - t0, ttft, []
 
     runs = {f"engine ({slots} slots, {args.serve_steps} steps a call)": engine_run, "static generate": static_run}
-    torch_run = _torch_serve(model, prompts, outs, batches, tempfile.mkdtemp(), save_hf)
+    torch_run = _torch_serve(model, prompts, outs, batches, tempfile.mkdtemp(), save_hf, args.dtype)
     if torch_run is not None:
         runs["transformers torch generate"] = torch_run
     kv_bytes = (
@@ -118,8 +118,13 @@ def serve_speed(args) -> None:
         f"{kv_bytes} bytes per token ({kv_bytes * page} a page); {jax.devices()[0].device_kind}, "
         f"{os.cpu_count()} cores"
     )
-    for fn in runs.values():
-        fn()  # compiles every shape
+    t0 = time.perf_counter()
+    shapes = engine.warmup()  # every shape of the engine's step, as `serve --warmup` does
+    print(f"engine warm-up: {shapes} shapes compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+    for name, fn in runs.items():
+        t0 = time.perf_counter()
+        fn()  # compiles the static path's shapes (and any the warm-up missed)
+        print(f"{name}: first round (compiling) {time.perf_counter() - t0:.1f} s", flush=True)
     times, ttft, itl = ({name: [] for name in runs} for _ in range(3))
     for _ in range(args.rounds):
         for name, fn in runs.items():
@@ -139,10 +144,12 @@ def serve_speed(args) -> None:
         print(f"engine / {other}: {rate[names[0]] / rate[other]:.2f}x tokens/s")
 
 
-def _torch_serve(model, prompts, outs, batches, directory, save_hf):
+def _torch_serve(model, prompts, outs, batches, directory, save_hf, dtype):
     """Hugging Face transformers' PyTorch `generate` over `model`'s weights (written with `save_hf`),
-    batch by batch as the static path runs; None (and a line saying so) where torch is not importable.
-    Checks that its greedy tokens of the first batch equal the engine's model's (`generate`)."""
+    batch by batch as the static path runs, on the GPU where torch sees one, in `dtype`; None (and a line
+    saying so) where torch is not importable. Counts the requests of the first batch whose greedy tokens
+    equal the engine's model's (`generate`; all of them in float32, fewer in bfloat16, whose rounding
+    differs between the two)."""
     try:
         import torch
         import transformers
@@ -153,7 +160,9 @@ def _torch_serve(model, prompts, outs, batches, directory, save_hf):
     from jaxformer.decode import generate
 
     save_hf(model, directory)
-    peer = transformers.AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32).eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    peer = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype))
+    peer = peer.to(device).eval()
 
     def batch(b):
         rows = [prompts[i] for i in b]
@@ -162,20 +171,21 @@ def _torch_serve(model, prompts, outs, batches, directory, save_hf):
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for j, r in enumerate(rows):  # left-padded, as decoder-only generation wants
             ids[j, width - len(r) :], mask[j, width - len(r) :] = torch.tensor(r), 1
+        ids, mask = ids.to(device), mask.to(device)
         n = max(outs[i] for i in b)
         with torch.inference_mode():
             out = peer.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                 pad_token_id=0, eos_token_id=None,
             )  # fmt: skip
-        return out[:, width:].tolist()
+        return out[:, width:].tolist()  # to the host: the batch is done
 
     got = batch(batches[0])
     settings = DecodeConfig(strategy="greedy", max_new_tokens=max(outs[i] for i in batches[0]))
     want = generate(model, [prompts[i] for i in batches[0]], settings, eos_id=None).tokens[:, 0].tolist()
     same = sum(g[: outs[i]] == w[: outs[i]] for i, g, w in zip(batches[0], got, want, strict=True))
-    print(f"transformers torch {torch.__version__}, {torch.get_num_threads()} threads: greedy tokens of the first "
-          f"batch equal generate's for {same} of {len(got)} requests")  # fmt: skip
+    print(f"transformers torch {torch.__version__} on {device}, {torch.get_num_threads()} threads: greedy tokens "
+          f"of the first batch equal generate's for {same} of {len(got)} requests")  # fmt: skip
 
     def run():
         t0, ttft = time.perf_counter(), []
