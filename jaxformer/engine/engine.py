@@ -24,8 +24,10 @@ masks or embeds whole inputs.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
+import os
 import zlib
 
 import jax
@@ -65,6 +67,11 @@ class _Request:
 
 
 _MIN_READ = 32  # positions a step's page tables cover at least: fewer buckets, each compiled once
+
+
+def _aval(a) -> tuple:
+    """What an executable compiled for array `a` requires of another in its place."""
+    return a.shape, a.dtype, getattr(a, "sharding", None)
 
 
 def _bucket(n: int, most: int) -> int:
@@ -127,6 +134,7 @@ class Engine:
         G, K = mcfg.kv_heads, mcfg.dim_per_head
         self.encoder_only = mcfg.mode == "encoder_only"  # scores only (`score`): no cache, no decoding
         self._pools = paged.empty_pools(mcfg, cfg.num_pages, cfg.page_size)  # K/V pages, or MLA's latents
+        self._compiled = {}  # the warm-up's executables of the step, by (rows, width, pages)
         self.encoder_decoder = mcfg.mode == "encoder_decoder"
         self._memory, self._src_lengths = None, np.zeros(cfg.max_slots, np.int32)
         if self.encoder_decoder:  # each slot's source, as cross-attention keys and values [slots, G, S, K]
@@ -220,6 +228,8 @@ class Engine:
         graphdef, params = nnx.split(decodable(without_id_checks(nnx.merge(*nnx.split(model)))))
         if graphdef != self._graphdef:
             raise EngineError("load_weights: the model's structure differs from the engine's")
+        if jax.tree.map(_aval, params) != jax.tree.map(_aval, self._params):
+            self._compiled.clear()  # the warm-up compiled for the old arrays' shapes and placement
         self._params = params
         self._alloc.by_hash.clear()
         self._alloc.hash_of.clear()
@@ -535,22 +545,39 @@ class Engine:
         }  # fmt: skip
 
     def _call(self, x: dict[str, np.ndarray], width: int) -> tuple[np.ndarray, np.ndarray]:
-        """Run the compiled step on inputs `x` (`_blank`'s, filled): tokens and log-probabilities [R, steps]."""
-        source = None if self._memory is None else (self._memory, self._src_lengths, x["slots"])
-        tokens, logp, self._pools = _forward(
-            self._graphdef, self._params, self._pools, x["table"], x["ids"], x["positions"], x["valid"], x["last"],
-            (x["seeds"], x["temps"], x["top_k"], x["top_p"]), source, x["steps"],
-            x["adapters"] if self.adapters else None, steps=self.cfg.decode_steps if width == 1 else 1,
-        )  # fmt: skip
+        """Run the compiled step on inputs `x` (`_blank`'s, filled): tokens and log-probabilities [R, steps]
+        (through the warm-up's executable of this shape where there is one)."""
+        exe = self._compiled.get((*x["ids"].shape, x["table"].shape[1]))
+        if exe is None:
+            tokens, logp, self._pools = _forward(self._graphdef, *self._inputs(x), steps=self._steps(width))
+        else:
+            tokens, logp, self._pools = exe(*self._inputs(x))
         return np.asarray(tokens), np.asarray(logp)
 
-    def warmup(self) -> int:
+    def _inputs(self, x: dict[str, np.ndarray]) -> tuple:
+        """`_forward`'s arguments but its static ones (the graph, the steps), from `_blank`'s inputs."""
+        source = None if self._memory is None else (self._memory, self._src_lengths, x["slots"])
+        sampling = (x["seeds"], x["temps"], x["top_k"], x["top_p"])
+        return (
+            self._params, self._pools, x["table"], x["ids"], x["positions"], x["valid"], x["last"], sampling, source,
+            x["steps"], x["adapters"] if self.adapters else None,
+        )  # fmt: skip
+
+    def _steps(self, width: int) -> int:
+        return self.cfg.decode_steps if width == 1 else 1
+
+    def warmup(self, threads: int | None = None) -> int:
         """Compile every shape of the step the scheduler can call, before any request: prefill chunks and
         decode steps, at each power of two of rows up to `max_slots` and of pages up to the context's,
-        so that no request waits for a compilation (as a server warms up before it takes traffic).
+        so that no request waits for a compilation (as a server warms up before it takes traffic). Each
+        shape is traced here, then compiled on `threads` threads at once (XLA's compiler runs outside
+        Python's lock); the steps that follow call these executables.
+
+        Args:
+            threads: compilations at once (default: the host's cores).
 
         Returns:
-            The count of shapes run (each compiled once; 0 for an encoder_only engine, which only scores).
+            The count of shapes compiled (0 for an encoder_only engine, which only scores).
 
         Raises:
             EngineError: requests are queued or running (warm up an idle engine).
@@ -563,8 +590,12 @@ class Engine:
         rows = sorted({_bucket(n, top) for n in range(1, top + 1)})
         pages = sorted({_bucket(n, pps) for n in range(min(-(-_MIN_READ // self.cfg.page_size), pps), pps + 1)})
         shapes = [(R, width, P) for width in (self.cfg.prefill_chunk, 1) for R in rows for P in pages]
-        for R, width, P in shapes:
-            self._call(self._blank(R, width, P), width)
+        lowered = [
+            _forward.lower(self._graphdef, *self._inputs(self._blank(*shape)), steps=self._steps(shape[1]))
+            for shape in shapes
+        ]
+        with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
+            self._compiled.update(zip(shapes, pool.map(lambda lowering: lowering.compile(), lowered), strict=True))
         return len(shapes)
 
     def _register(self, req: _Request) -> None:
