@@ -16,6 +16,8 @@ import time
 
 import pytest
 
+from jaxformer.gpu import nvidia_gpus_here
+
 HANG_GUARD_S = 1800  # 30 min: hung, not slow (the longest of these runs takes ~1 min of CPU)
 
 
@@ -23,8 +25,11 @@ def cpu_env(**extra: str) -> dict[str, str]:
     """os.environ for a process that runs JAX on the CPU only, compiling with XLA:CPU's elemental
     emitters as the test session does (tests/conftest.py: its MLIR fusion emitters take ~2.5x the
     CPU time to compile a small model). Never for a process that loads libtpu (`plan --target tpu-*`),
-    whose XLA aborts on the flag. `extra`: more variables; an XLA_FLAGS among them is added to these."""
-    flags = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), "--xla_cpu_use_fusion_emitters=false") if f)
+    whose XLA aborts on the flag, nor where an NVIDIA GPU is (its CUDA plugin reads XLA_FLAGS too and
+    aborts on the flag; conftest leaves it out there). `extra`: more variables; an XLA_FLAGS among them
+    is added to these."""
+    emitters = "" if nvidia_gpus_here() else "--xla_cpu_use_fusion_emitters=false"
+    flags = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), emitters) if f)
     if "XLA_FLAGS" in extra:
         flags = f"{flags} {extra.pop('XLA_FLAGS')}"
     return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **extra)
