@@ -134,7 +134,7 @@ class Engine:
         G, K = mcfg.kv_heads, mcfg.dim_per_head
         self.encoder_only = mcfg.mode == "encoder_only"  # scores only (`score`): no cache, no decoding
         self._pools = paged.empty_pools(mcfg, cfg.num_pages, cfg.page_size)  # K/V pages, or MLA's latents
-        self._compiled = {}  # the warm-up's executables of the step, by (rows, width, pages)
+        self._compiled = {}  # the step's executables, by (rows, width, pages)
         self.encoder_decoder = mcfg.mode == "encoder_decoder"
         self._memory, self._src_lengths = None, np.zeros(cfg.max_slots, np.int32)
         if self.encoder_decoder:  # each slot's source, as cross-attention keys and values [slots, G, S, K]
@@ -545,14 +545,17 @@ class Engine:
         }  # fmt: skip
 
     def _call(self, x: dict[str, np.ndarray], width: int) -> tuple[np.ndarray, np.ndarray]:
-        """Run the compiled step on inputs `x` (`_blank`'s, filled): tokens and log-probabilities [R, steps]
-        (through the warm-up's executable of this shape where there is one)."""
-        exe = self._compiled.get((*x["ids"].shape, x["table"].shape[1]))
-        if exe is None:
-            tokens, logp, self._pools = _forward(self._graphdef, *self._inputs(x), steps=self._steps(width))
-        else:
-            tokens, logp, self._pools = exe(*self._inputs(x))
+        """Run the compiled step on inputs `x` (`_blank`'s, filled): tokens and log-probabilities [R, steps].
+        Its executable for this shape is compiled the first time (unless `warmup` did) and kept: a call
+        then flattens the arrays and runs, with no jit cache to look up by the model's graph."""
+        shape = (*x["ids"].shape, x["table"].shape[1])
+        if shape not in self._compiled:
+            self._compiled[shape] = self._lower(x, width).compile()
+        tokens, logp, self._pools = self._compiled[shape](*self._inputs(x))
         return np.asarray(tokens), np.asarray(logp)
+
+    def _lower(self, x: dict[str, np.ndarray], width: int):
+        return _forward.lower(self._graphdef, *self._inputs(x), steps=self.cfg.decode_steps if width == 1 else 1)
 
     def _inputs(self, x: dict[str, np.ndarray]) -> tuple:
         """`_forward`'s arguments but its static ones (the graph, the steps), from `_blank`'s inputs."""
@@ -562,9 +565,6 @@ class Engine:
             self._params, self._pools, x["table"], x["ids"], x["positions"], x["valid"], x["last"], sampling, source,
             x["steps"], x["adapters"] if self.adapters else None,
         )  # fmt: skip
-
-    def _steps(self, width: int) -> int:
-        return self.cfg.decode_steps if width == 1 else 1
 
     def warmup(self, threads: int | None = None) -> int:
         """Compile every shape of the step the scheduler can call, before any request: prefill chunks and
@@ -577,7 +577,8 @@ class Engine:
             threads: compilations at once (default: the host's cores).
 
         Returns:
-            The count of shapes compiled (0 for an encoder_only engine, which only scores).
+            The count of shapes the step can take, each now compiled (0 for an encoder_only engine, which
+            only scores).
 
         Raises:
             EngineError: requests are queued or running (warm up an idle engine).
@@ -590,12 +591,10 @@ class Engine:
         rows = sorted({_bucket(n, top) for n in range(1, top + 1)})
         pages = sorted({_bucket(n, pps) for n in range(min(-(-_MIN_READ // self.cfg.page_size), pps), pps + 1)})
         shapes = [(R, width, P) for width in (self.cfg.prefill_chunk, 1) for R in rows for P in pages]
-        lowered = [
-            _forward.lower(self._graphdef, *self._inputs(self._blank(*shape)), steps=self._steps(shape[1]))
-            for shape in shapes
-        ]
+        new = [shape for shape in shapes if shape not in self._compiled]
+        lowered = [self._lower(self._blank(*shape), shape[1]) for shape in new]
         with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
-            self._compiled.update(zip(shapes, pool.map(lambda lowering: lowering.compile(), lowered), strict=True))
+            self._compiled.update(zip(new, pool.map(lambda lowering: lowering.compile(), lowered), strict=True))
         return len(shapes)
 
     def _register(self, req: _Request) -> None:
