@@ -1,5 +1,6 @@
 """Whole models: invariants of each mode, stack variants, dtypes, parameter counts, configs."""
 
+import functools
 import re
 
 import jax
@@ -252,36 +253,41 @@ def test_input_longer_than_max_len_is_refused_not_nan(position):
 T5_ARCH = dict(position="relative", scale_attention=False, norm="rmsnorm", norm_position="pre", use_bias=False)
 
 
+FUSED_SEGMENTS = jnp.array([[1, 1, 1, 2, 2, 3, 3, 3], [1, 1, 2, 2, 2, 0, 0, 0]])
+ARCHS = {"paper": {}, "t5": T5_ARCH}
+
+
+@functools.cache
+def fused_loss_and_grads(mode: str, impl: str, arch: str) -> list:
+    """The logits and parameter gradients of a weighted sum of the logits, for padding told by lengths
+    and by packed segments. Kept: the reference ("naive") of a mode and arch serves both fused paths."""
+    lengths, segs = jnp.array([T, 5]), FUSED_SEGMENTS
+    src, tgt = jnp.where(segs > 0, ids(0), 0), jnp.where(segs > 0, ids(1), 0) if mode == "encoder_decoder" else None
+    weights = jax.random.normal(jax.random.key(5), (B, T, V))
+    model = jf.build_model(jf.tiny(mode, vocab_size=V, attention_impl=impl, **ARCHS[arch]), seed=3)
+
+    def loss(model, kw):
+        logits = forward(model, src, tgt, **kw)
+        return (logits.astype(jnp.float32) * weights).sum(), logits
+
+    out = []
+    with jax.default_matmul_precision("highest"):
+        for kw in ({"lengths": lengths}, {"segments": segs} | ({"tgt_segments": segs} if tgt is not None else {})):
+            (_, logits), grads = nnx.value_and_grad(loss, has_aux=True)(model, kw)
+            out.append((logits, jax.tree.leaves(nnx.state(grads, nnx.Param))))
+    return out
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("impl", ["xla", "cudnn"])
-@pytest.mark.parametrize("arch", [{}, T5_ARCH], ids=["paper", "t5"])
+@pytest.mark.parametrize("arch", list(ARCHS))
 def test_fused_attention_equals_reference_in_every_mode(mode, impl, arch, cudnn_checked):
     """The fused paths, told padding (lengths) or packing (segments) as structure, give the reference's
     logits and gradients in every mode, also with T5's relative-position bias and unscaled logits.
     "cudnn" runs on CPU through JAX's own cuDNN argument checks (conftest's `cudnn_checked`), so a
-    mask or bias cuDNN would reject fails here."""
-    lengths = jnp.array([T, 5])
-    segs = jnp.array([[1, 1, 1, 2, 2, 3, 3, 3], [1, 1, 2, 2, 2, 0, 0, 0]])
-    src, tgt = jnp.where(segs > 0, ids(0), 0), jnp.where(segs > 0, ids(1), 0)
-    weights = jax.random.normal(jax.random.key(5), (B, T, V))
-
-    def loss_and_grads(impl):
-        model = jf.build_model(jf.tiny(mode, vocab_size=V, attention_impl=impl, **arch), seed=3)
-
-        def loss(model, kw):
-            logits = forward(model, src, tgt, **kw)
-            return (logits.astype(jnp.float32) * weights).sum(), logits
-
-        out = []
-        for kw in ({"lengths": lengths}, {"segments": segs} | ({"tgt_segments": segs} if tgt is not None else {})):
-            (_, logits), grads = nnx.value_and_grad(loss, has_aux=True)(model, kw)
-            out.append((logits, jax.tree.leaves(nnx.state(grads, nnx.Param))))
-        return out
-
-    if mode != "encoder_decoder":
-        tgt = None
-    with jax.default_matmul_precision("highest"):
-        ref, fused = loss_and_grads("naive"), loss_and_grads(impl)
+    mask or bias cuDNN would reject fails here. (The reference is computed once for both paths.)"""
+    segs = FUSED_SEGMENTS
+    ref, fused = fused_loss_and_grads(mode, "naive", arch), fused_loss_and_grads(mode, impl, arch)
     for (ref_logits, ref_grads), (logits, grads) in zip(ref, fused, strict=True):
         real = (segs > 0)[..., None]
         np.testing.assert_allclose(jnp.where(real, logits, 0), jnp.where(real, ref_logits, 0), atol=1e-5)

@@ -40,26 +40,19 @@ on_device0 = lambda tree: sum(next(s.data.nbytes for s in x.addressable_shards i
                               for x in jax.tree.leaves(tree))
 device_memory = planned.peak * 3
 edge = plan(cfg, device_memory=device_memory, within=0)  # to one batch step
-over = plan(cfg, device_memory=device_memory, batch_size=edge.largest_batch + 8)
+over = plan(cfg, device_memory=device_memory, batch_size=edge.largest_batch + 8, largest=False)
 print(json.dumps({
     "planned": [planned.parameters, planned.optimizer_state, planned.arguments, planned.temporaries],
     "real": [on_device0(state.params), on_device0(state.opt_state), real.argument_size_in_bytes,
              real.temp_size_in_bytes],
-    "largest": edge.largest_batch, "fits_at_largest": plan(cfg, device_memory, edge.largest_batch).fits,
+    "largest": edge.largest_batch, "fits_at_largest": plan(cfg, device_memory, edge.largest_batch, largest=False).fits,
     "fits_past_it": over.fits, "refused": edge.refused_batch,
 }))
 """
 
 
-def run_on_8_devices(*args: str) -> subprocess.CompletedProcess:
-    env = processes.cpu_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    return processes.run([sys.executable, *args], env=env)
-
-
-def test_plan_equals_the_arrays_and_step_of_real_training_on_8_devices():
-    out = run_on_8_devices("-c", WORKER, *SMALL, "mesh.data=2", "mesh.fsdp=4")
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.splitlines()[-1])
+def test_plan_equals_the_arrays_and_step_of_real_training_on_8_devices(on_8_devices):
+    r = on_8_devices["real"]
     assert r["planned"] == r["real"]  # parameters, optimizer state, compiled arguments and temporaries
     assert r["largest"] > 16 and r["largest"] % 8 == 0
     assert r["fits_at_largest"] and not r["fits_past_it"] and r["refused"] == r["largest"] + 8
@@ -75,28 +68,54 @@ planned = {name: plan(apply_overrides(base, mesh), largest=False) for name, mesh
 print(json.dumps({name: [p.activations, p.mesh] for name, p in planned.items()}))
 """
 
+# Both workers in one process on 8 CPU devices (the count is fixed when JAX starts), one after the
+# other, each given its own arguments; each prints its result as one JSON line.
+RUNS = {
+    "real": (WORKER, [*SMALL, "mesh.data=2", "mesh.fsdp=4"]),
+    # 8 rows of 256 tokens (after SMALL's settings: they win)
+    "context": (CONTEXT_WORKER, [*SMALL, "model.max_len=256", "data.max_len=256", "train.batch_size=8"]),
+}
+DRIVER = """
+import json, sys
+for script, argv in json.loads(sys.argv[1]):
+    sys.argv = ["-c", *argv]
+    exec(compile(script, "<worker>", "exec"), {"__name__": "__main__"})
+"""
 
-def test_a_context_axis_cuts_the_planned_activations_of_long_rows():
+
+@pytest.fixture(scope="module")
+def on_8_devices() -> dict:
+    """Each of RUNS's workers' results, by name."""
+    env = processes.cpu_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    out = processes.run([sys.executable, "-c", DRIVER, json.dumps(list(RUNS.values()))], env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == len(RUNS), out.stdout[-3000:]
+    return {name: json.loads(line) for name, line in zip(RUNS, lines, strict=True)}
+
+
+def test_a_context_axis_cuts_the_planned_activations_of_long_rows(on_8_devices):
     """8 rows of 256 tokens on 8 devices, a row a device (data=8) or each row split 8 ways (context=8):
     a device holds as many tokens either way, but its attention scores fall from a row's [H, T, T] to
     the ring's [rows, H, T/8, T/8] blocks, so the plan's activations a device fall."""
-    long_rows = ["model.max_len=256", "data.max_len=256", "train.batch_size=8"]  # after SMALL's: they win
-    out = run_on_8_devices("-c", CONTEXT_WORKER, *SMALL, *long_rows)
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.splitlines()[-1])
+    r = on_8_devices["context"]
     assert r["rows"][1] == {"data": 8, "fsdp": 1, "tensor": 1} and r["context"][1]["context"] == 8
     assert 0 < r["context"][0] < 0.75 * r["rows"][0], r
 
 
 def test_plan_command_prints_json_and_says_what_does_not_fit(tmp_path):
+    """`plan --devices 4` starts itself again with 4 CPU devices (the refused mesh below goes that way);
+    the two plans are given the devices in XLA_FLAGS already, as the command passes them on, and plan in
+    the process they start in (one interpreter's start each, not two)."""
     cmd = ["-m", "jaxformer.cli", "plan", "--config", "experiments/lm_shakespeare.py", "--devices", "4"]
     sets = [a for s in [*SMALL, "mesh.fsdp=4"] for a in ("--set", s)]
-    out = processes.run([sys.executable, *cmd, *sets, "--json"], env=processes.cpu_env())
+    env = processes.cpu_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    out = processes.run([sys.executable, *cmd, *sets, "--json"], env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     planned = json.loads(out.stdout)
     assert planned["devices"] == 4 and planned["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
     assert planned["parameters"] > 0 and planned["peak"] >= planned["arguments"]
-    tight = processes.run([sys.executable, *cmd, *sets, "--device-memory", "1MB"], env=processes.cpu_env())
+    tight = processes.run([sys.executable, *cmd, *sets, "--device-memory", "1MB"], env=env)
     assert tight.returncode == 1 and "does NOT fit" in tight.stdout and "even the smallest batch" in tight.stdout
     bad = subprocess.run([sys.executable, *cmd, "--set", "mesh.fsdp=3"], capture_output=True, text=True)
     assert bad.returncode == 2 and "mesh" in bad.stderr and "Traceback" not in bad.stderr

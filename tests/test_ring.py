@@ -458,6 +458,17 @@ def _block_contract_errors(kernel) -> dict:
     k, v = (jax.random.normal(x, (B, 2 * L, G, K), jnp.bfloat16) for x in (kk, kv))
     do = jax.random.normal(kd, (B, L, H, K), jnp.bfloat16)
     f32 = lambda x: x.astype(jnp.float32)
+    # Each call jitted, the block's visibility an argument: every case of a kind of call (forward or backward,
+    # causal or not) runs one compiled program. Called eagerly, each `lax.switch` over the kinds (the MASKED
+    # branch closing over that block's visibility) compiled anew: 16 programs, 4 interpreted splash kernels each.
+    fwd, bwd = (jax.jit(call, static_argnums=(5, 6)) for call in (kernel.fwd, kernel.bwd))
+
+    @jax.jit
+    def reference_and_grads(q, k, v, vis, do):  # attention over all keys at once and its autodiff
+        reference = lambda q, k, v: F.dot_product_attention(f32(q), f32(k), f32(v), mask=vis[:, 0], scale=K**-0.5)
+        out_ref, vjp = jax.vjp(reference, q, k, v)
+        return out_ref, vjp(f32(do))
+
     errors = {}
     cases = [("zigzag device 0", 0, True, 2 * L), ("zigzag device 1", 1, True, 2 * L),
              ("bidirectional", 0, False, 2 * L), ("padded", 0, False, 2 * L - 40)]  # fmt: skip
@@ -468,20 +479,16 @@ def _block_contract_errors(kernel) -> dict:
         vis = jnp.broadcast_to(vis, (B, 1, 1, L, 2 * L))
         blocks = [(slice(0, L), vis[..., :L]), (slice(L, 2 * L), vis[..., L:])]
 
-        def reference(q, k, v, vis=vis):
-            return F.dot_product_attention(f32(q), f32(k), f32(v), mask=vis[:, 0], scale=K**-0.5)
-
-        out_ref, vjp = jax.vjp(reference, q, k, v)
-        grads_ref = vjp(f32(do))
+        out_ref, grads_ref = reference_and_grads(q, k, v, vis, do)
         parts, kinds = [], []
         for sl, vis_blk in blocks:
             kind = ring.block_kind(vis_blk, causal)
             kinds.append(int(kind))
-            parts.append(kernel.fwd(q, k[:, sl], v[:, sl], vis_blk, kind, causal, K**-0.5))
+            parts.append(fwd(q, k[:, sl], v[:, sl], vis_blk, kind, causal, K**-0.5))
         lse = jnp.logaddexp(parts[0][1], parts[1][1])  # [B, T, H]
         out = sum(o * jnp.exp(l - lse)[..., None] for o, l in parts)
         shares = [
-            kernel.bwd(q, k[:, sl], v[:, sl], vis_blk, kind, causal, K**-0.5, out.astype(q.dtype), lse, do)
+            bwd(q, k[:, sl], v[:, sl], vis_blk, kind, causal, K**-0.5, out.astype(q.dtype), lse, do)
             for (sl, vis_blk), kind in zip(blocks, kinds, strict=True)
         ]  # (dq, dk, dv) of each block
         dq_both, dk_by_block, dv_by_block = zip(*shares, strict=True)
