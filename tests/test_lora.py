@@ -135,8 +135,8 @@ def test_lora_dropout_acts_on_the_adapters_while_training_only():
     def grads(dropout, rng):
         cfg = dataclasses.replace(config(), lora=C.LoRAConfig(rank=4, targets=ALL, dropout=dropout))
         graphdef, state, _ = init_state(cfg)
-        loss = lambda p: loss_sums(nnx.merge(graphdef, p, state.frozen), cfg.train, batch("decoder_only"), rng)[0]
-        return jax.value_and_grad(loss)(state.params)
+        loss = lambda p, frozen: loss_sums(nnx.merge(graphdef, p, frozen), cfg.train, batch("decoder_only"), rng)[0]
+        return jax.jit(jax.value_and_grad(loss))(state.params, state.frozen)  # one program, where op by op
 
     key = jax.random.key(3)
     (loss_on, g_on), (loss_eval, g_eval), (loss_off, g_off) = grads(0.5, key), grads(0.5, None), grads(0.0, key)
