@@ -1,16 +1,18 @@
 """Sharded training in a process of its own (XLA_FLAGS must be set before JAX starts).
 
-    python tests/sharded_worker.py strategies MODE [remesh DIR] [moe] [pipeline DIR] [mla]  # 8 devices: vs 1 device
-    python tests/sharded_worker.py multihost PID PORT      # one of two processes, 4 devices each (and stage x data)
-    python tests/sharded_worker.py singlehost              # the same runs in one process, 8 devices
+    python tests/sharded_worker.py strategies MODE [remesh DIR] [moe] [pipeline DIR] [mla] [hf DIR] [singlehost DIR]
+                                                           # 8 devices: vs 1 device
+    python tests/sharded_worker.py multihost PID PORT DIR  # one of two processes, 4 devices each (and stage x data)
     python tests/sharded_worker.py hf DIR                  # a Hugging Face checkpoint loaded onto FSDP=4 x TP=2
     python tests/sharded_worker.py moe                     # MoE loss and gradients, experts split, vs 1 device
 
 `strategies` trains and generates with each strategy, and runs in the same process (a worker process
 costs seconds of imports before any work) the tasks named after the mode: `remesh DIR` (decoder_only:
 its FSDP=8 state saved to DIR, restored on DP=4 and on 1 device), `moe`, `pipeline DIR` (the pipelined
-schedules of every mode, a pipelined state saved to DIR and restored without stages) and `mla` (latent
-attention on fsdp=4 x tensor=2).
+schedules of every mode, a pipelined state saved to DIR and restored without stages), `mla` (latent
+attention on fsdp=4 x tensor=2), `hf DIR` (the Hugging Face checkpoint in DIR loaded onto a mesh) and
+`singlehost DIR` (the one-process side of `multihost`'s data, DIR its cache, and pipeline). Its
+one-device training of encoder_decoder is the other side of `multihost`'s training.
     python tests/sharded_worker.py hf_moe GOLDEN           # Mixtral, Switch loaded onto fsdp=2 x expert=4
     python tests/sharded_worker.py hf_families GOLDEN      # the new families onto fsdp=2 x tensor=2 x expert=2
 
@@ -173,10 +175,20 @@ def pipelined_gradients() -> dict:
 
 
 def gathered(tree) -> dict:
-    from jax.experimental import multihost_utils
+    """{path: the whole array} of `tree`'s leaves. Arrays that span processes are replicated by one
+    program for the whole tree, where `multihost_utils.process_allgather` compiles one a leaf."""
+    from jax.sharding import PartitionSpec
 
-    flat = jax.tree_util.tree_leaves_with_path(tree)
-    return {jax.tree_util.keystr(p): np.asarray(multihost_utils.process_allgather(x, tiled=True)) for p, x in flat}
+    paths, leaves = zip(*jax.tree_util.tree_leaves_with_path(tree), strict=True)
+    if any(not x.is_fully_addressable for x in leaves):
+        replicated = [x.sharding.update(spec=PartitionSpec()) for x in leaves]
+        leaves = [x.addressable_data(0) for x in jax.jit(lambda xs: xs, out_shardings=replicated)(list(leaves))]
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in zip(paths, leaves, strict=True)}
+
+
+def checksum(params: dict) -> float:
+    """The sum of every gathered parameter's magnitudes, the key bias left out (see strategies)."""
+    return float(sum(np.abs(v).sum() for k, v in params.items() if "k_bias" not in k))
 
 
 def strategies(mode: str, remesh_dir: str | None = None) -> dict:
@@ -186,6 +198,8 @@ def strategies(mode: str, remesh_dir: str | None = None) -> dict:
     ref_cfg = config(mode, (1, 1, 1))
     ref_losses, ref_state, ref_mesh, graphdef = train(ref_cfg, jax.devices()[:1])
     ref_params = gathered(ref_state.params)
+    # the one-process side of `multihost`'s training (encoder_decoder's config, on one device)
+    results[f"{mode}/one_device"] = {"losses": ref_losses, "checksum": checksum(ref_params)}
     ref_out = generated(ref_cfg, graphdef, ref_state, ref_mesh)
     for name, shape in STRATEGIES.items():
         cfg = config(mode, shape)
@@ -607,17 +621,20 @@ def main() -> None:
             out["pipeline"] = pipelines(more[more.index("pipeline") + 1])
         if "mla" in more:
             out["mla"] = mla()
+        if "hf" in more:
+            out["hf"] = hf_sharded(more[more.index("hf") + 1])
+        if "singlehost" in more:  # `multihost`'s data and pipeline in one process of 8 devices
+            data = data_shares((2, 2, 2), more[more.index("singlehost") + 1])
+            out["singlehost"] = {"data": data, "pipelined": pipelined_gradients()}
         print(json.dumps(out))
     elif task == "multihost":
         pid, port = int(sys.argv[2]), int(sys.argv[3])
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
         losses, state, _, _ = train(config("encoder_decoder", (2, 2, 2)))
-        params = gathered(state.params)
         shares = data_shares((2, 2, 2), sys.argv[4])
-        checksum = float(sum(np.abs(v).sum() for k, v in params.items() if "k_bias" not in k))  # see strategies
-        out = {"losses": losses, "checksum": checksum, "data": shares, "pipelined": pipelined_gradients()}
-        print(json.dumps(out))
+        out = {"losses": losses, "checksum": checksum(gathered(state.params)), "data": shares}
+        print(json.dumps(out | {"pipelined": pipelined_gradients()}))
         jax.distributed.shutdown()
     elif task == "hf":
         print(json.dumps(hf_sharded(sys.argv[2])))
@@ -627,12 +644,6 @@ def main() -> None:
         print(json.dumps(hf_families_sharded(sys.argv[2])))
     elif task == "moe":
         print(json.dumps(moe()))
-    elif task == "singlehost":
-        losses, state, _, _ = train(config("encoder_decoder", (2, 2, 2)))
-        params = gathered(state.params)
-        checksum = float(sum(np.abs(v).sum() for k, v in params.items() if "k_bias" not in k))  # see strategies
-        shares = data_shares((2, 2, 2), sys.argv[2])
-        print(json.dumps({"losses": losses, "checksum": checksum, "data": shares, "pipelined": pipelined_gradients()}))
 
 
 if __name__ == "__main__":

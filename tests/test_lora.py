@@ -2,6 +2,7 @@
 than they need (optimizer state of the adapters, the base in the compute dtype)."""
 
 import dataclasses
+import json
 import os
 import pathlib
 import sys
@@ -134,8 +135,8 @@ def test_lora_dropout_acts_on_the_adapters_while_training_only():
     def grads(dropout, rng):
         cfg = dataclasses.replace(config(), lora=C.LoRAConfig(rank=4, targets=ALL, dropout=dropout))
         graphdef, state, _ = init_state(cfg)
-        loss = lambda p: loss_sums(nnx.merge(graphdef, p, state.frozen), cfg.train, batch("decoder_only"), rng)[0]
-        return jax.value_and_grad(loss)(state.params)
+        loss = lambda p, frozen: loss_sums(nnx.merge(graphdef, p, frozen), cfg.train, batch("decoder_only"), rng)[0]
+        return jax.jit(jax.value_and_grad(loss))(state.params, state.frozen)  # one program, where op by op
 
     key = jax.random.key(3)
     (loss_on, g_on), (loss_eval, g_eval), (loss_off, g_off) = grads(0.5, key), grads(0.5, None), grads(0.0, key)
@@ -202,30 +203,50 @@ def test_decoding_unrolls_a_scanned_adapted_model_with_its_adapters_folded_in():
     assert list(lora.adapters(model)), "the model itself keeps its adapters"
 
 
-# Run in a process of its own, which compiles as XLA:CPU does by default (see the test).
+# The three cases below, run in one process of its own, which compiles as XLA:CPU does by default (see the
+# test): each case's traceback, or None where it passed, as one JSON line.
 MERGED_KERNELS = """
+import json
 import sys
+import traceback
 import jax
 jax.config.update("jax_numpy_rank_promotion", "raise")
 import test_lora
-test_lora.adapters_act_as_their_merged_kernels(sys.argv[1], sys.argv[2] == "True")
+failures = {}
+for case in sys.argv[1:]:
+    mode, tied = case.split(":")
+    try:
+        test_lora.adapters_act_as_their_merged_kernels(mode, tied == "True")
+        failures[case] = None
+    except Exception:
+        failures[case] = traceback.format_exc()
+print(json.dumps(failures))
 """
+MERGED_CASES = [("decoder_only", False), ("encoder_decoder", True), ("encoder_only", False)]
 
 
-@pytest.mark.parametrize("mode, tied", [("decoder_only", False), ("encoder_decoder", True), ("encoder_only", False)])
-def test_embedding_and_output_adapters_act_as_their_merged_kernels(mode, tied):
+@pytest.fixture(scope="module")
+def merged_kernels() -> dict:
+    """{"MODE:TIED": the case's traceback, or None}: every case of MERGED_CASES in one process (a process
+    costs seconds of imports before any work)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    cases = [f"{mode}:{tied}" for mode, tied in MERGED_CASES]
+    out = processes.run([sys.executable, "-c", MERGED_KERNELS, *cases], cwd=pathlib.Path(__file__).parent, env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("mode, tied", MERGED_CASES)
+def test_embedding_and_output_adapters_act_as_their_merged_kernels(merged_kernels, mode, tied):
     """`embed` adapts the token embedding, looked up by id and, tied, as the output projection too;
     `head` an untied output kernel. Zero B is the base; random B gives the merged kernels' logits.
 
-    In a process of its own, which compiles with XLA:CPU's default (fusion) emitters: at these random
-    B's the merged kernels' logits are within 1e-5 of the adapted model's only just (8e-6 of it used,
-    op by op), and the elemental emitters the test session compiles with (tests/conftest.py) round
-    them 1.7e-5 apart."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    out = processes.run(
-        [sys.executable, "-c", MERGED_KERNELS, mode, str(tied)], cwd=pathlib.Path(__file__).parent, env=env
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
+    In a process of its own (one for the three cases), which compiles with XLA:CPU's default (fusion)
+    emitters: at these random B's the merged kernels' logits are within 1e-5 of the adapted model's only
+    just (8e-6 of it used, op by op), and the elemental emitters the test session compiles with
+    (tests/conftest.py) round them 1.7e-5 apart."""
+    failure = merged_kernels[f"{mode}:{tied}"]
+    assert failure is None, failure
 
 
 def adapters_act_as_their_merged_kernels(mode, tied):

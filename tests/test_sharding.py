@@ -1,6 +1,6 @@
 """Sharded training on 8 virtual CPU devices and on two real processes equals the 1-device run.
 
-Each check runs tests/sharded_worker.py in a process of its own, since the device count
+The checks run tests/sharded_worker.py in processes of their own, since the device count
 is fixed when JAX starts.
 """
 
@@ -29,24 +29,37 @@ def result(proc) -> dict:
     return json.loads(lines[-1]) if lines else None
 
 
+def hf_checkpoint(directory):
+    """A tiny Llama saved by `save_hf` in several safetensors shards with an index, in `directory`."""
+    import jaxformer as jf
+    from jaxformer.interop import hf
+
+    cfg = jf.llama(vocab_size=64, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, max_len=32, num_decoder_layers=2)
+    return hf.save_hf(jf.build_model(cfg), directory, max_shard_bytes=8_000)
+
+
 @pytest.fixture(scope="module")
 def strategies(tmp_path_factory):
     """One worker per mode, run side by side (compilation dominates their time). Each also runs what
     would otherwise take a process of its own (seconds of imports before any work): decoder_only the
-    remesh check on its state trained under FSDP=8, encoder_only (it generates nothing) the MoE one."""
+    remesh check on its state trained under FSDP=8, the Hugging Face checkpoint's load onto a mesh
+    and the one-process side of the two-process test's data and pipeline; encoder_only (it generates
+    nothing) the MoE check; encoder_decoder the pipelines and latent attention."""
+    hf_dir = hf_checkpoint(tmp_path_factory.mktemp("hf"))
     more = {
-        "decoder_only": ["remesh", tmp_path_factory.mktemp("remesh")],
+        "decoder_only": ["remesh", tmp_path_factory.mktemp("remesh"), "hf", hf_dir],
         "encoder_only": ["moe"],
-        "encoder_decoder": ["pipeline", tmp_path_factory.mktemp("restage"), "mla"],  # the worker with least to do
+        "encoder_decoder": ["pipeline", tmp_path_factory.mktemp("restage"), "mla"],
     }
+    more["decoder_only"] += ["singlehost", tmp_path_factory.mktemp("cache1")]
     procs = [worker("strategies", mode, *more.get(mode, [])) for mode in MODES]
-    merged = {"strategies": {}, "errors": {}}
+    merged = {"strategies": {}, "errors": {}, "hf_dir": hf_dir}
     try:
         for proc in procs:
             r = result(proc)
             merged["strategies"].update(r["strategies"])
             merged["errors"].update(r["errors"])
-            merged.update({k: r[k] for k in ("moe", "pipeline", "mla") if k in r})
+            merged.update({k: r[k] for k in ("moe", "pipeline", "mla", "hf", "singlehost") if k in r})
     finally:
         for p in procs:  # never leave a worker behind
             if p.poll() is None:
@@ -165,10 +178,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_equal_one_process(tmp_path):
-    """Two real processes (4 CPU devices each, gloo), each feeding half of every batch: the same
-    training, and through the data loader disjoint rows whose union is the one process's batch. A
-    pipeline over stage=2 x data=4, a stage a process: the first batch's loss and gradients."""
+def test_two_processes_equal_one_process(strategies, tmp_path):
+    """Two real processes (4 CPU devices each, gloo), each feeding half of every batch: the training of
+    one device (the fixture's encoder_decoder reference: the same config, one device), and through the
+    data loader disjoint rows whose union is the batch one process with 8 devices reads. A pipeline over
+    stage=2 x data=4, a stage a process: the first batch's loss and gradients of the same pipeline in one
+    process. (The one-process sides: the fixture's decoder_only worker.)"""
     port = free_port()
     procs = [worker("multihost", pid, port, tmp_path / "cache", devices=4) for pid in (0, 1)]
     try:
@@ -179,7 +194,7 @@ def test_two_processes_equal_one_process(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.communicate()
-    one = result(worker("singlehost", tmp_path / "cache1"))
+    one = strategies["strategies"]["encoder_decoder/one_device"] | strategies["singlehost"]
     for a, b in zip(two["losses"], one["losses"], strict=True):
         assert a == pytest.approx(b, rel=LOSS_RTOL)
     assert two["checksum"] == pytest.approx(one["checksum"], rel=PARAM_RTOL)
@@ -204,18 +219,17 @@ def test_checkpoint_restores_onto_another_mesh(strategies):
     assert r["one"]["equal"] and r["one"]["shardings_as_requested"] and r["one"]["devices"] == [0]
 
 
-def test_hf_checkpoint_loads_onto_a_mesh(tmp_path):
+def test_hf_checkpoint_loads_onto_a_mesh(strategies):
     """A checkpoint in several safetensors shards with an index, loaded onto FSDP=4 x TP=2 over
     8 devices tensor by tensor, unrolled and scanned (each stack filled layer by layer on the
-    mesh): the logits of one device, parameters split as the rules say."""
-    import jaxformer as jf
+    mesh), by the fixture's decoder_only worker: the logits of one device, parameters split as the
+    rules say."""
     from jaxformer.interop import hf
 
-    cfg = jf.llama(vocab_size=64, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, max_len=32, num_decoder_layers=2)
-    directory = hf.save_hf(jf.build_model(cfg), tmp_path, max_shard_bytes=8_000)
+    directory = strategies["hf_dir"]
     index = json.loads((directory / hf.INDEX).read_text())
     assert len(set(index["weight_map"].values())) > 3 and not (directory / hf.WEIGHTS).exists()
-    r = result(worker("hf", directory))
+    r = strategies["hf"]
     unrolled, scanned = r["unrolled"], r["scanned"]
     assert unrolled["max_abs_diff"] < 1e-5 and scanned["max_abs_diff"] < 1e-5
     assert unrolled["devices"] == scanned["devices"] == list(range(8))
