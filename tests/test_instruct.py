@@ -115,9 +115,12 @@ def test_weights_are_one_on_the_response_and_eos_only(batch):
 
 
 def sums(cfg: C.Config, batch: dict) -> dict:
-    model = Transformer(cfg.model, rngs=nnx.Rngs(0))
+    """The loss sums of a fresh model (seed 0) over `batch`, in one compiled program (op by op, each of
+    the model's operations was a program of its own, for each batch shape)."""
+    graphdef, params = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    at = jax.jit(lambda params, batch: loss_sums(nnx.merge(graphdef, params), cfg.train, batch, None)[1])
     with jax.default_matmul_precision("highest"):
-        return {k: float(v) for k, v in loss_sums(model, cfg.train, batch, None)[1].items()}
+        return {k: float(v) for k, v in at(params, batch).items()}
 
 
 def test_the_loss_ignores_the_prompt_targets(batch):

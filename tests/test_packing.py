@@ -24,11 +24,14 @@ def cfg_for(source, objective, mode, pack, **data):
 
 
 def sums(cfg, batch) -> dict:
+    """The loss sums of a fresh model (seed 0) over `batch`, in one compiled program (op by op, each of
+    the model's operations was a program of its own, for each batch shape)."""
     from flax import nnx
 
-    model = Transformer(cfg.model, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    at = jax.jit(lambda params, batch: loss_sums(nnx.merge(graphdef, params), cfg.train, batch, None)[1])
     with jax.default_matmul_precision("highest"):
-        return {k: float(v) for k, v in loss_sums(model, cfg.train, batch, None)[1].items()}
+        return {k: float(v) for k, v in at(params, batch).items()}
 
 
 def alone(rows: list[np.ndarray], width: int) -> np.ndarray:

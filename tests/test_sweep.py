@@ -7,6 +7,7 @@ PostgreSQL is a real server started for the session (tests/conftest.py: `postgre
 
 import csv
 import json
+import os
 import pathlib
 import re
 import signal
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import processes
 import pytest
 
@@ -49,10 +51,29 @@ def sweep_file(
 
 
 @pytest.fixture(autouse=True)
-def workers_compile_as_the_session_does(monkeypatch):
+def workers_compile_as_the_session_does(monkeypatch, compilation_cache):
     """The worker processes a sweep starts (`--workers 2`) compile with the elemental emitters, as this
-    process and the sweep commands started below do (processes.cpu_env); restored after each test."""
+    process and the sweep commands started below do; restored after each test.
+
+    XLA_FLAGS then names the emitters this process compiles with, so its programs' cache keys are those
+    of the processes it starts: it shares their compilation cache for the test, and a trial trained in
+    one (the one-worker reference of the four commands, the killed sweep's first trials) is loaded in
+    the other instead of compiled again."""
+    from jax.experimental.compilation_cache import compilation_cache as cache
+
     monkeypatch.setenv("XLA_FLAGS", processes.cpu_env()["XLA_FLAGS"])
+    own = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", compilation_cache)
+    cache.reset_cache()
+    yield
+    jax.config.update("jax_compilation_cache_dir", own)
+    cache.reset_cache()
+
+
+def cpu_env() -> dict[str, str]:
+    """The environment of a sweep command started here: XLA_FLAGS as set above (processes.cpu_env would
+    name the emitters a second time, and the cache keys would no longer match this process's)."""
+    return dict(os.environ, JAX_PLATFORMS="cpu")
 
 
 def command(file: pathlib.Path, workdir: pathlib.Path, *args: str) -> list[str]:
@@ -62,7 +83,7 @@ def command(file: pathlib.Path, workdir: pathlib.Path, *args: str) -> list[str]:
 def start(cmd: list[str], log: pathlib.Path) -> subprocess.Popen:
     """A sweep command in its own process, its output to `log` (read while it runs)."""
     with log.open("w") as out:
-        return subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=processes.cpu_env())
+        return subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=cpu_env())
 
 
 def wait_for(condition, procs, logs, what: str) -> None:
@@ -100,9 +121,11 @@ def last_eval_loss(trial_dir: pathlib.Path) -> float:
 
 
 def test_two_workers_share_one_sqlite_sweep_and_a_rerun_adds_nothing(tmp_path, capfd):
-    """Shrunk from the command line (--trials, --set), which each worker process is given too."""
+    """Shrunk from the command line (--trials, --set), which each worker process is given too. To the 30
+    steps of the module's other sweeps: their trials are planned alike (the sweep's seed), so each trial's
+    programs, compiled here, are loaded from the compilation cache by the tests after this one."""
     file, workdir = sweep_file(tmp_path, "two", trials=9, steps=60), tmp_path / "sweep"
-    shrink = ["--trials", "4", "--set", "train.steps=20"]
+    shrink = ["--trials", "4", "--set", "train.steps=30"]
     assert cli.main(["sweep", str(file), "--workdir", str(workdir), "--workers", "2", *shrink]) == 0
     out = capfd.readouterr().out
     assert "[worker 1] trial" in out and "[worker 2] trial" in out  # both processes ran trials
@@ -120,8 +143,8 @@ def test_two_workers_share_one_sqlite_sweep_and_a_rerun_adds_nothing(tmp_path, c
     assert (workdir / "loss_curves.png").is_file()
 
     for r in table:  # the --set value, not the file's 60 steps
-        assert json.loads((workdir / r["workdir"] / "config.json").read_text())["train"]["steps"] == 20
-        assert eval_steps(workdir / r["workdir"])[-1] == 20
+        assert json.loads((workdir / r["workdir"] / "config.json").read_text())["train"]["steps"] == 30
+        assert eval_steps(workdir / r["workdir"])[-1] == 30
 
     mtimes = {p: p.stat().st_mtime for p in workdir.glob("trial-*/metrics.jsonl")}
     assert cli.main(["sweep", str(file), "--workdir", str(workdir), *shrink]) == 0
@@ -136,7 +159,7 @@ def test_a_killed_sweep_continues_and_retries_the_dead_trial_in_its_workdir(tmp_
 
     file, workdir = sweep_file(tmp_path, "killed", trials=3, steps=30), tmp_path / "sweep"
     cmd = [sys.executable, "-m", "jaxformer.cli", "sweep", str(file), "--workdir", str(workdir)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=processes.cpu_env())
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env())
     url = f"sqlite:///{workdir / 'sweep.db'}"
     try:  # kill the worker once trial 0 is complete and trial 1 has saved a checkpoint
         trial1_saved = lambda: (workdir / "trial-001" / "checkpoints" / "10").is_dir()
@@ -416,8 +439,6 @@ def test_workers_auto_starts_one_pinned_worker_per_gpu(tmp_path, monkeypatch):
 
         def wait(self):
             return 0
-
-    import jax
 
     assert sweep.local_devices()[0] == jax.local_devices()[0].platform  # this machine, asked for real
     monkeypatch.setattr(commands, "local_devices", lambda: ("gpu", ["0", "1"]))  # where `run` reads it
