@@ -26,10 +26,12 @@ def cpu_env(**extra: str) -> dict[str, str]:
     emitters as the test session does (tests/conftest.py: its MLIR fusion emitters take ~2.5x the
     CPU time to compile a small model). Never for a process that loads libtpu (`plan --target tpu-*`),
     whose XLA aborts on the flag, nor where an NVIDIA GPU is (its CUDA plugin reads XLA_FLAGS too and
-    aborts on the flag; conftest leaves it out there). `extra`: more variables; an XLA_FLAGS among them
-    is added to these."""
-    emitters = "" if nvidia_gpus_here() else "--xla_cpu_use_fusion_emitters=false"
-    flags = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), emitters) if f)
+    aborts on the flag; conftest leaves it out there). The flag is named once, also where XLA_FLAGS
+    already names it: the compilation cache's key holds XLA_FLAGS as written. `extra`: more variables;
+    an XLA_FLAGS among them is added to these."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    emitters = "--xla_cpu_use_fusion_emitters=false"
+    flags = " ".join(flags if nvidia_gpus_here() or emitters in flags else [*flags, emitters])
     if "XLA_FLAGS" in extra:
         flags = f"{flags} {extra.pop('XLA_FLAGS')}"
     return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **extra)

@@ -7,7 +7,6 @@ PostgreSQL is a real server started for the session (tests/conftest.py: `postgre
 
 import csv
 import json
-import os
 import pathlib
 import re
 import signal
@@ -70,12 +69,6 @@ def workers_compile_as_the_session_does(monkeypatch, compilation_cache):
     cache.reset_cache()
 
 
-def cpu_env() -> dict[str, str]:
-    """The environment of a sweep command started here: XLA_FLAGS as set above (processes.cpu_env would
-    name the emitters a second time, and the cache keys would no longer match this process's)."""
-    return dict(os.environ, JAX_PLATFORMS="cpu")
-
-
 def command(file: pathlib.Path, workdir: pathlib.Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "jaxformer.cli", "sweep", str(file), "--workdir", str(workdir), *args]
 
@@ -83,7 +76,7 @@ def command(file: pathlib.Path, workdir: pathlib.Path, *args: str) -> list[str]:
 def start(cmd: list[str], log: pathlib.Path) -> subprocess.Popen:
     """A sweep command in its own process, its output to `log` (read while it runs)."""
     with log.open("w") as out:
-        return subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=cpu_env())
+        return subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=processes.cpu_env())
 
 
 def wait_for(condition, procs, logs, what: str) -> None:
@@ -159,7 +152,7 @@ def test_a_killed_sweep_continues_and_retries_the_dead_trial_in_its_workdir(tmp_
 
     file, workdir = sweep_file(tmp_path, "killed", trials=3, steps=30), tmp_path / "sweep"
     cmd = [sys.executable, "-m", "jaxformer.cli", "sweep", str(file), "--workdir", str(workdir)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env())
+    proc = subprocess.Popen(cmd, cwd=REPO, env=processes.cpu_env())
     url = f"sqlite:///{workdir / 'sweep.db'}"
     try:  # kill the worker once trial 0 is complete and trial 1 has saved a checkpoint
         trial1_saved = lambda: (workdir / "trial-001" / "checkpoints" / "10").is_dir()
