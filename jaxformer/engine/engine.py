@@ -229,7 +229,7 @@ class Engine:
         if graphdef != self._graphdef:
             raise EngineError("load_weights: the model's structure differs from the engine's")
         if jax.tree.map(_aval, params) != jax.tree.map(_aval, self._params):
-            self._compiled.clear()  # the warm-up compiled for the old arrays' shapes and placement
+            self._compiled.clear()  # the executables were compiled for the old arrays' shapes and placement
         self._params = params
         self._alloc.by_hash.clear()
         self._alloc.hash_of.clear()
