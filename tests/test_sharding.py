@@ -45,13 +45,12 @@ def strategies(tmp_path_factory):
     remesh check on its state trained under FSDP=8, the Hugging Face checkpoint's load onto a mesh
     and the one-process side of the two-process test's data and pipeline; encoder_only (it generates
     nothing) the MoE check; encoder_decoder the pipelines and latent attention."""
-    hf_dir = hf_checkpoint(tmp_path_factory.mktemp("hf"))
+    hf_dir, remesh = hf_checkpoint(tmp_path_factory.mktemp("hf")), tmp_path_factory.mktemp("remesh")
     more = {
-        "decoder_only": ["remesh", tmp_path_factory.mktemp("remesh"), "hf", hf_dir],
+        "decoder_only": ["remesh", remesh, "hf", hf_dir, "singlehost", tmp_path_factory.mktemp("cache1")],
         "encoder_only": ["moe"],
         "encoder_decoder": ["pipeline", tmp_path_factory.mktemp("restage"), "mla"],
     }
-    more["decoder_only"] += ["singlehost", tmp_path_factory.mktemp("cache1")]
     procs = [worker("strategies", mode, *more.get(mode, [])) for mode in MODES]
     merged = {"strategies": {}, "errors": {}, "hf_dir": hf_dir}
     try:
