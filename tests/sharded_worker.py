@@ -22,6 +22,7 @@ tests/test_interop_families.py) to check.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 
@@ -610,6 +611,8 @@ def data_shares(mesh_shape, cache_dir: str) -> dict:
 
 
 def main() -> None:
+    gc.freeze()  # the imported heap out of the collections, which come less often: as tests/conftest.py does
+    gc.set_threshold(70_000, 50, 100)
     task = sys.argv[1]
     if task == "strategies":
         mode, more = sys.argv[2], sys.argv[3:]
