@@ -640,3 +640,20 @@ def test_a_model_with_a_global_layer_keeps_its_pages():
         Engine(model, EngineConfig(page_size=4, num_pages=5), eos_id=None).add_request(
             prompts[0], SamplingParams(max_tokens=24)
         )
+
+
+def test_admission_counts_the_cached_pages_it_revives_and_the_pages_it_promised(model):
+    """A pool whose free pages are, but for two, promised to a long prompt admitted first, and those two
+    hold a finished request's prefix in the cache: a request sharing that prefix waits for pages instead of
+    being admitted, then preempted at once (sharing its cached pages takes them off the free list; its
+    first chunk needs one more). It runs when the long prompt ends, and every output is generate's."""
+    prefix, rng = _prompts()[3][:8], np.random.default_rng(1)
+    long_prompt, follower = rng.integers(2, V, 24).tolist(), [*prefix, 5, 6, 7, 8]
+    cfg = EngineConfig(page_size=4, num_pages=9, max_slots=2, prefill_chunk=24)  # pages 1-8; page 0 is scratch
+    engine = Engine(model, cfg, eos_id=None)
+    first = engine.generate([prefix], SamplingParams(max_tokens=1))  # its two pages stay cached, on the free list
+    outs = engine.generate([long_prompt, follower], SamplingParams(max_tokens=1))  # 6 pages, then 2 shared + 1
+    stats = engine.stats()
+    assert stats["prefix_hits"] == 2 and stats["preempted"] == 0, stats
+    want = _reference(model, [prefix, long_prompt, follower], 1, None)
+    assert [o.token_ids for o in first + outs] == want

@@ -390,14 +390,18 @@ class Engine:
         return events
 
     def _admit(self) -> None:
+        promised = 0  # fresh pages the first chunks of the requests admitted so far will take
         while self._waiting and None in self._slots:
             req = self._waiting[0]
             shared = self._shared_prefix(req)
             fresh = -(
                 -min(len(req.tokens), len(shared) * self.cfg.page_size + self.cfg.prefill_chunk) // self.cfg.page_size
             )
-            if fresh - len(shared) > self._alloc.num_free():
+            # Shared pages the prefix cache kept on the free list leave it when shared: not free for the rest.
+            revived = sum(self._alloc.refs[page] == 0 for page in shared)
+            if fresh - len(shared) + revived > self._alloc.num_free() - promised:
                 return  # it waits for pages; running requests are not preempted to admit one
+            promised += fresh - len(shared)
             self._waiting.popleft()
             for page in shared:
                 self._alloc.share(page)
