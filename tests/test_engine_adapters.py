@@ -1,7 +1,9 @@
 """Several LoRA adapters served by one engine: a mixed batch (rows on the base and on two adapters of
 different ranks and targets, a prompt shared across them, prefix sharing on) gives, row by row, the
-greedy tokens of `decode.generate` on the model with that adapter merged in (`lora.merge`); the batched
-update equals the one-adapter maths row by row; bad adapters and unknown names are refused."""
+greedy tokens of `decode.generate` on the model with that adapter merged in (`lora.merge`); so do an
+encoder_decoder's translations (`decode.translate`: the source encoded with the request's adapter) and
+an encoder_only model's scores (its logits, one input alone); the batched update equals the one-adapter
+maths row by row; bad adapters and unknown names are refused."""
 
 import jax
 import jax.numpy as jnp
@@ -108,3 +110,73 @@ def test_model_of_an_adapter_and_refusals(models):
         Engine(base, eos_id=EOS, adapters={"other": other})
     with pytest.raises(EngineError, match=r"adapters\['plain'\]: the model has no LoRA adapters"):
         Engine(base, eos_id=EOS, adapters={"plain": _model()})
+
+
+def _scaled(mode: str, **changes):
+    """A tiny model of `mode`, parameters x3 as `_model`'s."""
+    model = build_model(tiny(mode, vocab_size=V, max_len=32, **changes), seed=5)
+    nnx.update(model, jax.tree.map(lambda x: 3.0 * x, nnx.state(model, nnx.Param)))
+    return model
+
+
+def test_an_encoder_decoder_translates_each_source_with_its_own_adapter():
+    """Two adapters targeting the encoder's, the decoder's and the cross-attention's kernels (the one of
+    rank 4 the embedding too): each request's source is encoded and cross-attended with its adapter, and
+    the outputs equal `decode.translate` on each merged model; the same source under two adapters (and
+    the base) shares no pages."""
+    base = _scaled("encoder_decoder", tie_output=False)
+    adapters = {
+        "small": _adapted(base, 1, rank=2, targets=("q", "v")),
+        "wide": _adapted(base, 2, rank=4, alpha=8.0, targets=("q", "k", "v", "o", "wi", "wo", "embed")),
+    }
+    rng = np.random.default_rng(2)
+    sources = [rng.integers(3, V, n).tolist() for n in (5, 9, 3)]
+    rows = [(0, None), (0, "small"), (0, "wide"), (1, "wide"), (2, "small"), (1, None)]
+    cfg = EngineConfig(page_size=4, num_pages=32, max_slots=2, prefill_chunk=4)
+    engine = Engine(base, cfg, eos_id=2, bos_id=1, adapters=adapters)
+    srcs, named = [sources[i] for i, _ in rows], [a for _, a in rows]
+    outs = engine.generate([[]] * len(rows), SamplingParams(max_tokens=8), sources=srcs, adapter=named)
+    settings = DecodeConfig(strategy="greedy", max_new_tokens=8)
+    expected = {}
+    for name, model in [(None, base), *adapters.items()]:
+        merged = model if name is None else lora.merge(nnx.clone(model))
+        tokens = decode.translate(merged, sources, settings, bos_id=1, eos_id=2).tokens
+        expected[name] = [decode.strip_after_eos(row[0][:8], 2) for row in tokens]
+    for (i, name), o in zip(rows, outs, strict=True):
+        assert o.token_ids == expected[name][i], (i, name)
+    for name in adapters:  # the adapters really change the translations
+        assert expected[name] != expected[None], name
+    # A decoder prompt of a whole page (BOS and 4 ids), in pairs admitted together: a page is shared only
+    # by a request of the same source and the same adapter (the third pair's two requests, the first's).
+    prompt, pairs = [1, 5, 6, 7, 8], [(0, "wide"), (1, None), (1, "wide"), (0, None), (0, "wide"), (1, None)]
+    before = engine.prefix_hits
+    srcs, named = [sources[i] for i, _ in pairs], [a for _, a in pairs]
+    again = engine.generate([prompt] * 6, SamplingParams(max_tokens=1), sources=srcs, adapter=named)
+    assert engine.prefix_hits - before == 2 and again[4].token_ids == again[0].token_ids
+
+
+def test_an_encoder_only_model_scores_each_input_with_its_own_adapter():
+    """One `score` call mixing the base and two adapters over padded inputs of mixed lengths: each input's
+    class log-probabilities and masked-LM fills equal its merged model's on the input alone."""
+    base = _scaled("encoder_only", num_classes=3)
+    adapters = {
+        "small": _adapted(base, 1, rank=2, targets=("q", "v")),
+        "wide": _adapted(base, 2, rank=4, alpha=8.0, targets=("q", "k", "v", "o", "wi", "wo", "embed")),
+    }
+    rng = np.random.default_rng(3)
+    inputs = [rng.integers(4, V, n).tolist() for n in (3, 9, 17, 5, 9)]
+    named = [None, "small", "wide", "wide", None]
+    engine = Engine(base, EngineConfig(max_slots=2), eos_id=None, adapters=adapters)
+    classes = engine.score(inputs, "classify", adapter=named)
+    fills = engine.score([[*x[:2], 3, *x[3:]] for x in inputs], "fill", mask_id=3, adapter=named)
+    merged = {None: base} | {name: lora.merge(nnx.clone(model)) for name, model in adapters.items()}
+    for x, name, c, f in zip(inputs, named, classes, fills, strict=True):
+        model, ids = merged[name], jnp.asarray([[*x[:2], 3, *x[3:]]])
+        want = jax.nn.log_softmax(model.classify(jnp.asarray([x])))[0]
+        np.testing.assert_allclose(c, want, atol=1e-4)
+        assert f[2] == int(jnp.argmax(model(ids)[0, 2]))
+    assert classes[1] != engine.score([inputs[1]], "classify")[0]  # the adapter changes the scores
+    with pytest.raises(EngineError, match="one per input, got 1 for 5"):
+        engine.score(inputs, "embed", adapter=["wide"])
+    with pytest.raises(EngineError, match=r"adapter 'nope' is not served"):
+        engine.score(inputs[:1], "embed", adapter="nope")

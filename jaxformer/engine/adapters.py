@@ -141,12 +141,10 @@ def attach(model: nnx.Module, adapters: dict) -> tuple[str, ...]:
         The names, in order: adapter i + 1 of the stacks is names[i].
 
     Raises:
-        EngineError: a name that is not a non-empty string, a model that is not decoder_only, a workdir or
-            model without adapters, or one whose config (`adapters['NAME']: model.FIELD`) or shapes differ.
+        EngineError: a name that is not a non-empty string, a workdir or model without adapters, or one
+            whose config (`adapters['NAME']: model.FIELD`) or shapes differ.
     """
     mcfg = model.cfg
-    if mcfg.mode != "decoder_only":
-        raise EngineError(f"adapters: several adapters are served for decoder_only models; this one is {mcfg.mode}")
     names, found = [], []
     for name, given in adapters.items():
         if not isinstance(name, str) or not name or name.strip() != name:

@@ -93,7 +93,8 @@ class Engine:
         bos_id: the beginning-of-sequence id, or None.
         adapters (dict | None): LoRA adapters served beside the base, each request choosing one by name
             (`add_request(..., adapter=NAME)`): name -> a model of the same architecture with adapters, or
-            the workdir of a LoRA run (`jaxformer.engine.adapters`); decoder_only.
+            the workdir of a LoRA run (`jaxformer.engine.adapters`). An encoder_decoder request's source is
+            encoded with its adapter too; an encoder_only model's `score` takes one per input.
 
     Raises:
         EngineError: a model the engine does not serve, a context the model cannot hold, or an adapter that
@@ -304,7 +305,7 @@ class Engine:
             seed = zlib.crc32(f"{self.cfg.seed}/{request_id}".encode())
         req = _Request(request_id, prompt, params, seed, order=0, source=source, adapter=index)
         root = None if source is None else hash(("source", tuple(source)))  # its keys depend on the source
-        root = hash(("adapter", adapter)) if index else root  # and on the adapter: pages shared within one only
+        root = hash(("adapter", adapter, root)) if index else root  # and on the adapter: shared within one only
         req.hashes = page_hashes(prompt, self.cfg.page_size, root) if self.cfg.prefix_sharing else []
         self._live[request_id] = req
         self._waiting.append(req)
@@ -421,7 +422,8 @@ class Engine:
         src = np.full((1, S), self.pad_id, np.int32)
         src[0, : len(req.source)] = req.source
         lengths = np.asarray([len(req.source)], np.int32)
-        self._memory = _encode_into(self._graphdef, self._params, self._memory, src, lengths, req.slot)
+        rows = np.int32(req.adapter) if self.adapters else None  # its adapter in the encoder and cross-attention
+        self._memory = _encode_into(self._graphdef, self._params, self._memory, src, lengths, req.slot, rows)
         self._src_lengths[req.slot] = len(req.source)
 
     def _shared_prefix(self, req: _Request) -> list[int]:
@@ -648,7 +650,7 @@ class Engine:
 
     # ------------------------------------------------------------------------- batch jobs
 
-    def score(self, inputs: list[list[int]], kind: str, *, mask_id: int | None = None) -> list[list]:
+    def score(self, inputs: list[list[int]], kind: str, *, mask_id: int | None = None, adapter=None) -> list[list]:
         """encoder_only: scores of whole inputs, `max_slots` rows at a time (widths rounded up to a
         power of two, so a few compiled shapes serve every input).
 
@@ -658,12 +660,15 @@ class Engine:
                 input with each `mask_id` replaced by the masked-LM head's likeliest id) or "embed" (the
                 mean of the final hidden states over the input's positions).
             mask_id: the mask token ("fill"; None: the tokenizer's).
+            adapter (str | None | list[str | None]): the served adapter of every input, or one per input
+                (None: the base); rows of one call may run different adapters.
 
         Returns:
             One list per input: C log-probabilities, the filled ids, or D floats.
 
         Raises:
-            EngineError: not an encoder_only model, an unknown kind, no classes, no mask id, or a bad input.
+            EngineError: not an encoder_only model, an unknown kind, no classes, no mask id, a bad input,
+                or an adapter the engine does not serve.
         """
         if not self.encoder_only:
             raise EngineError("score() needs an encoder_only model; this one generates (use generate)")
@@ -680,6 +685,10 @@ class Engine:
         for i, r in enumerate(rows):
             if len(r) > self.max_context:
                 raise EngineError(f"inputs[{i}] has {len(r)} tokens; the model's max_len is {self.max_context}")
+        named = adapter if isinstance(adapter, list) else [adapter] * len(rows)
+        if len(named) != len(rows):
+            raise EngineError(f"adapter: one per input, got {len(named)} for {len(rows)} inputs")
+        indices = [_adapters.index_of(self.adapters, a) for a in named]
         out, B = [], self.cfg.max_slots
         for start in range(0, len(rows), B):
             batch = rows[start : start + B]
@@ -688,7 +697,11 @@ class Engine:
             lengths = np.ones(B, np.int32)
             for i, r in enumerate(batch):
                 ids[i, : len(r)], lengths[i] = r, len(r)
-            got = np.asarray(_score(self._graphdef, self._params, ids, lengths, kind=kind))
+            adapters_B = None  # each row's adapter, the padding rows' the base
+            if self.adapters:
+                adapters_B = np.zeros(B, np.int32)
+                adapters_B[: len(batch)] = indices[start : start + B]
+            got = np.asarray(_score(self._graphdef, self._params, ids, lengths, adapters_B, kind=kind))
             for i, r in enumerate(batch):
                 if kind == "fill":
                     out.append([int(p) if t == mask_id else t for t, p in zip(r, got[i], strict=False)])

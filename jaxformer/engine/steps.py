@@ -70,9 +70,12 @@ def _forward(
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("memory",))
-def _encode_into(graphdef, params, memory, src_1S, src_lengths_1, slot):
-    """Encode one source and write each decoder layer's cross-attention keys and values of it into `slot`."""
+def _encode_into(graphdef, params, memory, src_1S, src_lengths_1, slot, adapter=None):
+    """Encode one source and write each decoder layer's cross-attention keys and values of it into `slot`;
+    `adapter`: None, or the request's adapter (engine.adapters), in the encoder and the cross-attention."""
     model = nnx.merge(graphdef, params)
+    if adapter is not None:
+        _adapters.bind_rows(model, adapter)
     memory_1SD = model.encode(src_1S, src_lengths=src_lengths_1)
     layers = model.init_cache(1, 1, memory_1SD, src_lengths=src_lengths_1)["layers"]
     write = lambda m, c: {n: m[n].at[slot].set(c["memory"][n][0].astype(m[n].dtype)) for n in "kv"}
@@ -80,9 +83,12 @@ def _encode_into(graphdef, params, memory, src_1S, src_lengths_1, slot):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "kind"))
-def _score(graphdef, params, ids_BS, lengths_B, *, kind):
-    """encoder_only: class log-probabilities [B, C], masked-LM argmax ids [B, S], or mean states [B, D]."""
+def _score(graphdef, params, ids_BS, lengths_B, rows_B=None, *, kind):
+    """encoder_only: class log-probabilities [B, C], masked-LM argmax ids [B, S], or mean states [B, D];
+    `rows_B`: None, or each row's adapter (engine.adapters)."""
     model = nnx.merge(graphdef, params)
+    if rows_B is not None:
+        _adapters.bind_rows(model, rows_B)
     if kind == "classify":
         return jax.nn.log_softmax(model.classify(ids_BS, src_lengths=lengths_B).astype(jnp.float32))
     h_BSD = model.hidden(ids_BS, lengths=lengths_B)
