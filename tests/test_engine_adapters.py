@@ -180,3 +180,41 @@ def test_an_encoder_only_model_scores_each_input_with_its_own_adapter():
         engine.score(inputs, "embed", adapter=["wide"])
     with pytest.raises(EngineError, match=r"adapter 'nope' is not served"):
         engine.score(inputs[:1], "embed", adapter="nope")
+
+
+def test_the_stacks_carry_their_kernels_logical_axes_and_shard_as_they_do(models):
+    """Each stack's A [N, in..., R] names the kernel's input axes, its B [N, R, out...] the kernel's output
+    axes (adapter and rank axes unnamed); on a mesh with a tensor axis (TPU devices of a v5e:2x2 slice,
+    compile-only), every stack is split as its kernel is, none left whole on each device."""
+    base, adapters = models
+    served = decode.decodable(nnx.clone(base))
+    attach(served, adapters)
+    stacks = [(m, name) for _, m in nnx.iter_modules(served) for name in dir(m) if name.endswith("_lora")]
+    stacks = [(m, name[: -len("_lora")], getattr(m, name)) for m, name in stacks]
+    assert len(stacks) == 13 and all(isinstance(s, StackedAdapter) for _, _, s in stacks)  # 2 layers x 6, embed
+    for module, kernel_name, stack in stacks:
+        names = getattr(module, kernel_name).get_metadata()["out_sharding"]
+        cut = stack.a.ndim - 2
+        assert stack.a.get_metadata()["out_sharding"] == (None, *names[:cut], None), kernel_name
+        assert stack.b.get_metadata()["out_sharding"] == (None, None, *names[cut:]), kernel_name
+    pytest.importorskip("libtpu")
+    from jaxformer import sharding
+    from jaxformer.config import MeshConfig
+    from jaxformer.plan import parse_target
+
+    mesh_cfg = MeshConfig(data=2, tensor=2)
+    mesh = sharding.make_mesh(mesh_cfg, parse_target("tpu-v5e:2x2").devices())
+    state = nnx.state(served)
+    with sharding.use(mesh, sharding.rules_for(mesh_cfg)):
+        shardings = dict(nnx.to_flat_state(sharding.state_shardings(state, mesh)))
+    ndim = {path: v.ndim for path, v in nnx.to_flat_state(state)}
+    spec = lambda path: (*shardings[path].spec, *(None,) * (ndim[path] - len(shardings[path].spec)))
+    split = 0
+    for path in shardings:
+        if len(path) < 2 or not str(path[-2]).endswith("_lora") or path[-1] not in ("a", "b"):
+            continue
+        kernel, cut = spec((*path[:-2], path[-2][: -len("_lora")])), ndim[(*path[:-2], path[-2], "a")] - 2
+        want = (None, *kernel[:cut], None) if path[-1] == "a" else (None, None, *kernel[cut:])
+        assert spec(path) == want, path
+        split += "tensor" in spec(path)
+    assert split >= 12  # q, k, v (heads), o (heads), wi (ff) and wo (ff) of each layer at least

@@ -45,14 +45,22 @@ class StackedAdapter(nnx.Module):
     is zeros (the base). Called as `lora.Adapter` is (`projections.adapted`, the embedding's `lookup` and
     `attend`), each row of the batch adding its own adapter's update; no dropout (serving only).
 
+    A and B carry the kernel's logical axis names (A its inputs', B its outputs'), the adapter and rank axes
+    none: on a mesh they shard as the kernel does (`sharding.state_shardings`), as `lora.Adapter`'s do.
+
     Args:
         a: [N, in..., R].
         b: [N, R, out...].
         scale: [N] each adapter's alpha / rank (0 where it has no adapter).
+        names: the kernel's logical axis names [in..., out...] (None: unnamed, replicated).
     """
 
-    def __init__(self, a: Array, b: Array, scale: Array):
-        self.a, self.b, self.scale = nnx.LoRAParam(a), nnx.LoRAParam(b), nnx.LoRAParam(scale)
+    def __init__(self, a: Array, b: Array, scale: Array, names: tuple | None = None):
+        cut = a.ndim - 2  # the kernel's input axes
+        names = names or (None,) * (cut + b.ndim - 2)
+        self.a = nnx.LoRAParam(a, out_sharding=(None, *names[:cut], None), eager_sharding=False)
+        self.b = nnx.LoRAParam(b, out_sharding=(None, None, *names[cut:]), eager_sharding=False)
+        self.scale = nnx.LoRAParam(scale)
         self.rows = AdapterRows(jnp.zeros((), jnp.int32))  # the base until `bind_rows`
 
     def _rows(self, batch: int) -> Array:
@@ -180,7 +188,9 @@ def attach(model: nnx.Module, adapters: dict) -> tuple[str, ...]:
             if a.shape[:-1] != a0.shape[:-1] or b.shape[1:] != b0.shape[1:]:
                 raise EngineError(f"adapters[{names[i - 1]!r}]: the adapter of {key} has shapes {a.shape}, {b.shape}")
             A[i, ..., : a.shape[-1]], B[i, : b.shape[0]], scale[i] = a, b, s
-        setattr(module, f"{kernel_name}_lora", StackedAdapter(jnp.asarray(A), jnp.asarray(B), jnp.asarray(scale)))
+        axes = kernel.get_metadata().get("out_sharding")  # its logical axes: the stacks shard as it does
+        stacked = StackedAdapter(jnp.asarray(A), jnp.asarray(B), jnp.asarray(scale), axes)
+        setattr(module, f"{kernel_name}_lora", stacked)
     return tuple(names)
 
 
