@@ -11,6 +11,7 @@ checks the options that express it. Skipped where transformers is absent
 
 import json
 import logging
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -76,10 +77,10 @@ def randomized(cfg, seed: int = 0) -> jf.Transformer:
     """A model of `cfg` whose every parameter (biases and norm scales included) is random."""
     model = jf.build_model(cfg, seed)
     leaves, tree = jax.tree.flatten(nnx.state(model, nnx.Param))
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    rng = np.random.default_rng(seed + 1)  # NumPy draws: each of jax.random.normal's shapes would compile
     nnx.update(
         model,
-        jax.tree.unflatten(tree, [0.3 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves, strict=True)]),
+        jax.tree.unflatten(tree, [jax.device_put(0.3 * rng.standard_normal(x.shape, np.float32)) for x in leaves]),
     )
     return model
 
@@ -89,7 +90,13 @@ def ids(shape, seed):
 
 
 def logits_of(model, src, tgt=None):
-    """jaxformer's logits (class logits for a classifier), `src` right-padded to LENGTHS."""
+    """jaxformer's logits (class logits for a classifier), `src` right-padded to LENGTHS: one compiled
+    program per model structure and shapes (models of the same structure share it)."""
+    return _logits_of(model, src, tgt)
+
+
+@nnx.jit
+def _logits_of(model, src, tgt):
     lengths = jnp.asarray(LENGTHS)
     if model.cfg.num_classes:
         return model.classify(jnp.asarray(src), src_lengths=lengths)
@@ -100,12 +107,44 @@ def attention_mask(src):
     return (np.arange(src.shape[1])[None] < LENGTHS[:, None]).astype(np.int32)
 
 
+def hf_model(cls: str, directory):
+    """transformers' `cls` as it reads `directory`. Its initial parameters, which the checkpoint's
+    tensors all replace (one it lacks is named in a "were not" warning), are zeros of the shapes
+    its initialisation gives: traced, not run operation by operation (a program compiled for each)."""
+    cls = getattr(transformers, cls)
+    init = cls.init_weights
+
+    def zeros_init(self, rng, input_shape, params=None):
+        if params is not None:
+            return init(self, rng, input_shape, params)
+        shapes = jax.eval_shape(lambda rng: init(self, rng, input_shape), rng)
+        return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), shapes)
+
+    with THEIRS, mock.patch.object(cls, "init_weights", zeros_init):
+        return cls.from_pretrained(directory)
+
+
+def hf_forward(theirs, **inputs):
+    """transformers' logits of its model `theirs` for `inputs`, its parameters passed in (one compiled program)."""
+    with THEIRS:
+        return jax.jit(lambda params, inputs: theirs(**inputs, params=params).logits)(theirs.params, inputs)
+
+
 def hf_logits_of(theirs, src, tgt=None):
     """transformers' logits (class logits for a classifier) for the same inputs."""
+    decoder = {} if tgt is None else dict(decoder_input_ids=tgt)
+    return hf_forward(theirs, input_ids=src, attention_mask=attention_mask(src), **decoder)
+
+
+def hf_greedy(theirs, arrays: dict, **settings):
+    """transformers' greedy `generate` (its sequences) for the input `arrays` with the other `settings`,
+    its parameters passed in: one compiled program, where eager it would compile each operation apart."""
+
+    def run(params, arrays):
+        return theirs.generate(**arrays, **settings, do_sample=False, params=params).sequences
+
     with THEIRS:
-        if tgt is not None:
-            return theirs(input_ids=src, attention_mask=attention_mask(src), decoder_input_ids=tgt).logits
-        return theirs(input_ids=src, attention_mask=attention_mask(src)).logits
+        return np.asarray(jax.jit(run)(theirs.params, arrays))
 
 
 def real(logits, cfg):
@@ -125,8 +164,7 @@ def family(request, tmp_path_factory):
     from transformers.models.t5 import modeling_flax_t5
 
     modeling_flax_t5.jnp = _Jnp()  # (module scope: the autouse fixture is per test)
-    with THEIRS:
-        theirs = getattr(transformers, cls).from_pretrained(directory)
+    theirs = hf_model(cls, directory)
     return name, cfg, model, directory, theirs
 
 
@@ -156,21 +194,18 @@ def test_greedy_generation_equals_transformers(family):
     if cfg.mode == "decoder_only":
         prompts = ids((2, 5), 3)
         ours = decode.generate(model, prompts.tolist(), DecodeConfig(max_new_tokens=new), eos_id=eos).tokens[:, 0]
-        with THEIRS:
-            out = theirs.generate(prompts, max_new_tokens=new, do_sample=False, eos_token_id=eos, pad_token_id=eos)
-        reference = np.asarray(out.sequences)[:, prompts.shape[1] :]
+        out = hf_greedy(theirs, dict(input_ids=prompts), max_new_tokens=new, eos_token_id=eos, pad_token_id=eos)
+        reference = out[:, prompts.shape[1] :]
     else:
         src = ids((2, 10), 4)
         rows = [list(r[:n]) for r, n in zip(src.tolist(), LENGTHS, strict=True)]
         start = SPECIAL["decoder_start_token_id"]
         ours = decode.translate(model, rows, DecodeConfig(extra_len=new), bos_id=start, eos_id=eos).tokens[:, 0]
-        with THEIRS:
-            out = theirs.generate(
-                src, attention_mask=attention_mask(src), max_new_tokens=new, do_sample=False, eos_token_id=eos,
-                pad_token_id=cfg.pad_id, decoder_start_token_id=start, forced_bos_token_id=None,
-                forced_eos_token_id=None,
-            )  # fmt: skip
-        reference = np.asarray(out.sequences)[:, 1:]  # after the start token
+        out = hf_greedy(
+            theirs, dict(input_ids=src, attention_mask=attention_mask(src)), max_new_tokens=new, eos_token_id=eos,
+            pad_token_id=cfg.pad_id, decoder_start_token_id=start, forced_bos_token_id=None, forced_eos_token_id=None,
+        )  # fmt: skip
+        reference = out[:, 1:]  # after the start token
     for mine, theirs_row in zip(ours, reference, strict=True):
         assert decode.strip_after_eos(mine[:new], eos) == decode.strip_after_eos(theirs_row[:new], eos)
 
@@ -182,8 +217,7 @@ def test_encoder_predictions_equal_transformers(name, tmp_path):
     to be trained (the random weights of `family` make a head that predicts one ranking everywhere)."""
     cfg, cls = FAMILIES[name]
     model = jf.build_model(cfg, seed=3)
-    with THEIRS:
-        theirs = getattr(transformers, cls).from_pretrained(hf.save_hf(model, tmp_path, extra_config=SPECIAL))
+    theirs = hf_model(cls, hf.save_hf(model, tmp_path, extra_config=SPECIAL))
     MASK = 3  # any id: the test compares predictions, not a tokenizer's conventions
     src = np.where(np.arange(10)[None] % 3 == 1, MASK, ids((2, 10), 5))
     with jax.default_matmul_precision("highest"):
@@ -372,9 +406,10 @@ def test_import_hf_train_export_hf(tmp_path, capsys):
     assert run_cfg.data.tokenizer == "hf" and run_cfg.model == hf.config_from_hf(hf.read_hf_config(source))
     graphdef, state, _ = restore_workdir(run_cfg, workdir)
     x = jnp.asarray(ids((2, 10), 1))
-    pretrained = hf.load_hf(source)(x)
+    forward = nnx.jit(lambda model, x: model(x))  # one program per model structure, not one per operation
+    pretrained = forward(hf.load_hf(source), x)
     assert int(state.step) == 0
-    np.testing.assert_array_equal(nnx.merge(graphdef, state.params)(x), pretrained)
+    np.testing.assert_array_equal(forward(nnx.merge(graphdef, state.params), x), pretrained)
     batch = build_dataset(run_cfg, workdir).train.get(0)
     assert (batch["targets"] == 0).any() and batch["weights"].all()  # <|endoftext|> is pad and eos: it counts
 
@@ -384,14 +419,14 @@ def test_import_hf_train_export_hf(tmp_path, capsys):
     assert cli.main(["export-hf", "--workdir", str(workdir), str(out)]) == 0
     graphdef, state, _ = restore_workdir(run_cfg, workdir)
     trained = nnx.merge(graphdef, state.params)
-    assert int(state.step) == 3 and not np.allclose(trained(x), pretrained)
-    np.testing.assert_array_equal(hf.load_hf(out)(x), trained(x))
+    assert int(state.step) == 3 and not np.allclose(forward(trained, x), pretrained)
+    np.testing.assert_array_equal(forward(hf.load_hf(out), x), forward(trained, x))
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == 0
     assert (out / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
-    with THEIRS:
-        reference = transformers.FlaxGPT2LMHeadModel.from_pretrained(out)(input_ids=np.asarray(x)).logits
+    theirs = hf_model("FlaxGPT2LMHeadModel", out)
+    reference = hf_forward(theirs, input_ids=np.asarray(x))
     with jax.default_matmul_precision("highest"):
-        np.testing.assert_allclose(trained(x), reference, atol=1e-5)
+        np.testing.assert_allclose(forward(trained, x), reference, atol=1e-5)
 
     capsys.readouterr()
     prompt = ["--prompt", "KING HENRY:", "--set", "decode.strategy=greedy", "--set", "decode.max_new_tokens=5"]

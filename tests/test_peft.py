@@ -41,6 +41,12 @@ def inputs(ref) -> list:
     return [ref["input_ids"]] + ([ref["decoder_input_ids"]] if "decoder_input_ids" in ref.files else [])
 
 
+@nnx.jit
+def logits_of(model, inputs: list):
+    """The model's logits for its positional `inputs`: one compiled program, not one per operation."""
+    return model(*inputs)
+
+
 def same_files(out, adapter):
     """The adapter directory `out` holds peft's tensors of `adapter` (names, shapes, values) and its config's fields."""
     written, expected = load_file(out / hf.ADAPTER_WEIGHTS), load_file(adapter / hf.ADAPTER_WEIGHTS)
@@ -67,8 +73,8 @@ def test_load_hf_with_a_peft_adapter_gives_peft_logits_and_save_peft_its_files(f
     base, adapter, ref = golden(family)
     model = hf.load_hf(base, adapter=adapter, scan_layers=scan)
     with jax.default_matmul_precision("highest"):
-        adapted = np.asarray(model(*inputs(ref)))
-        plain = None if scan else np.asarray(hf.load_hf(base)(*inputs(ref)))
+        adapted = np.asarray(logits_of(model, inputs(ref)))
+        plain = None if scan else np.asarray(logits_of(hf.load_hf(base), inputs(ref)))
     # rtol: gated T5's untied logits reach 15, where float32's rounding alone is ~1e-6
     np.testing.assert_allclose(adapted, ref["logits"], atol=1e-5, rtol=0 if family in DENSE_2026 else 1e-5)
     if plain is not None:
@@ -88,7 +94,7 @@ def test_import_hf_adapter_then_export_hf_adapter_gives_back_peft_files(family, 
     assert (cfg.lora.rank, cfg.lora.alpha) == (theirs["r"], theirs["lora_alpha"])
     graphdef, state, _ = restore_workdir(cfg, workdir)
     with jax.default_matmul_precision("highest"):
-        logits = np.asarray(nnx.merge(graphdef, state.weights)(*inputs(ref)))
+        logits = np.asarray(logits_of(nnx.merge(graphdef, state.weights), inputs(ref)))
     np.testing.assert_allclose(logits, ref["logits"], atol=1e-5, rtol=1e-5)
 
     assert cli.main(["export-hf", "--workdir", str(workdir), str(out), "--adapter"]) == 0
@@ -197,7 +203,9 @@ def test_save_peft_of_some_stacks_then_load_hf_gives_the_same_logits(case, field
     paths = lambda m: sorted(p for p, _ in nnx.to_flat_state(nnx.state(m, nnx.LoRAParam)))
     assert paths(back) == paths(model)  # the same adapters, no more
     with jax.default_matmul_precision("highest"):
-        np.testing.assert_allclose(np.asarray(back(*inputs(ref))), np.asarray(model(*inputs(ref))), atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(logits_of(back, inputs(ref))), np.asarray(logits_of(model, inputs(ref))), atol=1e-5
+        )
 
 
 def test_embedding_adapters_are_not_dropped_from_a_peft_adapter_in_silence(tmp_path):

@@ -105,8 +105,8 @@ def _key(part: str):
 
 def _place(array: np.ndarray, sharding) -> jax.Array:
     # Parameters are float32 (compute runs in ModelConfig.dtype); a float32 tensor is not copied again.
-    array = array.astype(np.float32, copy=False)
-    return jax.device_put(array, sharding) if sharding is not None else jnp.asarray(array)
+    # device_put, also without a sharding: jnp.asarray would compile a program for each shape to stage it.
+    return jax.device_put(array.astype(np.float32, copy=False), sharding)
 
 
 def _fresh_params(cfg: ModelConfig, paths: list[str], placement: dict, mesh) -> dict:
