@@ -65,8 +65,9 @@ def test_ties_route_to_the_lower_expert_and_the_aux_losses_have_their_finite_dif
     # ties: top-k keeps the lower expert index first, as a stable sort of -logits does, in both orders
     logits = np.array([[1.0, 2.0, 2.0, 0.5], [0.0, 0.0, 0.0, 0.0], [3.0, -1.0, 3.0, 3.0]], np.float32)
     want = np.argsort(-logits, axis=-1, kind="stable")[:, :2]
+    route = jax.jit(moe.route, static_argnums=(1, 2))
     for order in ("softmax_topk", "topk_softmax"):
-        np.testing.assert_array_equal(moe.route(jnp.asarray(logits), 2, order)[1], want)
+        np.testing.assert_array_equal(route(jnp.asarray(logits), 2, order)[1], want)
     # the router losses' gradients w.r.t. the logits (through the softmax; the top-k choice is piecewise
     # constant, and these logits are apart by far more than eps) against central finite differences
     from jax.test_util import check_grads
@@ -80,7 +81,7 @@ def test_ties_route_to_the_lower_expert_and_the_aux_losses_have_their_finite_dif
         return moe.load_balance_loss(probs_ME, experts_MA, live)
 
     for loss in (balance, lambda l: moe.router_z_loss(l, live)):
-        check_grads(loss, (logits,), order=1, modes=("rev",), eps=1e-2, atol=2e-3, rtol=2e-3)
+        check_grads(jax.jit(loss), (logits,), order=1, modes=("rev",), eps=1e-2, atol=2e-3, rtol=2e-3)
 
 
 def naive_moe(x_MD, weights_MA, experts_MA, w, activation):
@@ -112,9 +113,9 @@ def test_dropless_and_capacity_dispatch_equal_a_naive_loop(activation="swiglu"):
     B, T, D, Fw, E, k = 2, 6, 8, 16, 4, 2
     w = random_experts(rng, E, D, Fw, activation == "swiglu")
     x_BTD = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
-    weights, experts, _ = moe.route(jnp.asarray(rng.normal(size=(B, T, E)), jnp.float32), k, "topk_softmax")
+    route = jax.jit(moe.route, static_argnums=(1, 2))
+    weights, experts, _ = route(jnp.asarray(rng.normal(size=(B, T, E)), jnp.float32), k, "topk_softmax")
     flat = lambda a: a.reshape(B * T, *a.shape[2:])
-    want = naive_moe(flat(x_BTD), flat(weights), flat(experts), w, activation)
 
     @jax.jit
     def outputs(x_BTD, weights, w):  # one compile: dropless (sort + ragged_dot) and the naive loop, with
@@ -126,9 +127,9 @@ def test_dropless_and_capacity_dispatch_equal_a_naive_loop(activation="swiglu"):
                  for f in (dropless, naive)]  # fmt: skip
         dispatch, combine, dropped, assigned = moe.dispatch_capacity(weights, experts, E, T * k)  # P = T * k
         roomy = moe.moe_capacity(x_BTD, dispatch, combine, w, activation)
-        return dropless(x_BTD, weights, w), grads, flat(roomy), dropped, assigned
+        return dropless(x_BTD, weights, w), naive(x_BTD, weights, w), grads, flat(roomy), dropped, assigned
 
-    got, (grads, want_grads), roomy, dropped, assigned = outputs(x_BTD, weights, w)
+    got, want, (grads, want_grads), roomy, dropped, assigned = outputs(x_BTD, weights, w)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), grads, want_grads)
     assert (float(dropped), float(assigned)) == (0.0, B * T * k)  # capacity with room for all == dropless
@@ -140,7 +141,6 @@ def test_dropless_and_capacity_dispatch_equal_a_naive_loop(activation="swiglu"):
     kept_by_order = {}
     order = {True: [(t, a) for t in range(T) for a in range(k)], False: [(t, a) for a in range(k) for t in range(T)]}
     for causal, pairs in order.items():
-        dispatch, combine, dropped, assigned = moe.dispatch_capacity(weights, experts, E, P, causal=causal)
         kept = np.zeros((B, T, k), bool)
         for b in range(B):
             used = np.zeros(E, int)
@@ -148,12 +148,23 @@ def test_dropless_and_capacity_dispatch_equal_a_naive_loop(activation="swiglu"):
                 e = int(experts[b, t, a])
                 kept[b, t, a] = used[e] < P
                 used[e] += 1
-        assert float(dropped) == (~kept).sum() > 0 and float(assigned) == B * T * k, causal
-        kept_weights = jnp.where(jnp.asarray(kept), weights, 0.0)  # a dropped pair adds nothing
-        got = moe.moe_capacity(x_BTD, dispatch, combine, w, activation)
-        np.testing.assert_allclose(flat(got), naive_moe(flat(x_BTD), flat(kept_weights), flat(experts), w, activation),
-                                   rtol=1e-5, atol=1e-5, err_msg=f"{causal=}")  # fmt: skip
         kept_by_order[causal] = kept
+
+    @jax.jit
+    def tight(x_BTD, weights, w, kept_by_order):  # one compile: both orders, and the naive loop on the pairs kept
+        out = {}
+        for causal, kept in kept_by_order.items():
+            dispatch, combine, dropped, assigned = moe.dispatch_capacity(weights, experts, E, P, causal=causal)
+            kept_weights = jnp.where(kept, weights, 0.0)  # a dropped pair adds nothing
+            got = moe.moe_capacity(x_BTD, dispatch, combine, w, activation)
+            naive = naive_moe(flat(x_BTD), flat(kept_weights), flat(experts), w, activation)
+            out[causal] = dropped, assigned, flat(got), naive
+        return out
+
+    for causal, (dropped, assigned, got, naive) in tight(x_BTD, weights, w, kept_by_order).items():
+        kept = kept_by_order[causal]
+        assert float(dropped) == (~kept).sum() > 0 and float(assigned) == B * T * k, causal
+        np.testing.assert_allclose(got, naive, rtol=1e-5, atol=1e-5, err_msg=f"{causal=}")
     assert not np.array_equal(*kept_by_order.values())  # this routing tells the two orders apart
 
 
@@ -175,7 +186,7 @@ def test_experts_with_the_dense_ffns_weights_equal_the_dense_ffn(activation):
             b = getattr(dense, name)
             b[...] = jax.random.normal(jax.random.key(len(name)), b.shape)
     x_BTD = jax.random.normal(jax.random.key(1), (B, T, base.d_model))
-    want = np.asarray(dense(x_BTD))
+    cases, layers = [], []
     for router in ("topk_softmax", "softmax_topk"):
         for k in (1, 2):
             for factor in (0.0, float(E)):  # dropless; capacity ceil(E * T * k / E) = T * k slots
@@ -185,13 +196,18 @@ def test_experts_with_the_dense_ffns_weights_equal_the_dense_ffn(activation):
                 for name in ("wi", "wi_gate", "wo", "wi_bias", "wi_gate_bias", "wo_bias"):
                     if hasattr(dense, name):
                         kernel = getattr(dense, name)[...]
-                        getattr(layer, name)[...] = jnp.broadcast_to(kernel, (E, *kernel.shape))
-                got, aux = layer(x_BTD)
-                assert float(aux["dropped"]) == 0 and float(aux["assigned"]) == B * T * k
-                probs = np_softmax(np.einsum("BTD,DE->BTE", x_BTD, layer.router[...]).astype(np.float64))
-                g = 1.0 if router == "topk_softmax" else np.sort(probs, -1)[..., -k:].sum(-1, keepdims=True)
-                assert router == "topk_softmax" or (g < 1 - 1e-3).all()  # Switch's gates do not sum to 1 here
-                np.testing.assert_allclose(got, g * want, rtol=0, atol=1e-6, err_msg=f"{router} k={k} {factor=}")
+                        getattr(layer, name)[...] = jnp.asarray(np.broadcast_to(kernel, (E, *kernel.shape)))
+                cases.append((router, k, factor))
+                layers.append(layer)
+    # one compile: the dense FFN and the 8 MoE layers
+    want, outs = nnx.jit(lambda dense, layers: (dense(x_BTD), [layer(x_BTD) for layer in layers]))(dense, layers)
+    want = np.asarray(want)
+    for (router, k, factor), layer, (got, aux) in zip(cases, layers, outs, strict=True):
+        assert float(aux["dropped"]) == 0 and float(aux["assigned"]) == B * T * k
+        probs = np_softmax(np.einsum("BTD,DE->BTE", x_BTD, layer.router[...]).astype(np.float64))
+        g = 1.0 if router == "topk_softmax" else np.sort(probs, -1)[..., -k:].sum(-1, keepdims=True)
+        assert router == "topk_softmax" or (g < 1 - 1e-3).all()  # Switch's gates do not sum to 1 here
+        np.testing.assert_allclose(got, g * want, rtol=0, atol=1e-6, err_msg=f"{router} k={k} {factor=}")
 
 
 def test_dropped_tokens_pass_through_the_residual_and_padding_takes_no_slot():
