@@ -318,12 +318,13 @@ def test_decoder_only_scores_and_continues_text_holding_the_pad_id():
     model = jf.build_model(jf.tiny("decoder_only", vocab_size=V, max_len=32), seed=4)
     assert model.cfg.pad_id == 0
     text = jnp.array([[5, 0, 9, 0, 0, 3, 7, 0], [0, 0, 4, 6, 0, 8, 2, 11]])
-    scored = jax.nn.log_softmax(model(text))
+    scored = nnx.jit(lambda model, text: jax.nn.log_softmax(model(text)))(model, text)
     cache = model.init_cache(2, 8)
-    logits, cache = model.decode_step(cache, text[:, :1], None)
+    step = nnx.jit(lambda model, cache, ids, positions: model.decode_step(cache, ids, positions))
+    logits, cache = step(model, cache, text[:, :1], None)
     steps = [logits]
     for t in range(1, 8):
-        logits, cache = model.decode_step(cache, text[:, t : t + 1], jnp.full((2, 1), t))
+        logits, cache = step(model, cache, text[:, t : t + 1], jnp.full((2, 1), t))
         steps.append(logits)
     np.testing.assert_allclose(jax.nn.log_softmax(jnp.concatenate(steps, 1)), scored, atol=1e-5)
     prompt = [5, 0, 9, 0, 0]

@@ -96,8 +96,13 @@ def test_decode_step_logits_at_one_position_equal_the_full_logits(model):
     ids = jnp.asarray(np.random.default_rng(2).integers(2, V, (2, 5)), jnp.int32)
     positions = jnp.asarray([[0, 1, 2, 3, 4], [3, 4, 5, 6, 7]], jnp.int32)
     at = jnp.asarray([4, 1], jnp.int32)
-    full, cache = model.decode_step(model.init_cache(2, 16), ids, positions)
-    one, cache_one = model.decode_step(model.init_cache(2, 16), ids, positions, logits_at_B=at)
+
+    @nnx.jit
+    def both(model):  # the two steps in one program
+        full, cache = model.decode_step(model.init_cache(2, 16), ids, positions)
+        return full, cache, *model.decode_step(model.init_cache(2, 16), ids, positions, logits_at_B=at)
+
+    full, cache, one, cache_one = both(model)
     np.testing.assert_allclose(np.asarray(one[:, 0]), np.asarray(full[[0, 1], [4, 1]]), rtol=1e-6, atol=1e-6)
     jax.tree.map(np.testing.assert_array_equal, cache_one, cache)
 
@@ -532,11 +537,15 @@ def test_the_paged_step_through_the_pallas_kernel_equals_the_gather(monkeypatch)
     table = jnp.asarray([[1, 2, 3], [4, 5, 0]], jnp.int32)
     ids = jnp.asarray(np.random.default_rng(0).integers(2, V, (2, 6)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
-    _, pools = paged.paged_step(
-        model, [{"k": zeros, "v": zeros}], table, ids, positions, positions < jnp.asarray([[6], [3]])
+    prefill = nnx.jit(
+        lambda model, valid: paged.paged_step(model, [{"k": zeros, "v": zeros}], table, ids, positions, valid)
     )
+    _, pools = prefill(model, positions < jnp.asarray([[6], [3]]))
     new_ids, new_positions = jnp.asarray([[7], [9]], jnp.int32), jnp.asarray([[6], [3]], jnp.int32)
-    step = lambda: paged.paged_step(model, pools, table, new_ids, new_positions, jnp.ones((2, 1), bool))
+    # One program a step, each traced anew (a fresh function): the second under the kernel's settings.
+    step = lambda: nnx.jit(
+        lambda model, pools: paged.paged_step(model, pools, table, new_ids, new_positions, jnp.ones((2, 1), bool))
+    )(model, pools)
     want, want_pools = step()
     calls = []
     kernel = attention_layer.paged_attention
@@ -559,12 +568,16 @@ def test_encoder_only_scores_equal_the_model_on_each_input_alone():
     engine = Engine(model, EngineConfig(max_slots=2), eos_id=None)
     classes, fills = engine.score(inputs, "classify"), engine.score(inputs, "fill", mask_id=3)
     embeddings = engine.score(inputs, "embed")
+    # The model on one input alone, its three heads in one program (one compile per length, not per op).
+    alone = nnx.jit(
+        lambda model, ids: (jax.nn.log_softmax(model.classify(ids)), jnp.argmax(model(ids), -1), model.hidden(ids))
+    )
     for x, c, f, e in zip(inputs, classes, fills, embeddings, strict=True):
-        ids = jnp.asarray([x])
-        np.testing.assert_allclose(c, jax.nn.log_softmax(model.classify(ids))[0], atol=1e-5)
-        pred = np.asarray(jnp.argmax(model(ids), -1))[0]
+        log_probs, pred, hidden = alone(model, jnp.asarray([x]))
+        np.testing.assert_allclose(c, log_probs[0], atol=1e-5)
+        pred = np.asarray(pred)[0]
         assert f == [int(p) if t == 3 else t for t, p in zip(x, pred, strict=True)]
-        np.testing.assert_allclose(e, np.asarray(model.hidden(ids))[0].mean(0), atol=1e-5)
+        np.testing.assert_allclose(e, np.asarray(hidden)[0].mean(0), atol=1e-5)
     assert fills[2] != inputs[2] and fills[0] == inputs[0]
     with pytest.raises(EngineError, match=r"use Engine\.score"):
         engine.add_request([4, 5], SamplingParams())

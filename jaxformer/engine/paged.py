@@ -46,7 +46,8 @@ def empty_pools(mcfg, num_pages: int, page_size: int) -> list[dict]:
     else:
         shape = (mcfg.kv_heads, num_pages, page_size, mcfg.dim_per_head)
         shapes = {n: (shape, PAGES) for n in "kv"}
-    zeros = lambda shape, spec: jax.jit(lambda: constrain(jnp.zeros(shape, mcfg.dtype), spec))()
+    # One program per pool shape (not per layer and pool), traced under the mesh in effect for this call.
+    zeros = jax.jit(lambda shape, spec: constrain(jnp.zeros(shape, mcfg.dtype), spec), static_argnums=(0, 1))
     return [{n: zeros(*s) for n, s in shapes.items()} for _ in range(mcfg.num_decoder_layers)]
 
 
