@@ -176,8 +176,8 @@ def test_an_encoder_only_model_scores_each_input_with_its_own_adapter():
         np.testing.assert_allclose(c, want, atol=1e-4)
         assert f[2] == int(jnp.argmax(model(ids)[0, 2]))
     assert classes[1] != engine.score([inputs[1]], "classify")[0]  # the adapter changes the scores
-    with pytest.raises(EngineError, match="one per input, got 1 for 5"):
-        engine.score(inputs, "embed", adapter=["wide"])
+    with pytest.raises(EngineError, match="1 adapters for 5 inputs"):
+        engine.score(inputs, "embed", adapter=("wide",))
     with pytest.raises(EngineError, match=r"adapter 'nope' is not served"):
         engine.score(inputs[:1], "embed", adapter="nope")
 

@@ -660,8 +660,8 @@ class Engine:
                 input with each `mask_id` replaced by the masked-LM head's likeliest id) or "embed" (the
                 mean of the final hidden states over the input's positions).
             mask_id: the mask token ("fill"; None: the tokenizer's).
-            adapter (str | None | list[str | None]): the served adapter of every input, or one per input
-                (None: the base); rows of one call may run different adapters.
+            adapter (str | None | list[str | None]): the served adapter of every input, or one per input (a
+                list or tuple; None: the base); rows of one call may run different adapters.
 
         Returns:
             One list per input: C log-probabilities, the filled ids, or D floats.
@@ -685,10 +685,10 @@ class Engine:
         for i, r in enumerate(rows):
             if len(r) > self.max_context:
                 raise EngineError(f"inputs[{i}] has {len(r)} tokens; the model's max_len is {self.max_context}")
-        named = adapter if isinstance(adapter, list) else [adapter] * len(rows)
-        if len(named) != len(rows):
-            raise EngineError(f"adapter: one per input, got {len(named)} for {len(rows)} inputs")
-        indices = [_adapters.index_of(self.adapters, a) for a in named]
+        names = list(adapter) if isinstance(adapter, (list, tuple)) else [adapter] * len(rows)  # as `generate`
+        if len(names) != len(rows):
+            raise EngineError(f"{len(names)} adapters for {len(rows)} inputs")
+        indices = [_adapters.index_of(self.adapters, name) for name in names]
         out, B = [], self.cfg.max_slots
         for start in range(0, len(rows), B):
             batch = rows[start : start + B]
