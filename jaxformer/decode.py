@@ -32,6 +32,7 @@ from jaxformer import lora
 from jaxformer.config import DecodeConfig
 from jaxformer.layers import as_token_ids, without_id_checks
 from jaxformer.models import memory_mask, unrolled
+from jaxformer.precast import cast_once
 from jaxformer.sharding import constrain, context_ways
 
 Array = jax.Array
@@ -369,8 +370,9 @@ def _generate(
     if src is not None:
         src_BS, src_lengths_B = src
         memory_BSD = model.encode(constrain(src_BS, ("batch", None)), src_lengths=src_lengths_B)
-    make = cached_stepper if settings.use_cache else recompute_stepper
-    stepper = make(model, length, memory_BSD, src_lengths_B)
+    make = functools.partial(cached_stepper if settings.use_cache else recompute_stepper, length=length,
+                             memory_BSD=memory_BSD, src_lengths_B=src_lengths_B)  # fmt: skip
+    stepper = _loop_stepper(make, model, prompt_BP, lengths_B)
     if settings.strategy == "beam":
         return beam_search(
             stepper, prompt_BP, lengths_B, max_new_B, num_new, W, settings.length_penalty, eos_id, pad_id
@@ -383,6 +385,17 @@ def _generate(
         )
     tokens_BN, logp_B = sample_search(stepper, prompt_BP, lengths_B, max_new_B, num_new, choose, eos_id, pad_id, rng)
     return tokens_BN[:, None], logp_B[:, None]
+
+
+def _loop_stepper(make: Callable, model, prompt_BP: Array, lengths_B: Array) -> Stepper:
+    """`make(model)`, its loop's step over the model's parameters cast once, before the loop, where
+    every step would cast them (`precast.cast_once`: the same values, a float32 kernel of a bfloat16
+    model read in bfloat16 rather than cast at each step)."""
+    stepper = make(model)
+    _, carry = jax.eval_shape(stepper.start, prompt_BP, lengths_B)
+    t_B = jax.ShapeDtypeStruct(lengths_B.shape, jnp.int32)
+    cast = cast_once(model, model.cfg.dtype, lambda m, *a: make(m).step(*a), carry, t_B, t_B)
+    return stepper if cast is model else stepper._replace(step=make(cast).step)
 
 
 # ----------------------------------------------------------------------------- entry points

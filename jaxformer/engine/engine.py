@@ -35,9 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxformer import precast
 from jaxformer.config import EngineConfig
 from jaxformer.engine import adapters as _adapters
 from jaxformer.engine import paged
+from jaxformer.engine import steps as _steps
 from jaxformer.engine.pages import PageAllocator, page_hashes, pages_at_once, pages_behind, releasable_window
 from jaxformer.engine.requests import EngineError, Event, Output, SamplingParams
 from jaxformer.engine.steps import _copy_page, _encode_into, _forward, _score
@@ -156,6 +158,12 @@ class Engine:
         self.num_preempted = 0
         self.prefix_hits = 0  # prompt pages found in the pool rather than computed
         self.window_released = 0  # pages released behind the sliding window
+        self._casts = {}  # parameters stored in the dtype every program reads them in (precast), by leaf
+        if not self.encoder_only:
+            src = (self._memory, np.zeros((1, 1), np.int32), np.ones(1, np.int32), 0)  # _encode_into's arguments
+            step = self._inputs(self._blank(1, 1, 1))[1:]  # _forward's
+            self._casts = _steps.cast_plan(self._graphdef, self._params, step, None if self._memory is None else src)
+            self._params = precast.apply_plan(self._params, self._casts)
 
     @classmethod
     def from_workdir(cls, workdir, cfg: EngineConfig | None = None, *, adapters: dict | None = None) -> Engine:
@@ -229,6 +237,7 @@ class Engine:
         graphdef, params = nnx.split(decodable(without_id_checks(nnx.merge(*nnx.split(model)))))
         if graphdef != self._graphdef:
             raise EngineError("load_weights: the model's structure differs from the engine's")
+        params = precast.apply_plan(params, self._casts)
         if jax.tree.map(_aval, params) != jax.tree.map(_aval, self._params):
             self._compiled.clear()  # the executables were compiled for the old arrays' shapes and placement
         self._params = params
@@ -561,7 +570,9 @@ class Engine:
         return np.asarray(tokens), np.asarray(logp)
 
     def _lower(self, x: dict[str, np.ndarray], width: int):
-        return _forward.lower(self._graphdef, *self._inputs(x), steps=self.cfg.decode_steps if width == 1 else 1)
+        steps = self.cfg.decode_steps if width == 1 else 1
+        _steps._TRACES[(*x["ids"].shape, x["table"].shape[1]) + ((steps,) if steps > 1 else ())] += 1
+        return _forward.lower(self._graphdef, *self._inputs(x), steps=steps)
 
     def _inputs(self, x: dict[str, np.ndarray]) -> tuple:
         """`_forward`'s arguments but its static ones (the graph, the steps), from `_blank`'s inputs."""

@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxformer import precast
 from jaxformer.engine import adapters as _adapters
 from jaxformer.engine import paged
 
-_TRACES = collections.Counter()  # compilations of the engine's step, by (rows, width, pages): tests count them
+_TRACES = collections.Counter()  # compilations of the engine's step (Engine._lower), by (rows, width, pages[, steps])
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames=("pools",))
@@ -30,7 +31,6 @@ def _forward(
     None, or (per layer the slots' cross-attention keys and values, the slots' source lengths, each row's
     slot); `rows_B`: None, or each row's adapter (engine.adapters). Returns tokens and log-probabilities [B, steps]
     and the pools."""
-    _TRACES[(*ids_BT.shape, table_BP.shape[1]) if steps == 1 else (*ids_BT.shape, table_BP.shape[1], steps)] += 1
     model = nnx.merge(graphdef, params)
     if rows_B is not None:
         _adapters.bind_rows(model, rows_B)
@@ -67,6 +67,22 @@ def _forward(
     carry = (jnp.zeros((B, steps), jnp.int32), jnp.zeros((B, steps), jnp.float32), pools, ids_BT)
     tokens_BN, logp_BN, pools, _ = jax.lax.fori_loop(0, steps, body, carry)
     return tokens_BN, logp_BN, pools
+
+
+def cast_plan(graphdef, params, forward_args: tuple, encode_args: tuple | None) -> dict:
+    """Which of the engine's parameters its programs only read cast to one narrower dtype, and that dtype
+    (`precast.cast_plan`: a float32 kernel of a bfloat16 model): the step (`_forward`, its arguments but
+    the graph and the parameters) and, encoder_decoder, a source encoded into its slot (`_encode_into`'s,
+    likewise), traced once more. The engine stores those parameters cast: no program, and no step of a
+    decoding loop, casts them again."""
+
+    def programs(model, forward_args, encode_args):
+        g, p = nnx.split(model)
+        out = _forward(g, p, *forward_args, steps=1)
+        return out if encode_args is None else (out, _encode_into(g, p, *encode_args))
+
+    model = nnx.merge(graphdef, params)
+    return precast.cast_plan(model, model.cfg.dtype, programs, forward_args, encode_args)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("memory",))
