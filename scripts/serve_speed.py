@@ -6,6 +6,7 @@ PyTorch side only where torch imports.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import statistics
@@ -142,6 +143,46 @@ def serve_speed(args) -> None:
     names = list(runs)
     for other in names[1:]:
         print(f"engine / {other}: {rate[names[0]] / rate[other]:.2f}x tokens/s")
+    if args.serve_profile:  # one more round of each jax path under the profiler: where a round's time goes
+        for name, fn in list(runs.items())[:2]:
+            directory = os.path.join(args.serve_profile, name.split()[0])
+            t0 = time.perf_counter()
+            with jax.profiler.trace(directory, create_perfetto_trace=True):
+                fn()
+            print(f"{name}: {trace_summary(directory, time.perf_counter() - t0)}")
+
+
+def trace_summary(directory: str, wall_s: float, top: int = 8) -> str:
+    """What a profiled round's device did (`jax.profiler.trace`'s Perfetto trace under `directory`): the
+    time some kernel ran on a device stream (the union of their intervals) against the round's wall
+    time, the kernels launched, and the `top` kernels by their total time. On a CPU (no device track),
+    only that."""
+    import gzip
+    import json
+    import pathlib
+
+    path = next(pathlib.Path(directory).rglob("perfetto_trace.json.gz"), None)
+    if path is None:
+        return "no trace written"
+    with gzip.open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    process = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    devices = {pid for pid, n in process.items() if "/device:" in n and "CPU" not in n}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in devices and "dur" in e]
+    if not kernels:
+        return f"wall {wall_s * 1e3:.0f} ms; no device track in the trace (a CPU run)"
+    busy, end = 0.0, float("-inf")
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    by_name = collections.Counter()
+    for e in kernels:
+        by_name[e["name"]] += e["dur"]
+    heads = ", ".join(f"{n[:40]} {t / 1e3:.1f} ms" for n, t in by_name.most_common(top))
+    return (f"wall {wall_s * 1e3:.0f} ms, a device kernel running {busy / 1e3:.0f} ms ({busy / 1e4 / wall_s:.0f}%), "
+            f"{len(kernels)} kernels; the longest in all: {heads}")  # fmt: skip
 
 
 def _torch_serve(model, prompts, outs, batches, directory, save_hf, dtype):
