@@ -41,8 +41,8 @@ def cast_targets(jaxpr, var, outputs: Callable | None = None) -> set | None:
     is (or through an op this does not follow). An unused var gives the empty set.
 
     Args:
-        jaxpr: a Jaxpr.
-        var: one of its variables.
+        jaxpr (Jaxpr): a jaxpr.
+        var (Var): one of its variables.
         outputs: for a jaxpr called from another, k -> the targets of its k-th output where it is
             called; None: an output is read as it is.
 
@@ -83,11 +83,11 @@ def cast_plan(model: nnx.Module, dtype, step: Callable, *args) -> dict[int, np.d
 
     Args:
         model: an NNX module (its arrays concrete or traced).
-        dtype: the model's compute dtype: only parameters wider than it are looked at (none for a
-            float32 model computing in float32, whose step is then not traced).
+        dtype (str | numpy.dtype): the model's compute dtype: only parameters wider than it are looked
+            at (none for a float32 model computing in float32, whose step is then not traced).
         step: (model, *args) -> anything: one step of the loop, as the loop runs it.
-        *args: the step's other arguments (arrays, or `jax.ShapeDtypeStruct`s): only their shapes are
-            used, to trace the step once more.
+        *args (object): the step's other arguments (arrays, or `jax.ShapeDtypeStruct`s): only their
+            shapes are used, to trace the step once more.
 
     Returns:
         {index of the parameter in `jax.tree.leaves(nnx.state(model))`: the dtype to store it in}.
@@ -111,9 +111,16 @@ def cast_plan(model: nnx.Module, dtype, step: Callable, *args) -> dict[int, np.d
     return plan
 
 
-def apply_plan(tree, plan: dict[int, np.dtype]):
-    """`tree` (a module's state, or the module's leaves in any pytree of the same order) with the leaves
-    `plan` names cast (`cast_plan`); the others are `tree`'s own arrays."""
+def apply_plan(tree, plan: dict[int, np.dtype]) -> object:
+    """`tree` with the leaves `plan` names cast (`cast_plan`); the others are `tree`'s own arrays.
+
+    Args:
+        tree (object): a module's state (or its leaves in any pytree of the same order).
+        plan: {leaf index: dtype}, as `cast_plan` gives it.
+
+    Returns:
+        The tree, its planned leaves cast.
+    """
     leaves, treedef = jax.tree.flatten(tree)
     return jax.tree.unflatten(treedef, [a.astype(plan[i]) if i in plan else a for i, a in enumerate(leaves)])
 
@@ -124,9 +131,9 @@ def cast_once(model: nnx.Module, dtype, step: Callable, *args) -> nnx.Module:
 
     Args:
         model: an NNX module (its arrays concrete or traced).
-        dtype: the model's compute dtype.
+        dtype (str | numpy.dtype): the model's compute dtype.
         step: (model, *args) -> anything: one step of the loop.
-        *args: the step's other arguments (arrays or `jax.ShapeDtypeStruct`s).
+        *args (object): the step's other arguments (arrays or `jax.ShapeDtypeStruct`s).
 
     Returns:
         A module over the same graph, or `model` itself when no parameter is cast.

@@ -74,7 +74,17 @@ def cast_plan(graphdef, params, forward_args: tuple, encode_args: tuple | None) 
     (`precast.cast_plan`: a float32 kernel of a bfloat16 model): the step (`_forward`, its arguments but
     the graph and the parameters) and, encoder_decoder, a source encoded into its slot (`_encode_into`'s,
     likewise), traced once more. The engine stores those parameters cast: no program, and no step of a
-    decoding loop, casts them again."""
+    decoding loop, casts them again.
+
+    Args:
+        graphdef (nnx.GraphDef): the engine's model's graph.
+        params (nnx.State): its parameters.
+        forward_args: `_forward`'s other arguments (pools, page table, ids, ...; any shapes).
+        encode_args: `_encode_into`'s other arguments (memory, source, lengths, slot), or None.
+
+    Returns:
+        {leaf index of `params`: the dtype to store it in} (`precast.apply_plan` applies it).
+    """
 
     def programs(model, forward_args, encode_args):
         g, p = nnx.split(model)
