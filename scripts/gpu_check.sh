@@ -67,6 +67,13 @@
 #            deviceless (--target gpu-h100:1x1) and on this GPU. (Ring attention needs a context axis of
 #            2 or more devices: on one GPU only the loss and the offload options apply; first, though,
 #            the test of cuDNN's calls as the ring's blocks use them.) LONG_T: another T
+#   serve    the inference engine at the 1.3B shape (scanned, bf16; 64 requests, 32 at once, prompts and
+#            outputs of 8-64 tokens): `benchmark.py --serve` against static `generate` and transformers'
+#            PyTorch `generate`, then one more round of each jax path under JAX's profiler (device-busy
+#            time against wall time, the longest kernels); then the same without XLA's CUDA graphs
+#            (--xla_gpu_enable_command_buffer=), to tell whether they cost the engine its calls. About 7
+#            minutes on one H100 (each run's warm-up compiles 36 shapes, 101 s there); run it alone.
+#            SERVE_SHAPE replaces its shape's flags (a smoke run on a CPU)
 #   tests    the test suite on the GPU (4 workers; conftest pins float32 matmul precision and stops each
 #            worker preallocating GPU memory), with the GPU-only check that cuDNN flash attention is
 #            in the compiled training step
@@ -171,8 +178,15 @@ for part in "${parts[@]}"; do
             --no-largest
         fi
       done ;;
+    serve)
+      serve=(--serve --scan --attention auto --dtype bfloat16 ${SERVE_SHAPE:---d-model 2048 --heads 16 --layers 24 \
+        --vocab 50304 --seq 64 --serve-requests 64 --serve-max-new 64 --serve-slots 32 --rounds 3})
+      run serve "$py" scripts/benchmark.py "${serve[@]}" --serve-profile "$out/serve_profile"
+      XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_command_buffer=" \
+        run serve_without_cuda_graphs "$py" scripts/benchmark.py "${serve[@]}" ;;
     tests) run tests "$py" -m pytest -n 4 --dist loadfile -q -ra ;;
-    *) echo "gpu_check: no part named $part (device, plan, quick, gpt2, gpt2_big, decode, moe, long, tests)" >&2; exit 2 ;;
+    *) echo "gpu_check: no part named $part (device, plan, quick, gpt2, gpt2_big, decode, moe, long, serve, tests)" >&2
+      exit 2 ;;
   esac
 done
 echo "== gpu_check done (status $status); logs in $out/"

@@ -108,3 +108,19 @@ def test_carried_wheels_that_do_not_import_are_set_aside_for_the_machine_s_own(t
     assert "do not import here (AttributeError: a flax made for another jax)" in out.stdout
     assert "the machine's own flax, optax and orbax do: using those" in out.stdout
     assert "== device failed" not in out.stdout
+
+
+def test_serve_part_at_toy_shapes_runs_the_engine_twice_and_profiles_one_round_of_each_path(tmp_path):
+    """`serve` at a toy shape on the CPU: the benchmark's table, then one profiled round of the engine and
+    of static `generate` (summarised: here no device track), then the same benchmark with XLA's GPU
+    command buffers switched off (a flag XLA:CPU ignores), each with its own log."""
+    shape = "--d-model 32 --heads 2 --layers 1 --vocab 64 --seq 8 --serve-requests 4 --serve-max-new 8 --serve-slots 2"
+    out = gpu_check(tmp_path, "serve", SERVE_SHAPE=f"{shape} --rounds 1", WHEELS="")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    profiled = (tmp_path / "serve.log").read_text()
+    assert "engine / static generate:" in profiled
+    assert profiled.count("no device track in the trace (a CPU run)") == 2  # the engine's round, static's
+    assert list((tmp_path / "serve_profile").rglob("perfetto_trace.json.gz"))
+    plain = (tmp_path / "serve_without_cuda_graphs.log").read_text()
+    assert "engine / static generate:" in plain and "device track" not in plain
+    assert "== serve_without_cuda_graphs: " in out.stdout and "failed" not in out.stdout
