@@ -181,7 +181,7 @@ def trace_summary(directory: str, wall_s: float, top: int = 8) -> str:
     for e in kernels:
         by_name[e["name"]] += e["dur"]
     heads = ", ".join(f"{n[:40]} {t / 1e3:.1f} ms" for n, t in by_name.most_common(top))
-    return (f"wall {wall_s * 1e3:.0f} ms, a device kernel running {busy / 1e3:.0f} ms ({busy / 1e4 / wall_s:.0f}%), "
+    return (f"wall {wall_s * 1e3:.0f} ms, a device kernel running {busy / 1e3:.1f} ms ({busy / 1e4 / wall_s:.0f}%), "
             f"{len(kernels)} kernels; the longest in all: {heads}")  # fmt: skip
 
 

@@ -1,6 +1,7 @@
-"""scripts/gpu_check.sh's `quick` part without a GPU: the whole path at toy shapes (QUICK_SHAPE=tiny),
-one table row per measurement, a step stopped at its cap with its children, and the carried wheels'
-install refusing what would break it."""
+"""scripts/gpu_check.sh's `quick` and `serve` parts without a GPU: the whole path at toy shapes
+(QUICK_SHAPE=tiny, SERVE_SHAPE), one table row per measurement, a step stopped at its cap with its
+children, the carried wheels' install refusing what would break it, and the serve profile's summary of
+a GPU's trace."""
 
 import json
 import pathlib
@@ -124,3 +125,31 @@ def test_serve_part_at_toy_shapes_runs_the_engine_twice_and_profiles_one_round_o
     plain = (tmp_path / "serve_without_cuda_graphs.log").read_text()
     assert "engine / static generate:" in plain and "device track" not in plain
     assert "== serve_without_cuda_graphs: " in out.stdout and "failed" not in out.stdout
+
+
+def test_trace_summary_reads_a_gpu_track_as_the_profiler_writes_it(tmp_path):
+    """`--serve-profile`'s summary of a Perfetto trace with a GPU's track, made here as JAX's profiler
+    writes one (process names in metadata events, kernels as complete events in microseconds): the time
+    some kernel ran is the union of the kernels' intervals (overlapping streams counted once), the host's
+    events are not kernels, and the kernels are ranked by their total time."""
+    import gzip
+
+    import serve_speed
+
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "ts": 0.0, "dur": 400.0},
+        {"ph": "X", "pid": 1, "tid": 8, "name": "gather", "ts": 300.0, "dur": 200.0},  # overlaps: 100 us
+        {"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "ts": 900.0, "dur": 100.0},
+        {"ph": "X", "pid": 2, "tid": 1, "name": "PjitFunction", "ts": 0.0, "dur": 5000.0},  # the host's
+    ]
+    path = tmp_path / "plugins" / "profile" / "run" / "perfetto_trace.json.gz"
+    path.parent.mkdir(parents=True)
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    summary = serve_speed.trace_summary(str(tmp_path), wall_s=0.002)
+    assert summary.startswith("wall 2 ms, a device kernel running 0.6 ms (30%), 3 kernels;"), summary
+    assert summary.index("gemm 0.5 ms") < summary.index("gather 0.2 ms"), summary
+    assert "PjitFunction" not in summary
+    assert serve_speed.trace_summary(str(tmp_path / "none"), 1.0) == "no trace written"
