@@ -169,7 +169,12 @@ def trace_summary(directory: str, wall_s: float, top: int = 8) -> str:
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     process = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     devices = {pid for pid, n in process.items() if "/device:" in n and "CPU" not in n}
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in devices and "dur" in e]
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    streams = {key for key, n in threads.items() if key[0] in devices and "stream" in n.lower()}
+    kernels = [  # a GPU's kernels are on its stream lines; its "XLA Modules" and "XLA Ops" lines repeat them
+        e for e in events if e.get("ph") == "X" and e.get("pid") in devices and "dur" in e
+        and (not streams or (e["pid"], e.get("tid")) in streams)
+    ]  # fmt: skip
     if not kernels:
         return f"wall {wall_s * 1e3:.0f} ms; no device track in the trace (a CPU run)"
     busy, end = 0.0, float("-inf")

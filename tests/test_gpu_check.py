@@ -129,9 +129,10 @@ def test_serve_part_at_toy_shapes_runs_the_engine_twice_and_profiles_one_round_o
 
 def test_trace_summary_reads_a_gpu_track_as_the_profiler_writes_it(tmp_path):
     """`--serve-profile`'s summary of a Perfetto trace with a GPU's track, made here as JAX's profiler
-    writes one (process names in metadata events, kernels as complete events in microseconds): the time
-    some kernel ran is the union of the kernels' intervals (overlapping streams counted once), the host's
-    events are not kernels, and the kernels are ranked by their total time."""
+    writes one (process and thread names in metadata events, kernels as complete events in microseconds
+    on the GPU's stream lines): the time some kernel ran is the union of the kernels' intervals
+    (overlapping streams counted once), the host's events and the GPU's module line are not kernels, and
+    the kernels are ranked by their total time."""
     import gzip
 
     import serve_speed
@@ -139,6 +140,10 @@ def test_trace_summary_reads_a_gpu_track_as_the_profiler_writes_it(tmp_path):
     events = [
         {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
         {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7(Compute)"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "Stream #8(MemcpyD2D)"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 9, "args": {"name": "XLA Modules"}},
+        {"ph": "X", "pid": 1, "tid": 9, "name": "jit__forward", "ts": 0.0, "dur": 1000.0},  # not a kernel
         {"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "ts": 0.0, "dur": 400.0},
         {"ph": "X", "pid": 1, "tid": 8, "name": "gather", "ts": 300.0, "dur": 200.0},  # overlaps: 100 us
         {"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "ts": 900.0, "dur": 100.0},
@@ -151,5 +156,5 @@ def test_trace_summary_reads_a_gpu_track_as_the_profiler_writes_it(tmp_path):
     summary = serve_speed.trace_summary(str(tmp_path), wall_s=0.002)
     assert summary.startswith("wall 2 ms, a device kernel running 0.6 ms (30%), 3 kernels;"), summary
     assert summary.index("gemm 0.5 ms") < summary.index("gather 0.2 ms"), summary
-    assert "PjitFunction" not in summary
+    assert "PjitFunction" not in summary and "jit__forward" not in summary
     assert serve_speed.trace_summary(str(tmp_path / "none"), 1.0) == "no trace written"
