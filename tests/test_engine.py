@@ -21,6 +21,7 @@ from jaxformer.attention import cache as kv_cache
 from jaxformer.attention import mla
 from jaxformer.config import ConfigError, DecodeConfig, EngineConfig, MLAConfig, tiny
 from jaxformer.engine import Engine, EngineError, SamplingParams, paged
+from jaxformer.engine import engine as engine_module
 from jaxformer.engine import steps as engine_steps
 from jaxformer.models import build_model
 
@@ -273,12 +274,12 @@ def test_decode_step_compiles_once_for_every_mix(model):
     """Greedy and sampled rows, prompts of many lengths, requests coming and going: steps compile only at
     power-of-two counts of rows and of pages (the pages the longest row reads), each shape once."""
     cfg = EngineConfig(page_size=4, num_pages=40, max_slots=5, prefill_chunk=8)  # 5 slots: no other test's shape
-    before = collections.Counter(engine_steps._TRACES)
+    before = collections.Counter(engine_module._LOWERED)
     engine = Engine(model, cfg, eos_id=None)
     params = [SamplingParams(max_tokens=4 + i, temperature=0.5 * (i % 2), top_k=i, seed=i) for i in range(6)]
     engine.generate(_prompts(), params)
     engine.generate(_prompts()[:2], SamplingParams(max_tokens=3, top_p=0.5, temperature=1.0))
-    traced = engine_steps._TRACES - before
+    traced = engine_module._LOWERED - before
     assert set(traced.values()) == {1}  # no shape compiled twice
     assert (5, 1, 8) in traced and {width for _, width, _ in traced} <= {1, 8}  # decode steps, prefill chunks
     assert {rows for rows, _, _ in traced} <= {1, 2, 4, 5}  # powers of two, then max_slots
@@ -290,15 +291,15 @@ def test_warmup_compiles_every_shape_the_stream_then_needs_and_leaves_the_output
     greedy outputs are still `generate`'s (the empty rows it ran wrote only the scratch page)."""
     cfg = EngineConfig(page_size=4, num_pages=40, max_slots=3, prefill_chunk=4, decode_steps=2)  # shapes of its own
     engine = Engine(model, cfg, eos_id=None)
-    before = collections.Counter(engine_steps._TRACES)
+    before = collections.Counter(engine_module._LOWERED)
     shapes = engine.warmup()
-    warmed = engine_steps._TRACES - before
+    warmed = engine_module._LOWERED - before
     assert shapes == len(warmed) == 2 * 3 * 2  # prefill and decode x rows 1, 2, 3 x pages 8, 16 (the context's)
     prompts, n = _prompts(), 6
     sampled = [SamplingParams(max_tokens=n, temperature=0.7, top_p=0.9, seed=i) for i in range(len(prompts))]
     greedy = engine.generate(prompts, SamplingParams(max_tokens=n))
     engine.generate(prompts, sampled)
-    assert engine_steps._TRACES - before == warmed  # nothing compiled after the warm-up
+    assert engine_module._LOWERED - before == warmed  # nothing compiled after the warm-up
     assert [o.token_ids for o in greedy] == _reference(model, prompts, n, None)
     engine.add_request([1, 2], SamplingParams(max_tokens=2))
     with pytest.raises(EngineError, match="warm up before adding any"):

@@ -69,6 +69,7 @@ class _Request:
 
 
 _MIN_READ = 32  # positions a step's page tables cover at least: fewer buckets, each compiled once
+_LOWERED = collections.Counter()  # the step's shapes compiled, by (rows, width, pages[, steps]): tests count them
 
 
 def _aval(a) -> tuple:
@@ -571,7 +572,7 @@ class Engine:
 
     def _lower(self, x: dict[str, np.ndarray], width: int):
         steps = self.cfg.decode_steps if width == 1 else 1
-        _steps._TRACES[(*x["ids"].shape, x["table"].shape[1]) + ((steps,) if steps > 1 else ())] += 1
+        _LOWERED[(*x["ids"].shape, x["table"].shape[1]) + ((steps,) if steps > 1 else ())] += 1
         return _forward.lower(self._graphdef, *self._inputs(x), steps=steps)
 
     def _inputs(self, x: dict[str, np.ndarray]) -> tuple:

@@ -7,7 +7,6 @@ The scheduler (`jaxformer.engine.engine`) builds their inputs and owns what they
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import jax
@@ -17,8 +16,6 @@ from flax import nnx
 from jaxformer import precast
 from jaxformer.engine import adapters as _adapters
 from jaxformer.engine import paged
-
-_TRACES = collections.Counter()  # compilations of the engine's step (Engine._lower), by (rows, width, pages[, steps])
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames=("pools",))
