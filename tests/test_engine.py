@@ -9,6 +9,7 @@ this CPU) a decode step runs the Pallas paged kernel where it serves, and it equ
 
 import collections
 import dataclasses
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -288,12 +289,21 @@ def test_decode_step_compiles_once_for_every_mix(model):
 
 def test_warmup_compiles_every_shape_the_stream_then_needs_and_leaves_the_outputs_alone(model):
     """After `warmup`, requests of every length, sampled and greedy, coming and going, compile nothing, and
-    greedy outputs are still `generate`'s (the empty rows it ran wrote only the scratch page)."""
+    greedy outputs are still `generate`'s: the warm-up ran each executable once, on empty rows, which wrote
+    only the scratch page."""
     cfg = EngineConfig(page_size=4, num_pages=40, max_slots=3, prefill_chunk=4, decode_steps=2)  # shapes of its own
     engine = Engine(model, cfg, eos_id=None)
     before = collections.Counter(engine_module._LOWERED)
-    shapes = engine.warmup()
+    ran, call = [], engine._call
+
+    def counted(x, width):
+        ran.append((*x["ids"].shape, x["table"].shape[1]))
+        return call(x, width)
+
+    with mock.patch.object(engine, "_call", counted):
+        shapes = engine.warmup()
     warmed = engine_module._LOWERED - before
+    assert sorted(ran) == sorted(shape[:3] for shape in warmed)  # each executable run once
     assert shapes == len(warmed) == 2 * 3 * 2  # prefill and decode x rows 1, 2, 3 x pages 8, 16 (the context's)
     prompts, n = _prompts(), 6
     sampled = [SamplingParams(max_tokens=n, temperature=0.7, top_p=0.9, seed=i) for i in range(len(prompts))]

@@ -514,7 +514,7 @@ def test_jaxformer_serve_serves_a_workdir_until_interrupted(workdir):
     finally:
         proc.send_signal(signal.SIGINT)  # Ctrl-C: uvicorn shuts down, the engine thread stops
         assert proc.wait(processes.HANG_GUARD_S) == 0
-    assert re.search(r"warmed up: \d+ shapes of the step compiled", proc.stderr.read())  # before serving
+    assert re.search(r"warmed up: \d+ shapes of the step compiled and run", proc.stderr.read())  # before serving
 
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
