@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import types
 
 import processes
 import pytest
@@ -378,3 +379,27 @@ def test_plan_search_compiles_each_split_and_names_the_one_with_the_smallest_bou
     best = min(rows, key=lambda name: value(name, "bound s"))
     assert "**best**" in next(line for line in lines if line.startswith(f"| {best}"))
     assert lines[-1].startswith(f"best: {best} (")
+
+
+def test_the_plan_cache_key_names_every_cuda_major_s_compiler(monkeypatch):
+    """A CUDA 13 plugin's version is in the key as a CUDA 12 one is: upgrading either compiles again."""
+    import importlib.metadata
+
+    import jax
+
+    from jaxformer import sharding
+    from jaxformer.config import MeshConfig
+    from jaxformer.plan import compile as plan_compile
+
+    real = importlib.metadata.distributions
+    lowered = jax.jit(lambda x: x + 1).lower(1.0)
+    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+
+    def key_with(version):
+        plugin = types.SimpleNamespace(metadata={"Name": "jax_cuda13_plugin"}, version=version)  # as installed
+        monkeypatch.setattr(importlib.metadata, "distributions", lambda: [*real(), plugin])
+        return plan_compile.compiler_versions(), plan_compile._cache_key(lowered, mesh)
+
+    (versions, old), (_, new) = key_with("0.10.2"), key_with("0.11.0")
+    assert versions["jax-cuda13-plugin"] == "0.10.2" and versions["jax"] == jax.__version__
+    assert old != new

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import tempfile
 import time
 
@@ -199,19 +200,32 @@ def cache_dir() -> pathlib.Path | None:
     return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "jaxformer" / "plan"
 
 
+# The installed distributions whose versions decide what a compiler makes of a program: JAX and XLA's
+# CPU compiler, libtpu, the CUDA plugins of any CUDA major (`jax-cuda12-plugin`, `jax-cuda13-pjrt`) and cuDNN.
+_COMPILERS = re.compile(r"(jax|jaxlib|libtpu(-nightly)?|jax-cuda\d+-(plugin|pjrt)|nvidia-cudnn-cu\d+)")
+
+
+def compiler_versions() -> dict[str, str]:
+    """{name: version} of the installed compilers' distributions (`_COMPILERS`), by normalised name.
+
+    Returns:
+        The versions, sorted by name.
+    """
+    found = {}
+    for dist in importlib.metadata.distributions():
+        name = re.sub(r"[-_.]+", "-", dist.metadata["Name"] or "").lower()
+        if _COMPILERS.fullmatch(name):
+            found[name] = dist.version
+    return dict(sorted(found.items()))
+
+
 def _cache_key(lowered, mesh) -> str:
     """The program (its StableHLO), the devices it is laid on and everything else that decides what
     the compiler makes of it: versions (of the TPU and GPU compilers too), XLA and libtpu flags, JAX's
     compiler settings."""
-    versions = {}
-    for package in ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cudnn-cu12"):
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            versions[package] = None
     device = mesh.devices.flat[0]
     settings = {
-        "versions": versions, "platform": device.platform, "device_kind": device.device_kind,
+        "versions": compiler_versions(), "platform": device.platform, "device_kind": device.device_kind,
         "devices": [d.id for d in mesh.devices.flat], "mesh": sharding.axis_sizes(mesh),
         "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
         "figures": 2,  # how the figures are read: 2 counts tuple all-reduces with numbered elements
