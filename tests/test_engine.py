@@ -569,6 +569,90 @@ def test_the_paged_step_through_the_pallas_kernel_equals_the_gather(monkeypatch)
     jax.tree.map(np.testing.assert_array_equal, got_pools, want_pools)
 
 
+@pytest.mark.parametrize("pages, softcap", [(3, 0.0), (32, 0.0), (32, 5.0)])
+def test_the_gpu_pallas_paged_kernel_equals_the_gather(pages, softcap):
+    """The GPU's Pallas (Triton) paged kernel, run by Pallas's interpreter on this CPU, equals the gathered
+    pages attended by the reference path: three rows of 12, 7 and 1 positions (and 300 at 32 pages a row:
+    16 partitions of 2 pages combined), GQA (4 heads over 2 kv heads), pages of 16, with and without a
+    soft cap on the logits."""
+    from jaxformer.attention import paged_kernel
+    from jaxformer.attention.kernels import dot_product_attention
+    from jaxformer.attention.masks import Mask
+
+    rng = np.random.default_rng(0)
+    B, H, G, K, N, page = 3, 4, 2, 32, 100, 16
+    q, k, v = (
+        jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((B, H, K), (G, N, page, K), (G, N, page, K))
+    )
+    table = jnp.asarray(rng.permutation(np.arange(1, N))[: B * pages].reshape(B, pages), jnp.int32)
+    lengths = jnp.asarray([12, 7, 1] if pages == 3 else [300, 7, 1], jnp.int32)
+    assert paged_kernel.gpu_splits(pages, page) == ((3, 1) if pages == 3 else (16, 2))
+    out = paged_kernel.paged_attention(q, k, v, lengths, table, scale=None, softcap=softcap, interpret=True)
+    k_dense, v_dense = kv_cache.read_pages(k, table), kv_cache.read_pages(v, table)
+    want = dot_product_attention(
+        q[:, None], k_dense, v_dense, kv_layout="BGSK", mask=Mask(kv_lengths=lengths), softcap=softcap,
+        implementation="naive",
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want[:, 0]), rtol=0, atol=2e-5)
+
+
+def test_the_gpu_paged_kernel_serves_what_triton_can_say(monkeypatch):
+    """On a GPU the kernel serves a decoding step under "auto" with a soft cap (not on TPU); a head dim or
+    a page size that is not a power of two of 16 or more is gathered, saying why; "cudnn" and prefill
+    chunks gather without a word."""
+    from jaxformer.attention import paged_kernel
+    from jaxformer.attention.masks import Mask
+
+    mask, bf16 = Mask(kv_lengths=jnp.ones((2,), jnp.int32)), jnp.bfloat16
+    why = lambda impl, T=1, K=64, page=16, softcap=0.0: paged_kernel.paged_kernel_unservable(
+        impl, mask, None, 0, softcap, (2, T, 4, K), 2, bf16, (), page
+    )  # fmt: skip
+    monkeypatch.setattr(paged_kernel, "_platform", lambda: "gpu")
+    assert why("auto") is None and why("auto", softcap=30.0) is None
+    assert "powers of two" in why("auto", K=80) and "powers of two" in why("auto", page=8)
+    assert why("cudnn") == "" and why("auto", T=8) == "" and why("splash") == ""
+    monkeypatch.setattr(paged_kernel, "_platform", lambda: "tpu")
+    assert "soft-capped" in why("auto", K=128, softcap=30.0) and why("auto", K=128) is None
+
+
+def test_the_paged_step_through_the_gpu_kernel_equals_the_gather(monkeypatch):
+    """The layer's wiring of the GPU kernel (queries, scale, soft cap, GQA, output projection): a decode
+    step of a one-layer model (head dim 32, 4 heads over 2 kv heads, logits soft-capped at 5) after a
+    prefill of two rows, with the kernel chosen as on a GPU and run by Pallas's interpreter, gives the
+    gathered step's logits and pools."""
+    from jaxformer.attention import layer as attention_layer
+    from jaxformer.attention import paged_kernel
+
+    mcfg = tiny(
+        "decoder_only", vocab_size=V, d_model=128, num_heads=4, num_kv_heads=2, max_len=64, num_decoder_layers=1,
+        attention_impl="auto", attention_softcap=5.0,
+    )  # fmt: skip
+    model = build_model(mcfg, seed=0)
+    zeros = jnp.zeros((mcfg.kv_heads, 8, 16, mcfg.dim_per_head), mcfg.dtype)  # [G, N, page, K]
+    table = jnp.asarray([[1, 2], [4, 5]], jnp.int32)
+    ids = jnp.asarray(np.random.default_rng(0).integers(2, V, (2, 20)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(20, dtype=jnp.int32), (2, 20))
+    prefill = nnx.jit(
+        lambda model, valid: paged.paged_step(model, [{"k": zeros, "v": zeros}], table, ids, positions, valid)
+    )
+    _, pools = prefill(model, positions < jnp.asarray([[20], [3]]))
+    new_ids, new_positions = jnp.asarray([[7], [9]], jnp.int32), jnp.asarray([[20], [3]], jnp.int32)
+    step = lambda: nnx.jit(  # one program a step, each traced anew: the second under the kernel's settings
+        lambda model, pools: paged.paged_step(model, pools, table, new_ids, new_positions, jnp.ones((2, 1), bool))
+    )(model, pools)
+    want, want_pools = step()
+    calls = []
+    kernel = attention_layer.paged_attention
+    interpreted = lambda *a, **k: calls.append(k["softcap"]) or kernel(*a, **k, interpret=True)
+    monkeypatch.setattr(attention_layer, "paged_attention", interpreted)
+    monkeypatch.setattr(paged_kernel, "_platform", lambda: "gpu")
+    with jax.default_matmul_precision("default"):
+        got, got_pools = step()
+    assert calls == [5.0]  # the kernel ran, told the soft cap
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-4)
+    jax.tree.map(np.testing.assert_array_equal, got_pools, want_pools)
+
+
 def test_encoder_only_scores_equal_the_model_on_each_input_alone():
     """encoder_only: class log-probabilities, masked-LM fills and mean embeddings of inputs of mixed
     lengths, batched and padded by the engine, equal the model's on each input alone (no padding)."""

@@ -3,7 +3,8 @@ without a GPU: each mode's training, evaluation and cached decoding steps compil
 attention in them and no [B, H, T, S] score tensor, packed rows give cuDNN their segments as a bias
 broadcast over heads, what cuDNN refuses goes to XLA's path, the shipped descriptions of each GPU
 parse, a scanned layer stack needs no more memory than an unrolled one, host offload puts the layer
-inputs and Adam's moments in host memory, and the serving engine's step gathers its pages for cuDNN.
+inputs and Adam's moments in host memory, and the serving engine's decode step reads its pages by
+Triton's paged kernel where its prefill gathers them for cuDNN.
 Skipped without the plugin."""
 
 import dataclasses
@@ -303,17 +304,16 @@ def test_host_offload_moves_bytes_off_the_h100(devices):
     assert moments <= plain.arguments - offloaded.arguments <= moments + 4096
 
 
-def test_the_engine_s_step_gathers_pages_and_attends_by_cudnn_on_h100():
+def test_the_engine_s_decode_step_reads_pages_by_triton_and_its_prefill_gathers_them_for_cudnn_on_h100():
     """The serving engine's compiled step (`engine.steps._forward`) for one H100, bfloat16, head dim 64 (4 heads
-    over 2 kv heads): its decode step [4, 1] and a prefill chunk [4, 8] over page tables of 8 pages of 16
-    read each row's pages by XLA's gather of whole pages (slices of the 2 kv heads x 16 x 64 values),
-    landing as the dense [B, S, G, K] keys and values that cuDNN's fused attention reads: no kernel of
-    paged attention (no custom call but cuBLAS's and cuDNN's), no [B, H, T, S] scores. cuDNN serves the
-    decode step told the key lengths (a "PADDING" mask) and the prefill chunk told its causal offset as a
-    [B, 1, T, S] bias. Nothing goes to or from the host inside the step; the pools are updated in place
-    (aliased, not copied). The temporaries, 4,473,656 bytes (decode) and 4,510,264 (prefill), are cuBLAS's
-    4 MiB workspace, in whose space the compiler also lays the gathered pages (not live at once), and the
-    bfloat16 copies of the float32 weights (the same 4,473,656 at 32 pages a row: its buffer assignment)."""
+    over 2 kv heads), over page tables of 8 pages of 16. Its decode step [4, 1] reads each row's pages where
+    they lie by JAX's Pallas paged-attention kernel for GPUs (a Triton kernel): no gather of pages, no dense
+    copy of them, no cuDNN call. A prefill chunk [4, 8] reads each row's pages by XLA's gather of whole pages
+    (slices of the 2 kv heads x 16 x 64 values), landing as the dense [B, S, G, K] keys and values that
+    cuDNN's fused attention reads, told its causal offset as a [B, 1, T, S] bias. No [B, H, T, S] scores.
+    Nothing goes to or from the host inside the step; the pools are updated in place (aliased, not
+    copied). The temporaries are cuBLAS's 4 MiB workspace, in whose space the compiler also lays the
+    gathered pages (not live at once), and the bfloat16 copies of the float32 weights."""
     from flax import nnx
 
     from jaxformer.engine import steps as engine_steps
@@ -344,14 +344,18 @@ def test_the_engine_s_step_gathers_pages_and_attends_by_cudnn_on_h100():
     gathered = 2 * B * P * page * G * K * 2  # keys and values, bfloat16
     weights = sum(x.size for x in jax.tree.leaves(params)) * 2  # their bfloat16 copies (float32 parameters)
     workspace = 4 * 2**20  # cuBLAS's, one region for every matmul
-    for width, kind, mask in ((1, "fmhaSoftmax", "PADDING"), (8, "fmhaScaleBiasSoftmax", "NO_MASK")):
+    for width in (1, 8):
         text, memory = found[width]
         targets = set(re.findall(r'custom_call_target="([^"]+)"', text))
-        assert targets == {"__cublas$lt$matmul", f"__cudnn${kind}"}, targets  # no paged-attention kernel
-        assert fused_calls(text) == [kind] and re.findall(r'mask_type\\?"\s*:\s*\\?"(\w+)', text) == [mask]
-        assert f"slice_sizes={{{G},1,{page * K}}}" in text  # the gather of whole pages, both kv heads
-        assert f"bf16[{B},{P * page},{G},{K}]" in text  # what cuDNN reads: the gathered pages as a dense cache
-        assert width == 1 or f"bf16[{B},1,{width},{P * page}]" in text  # the chunk's causal offset, a bias
+        gathers = f"slice_sizes={{{G},1,{page * K}}}" in text  # the gather of whole pages, both kv heads
+        dense = f"bf16[{B},{P * page},{G},{K}]" in text  # the gathered pages as a dense cache
+        if width == 1:  # the Triton paged kernel (Pallas's custom call), neither gather nor cuDNN
+            assert targets == {"__cublas$lt$matmul", "__gpu$xla.gpu.triton"}, targets
+            assert "paged_attention" in text and not gathers and not dense
+        else:  # what cuDNN reads: the gathered pages; the chunk's causal offset, a bias
+            assert targets == {"__cublas$lt$matmul", "__cudnn$fmhaScaleBiasSoftmax"}, targets
+            assert re.findall(r'mask_type\\?"\s*:\s*\\?"(\w+)', text) == ["NO_MASK"]
+            assert gathers and dense and f"bf16[{B},1,{width},{P * page}]" in text
         assert not head_blocks(text, {(width, P * page)})
         assert not re.search(r"S\(5\)|infeed|outfeed|\bsend\(|\brecv\(|MoveTo|pinned_host", text)
         host = (memory.host_argument_size_in_bytes, memory.host_output_size_in_bytes, memory.host_temp_size_in_bytes)
@@ -359,3 +363,40 @@ def test_the_engine_s_step_gathers_pages_and_attends_by_cudnn_on_h100():
         assert memory.alias_size_in_bytes == 2 * G * N * page * K * 2  # the pools, donated and written in place
         # No [B, H, T, S] block and no copy of a pool: cuBLAS's workspace, the weights in bfloat16, the pages.
         assert workspace <= memory.temp_size_in_bytes <= workspace + weights + gathered, width
+
+
+def test_the_engine_s_decode_step_runs_triton_s_paged_kernel_per_shard_of_heads_on_two_h100s():
+    """The decode step over pools whose kv heads are split over the tensor axis of two H100s: the Triton
+    kernel runs once per shard (in `shard_map`, each device its head of keys and values), the pools keep
+    their sharding, and no page is gathered nor any pool gathered whole (the all-gathers are the logits',
+    split over the vocabulary, for sampling)."""
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxformer.engine import steps as engine_steps
+    from jaxformer.layers import without_id_checks
+
+    mesh_cfg = MeshConfig(tensor=2)
+    mesh = sharding.make_mesh(mesh_cfg, parse_target("gpu-h100:1x2").devices())
+    mcfg = tiny(
+        "decoder_only", vocab_size=64, d_model=64 * H, num_heads=H, num_kv_heads=2, d_ff=256, max_len=128,
+        num_decoder_layers=1, attention_impl="auto", dtype="bfloat16",
+    )  # fmt: skip
+    B, N, page, P, G, K = 4, 17, 16, 8, mcfg.kv_heads, mcfg.dim_per_head
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)
+    heads = NamedSharding(mesh, PartitionSpec("tensor", None, None, None))
+    pool = jax.ShapeDtypeStruct((G, N, page, K), mcfg.dtype, sharding=heads)
+    with sharding.use(mesh, sharding.rules_for(mesh_cfg)):
+        graphdef, params = nnx.split(nnx.eval_shape(lambda: without_id_checks(build_model(mcfg))))
+        params = with_shardings(params, sharding.state_shardings(params, mesh))
+        sampling = (jax.ShapeDtypeStruct((B,), np.uint32), jax.ShapeDtypeStruct((B,), np.float32))
+        sampling = (*sampling, i32(B), jax.ShapeDtypeStruct((B,), np.float32))
+        compiled = engine_steps._forward.lower(
+            graphdef, params, [{"k": pool, "v": pool}], i32(B, P), i32(B, 1), i32(B, 1),
+            jax.ShapeDtypeStruct((B, 1), bool), i32(B), sampling, None, i32(B), steps=1,
+        ).compile(NO_TRITON_GEMM)  # fmt: skip
+    text = compiled.as_text()
+    assert text.count('custom_call_target="__gpu$xla.gpu.triton"') == 1  # one kernel, each device its shard
+    assert f"bf16[1,{N},{page},{K}]" in text and f"bf16[{G},{N},{page},{K}]" not in text  # a head a device
+    assert f"slice_sizes={{1,1,{page * K}}}" not in text  # no gather of pages (a pool whole: the line above)
+    assert compiled.output_shardings[2][0]["k"].spec == PartitionSpec("tensor")

@@ -84,7 +84,7 @@ def write_ring(ring_BGRK: Array, new_BGTK: Array, first_B: Array, count_B: Array
 # every sequence, and a page table [B, P] per row listing its pages in order, so position p of row b
 # lives in page table[b, p // page] at offset p % page. Page 0 is scratch: positions that are not real
 # (a chunk's padding, an idle row) write there, and no row reads it as one of its own pages. The pool is
-# heads-major, heads outermost, as TPU's Pallas paged-attention kernel reads it
+# heads-major, heads outermost, as the Pallas paged-attention kernels of TPU and GPU read it
 # (`jaxformer.attention.paged_kernel`); a row's pages of each head gathered side by side become its
 # [B, G, S, K] keys by moving whole [P * page, K] blocks (position-major pages [page, G, K] had to be
 # transposed K values at a time, which cost ~7x the rest of the attention on CPU at 32 rows of 12 pages).

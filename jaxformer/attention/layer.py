@@ -192,8 +192,8 @@ class MultiHeadAttention(nnx.Module):
         A paged cache ({"k", "v": pools [G, N, page, K], "table": [B, P] page tables, "valid": [B, T]
         the real positions}, see `attention.cache`) is read in place: the new positions' keys and
         values go into their pages (the padding's into scratch page 0), then each row attends over its
-        own pages, gathered by its table as [B, G, P * page, K] (slot s holds position s). On a TPU a
-        decoding step reads them in place by the Pallas paged kernel instead (`_paged_kernel`).
+        own pages, gathered by its table as [B, G, P * page, K] (slot s holds position s). On a TPU or an
+        NVIDIA GPU a decoding step reads them in place by a Pallas paged kernel instead (`_paged_kernel`).
 
         A local layer's cache on one device is a ring of its window's slots (`_extend_ring`).
 
@@ -231,16 +231,17 @@ class MultiHeadAttention(nnx.Module):
         return self._attend(x_BTD, cache["k"], cache["v"], "BGSK", mask, bias, positions_BT, None, False), cache
 
     def _paged_kernel(self, x_BTD, pools, table_BP, mask, bias, positions_BT) -> Array | None:
-        """A decoding step over the pages by TPU's Pallas paged kernel (`attention.paged_kernel`), where
-        `attention_impl` ("auto", "splash") and the call let it; None where the pages are gathered instead
-        (said once by `log_fallback` where the kernel was meant to serve)."""
+        """A decoding step over the pages by the Pallas paged kernel of a TPU or an NVIDIA GPU
+        (`attention.paged_kernel`), where `attention_impl` ("auto"; TPU: "splash" too) and the call let it;
+        None where the pages are gathered instead (said once by `log_fallback` where the kernel was meant
+        to serve)."""
         cfg = self.cfg
         B, T, _ = x_BTD.shape
         spec_BTHK = activation_spec(("batch", None, "heads", None))
         shape_BTHK = (B, T, cfg.num_heads, cfg.dim_per_head)
         why = paged_kernel_unservable(
             cfg.attention_impl, mask, bias, self.window, cfg.attention_softcap, shape_BTHK, cfg.kv_heads,
-            pools["k"].dtype, spec_BTHK,
+            pools["k"].dtype, spec_BTHK, pools["k"].shape[2],
         )  # fmt: skip
         if why is not None:
             if why:
@@ -248,8 +249,9 @@ class MultiHeadAttention(nnx.Module):
             return None
         q_BTHK = self._queries(x_BTD, positions_BT, None)
         out_BHK = paged_attention(
-            q_BTHK[:, 0], pools["k"], pools["v"], mask.kv_lengths, table_BP, scale=cfg.logits_scale, spec_BTHK=spec_BTHK
-        )
+            q_BTHK[:, 0], pools["k"], pools["v"], mask.kv_lengths, table_BP, scale=cfg.logits_scale,
+            softcap=cfg.attention_softcap, spec_BTHK=spec_BTHK,
+        )  # fmt: skip
         return self._out(out_BHK[:, None], None)
 
     def _rings(self) -> bool:

@@ -10,9 +10,9 @@ idle slot) write there, and no sequence reads it as one of its own pages. A laye
 
 Attention reads the pool in place: each layer writes only the new positions' keys and values into their
 pages, then gathers each row's pages by its table (an XLA gather of whole pages, heads-major as the pool
-holds them, so that they land as a dense cache [B, G, S, K]) and attends over them. On a TPU a decoding
-step (one position a row) is attended by JAX's Pallas paged-attention kernel instead, which reads the
-pages where they lie (`jaxformer.attention.paged_kernel`, where it serves); prefill chunks gather.
+holds them, so that they land as a dense cache [B, G, S, K]) and attends over them. On a TPU or an NVIDIA
+GPU a decoding step (one position a row) is attended by JAX's Pallas paged-attention kernel instead, which
+reads the pages where they lie (`jaxformer.attention.paged_kernel`, where it serves); prefill chunks gather.
 """
 
 from __future__ import annotations
