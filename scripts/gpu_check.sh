@@ -74,6 +74,12 @@
 #            (--xla_gpu_enable_command_buffer=), to tell whether they cost the engine its calls. About 7
 #            minutes on one H100 (each run's warm-up compiles 36 shapes, 101 s there); run it alone.
 #            SERVE_SHAPE replaces its shape's flags (a smoke run on a CPU)
+#   serve_pages  the engine where reading its pages costs: the 1.3B shape with prompts of up to 1024
+#            tokens (64 requests, 32 at once, outputs of 8-64), its decoding steps reading the pages by
+#            JAX's Pallas (Triton) paged kernel (--attention auto), then gathering them into a dense copy
+#            for cuDNN (--attention cudnn), each against static `generate` with the same attention:
+#            whether the kernel pays. About 6 minutes on one H100; run it alone. SERVE_PAGES_SHAPE
+#            replaces its shape's flags, SERVE_PAGES_ATTENTION the two settings ("auto xla" on a CPU)
 #   tests    the test suite on the GPU (4 workers; conftest pins float32 matmul precision and stops each
 #            worker preallocating GPU memory), with the GPU-only check that cuDNN flash attention is
 #            in the compiled training step
@@ -184,8 +190,15 @@ for part in "${parts[@]}"; do
       run serve "$py" scripts/benchmark.py "${serve[@]}" --serve-profile "$out/serve_profile"
       XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_command_buffer=" \
         run serve_without_cuda_graphs "$py" scripts/benchmark.py "${serve[@]}" ;;
+    serve_pages)
+      shape=(${SERVE_PAGES_SHAPE:---d-model 2048 --heads 16 --layers 24 --vocab 50304 --seq 1024 --serve-requests 64 \
+        --serve-max-new 64 --serve-slots 32 --rounds 3})
+      for attention in ${SERVE_PAGES_ATTENTION:-auto cudnn}; do  # the paged kernel, then the gather (prefills gather)
+        run "serve_pages_$attention" "$py" scripts/benchmark.py --serve --scan --attention "$attention" \
+          --dtype bfloat16 "${shape[@]}"
+      done ;;
     tests) run tests "$py" -m pytest -n 4 --dist loadfile -q -ra ;;
-    *) echo "gpu_check: no part named $part (device, plan, quick, gpt2, gpt2_big, decode, moe, long, serve, tests)" >&2
+    *) echo "gpu_check: no part named $part (device, plan, quick, gpt2, gpt2_big, decode, moe, long, serve, serve_pages, tests)" >&2
       exit 2 ;;
   esac
 done

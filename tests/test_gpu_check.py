@@ -111,12 +111,14 @@ def test_carried_wheels_that_do_not_import_are_set_aside_for_the_machine_s_own(t
     assert "== device failed" not in out.stdout
 
 
-def test_serve_part_at_toy_shapes_runs_the_engine_twice_and_profiles_one_round_of_each_path(tmp_path):
+def test_serve_parts_at_toy_shapes_run_the_engine_and_profile_one_round_of_each_path(tmp_path):
     """`serve` at a toy shape on the CPU: the benchmark's table, then one profiled round of the engine and
     of static `generate` (summarised: here no device track), then the same benchmark with XLA's GPU
-    command buffers switched off (a flag XLA:CPU ignores), each with its own log."""
+    command buffers switched off (a flag XLA:CPU ignores), each with its own log; then `serve_pages` with
+    the one attention setting given (its GPU pair, the paged kernel and cuDNN's gather, needs a GPU)."""
     shape = "--d-model 32 --heads 2 --layers 1 --vocab 64 --seq 8 --serve-requests 4 --serve-max-new 8 --serve-slots 2"
-    out = gpu_check(tmp_path, "serve", SERVE_SHAPE=f"{shape} --rounds 1", WHEELS="")
+    pages = {"SERVE_PAGES_SHAPE": f"{shape} --rounds 1", "SERVE_PAGES_ATTENTION": "auto"}
+    out = gpu_check(tmp_path, "serve", "serve_pages", SERVE_SHAPE=f"{shape} --rounds 1", WHEELS="", **pages)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     profiled = (tmp_path / "serve.log").read_text()
     assert "engine / static generate:" in profiled
@@ -125,6 +127,8 @@ def test_serve_part_at_toy_shapes_runs_the_engine_twice_and_profiles_one_round_o
     plain = (tmp_path / "serve_without_cuda_graphs.log").read_text()
     assert "engine / static generate:" in plain and "device track" not in plain
     assert "== serve_without_cuda_graphs: " in out.stdout and "failed" not in out.stdout
+    assert "== serve_pages_auto: " in out.stdout and "serve_pages_cudnn" not in out.stdout
+    assert "engine / static generate:" in (tmp_path / "serve_pages_auto.log").read_text()
 
 
 def test_trace_summary_reads_a_gpu_track_as_the_profiler_writes_it(tmp_path):
