@@ -653,6 +653,33 @@ def test_the_paged_step_through_the_gpu_kernel_equals_the_gather(monkeypatch):
     jax.tree.map(np.testing.assert_array_equal, got_pools, want_pools)
 
 
+def test_an_engine_whose_steps_take_the_gpu_kernel_gives_generate_s_greedy_tokens(monkeypatch):
+    """The whole engine with its decoding steps attended as on a GPU (the Triton kernel, interpreted), head
+    dim 16 over pages of 16, 5 prompts of 1 to 21 tokens through 3 slots: `generate`'s greedy tokens."""
+    from jaxformer.attention import layer as attention_layer
+    from jaxformer.attention import paged_kernel
+
+    mcfg = tiny(
+        "decoder_only", vocab_size=V, d_model=64, num_heads=4, num_kv_heads=2, max_len=64, attention_impl="auto"
+    )
+    model = build_model(mcfg, seed=3)
+    nnx.update(model, jax.tree.map(lambda x: 3.0 * x, nnx.state(model, nnx.Param)))  # as the `model` fixture's
+    rng = np.random.default_rng(0)
+    system = rng.integers(2, V, 18).tolist()
+    prompts = [[*system, 5, 6, 7], rng.integers(2, V, 3).tolist(), [*system, 9], [7], rng.integers(2, V, 20).tolist()]
+    want = _reference(model, prompts, 10, None)
+    assert max(len(set(w)) for w in want) >= 3  # continuations that depend on the context
+    calls, kernel = [], attention_layer.paged_attention
+    monkeypatch.setattr(
+        attention_layer, "paged_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k, interpret=True)
+    )
+    monkeypatch.setattr(paged_kernel, "_platform", lambda: "gpu")
+    with jax.default_matmul_precision("default"):
+        engine = Engine(model, EngineConfig(page_size=16, num_pages=24, max_slots=3, prefill_chunk=8), eos_id=None)
+        assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=10))] == want
+    assert calls  # traced into the decoding steps
+
+
 def test_encoder_only_scores_equal_the_model_on_each_input_alone():
     """encoder_only: class log-probabilities, masked-LM fills and mean embeddings of inputs of mixed
     lengths, batched and padded by the engine, equal the model's on each input alone (no padding)."""
