@@ -465,8 +465,8 @@ def test_a_model_with_lora_adapters_serves_merged(model):
 def test_the_paged_decode_step_compiles_for_a_tpu_slice(d_model, kernel):
     """libtpu's compiler, no chip: the decode step [slots, 1] over pools whose heads are split over the
     tensor axis of a v5e:2x2 slice compiles and keeps the pools' sharding. At head dim 128 it runs the
-    Pallas paged-attention kernel (a Mosaic custom call) and gathers no page; at head dim 64, which the
-    kernel cannot take, it gathers the pages by XLA."""
+    Pallas paged-attention kernel (a Mosaic custom call) and gathers no page, its logits soft-capped
+    inside it; at head dim 64, which the kernel cannot take, it gathers the pages by XLA."""
     pytest.importorskip("libtpu")
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -479,7 +479,7 @@ def test_the_paged_decode_step_compiles_for_a_tpu_slice(d_model, kernel):
     mesh = sharding.make_mesh(mesh_cfg, parse_target("tpu-v5e:2x2").devices())
     mcfg = tiny(
         "decoder_only", vocab_size=128, d_model=d_model, num_heads=2, max_len=128, num_decoder_layers=1,
-        attention_impl="auto", dtype="bfloat16",
+        attention_impl="auto", dtype="bfloat16", attention_softcap=30.0,
     )  # fmt: skip
     slots, pages, page = 8, 33, 16
     with sharding.use(mesh, sharding.rules_for(mesh_cfg)):
@@ -503,11 +503,12 @@ def test_the_paged_decode_step_compiles_for_a_tpu_slice(d_model, kernel):
     assert out_pools[0]["k"].spec == PartitionSpec("tensor")
 
 
-def test_the_pallas_paged_kernel_equals_the_gather():
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_the_pallas_paged_kernel_equals_the_gather(softcap):
     """The Pallas paged kernel in TPU interpret mode (on this CPU) equals the gathered pages attended by
-    the reference path: three rows of 12, 7 and 1 positions over 3 pages of 4, GQA (4 heads, 2 kv heads).
-    Inputs are ones bfloat16 holds: the interpreter's products, as the TPU's at default precision, round
-    theirs to bfloat16 (up to 8e-3 off at arbitrary float32 inputs)."""
+    the reference path: three rows of 12, 7 and 1 positions over 3 pages of 4, GQA (4 heads, 2 kv heads),
+    with and without a soft cap on the logits. Inputs are ones bfloat16 holds: the interpreter's products,
+    as the TPU's at default precision, round theirs to bfloat16 (up to 8e-3 off at arbitrary float32 inputs)."""
     from jax.experimental.pallas import tpu as pltpu
 
     from jaxformer.attention import paged_kernel
@@ -521,10 +522,12 @@ def test_the_pallas_paged_kernel_equals_the_gather():
     table = jnp.asarray([[3, 7, 1], [5, 2, 0], [8, 0, 0]], jnp.int32)
     lengths = jnp.asarray([12, 7, 1], jnp.int32)
     with pltpu.force_tpu_interpret_mode():
-        out = paged_kernel.paged_attention(q, k, v, lengths, table, scale=None)
+        out = paged_kernel.paged_attention(q, k, v, lengths, table, scale=None, softcap=softcap)
     k_dense, v_dense = kv_cache.read_pages(k, table), kv_cache.read_pages(v, table)
     mask = Mask(kv_lengths=lengths)
-    want = dot_product_attention(q[:, None], k_dense, v_dense, kv_layout="BGSK", mask=mask, implementation="naive")
+    want = dot_product_attention(
+        q[:, None], k_dense, v_dense, kv_layout="BGSK", mask=mask, softcap=softcap, implementation="naive"
+    )
     np.testing.assert_allclose(np.asarray(out), np.asarray(want[:, 0]), rtol=0, atol=1e-5)
 
 
@@ -597,9 +600,9 @@ def test_the_gpu_pallas_paged_kernel_equals_the_gather(pages, softcap):
 
 
 def test_the_gpu_paged_kernel_serves_what_triton_can_say(monkeypatch):
-    """On a GPU the kernel serves a decoding step under "auto" with a soft cap (not on TPU); a head dim or
-    a page size that is not a power of two of 16 or more is gathered, saying why; "cudnn" and prefill
-    chunks gather without a word."""
+    """On a GPU the kernel serves a decoding step under "auto", soft cap or not; a head dim or a page size
+    that is not a power of two of 16 or more is gathered, saying why; "cudnn" and prefill chunks gather
+    without a word. On a TPU, a soft cap too, and a head dim of 128."""
     from jaxformer.attention import paged_kernel
     from jaxformer.attention.masks import Mask
 
@@ -612,7 +615,7 @@ def test_the_gpu_paged_kernel_serves_what_triton_can_say(monkeypatch):
     assert "powers of two" in why("auto", K=80) and "powers of two" in why("auto", page=8)
     assert why("cudnn") == "" and why("auto", T=8) == "" and why("splash") == ""
     monkeypatch.setattr(paged_kernel, "_platform", lambda: "tpu")
-    assert "soft-capped" in why("auto", K=128, softcap=30.0) and why("auto", K=128) is None
+    assert why("auto", K=128, softcap=30.0) is None and "multiple of 128" in why("auto", K=64)
 
 
 def test_the_paged_step_through_the_gpu_kernel_equals_the_gather(monkeypatch):

@@ -8,9 +8,10 @@ Both take one query position per row ([B, H, K]), pools [G, N, page, K] (the eng
 row's key length and its page table, and serve under `attention_impl` "auto" (and "splash" on TPU), and
 only what they can say: a key length per row (no logits bias, sliding window or segments), products at
 the default precision (bfloat16 passes on TPU, TF32 on GPU: float32 pools under a "highest" request are
-gathered instead; Mosaic fails to compile the TPU kernel there). The TPU kernel also takes no soft cap
-and needs a head dim that fills the TPU's 128 lanes (Mosaic refuses a block of 64); Triton's blocks are
-powers of two of at least 16 values, so the GPU kernel needs a head dim and a page size of such.
+gathered instead; Mosaic fails to compile the TPU kernel there). Both soft-cap the logits where the
+layer does. The TPU kernel needs a head dim that fills the TPU's 128 lanes (Mosaic refuses a block of
+64); Triton's blocks are powers of two of at least 16 values, so the GPU kernel needs a head dim and a
+page size of such.
 Elsewhere the layer gathers the pages and attends as over a dense cache, and says once why
 (`log_fallback`). Plain `jax.numpy` and Pallas, no Flax.
 """
@@ -70,8 +71,6 @@ def paged_kernel_unservable(
         return "the Pallas paged kernel takes no logits bias"
     if window:
         return f"the Pallas paged kernel has no sliding window (window={window})"
-    if softcap and platform == "tpu":
-        return "the Pallas paged kernel is not wired for soft-capped logits on TPU"
     if not isinstance(mask, Mask) or mask.kv_lengths is None or mask.causal or mask.window:
         return "the Pallas paged kernel takes a key length per row only"
     if any(x is not None for x in (mask.q_lengths, mask.q_segments, mask.kv_segments, mask.q_offset)):
@@ -162,15 +161,12 @@ def paged_attention(
         lengths_B: [B] int, each row's key length (at least 1).
         table_BP: [B, P] int, each row's pages.
         scale: the logits' scale (None: 1 / sqrt(K)).
-        softcap: the logits' soft cap, c * tanh(logits / c) (0: none; GPU only).
+        softcap: the logits' soft cap, c * tanh(logits / c) (0: none).
         spec_BTHK: the queries' PartitionSpec as [B, T, H, K] over the mesh in context.
         interpret: run the GPU kernel by Pallas's interpreter (a test's, on any machine).
 
     Returns:
         [B, H, K] in the queries' dtype.
-
-    Raises:
-        ValueError: a soft cap for the TPU's kernel, which takes none.
     """
     from jax.sharding import PartitionSpec as P
 
@@ -187,10 +183,10 @@ def paged_attention(
     else:
         from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_kernel
 
-        if softcap:
-            raise ValueError("the TPU's Pallas paged kernel takes no soft cap (paged_kernel_unservable says so)")
         block = pages_per_block(table_BP.shape[1], page)
-        kernel = lambda q, k, v, lengths, table: tpu_kernel(q, k, v, lengths, table, pages_per_compute_block=block)
+        kernel = lambda q, k, v, lengths, table: tpu_kernel(
+            q, k, v, lengths, table, pages_per_compute_block=block, attn_logits_soft_cap=softcap or None
+        )
 
     def attend(q, k, v, lengths, table):  # one shard: its rows and heads
         # Mosaic compiles the TPU kernel's products at the default precision only (bfloat16 passes): a float32
