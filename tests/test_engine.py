@@ -531,6 +531,26 @@ def test_the_pallas_paged_kernel_equals_the_gather(softcap):
     np.testing.assert_allclose(np.asarray(out), np.asarray(want[:, 0]), rtol=0, atol=1e-5)
 
 
+def _decode_step_after_prefill(mcfg, page: int, table: list, lengths: tuple[int, int]):
+    """A one-layer model of `mcfg` (seed 0) whose two rows were prefilled over pages of `page` by `table`,
+    `lengths` positions each: a function running the next decoding step (ids 7 and 9) over those pools,
+    (logits, pools). Each call traces anew (a fresh function), so a second call sees the settings then in
+    force (a kernel chosen, an interpreter)."""
+    model = build_model(mcfg, seed=0)
+    zeros = jnp.zeros((mcfg.kv_heads, 8, page, mcfg.dim_per_head), mcfg.dtype)  # [G, N, page, K]
+    table, T = jnp.asarray(table, jnp.int32), max(lengths)
+    ids = jnp.asarray(np.random.default_rng(0).integers(2, V, (2, T)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
+    valid = positions < jnp.asarray(lengths)[:, None]
+    _, pools = nnx.jit(lambda model: paged.paged_step(model, [{"k": zeros, "v": zeros}], table, ids, positions, valid))(
+        model
+    )
+    new_ids, new_positions = jnp.asarray([[7], [9]], jnp.int32), jnp.asarray(lengths, jnp.int32)[:, None]
+    return lambda: nnx.jit(
+        lambda model, pools: paged.paged_step(model, pools, table, new_ids, new_positions, jnp.ones((2, 1), bool))
+    )(model, pools)
+
+
 def test_the_paged_step_through_the_pallas_kernel_equals_the_gather(monkeypatch):
     """The layer's wiring of the kernel (queries, scale, GQA, output projection): a decode step of a
     one-layer model (head dim 128, 2 heads over 1 kv head) after a prefill of two rows, with the kernel
@@ -546,20 +566,7 @@ def test_the_paged_step_through_the_pallas_kernel_equals_the_gather(monkeypatch)
         "decoder_only", vocab_size=V, d_model=256, num_heads=2, num_kv_heads=1, max_len=32, num_decoder_layers=1,
         attention_impl="auto",
     )  # fmt: skip
-    model = build_model(mcfg, seed=0)
-    zeros = jnp.zeros((mcfg.kv_heads, 8, 4, mcfg.dim_per_head), mcfg.dtype)  # [G, N, page, K]
-    table = jnp.asarray([[1, 2, 3], [4, 5, 0]], jnp.int32)
-    ids = jnp.asarray(np.random.default_rng(0).integers(2, V, (2, 6)), jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
-    prefill = nnx.jit(
-        lambda model, valid: paged.paged_step(model, [{"k": zeros, "v": zeros}], table, ids, positions, valid)
-    )
-    _, pools = prefill(model, positions < jnp.asarray([[6], [3]]))
-    new_ids, new_positions = jnp.asarray([[7], [9]], jnp.int32), jnp.asarray([[6], [3]], jnp.int32)
-    # One program a step, each traced anew (a fresh function): the second under the kernel's settings.
-    step = lambda: nnx.jit(
-        lambda model, pools: paged.paged_step(model, pools, table, new_ids, new_positions, jnp.ones((2, 1), bool))
-    )(model, pools)
+    step = _decode_step_after_prefill(mcfg, page=4, table=[[1, 2, 3], [4, 5, 0]], lengths=(6, 3))
     want, want_pools = step()
     calls = []
     kernel = attention_layer.paged_attention
@@ -630,19 +637,7 @@ def test_the_paged_step_through_the_gpu_kernel_equals_the_gather(monkeypatch):
         "decoder_only", vocab_size=V, d_model=128, num_heads=4, num_kv_heads=2, max_len=64, num_decoder_layers=1,
         attention_impl="auto", attention_softcap=5.0,
     )  # fmt: skip
-    model = build_model(mcfg, seed=0)
-    zeros = jnp.zeros((mcfg.kv_heads, 8, 16, mcfg.dim_per_head), mcfg.dtype)  # [G, N, page, K]
-    table = jnp.asarray([[1, 2], [4, 5]], jnp.int32)
-    ids = jnp.asarray(np.random.default_rng(0).integers(2, V, (2, 20)), jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(20, dtype=jnp.int32), (2, 20))
-    prefill = nnx.jit(
-        lambda model, valid: paged.paged_step(model, [{"k": zeros, "v": zeros}], table, ids, positions, valid)
-    )
-    _, pools = prefill(model, positions < jnp.asarray([[20], [3]]))
-    new_ids, new_positions = jnp.asarray([[7], [9]], jnp.int32), jnp.asarray([[20], [3]], jnp.int32)
-    step = lambda: nnx.jit(  # one program a step, each traced anew: the second under the kernel's settings
-        lambda model, pools: paged.paged_step(model, pools, table, new_ids, new_positions, jnp.ones((2, 1), bool))
-    )(model, pools)
+    step = _decode_step_after_prefill(mcfg, page=16, table=[[1, 2], [4, 5]], lengths=(20, 3))
     want, want_pools = step()
     calls = []
     kernel = attention_layer.paged_attention

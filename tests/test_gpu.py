@@ -304,6 +304,43 @@ def test_host_offload_moves_bytes_off_the_h100(devices):
     assert moments <= plain.arguments - offloaded.arguments <= moments + 4096
 
 
+ENGINE_STEP = (4, 17, 16, 8)  # the engine step's slots, pool pages, page size, pages a row
+
+
+def engine_step_on_h100s(target: str, mesh_cfg: MeshConfig, pool_spec: tuple, width: int):
+    """The serving engine's compiled step (`engine.steps._forward`, one step a call) on `target`'s H100s:
+    a one-layer bfloat16 decoder, head dim 64 (4 heads over 2 kv heads), `ENGINE_STEP`'s slots and pages,
+    `width` positions a row, the pools laid out by `pool_spec` over the mesh, everything else replicated.
+    Returns (the compiled step, the parameters' abstract state)."""
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxformer.engine import steps as engine_steps
+    from jaxformer.layers import without_id_checks
+
+    mesh = sharding.make_mesh(mesh_cfg, parse_target(target).devices())
+    mcfg = tiny(
+        "decoder_only", vocab_size=64, d_model=64 * H, num_heads=H, num_kv_heads=2, d_ff=256, max_len=128,
+        num_decoder_layers=1, attention_impl="auto", dtype="bfloat16",
+    )  # fmt: skip
+    B, N, page, P = ENGINE_STEP
+    whole = NamedSharding(mesh, PartitionSpec())
+    spec = lambda dtype, *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=whole)
+    pool = jax.ShapeDtypeStruct(
+        (mcfg.kv_heads, N, page, mcfg.dim_per_head), mcfg.dtype, sharding=NamedSharding(mesh, PartitionSpec(*pool_spec))
+    )
+    with sharding.use(mesh, sharding.rules_for(mesh_cfg)):
+        graphdef, params = nnx.split(nnx.eval_shape(lambda: without_id_checks(build_model(mcfg))))
+        params = with_shardings(params, sharding.state_shardings(params, mesh))
+        sampling = (spec(np.uint32, B), spec(np.float32, B), spec(np.int32, B), spec(np.float32, B))
+        compiled = engine_steps._forward.lower(
+            graphdef, params, [{"k": pool, "v": pool}], spec(np.int32, B, P), spec(np.int32, B, width),
+            spec(np.int32, B, width), spec(bool, B, width), spec(np.int32, B), sampling, None,
+            spec(np.int32, B), steps=1,
+        ).compile(NO_TRITON_GEMM)  # fmt: skip
+    return compiled, params
+
+
 def test_the_engine_s_decode_step_reads_pages_by_triton_and_its_prefill_gathers_them_for_cudnn_on_h100():
     """The serving engine's compiled step (`engine.steps._forward`) for one H100, bfloat16, head dim 64 (4 heads
     over 2 kv heads), over page tables of 8 pages of 16. Its decode step [4, 1] reads each row's pages where
@@ -314,33 +351,11 @@ def test_the_engine_s_decode_step_reads_pages_by_triton_and_its_prefill_gathers_
     Nothing goes to or from the host inside the step; the pools are updated in place (aliased, not
     copied). The temporaries are cuBLAS's 4 MiB workspace, in whose space the compiler also lays the
     gathered pages (not live at once), and the bfloat16 copies of the float32 weights."""
-    from flax import nnx
-
-    from jaxformer.engine import steps as engine_steps
-    from jaxformer.layers import without_id_checks
-
-    mesh_cfg = MeshConfig()
-    mesh = sharding.make_mesh(mesh_cfg, parse_target("gpu-h100:1x1").devices())
-    mcfg = tiny(
-        "decoder_only", vocab_size=64, d_model=64 * H, num_heads=H, num_kv_heads=2, d_ff=256, max_len=128,
-        num_decoder_layers=1, attention_impl="auto", dtype="bfloat16",
-    )  # fmt: skip
-    B, N, page, P, G, K = 4, 17, 16, 8, mcfg.kv_heads, mcfg.dim_per_head
-    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    spec = lambda dtype, *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=whole)
-    pool = spec(mcfg.dtype, G, N, page, K)
     found = {}
-    with sharding.use(mesh, sharding.rules_for(mesh_cfg)):
-        graphdef, params = nnx.split(nnx.eval_shape(lambda: without_id_checks(build_model(mcfg))))
-        params = with_shardings(params, sharding.state_shardings(params, mesh))
-        sampling = (spec(np.uint32, B), spec(np.float32, B), spec(np.int32, B), spec(np.float32, B))
-        for width in (1, 8):  # a decode step, a prefill chunk
-            compiled = engine_steps._forward.lower(
-                graphdef, params, [{"k": pool, "v": pool}], spec(np.int32, B, P), spec(np.int32, B, width),
-                spec(np.int32, B, width), spec(bool, B, width), spec(np.int32, B), sampling, None,
-                spec(np.int32, B), steps=1,
-            ).compile(NO_TRITON_GEMM)  # fmt: skip
-            found[width] = compiled.as_text(), compiled.memory_analysis()
+    for width in (1, 8):  # a decode step, a prefill chunk
+        compiled, params = engine_step_on_h100s("gpu-h100:1x1", MeshConfig(), (), width)
+        found[width] = compiled.as_text(), compiled.memory_analysis()
+    B, N, page, P, G, K = *ENGINE_STEP, 2, 64
     gathered = 2 * B * P * page * G * K * 2  # keys and values, bfloat16
     weights = sum(x.size for x in jax.tree.leaves(params)) * 2  # their bfloat16 copies (float32 parameters)
     workspace = 4 * 2**20  # cuBLAS's, one region for every matmul
@@ -370,31 +385,10 @@ def test_the_engine_s_decode_step_runs_triton_s_paged_kernel_per_shard_of_heads_
     kernel runs once per shard (in `shard_map`, each device its head of keys and values), the pools keep
     their sharding, and no page is gathered nor any pool gathered whole (the all-gathers are the logits',
     split over the vocabulary, for sampling)."""
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec
+    from jax.sharding import PartitionSpec
 
-    from jaxformer.engine import steps as engine_steps
-    from jaxformer.layers import without_id_checks
-
-    mesh_cfg = MeshConfig(tensor=2)
-    mesh = sharding.make_mesh(mesh_cfg, parse_target("gpu-h100:1x2").devices())
-    mcfg = tiny(
-        "decoder_only", vocab_size=64, d_model=64 * H, num_heads=H, num_kv_heads=2, d_ff=256, max_len=128,
-        num_decoder_layers=1, attention_impl="auto", dtype="bfloat16",
-    )  # fmt: skip
-    B, N, page, P, G, K = 4, 17, 16, 8, mcfg.kv_heads, mcfg.dim_per_head
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)
-    heads = NamedSharding(mesh, PartitionSpec("tensor", None, None, None))
-    pool = jax.ShapeDtypeStruct((G, N, page, K), mcfg.dtype, sharding=heads)
-    with sharding.use(mesh, sharding.rules_for(mesh_cfg)):
-        graphdef, params = nnx.split(nnx.eval_shape(lambda: without_id_checks(build_model(mcfg))))
-        params = with_shardings(params, sharding.state_shardings(params, mesh))
-        sampling = (jax.ShapeDtypeStruct((B,), np.uint32), jax.ShapeDtypeStruct((B,), np.float32))
-        sampling = (*sampling, i32(B), jax.ShapeDtypeStruct((B,), np.float32))
-        compiled = engine_steps._forward.lower(
-            graphdef, params, [{"k": pool, "v": pool}], i32(B, P), i32(B, 1), i32(B, 1),
-            jax.ShapeDtypeStruct((B, 1), bool), i32(B), sampling, None, i32(B), steps=1,
-        ).compile(NO_TRITON_GEMM)  # fmt: skip
+    compiled, _ = engine_step_on_h100s("gpu-h100:1x2", MeshConfig(tensor=2), ("tensor",), 1)
+    (_, N, page, _), G, K = ENGINE_STEP, 2, 64
     text = compiled.as_text()
     assert text.count('custom_call_target="__gpu$xla.gpu.triton"') == 1  # one kernel, each device its shard
     assert f"bf16[1,{N},{page},{K}]" in text and f"bf16[{G},{N},{page},{K}]" not in text  # a head a device
