@@ -291,8 +291,10 @@ def test_fused_attention_equals_reference_in_every_mode(mode, impl, arch, cudnn_
     for (ref_logits, ref_grads), (logits, grads) in zip(ref, fused, strict=True):
         real = (segs > 0)[..., None]
         np.testing.assert_allclose(jnp.where(real, logits, 0), jnp.where(real, ref_logits, 0), atol=1e-5)
-        for g, rg in zip(grads, ref_grads, strict=True):  # rtol: gradients reach ~80, a few float32 ulps apart
-            np.testing.assert_allclose(g, rg, atol=1e-5, rtol=1e-6)
+        # Gradients reach ~80. XLA:CPU picks its math functions by the processor (Intel's or AMD's) and
+        # vectorises for its width: on an AMD EPYC a gradient of ~2 moved by ~60 float32 ulps (1.4e-5).
+        for g, rg in zip(grads, ref_grads, strict=True):
+            np.testing.assert_allclose(g, rg, atol=5e-5, rtol=1e-5)
     assert (len(cudnn_checked) > 0) == (impl == "cudnn")
 
 
