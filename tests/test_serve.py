@@ -380,6 +380,11 @@ BAD = [  # (body, HTTP status, the field named, a word of the message)
         "vocabulary",
     ),
     ({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "stream", "not streamed"),
+    ({"model": MODEL, "prompt": "a\ud800b"}, 400, "prompt", "lone surrogate"),  # JSON's "\ud800": half a pair
+    ({"model": MODEL, "prompt": ["ok", "x"], "stop": ["\udfff"]}, 400, "stop[0]", "lone surrogate"),
+    ({"model": MODEL, "prompt": "x", "\ud800": 1}, 400, None, "lone surrogate"),
+    ({"model": MODEL, "prompt": "x", "seed": -1}, 400, "seed", "[0,"),
+    ({"model": MODEL, "prompt": "x", "seed": 2**32 - 1, "n": 2}, 400, "seed", "[0, 4294967294]"),  # choice 1's 2**32
 ]
 BAD_CHAT = [
     ({"model": MODEL, "messages": []}, 400, "messages", "non-empty"),
@@ -387,6 +392,7 @@ BAD_CHAT = [
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", "wizard"),
     ({"model": MODEL, "messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content", "string"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages", "context"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "a\udc00"}]}, 400, "messages[0].content", "surrogate"),
     (
         {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
         400,

@@ -156,6 +156,7 @@ class _Server:
             raise APIError(400, f"could not parse the JSON body of the request: {e}", None, "invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}", None, "invalid_json")
+        protocol.check_text(body)  # before any error message repeats a field's name or value
         protocol.check_fields(body, known)
         protocol.check_model(body, self.names)
         return body

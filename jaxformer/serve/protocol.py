@@ -190,6 +190,41 @@ def check_fields(body: dict, known: set[str]) -> None:
             raise bad(name, f"not supported by this server (only its default: {_NEUTRAL[name][0]!r})", "unsupported")
 
 
+def check_text(body: dict) -> None:
+    """Refuse a string, or a key, that is not Unicode text: JSON's escapes can spell half a surrogate pair
+    ("\\ud800"), which Python parses into a string that no tokenizer (and no UTF-8 answer) can encode.
+
+    Args:
+        body: the request body.
+
+    Raises:
+        APIError: naming the first field (as `messages[0].content`) that holds one.
+    """
+
+    def text(s: str) -> bool:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+
+    def first(value, path: str) -> tuple[str, str] | None:  # (the field, the string at fault)
+        if isinstance(value, str):
+            return None if text(value) else (path, value)
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in items:
+            if isinstance(key, str) and not text(key):
+                return path, key
+            if found := first(item, f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]"):
+                return found
+        return None
+
+    if found := first(body, ""):
+        field, s = found
+        field = field.lstrip(".") or None
+        raise bad(field, f"{'' if field else 'a key of the body: '}not Unicode text: {s!r} holds a lone surrogate")
+
+
 def check_model(body: dict, model_name: str | tuple[str, ...]) -> str:
     """The request names one of this server's models (the base, or a LoRA adapter served beside it).
 
@@ -235,7 +270,7 @@ def sampling(body: dict, max_tokens: int, stop: tuple[str, ...], logprobs: bool,
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     top_k = _int(body, "top_k", 0, 0, 1 << 30)
-    seed = _int(body, "seed", None, -(1 << 63), (1 << 63) - 1)
+    seed = _int(body, "seed", None, 0, (1 << 32) - n)  # the engine's seeds are 32 bits; choice i takes seed + i
     try:
         return [
             SamplingParams(
