@@ -366,6 +366,12 @@ CLI_CASES = [
     ),
     cli_case(TRAIN + "model.d_model", r"model\.d_model: an override is section\.field=value"),
     cli_case(TRAIN + "train.steps=0", r"train\.steps: must be positive, got 0"),
+    # Seeds: JAX's keys and the data pipeline's shuffles take 32 bits (a negative one failed mid-run, in Grain)
+    cli_case(TRAIN + "train.seed=-5", r"train\.seed: must be in \[0, 2\*\*32\) \(a 32-bit seed\), got -5"),
+    cli_case(TRAIN + "train.seed=4294967296", r"train\.seed: must be in \[0, 2\*\*32\)"),
+    cli_case(TRAIN + "data.split_seed=-1", r"data\.split_seed: must be in \[0, 2\*\*32\)"),
+    cli_case(TRAIN + "decode.seed=-1", r"decode\.seed: must be in \[0, 2\*\*32\)"),
+    cli_case(TRAIN + "lora.seed=-1", r"lora\.seed: must be in \[0, 2\*\*32\)"),
     cli_case(TRAIN + "train.steps=3e9", r"train\.steps: "),
     cli_case(TRAIN + "train.batch_size=0", r"train\.batch_size: must be positive, got 0"),
     cli_case(TRAIN + "train.grad_accum=3", r"train\.grad_accum: grad_accum=3 does not divide batch_size=64"),
@@ -661,6 +667,7 @@ CLI_CASES = [
     # `serve`: the server's settings and the workdir, checked before the engine loads anything
     cli_case("serve --workdir {lm} --port 70000", r"serve\.port: a TCP port in \[1, 65535\], got 70000"),
     cli_case("serve --workdir {lm} --port 0", r"serve\.port: a TCP port in \[1, 65535\], got 0"),
+    cli_case("serve --workdir {lm} --set engine.seed=-1", r"engine\.seed: must be in \[0, 2\*\*32\)"),
     cli_case("serve --workdir {lm} --port http", r"argument --port: invalid int value: 'http'"),
     cli_case("serve --workdir {lm} --api-key ''", r"serve\.api_key: a non-empty key without spaces"),
     cli_case("serve --workdir {lm} --host ''", r"serve\.host: an address to listen on"),

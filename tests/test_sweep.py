@@ -200,6 +200,19 @@ def test_bad_search_spaces_fail_before_any_trial(tmp_path, change, message):
         load(file)
 
 
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_a_seed_outside_32_bits_fails_before_any_trial(tmp_path, seed):
+    """The planned trials' draws and TPE's seeds take 32 bits: numpy refused a negative seed mid-sweep."""
+    file = tmp_path / "bad.py"
+    file.write_text(
+        "from jaxformer.sweep import Range, Sweep\n"
+        f"def get_sweep():\n    return Sweep(base={str(REPO / 'experiments/copy_task.py')!r}, "
+        f"space={{'train.learning_rate': Range(1e-3, 1e-2)}}, seed={seed})\n"
+    )
+    with pytest.raises(ConfigError, match=rf"seed: must be in \[0, 2\*\*32\) \(a 32-bit seed\), got {seed}"):
+        load(file)
+
+
 def test_an_objective_training_never_reports_is_rejected(tmp_path, capsys):
     file = tmp_path / "bleu.py"
     file.write_text(

@@ -30,14 +30,16 @@ def require(ok: bool, field: str, message: str) -> None:
 
 
 def check_field_types(cfg, prefix: str) -> None:
-    """Check each field's value against its annotation (int, float, bool, str, Literal, Optional).
+    """Check each field's value against its annotation (int, float, bool, str, Literal, Optional), and each
+    seed (a field named `seed` or `*_seed`) against the 32 bits that JAX's keys and the data pipeline's
+    shuffles take: a seed out of them would pass here and fail mid-run, with the workdir written.
 
     Args:
         cfg (object): a config section (a dataclass).
         prefix: its section name, for the messages ("model").
 
     Raises:
-        ConfigError: a field's value does not match its annotation, naming the field.
+        ConfigError: a field's value does not match its annotation, or a seed is out of [0, 2**32), naming the field.
     """
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
@@ -49,6 +51,8 @@ def check_field_types(cfg, prefix: str) -> None:
             raise ConfigError(
                 f"{prefix}.{f.name}: {value!r} ({type(value).__name__}) is not of type {_type_name(hint)}"
             )
+        if (f.name == "seed" or f.name.endswith("_seed")) and isinstance(value, int) and not 0 <= value < 2**32:
+            raise ConfigError(f"{prefix}.{f.name}: must be in [0, 2**32) (a 32-bit seed), got {value}")
 
 
 def _matches(value, hint) -> bool:
