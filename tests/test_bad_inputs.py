@@ -366,7 +366,7 @@ CLI_CASES = [
     ),
     cli_case(TRAIN + "model.d_model", r"model\.d_model: an override is section\.field=value"),
     cli_case(TRAIN + "train.steps=0", r"train\.steps: must be positive, got 0"),
-    # Seeds: JAX's keys and the data pipeline's shuffles take 32 bits (a negative one failed mid-run, in Grain)
+    # Seeds: [0, 2**32) (a negative one failed at the first batch, in Grain; one past 64 bits in JAX)
     cli_case(TRAIN + "train.seed=-5", r"train\.seed: must be in \[0, 2\*\*32\) \(a 32-bit seed\), got -5"),
     cli_case(TRAIN + "train.seed=4294967296", r"train\.seed: must be in \[0, 2\*\*32\)"),
     cli_case(TRAIN + "data.split_seed=-1", r"data\.split_seed: must be in \[0, 2\*\*32\)"),

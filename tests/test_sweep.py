@@ -202,7 +202,8 @@ def test_bad_search_spaces_fail_before_any_trial(tmp_path, change, message):
 
 @pytest.mark.parametrize("seed", [-1, 2**32])
 def test_a_seed_outside_32_bits_fails_before_any_trial(tmp_path, seed):
-    """The planned trials' draws and TPE's seeds take 32 bits: numpy refused a negative seed mid-sweep."""
+    """The planned trials' draws and TPE's seeds take 32 bits: Optuna's sampler and numpy's SeedSequence refuse
+    a negative seed with a traceback."""
     file = tmp_path / "bad.py"
     file.write_text(
         "from jaxformer.sweep import Range, Sweep\n"

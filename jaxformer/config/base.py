@@ -31,8 +31,9 @@ def require(ok: bool, field: str, message: str) -> None:
 
 def check_field_types(cfg, prefix: str) -> None:
     """Check each field's value against its annotation (int, float, bool, str, Literal, Optional), and each
-    seed (a field named `seed` or `*_seed`) against the 32 bits that JAX's keys and the data pipeline's
-    shuffles take: a seed out of them would pass here and fail mid-run, with the workdir written.
+    seed (a field named `seed` or `*_seed`) against [0, 2**32), which every user of a seed takes: Grain's
+    shuffles refuse a negative one and JAX's keys one past 64 bits, mid-run with the workdir written, and
+    the engine's sampling seeds are 32 bits.
 
     Args:
         cfg (object): a config section (a dataclass).
