@@ -41,7 +41,7 @@ def paged_kernel_unservable(
     G: int,
     dtype: jnp.dtype,
     spec_BTHK: tuple,
-    page_size: int = 16,
+    page_size: int,
 ) -> str | None:
     """Why the Pallas paged kernel does not run this call (None: it does). Off TPU and GPU, or for a
     prefill chunk (several positions a row) or an `attention_impl` that names another path, the reason

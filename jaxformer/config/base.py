@@ -52,8 +52,23 @@ def check_field_types(cfg, prefix: str) -> None:
             raise ConfigError(
                 f"{prefix}.{f.name}: {value!r} ({type(value).__name__}) is not of type {_type_name(hint)}"
             )
-        if (f.name == "seed" or f.name.endswith("_seed")) and isinstance(value, int) and not 0 <= value < 2**32:
-            raise ConfigError(f"{prefix}.{f.name}: must be in [0, 2**32) (a 32-bit seed), got {value}")
+        if f.name == "seed" or f.name.endswith("_seed"):
+            require_seed(value, f"{prefix}.{f.name}")
+
+
+def require_seed(seed: int, field: str) -> None:
+    """Raise ConfigError naming `field` unless `seed` is in [0, 2**32), the range every user of a seed
+    takes (`check_field_types` says which).
+
+    Args:
+        seed: the seed.
+        field: the dotted field the message names ("train.seed").
+
+    Raises:
+        ConfigError: the seed is not an int in that range.
+    """
+    ok = isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**32
+    require(ok, field, f"must be in [0, 2**32) (a 32-bit seed), got {seed!r}")
 
 
 def _matches(value, hint) -> bool:

@@ -18,6 +18,7 @@ from jaxformer.config import (
     require,
     with_values,
 )
+from jaxformer.config.base import require_seed
 
 EVAL_METRICS = {"loss": "minimize", "nll": "minimize", "perplexity": "minimize", "accuracy": "maximize"}
 
@@ -112,7 +113,7 @@ def check(sweep: Sweep, base: Config) -> None:
     require(sweep.heartbeat >= 1, "heartbeat", f"must be >= 1 second, got {sweep.heartbeat}")
     require(sweep.patience >= 0, "patience", f"must be >= 0 seconds, got {sweep.patience}")
     require(sweep.devices >= 1, "devices", f"must be >= 1 per trial, got {sweep.devices}")
-    require(0 <= sweep.seed < 2**32, "seed", f"must be in [0, 2**32) (a 32-bit seed), got {sweep.seed}")
+    require_seed(sweep.seed, "seed")
     require(sweep.strategy in ("grid", "random", "tpe"), "strategy", f"{sweep.strategy!r} is not grid, random or tpe")
     fixed = with_values(base, sweep.fixed)
     task = sweep.metric.split("/")[0] if "/" in sweep.metric else None
