@@ -9,6 +9,7 @@ this CPU) a decode step runs the Pallas paged kernel where it serves, and it equ
 
 import collections
 import dataclasses
+import re
 from unittest import mock
 
 import jax
@@ -92,6 +93,51 @@ def test_paged_view_equals_the_dense_cache(latent):
     np.testing.assert_array_equal(view[1, ..., :8, :], dense[1, ..., :8, :])  # its third entry is scratch page 0
 
 
+@pytest.mark.parametrize("latent", [False, True])
+def test_decoding_steps_over_rows_gathered_once_equal_the_gather_at_every_step(latent):
+    """A call's decoding steps read the rows' pages once (`paged.gather_rows`) and write each step's keys
+    and values there as into the pages: three steps of two prefilled rows (4 heads over 2 kv heads, or
+    latent attention), row 1 stopping after its first, give the logits of every real step and the pools
+    of the steps that gather the pages at each step, to the bit, and the rows end as the pages' view."""
+    mla_cfg = MLAConfig(kv_lora_rank=8, rope_head_dim=4)
+    extra = {"position": "rope", "use_bias": False, "mla": mla_cfg} if latent else {"num_kv_heads": 2}
+    mcfg = tiny("decoder_only", vocab_size=V, max_len=64, d_model=32, num_heads=4, **extra)
+    model = build_model(mcfg, seed=3)
+    table = jnp.asarray([[3, 7, 1, 0], [5, 2, 8, 0]], jnp.int32)  # 12 positions a row; scratch page 0 last
+    rng, lengths = np.random.default_rng(5), jnp.asarray([6, 9])
+    ids = jnp.asarray(rng.integers(2, V, (2, 9)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
+    prefill = nnx.jit(
+        lambda m: paged.paged_step(
+            m, paged.empty_pools(mcfg, 9, 4), table, ids, positions, positions < lengths[:, None]
+        )
+    )
+    _, pools, _ = prefill(model)
+    new_ids = jnp.asarray(rng.integers(2, V, (2, 3)), jnp.int32)
+
+    def steps(model, pools, gathered):
+        rows, logits = (paged.gather_rows(pools, table) if gathered else None), []
+        for i in range(3):
+            valid = jnp.asarray([[True], [i == 0]])
+            out, pools, rows = paged.paged_step(
+                model, pools, table, new_ids[:, i : i + 1], lengths[:, None] + i, valid, rows=rows
+            )
+            logits.append(out[:, 0])
+        return jnp.stack(logits, 1), pools, rows
+
+    want, want_pools, none = nnx.jit(lambda m, p: steps(m, p, False))(model, pools)
+    got, got_pools, rows = nnx.jit(lambda m, p: steps(m, p, True))(model, pools)
+    assert none is None
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1, 0]), np.asarray(want[1, 0]))  # row 1's one real step
+    jax.tree.map(np.testing.assert_array_equal, got_pools, want_pools)
+    for layer_rows, pool in zip(rows, got_pools, strict=True):  # its real slots: not scratch page 0's
+        for name, r in layer_rows.items():
+            np.testing.assert_array_equal(
+                np.asarray(r)[..., :12, :], np.asarray(kv_cache.read_pages(pool[name], table))[..., :12, :]
+            )
+
+
 def test_decode_step_logits_at_one_position_equal_the_full_logits(model):
     """`decode_step(..., logits_at_B=)` (a prefill chunk's head on its last real position only) gives the
     row of the full [B, T, V] logits at that position, and the same cache."""
@@ -161,16 +207,16 @@ def mla_want(mla_model):
     return [decode.strip_after_eos(w, eos_id) for w in want], eos_id
 
 
-@pytest.mark.parametrize("page_size", [4, 8])
-def test_latent_attention_greedy_equals_generate(mla_model, mla_want, page_size):
+@pytest.mark.parametrize("page_size, decode_steps", [(4, 1), (8, 1), (8, 3)])
+def test_latent_attention_greedy_equals_generate(mla_model, mla_want, page_size, decode_steps):
     """An MLA decoder served from latent pages (prefill chunks and decode steps in the absorbed form over
-    the rows' pages) gives generate's tokens (its plain-form prefill, absorbed decode over a dense latent
-    cache), with prefix sharing finding the shared prompt pages; the pools hold (C + R) values a position
-    and layer, `mla.cache_bytes_per_token`."""
+    the rows' pages; three steps a call over the rows' pages read once) gives generate's tokens (its
+    plain-form prefill, absorbed decode over a dense latent cache), with prefix sharing finding the shared
+    prompt pages; the pools hold (C + R) values a position and layer, `mla.cache_bytes_per_token`."""
     (want, eos_id), n = mla_want, 10
     assert any(len(w) < n for w in want) and any(len(w) == n for w in want)
     assert max(len(set(w)) for w in want) >= 3  # continuations that depend on the context
-    cfg = EngineConfig(page_size=page_size, num_pages=40, max_slots=2, prefill_chunk=8)  # 2 row buckets
+    cfg = EngineConfig(page_size=page_size, num_pages=40, max_slots=2, prefill_chunk=8, decode_steps=decode_steps)
     engine = Engine(mla_model, cfg, eos_id=eos_id)
     assert [o.token_ids for o in engine.generate(_prompts(), SamplingParams(max_tokens=n))] == want
     stats = engine.stats()
@@ -397,16 +443,19 @@ def test_a_stop_string_ends_the_request_and_is_cut(model):
     assert out.token_ids == want[:k] and out.text == tok.decode(want[:k])
 
 
-def test_encoder_decoder_greedy_equals_translate():
+@pytest.mark.parametrize("decode_steps", [1, 3])
+def test_encoder_decoder_greedy_equals_translate(decode_steps):
     """encoder_decoder: each slot keeps its source's cross-attention keys and values; greedy outputs
-    equal `decode.translate`'s for sources of mixed lengths through 2 slots, with a preemption."""
+    equal `decode.translate`'s for sources of mixed lengths through 2 slots, with a preemption, one
+    decoding step a call or three."""
     model = build_model(tiny("encoder_decoder", vocab_size=V, max_len=32, tie_output=False), seed=5)  # tied: one token
     rng = np.random.default_rng(2)
     sources = [rng.integers(3, V, n).tolist() for n in (5, 11, 3, 8)]
     settings = DecodeConfig(strategy="greedy", extra_len=6)
     ref = decode.translate(model, sources, settings, bos_id=1, eos_id=2)
     num_new = min(16 + 6, 31)  # translate's budget: the padded source width + extra_len
-    engine = Engine(model, EngineConfig(page_size=4, num_pages=6, max_slots=2, prefill_chunk=4), eos_id=2, bos_id=1)
+    cfg = EngineConfig(page_size=4, num_pages=6, max_slots=2, prefill_chunk=4, decode_steps=decode_steps)
+    engine = Engine(model, cfg, eos_id=2, bos_id=1)
     params = [SamplingParams(max_tokens=min(len(s) + 6, num_new)) for s in sources]
     outs = engine.generate([[]] * len(sources), params, sources=sources)
     want = [decode.strip_after_eos(row[0][: p.max_tokens], 2) for row, p in zip(ref.tokens, params, strict=True)]
@@ -461,12 +510,15 @@ def test_a_model_with_lora_adapters_serves_merged(model):
     assert want != _reference(model, prompts, 8, None)
 
 
-@pytest.mark.parametrize("d_model, kernel", [(256, True), (128, False)])
-def test_the_paged_decode_step_compiles_for_a_tpu_slice(d_model, kernel):
+@pytest.mark.parametrize(
+    "d_model, kernel, impl, steps", [(256, True, "auto", 1), (128, False, "auto", 1), (256, False, "naive", 4)]
+)
+def test_the_paged_decode_step_compiles_for_a_tpu_slice(d_model, kernel, impl, steps):
     """libtpu's compiler, no chip: the decode step [slots, 1] over pools whose heads are split over the
     tensor axis of a v5e:2x2 slice compiles and keeps the pools' sharding. At head dim 128 it runs the
     Pallas paged-attention kernel (a Mosaic custom call) and gathers no page, its logits soft-capped
-    inside it; at head dim 64, which the kernel cannot take, it gathers the pages by XLA."""
+    inside it; at head dim 64, which the kernel cannot take, it gathers the pages by XLA; under the
+    reference attention, four steps a call gather the rows' pages once, split by heads as a dense cache."""
     pytest.importorskip("libtpu")
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -479,7 +531,7 @@ def test_the_paged_decode_step_compiles_for_a_tpu_slice(d_model, kernel):
     mesh = sharding.make_mesh(mesh_cfg, parse_target("tpu-v5e:2x2").devices())
     mcfg = tiny(
         "decoder_only", vocab_size=128, d_model=d_model, num_heads=2, max_len=128, num_decoder_layers=1,
-        attention_impl="auto", dtype="bfloat16", attention_softcap=30.0,
+        attention_impl=impl, dtype="bfloat16", attention_softcap=30.0,
     )  # fmt: skip
     slots, pages, page = 8, 33, 16
     with sharding.use(mesh, sharding.rules_for(mesh_cfg)):
@@ -493,14 +545,27 @@ def test_the_paged_decode_step_compiles_for_a_tpu_slice(d_model, kernel):
         sampling = (*sampling, i32(slots), jax.ShapeDtypeStruct((slots,), np.float32))
         compiled = engine_steps._forward.lower(
             graphdef, params, [{"k": pool, "v": pool}], i32(slots, 8), i32(slots, 1), i32(slots, 1),
-            jax.ShapeDtypeStruct((slots, 1), bool), i32(slots), sampling, None, i32(slots), steps=1,
+            jax.ShapeDtypeStruct((slots, 1), bool), i32(slots), sampling, None, i32(slots), steps=steps,
         ).compile()  # fmt: skip
     text = compiled.as_text()
     # The pages' gather takes whole pages of a head: slices of page * K values.
-    gathers_pages = f"slice_sizes={{1,{page * mcfg.dim_per_head}}}" in text
-    assert ("tpu_custom_call" in text) == kernel and gathers_pages == (not kernel)
+    pages_gather = f"slice_sizes={{1,{page * mcfg.dim_per_head}}}"
+    assert ("tpu_custom_call" in text) == kernel and (pages_gather in text) == (not kernel)
+    if steps > 1:  # gathered before the decoding loop, none in it
+        assert pages_gather not in _loop_bodies(text)
     out_pools = compiled.output_shardings[2]
     assert out_pools[0]["k"].spec == PartitionSpec("tensor")
+
+
+def _loop_bodies(hlo: str) -> str:
+    """The text of every computation an HLO module's while loops run: their bodies and all they call."""
+    blocks = {block.split(" ", 1)[0].lstrip("%"): block for block in re.split(r"\n(?=\S)", hlo)}
+    todo, seen = re.findall(r"body=%([\w.-]+)", hlo), set()
+    while todo:
+        if (name := todo.pop()) not in seen and name in blocks:
+            seen.add(name)
+            todo += re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%([\w.-]+)", blocks[name])
+    return "\n".join(blocks[name] for name in seen)
 
 
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
@@ -542,12 +607,12 @@ def _decode_step_after_prefill(mcfg, page: int, table: list, lengths: tuple[int,
     ids = jnp.asarray(np.random.default_rng(0).integers(2, V, (2, T)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
     valid = positions < jnp.asarray(lengths)[:, None]
-    _, pools = nnx.jit(lambda model: paged.paged_step(model, [{"k": zeros, "v": zeros}], table, ids, positions, valid))(
-        model
-    )
+    _, pools, _ = nnx.jit(
+        lambda model: paged.paged_step(model, [{"k": zeros, "v": zeros}], table, ids, positions, valid)
+    )(model)
     new_ids, new_positions = jnp.asarray([[7], [9]], jnp.int32), jnp.asarray(lengths, jnp.int32)[:, None]
     return lambda: nnx.jit(
-        lambda model, pools: paged.paged_step(model, pools, table, new_ids, new_positions, jnp.ones((2, 1), bool))
+        lambda model, pools: paged.paged_step(model, pools, table, new_ids, new_positions, jnp.ones((2, 1), bool))[:2]
     )(model, pools)
 
 
@@ -726,20 +791,22 @@ def windowed():
     return model
 
 
-def test_a_windowed_model_releases_the_pages_behind_its_window(windowed):
+@pytest.mark.parametrize("decode_steps", [1, 3])
+def test_a_windowed_model_releases_the_pages_behind_its_window(windowed, decode_steps):
     """Every layer local (window 6): a request holds at most ceil((6 + 4 - 2) / 4) + 1 = 3 pages of 4
     at once (chunks of 4), so a pool of 4 pages serves prompts + 24 new tokens (up to 10 pages each
     without releasing) and two slots that preempt each other; a prompt sharing another's first pages
     shares them, released only when no request holds them. The tokens are generate's (which keeps a
     ring of the window's slots), the allocator's counts stay consistent at every step, and the pool
-    comes back whole."""
+    comes back whole; one decoding step a call, or three (whose schedule shares no prefix)."""
     rng = np.random.default_rng(4)
     prefix = rng.integers(2, V, 8).tolist()
     prompts = [[*prefix, 5, 9, 3], rng.integers(2, V, 5).tolist(), [*prefix, 7]]
     n = 24
     want = _reference(windowed, prompts, n, None)
     assert max(len(set(w)) for w in want) >= 3  # continuations that depend on the context
-    engine = Engine(windowed, EngineConfig(page_size=4, num_pages=5, max_slots=2, prefill_chunk=4), eos_id=None)
+    cfg = EngineConfig(page_size=4, num_pages=5, max_slots=2, prefill_chunk=4, decode_steps=decode_steps)
+    engine = Engine(windowed, cfg, eos_id=None)
     assert -(-(len(prompts[0]) + n) // 4) > engine.stats()["pages_total"]  # too small to keep every page
     ids = [engine.add_request(p, SamplingParams(max_tokens=n)) for p in prompts]
     out = {rid: [] for rid in ids}
@@ -749,7 +816,8 @@ def test_a_windowed_model_releases_the_pages_behind_its_window(windowed):
         _held_pages_are_counted(engine)
     assert [out[rid] for rid in ids] == want
     stats = engine.stats()
-    assert stats["window_released"] > 0 and stats["preempted"] > 0 and stats["prefix_hits"] > 0
+    assert stats["window_released"] > 0 and stats["preempted"] > 0
+    assert stats["prefix_hits"] > 0 or decode_steps > 1  # three steps a call: a schedule that finds none
     assert stats["pages_free"] == stats["pages_total"]
     with pytest.raises(EngineError, match=r"need 5 pages at once; the pool has 4"):  # chunks of 12: 6 + 12 - 2
         Engine(windowed, EngineConfig(page_size=4, num_pages=5, prefill_chunk=12), eos_id=None).add_request(

@@ -42,6 +42,26 @@ def write_rows(buffer_BS: Array, new_BT: Array, start_B: Array, axis: int = 1) -
     return jax.vmap(write)(buffer_BS, new_BT, start_B)
 
 
+def write_valid_rows(buffer_BS: Array, new_BT: Array, start_B: Array, valid_BT: Array, axis: int = 1) -> Array:
+    """`write_rows` of the positions that are `valid` only: slot start_b + t of row b takes new[b, t]
+    where valid[b, t], and keeps what it holds elsewhere.
+
+    Args:
+        buffer_BS: the buffer, [B, S, ...] (or [B, G, S, K] with axis=2).
+        new_BT: the rows to write, the buffer's shape with T in place of S.
+        start_B: [B] int, where each row's slice starts.
+        valid_BT: [B, T] bool, which of the T are written.
+        axis: the slot axis.
+
+    Returns:
+        The updated buffer, its shape and dtype.
+    """
+    T = new_BT.shape[axis]
+    held_BT = jax.vmap(lambda buf, start: jax.lax.dynamic_slice_in_dim(buf, start, T, axis - 1))(buffer_BS, start_B)
+    valid = valid_BT.reshape(valid_BT.shape[:1] + (1,) * (axis - 1) + (T,) + (1,) * (new_BT.ndim - axis - 1))
+    return write_rows(buffer_BS, jnp.where(valid, new_BT.astype(buffer_BS.dtype), held_BT), start_B, axis)
+
+
 # A local layer's cache (a sliding window of W positions) is a ring of R = min(W, S_max) slots: position p
 # lives at slot p % R, so the ring holds the R latest positions, all that a query of the window sees.
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxformer.attention import cache as kv
 from jaxformer.attention import ring
 from jaxformer.attention.cache import CACHE, page_slots, read_pages, ring_positions, write_pages, write_ring, write_rows
 from jaxformer.attention.kernels import choose_backend, dot_product_attention, log_fallback
@@ -194,6 +195,9 @@ class MultiHeadAttention(nnx.Module):
         values go into their pages (the padding's into scratch page 0), then each row attends over its
         own pages, gathered by its table as [B, G, P * page, K] (slot s holds position s). On a TPU or an
         NVIDIA GPU a decoding step reads them in place by a Pallas paged kernel instead (`_paged_kernel`).
+        With "rows" ({"k", "v"}: [B, G, P * page, K], the rows' pages gathered once before a call's
+        decoding steps, `engine.paged.gather_rows`) the new positions are written there too (the `valid`
+        ones) and attended over it, as over a dense cache, instead of gathering the pages again.
 
         A local layer's cache on one device is a ring of its window's slots (`_extend_ring`).
 
@@ -214,6 +218,14 @@ class MultiHeadAttention(nnx.Module):
             table_BP = cache["table"]
             page_BT, offset_BT = page_slots(table_BP, positions_BT, cache["valid"], cache["k"].shape[2])
             pools = {name: write_pages(cache[name], new[name], page_BT, offset_BT) for name in "kv"}
+            if "rows" in cache:  # the rows' pages gathered once for a call's decoding steps: written alike
+                valid_BT = cache["valid"]
+                rows = {
+                    n: kv.write_valid_rows(cache["rows"][n], jnp.swapaxes(new[n], 1, 2), start_B, valid_BT, 2)
+                    for n in "kv"
+                }
+                y_BTD = self._attend(x_BTD, rows["k"], rows["v"], "BGSK", mask, bias, positions_BT, None, False)
+                return y_BTD, {**cache, **pools, "rows": rows}
             if (y_BTD := self._paged_kernel(x_BTD, pools, table_BP, mask, bias, positions_BT)) is not None:
                 return y_BTD, {**cache, **pools}
             k_BGSK, v_BGSK = (read_pages(pools[name], table_BP) for name in "kv")

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxformer.attention.cache import page_slots, read_pages, write_pages, write_rows
+from jaxformer.attention.cache import page_slots, read_pages, write_pages, write_rows, write_valid_rows
 from jaxformer.attention.masks import Mask
 from jaxformer.attention.mla import absorbed_attention, plain_attention, split_latent
 from jaxformer.config import ModelConfig
@@ -188,7 +188,9 @@ class MultiHeadLatentAttention(nnx.Module):
         tables, "valid": [B, T] the real positions}, `attention.cache`) is read in place: the new
         positions' latents and rope keys go into their pages (the padding's into scratch page 0), then
         each row attends over its own pages, gathered as [B, P * page, C] and [B, P * page, R], in the
-        absorbed form (a prefill chunk too: the latents are never projected up).
+        absorbed form (a prefill chunk too: the latents are never projected up). With "rows" (the rows'
+        pages gathered once before a call's decoding steps, `engine.paged.gather_rows`) the new positions
+        are written there too and attended over it instead of gathering the pages again.
 
         Args:
             x_BTD: [B, T, D] the new positions.
@@ -211,6 +213,14 @@ class MultiHeadLatentAttention(nnx.Module):
             table_BP = cache["table"]
             page_BT, offset_BT = page_slots(table_BP, positions_BT, cache["valid"], cache["c"].shape[1])
             pools = {n: write_pages(cache[n], new, page_BT, offset_BT) for n, new in (("c", c_BTC), ("r", r_BTR))}
+            if "rows" in cache:  # the rows' pages gathered once for a call's decoding steps: written alike
+                start_B, valid_BT = positions_BT[:, 0], cache["valid"]
+                rows = {
+                    n: write_valid_rows(cache["rows"][n], new, start_B, valid_BT)
+                    for n, new in (("c", c_BTC), ("r", r_BTR))
+                }
+                y_BTD = self._absorbed(x_BTD, rows["c"], rows["r"], positions_BT, mask)
+                return y_BTD, {**cache, **pools, "rows": rows}
             return self._absorbed(x_BTD, read_pages(pools["c"], table_BP), read_pages(pools["r"], table_BP),
                                   positions_BT, mask), {**cache, **pools}  # fmt: skip
         start_B = positions_BT[:, 0]

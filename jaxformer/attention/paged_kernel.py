@@ -31,6 +31,19 @@ LANES = 128  # the kernel's head dim must be a multiple of the TPU's lane width
 BLOCK_POSITIONS = 512  # positions a kernel block reads at most (pages_per_compute_block * page)
 
 
+def paged_kernel_meant(implementation: str) -> bool:
+    """Whether a decoding step is meant for a Pallas paged kernel here: on TPU under `attention_impl`
+    "auto" or "splash", on an NVIDIA GPU under "auto" (it may still fall back: `paged_kernel_unservable`).
+
+    Args:
+        implementation: the config's `attention_impl`.
+
+    Returns:
+        True where the platform has a paged kernel and `implementation` lets it run.
+    """
+    return implementation in {"tpu": ("auto", "splash"), "gpu": ("auto",)}.get(_platform(), ())
+
+
 def paged_kernel_unservable(
     implementation: str,
     mask: Mask | Array | None,
@@ -64,8 +77,7 @@ def paged_kernel_unservable(
     """
     B, T, H, K = shape_BTHK
     platform = _platform()
-    meant = {"tpu": ("auto", "splash"), "gpu": ("auto",)}.get(platform, ())
-    if implementation not in meant or T != 1:
+    if not paged_kernel_meant(implementation) or T != 1:
         return ""
     if bias is not None:
         return "the Pallas paged kernel takes no logits bias"

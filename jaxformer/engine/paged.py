@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxformer.attention.cache import read_pages
 from jaxformer.attention.masks import Mask
 from jaxformer.sharding import constrain
 
@@ -51,6 +52,23 @@ def empty_pools(mcfg, num_pages: int, page_size: int) -> list[dict]:
     return [{n: zeros(*s) for n, s in shapes.items()} for _ in range(mcfg.num_decoder_layers)]
 
 
+def gather_rows(pools: list, table_BP: Array) -> list[dict]:
+    """Each layer's pools read for the rows of a call once, as a dense cache: a call of several decoding
+    steps then writes each step's keys and values into these as well as into the pages, and attends over
+    them, instead of gathering every row's pages again at every step (`paged_step`'s `rows`).
+
+    Args:
+        pools (list[dict]): per layer {"k", "v"}: [G, N, page, K] (or latent attention's {"c", "r"}).
+        table_BP: [B, P] the rows' page tables.
+
+    Returns:
+        Per layer {"k", "v"}: [B, G, P * page, K] (or {"c": [B, P * page, C], "r": [B, P * page, R]}).
+    """
+    spec = lambda x: ("batch", "heads", None, None) if x.ndim == 4 else ("batch", None, None)
+    read = lambda pool: constrain(read_pages(pool, table_BP), spec(pool))
+    return [{n: read(pool) for n, pool in layer.items()} for layer in pools]
+
+
 def paged_step(
     model,
     pools: list,
@@ -61,6 +79,7 @@ def paged_step(
     memory: list | None = None,
     src_lengths_B: Array | None = None,
     last_B: Array | None = None,
+    rows: list | None = None,
 ):
     """The model's decoding step over paged caches: logits of T new positions per row (or of one,
     `last_B`), their keys and values written into the rows' pages.
@@ -69,7 +88,8 @@ def paged_step(
     such an entry in place): the layer writes the T new positions' keys and values into their pages
     (`valid` False: scratch page 0), gathers each row's P pages and attends over them with the causal
     cache mask (slot s holds position s; a slot past a row's last position is seen by none of its real
-    positions). Nothing else of the pool is copied.
+    positions). Nothing else of the pool is copied. With `rows` (`gather_rows`, for this table) each
+    layer writes the valid new positions into its rows too and attends over them, gathering nothing.
 
     Args:
         model (Transformer): a decodable model (`decode.decodable`), decoder_only or encoder_decoder.
@@ -83,20 +103,27 @@ def paged_step(
         src_lengths_B: [B] the rows' source lengths (with `memory`).
         last_B: [B] int, the position (index into T) of each row whose logits are wanted (the output
             head runs on those alone: [B, 1, V]); None: every position's.
+        rows: per layer the rows' pages read once (`gather_rows` of `pools` and `table_BP`), or None.
 
     Returns:
-        result (tuple[Array, list]): (logits [B, T, V] or [B, 1, V], the updated pools).
+        result (tuple[Array, list, list | None]): (logits [B, T, V] or [B, 1, V], the updated pools,
+            the updated rows or None).
     """
     # Padding reads position 0: a position past a sinusoidal or learned table is NaN (`jnp.take` fills), and
     # padding's NaN keys and values in the scratch page would reach every row that reads it (0 x NaN).
     positions_BT = jnp.where(valid_BT, positions_BT, 0)
-    layers = [{"self": {**pool, "table": table_BP, "valid": valid_BT}} for pool in pools]
+    extra = [{} for _ in pools] if rows is None else [{"rows": r} for r in rows]
+    layers = [
+        {"self": {**pool, "table": table_BP, "valid": valid_BT, **x}} for pool, x in zip(pools, extra, strict=True)
+    ]
     cache = {"layers": layers}
     if memory is not None:  # cross-attention over each row's source, its keys and values computed once
         cache = {"layers": [v | {"memory": m} for v, m in zip(layers, memory, strict=True)]}
         cache["memory_mask"] = Mask(kv_lengths=src_lengths_B)
     logits_BTV, cache = model.decode_step(cache, ids_BT, positions_BT, logits_at_B=last_B)
-    return logits_BTV, [{n: layer["self"][n] for n in pool} for layer, pool in zip(cache["layers"], pools, strict=True)]
+    selves = [layer["self"] for layer in cache["layers"]]
+    pools = [{n: entry[n] for n in pool} for entry, pool in zip(selves, pools, strict=True)]
+    return logits_BTV, pools, None if rows is None else [entry["rows"] for entry in selves]
 
 
 # ----------------------------------------------------------------------------- per-row sampling

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxformer import precast
+from jaxformer.attention.paged_kernel import paged_kernel_meant
 from jaxformer.engine import adapters as _adapters
 from jaxformer.engine import paged
 
@@ -38,31 +39,37 @@ def _forward(
         src_lengths_B = jnp.take(src_lengths_slots, slots_B, axis=0)
     seeds_B, temperature_B, top_k_B, top_p_B = sampling
 
-    def one(pools, ids_BT, positions_BT, valid_BT, last_B):
-        logits_B1V, pools = paged.paged_step(
-            model, pools, table_BP, ids_BT, positions_BT, valid_BT, memory, src_lengths_B, last_B
+    def one(pools, rows, ids_BT, positions_BT, valid_BT, last_B):
+        logits_B1V, pools, rows = paged.paged_step(
+            model, pools, table_BP, ids_BT, positions_BT, valid_BT, memory, src_lengths_B, last_B, rows
         )
         logits_BV = logits_B1V[:, 0]
         positions_B = jnp.take_along_axis(positions_BT, last_B[:, None], axis=1)[:, 0] + 1  # the drawn token's
         keys_B = paged.request_keys(seeds_B, positions_B)
         tokens_B, logp_B = paged.choose_rows(logits_BV, keys_B, temperature_B, top_k_B, top_p_B)
-        return tokens_B, logp_B, pools
+        return tokens_B, logp_B, pools, rows
 
     if steps == 1:  # a prefill chunk, or one decode step
-        tokens_B, logp_B, pools = one(pools, ids_BT, positions_BT, valid_BT, last_B)
+        tokens_B, logp_B, pools, _ = one(pools, None, ids_BT, positions_BT, valid_BT, last_B)
         return tokens_B[:, None], logp_B[:, None], pools
 
     def body(i, carry):  # decoding (T = 1): the token drawn at step i - 1 goes in at the next position
-        tokens_BN, logp_BN, pools, in_B1 = carry
+        tokens_BN, logp_BN, pools, rows, in_B1 = carry
         valid_B1 = valid_BT & (i < steps_B)[:, None]
-        t_B, l_B, pools = one(pools, in_B1, positions_BT + i, valid_B1, last_B)
-        return tokens_BN.at[:, i].set(t_B), logp_BN.at[:, i].set(l_B), pools, t_B[:, None]
+        t_B, l_B, pools, rows = one(pools, rows, in_B1, positions_BT + i, valid_B1, last_B)
+        return tokens_BN.at[:, i].set(t_B), logp_BN.at[:, i].set(l_B), pools, rows, t_B[:, None]
 
+    # The rows' pages are read once for the call's steps, as a dense cache that each step writes as it
+    # writes the pages, unless a Pallas paged kernel is meant to read them in place at every step (latent
+    # attention's pools always gather). Every layer's rows are then held at once, where a step that
+    # gathers holds one layer's at a time.
+    gathered = model.cfg.mla.enabled or not paged_kernel_meant(model.cfg.attention_impl)
+    rows = paged.gather_rows(pools, table_BP) if gathered else None
     # One body in the loop, the first step included: the model appears once in the program, not twice
     # (a decode shape of a 2-layer scanned model: 2.0 s of CPU to compile, against 2.7 with the first apart).
     B = ids_BT.shape[0]
-    carry = (jnp.zeros((B, steps), jnp.int32), jnp.zeros((B, steps), jnp.float32), pools, ids_BT)
-    tokens_BN, logp_BN, pools, _ = jax.lax.fori_loop(0, steps, body, carry)
+    carry = (jnp.zeros((B, steps), jnp.int32), jnp.zeros((B, steps), jnp.float32), pools, rows, ids_BT)
+    tokens_BN, logp_BN, pools, _, _ = jax.lax.fori_loop(0, steps, body, carry)
     return tokens_BN, logp_BN, pools
 
 
