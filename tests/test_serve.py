@@ -198,7 +198,10 @@ def test_token_id_prompts_several_prompts_and_n(server, reference):
 
 def test_chat_writes_the_messages_in_the_workdirs_template(server, reference):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    out = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    bookkeeping = {"user": "tester", "metadata": {"run": "1"}, "store": False}  # OpenAI's types: no effect here
+    out = server.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, **bookkeeping
+    )
     prompt = templates.get("chatml").conversation(messages)
     expected = text_of(reference(ids_of(prompt), 8)).split("<|im_end|>")[0]
     assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == expected
@@ -385,6 +388,7 @@ BAD = [  # (body, HTTP status, the field named, a word of the message)
     ({"model": MODEL, "prompt": "x", "\ud800": 1}, 400, None, "lone surrogate"),
     ({"model": MODEL, "prompt": "x", "seed": -1}, 400, "seed", "[0,"),
     ({"model": MODEL, "prompt": "x", "seed": 2**32 - 1, "n": 2}, 400, "seed", "[0, 4294967294]"),  # choice 1's 2**32
+    ({"model": MODEL, "prompt": "x", "user": 5}, 400, "user", "a string is expected"),
 ]
 BAD_CHAT = [
     ({"model": MODEL, "messages": []}, 400, "messages", "non-empty"),
@@ -405,6 +409,8 @@ BAD_CHAT = [
         "max_completion_tokens",
         "[1,",
     ),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "metadata": {"a": 1}}, 400, "metadata", "string"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "store": "yes"}, 400, "store", "true or false"),
 ]
 
 

@@ -34,11 +34,13 @@ _NEUTRAL = {
     "modalities": (None, ["text"]),
     "service_tier": (None, "auto", "default"),
 }
-_IGNORED = {"user", "metadata", "store", "safety_identifier", "prompt_cache_key"}  # bookkeeping, no effect
+# Bookkeeping fields, no effect here, each of OpenAI's type (`metadata`: string keys and values).
+_IGNORED = {"user": str, "metadata": dict, "store": bool, "safety_identifier": str, "prompt_cache_key": str}
+_JSON_TYPE = {str: "a string", dict: "an object", bool: "true or false"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "frequency_penalty", "presence_penalty",
                                "logit_bias", "suffix", "user"}  # fmt: skip
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs"} | set(_NEUTRAL) | _IGNORED
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs"} | set(_NEUTRAL) | set(_IGNORED)
 
 
 class APIError(Exception):
@@ -188,6 +190,13 @@ def check_fields(body: dict, known: set[str]) -> None:
             raise bad(name, f"unrecognized request argument supplied: {name}", "unknown_parameter")
         if name in _NEUTRAL and body[name] not in _NEUTRAL[name] and body[name] != {}:
             raise bad(name, f"not supported by this server (only its default: {_NEUTRAL[name][0]!r})", "unsupported")
+        if (kind := _IGNORED.get(name)) and (value := body[name]) is not None:
+            typed = isinstance(value, kind) and (
+                kind is not dict or all(isinstance(x, str) for x in (*value, *value.values()))
+            )
+            if not typed:
+                what = "an object of string keys and values" if kind is dict else _JSON_TYPE[kind]
+                raise bad(name, f"{what} is expected, got {type(value).__name__} {value!r}", "invalid_type")
 
 
 def check_text(body: dict) -> None:
