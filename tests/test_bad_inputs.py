@@ -181,6 +181,7 @@ CLI_CASES = [
     cli_case(TRAIN + "model.d_model=0", r"model\.d_model: "),
     cli_case(TRAIN + "model.d_model=abc", r"model\.d_model: cannot parse 'abc' as int"),
     cli_case(TRAIN + "model.d_model=1.5", r"model\.d_model: cannot parse '1\.5' as int"),
+    cli_case(TRAIN + "model.d_model=1e99", r"model\.d_model: cannot parse '1e99' as int"),  # no 100-digit int
     cli_case(TRAIN + "model.num_heads=3", r"model\.num_heads: num_heads=3 does not divide d_model=64"),
     cli_case(TRAIN + "model.vocab_size=-1", r"model\.vocab_size: "),
     cli_case(TRAIN + "model.max_len=0", r"model\.max_len: "),
@@ -858,6 +859,16 @@ def refused_within(seconds: int):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_an_int_override_is_read_exactly_as_written():
+    """`--set` reads an int field as written, never through a float: 1e3 and 1_000 are 1000, and 2**53 + 1
+    keeps its last digit (a float has none for it) in the refusal of a step count past int32."""
+    cfg = load_experiment("experiments/copy_task.py")
+    for raw, want in (("1e3", 1000), ("1_000", 1000)):
+        assert apply_overrides(cfg, [f"train.steps={raw}"]).train.steps == want
+    with pytest.raises(ConfigError, match=r"train\.steps: .*, got 9007199254740993$"):
+        apply_overrides(cfg, ["train.steps=9007199254740993"])
 
 
 @pytest.mark.parametrize("argv, message, rc, found_while_reading", CLI_CASES)

@@ -5,6 +5,7 @@ the values in place, validated again (with_values, apply_overrides)."""
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import types
 import typing
 from typing import Literal
@@ -121,13 +122,18 @@ def _parse(raw: str, hint, field: str):
                 if raw.lower() in ("true", "1", "yes", "false", "0", "no"):
                     return raw.lower() in ("true", "1", "yes")
                 continue
-            if h in (int, float):
-                return h(float(raw)) if h is int and float(raw).is_integer() else h(raw)
+            if h is int:  # exactly, as written: "1000", "1_000" or "1e3", never rounded through a float
+                number = decimal.Decimal(raw.replace("_", ""))
+                if number.is_finite() and number.adjusted() < 64 and number == number.to_integral_value():
+                    return int(number)
+                continue
+            if h is float:
+                return float(raw)
             if h is str or typing.get_origin(h) is Literal:
                 return raw
             if typing.get_origin(h) is tuple and typing.get_args(h)[:1] == (str,):
                 return tuple(v.strip() for v in raw.split(",") if v.strip())
-        except ValueError:
+        except (ValueError, decimal.InvalidOperation):
             continue
     raise ConfigError(f"{field}: cannot parse {raw!r} as {_type_name(hint)}")
 
