@@ -1,7 +1,8 @@
 """The inference engine against `decode.generate` and naive references: the paged cache's gather and
-write equal a dense cache, greedy outputs equal generate's token for token (prefix sharing on and off,
-two page sizes, more requests than slots, a pool small enough to preempt; a latent-attention decoder's
-latent pages; a windowed model releasing the pages behind its window in a pool smaller than a request,
+write equal a dense cache, a call's decoding steps over its rows' pages read once equal the steps
+that gather them each time (to the bit), greedy outputs equal generate's token for token (prefix
+sharing on and off, two page sizes, more requests than slots, a pool small enough to preempt, one or
+several decoding steps a call; a latent-attention decoder's latent pages; a windowed model releasing the pages behind its window in a pool smaller than a request,
 and one with a global layer keeping them), sampling is reproducible and independent of the batch, bad
 requests are refused naming what is wrong, and the steps compile a few bucketed shapes (rows and
 pages), each once, for every mix of requests. On TPU (libtpu's compiler, and Pallas's interpreter on
@@ -518,7 +519,7 @@ def test_the_paged_decode_step_compiles_for_a_tpu_slice(d_model, kernel, impl, s
     tensor axis of a v5e:2x2 slice compiles and keeps the pools' sharding. At head dim 128 it runs the
     Pallas paged-attention kernel (a Mosaic custom call) and gathers no page, its logits soft-capped
     inside it; at head dim 64, which the kernel cannot take, it gathers the pages by XLA; under the
-    reference attention, four steps a call gather the rows' pages once, split by heads as a dense cache."""
+    reference attention, four steps a call gather the rows' pages once, before the decoding loop."""
     pytest.importorskip("libtpu")
     from jax.sharding import NamedSharding, PartitionSpec
 
