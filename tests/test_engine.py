@@ -2,8 +2,9 @@
 write equal a dense cache, a call's decoding steps over its rows' pages read once equal the steps
 that gather them each time (to the bit), greedy outputs equal generate's token for token (prefix
 sharing on and off, two page sizes, more requests than slots, a pool small enough to preempt, one or
-several decoding steps a call; a latent-attention decoder's latent pages; a windowed model releasing the pages behind its window in a pool smaller than a request,
-and one with a global layer keeping them), sampling is reproducible and independent of the batch, bad
+several decoding steps a call; a latent-attention decoder's latent pages; a windowed model releasing
+the pages behind its window in a pool smaller than a request, and one with a global layer keeping
+them), sampling is reproducible and independent of the batch, bad
 requests are refused naming what is wrong, and the steps compile a few bucketed shapes (rows and
 pages), each once, for every mix of requests. On TPU (libtpu's compiler, and Pallas's interpreter on
 this CPU) a decode step runs the Pallas paged kernel where it serves, and it equals the gather."""
