@@ -13,9 +13,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxformer.attention import cache as kv
 from jaxformer.attention import ring
-from jaxformer.attention.cache import CACHE, page_slots, read_pages, ring_positions, write_pages, write_ring, write_rows
+from jaxformer.attention.cache import (
+    CACHE,
+    page_slots,
+    read_pages,
+    ring_positions,
+    write_pages,
+    write_ring,
+    write_rows,
+    write_valid_rows,
+)
 from jaxformer.attention.kernels import choose_backend, dot_product_attention, log_fallback
 from jaxformer.attention.masks import Mask, windowed
 from jaxformer.attention.paged_kernel import paged_attention, paged_kernel_unservable
@@ -221,7 +229,7 @@ class MultiHeadAttention(nnx.Module):
             if "rows" in cache:  # the rows' pages gathered once for a call's decoding steps: written alike
                 valid_BT = cache["valid"]
                 rows = {
-                    n: kv.write_valid_rows(cache["rows"][n], jnp.swapaxes(new[n], 1, 2), start_B, valid_BT, 2)
+                    n: write_valid_rows(cache["rows"][n], jnp.swapaxes(new[n], 1, 2), start_B, valid_BT, 2)
                     for n in "kv"
                 }
                 y_BTD = self._attend(x_BTD, rows["k"], rows["v"], "BGSK", mask, bias, positions_BT, None, False)

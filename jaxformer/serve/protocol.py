@@ -36,7 +36,7 @@ _NEUTRAL = {
 }
 # Bookkeeping fields, no effect here, each of OpenAI's type (`metadata`: string keys and values).
 _IGNORED = {"user": str, "metadata": dict, "store": bool, "safety_identifier": str, "prompt_cache_key": str}
-_JSON_TYPE = {str: "a string", dict: "an object", bool: "true or false"}
+_JSON_TYPE = {str: "a string", dict: "an object of string keys and values", bool: "true or false"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "frequency_penalty", "presence_penalty",
                                "logit_bias", "suffix", "user"}  # fmt: skip
@@ -195,8 +195,7 @@ def check_fields(body: dict, known: set[str]) -> None:
                 kind is not dict or all(isinstance(x, str) for x in (*value, *value.values()))
             )
             if not typed:
-                what = "an object of string keys and values" if kind is dict else _JSON_TYPE[kind]
-                raise bad(name, f"{what} is expected, got {type(value).__name__} {value!r}", "invalid_type")
+                raise bad(name, f"{_JSON_TYPE[kind]} is expected, got {type(value).__name__} {value!r}", "invalid_type")
 
 
 def check_text(body: dict) -> None:
