@@ -638,7 +638,7 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl = sub.add_parser("plot", help="draw a run's loss and eval curves to a PNG")
     pl.add_argument("--workdir", required=True, help="a training workdir: its metrics.jsonl")
-    pl.add_argument("--out", help="PNG path (default: WORKDIR/curves.png)")
+    pl.add_argument("--out", help="image path (.png without a suffix) or directory (default: WORKDIR/curves.png)")
     sub.add_parser("check", help="check the install: this machine's devices and a forward pass of each mode")
     cf = sub.add_parser("config", help="print every config field of an experiment with its value, type and meaning")
     cf.add_argument("experiment", help="experiments/NAME.py, a workdir, or a saved config.json")

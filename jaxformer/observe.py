@@ -388,10 +388,11 @@ def plot_run(workdir: str | pathlib.Path, out: str | pathlib.Path | None = None)
 
     Args:
         workdir: the run's directory.
-        out: the PNG's path; None: workdir/curves.png.
+        out: the image's path (a PNG without a suffix; another suffix matplotlib knows, such as .svg or
+            .pdf, in that format), or a directory to write curves.png in; None: workdir/curves.png.
 
     Returns:
-        The PNG's path.
+        The path of the image written.
     """
     import matplotlib
 
@@ -419,7 +420,12 @@ def plot_run(workdir: str | pathlib.Path, out: str | pathlib.Path | None = None)
             ax.set(xlabel="step", ylabel="share of tokens", title=f"expert load, MoE layer {layer}")
         panels[-1].legend(fontsize="small")
     fig.suptitle(str(workdir))
-    out = pathlib.Path(out) if out else pathlib.Path(workdir) / "curves.png"
+    out = pathlib.Path(out if out else workdir)
+    if out.is_dir():
+        out = out / "curves.png"
+    elif not out.suffix:  # matplotlib would write OUT.png and the path returned would not be the file's
+        out = out.with_suffix(".png")
+    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out

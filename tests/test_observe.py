@@ -88,6 +88,23 @@ def test_plot_draws_the_curves(run, capsys):
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
 
 
+def test_plot_writes_where_it_says_it_does(run, tmp_path, capsys):
+    """`--out` without a suffix is a PNG at OUT.png, a directory gets curves.png, another suffix its own
+    format, a missing parent is made; each time the line printed names the file written."""
+    workdir = run[0]
+    cases = {
+        tmp_path / "curves": tmp_path / "curves.png",
+        tmp_path: tmp_path / "curves.png",
+        tmp_path / "new" / "dir" / "run.svg": tmp_path / "new" / "dir" / "run.svg",
+    }
+    for out, written in cases.items():
+        written.unlink(missing_ok=True)
+        assert cli.main(["plot", "--workdir", str(workdir), "--out", str(out)]) == 0
+        assert capsys.readouterr().out.strip() == f"wrote {written}"
+        data = written.read_bytes()
+        assert data.startswith(b"\x89PNG") if written.suffix == ".png" else b"<svg" in data[:2000]
+
+
 def test_bad_profile_steps_fail_before_training(tmp_path, capsys):
     args = ["train", "--config", "experiments/copy_task.py", "--workdir", str(tmp_path), "--profile-steps", "5:2"]
     assert cli.main(args) == 2
