@@ -644,6 +644,10 @@ CLI_CASES = [
         "eval --workdir {lm} --tasks shakespeare_cloze --limit 0",
         r"--limit must be > 0 \(examples per task, or a fraction < 1\), got 0$",
     ),
+    cli_case(
+        "eval --workdir {lm} --tasks shakespeare_cloze --batch-size 0",
+        r"--batch-size must be >= 1 \(rows per forward pass\), got 0$",
+    ),
     cli_case("eval --workdir {lm} --hf {lm} --tasks shakespeare_cloze", r"--tasks: give one of --workdir W"),
     cli_case(
         "eval --workdir {lm} --tasks shakespeare_cloze --set decode.beam_size=4",

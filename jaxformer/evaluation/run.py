@@ -179,6 +179,8 @@ def main(args) -> int:
         raise TaskError("--tasks: give one of --workdir W (a jaxformer workdir) or --hf DIR (a Hugging Face model)")
     if args.limit is not None and not args.limit > 0:
         raise TaskError(f"--limit must be > 0 (examples per task, or a fraction < 1), got {args.limit:g}")
+    if args.batch_size < 1:
+        raise TaskError(f"--batch-size must be >= 1 (rows per forward pass), got {args.batch_size}")
     offline()
     try:
         from lm_eval.utils import handle_non_serializable, make_table
