@@ -875,6 +875,22 @@ def test_an_int_override_is_read_exactly_as_written():
         apply_overrides(cfg, ["train.steps=9007199254740993"])
 
 
+def test_a_tuple_override_reads_each_item_by_its_type():
+    """`--set` reads a tuple field as comma-separated items of its type: GRPO's reward weights (floats)
+    beside its rewards (names), an empty value as (), and an item that is not a float refused by name."""
+    cfg = load_experiment("experiments/grpo_reverse.py")
+    reward = "jaxformer.post_train.rewards:exact_match"
+    two = apply_overrides(cfg, [f"grpo.rewards={reward}, {reward}", "grpo.reward_weights=1, 2.5e-1"]).grpo
+    assert two.rewards == (reward, reward) and two.reward_weights == (1.0, 0.25)
+    assert apply_overrides(cfg, ["grpo.reward_weights="]).grpo.reward_weights == ()
+    with pytest.raises(
+        ConfigError, match=r"^grpo\.reward_weights: cannot parse '1,x' as comma-separated float values$"
+    ):
+        apply_overrides(cfg, ["grpo.reward_weights=1,x"])
+    with pytest.raises(ConfigError, match=r"grpo\.reward_weights: 2 weights for 1 rewards"):
+        apply_overrides(cfg, ["grpo.reward_weights=1,2"])
+
+
 @pytest.mark.parametrize("argv, message, rc, found_while_reading", CLI_CASES)
 def test_cli_refuses_with_one_line(places, capsys, argv, message, rc, found_while_reading):
     before = sorted(str(p) for p in pathlib.Path(places["tmp"]).rglob("*"))

@@ -104,38 +104,38 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     return with_values(cfg, parse_overrides(overrides))
 
 
+def _scalar(raw: str, h):
+    """`raw` as type `h` (bool, int, float, str or a Literal); ValueError if it is not one."""
+    if h is bool:
+        if raw.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return raw.lower() in ("true", "1", "yes")
+        raise ValueError(raw)
+    if h is int:  # exactly, as written: "1000", "1_000" or "1e3", never rounded through a float
+        number = decimal.Decimal(raw.replace("_", ""))
+        if number.is_finite() and number.adjusted() < 64 and number == number.to_integral_value():
+            return int(number)
+        raise ValueError(raw)
+    if h is float:
+        return float(raw)
+    if h is str or typing.get_origin(h) is Literal:
+        return raw
+    raise ValueError(raw)
+
+
 def _parse(raw: str, hint, field: str):
     if raw.lower() in ("none", "null") and _matches(None, hint):
         return None
-    candidates = (
-        [h for h in typing.get_args(hint) if h is not type(None)]
-        if typing.get_origin(hint)
-        in (
-            typing.Union,
-            types.UnionType,
-        )
-        else [hint]
-    )
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    candidates = [h for h in typing.get_args(hint) if h is not type(None)] if union else [hint]
     for h in candidates:
         try:
-            if h is bool:
-                if raw.lower() in ("true", "1", "yes", "false", "0", "no"):
-                    return raw.lower() in ("true", "1", "yes")
-                continue
-            if h is int:  # exactly, as written: "1000", "1_000" or "1e3", never rounded through a float
-                number = decimal.Decimal(raw.replace("_", ""))
-                if number.is_finite() and number.adjusted() < 64 and number == number.to_integral_value():
-                    return int(number)
-                continue
-            if h is float:
-                return float(raw)
-            if h is str or typing.get_origin(h) is Literal:
-                return raw
-            if typing.get_origin(h) is tuple and typing.get_args(h)[:1] == (str,):
-                return tuple(v.strip() for v in raw.split(",") if v.strip())
+            if typing.get_origin(h) is tuple:  # tuple[X, ...]: comma-separated, each item an X ("" is ())
+                return tuple(_scalar(v.strip(), typing.get_args(h)[0]) for v in raw.split(",") if v.strip())
+            return _scalar(raw, h)
         except (ValueError, decimal.InvalidOperation):
             continue
-    raise ConfigError(f"{field}: cannot parse {raw!r} as {_type_name(hint)}")
+    items = typing.get_origin(hint) is tuple and f"comma-separated {_type_name(typing.get_args(hint)[0])} values"
+    raise ConfigError(f"{field}: cannot parse {raw!r} as {items or _type_name(hint)}")
 
 
 def apply_section_overrides(section, prefix: str, overrides: list[str]):
