@@ -16,6 +16,7 @@ import shlex
 import shutil
 import signal
 import sys
+import tempfile
 import types
 
 import jax
@@ -1017,6 +1018,20 @@ def score_with(fn):
     return post_train_rewards().score([("bad:fn", fn)], (1.0,), ["p", "q"], ["a", "b"], ["a", "c"])
 
 
+def grpo_task(spec):
+    """`grpo.task` as the GRPO loop loads it."""
+    from jaxformer.post_train import rl
+
+    return rl.load_task(spec)
+
+
+def short_task() -> str:
+    """The spec of a task in a file of its own that returns one record whatever it is asked."""
+    path = pathlib.Path(tempfile.mkdtemp()) / "short.py"
+    path.write_text("def task(split, count, seed):\n    return [{'prompt': '12', 'answer': '21'}]\n")
+    return f"{path}:task"
+
+
 def grpo_prompts(records):
     """The prompts of `records` checked for a GRPO run whose rows are 16 positions wide."""
     from jaxformer.post_train import rl
@@ -1376,6 +1391,21 @@ API_CASES = [
         lambda m, p: score_with(lambda completions, **kw: [1.0]),
         ValueError,
         r"reward bad:fn returned shape \(1,\), expected one per sample \(2,\)",
+    ),
+    api_case(
+        "GRPO task that raises",
+        lambda m, p: grpo_task("os:getcwd")("train", 4, seed=0),
+        ValueError,
+        r"grpo\.task os:getcwd raised TypeError: .*keyword",
+    ),
+    api_case(
+        "GRPO task of too few records",
+        lambda m, p: (
+            grpo_task("jaxformer.post_train.tasks:reverse")("train", 4, seed=0)
+            and grpo_task(short_task())("train", 4, seed=0)
+        ),
+        ValueError,
+        r"grpo\.task \S+short\.py:task returned 1 records for \('train', 4\): a list of 4$",
     ),
     api_case(
         "GRPO prompt over the context",

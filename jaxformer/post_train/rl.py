@@ -23,6 +23,7 @@ import json
 import pathlib
 import time
 import zlib
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -281,6 +282,7 @@ def supervised_start(cfg: Config, workdir: pathlib.Path, mesh, task, tok, log) -
     start = int(state.step)
     for t in range(start, g.sft_steps):
         records = task("train", g.sft_batch_size, seed=zlib.crc32(f"sft/{cfg.train.seed}/{t}".encode()))
+        check_records(records, tok, cfg, f"grpo.task train (sft step {t})")
         batch = sharding.global_batch(sft_batch(tok, records, cfg.data.max_len), mesh, g.sft_batch_size)
         state, metrics = step(state, batch)
         if (t + 1) % cfg.train.log_every == 0 or t + 1 == g.sft_steps:
@@ -330,6 +332,34 @@ def engine_config(cfg: Config) -> EngineConfig:
     per_seq = -(-cfg.model.max_len // page)
     return EngineConfig(page_size=page, num_pages=slots * per_seq + 1, max_slots=slots,
                         prefill_chunk=min(32, cfg.model.max_len), decode_steps=4)  # fmt: skip
+
+
+def load_task(spec: str) -> Callable:
+    """`grpo.task` loaded, each call's result checked: `task(split, count, seed=...)` -> its records.
+
+    Args:
+        spec: the task's `module:function` or `file.py:function`.
+
+    Returns:
+        The task, called as the loop calls it: a list of `count` records.
+
+    Raises:
+        RewardError: a spec that cannot be loaded; from a call, a task that raises (its error's type and
+            message) or returns anything but a list of `count` records.
+    """
+    task = rewards.load_callable(spec, "grpo.task")
+
+    def records(split: str, count: int, seed: int) -> list:
+        try:
+            out = task(split, count, seed=seed)
+        except Exception as e:
+            raise rewards.RewardError(f"grpo.task {spec} raised {type(e).__name__}: {e}") from e
+        if not isinstance(out, (list, tuple)) or len(out) != count:
+            got = f"{len(out)} records" if isinstance(out, (list, tuple)) else type(out).__name__
+            raise rewards.RewardError(f"grpo.task {spec} returned {got} for ({split!r}, {count}): a list of {count}")
+        return list(out)
+
+    return records
 
 
 def check_records(records: list[dict], tok: CharTokenizer, cfg: Config, where: str) -> list[list[int]]:
@@ -397,7 +427,7 @@ def _run(cfg: Config, workdir: pathlib.Path, mesh, log) -> dict:
 
     g, tcfg = cfg.grpo, cfg.train
     tok = CharTokenizer(g.chars)
-    task = rewards.load_callable(g.task, "grpo.task")
+    task = load_task(g.task)
     fns = [(spec, rewards.load_callable(spec, "grpo.rewards")) for spec in g.rewards]
     P = tcfg.batch_size // g.group_size
     held_out = task("test", g.eval_prompts, seed=tcfg.seed)
