@@ -472,6 +472,16 @@ def _print_report(objective: str, report: dict) -> None:
     print("\n".join(report_lines(objective, report)))
 
 
+def _workers(value: str) -> int | str:
+    """`sweep --workers`: a count, or "auto"."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of processes or auto, not {value!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `jaxformer` command line: one subcommand each (docs/cli.md is generated from it)."""
     parser = argparse.ArgumentParser(
@@ -579,7 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--workdir", required=True, help="the sweep's directory: storage, trials, results")
     sw.add_argument(
         "--workers",
-        type=lambda v: v if v == "auto" else int(v),
+        type=_workers,
         default=1,
         help="worker processes on this machine; auto: one per accelerator (Sweep.devices each), pinned to it",
     )

@@ -628,6 +628,23 @@ CLI_CASES = [
     cli_case("train --workdir {lm} --profile-steps 5:3", r"--profile-steps "),
     cli_case("train --config experiments/copy_task.py", r"the following arguments are required: --workdir"),
     cli_case("frobnicate", r"argument command: invalid choice: 'frobnicate'"),
+    # A sweep's storage that no retry can open, and a worker count that is not one: refused at once.
+    cli_case(
+        "sweep experiments/sweeps/copy_task.py --workdir {tmp}/sweep --storage bogus://x",
+        r"--storage bogus://x: SQLAlchemy cannot open it here \(NoSuchModuleError: ",
+    ),
+    cli_case(
+        "sweep experiments/sweeps/copy_task.py --workdir {tmp}/sweep --storage mysql://u:pw@h/db",
+        r"--storage mysql://u:\*\*\*@h/db: SQLAlchemy cannot open it here \(ModuleNotFoundError: ",
+        marks=pytest.mark.skipif(importlib.util.find_spec("MySQLdb") is not None, reason="MySQL's driver is here"),
+    ),
+    cli_case(
+        "sweep experiments/sweeps/copy_task.py --workdir {tmp}/sweep --storage no-url", r"--storage: not a database"
+    ),
+    cli_case(
+        "sweep experiments/sweeps/copy_task.py --workdir {tmp}/sweep --workers two",
+        r"argument --workers: a number of processes or auto, not 'two'",
+    ),
     # Read-only commands.
     cli_case("eval --workdir {empty}", r"\S+config\.json does not exist: \S+ is not a training workdir"),
     cli_case("eval --workdir {config_only}", r"\S+checkpoints holds no checkpoint: train first"),

@@ -43,6 +43,30 @@ def storage_url(workdir: pathlib.Path, storage: str | None) -> str:
     return storage or f"sqlite:///{workdir.resolve() / 'sweep.db'}"
 
 
+def check_storage(url: str) -> None:
+    """Refuse, before anything is written or retried, a storage URL no retry can open: one SQLAlchemy
+    cannot parse, a database it has no dialect for, or one whose driver is not installed.
+
+    Args:
+        url: the storage URL.
+
+    Raises:
+        ConfigError: naming --storage (the URL shown without its password) and why.
+    """
+    import sqlalchemy
+
+    try:
+        parsed = sqlalchemy.engine.make_url(url)
+    except sqlalchemy.exc.ArgumentError:
+        raise ConfigError("--storage: not a database URL (dialect://user:password@host/db, sqlite:///FILE)") from None
+    try:
+        parsed.get_dialect().import_dbapi()
+    except (sqlalchemy.exc.NoSuchModuleError, ImportError) as e:
+        raise ConfigError(
+            f"--storage {_shown(url)}: SQLAlchemy cannot open it here ({type(e).__name__}: {e})"
+        ) from None
+
+
 def _shown(url: str) -> str:
     """The URL without its password, for messages."""
     import sqlalchemy
