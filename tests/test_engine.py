@@ -373,6 +373,17 @@ def test_warmup_compiles_every_shape_the_stream_then_needs_and_leaves_the_output
         ([], SamplingParams(), "prompt_ids is empty"),
         ([1, V], SamplingParams(), r"prompt_ids\[1\] = 48 is outside the vocabulary"),
         ([1, 2.5], SamplingParams(), r"prompt_ids\[1\] = 2.5 is not an integer"),
+        (
+            jnp.asarray([1.0, 2.0]),
+            SamplingParams(),
+            r"prompt_ids: a 1-D array of integer token ids, got float32 \(2,\)",
+        ),
+        (
+            np.ones((1, 2), np.int32),
+            SamplingParams(),
+            r"prompt_ids: a 1-D array of integer token ids, got int32 \(1, 2\)",
+        ),
+        (jnp.asarray([1, V]), SamplingParams(), r"prompt_ids\[1\] = 48 is outside the vocabulary"),
         ([1] * 60, SamplingParams(max_tokens=5), "exceeds the context of 64"),
         ([1, 2], SamplingParams(stop=("x",)), "stop strings need a tokenizer"),
         ([1, 2], {"max_tokens": 3}, "params: a SamplingParams"),
@@ -383,6 +394,15 @@ def test_bad_requests_are_refused(model, prompt, params, match):
     with pytest.raises(EngineError, match=match):
         engine.add_request(prompt, params)
     assert not engine.has_unfinished()
+
+
+def test_prompts_as_jax_and_numpy_arrays_are_their_ids(model):
+    """A prompt given as a JAX or numpy array of integers is served as the list of its ids."""
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=20, max_slots=2, prefill_chunk=8), eos_id=None)
+    prompts = _prompts()[:2]
+    want = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=4))]
+    arrays = [jnp.asarray(prompts[0]), np.asarray(prompts[1], np.int64)]
+    assert [o.token_ids for o in engine.generate(arrays, SamplingParams(max_tokens=4))] == want
 
 
 def test_a_request_over_the_pool_is_refused(model):

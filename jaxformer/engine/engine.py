@@ -322,6 +322,11 @@ class Engine:
         return request_id
 
     def _check_ids(self, ids, what: str = "prompt_ids") -> list[int]:
+        if isinstance(ids, (np.ndarray, jax.Array)):  # ids as JAX and numpy hold them: read once, as ints
+            array = np.asarray(ids)
+            if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+                raise EngineError(f"{what}: a 1-D array of integer token ids, got {array.dtype} {array.shape}")
+            ids = array.tolist()
         if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
             raise EngineError(f"{what}: a list of token ids, got {type(ids).__name__}")
         if len(ids) == 0:
