@@ -42,7 +42,7 @@ def run(
         The results' rows (see `results`).
 
     Raises:
-        ConfigError: the sweep or the worker count is invalid.
+        ConfigError: the sweep, the worker count or the storage URL is invalid.
         SystemExit: a worker process failed.
     """
     if workers != "auto" and workers < 1:
@@ -94,7 +94,7 @@ def status(path: str, workdir: str, storage: str | None = None, overrides: list[
         The counts by state.
 
     Raises:
-        ConfigError: no sweep in the workdir yet.
+        ConfigError: no sweep in the workdir yet, or a storage URL that cannot be opened.
     """
     import datetime
 
