@@ -579,6 +579,15 @@ def test_the_paged_decode_step_compiles_for_a_tpu_slice(d_model, kernel, impl, s
     assert out_pools[0]["k"].spec == PartitionSpec("tensor")
 
 
+def test_a_call_s_decoding_loop_has_a_trip_count_the_compiler_knows(model):
+    """A call of 4 decoding steps compiles to a loop of a known trip count (4), whatever its rows' steps:
+    a count read from the rows would make a GPU wait on the host for the loop's predicate at each step."""
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=20, max_slots=2, decode_steps=4), eos_id=None)
+    text = engine._lower(engine._blank(2, 1, 8), 1).compile().as_text()
+    outer = [w for w in re.findall(r"while\(.*", text) if re.search(r'op_name="[^"]*_forward\)/while"', w)]
+    assert len(outer) == 1 and '"known_trip_count":{"n":"4"}' in outer[0]
+
+
 def _loop_bodies(hlo: str) -> str:
     """The text of every computation an HLO module's while loops run: their bodies and all they call."""
     blocks = {block.split(" ", 1)[0].lstrip("%"): block for block in re.split(r"\n(?=\S)", hlo)}

@@ -67,11 +67,12 @@ def _forward(
     rows = paged.gather_rows(pools, table_BP) if gathered else None
     # One body in the loop, the first step included: the model appears once in the program, not twice
     # (a decode shape of a 2-layer scanned model: 2.0 s of CPU to compile, against 2.7 with the first apart).
-    # It runs the longest row's steps: where every row's `max_tokens` ends within the call, no step runs
-    # with every row idle.
+    # Its trip count stays `steps`, known to XLA, even where every row's `max_tokens` ends sooner: with a
+    # count read from the rows, a GPU's loop outside a CUDA graph copies its predicate to the host and
+    # waits for it at every step (XLA's while thunk runs a known count without those waits).
     B = ids_BT.shape[0]
     carry = (jnp.zeros((B, steps), jnp.int32), jnp.zeros((B, steps), jnp.float32), pools, rows, ids_BT)
-    tokens_BN, logp_BN, pools, _, _ = jax.lax.fori_loop(0, jnp.minimum(jnp.max(steps_B), steps), body, carry)
+    tokens_BN, logp_BN, pools, _, _ = jax.lax.fori_loop(0, steps, body, carry)
     return tokens_BN, logp_BN, pools
 
 
