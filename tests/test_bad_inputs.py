@@ -70,6 +70,7 @@ def places(tmp_path_factory):
             "exp.py": "from jaxformer.config import TrainConfig\ndef get_config():\n    return TrainConfig(steps=0)\n"
         },
         "unknown_family": {"config.json": json.dumps({"model_type": "mamba", "vocab_size": 8})},
+        "llama_no_width": {"config.json": json.dumps({"model_type": "llama", "vocab_size": 8})},
         # Mixture-of-experts checkpoints asking for what jaxformer's MoE cannot do (the golden models' configs).
         "mixtral_top5": {"config.json": json.dumps(_golden_config("mixtral") | {"num_experts_per_tok": 5})},
         "switch_router_bias": {"config.json": json.dumps(_golden_config("switch") | {"router_bias": True})},
@@ -769,6 +770,8 @@ CLI_CASES = [
         r"\S+no_weights holds neither model\.safetensors nor model\.safetensors\.index\.json",
     ),
     cli_case("import-hf {garbage} --workdir {tmp}/never", r"\S+config\.json is not JSON \(Expecting property name"),
+    cli_case("import-hf {llama_no_width} --workdir {tmp}/never", r"\S+/llama_no_width/config\.json lacks '\w+'$"),
+    cli_case("generate --hf {llama_no_width} --prompt KING", r"\S+/llama_no_width/config\.json lacks '\w+'$"),
     cli_case(
         "import-hf {mixtral_top5} --workdir {tmp}/never",
         r"config\.json: num_experts_per_tok=5 must be in \[1, num_local_experts=4\]",

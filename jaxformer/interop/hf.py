@@ -178,7 +178,7 @@ def load_hf(
 
     hf = read_hf_config(directory)
     family = FAMILIES[hf["model_type"]]
-    cfg = config_from_hf(hf, **overrides)
+    cfg = config_from_hf(hf, where=pathlib.Path(directory) / "config.json", **overrides)
     reader = SafetensorsReader(directory)
     with _rules_in_effect(mesh):
         abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))

@@ -51,11 +51,12 @@ def read_hf_config(directory: str | pathlib.Path) -> dict:
     return hf
 
 
-def config_from_hf(hf: dict, **overrides) -> ModelConfig:
+def config_from_hf(hf: dict, *, where: str | pathlib.Path = CONFIG, **overrides) -> ModelConfig:
     """A ModelConfig from a config.json's contents; `overrides` replace fields (dtype, scan_layers, ...).
 
     Args:
         hf: config.json's contents.
+        where: the file they came from (named when a field is missing).
         **overrides (object): ModelConfig fields to replace.
 
     Returns:
@@ -71,7 +72,7 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
             _switch_scannable(hf, ModelConfig(**(fields | {"scan_layers": False})))
         return ModelConfig(**fields)
     except KeyError as e:
-        raise UnsupportedCheckpoint(f"config.json lacks {e}") from None
+        raise UnsupportedCheckpoint(f"{where} lacks {e}") from None
 
 
 def config_to_hf(cfg: ModelConfig, family: str | None = None) -> dict:

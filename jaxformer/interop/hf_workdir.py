@@ -55,7 +55,7 @@ def import_hf(source, workdir, experiment: str | None = None, overrides: list[st
 
     source, workdir = pathlib.Path(source), pathlib.Path(workdir)
     theirs = hf.read_hf_config(source)
-    imported = hf.config_from_hf(theirs)
+    imported = hf.config_from_hf(theirs, where=source / "config.json")
     if experiment is None:
         experiment = str(EXPERIMENTS / DEFAULT_EXPERIMENT[imported.mode])
         if not pathlib.Path(experiment).is_file():
