@@ -194,7 +194,8 @@ def cmd_generate(args) -> int:
     others = [s for s in args.set or [] if not s.strip().startswith("decode.")]
     if others:
         raise CommandError(f"--set {others[0]}: `{args.command}` --set changes decoding only (decode.FIELD=VALUE)")
-    texts = list(args.text or []) + ([line for _, line in read_lines(*expand([args.file]))] if args.file else [])
+    from_files = [line for path in expand([args.file]) for _, line in read_lines(path)] if args.file else []
+    texts = list(args.text or []) + from_files
     if not texts:
         raise CommandError(f"give --{args.what} TEXT or --{args.what}-file FILE")
     needed = "decoder_only" if args.command == "generate" else "encoder_decoder"
@@ -554,7 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
         source.add_argument("--exported", metavar="DIR", help="a model written by `jaxformer export`")
         source.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (with its tokenizer.json)")
         gen.add_argument(f"--{what}", dest="text", action="append", help="a text (repeat for a batch)")
-        gen.add_argument(f"--{what}-file", dest="file", help="one text per line")
+        gen.add_argument(f"--{what}-file", dest="file", help="one text per line (a glob: each file it matches, sorted)")
         gen.add_argument("--set", action="append", metavar="decode.FIELD=VALUE", help=f"e.g. {example}")
         gen.set_defaults(what=what)
         if name == "generate":

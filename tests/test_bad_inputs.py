@@ -886,6 +886,17 @@ def refused_within(seconds: int):
         signal.signal(signal.SIGALRM, previous)
 
 
+def test_a_text_file_pattern_reads_every_file_it_matches_in_order(places, tmp_path, capsys):
+    """`translate --src-file` with a glob matching two files translates their lines in the files' sorted
+    order, as the same texts given by --src do (a pattern of several files crashed the command)."""
+    (tmp_path / "b.txt").write_text("4 5 6\n")
+    (tmp_path / "a.txt").write_text("1 2 3\n7 8\n")
+    assert cli.main(["translate", "--workdir", places["copy"], "--src-file", str(tmp_path / "*.txt")]) == 0
+    from_files = capsys.readouterr().out
+    assert cli.main(["translate", "--workdir", places["copy"], "--src", "1 2 3", "--src", "7 8", "--src", "4 5 6"]) == 0
+    assert from_files == capsys.readouterr().out and from_files.count("=>") == 3
+
+
 def test_an_int_override_is_read_exactly_as_written():
     """`--set` reads an int field as written, never through a float: 1e3 and 1_000 are 1000, and 2**53 + 1
     keeps its last digit (a float has none for it) in the refusal of a step count past int32."""
