@@ -12,7 +12,7 @@ import time
 from jaxformer.config import ConfigError
 from jaxformer.sweep.report import print_table, results
 from jaxformer.sweep.spec import load
-from jaxformer.sweep.study import _counts, _done, _shown, _values, check_storage, open_study, storage_url
+from jaxformer.sweep.study import _counts, _done, _shown, _values, open_study, storage_url
 from jaxformer.sweep.worker import local_devices, pin, work
 
 
@@ -48,11 +48,9 @@ def run(
     if workers != "auto" and workers < 1:
         raise ConfigError(f"--workers: must be >= 1 or auto, got {workers}")
     sweep, base = load(path, overrides, trials)
-    if storage is not None:
-        check_storage(storage)  # before the workdir is made, and without retrying what no retry opens
     root = pathlib.Path(workdir)
+    url, name = storage_url(root, storage), pathlib.Path(path).stem  # checked before the workdir is made
     root.mkdir(parents=True, exist_ok=True)
-    url, name = storage_url(root, storage), pathlib.Path(path).stem
     if worker is not None:
         work(sweep, base, root, url, name, worker, shared=True)
         return []
@@ -99,8 +97,6 @@ def status(path: str, workdir: str, storage: str | None = None, overrides: list[
     import datetime
 
     sweep, _ = load(path, overrides)
-    if storage is not None:
-        check_storage(storage)
     url, name = storage_url(pathlib.Path(workdir), storage), pathlib.Path(path).stem
     if storage is None and not (pathlib.Path(workdir) / "sweep.db").is_file():
         raise ConfigError(f"{workdir}: no sweep here yet (no sweep.db): start it first")

@@ -31,7 +31,7 @@ def _values(sweep: Sweep, params: dict) -> dict:
 
 
 def storage_url(workdir: pathlib.Path, storage: str | None) -> str:
-    """The Optuna storage URL: `storage`, else a SQLite file in the sweep's workdir.
+    """The Optuna storage URL: `storage` (checked: `check_storage`), else a SQLite file in the sweep's workdir.
 
     Args:
         workdir: the sweep's directory.
@@ -39,8 +39,14 @@ def storage_url(workdir: pathlib.Path, storage: str | None) -> str:
 
     Returns:
         The URL.
+
+    Raises:
+        ConfigError: a `storage` no retry can open.
     """
-    return storage or f"sqlite:///{workdir.resolve() / 'sweep.db'}"
+    if storage is None:
+        return f"sqlite:///{workdir.resolve() / 'sweep.db'}"
+    check_storage(storage)
+    return storage
 
 
 def check_storage(url: str) -> None:
