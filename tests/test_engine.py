@@ -319,6 +319,38 @@ def test_sampling_is_reproducible_and_independent_of_the_batch(model):
     assert other_seed.token_ids != alone.token_ids
 
 
+def test_top_logprobs_are_the_model_s_likeliest_tokens_at_each_step(model, eos_id):
+    """A request asking for the likeliest tokens (greedy, and a seeded draw at three decoding steps a call,
+    beside requests that do not ask) lists at each step the ids and log-probabilities of the model's own
+    softmax over the tokens before it, likeliest first: `lax.top_k` of one full forward pass over the prompt
+    and its output; the chosen token's log-probability is its entry there. The others' outputs are those
+    of an engine whose rows ask for nothing."""
+    n = 5
+    asking = [SamplingParams(max_tokens=10, logprobs=True, top_logprobs=n),
+              SamplingParams(max_tokens=8, temperature=1.1, seed=4, logprobs=True, top_logprobs=2)]  # fmt: skip
+    plain = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=9, temperature=0.8, seed=1)]
+    prompts = _prompts()[:4]
+    cfg = EngineConfig(page_size=4, num_pages=40, max_slots=4, prefill_chunk=8, decode_steps=3)
+    outs = Engine(model, cfg, eos_id=eos_id).generate(prompts, [asking[0], plain[0], asking[1], plain[1]])
+    alone = Engine(model, cfg, eos_id=eos_id).generate([prompts[1], prompts[3]], plain)
+    assert [o.token_ids for o in (outs[1], outs[3])] == [o.token_ids for o in alone]
+    assert outs[1].top_logprobs is None and outs[1].logprobs is None
+    assert outs[0].finish_reason == "stop" and len(outs[0].token_ids) < 10  # ended at EOS: its entry is not listed
+    for out, p in zip((outs[0], outs[2]), asking, strict=True):
+        ids = out.prompt_ids + out.token_ids
+        logits = model.decode(None, None, jnp.asarray([ids], jnp.int32))[0]
+        want_logp, want_ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32)), p.top_logprobs)
+        start = len(out.prompt_ids) - 1  # the position whose logits drew the first new token
+        assert len(out.top_logprobs) == len(out.token_ids) == len(out.logprobs)
+        for j, (top, token, lp) in enumerate(zip(out.top_logprobs, out.token_ids, out.logprobs, strict=True)):
+            assert [i for i, _ in top] == np.asarray(want_ids[start + j]).tolist(), f"step {j}"
+            np.testing.assert_allclose([x for _, x in top], want_logp[start + j], rtol=1e-5, atol=1e-5)
+            if p.temperature == 0:
+                assert top[0][0] == token and top[0][1] == lp
+            elif token in dict(top):
+                assert dict(top)[token] == lp
+
+
 def test_decode_step_compiles_once_for_every_mix(model):
     """Greedy and sampled rows, prompts of many lengths, requests coming and going: steps compile only at
     power-of-two counts of rows and of pages (the pages the longest row reads), each shape once."""
@@ -422,6 +454,9 @@ def test_a_request_over_the_pool_is_refused(model):
         ({"seed": -1}, "seed must be in"),
         ({"stop": ("",)}, "stop must hold non-empty strings"),
         ({"logprobs": 1}, "logprobs must be bool"),
+        ({"logprobs": True, "top_logprobs": 21}, r"top_logprobs must be in \[0, 20\], got 21"),
+        ({"top_logprobs": 3}, "top_logprobs = 3 needs logprobs=True"),
+        ({"logprobs": True, "top_logprobs": 2.0}, "top_logprobs must be int"),
     ],
 )
 def test_sampling_params_name_the_field(kwargs, match):
@@ -575,7 +610,7 @@ def test_the_paged_decode_step_compiles_for_a_tpu_slice(d_model, kernel, impl, s
     assert ("tpu_custom_call" in text) == kernel and (pages_gather in text) == (not kernel)
     if steps > 1:  # gathered before the decoding loop, none in it
         assert pages_gather not in _loop_bodies(text)
-    out_pools = compiled.output_shardings[2]
+    out_pools = compiled.output_shardings[-1]
     assert out_pools[0]["k"].spec == PartitionSpec("tensor")
 
 

@@ -248,6 +248,59 @@ def test_logprobs_are_log_probabilities_of_the_chosen_tokens(server):
     assert all(x <= 0 for x in lp.token_logprobs) and "".join(lp.tokens) == out.choices[0].text
 
 
+def _likeliest(engine, ids: list[int], n: int) -> list[list[tuple[str, float]]]:
+    """At each position of `ids`, the n likeliest next tokens' texts and log-probabilities by one forward
+    pass of the served model, likeliest first (ties to the lower id)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    logp = np.asarray(jax.nn.log_softmax(engine.model(jnp.asarray([ids]))[0].astype(jnp.float32)))
+    order = np.argsort(-logp, axis=-1, kind="stable")[:, :n]
+    return [[(text_of([int(i)]), float(row[i])) for i in top] for row, top in zip(logp, order, strict=True)]
+
+
+def _assert_texts(got: dict, top: list[tuple[str, float]]) -> None:
+    """A text completion's likeliest tokens at one position: `top`'s texts in order, each once, at its first
+    (likeliest) log-probability."""
+    import numpy as np
+
+    once = {}
+    for text, x in top:
+        once.setdefault(text, x)
+    assert list(got) == list(once)
+    np.testing.assert_allclose(list(got.values()), list(once.values()), rtol=1e-5, atol=1e-5)
+
+
+def test_top_logprobs_list_the_served_model_s_likeliest_tokens(server, engine, reference):
+    """Chat's `top_logprobs` (whole and streamed) and a completion's `logprobs` = N list at each new token the
+    N likeliest tokens under one forward pass of the served model over the prompt and the tokens before it,
+    likeliest first, the chosen (greedy) one first; a completion's as {text: log-probability}, two ids of one
+    text as the likelier's."""
+    import numpy as np
+
+    client = server.client()
+    messages = [{"role": "user", "content": "Hi"}]
+    ids = ids_of(templates.get("chatml").conversation(messages))
+    want = _likeliest(engine, ids + reference(ids, 6), 3)[len(ids) - 1 :]
+    ask = {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    whole = client.chat.completions.create(**ask).choices[0].logprobs.content
+    streamed = [e for c in client.chat.completions.create(**ask, stream=True) if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]  # fmt: skip
+    assert len(whole) >= 1 and [e.model_dump() for e in streamed] == [e.model_dump() for e in whole]
+    for entry, top in zip(whole, want, strict=False):
+        assert [t.token for t in entry.top_logprobs] == [t for t, _ in top]
+        assert [t.bytes for t in entry.top_logprobs] == [list(t.encode()) for t, _ in top]
+        np.testing.assert_allclose([t.logprob for t in entry.top_logprobs], [x for _, x in top], rtol=1e-5, atol=1e-5)
+        assert (entry.token, entry.logprob) == (entry.top_logprobs[0].token, entry.top_logprobs[0].logprob)
+    ids = ids_of("KING:")
+    want = _likeliest(engine, ids + reference(ids, 5), 4)[len(ids) - 1 :]
+    lp = client.completions.create(model=MODEL, prompt="KING:", max_tokens=5, temperature=0, logprobs=4)
+    lp = lp.choices[0].logprobs
+    assert len(lp.top_logprobs) == len(lp.tokens) >= 1
+    for got, top in zip(lp.top_logprobs, want, strict=False):
+        _assert_texts(got, top)
+
+
 def test_64_concurrent_requests_of_mixed_lengths(server, reference):
     asynclient = openai.AsyncOpenAI(
         base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=processes.HANG_GUARD_S
@@ -368,7 +421,8 @@ BAD = [  # (body, HTTP status, the field named, a word of the message)
     ({"model": MODEL, "prompt": "x", "stop": [1]}, 400, "stop", "string"),
     ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n", "[1,"),
     ({"model": MODEL, "prompt": "x", "n": 1000}, 400, "n", "[1,"),
-    ({"model": MODEL, "prompt": "x", "logprobs": 5}, 400, "logprobs", "0 or 1"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs", "[0, 20]"),
+    ({"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs", "integer"),
     ({"model": MODEL, "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty", "not supported"),
     ({"model": MODEL, "prompt": "x", "colour": "red"}, 400, "colour", "unrecognized"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
@@ -396,6 +450,18 @@ BAD = [  # (body, HTTP status, the field named, a word of the message)
     ({"model": MODEL, "prompt": "x", "user": 5}, 400, "user", "a string is expected"),
 ]
 BAD_CHAT = [
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+        "logprobs",
+    ),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+        "[0, 20]",
+    ),
     ({"model": MODEL, "messages": []}, 400, "messages", "non-empty"),
     ({"model": MODEL, "messages": "hi"}, 400, "messages", "list"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", "wizard"),
@@ -445,8 +511,9 @@ def test_the_openai_client_sees_bad_requests_as_its_errors_and_the_server_answer
 
 def test_echo_with_logprobs_scores_the_prompt_by_the_models_forward_pass(server, engine, reference):
     """OpenAI's legacy scoring call (lm-eval's `local-completions` makes it): with echo and logprobs the
-    prompt's tokens come first, the first one's log-probability null, each other's and the most likely
-    token there as one forward pass of the served model gives them; max_tokens 0: the prompt alone."""
+    prompt's tokens come first, the first one's log-probability null, each other's and the three likeliest
+    tokens there (`logprobs` 3) as one forward pass of the served model gives them, then the new tokens' and
+    their likeliest; max_tokens 0: the prompt alone."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -454,7 +521,7 @@ def test_echo_with_logprobs_scores_the_prompt_by_the_models_forward_pass(server,
     ids = ids_of(prompt)
     logp = np.asarray(jax.nn.log_softmax(engine.model(jnp.asarray([ids]))[0].astype(jnp.float32)))
     expected = logp[np.arange(len(ids) - 1), ids[1:]]
-    body = {"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 1, "temperature": 0}
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 3, "temperature": 0}
     status, alone = server.post("/v1/completions", body | {"max_tokens": 0})
     assert status == 200, alone
     status, more = server.post("/v1/completions", body | {"prompt": [ids], "max_tokens": 3})
@@ -467,11 +534,10 @@ def test_echo_with_logprobs_scores_the_prompt_by_the_models_forward_pass(server,
         assert lp["tokens"][:n] == [text_of([t]) for t in ids] and len(lp["tokens"]) == n + new
         assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
         np.testing.assert_allclose(lp["token_logprobs"][1:n], expected, rtol=1e-5, atol=1e-5)
-        tops = lp["top_logprobs"][1:n]
-        assert [list(t) for t in tops] == [[text_of([int(i)])] for i in logp[: n - 1].argmax(-1)]
-        np.testing.assert_allclose([v for t in tops for v in t.values()], logp[: n - 1].max(-1), rtol=1e-5, atol=1e-5)
+        want = _likeliest(engine, ids + (reference(ids, new) if new else []), 3)
+        for got, top in zip(lp["top_logprobs"][1:], want[: n + new - 1], strict=True):
+            _assert_texts(got, top)
     assert choice["finish_reason"] == "length" and alone["choices"][0]["finish_reason"] == "length"
-    assert lp["top_logprobs"][n:] == [None] * 3  # the generated tokens': not computed
 
 
 def test_the_api_key_is_asked_for_and_checked(server):

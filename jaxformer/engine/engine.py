@@ -41,7 +41,7 @@ from jaxformer.engine import adapters as _adapters
 from jaxformer.engine import paged
 from jaxformer.engine import steps as _steps
 from jaxformer.engine.pages import PageAllocator, page_hashes, pages_at_once, pages_behind, releasable_window
-from jaxformer.engine.requests import EngineError, Event, Output, SamplingParams
+from jaxformer.engine.requests import MAX_TOP_LOGPROBS, EngineError, Event, Output, SamplingParams
 from jaxformer.engine.steps import _copy_page, _encode_into, _forward, _score
 
 
@@ -54,6 +54,7 @@ class _Request:
     order: int  # admission order: the latest admitted is preempted first
     out: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     slot: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
     computed: int = 0  # positions whose keys and values are in its pages
@@ -75,6 +76,14 @@ _LOWERED = collections.Counter()  # the step's shapes compiled, by (rows, width,
 def _aval(a) -> tuple:
     """What an executable compiled for array `a` requires of another in its place."""
     return a.shape, a.dtype, getattr(a, "sharding", None)
+
+
+def _drawn(out: tuple, i: int, j: int, n: int) -> tuple[int, float, list[tuple[int, float]] | None]:
+    """Row i's token at step j of a call's `out` (tokens, log-probabilities, None or the likeliest ids and
+    theirs), its log-probability, and its `n` likeliest (id, log-probability) pairs (None: n is 0)."""
+    tokens, logp, top = out
+    pairs = list(zip(top[0][i, j, :n].tolist(), top[1][i, j, :n].tolist(), strict=True)) if n else None
+    return int(tokens[i, j]), float(logp[i, j]), pairs
 
 
 def _bucket(n: int, most: int) -> int:
@@ -537,17 +546,20 @@ class Engine:
             p = req.params
             x["seeds"][i], x["temps"][i], x["top_k"][i], x["top_p"][i] = req.seed, p.temperature, p.top_k, p.top_p
             x["adapters"][i], x["slots"][i] = req.adapter, req.slot
-        tokens, logp = self._call(x, width)
+        # The likeliest tokens' log-probabilities, where a row asks: a variant of the step that returns them.
+        top_n = MAX_TOP_LOGPROBS if any(r.params.top_logprobs for r in reqs) else 0
+        out = self._call(x, width, top_n)
         for req, i in row_of.items():
+            n = req.params.top_logprobs
             if width > 1:  # a prefill chunk
                 req.computed += spans[req]
                 self._register(req)
                 if req.computed == len(req.tokens):  # its last known token ran: a new one
-                    self._accept(req, int(tokens[i, 0]), float(logp[i, 0]), events)
+                    self._accept(req, *_drawn(out, i, 0, n), events)
                 continue
             for j in range(spans[req]):  # decode: each token fed in gave the next, until the request ends
                 req.computed += 1
-                if self._accept(req, int(tokens[i, j]), float(logp[i, j]), events):
+                if self._accept(req, *_drawn(out, i, j, n), events):
                     break
         for req in row_of:
             if req.slot is not None:  # still running
@@ -565,20 +577,21 @@ class Engine:
             "top_p": np.ones(R, np.float32),
         }  # fmt: skip
 
-    def _call(self, x: dict[str, np.ndarray], width: int) -> tuple[np.ndarray, np.ndarray]:
-        """Run the compiled step on inputs `x` (`_blank`'s, filled): tokens and log-probabilities [R, steps].
-        Its executable for this shape is compiled the first time (unless `warmup` did) and kept: a call
-        then flattens the arrays and runs, with no jit cache to look up by the model's graph."""
-        shape = (*x["ids"].shape, x["table"].shape[1])
+    def _call(self, x: dict[str, np.ndarray], width: int, top_n: int = 0) -> tuple:
+        """Run the compiled step on inputs `x` (`_blank`'s, filled): tokens and log-probabilities [R, steps],
+        and None or the `top_n` likeliest ids and their log-probabilities [R, steps, top_n]. Its executable
+        for this shape is compiled the first time (unless `warmup` did; the variant with `top_n` never is)
+        and kept: a call then flattens the arrays and runs, with no jit cache to look up by the model's graph."""
+        shape = (*x["ids"].shape, x["table"].shape[1]) + ((top_n,) if top_n else ())
         if shape not in self._compiled:
-            self._compiled[shape] = self._lower(x, width).compile()
-        tokens, logp, self._pools = self._compiled[shape](*self._inputs(x))
-        return np.asarray(tokens), np.asarray(logp)
+            self._compiled[shape] = self._lower(x, width, top_n).compile()
+        tokens, logp, top, self._pools = self._compiled[shape](*self._inputs(x))
+        return np.asarray(tokens), np.asarray(logp), None if top is None else tuple(map(np.asarray, top))
 
-    def _lower(self, x: dict[str, np.ndarray], width: int):
+    def _lower(self, x: dict[str, np.ndarray], width: int, top_n: int = 0):
         steps = self.cfg.decode_steps if width == 1 else 1
         _LOWERED[(*x["ids"].shape, x["table"].shape[1]) + ((steps,) if steps > 1 else ())] += 1
-        return _forward.lower(self._graphdef, *self._inputs(x), steps=steps)
+        return _forward.lower(self._graphdef, *self._inputs(x), steps=steps, top_n=top_n)
 
     def _inputs(self, x: dict[str, np.ndarray]) -> tuple:
         """`_forward`'s arguments but its static ones (the graph, the steps), from `_blank`'s inputs."""
@@ -632,20 +645,23 @@ class Engine:
             self._alloc.register(req.pages[i], req.hashes[i])
         req.registered = max(req.registered, done)
 
-    def _accept(self, req: _Request, token: int, logp: float, events: list[Event]) -> bool:
-        """Take a new token of `req` (its EOS, a stop string or its length may end it); True if it ended."""
+    def _accept(self, req: _Request, token: int, logp: float, top: list | None, events: list[Event]) -> bool:
+        """Take a new token of `req` and, if asked, its log-probability and the likeliest tokens' (`top`: (id,
+        log-probability) pairs); its EOS, a stop string or its length may end it. True if it ended."""
         p = req.params
-        lp = [logp] if p.logprobs else None
+        new = ([logp] if p.logprobs else None, None if top is None else [top])
         if token == self.eos_id:
-            return self._finish(req, "stop", [], events, lp_new=None) or True
+            return self._finish(req, "stop", [], events, (None, None)) or True
         req.out.append(token)
         if p.logprobs:
             req.logprobs.append(logp)
+        if top is not None:
+            req.top_logprobs.append(top)
         if p.stop and self._stop_at(req) is not None:
-            return self._finish(req, "stop", [token], events, lp_new=lp) or True
+            return self._finish(req, "stop", [token], events, new) or True
         if len(req.out) >= p.max_tokens or len(req.tokens) >= self.max_context:
-            return self._finish(req, "length", [token], events, lp_new=lp) or True
-        events.append(Event(req.id, [token], lp, False, None))
+            return self._finish(req, "length", [token], events, new) or True
+        events.append(Event(req.id, [token], new[0], False, None, new[1]))
         return False
 
     def _stop_at(self, req: _Request) -> int | None:
@@ -653,10 +669,13 @@ class Engine:
         found = [i for s in req.params.stop if (i := text.find(s)) >= 0]
         return min(found) if found else None
 
-    def _finish(self, req, reason: str, new: list[int], events: list[Event], lp_new=None) -> None:
+    def _finish(self, req, reason: str, new: list[int], events: list[Event], got=(None, None)) -> None:
+        """End `req`: its pages freed, its last Event (`new` tokens, `got`: their log-probabilities and likeliest
+        tokens, or None each), its Output kept where `generate` waits for it."""
         self._release(req)
         del self._live[req.id]
         tokens, logprobs, text = req.out, req.logprobs if req.params.logprobs else None, None
+        tops = req.top_logprobs if req.params.top_logprobs else None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(tokens)
             if reason == "stop" and req.params.stop and (cut := self._stop_at(req)) is not None:
@@ -665,10 +684,10 @@ class Engine:
                 while n and not text.startswith(self.tokenizer.decode(tokens[:n])):
                     n -= 1  # the tokens whose text stays before the stop string
                 tokens = tokens[:n]
-                logprobs = None if logprobs is None else logprobs[:n]
-        events.append(Event(req.id, new, lp_new, True, reason))
+                logprobs, tops = (None if x is None else x[:n] for x in (logprobs, tops))
+        events.append(Event(req.id, new, got[0], True, reason, got[1]))
         if req.id in self._keep:
-            self._keep[req.id] = Output(req.id, req.prompt, list(tokens), text, logprobs, reason)
+            self._keep[req.id] = Output(req.id, req.prompt, list(tokens), text, logprobs, reason, tops)
 
     # ------------------------------------------------------------------------- batch jobs
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+MAX_TOP_LOGPROBS = 20  # the likeliest tokens a step lists at most (as vLLM's default `max_logprobs`)
+
 
 class EngineError(ValueError):
     """A request the engine cannot take (a prompt over the context, bad ids, ...); the message says what."""
@@ -23,6 +25,8 @@ class SamplingParams:
         seed: the request's sampling seed; None: from the engine's seed and the request id.
         stop: stop strings (finish_reason "stop"), matched on the detokenized text.
         logprobs: return each chosen token's log-probability.
+        top_logprobs: also list the likeliest tokens at each step, this many (0 to MAX_TOP_LOGPROBS; needs
+            `logprobs`), likeliest first, with their log-probabilities under the model, as the chosen token's.
     """
 
     max_tokens: int = 16
@@ -32,6 +36,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self):
         def need(ok, field, message):
@@ -59,6 +64,10 @@ class SamplingParams:
         need(all(isinstance(s, str) and s for s in stop), "stop", f"must hold non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(stop))
         of("logprobs", bool)
+        of("top_logprobs", int)
+        n = self.top_logprobs
+        need(0 <= n <= MAX_TOP_LOGPROBS, "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {n}")
+        need(self.logprobs or not n, "top_logprobs", f"= {n} needs logprobs=True")
 
 
 @dataclasses.dataclass
@@ -71,6 +80,7 @@ class Event:
         logprobs: their log-probabilities, if the request asked.
         finished: the request is done.
         finish_reason: "stop" (EOS or a stop string), "length", "abort", or None while running.
+        top_logprobs: per new token, the likeliest tokens as (id, log-probability) pairs, if the request asked.
     """
 
     request_id: str
@@ -78,6 +88,7 @@ class Event:
     logprobs: list[float] | None
     finished: bool
     finish_reason: str | None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclasses.dataclass
@@ -91,6 +102,7 @@ class Output:
         text: detokenized, when the engine has a tokenizer.
         logprobs: the tokens' log-probabilities, if asked.
         finish_reason: "stop", "length" or "abort".
+        top_logprobs: per token, the likeliest tokens as (id, log-probability) pairs, if asked.
     """
 
     request_id: str
@@ -99,3 +111,4 @@ class Output:
     text: str | None
     logprobs: list[float] | None
     finish_reason: str
+    top_logprobs: list[list[tuple[int, float]]] | None = None

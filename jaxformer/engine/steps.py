@@ -19,16 +19,17 @@ from jaxformer.engine import adapters as _adapters
 from jaxformer.engine import paged
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames=("pools",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "top_n"), donate_argnames=("pools",))
 def _forward(
     graphdef, params, pools, table_BP, ids_BT, positions_BT, valid_BT, last_B, sampling, source, steps_B,
-    rows_B=None, *, steps,
+    rows_B=None, *, steps, top_n=0,
 ):  # fmt: skip
     """One paged step and the next token of each row (from its last valid position `last_B`), then (decode,
     T = 1) `steps` - 1 more, each feeding the token just drawn, row b running `steps_B[b]` in all; `source`:
     None, or (per layer the slots' cross-attention keys and values, the slots' source lengths, each row's
-    slot); `rows_B`: None, or each row's adapter (engine.adapters). Returns tokens and log-probabilities [B, steps]
-    and the pools."""
+    slot); `rows_B`: None, or each row's adapter (engine.adapters). Returns tokens and log-probabilities [B, steps],
+    None or (`top_n` > 0) the `top_n` likeliest ids at each step and their log-probabilities [B, steps, top_n]
+    (likeliest first, under the model as the chosen token's), and the pools."""
     model = nnx.merge(graphdef, params)
     if rows_B is not None:
         _adapters.bind_rows(model, rows_B)
@@ -47,17 +48,19 @@ def _forward(
         positions_B = jnp.take_along_axis(positions_BT, last_B[:, None], axis=1)[:, 0] + 1  # the drawn token's
         keys_B = paged.request_keys(seeds_B, positions_B)
         tokens_B, logp_B = paged.choose_rows(logits_BV, keys_B, temperature_B, top_k_B, top_p_B)
-        return tokens_B, logp_B, pools, rows
+        top = jax.lax.top_k(jax.nn.log_softmax(logits_BV.astype(jnp.float32)), top_n)[::-1] if top_n else ()
+        return tokens_B, logp_B, top, pools, rows
 
     if steps == 1:  # a prefill chunk, or one decode step
-        tokens_B, logp_B, pools, _ = one(pools, None, ids_BT, positions_BT, valid_BT, last_B)
-        return tokens_B[:, None], logp_B[:, None], pools
+        tokens_B, logp_B, top, pools, _ = one(pools, None, ids_BT, positions_BT, valid_BT, last_B)
+        return tokens_B[:, None], logp_B[:, None], tuple(x[:, None] for x in top) or None, pools
 
     def body(i, carry):  # decoding (T = 1): the token drawn at step i - 1 goes in at the next position
-        tokens_BN, logp_BN, pools, rows, in_B1 = carry
+        tokens_BN, logp_BN, top_BNn, pools, rows, in_B1 = carry
         valid_B1 = valid_BT & (i < steps_B)[:, None]
-        t_B, l_B, pools, rows = one(pools, rows, in_B1, positions_BT + i, valid_B1, last_B)
-        return tokens_BN.at[:, i].set(t_B), logp_BN.at[:, i].set(l_B), pools, rows, t_B[:, None]
+        t_B, l_B, top, pools, rows = one(pools, rows, in_B1, positions_BT + i, valid_B1, last_B)
+        top_BNn = tuple(acc.at[:, i].set(x) for acc, x in zip(top_BNn, top, strict=True))
+        return tokens_BN.at[:, i].set(t_B), logp_BN.at[:, i].set(l_B), top_BNn, pools, rows, t_B[:, None]
 
     # The rows' pages are read once for the call's steps, as a dense cache that each step writes as it
     # writes the pages, unless a Pallas paged kernel is meant to read them in place at every step (latent
@@ -71,9 +74,10 @@ def _forward(
     # count read from the rows, a GPU's loop outside a CUDA graph copies its predicate to the host and
     # waits for it at every step (XLA's while thunk runs a known count without those waits).
     B = ids_BT.shape[0]
-    carry = (jnp.zeros((B, steps), jnp.int32), jnp.zeros((B, steps), jnp.float32), pools, rows, ids_BT)
-    tokens_BN, logp_BN, pools, _, _ = jax.lax.fori_loop(0, steps, body, carry)
-    return tokens_BN, logp_BN, pools
+    top_BNn = (jnp.zeros((B, steps, top_n), jnp.int32), jnp.zeros((B, steps, top_n), jnp.float32)) if top_n else ()
+    carry = (jnp.zeros((B, steps), jnp.int32), jnp.zeros((B, steps), jnp.float32), top_BNn, pools, rows, ids_BT)
+    tokens_BN, logp_BN, top_BNn, pools, _, _ = jax.lax.fori_loop(0, steps, body, carry)
+    return tokens_BN, logp_BN, top_BNn or None, pools
 
 
 def cast_plan(graphdef, params, forward_args: tuple, encode_args: tuple | None) -> dict:

@@ -32,17 +32,17 @@ class ScoringError(ValueError):
     """A request the model cannot score (a continuation longer than its context, an empty one)."""
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _token_logprobs(graphdef, params, inputs_BT, targets_BT, lengths_B, src_BS, src_lengths_B):
-    """log p(targets[b, t] | inputs[b, :t+1] (, source b)) [B, T] in float32, the most likely id at each
-    position [B, T] and its log-probability [B, T]."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "top_n"))
+def _token_logprobs(graphdef, params, inputs_BT, targets_BT, lengths_B, src_BS, src_lengths_B, top_n=1):
+    """log p(targets[b, t] | inputs[b, :t+1] (, source b)) [B, T] in float32, the `top_n` most likely ids at
+    each position [B, T, top_n] (likeliest first; ties to the lower id, as argmax) and their log-probabilities."""
     model = nnx.merge(graphdef, params)
     memory_BSD = None if src_BS is None else model.encode(src_BS, src_lengths=src_lengths_B)
     logits_BTV = model.decode(memory_BSD, src_BS, inputs_BT, src_lengths=src_lengths_B, tgt_lengths=lengths_B)
     logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32))  # float32: the harness sums these
     logp_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    top_BT = jnp.argmax(logp_BTV, axis=-1)
-    return logp_BT, top_BT, jnp.take_along_axis(logp_BTV, top_BT[..., None], axis=-1)[..., 0]
+    top_logp_BTn, top_BTn = jax.lax.top_k(logp_BTV, top_n)
+    return logp_BT, top_BTn, top_logp_BTn
 
 
 def bucket(n: int, cap: int) -> int:
@@ -143,21 +143,23 @@ class Scorer:
         out = []
         for (inp, tgt, _, first), (logp, top, _) in zip(rows, self._forward(rows), strict=True):
             scored = slice(first, len(inp))
-            out.append(
-                (float(np.sum(logp[scored], dtype=np.float64)), bool((top[scored] == np.asarray(tgt)[scored]).all()))
-            )
+            greedy = bool((top[scored, 0] == np.asarray(tgt)[scored]).all())
+            out.append((float(np.sum(logp[scored], dtype=np.float64)), greedy))
         return out
 
-    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def prompt_logprobs(
+        self, sequences: Sequence[Sequence[int]], top_n: int = 1
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Each token's log-probability given the tokens before it (decoder_only): what an OpenAI
         completion with `echo` and `logprobs` returns for its prompt.
 
         Args:
             sequences: token ids, each of 2 to max_len + 1 tokens.
+            top_n: the most likely ids listed at each position (at least 1).
 
         Returns:
-            Per sequence, for its tokens 1..n-1: (log-probability [n-1], the most likely id there [n-1],
-            that id's log-probability [n-1]), float32 and int32.
+            Per sequence, for its tokens 1..n-1: (log-probability [n-1], the `top_n` most likely ids there
+            [n-1, top_n], likeliest first, and their log-probabilities [n-1, top_n]), float32 and int32.
 
         Raises:
             ScoringError: an encoder_decoder model, or a sequence too short or too long.
@@ -169,10 +171,11 @@ class Scorer:
             if not 2 <= len(s) <= self.max_len + 1:
                 raise ScoringError(f"a sequence of {len(s)} tokens: 2 to model.max_len + 1 = {self.max_len + 1}")
             rows.append((list(s[:-1]), list(s[1:]), [], 0))
-        return [tuple(a[: len(r[0])] for a in out) for r, out in zip(rows, self._forward(rows), strict=True)]
+        out = self._forward(rows, top_n)
+        return [tuple(a[: len(r[0])] for a in got) for r, got in zip(rows, out, strict=True)]
 
-    def _forward(self, rows: list) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Rows as `rows` cuts them -> per row, (target log-probabilities, argmax ids, their
+    def _forward(self, rows: list, top_n: int = 1) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Rows as `rows` cuts them -> per row, (target log-probabilities, the `top_n` likeliest ids, their
         log-probabilities) over its padded width, in row order."""
         order = sorted(range(len(rows)), key=lambda i: -(len(rows[i][0]) + len(rows[i][2])))
         out: list = [None] * len(rows)
@@ -195,7 +198,7 @@ class Scorer:
             arrays = (inputs, targets, lengths, src, src_lengths)
             if self._rows is not None:
                 arrays = jax.device_put(arrays, self._rows)
-            logp, top, top_logp = jax.device_get(_token_logprobs(self._graphdef, self._params, *arrays))
+            logp, top, top_logp = jax.device_get(_token_logprobs(self._graphdef, self._params, *arrays, top_n))
             for b, i in enumerate(chunk):
                 out[i] = (logp[b], top[b], top_logp[b])
         return out

@@ -193,9 +193,9 @@ class _Server:
         return await self._guarded(request, answer)
 
     async def _score(self, job: Job) -> list[dict]:
-        """Each prompt's tokens, their log-probabilities (the first's None) and the most likely token at
-        each position, by one batched forward pass (jaxformer.evaluation.scoring) in the engine's thread,
-        over the weights it serves."""
+        """Each prompt's tokens, their log-probabilities (the first's None) and the likeliest tokens at each
+        position (`job.top_logprobs`, at least one), by one batched forward pass (jaxformer.evaluation.scoring)
+        in the engine's thread, over the weights it serves."""
         from jaxformer.evaluation.scoring import Scorer, ScoringError
 
         for i, ids in enumerate(job.prompts):
@@ -209,7 +209,7 @@ class _Server:
         def score(engine):
             model = engine.model if job.adapter is None else engine.model_of(job.adapter)
             scorer = Scorer(model, batch_size=engine.cfg.max_slots)  # weights as served now
-            return scorer.prompt_logprobs([job.prompts[i] for i in scored])
+            return scorer.prompt_logprobs([job.prompts[i] for i in scored], max(job.top_logprobs, 1))
 
         try:
             found = dict(zip(scored, await asyncio.wrap_future(self.runner.call(score)), strict=True))
@@ -218,7 +218,7 @@ class _Server:
         out = []
         for i, ids in enumerate(job.prompts):
             logp, top, top_logp = found.get(i, ((), (), ()))
-            tops = [{self.tok.decode([int(t)]): float(lp)} if job.top_logprobs else {}
+            tops = [_top_texts(self.tok, zip(t, lp, strict=True)) if job.top_logprobs else {}
                     for t, lp in zip(top, top_logp, strict=True)]  # fmt: skip
             out.append({"tokens": [self.tok.decode([t]) for t in ids],
                         "token_logprobs": [None, *map(float, logp)], "top_logprobs": [None, *tops]})  # fmt: skip
@@ -356,7 +356,8 @@ class _Choice:
         self.scores = None if scores is None else scores[index // job.n]  # the prompt's (echo with logprobs)
         self.echo = job.prompt_texts[index // job.n] if job.echo else ""
         self.stream = TextStream(tok, job.stop, getattr(tok, "eos_id", None))
-        self.text, self.tokens, self.logprobs = self.echo, [], []
+        self.top_n = job.top_logprobs
+        self.text, self.tokens, self.logprobs = self.echo, [], []  # logprobs: (id, log-probability, likeliest)
         self.done = self.engine_done = False
         self.finish_reason = None
 
@@ -365,7 +366,8 @@ class _Choice:
         if self.done:
             return ""
         self.tokens += event.token_ids
-        self.logprobs += list(zip(event.token_ids, event.logprobs or [], strict=False))
+        tops = event.top_logprobs or [None] * len(event.token_ids)
+        self.logprobs += list(zip(event.token_ids, event.logprobs or [], tops, strict=False))
         piece = self.stream.add(event.token_ids)
         self.engine_done = event.finished
         if self.stream.stopped:
@@ -378,24 +380,44 @@ class _Choice:
         self.text += piece
         return piece
 
-    def text_logprobs(self, pairs: list, whole: bool = False) -> dict:
-        """OpenAI's logprobs of a text completion: the chosen tokens' (with `whole` and a scored prompt, the
-        prompt's tokens first, the first one's None, and the most likely token at each; the generated
-        tokens' top_logprobs are not computed: None)."""
-        tokens = [self.tok.decode([t]) for t, _ in pairs]
-        lps = [lp for _, lp in pairs]
+    def text_logprobs(self, triples: list, whole: bool = False) -> dict:
+        """OpenAI's logprobs of a text completion: the chosen tokens' and, where asked (`logprobs` > 0), the
+        likeliest tokens' at each ({text: log-probability}); with `whole` and a scored prompt, the prompt's
+        tokens first, the first one's None."""
+        tokens = [self.tok.decode([t]) for t, _, _ in triples]
+        lps = [lp for _, lp, _ in triples]
+        tops = [_top_texts(self.tok, top) for _, _, top in triples] if self.top_n else None
         if whole and self.scores is not None:
             s = self.scores
             return {"tokens": s["tokens"] + tokens, "token_logprobs": s["token_logprobs"] + lps,
-                    "top_logprobs": s["top_logprobs"] + [None] * len(pairs), "text_offset": None}  # fmt: skip
-        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": None}
+                    "top_logprobs": s["top_logprobs"] + (tops or [{}] * len(triples)), "text_offset": None}  # fmt: skip
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": None}
 
-    def chat_logprobs(self, pairs: list) -> dict:
+    def chat_logprobs(self, triples: list) -> dict:
+        """OpenAI's logprobs of a chat completion: each chosen token's and its likeliest tokens' (`top_logprobs`)."""
+        entry = lambda text, lp: {"token": text, "logprob": lp, "bytes": list(text.encode())}
         content = []
-        for t, lp in pairs:
-            s = self.tok.decode([t])
-            content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []})
+        for t, lp, top in triples:
+            tops = [entry(self.tok.decode([i]), x) for i, x in top or ()]
+            content.append(entry(self.tok.decode([t]), lp) | {"top_logprobs": tops})
         return {"content": content}
+
+
+def _top_texts(tok, pairs) -> dict[str, float]:
+    """The likeliest tokens at one position as OpenAI's text completions list them: {text: log-probability},
+    likeliest first (of two ids of one text, the likelier's).
+
+    Args:
+        tok (Tokenizer): decodes each id.
+        pairs: (id, log-probability) pairs, likeliest first.
+
+    Returns:
+        The dict.
+    """
+    out: dict[str, float] = {}
+    for i, lp in pairs:
+        out.setdefault(tok.decode([int(i)]), float(lp))
+    return out
 
 
 def _usage(job: Job, choices: list[_Choice]) -> dict:

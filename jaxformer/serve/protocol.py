@@ -30,7 +30,6 @@ _NEUTRAL = {
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
     "parallel_tool_calls": (None, True, False),
-    "top_logprobs": (None, 0),
     "modalities": (None, ["text"]),
     "service_tier": (None, "auto", "default"),
 }
@@ -40,7 +39,9 @@ _JSON_TYPE = {str: "a string", dict: "an object of string keys and values", bool
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "frequency_penalty", "presence_penalty",
                                "logit_bias", "suffix", "user"}  # fmt: skip
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs"} | set(_NEUTRAL) | set(_IGNORED)
+CHAT_FIELDS = (
+    _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"} | set(_NEUTRAL) | set(_IGNORED)
+)
 
 
 class APIError(Exception):
@@ -97,7 +98,8 @@ class Job:
         logprobs: each chosen token's log-probability.
         stop: the stop strings (the template's end marker included).
         score_prompt: echo with logprobs: each prompt token's log-probability too (a forward pass).
-        top_logprobs: how many most likely tokens each scored prompt position lists (0 or 1).
+        top_logprobs: how many most likely tokens each position lists, the prompt's (scored) and the new
+            ones' (0 to the engine's MAX_TOP_LOGPROBS).
         generate: new tokens are asked for (false: echo with max_tokens 0, the prompt alone).
         model: the model the request names (the served model's id, or a LoRA adapter's name).
         adapter: the engine's adapter it runs (None: the base).
@@ -152,6 +154,12 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open
     if not (lo < v if lo_open else lo <= v) or v > hi:
         raise bad(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
     return float(v)
+
+
+def _top_logprobs(body: dict, name: str, default: int | None) -> int | None:
+    from jaxformer.engine.requests import MAX_TOP_LOGPROBS  # the most the engine lists
+
+    return _int(body, name, default, 0, MAX_TOP_LOGPROBS)
 
 
 def _bool(body: dict, name: str, default: bool = False) -> bool:
@@ -257,7 +265,7 @@ def check_model(body: dict, model_name: str | tuple[str, ...]) -> str:
     return v
 
 
-def sampling(body: dict, max_tokens: int, stop: tuple[str, ...], logprobs: bool, n: int) -> list:
+def sampling(body: dict, max_tokens: int, stop: tuple[str, ...], logprobs: bool, n: int, top_logprobs: int = 0) -> list:
     """The engine's settings of each of the n choices (a given seed is each choice's seed + its index).
 
     Args:
@@ -266,6 +274,7 @@ def sampling(body: dict, max_tokens: int, stop: tuple[str, ...], logprobs: bool,
         stop: the stop strings.
         logprobs: return each chosen token's log-probability.
         n: choices per prompt.
+        top_logprobs: and this many likeliest tokens' at each step (with `logprobs`).
 
     Returns:
         n SamplingParams (jaxformer.engine).
@@ -289,6 +298,7 @@ def sampling(body: dict, max_tokens: int, stop: tuple[str, ...], logprobs: bool,
                 seed=None if seed is None else seed + i,
                 stop=stop,
                 logprobs=logprobs,
+                top_logprobs=top_logprobs,
             )
             for i in range(n)
         ]
@@ -358,9 +368,7 @@ def completion_job(body: dict, tok, max_context: int) -> Job:
     n = _n(body, len(prompts))
     if body.get("best_of") is not None and body["best_of"] != n:
         raise bad("best_of", f"only best_of = n ({n}) is supported (each choice is returned)", "unsupported")
-    logprobs = body.get("logprobs")
-    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= 1):
-        raise bad("logprobs", f"0 or 1: the chosen token's log-probability only, got {logprobs!r}", "unsupported")
+    logprobs = _top_logprobs(body, "logprobs", None)  # the chosen token's log-probability and this many likeliest
     stop = _stops(body)
     echo = _bool(body, "echo")
     # With echo, max_tokens 0 asks for the prompt alone (its log-probabilities: OpenAI's legacy scoring call).
@@ -377,7 +385,7 @@ def completion_job(body: dict, tok, max_context: int) -> Job:
                           "context_length_exceeded")  # fmt: skip
     return Job(
         chat=False, prompts=prompts, prompt_texts=texts,
-        params=sampling(body, max(max_tokens, 1), stop, logprobs is not None, n),
+        params=sampling(body, max(max_tokens, 1), stop, logprobs is not None, n, logprobs or 0),
         stream=stream, include_usage=_stream_options(body, stream), echo=echo,
         logprobs=logprobs is not None, stop=stop, score_prompt=score, top_logprobs=logprobs or 0,
         generate=max_tokens > 0,
@@ -444,15 +452,19 @@ def chat_job(body: dict, tok, max_context: int, template) -> Job:
     stream = _bool(body, "stream")
     n = _n(body, 1)
     logprobs = _bool(body, "logprobs")
+    top_logprobs = _top_logprobs(body, "top_logprobs", 0)
+    if top_logprobs and not logprobs:  # as OpenAI
+        raise bad("top_logprobs", "needs logprobs: true")
     stop = tuple(dict.fromkeys(_stops(body) + ((t.end,) if t.end else ())))
     room = max_context - len(ids)
     if room < 1:
         raise bad("messages", f"the conversation is {len(ids)} tokens: the model's context is {max_context}",
                   "context_length_exceeded")  # fmt: skip
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), room, max_context)
+    params = sampling(body, max_tokens, stop, logprobs, n, top_logprobs)
     return Job(
-        chat=True, prompts=[ids], prompt_texts=[text], params=sampling(body, max_tokens, stop, logprobs, n),
-        stream=stream, include_usage=_stream_options(body, stream), echo=False, logprobs=logprobs, stop=stop,
+        chat=True, prompts=[ids], prompt_texts=[text], params=params, stream=stream, echo=False,
+        include_usage=_stream_options(body, stream), logprobs=logprobs, stop=stop, top_logprobs=top_logprobs,
     )  # fmt: skip
 
 
