@@ -191,6 +191,17 @@ def test_greedy_equals_generate(model, eos_id, page_size):
         assert stats["cache_bytes_per_token"] == 2 * c.num_decoder_layers * c.kv_heads * c.dim_per_head * 4
 
 
+@pytest.mark.parametrize("decode_steps", [1, 3])
+def test_prefill_chunks_of_one_position_equal_generate(model, eos_id, decode_steps):
+    """`prefill_chunk=1`: a prompt is read one position a call, and those calls are prefill, not decoding
+    (they once ran as decode steps, feeding back the tokens they drew in place of the prompt's: wrong
+    tokens, no error); with one decoding step a call both take the same compiled program."""
+    prompts, n = _prompts(), 6
+    cfg = EngineConfig(page_size=4, num_pages=40, max_slots=3, prefill_chunk=1, decode_steps=decode_steps)
+    outs = Engine(model, cfg, eos_id=eos_id).generate(prompts, SamplingParams(max_tokens=n))
+    assert [o.token_ids for o in outs] == _reference(model, prompts, n, eos_id)
+
+
 @pytest.fixture(scope="module")
 def mla_model():
     """The two-layer decoder with latent attention (`model.mla`: C = 8, R = 4), parameters x3 as `model`'s."""
@@ -618,7 +629,7 @@ def test_a_call_s_decoding_loop_has_a_trip_count_the_compiler_knows(model):
     """A call of 4 decoding steps compiles to a loop of a known trip count (4), whatever its rows' steps:
     a count read from the rows would make a GPU wait on the host for the loop's predicate at each step."""
     engine = Engine(model, EngineConfig(page_size=4, num_pages=20, max_slots=2, decode_steps=4), eos_id=None)
-    text = engine._lower(engine._blank(2, 1, 8), 1).compile().as_text()
+    text = engine._lower(engine._blank(2, 1, 8), 4).compile().as_text()
     outer = [w for w in re.findall(r"while\(.*", text) if re.search(r'op_name="[^"]*_forward\)/while"', w)]
     assert len(outer) == 1 and '"known_trip_count":{"n":"4"}' in outer[0]
 

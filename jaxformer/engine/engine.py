@@ -147,7 +147,7 @@ class Engine:
         G, K = mcfg.kv_heads, mcfg.dim_per_head
         self.encoder_only = mcfg.mode == "encoder_only"  # scores only (`score`): no cache, no decoding
         self._pools = paged.empty_pools(mcfg, cfg.num_pages, cfg.page_size)  # K/V pages, or MLA's latents
-        self._compiled = {}  # the step's executables, by (rows, width, pages)
+        self._compiled = {}  # the step's executables, by (rows, width, pages, steps[, top_n])
         self.encoder_decoder = mcfg.mode == "encoder_decoder"
         self._memory, self._src_lengths = None, np.zeros(cfg.max_slots, np.int32)
         if self.encoder_decoder:  # each slot's source, as cross-attention keys and values [slots, G, S, K]
@@ -408,10 +408,10 @@ class Engine:
         self._admit()
         prefilling = [r for r in self._slots if r is not None and len(r.tokens) - r.computed > 1]
         if prefilling:
-            self._run(prefilling, self.cfg.prefill_chunk, events)
+            self._run(prefilling, self.cfg.prefill_chunk, events, decode=False)
         decoding = [r for r in self._slots if r is not None and r not in prefilling and len(r.tokens) - r.computed == 1]
         if decoding:
-            self._run(decoding, 1, events)
+            self._run(decoding, 1, events, decode=True)
         return events
 
     def _admit(self) -> None:
@@ -508,14 +508,15 @@ class Engine:
             self._table[req.slot] = 0
             req.slot = None
 
-    def _run(self, reqs: list[_Request], width: int, events: list[Event]) -> None:
-        """One compiled step over `reqs`: the next `width` (at most) uncomputed tokens of each."""
+    def _run(self, reqs: list[_Request], width: int, events: list[Event], decode: bool) -> None:
+        """One compiled step over `reqs`: a prefill chunk, the next `width` (at most) uncomputed tokens of each
+        (a chunk of one included), or (`decode`) up to `decode_steps` steps from each one's last token."""
         spans = {}
         for req in sorted(reqs, key=lambda r: r.order):
             if req.slot is None:  # preempted by an earlier one's reservation
                 continue
             n = min(width, len(req.tokens) - req.computed)
-            if width == 1:  # decode: up to decode_steps tokens, no more than the request may still take
+            if decode:  # up to decode_steps tokens, no more than the request may still take
                 n = min(self.cfg.decode_steps, req.params.max_tokens - len(req.out))
             if self._reserve(req, req.computed + n):
                 spans[req] = n
@@ -533,25 +534,22 @@ class Engine:
         )
         x = self._blank(R, width, P)
         for req, i in row_of.items():
-            n, start = spans[req], req.computed
-            if width == 1:
-                x["ids"][i, 0], x["positions"][i, 0], x["valid"][i, 0] = req.tokens[start], start, True
-                x["steps"][i] = n
-            else:
-                x["ids"][i, :n] = req.tokens[start : start + n]
-                x["positions"][i] = start + np.arange(width)
-                x["valid"][i, :n] = True
-                x["last"][i] = n - 1
+            start = req.computed
+            n = 1 if decode else spans[req]  # positions fed in (decoding feeds the tokens it draws)
+            x["ids"][i, :n] = req.tokens[start : start + n]
+            x["positions"][i] = start + np.arange(width)
+            x["valid"][i, :n] = True
+            x["last"][i], x["steps"][i] = n - 1, spans[req] if decode else 0  # steps: the decoding loop's
             x["table"][i] = self._table[req.slot, :P]
             p = req.params
             x["seeds"][i], x["temps"][i], x["top_k"][i], x["top_p"][i] = req.seed, p.temperature, p.top_k, p.top_p
             x["adapters"][i], x["slots"][i] = req.adapter, req.slot
         # The likeliest tokens' log-probabilities, where a row asks: a variant of the step that returns them.
         top_n = MAX_TOP_LOGPROBS if any(r.params.top_logprobs for r in reqs) else 0
-        out = self._call(x, width, top_n)
+        out = self._call(x, self.cfg.decode_steps if decode else 1, top_n)
         for req, i in row_of.items():
             n = req.params.top_logprobs
-            if width > 1:  # a prefill chunk
+            if not decode:  # a prefill chunk
                 req.computed += spans[req]
                 self._register(req)
                 if req.computed == len(req.tokens):  # its last known token ran: a new one
@@ -577,19 +575,19 @@ class Engine:
             "top_p": np.ones(R, np.float32),
         }  # fmt: skip
 
-    def _call(self, x: dict[str, np.ndarray], width: int, top_n: int = 0) -> tuple:
-        """Run the compiled step on inputs `x` (`_blank`'s, filled): tokens and log-probabilities [R, steps],
-        and None or the `top_n` likeliest ids and their log-probabilities [R, steps, top_n]. Its executable
-        for this shape is compiled the first time (unless `warmup` did; the variant with `top_n` never is)
-        and kept: a call then flattens the arrays and runs, with no jit cache to look up by the model's graph."""
-        shape = (*x["ids"].shape, x["table"].shape[1]) + ((top_n,) if top_n else ())
+    def _call(self, x: dict[str, np.ndarray], steps: int, top_n: int = 0) -> tuple:
+        """Run the compiled step of `steps` steps (a prefill chunk: 1) on inputs `x` (`_blank`'s, filled): tokens
+        and log-probabilities [R, steps], and None or the `top_n` likeliest ids and their log-probabilities
+        [R, steps, top_n]. Its executable for this shape is compiled the first time (unless `warmup` did; the
+        variant with `top_n` never is) and kept: a call then flattens the arrays and runs, with no jit cache
+        to look up by the model's graph."""
+        shape = (*x["ids"].shape, x["table"].shape[1], steps) + ((top_n,) if top_n else ())
         if shape not in self._compiled:
-            self._compiled[shape] = self._lower(x, width, top_n).compile()
+            self._compiled[shape] = self._lower(x, steps, top_n).compile()
         tokens, logp, top, self._pools = self._compiled[shape](*self._inputs(x))
         return np.asarray(tokens), np.asarray(logp), None if top is None else tuple(map(np.asarray, top))
 
-    def _lower(self, x: dict[str, np.ndarray], width: int, top_n: int = 0):
-        steps = self.cfg.decode_steps if width == 1 else 1
+    def _lower(self, x: dict[str, np.ndarray], steps: int, top_n: int = 0):
         _LOWERED[(*x["ids"].shape, x["table"].shape[1]) + ((steps,) if steps > 1 else ())] += 1
         return _forward.lower(self._graphdef, *self._inputs(x), steps=steps, top_n=top_n)
 
@@ -629,13 +627,14 @@ class Engine:
         top, pps = self.cfg.max_slots, self.pages_per_seq
         rows = sorted({_bucket(n, top) for n in range(1, top + 1)})
         pages = sorted({_bucket(n, pps) for n in range(min(-(-_MIN_READ // self.cfg.page_size), pps), pps + 1)})
-        shapes = [(R, width, P) for width in (self.cfg.prefill_chunk, 1) for R in rows for P in pages]
+        calls = dict.fromkeys([(self.cfg.prefill_chunk, 1), (1, self.cfg.decode_steps)])  # (width, steps), once each
+        shapes = [(R, width, P, steps) for width, steps in calls for R in rows for P in pages]
         new = [shape for shape in shapes if shape not in self._compiled]
-        lowered = [self._lower(self._blank(*shape), shape[1]) for shape in new]
+        lowered = [self._lower(self._blank(R, width, P), steps) for R, width, P, steps in new]
         with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
             self._compiled.update(zip(new, pool.map(lambda lowering: lowering.compile(), lowered), strict=True))
-        for R, width, P in new:
-            self._call(self._blank(R, width, P), width)
+        for R, width, P, steps in new:
+            self._call(self._blank(R, width, P), steps)
         return len(shapes)
 
     def _register(self, req: _Request) -> None:
