@@ -185,39 +185,22 @@ def gpt2_served(tmp_path_factory):
     """The tiny GPT-2 imported as a workdir (its tokenizer files in W/hf), `jaxformer serve`'s app on it
     (uvicorn in a thread, a free port of 127.0.0.1), and the native model on the same workdir with the
     same engine settings (so the two share their compilations)."""
-    for extra in ("uvicorn", "starlette", "aiohttp", "tenacity", "transformers"):
+    for extra in ("uvicorn", "starlette", "openai", "aiohttp", "tenacity", "transformers"):
         pytest.importorskip(extra, reason=f"{extra}: the serve, eval and test extras")
-    import socket
-    import threading
-    import time
-
-    import processes
-    import uvicorn
+    from servers import Server
 
     from jaxformer.config import EngineConfig, ServeConfig
     from jaxformer.engine import Engine
     from jaxformer.interop.hf_workdir import import_hf
-    from jaxformer.serve import create_app
 
     workdir = tmp_path_factory.mktemp("served") / "gpt2"
     import_hf(GOLDEN / "gpt2", workdir)
     settings = EngineConfig(max_slots=8, page_size=8)
     engine = Engine.from_workdir(workdir, settings)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app = create_app(engine, ServeConfig(port=port), "tiny-gpt2")
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + processes.HANG_GUARD_S  # a hang guard, not a time budget
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started, "uvicorn did not start"
+    server = Server(engine, ServeConfig(), "tiny-gpt2")
     native = JaxformerLM(workdir=str(workdir), batch_size=8, engine=settings)
-    yield workdir, f"http://127.0.0.1:{port}/v1/completions", engine.max_context, native
-    server.should_exit = True
-    thread.join(20)
+    yield workdir, f"{server.url}/v1/completions", engine.max_context, native
+    server.stop()
 
 
 def test_lm_evals_openai_client_through_serve_gives_the_native_models_numbers(gpt2_served):

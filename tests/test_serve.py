@@ -16,10 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 
 import jax
 import processes
@@ -28,11 +25,12 @@ import pytest
 openai = pytest.importorskip("openai", reason='the test extra is not installed: pip install -e ".[test]"')
 uvicorn = pytest.importorskip("uvicorn", reason='the test extra is not installed: pip install -e ".[test]"')
 
+from servers import Server  # noqa: E402
+
 from jaxformer import decode  # noqa: E402
 from jaxformer.config import Config, DataConfig, DecodeConfig, EngineConfig, ServeConfig, TrainConfig, tiny  # noqa: E402
 from jaxformer.data import ByteTokenizer, templates  # noqa: E402
 from jaxformer.engine import Engine  # noqa: E402
-from jaxformer.serve import create_app  # noqa: E402
 
 MODEL = "tiny-chat"
 KEY = "sk-test-key"
@@ -85,62 +83,6 @@ def reference(workdir):
     return greedy
 
 
-class Server:
-    """uvicorn serving the app in a thread of this process, on a free port of 127.0.0.1."""
-
-    def __init__(self, engine, cfg: ServeConfig):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cfg = cfg.replace(port=port)
-        self.app = create_app(engine, cfg, MODEL)
-        self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + processes.HANG_GUARD_S  # a hang guard: starting takes a busy machine long
-        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.025)
-        assert self.server.started, "uvicorn did not start" + ("" if self.thread.is_alive() else ": its thread ended")
-
-    @property
-    def runner(self):
-        return self.app.state.server.runner
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(20)
-
-    def client(self, key: str | None = KEY, **kw):
-        kw = {"timeout": processes.HANG_GUARD_S} | kw
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or "none", max_retries=0, **kw)
-
-    def post(self, path: str, body: bytes | dict, key: str | None = KEY) -> tuple[int, dict]:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
-        request = urllib.request.Request(self.url + path, data=data, headers=headers)
-        try:
-            with urllib.request.urlopen(request, timeout=processes.HANG_GUARD_S) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
-
-    def health(self) -> dict:
-        with urllib.request.urlopen(self.url + "/health", timeout=processes.HANG_GUARD_S) as r:
-            return json.loads(r.read())
-
-    def idle(self) -> dict:
-        """/health once the engine has nothing unfinished (the aborts and finishes have gone through)."""
-        deadline = time.monotonic() + processes.HANG_GUARD_S  # a hang guard: a busy machine's steps are slow
-        while time.monotonic() < deadline:
-            if not self.runner.call(lambda e: e.has_unfinished()).result(timeout=processes.HANG_GUARD_S):
-                h = self.health()
-                assert not h["engine"].get("running") and not h["engine"].get("waiting"), h
-                return h
-            time.sleep(0.05)
-        raise AssertionError(f"the engine still has work: {self.health()}")
-
-
 @contextlib.contextmanager
 def paced(server, seconds: float = 0.02):
     """The engine's steps slowed to one per `seconds` (tokens then come apart in time, as from a large
@@ -166,7 +108,7 @@ def paced(server, seconds: float = 0.02):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    s = Server(engine, ServeConfig(api_key=KEY))
+    s = Server(engine, ServeConfig(api_key=KEY), MODEL)
     yield s
     s.stop()
 
@@ -552,7 +494,7 @@ def test_the_api_key_is_asked_for_and_checked(server):
 
 def test_without_a_key_the_server_answers_anyone(engine):
     # The module's server owns the engine (one thread only): this one borrows it after that server stopped.
-    s = Server(engine, ServeConfig())
+    s = Server(engine, ServeConfig(), MODEL)
     try:
         assert [m.id for m in s.client(key=None).models.list()] == [MODEL]
     finally:

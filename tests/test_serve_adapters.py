@@ -3,23 +3,20 @@ picking one. The real `openai` client gets the adapter's completion (the engine'
 the base's), an unknown model gets OpenAI's `model_not_found`, and /v1/models lists the base and the adapter."""
 
 import dataclasses
-import socket
-import threading
-import time
 
 import jax
-import processes
 import pytest
 from flax import nnx
 
 openai = pytest.importorskip("openai", reason='the test extra is not installed: pip install -e ".[test]"')
 uvicorn = pytest.importorskip("uvicorn", reason='the test extra is not installed: pip install -e ".[test]"')
 
+from servers import Server  # noqa: E402
+
 from jaxformer import lora  # noqa: E402
 from jaxformer.config import Config, DataConfig, EngineConfig, LoRAConfig, ServeConfig, TrainConfig, tiny  # noqa: E402
 from jaxformer.engine import Engine, SamplingParams  # noqa: E402
 from jaxformer.models import build_model  # noqa: E402
-from jaxformer.serve import create_app  # noqa: E402
 
 MODEL, ADAPTER, PROMPT = "tiny", "tuned", "KING:"
 
@@ -51,22 +48,10 @@ def served(workdirs):
     ids = engine.tokenizer.encode(PROMPT)
     # One request at a time, as the server's will run: one compiled shape for both.
     expected = [engine.generate([ids], SamplingParams(max_tokens=6), adapter=a)[0].text for a in (None, ADAPTER)]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app = create_app(engine, ServeConfig(port=port), MODEL)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + processes.HANG_GUARD_S  # a hang guard: starting takes a busy machine long
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.025)
-    assert server.started, "uvicorn did not start"
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
-                           timeout=processes.HANG_GUARD_S)  # fmt: skip
+    server = Server(engine, ServeConfig(), MODEL)
+    client = server.client()
     yield client, dict(zip((MODEL, ADAPTER), expected, strict=True))
-    server.should_exit = True
-    thread.join(20)
+    server.stop()
 
 
 def test_the_request_model_picks_the_adapter(served):
