@@ -482,6 +482,12 @@ def test_echo_with_logprobs_scores_the_prompt_by_the_models_forward_pass(server,
     assert choice["finish_reason"] == "length" and alone["choices"][0]["finish_reason"] == "length"
 
 
+def test_embeddings_of_a_model_that_generates_are_refused_by_name(server):
+    status, answer = server.post("/v1/embeddings", {"model": MODEL, "input": "x"})
+    assert status == 400 and answer["error"]["code"] == "model_not_supported", answer
+    assert "encoder_only" in answer["error"]["message"] and answer["error"]["param"] == "model"
+
+
 def test_the_api_key_is_asked_for_and_checked(server):
     with pytest.raises(openai.AuthenticationError):
         server.client(key="sk-wrong").completions.create(model=MODEL, prompt="x", max_tokens=2)

@@ -1,9 +1,10 @@
 """`jaxformer serve`: an OpenAI-compatible HTTP server of one model, and a page to try it at `/`.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (the messages written in the workdir's chat
-template, `data.template`), both streamed by server-sent events with `"stream": true`; `GET /v1/models`,
-`GET /health`, and `GET /` (the page: one HTML file, no external assets). Bound to 127.0.0.1 unless told
-otherwise; with `api_key` set, `/v1/*` asks for `Authorization: Bearer KEY`.
+template, `data.template`), both streamed by server-sent events with `"stream": true`; `POST /v1/embeddings`
+(an encoder_only model's); `GET /v1/models`, `GET /health`, and `GET /` (the page: one HTML file, no external
+assets). Bound to 127.0.0.1 unless told otherwise; with `api_key` set, `/v1/*` asks for `Authorization:
+Bearer KEY`.
 
 The app is Starlette on uvicorn. Starlette: a small, well-kept ASGI toolkit whose StreamingResponse
 carries server-sent events and closes the stream's generator when the client goes away (so its requests

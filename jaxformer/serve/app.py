@@ -67,6 +67,7 @@ class _Server:
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
         ]
         self.app = Starlette(
             routes=routes,
@@ -169,9 +170,15 @@ class _Server:
 
     # ------------------------------------------------------------------ generation
 
+    def _generates(self) -> None:
+        if self.engine.encoder_only:
+            raise APIError(400, "this model is encoder_only: it generates nothing; its embeddings are served at "
+                           "/v1/embeddings", "model", "model_not_supported")  # fmt: skip
+
     async def completions(self, request: Request) -> Response:
         async def answer():
             body = await self._body(request, protocol.COMPLETION_FIELDS)
+            self._generates()
             job = self._named(protocol.completion_job(body, self.tok, self.engine.max_context), body)
             scores = await self._score(job) if job.score_prompt else None
             if not job.generate:  # echo with max_tokens 0: the prompt alone, the engine not asked
@@ -186,9 +193,34 @@ class _Server:
     async def chat(self, request: Request) -> Response:
         async def answer():
             body = await self._body(request, protocol.CHAT_FIELDS)
+            self._generates()
             template = getattr(self.engine, "chat_template", None)
             job = self._named(protocol.chat_job(body, self.tok, self.engine.max_context, template), body)
             return await self._run(request, job)
+
+        return await self._guarded(request, answer)
+
+    async def embeddings(self, request: Request) -> Response:
+        """OpenAI's embeddings of an encoder_only model: each input's final hidden states averaged over its
+        positions (`Engine.score(..., "embed")`), in the engine's thread, `max_slots` inputs a call."""
+
+        async def answer():
+            from jaxformer.engine import EngineError
+
+            body = await self._body(request, protocol.EMBEDDING_FIELDS)
+            if not self.engine.encoder_only:
+                raise APIError(400, "embeddings come from an encoder_only model; this one generates: use "
+                               "/v1/completions", "model", "model_not_supported")  # fmt: skip
+            width = self.engine.model.cfg.d_model
+            inputs, as_base64 = protocol.embedding_inputs(body, self.tok, self.engine.max_context, width)
+            adapter = None if body["model"] == self.model_name else body["model"]
+            try:
+                vectors = await asyncio.wrap_future(
+                    self.runner.call(lambda e: e.score(inputs, "embed", adapter=adapter))
+                )
+            except EngineError as e:  # an id outside the vocabulary
+                raise protocol.bad("input", str(e)) from None
+            return JSONResponse(protocol.embeddings_body(vectors, as_base64, body["model"], sum(map(len, inputs))))
 
         return await self._guarded(request, answer)
 

@@ -8,8 +8,10 @@ builds) on an install whose engine does not load.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import math
+import struct
 import time
 import uuid
 
@@ -17,6 +19,7 @@ from jaxformer.data import templates
 
 MAX_CHOICES = 128  # prompts x n of one request: more is a batch job (Engine.generate), not an HTTP call
 MAX_STOPS = 4  # as OpenAI
+MAX_INPUTS = 2048  # an embeddings request's inputs at most, as OpenAI
 # Fields OpenAI defines that change nothing here at their default value (anything else is refused, as
 # OpenAI refuses what it does not know: "Unrecognized request argument supplied").
 _NEUTRAL = {
@@ -39,6 +42,7 @@ _JSON_TYPE = {str: "a string", dict: "an object of string keys and values", bool
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "frequency_penalty", "presence_penalty",
                                "logit_bias", "suffix", "user"}  # fmt: skip
+EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 CHAT_FIELDS = (
     _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"} | set(_NEUTRAL) | set(_IGNORED)
 )
@@ -331,6 +335,80 @@ def _stream_options(body: dict, stream: bool) -> bool:
     return _bool(opts, "include_usage")
 
 
+def _id_lists(body: dict, name: str, tok) -> tuple[list[list[int]], list[str]]:
+    """Field `name` of `body` as OpenAI's prompts and inputs are given (a string, a list of token ids, or a
+    list of either), each as its token ids and its text; none empty."""
+    given = body.get(name)
+    if isinstance(given, str) or (isinstance(given, list) and given and all(_is_int(t) for t in given)):
+        given = [given]
+    if not isinstance(given, list) or not given:
+        raise bad(name, "a string, a list of strings, a list of token ids or a list of them is expected",
+                  "invalid_type")  # fmt: skip
+    ids, texts = [], []
+    for i, p in enumerate(given):
+        if isinstance(p, str):
+            ids.append(tok.encode(p))
+            texts.append(p)
+        elif isinstance(p, list) and all(_is_int(t) for t in p):
+            ids.append(list(p))
+            texts.append(tok.decode(p))
+        else:
+            raise bad(f"{name}[{i}]" if len(given) > 1 else name, "a string or a list of token ids is expected",
+                      "invalid_type")  # fmt: skip
+        if not ids[-1]:
+            raise bad(name, "empty: give at least one token" + (" to continue" if name == "prompt" else ""))
+    return ids, texts
+
+
+def embedding_inputs(body: dict, tok, max_context: int, width: int) -> tuple[list[list[int]], bool]:
+    """A /v1/embeddings body (fields checked, the model named already): its inputs' token ids, and whether
+    the vectors go back in base64 (`encoding_format`: little-endian float32s, as OpenAI's).
+
+    Args:
+        body: the request body.
+        tok (Tokenizer): the model's tokenizer.
+        max_context: the tokens an input may hold at most.
+        width: the embedding's size (`dimensions`, if given, must be it: no shortening).
+
+    Returns:
+        (token ids per input, base64).
+
+    Raises:
+        APIError: a missing, mistyped or out-of-range field, or an input over the context.
+    """
+    inputs, _ = _id_lists(body, "input", tok)
+    if len(inputs) > MAX_INPUTS:
+        raise bad("input", f"{len(inputs)} inputs: at most {MAX_INPUTS} in one request")
+    for i, ids in enumerate(inputs):
+        if len(ids) > max_context:
+            where = f"input[{i}]" if len(inputs) > 1 else "input"
+            raise bad(where, f"{len(ids)} tokens: the model's context is {max_context}", "context_length_exceeded")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise bad("encoding_format", f"'float' or 'base64', got {encoding!r}")
+    if body.get("dimensions") not in (None, width):
+        raise bad("dimensions", f"this model's embeddings have {width} dimensions, not shortened", "unsupported")
+    return inputs, encoding == "base64"
+
+
+def embeddings_body(vectors: list[list[float]], base64_: bool, model: str, tokens: int) -> dict:
+    """OpenAI's answer to /v1/embeddings.
+
+    Args:
+        vectors: one embedding per input, in input order.
+        base64_: each as base64 of its little-endian float32s, else a list of numbers.
+        model: the model the request named.
+        tokens: the inputs' tokens in all.
+
+    Returns:
+        The body.
+    """
+    as_base64 = lambda v: base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode("ascii")
+    data = [{"object": "embedding", "index": i, "embedding": as_base64(v) if base64_ else v}
+            for i, v in enumerate(vectors)]  # fmt: skip
+    return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
 def completion_job(body: dict, tok, max_context: int) -> Job:
     """A /v1/completions body (fields checked, the model named already) as a Job.
 
@@ -345,25 +423,7 @@ def completion_job(body: dict, tok, max_context: int) -> Job:
     Raises:
         APIError: a missing, mistyped or out-of-range field.
     """
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
-        prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt:
-        raise bad("prompt", "a string, a list of strings, a list of token ids or a list of them is expected",
-                  "invalid_type")  # fmt: skip
-    prompts, texts = [], []
-    for i, p in enumerate(prompt):
-        if isinstance(p, str):
-            prompts.append(tok.encode(p))
-            texts.append(p)
-        elif isinstance(p, list) and all(_is_int(t) for t in p):
-            prompts.append(list(p))
-            texts.append(tok.decode(p))
-        else:
-            raise bad(f"prompt[{i}]" if len(prompt) > 1 else "prompt", "a string or a list of token ids is expected",
-                      "invalid_type")  # fmt: skip
-        if not prompts[-1]:
-            raise bad("prompt", "empty: give at least one token to continue")
+    prompts, texts = _id_lists(body, "prompt", tok)
     stream = _bool(body, "stream")
     n = _n(body, len(prompts))
     if body.get("best_of") is not None and body["best_of"] != n:
