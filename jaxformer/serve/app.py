@@ -171,6 +171,7 @@ class _Server:
     # ------------------------------------------------------------------ generation
 
     def _generates(self) -> None:
+        """Refuse a generating route of an encoder_only model, saying where its embeddings are."""
         if self.engine.encoder_only:
             raise APIError(400, "this model is encoder_only: it generates nothing; its embeddings are served at "
                            "/v1/embeddings", "model", "model_not_supported")  # fmt: skip
