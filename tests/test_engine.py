@@ -202,6 +202,19 @@ def test_prefill_chunks_of_one_position_equal_generate(model, eos_id, decode_ste
     assert [o.token_ids for o in outs] == _reference(model, prompts, n, eos_id)
 
 
+def test_ignore_eos_decodes_past_eos_to_max_tokens(model, eos_id):
+    """`ignore_eos`: the EOS drawn is kept as a token and decoding goes on, as `generate` without an EOS
+    id; the other requests of the batch still end at theirs."""
+    prompts, n = _prompts()[:3], 10
+    cfg = EngineConfig(page_size=4, num_pages=40, max_slots=3, prefill_chunk=8, decode_steps=3)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True), SamplingParams(max_tokens=n)] * 2
+    outs = Engine(model, cfg, eos_id=eos_id).generate(prompts, params[:3])
+    past = _reference(model, prompts, n, None)
+    assert eos_id in outs[0].token_ids[:-1] or eos_id in outs[2].token_ids[:-1]  # an EOS mid-way, decoded past
+    assert [outs[0].token_ids, outs[2].token_ids] == [past[0], past[2]]
+    assert outs[1].token_ids == _reference(model, prompts[1:2], n, eos_id)[0]
+
+
 @pytest.fixture(scope="module")
 def mla_model():
     """The two-layer decoder with latent attention (`model.mla`: C = 8, R = 4), parameters x3 as `model`'s."""
@@ -468,6 +481,7 @@ def test_a_request_over_the_pool_is_refused(model):
         ({"logprobs": True, "top_logprobs": 21}, r"top_logprobs must be in \[0, 20\], got 21"),
         ({"top_logprobs": 3}, "top_logprobs = 3 needs logprobs=True"),
         ({"logprobs": True, "top_logprobs": 2.0}, "top_logprobs must be int"),
+        ({"ignore_eos": 1}, "ignore_eos must be bool"),
     ],
 )
 def test_sampling_params_name_the_field(kwargs, match):

@@ -27,6 +27,8 @@ class SamplingParams:
         logprobs: return each chosen token's log-probability.
         top_logprobs: also list the likeliest tokens at each step, this many (0 to MAX_TOP_LOGPROBS; needs
             `logprobs`), likeliest first, with their log-probabilities under the model, as the chosen token's.
+        ignore_eos: an EOS drawn is a token like any other, not the end (`max_tokens` or a stop string ends
+            the request): outputs of a set length, as a throughput benchmark asks (vLLM's `ignore_eos`).
     """
 
     max_tokens: int = 16
@@ -37,6 +39,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self):
         def need(ok, field, message):
@@ -68,6 +71,7 @@ class SamplingParams:
         n = self.top_logprobs
         need(0 <= n <= MAX_TOP_LOGPROBS, "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {n}")
         need(self.logprobs or not n, "top_logprobs", f"= {n} needs logprobs=True")
+        of("ignore_eos", bool)
 
 
 @dataclasses.dataclass
