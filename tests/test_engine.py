@@ -215,6 +215,28 @@ def test_ignore_eos_decodes_past_eos_to_max_tokens(model, eos_id):
     assert outs[1].token_ids == _reference(model, prompts[1:2], n, eos_id)[0]
 
 
+def test_min_tokens_holds_back_eos_until_then(model, eos_id):
+    """`min_tokens`: where greedy decoding would end at EOS before `min_tokens` new tokens, the request takes
+    the likeliest other token there (the model's own logits over the prompt and the tokens before it, EOS
+    left out) and goes on; past `min_tokens` EOS ends it again; `min_tokens` 0 changes nothing."""
+    prompts, n = _prompts(), 12
+    plain = _reference(model, prompts, n, eos_id)
+    early = [i for i, w in enumerate(plain) if len(w) < 6]  # requests greedy ends at EOS within 5 tokens
+    assert early, plain
+    cfg = EngineConfig(page_size=4, num_pages=60, max_slots=4, prefill_chunk=8, decode_steps=3)
+    params = [SamplingParams(max_tokens=n, min_tokens=6 if i in early else 0) for i in range(len(prompts))]
+    outs = Engine(model, cfg, eos_id=eos_id).generate(prompts, params)
+    for i, (out, want) in enumerate(zip(outs, plain, strict=True)):
+        if i not in early:
+            assert out.token_ids == want
+            continue
+        L = len(want)  # greedy drew EOS here
+        assert out.token_ids[:L] == want and len(out.token_ids) >= 6 and eos_id not in out.token_ids
+        logits = np.asarray(model(jnp.asarray([prompts[i] + want]))[0, -1], np.float64)
+        logits[eos_id] = -np.inf
+        assert out.token_ids[L] == int(np.argmax(logits))
+
+
 @pytest.fixture(scope="module")
 def mla_model():
     """The two-layer decoder with latent attention (`model.mla`: C = 8, R = 4), parameters x3 as `model`'s."""
@@ -482,6 +504,7 @@ def test_a_request_over_the_pool_is_refused(model):
         ({"top_logprobs": 3}, "top_logprobs = 3 needs logprobs=True"),
         ({"logprobs": True, "top_logprobs": 2.0}, "top_logprobs must be int"),
         ({"ignore_eos": 1}, "ignore_eos must be bool"),
+        ({"max_tokens": 4, "min_tokens": 5}, r"min_tokens must be in \[0, max_tokens\], got 5"),
     ],
 )
 def test_sampling_params_name_the_field(kwargs, match):
@@ -624,7 +647,7 @@ def test_the_paged_decode_step_compiles_for_a_tpu_slice(d_model, kernel, impl, s
         pool = jax.ShapeDtypeStruct((mcfg.kv_heads, pages, page, mcfg.dim_per_head), mcfg.dtype, sharding=heads)
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)
         sampling = (jax.ShapeDtypeStruct((slots,), np.uint32), jax.ShapeDtypeStruct((slots,), np.float32))
-        sampling = (*sampling, i32(slots), jax.ShapeDtypeStruct((slots,), np.float32))
+        sampling = (*sampling, i32(slots), jax.ShapeDtypeStruct((slots,), np.float32), i32(), i32(slots))
         compiled = engine_steps._forward.lower(
             graphdef, params, [{"k": pool, "v": pool}], i32(slots, 8), i32(slots, 1), i32(slots, 1),
             jax.ShapeDtypeStruct((slots, 1), bool), i32(slots), sampling, None, i32(slots), steps=steps,

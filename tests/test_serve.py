@@ -183,16 +183,22 @@ def test_a_stop_string_ends_the_text_before_it(server, reference):
     assert streamed == out.choices[0].text
 
 
-def test_ignore_eos_answers_max_tokens_whatever_the_model_draws(server, reference):
-    """vLLM's `ignore_eos` (an extension, as `top_k`): each answer is `max_tokens` long, EOS or not; the
-    greedy one is `generate`'s continuation up to where it ends, and the page's text leaves EOS out."""
+def test_ignore_eos_and_min_tokens_answer_max_tokens_where_the_model_draws_eos(server, reference):
+    """vLLM's `ignore_eos` and `min_tokens` (extensions, as `top_k`): draws that end at EOS without them
+    (the seed's) are each `max_tokens` long with them, EOS kept or held back; the greedy answer past EOS
+    is `generate`'s continuation up to where it ends, and the text leaves EOS out."""
     client = server.client()
+    plain = client.completions.create(model=MODEL, prompt=["KING:", "a"], max_tokens=24, n=2, temperature=1.0, seed=5)
+    assert plain.usage.completion_tokens < 4 * 24  # some end at EOS
     out = client.completions.create(model=MODEL, prompt=["KING:", "a"], max_tokens=24, n=2, temperature=1.0,
                                     seed=5, extra_body={"ignore_eos": True})  # fmt: skip
     assert out.usage.completion_tokens == 4 * 24 and {c.finish_reason for c in out.choices} == {"length"}
     greedy = client.completions.create(model=MODEL, prompt="KING:", max_tokens=24, temperature=0,
                                        extra_body={"ignore_eos": True})  # fmt: skip
     assert greedy.choices[0].text.startswith(text_of(reference(ids_of("KING:"), 24)))
+    held = client.completions.create(model=MODEL, prompt=["KING:", "a"], max_tokens=24, temperature=1.0,
+                                     n=2, seed=5, extra_body={"min_tokens": 24})  # fmt: skip
+    assert held.usage.completion_tokens == 4 * 24  # no EOS before 24 tokens: each runs to max_tokens
 
 
 def test_logprobs_are_log_probabilities_of_the_chosen_tokens(server):
@@ -403,6 +409,7 @@ BAD = [  # (body, HTTP status, the field named, a word of the message)
     ({"model": MODEL, "prompt": "x", "seed": 2**32 - 1, "n": 2}, 400, "seed", "[0, 4294967294]"),  # choice 1's 2**32
     ({"model": MODEL, "prompt": "x", "user": 5}, 400, "user", "a string is expected"),
     ({"model": MODEL, "prompt": "x", "ignore_eos": "yes"}, 400, "ignore_eos", "true or false"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 3, "min_tokens": 4}, 400, "min_tokens", "[0, 3]"),
 ]
 BAD_CHAT = [
     (

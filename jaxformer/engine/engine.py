@@ -544,6 +544,7 @@ class Engine:
             p = req.params
             x["seeds"][i], x["temps"][i], x["top_k"][i], x["top_p"][i] = req.seed, p.temperature, p.top_k, p.top_p
             x["adapters"][i], x["slots"][i] = req.adapter, req.slot
+            x["eos_from"][i] = len(req.prompt) + p.min_tokens  # the first position EOS may take
         # The likeliest tokens' log-probabilities, where a row asks: a variant of the step that returns them.
         top_n = MAX_TOP_LOGPROBS if any(r.params.top_logprobs for r in reqs) else 0
         out = self._call(x, self.cfg.decode_steps if decode else 1, top_n)
@@ -572,7 +573,7 @@ class Engine:
             "valid": zeros(bool, (R, width)), "last": zeros(np.int32), "table": zeros(np.int32, (R, P)),
             "steps": zeros(np.int32), "adapters": zeros(np.int32), "slots": zeros(np.int32),
             "seeds": zeros(np.uint32), "temps": zeros(np.float32), "top_k": zeros(np.int32),
-            "top_p": np.ones(R, np.float32),
+            "top_p": np.ones(R, np.float32), "eos_from": zeros(np.int32),
         }  # fmt: skip
 
     def _call(self, x: dict[str, np.ndarray], steps: int, top_n: int = 0) -> tuple:
@@ -594,7 +595,8 @@ class Engine:
     def _inputs(self, x: dict[str, np.ndarray]) -> tuple:
         """`_forward`'s arguments but its static ones (the graph, the steps), from `_blank`'s inputs."""
         source = None if self._memory is None else (self._memory, self._src_lengths, x["slots"])
-        sampling = (x["seeds"], x["temps"], x["top_k"], x["top_p"])
+        eos = np.int32(-1 if self.eos_id is None else self.eos_id)
+        sampling = (x["seeds"], x["temps"], x["top_k"], x["top_p"], eos, x["eos_from"])
         return (
             self._params, self._pools, x["table"], x["ids"], x["positions"], x["valid"], x["last"], sampling, source,
             x["steps"], x["adapters"] if self.adapters else None,

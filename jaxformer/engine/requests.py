@@ -27,6 +27,8 @@ class SamplingParams:
         logprobs: return each chosen token's log-probability.
         top_logprobs: also list the likeliest tokens at each step, this many (0 to MAX_TOP_LOGPROBS; needs
             `logprobs`), likeliest first, with their log-probabilities under the model, as the chosen token's.
+        min_tokens: no EOS is drawn before this many new tokens (vLLM's `min_tokens`; a stop string still
+            ends the text, as `max_tokens` does).
         ignore_eos: an EOS drawn is a token like any other, not the end (`max_tokens` or a stop string ends
             the request): outputs of a set length, as a throughput benchmark asks (vLLM's `ignore_eos`).
     """
@@ -39,6 +41,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    min_tokens: int = 0
     ignore_eos: bool = False
 
     def __post_init__(self):
@@ -71,6 +74,10 @@ class SamplingParams:
         n = self.top_logprobs
         need(0 <= n <= MAX_TOP_LOGPROBS, "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {n}")
         need(self.logprobs or not n, "top_logprobs", f"= {n} needs logprobs=True")
+        of("min_tokens", int)
+        need(
+            0 <= self.min_tokens <= self.max_tokens, "min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}"
+        )
         of("ignore_eos", bool)
 
 

@@ -25,7 +25,9 @@ def _forward(
     rows_B=None, *, steps, top_n=0,
 ):  # fmt: skip
     """One paged step and the next token of each row (from its last valid position `last_B`), then (decode,
-    T = 1) `steps` - 1 more, each feeding the token just drawn, row b running `steps_B[b]` in all; `source`:
+    T = 1) `steps` - 1 more, each feeding the token just drawn, row b running `steps_B[b]` in all; `sampling`:
+    each row's seed, temperature, top-k and top-p, the EOS id (-1: none) and each row's first position that
+    may draw it (`min_tokens`); `source`:
     None, or (per layer the slots' cross-attention keys and values, the slots' source lengths, each row's
     slot); `rows_B`: None, or each row's adapter (engine.adapters). Returns tokens and log-probabilities [B, steps],
     None or (`top_n` > 0) the `top_n` likeliest ids at each step and their log-probabilities [B, steps, top_n]
@@ -38,7 +40,7 @@ def _forward(
         memory_slots, src_lengths_slots, slots_B = source
         memory = jax.tree.map(lambda m: jnp.take(m, slots_B, axis=0), memory_slots)
         src_lengths_B = jnp.take(src_lengths_slots, slots_B, axis=0)
-    seeds_B, temperature_B, top_k_B, top_p_B = sampling
+    seeds_B, temperature_B, top_k_B, top_p_B, eos, eos_from_B = sampling
 
     def one(pools, rows, ids_BT, positions_BT, valid_BT, last_B):
         logits_B1V, pools, rows = paged.paged_step(
@@ -46,6 +48,9 @@ def _forward(
         )
         logits_BV = logits_B1V[:, 0]
         positions_B = jnp.take_along_axis(positions_BT, last_B[:, None], axis=1)[:, 0] + 1  # the drawn token's
+        # `min_tokens`: a row draws no EOS (id `eos`, -1: none) at a position before its `eos_from_B`.
+        held_BV = (jnp.arange(logits_BV.shape[-1]) == eos)[None, :] & (positions_B < eos_from_B)[:, None]
+        logits_BV = jnp.where(held_BV, -jnp.inf, logits_BV)
         keys_B = paged.request_keys(seeds_B, positions_B)
         tokens_B, logp_B = paged.choose_rows(logits_BV, keys_B, temperature_B, top_k_B, top_p_B)
         top = jax.lax.top_k(jax.nn.log_softmax(logits_BV.astype(jnp.float32)), top_n)[::-1] if top_n else ()

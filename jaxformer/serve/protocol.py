@@ -40,7 +40,7 @@ _NEUTRAL = {
 _IGNORED = {"user": str, "metadata": dict, "store": bool, "safety_identifier": str, "prompt_cache_key": str}
 _JSON_TYPE = {str: "a string", dict: "an object of string keys and values", bool: "true or false"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
-           "ignore_eos"}  # fmt: skip
+           "ignore_eos", "min_tokens"}  # fmt: skip
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "frequency_penalty", "presence_penalty",
                                "logit_bias", "suffix", "user"}  # fmt: skip
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
@@ -274,7 +274,7 @@ def sampling(body: dict, max_tokens: int, stop: tuple[str, ...], logprobs: bool,
     """The engine's settings of each of the n choices (a given seed is each choice's seed + its index).
 
     Args:
-        body: the request body (temperature, top_p, top_k, seed, ignore_eos).
+        body: the request body (temperature, top_p, top_k, seed, ignore_eos, min_tokens).
         max_tokens: new tokens at most.
         stop: the stop strings.
         logprobs: return each chosen token's log-probability.
@@ -293,7 +293,8 @@ def sampling(body: dict, max_tokens: int, stop: tuple[str, ...], logprobs: bool,
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     top_k = _int(body, "top_k", 0, 0, 1 << 30)
     seed = _int(body, "seed", None, 0, (1 << 32) - n)  # the engine's seeds are 32 bits; choice i takes seed + i
-    ignore_eos = _bool(body, "ignore_eos")  # an extension, as vLLM's
+    ignore_eos = _bool(body, "ignore_eos")  # extensions, as vLLM's
+    min_tokens = _int(body, "min_tokens", 0, 0, max_tokens)
     try:
         return [
             SamplingParams(
@@ -306,6 +307,7 @@ def sampling(body: dict, max_tokens: int, stop: tuple[str, ...], logprobs: bool,
                 logprobs=logprobs,
                 top_logprobs=top_logprobs,
                 ignore_eos=ignore_eos,
+                min_tokens=min_tokens,
             )
             for i in range(n)
         ]
