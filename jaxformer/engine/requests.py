@@ -28,7 +28,8 @@ class SamplingParams:
         top_logprobs: also list the likeliest tokens at each step, this many (0 to MAX_TOP_LOGPROBS; needs
             `logprobs`), likeliest first, with their log-probabilities under the model, as the chosen token's.
         min_tokens: no EOS is drawn before this many new tokens (vLLM's `min_tokens`; a stop string still
-            ends the text, as `max_tokens` does).
+            ends the text, as `max_tokens` does); the log-probabilities there are of the model's softmax
+            over the other tokens.
         ignore_eos: an EOS drawn is a token like any other, not the end (`max_tokens` or a stop string ends
             the request): outputs of a set length, as a throughput benchmark asks (vLLM's `ignore_eos`).
     """
