@@ -322,11 +322,11 @@ def cmd_serve(args) -> int:
         took = time.perf_counter() - t0
         print(f"warmed up: {shapes} shapes of the step compiled and run in {took:.1f} s", file=sys.stderr)
     url = f"http://{cfg.host}:{cfg.port}"
-    print(
-        f"serving {name} (context {engine.max_context} tokens, chat template {engine.chat_template or 'none'}) at "
-        f"{url}/v1{' (API key required)' if key else ''}; try it at {url}/ ; Ctrl-C stops",
-        file=sys.stderr,
-    )
+    what = f"context {engine.max_context} tokens, chat template {engine.chat_template or 'none'}"
+    where = f"{url}/v1{' (API key required)' if key else ''}; try it at {url}/"
+    if engine.encoder_only:  # it generates nothing: its embeddings only
+        what, where = f"encoder_only, inputs of up to {engine.max_context} tokens", f"{url}/v1/embeddings"
+    print(f"serving {name} ({what}) at {where} ; Ctrl-C stops", file=sys.stderr)
     run(engine, cfg, name)
     return 0
 
