@@ -194,7 +194,14 @@ def cmd_generate(args) -> int:
     others = [s for s in args.set or [] if not s.strip().startswith("decode.")]
     if others:
         raise CommandError(f"--set {others[0]}: `{args.command}` --set changes decoding only (decode.FIELD=VALUE)")
-    from_files = [line for path in expand([args.file]) for _, line in read_lines(path)] if args.file else []
+    from_files = []
+    for path in expand([args.file]) if args.file else []:
+        for number, line in read_lines(path):
+            if not line:  # named by its line: the texts' index would count the files' lines together
+                raise CommandError(
+                    f"{path}:{number}: an empty line; each line of --{args.what}-file is one {args.what}"
+                )
+            from_files.append(line)
     texts = list(args.text or []) + from_files
     if not texts:
         raise CommandError(f"give --{args.what} TEXT or --{args.what}-file FILE")

@@ -736,7 +736,7 @@ CLI_CASES = [
         "generate --workdir {lm} --prompt-file {not_utf8}/prompts.txt",
         r"\S+prompts\.txt:2: not UTF-8 \(invalid start byte at byte 0\)",
     ),
-    cli_case("generate --workdir {lm} --prompt-file {blank}/prompts.txt", r"prompt 1 is empty"),
+    cli_case("generate --workdir {lm} --prompt-file {blank}/prompts.txt", r"\S+prompts\.txt:2: an empty line"),
     cli_case("generate --workdir {lm} --prompt ''", r"prompt 0 is empty"),
     cli_case(
         "generate --workdir {lm} --prompt " + "x" * 200,
