@@ -652,7 +652,7 @@ class Engine:
         p = req.params
         new = ([logp] if p.logprobs else None, None if top is None else [top])
         if token == self.eos_id and not p.ignore_eos:
-            return self._finish(req, "stop", [], events, (None, None)) or True
+            return self._finish(req, "stop", [], events) or True
         req.out.append(token)
         if p.logprobs:
             req.logprobs.append(logp)

@@ -58,6 +58,7 @@ class _Server:
         self.engine, self.cfg, self.model_name = engine, cfg, model_name
         self.names = (model_name, *getattr(engine, "adapters", ()))  # the base, then each LoRA adapter
         self.tok = engine.tokenizer
+        self.width = engine.model.cfg.d_model  # an encoder's embeddings' size (read once: `model` merges the graph)
         self.runner = EngineThread(engine)
         self.created = protocol.now()
         routes = [
@@ -212,8 +213,7 @@ class _Server:
             if not self.engine.encoder_only:
                 raise APIError(400, "embeddings come from an encoder_only model; this one generates: use "
                                "/v1/completions", "model", "model_not_supported")  # fmt: skip
-            width = self.engine.model.cfg.d_model
-            inputs, as_base64 = protocol.embedding_inputs(body, self.tok, self.engine.max_context, width)
+            inputs, as_base64 = protocol.embedding_inputs(body, self.tok, self.engine.max_context, self.width)
             adapter = None if body["model"] == self.model_name else body["model"]
             try:
                 vectors = await asyncio.wrap_future(
