@@ -27,6 +27,7 @@ import pytest
 from flax import nnx
 
 import jaxformer as jf
+import jaxformer.engine  # jf.engine in the API cases, whatever ran before them
 from jaxformer import cli, decode, lora
 from jaxformer.checkpoint import CheckpointWriteError
 from jaxformer.config import ConfigError, DecodeConfig, TrainConfig, apply_overrides, from_dict, load_experiment
@@ -1372,6 +1373,24 @@ API_CASES = [
         ),
         ValueError,
         r"prompt \+ max_tokens = 11 positions need 3 pages at once; the pool has 2 \(engine\.num_pages=3",
+    ),
+    api_case(
+        "SamplingParams top_logprobs without logprobs",
+        lambda m, p: jf.engine.SamplingParams(top_logprobs=3),
+        ValueError,
+        r"top_logprobs = 3 needs logprobs=True",
+    ),
+    api_case(
+        "SamplingParams min_tokens over max_tokens",
+        lambda m, p: jf.engine.SamplingParams(max_tokens=4, min_tokens=5),
+        ValueError,
+        r"min_tokens must be in \[0, max_tokens\], got 5",
+    ),
+    api_case(
+        "SamplingParams ignore_eos not a bool",
+        lambda m, p: jf.engine.SamplingParams(ignore_eos="yes"),
+        ValueError,
+        r"ignore_eos must be bool, got 'yes'",
     ),
     api_case(
         "GRPO group of one",
