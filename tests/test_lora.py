@@ -2,15 +2,10 @@
 than they need (optimizer state of the adapters, the base in the compute dtype)."""
 
 import dataclasses
-import json
-import os
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import processes
 import pytest
 from flax import nnx
 
@@ -203,53 +198,15 @@ def test_decoding_unrolls_a_scanned_adapted_model_with_its_adapters_folded_in():
     assert list(lora.adapters(model)), "the model itself keeps its adapters"
 
 
-# The three cases below, run in one process of its own, which compiles as XLA:CPU does by default (see the
-# test): each case's traceback, or None where it passed, as one JSON line.
-MERGED_KERNELS = """
-import json
-import sys
-import traceback
-import jax
-jax.config.update("jax_numpy_rank_promotion", "raise")
-import test_lora
-failures = {}
-for case in sys.argv[1:]:
-    mode, tied = case.split(":")
-    try:
-        test_lora.adapters_act_as_their_merged_kernels(mode, tied == "True")
-        failures[case] = None
-    except Exception:
-        failures[case] = traceback.format_exc()
-print(json.dumps(failures))
-"""
-MERGED_CASES = [("decoder_only", False), ("encoder_decoder", True), ("encoder_only", False)]
-
-
-@pytest.fixture(scope="module")
-def merged_kernels() -> dict:
-    """{"MODE:TIED": the case's traceback, or None}: every case of MERGED_CASES in one process (a process
-    costs seconds of imports before any work)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    cases = [f"{mode}:{tied}" for mode, tied in MERGED_CASES]
-    out = processes.run([sys.executable, "-c", MERGED_KERNELS, *cases], cwd=pathlib.Path(__file__).parent, env=env)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.splitlines()[-1])
-
-
-@pytest.mark.parametrize("mode, tied", MERGED_CASES)
-def test_embedding_and_output_adapters_act_as_their_merged_kernels(merged_kernels, mode, tied):
+@pytest.mark.parametrize("mode, tied", [("decoder_only", False), ("encoder_decoder", True), ("encoder_only", False)])
+def test_embedding_and_output_adapters_act_as_their_merged_kernels(mode, tied):
     """`embed` adapts the token embedding, looked up by id and, tied, as the output projection too;
     `head` an untied output kernel. Zero B is the base; random B gives the merged kernels' logits.
 
-    In a process of its own (one for the three cases), which compiles with XLA:CPU's default (fusion)
-    emitters: at these random B's the merged kernels' logits are within 1e-5 of the adapted model's only
-    just (8e-6 of it used, op by op), and the elemental emitters the test session compiles with
-    (tests/conftest.py) round them 1.7e-5 apart."""
-    failure = merged_kernels[f"{mode}:{tied}"]
-    assert failure is None, failure
-
-
-def adapters_act_as_their_merged_kernels(mode, tied):
+    Held to 1e-5 of the logits' largest size (~13 here): adapted and merged, each logit is a different sum
+    of float32 products of that size, and how XLA:CPU rounds them depends on its emitters and the
+    processor (1.4e-5 apart at a logit of 0.08 on an Intel Xeon, 1.7e-5 under the elemental emitters);
+    a merge that drops the adapters' scale or transposes B moves them by 0.1 or more."""
     mcfg = C.tiny(mode, tie_output=tied)
     targets = ("embed", "q") if tied else ("embed", "head", "q")
     cfg = config(mode, rank=2, tie_output=tied)
@@ -263,7 +220,7 @@ def adapters_act_as_their_merged_kernels(mode, tied):
         adapter.b[...] = jax.random.normal(jax.random.key(i), adapter.b.shape)
     expected = logits(model, mode, ids)
     merged = lora.merge(nnx.clone(model))
-    np.testing.assert_allclose(logits(merged, mode, ids), expected, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(logits(merged, mode, ids), expected, atol=1e-5 * np.abs(expected).max(), rtol=0)
     assert not np.allclose(expected, logits(Transformer(mcfg, rngs=nnx.Rngs(0)), mode, ids))
 
 
