@@ -443,6 +443,43 @@ def start_workdir(workdir: str | pathlib.Path, cfg: Config, state) -> None:
     (pathlib.Path(workdir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
 
 
+# ----------------------------------------------------------------------------- class names
+
+LABELS_FILE = "labels.json"  # WORKDIR/labels.json: a classifier's class names, by index (written by training)
+
+
+def write_labels(workdir: str | pathlib.Path, labels) -> None:
+    """Keep a classifier's class names in its workdir (`class_labels` reads them back).
+
+    Args:
+        workdir: the training workdir.
+        labels (Sequence[str]): the class names, by index (the data's label set).
+    """
+    (pathlib.Path(workdir) / LABELS_FILE).write_text(json.dumps(list(labels)) + "\n")
+
+
+def class_labels(workdir: str | pathlib.Path, num_classes: int) -> tuple[str, ...]:
+    """A classifier's class names, by index: those its training kept (`write_labels`), else an imported
+    model's `id2label` (WORKDIR/hf/config.json; not where the import gave it a new head of another size),
+    else Hugging Face's defaults (`LABEL_0`, ...); a class past the names found is named by the default too.
+
+    Args:
+        workdir: a training workdir or an exported directory.
+        num_classes: the model's classes (model.num_classes).
+
+    Returns:
+        num_classes names.
+    """
+    workdir, found = pathlib.Path(workdir), []
+    if (workdir / LABELS_FILE).is_file():
+        found = [str(x) for x in json.loads((workdir / LABELS_FILE).read_text())]
+    elif (workdir / HF_DIR / "config.json").is_file():
+        id2label = json.loads((workdir / HF_DIR / "config.json").read_text()).get("id2label") or {}
+        if len(id2label) == num_classes:
+            found = [str(id2label.get(str(c), f"LABEL_{c}")) for c in range(num_classes)]
+    return tuple(found[:num_classes]) + tuple(f"LABEL_{c}" for c in range(len(found), num_classes))
+
+
 # ----------------------------------------------------------------------------- export
 
 
@@ -520,7 +557,7 @@ def export(workdir: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(out / "params", params, force=True)
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    for extra in ("tokenizer.model", "tokenizer.vocab"):
+    for extra in ("tokenizer.model", "tokenizer.vocab", LABELS_FILE):
         if (workdir / extra).is_file():
             (out / extra).write_bytes((workdir / extra).read_bytes())
     if (workdir / HF_DIR).is_dir():  # an imported model's tokenizer (data.tokenizer="hf")

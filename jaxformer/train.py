@@ -457,7 +457,7 @@ def _fit(
     from tqdm.auto import tqdm
 
     from jaxformer import chips, decode, observe
-    from jaxformer.checkpoint import Checkpointer
+    from jaxformer.checkpoint import Checkpointer, write_labels
     from jaxformer.data import build_dataset, sources
 
     if cfg.data.source == "files":
@@ -489,6 +489,8 @@ def _fit(
     if tcfg.objective == "preference":  # {prompt, chosen, rejected} records
         from jaxformer.post_train.pairs import build_pairs as build_dataset
     data = build_dataset(cfg, workdir, progress=not quiet)
+    if lead and tcfg.objective == "classify":  # the class names, for a server's answers and export-hf's id2label
+        write_labels(workdir, data.labels)
     train_step, eval_step = jit_steps(*make_steps(graphdef, cfg, optimizer), state, mesh)
 
     # grain threads read this process's rows of the coming steps while the accelerator runs.

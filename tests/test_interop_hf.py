@@ -437,3 +437,31 @@ def test_import_hf_train_export_hf(tmp_path, capsys):
     assert cli.main(["generate", "--hf", str(out), *prompt, "--set", "decode.max_new_tokens=500"]) == 0
     room = 64 - len(tok.encode("KING HENRY:").ids)
     assert f"note: at most {room} new tokens (decode.max_new_tokens=500): model.max_len=64" in capsys.readouterr().err
+
+
+def test_a_classifier_s_class_names_come_in_with_import_hf_and_go_out_with_export_hf(tmp_path):
+    """An imported sequence classifier keeps its `id2label`: the engine names its classes by it and
+    `export-hf` writes it back (it once wrote LABEL_0...); a classifier trained here exports the names its
+    training kept (WORKDIR/labels.json) instead; a model without names gets Hugging Face's defaults."""
+    from jaxformer.checkpoint import class_labels, write_labels
+    from jaxformer.engine import Engine
+    from jaxformer.interop.hf_workdir import export_hf, import_hf
+
+    source, workdir = tmp_path / "bert", tmp_path / "run"
+    names = {"0": "negative", "1": "neutral", "2": "positive"}
+    cfg = jf.bert_base(**SMALL | dict(vocab_size=300), num_encoder_layers=1, num_classes=3)
+    label2id = {name: int(c) for c, name in names.items()}
+    hf.save_hf(randomized(cfg), source, extra_config={"id2label": names, "label2id": label2id})
+    bpe_tokenizer().save(str(source / "tokenizer.json"))
+    import_hf(source, workdir, overrides=["train.objective=classify"])
+    assert Engine.from_workdir(workdir).labels == ("negative", "neutral", "positive")
+    export_hf(workdir, tmp_path / "out")
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["id2label"] == names and exported["label2id"] == label2id
+
+    write_labels(workdir, ["bad", "fine", "good"])  # as a classify run in this workdir leaves it
+    export_hf(workdir, tmp_path / "again")
+    again = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert again["id2label"] == {"0": "bad", "1": "fine", "2": "good"}
+    assert class_labels(tmp_path / "nowhere", 2) == ("LABEL_0", "LABEL_1")
+    assert class_labels(workdir, 4) == ("bad", "fine", "good", "LABEL_3")  # more classes than names

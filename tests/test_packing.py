@@ -158,7 +158,8 @@ def test_packed_classification_rows_hold_at_most_max_segments():
 
 def test_a_packed_classification_run_trains_evaluates_and_reports_its_baseline(tmp_path):
     """To the end of `fit`: packed training rows, unpacked evaluation, and the majority-class
-    baseline counted from the packed rows' real segments (it once failed on labels [B, N])."""
+    baseline counted from the packed rows' real segments (it once failed on labels [B, N]); the
+    workdir keeps the data's class names."""
     import json
 
     from jaxformer.evaluate import evaluate_model
@@ -171,3 +172,5 @@ def test_a_packed_classification_run_trains_evaluates_and_reports_its_baseline(t
     assert any(0.5 < row.get("real_fraction", 0) <= 1 for row in rows), "the packed rows' real-token share is logged"
     held_out = evaluate_model(cfg, r["graphdef"], r["state"].params, r["data"], r["eval_step"], r["state"], 2)
     assert 0 <= held_out["majority_accuracy"] <= 1 and 0 <= held_out["test_accuracy"] <= 1
+    labels = json.loads((tmp_path / "labels.json").read_text())  # the class names, kept for serving and export-hf
+    assert labels == list(r["data"].labels) and len(labels) > 2

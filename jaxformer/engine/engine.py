@@ -137,6 +137,8 @@ class Engine:
                 raise EngineError(f"{name}={value!r} is not an id of the vocabulary [0, {mcfg.vocab_size})")
         self.cfg, self.tokenizer, self.eos_id, self.bos_id = cfg, tokenizer, eos_id, bos_id
         self.chat_template: str | None = None
+        # A classifier's class names, by index (`from_workdir`: the workdir's own; else Hugging Face's defaults).
+        self.labels = tuple(f"LABEL_{c}" for c in range(mcfg.num_classes))
         self.vocab_size = mcfg.vocab_size
         self.max_context = cfg.max_context or mcfg.max_len
         self.pages_per_seq = -(-self.max_context // cfg.page_size)
@@ -178,7 +180,8 @@ class Engine:
     @classmethod
     def from_workdir(cls, workdir, cfg: EngineConfig | None = None, *, adapters: dict | None = None) -> Engine:
         """An engine over a training workdir's latest checkpoint (or an exported directory): its model,
-        tokenizer (EOS, BOS) and the chat template of its data (`data.template`), if any.
+        tokenizer (EOS, BOS), the chat template of its data (`data.template`), if any, and a classifier's
+        class names (`checkpoint.class_labels`).
 
         Args:
             workdir (str | pathlib.Path): a training workdir or a directory `jaxformer export` wrote.
@@ -192,7 +195,7 @@ class Engine:
             FileNotFoundError: no config.json or no checkpoint there.
             EngineError: an adapter that does not fit the model.
         """
-        from jaxformer.checkpoint import load_workdir
+        from jaxformer.checkpoint import class_labels, load_workdir
         from jaxformer.data import load_tokenizer
 
         model, run = load_workdir(workdir)
@@ -200,6 +203,7 @@ class Engine:
         bos = getattr(tok, "bos_id", None)
         engine = cls(model, cfg, tokenizer=tok, eos_id=tok.eos_id, bos_id=bos, adapters=adapters)
         engine.chat_template = None if run.data.template == "none" else run.data.template
+        engine.labels = class_labels(workdir, run.model.num_classes)
         return engine
 
     @property

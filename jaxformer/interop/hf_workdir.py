@@ -122,7 +122,7 @@ def export_hf(workdir, out, adapter: bool = False, overwrite: bool = False) -> p
     removes the files of an older export first (`out` must hold a config.json or
     adapter_config.json: a model directory, not any directory)."""
     from jaxformer import lora
-    from jaxformer.checkpoint import restore_workdir
+    from jaxformer.checkpoint import class_labels, restore_workdir
 
     workdir, out = pathlib.Path(workdir), pathlib.Path(out)
     _check_export_target(out, overwrite)
@@ -142,6 +142,9 @@ def export_hf(workdir, out, adapter: bool = False, overwrite: bool = False) -> p
         model = lora.merge(nnx.merge(graphdef, state.weights))  # LoRA: the adapters folded into the weights
         ours = hf.config_to_hf(cfg.model, family)  # raises, naming the fields, if no family expresses the model
         extra = {k: v for k, v in original.items() if k not in ours and k not in ("torch_dtype", "dtype")}
+        if "id2label" in ours:  # a classifier: its class names (training's, or the imported id2label kept)
+            labels = class_labels(workdir, cfg.model.num_classes)
+            extra |= {"id2label": dict(enumerate(labels)), "label2id": {name: c for c, name in enumerate(labels)}}
     try:
         if overwrite and out.is_dir():
             for old in out.iterdir():  # the older export's files: weights, index, configs, tokenizer
