@@ -331,8 +331,10 @@ def cmd_serve(args) -> int:
     url = f"http://{cfg.host}:{cfg.port}"
     what = f"context {engine.max_context} tokens, chat template {engine.chat_template or 'none'}"
     where = f"{url}/v1{' (API key required)' if key else ''}; try it at {url}/"
-    if engine.encoder_only:  # it generates nothing: its embeddings only
-        what, where = f"encoder_only, inputs of up to {engine.max_context} tokens", f"{url}/v1/embeddings"
+    if engine.encoder_only:  # it generates nothing: its embeddings and classes only
+        what = f"encoder_only, inputs of up to {engine.max_context} tokens"
+        classes = f" and {url}/v1/classify ({len(engine.labels)} classes)" if engine.labels else ""
+        where = f"{url}/v1/embeddings{classes}"
     print(f"serving {name} ({what}) at {where} ; Ctrl-C stops", file=sys.stderr)
     run(engine, cfg, name)
     return 0

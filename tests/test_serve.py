@@ -502,8 +502,9 @@ def test_echo_with_logprobs_scores_the_prompt_by_the_models_forward_pass(server,
     assert choice["finish_reason"] == "length" and alone["choices"][0]["finish_reason"] == "length"
 
 
-def test_embeddings_of_a_model_that_generates_are_refused_by_name(server):
-    status, answer = server.post("/v1/embeddings", {"model": MODEL, "input": "x"})
+@pytest.mark.parametrize("route", ["/v1/embeddings", "/v1/classify", "/classify"])
+def test_embeddings_and_classes_of_a_model_that_generates_are_refused_by_name(server, route):
+    status, answer = server.post(route, {"model": MODEL, "input": "x"})
     assert status == 400 and answer["error"]["code"] == "model_not_supported", answer
     assert "encoder_only" in answer["error"]["message"] and answer["error"]["param"] == "model"
 

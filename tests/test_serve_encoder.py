@@ -2,7 +2,8 @@
 averaged over its positions. The real `openai` client (which asks for base64) and plain JSON floats get
 the model's own mean states of each input alone (no padding, no batch); malformed requests get a 400
 naming the field, and the server answers on; a generating route on this model, or embeddings of a model
-that generates, are refused by name."""
+that generates, are refused by name. A classifier's `/v1/classify` (vLLM's `/classify`): each input's
+class probabilities as the model gives them alone, named by the workdir's class names."""
 
 import base64
 import struct
@@ -18,6 +19,7 @@ pytest.importorskip("uvicorn", reason='the test extra is not installed: pip inst
 
 from servers import Server  # noqa: E402
 
+from jaxformer.checkpoint import write_labels  # noqa: E402
 from jaxformer.config import Config, DataConfig, EngineConfig, ServeConfig, TrainConfig, tiny  # noqa: E402
 from jaxformer.data import ByteTokenizer  # noqa: E402
 from jaxformer.engine import Engine  # noqa: E402
@@ -25,21 +27,39 @@ from jaxformer.engine import Engine  # noqa: E402
 MODEL, MAX_LEN = "tiny-encoder", 48
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """A step-0 workdir of a tiny byte-level encoder (masked-LM), served; and its model."""
+def _encoder_workdir(path, num_classes: int = 0):
+    """A step-0 workdir of a tiny byte-level encoder: masked-LM, or a classifier of `num_classes`."""
     from jaxformer.checkpoint import start_workdir
     from jaxformer.state import state_factory
 
+    model = tiny("encoder_only", vocab_size=260, d_model=32, d_ff=64, num_encoder_layers=1, max_len=MAX_LEN,
+                 num_classes=num_classes)  # fmt: skip
     cfg = Config(
-        model=tiny("encoder_only", vocab_size=260, d_model=32, d_ff=64, num_encoder_layers=1, max_len=MAX_LEN),
+        model=model,
         data=DataConfig(source="files", files=("a.txt",), tokenizer="byte", max_len=MAX_LEN),
-        train=TrainConfig(objective="mlm"),
+        train=TrainConfig(objective="classify" if num_classes else "mlm"),
     )
-    path = tmp_path_factory.mktemp("serve-embed") / "run"
     start_workdir(path, cfg, jax.jit(state_factory(cfg)[1])())
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A masked-LM encoder's workdir, served; and its model."""
+    path = _encoder_workdir(tmp_path_factory.mktemp("serve-embed") / "run")
     engine = Engine.from_workdir(path, EngineConfig(max_slots=2))
     server = Server(engine, ServeConfig(), MODEL)
+    yield server, engine.model
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    """A classifier's workdir of three classes, with the names a classify run keeps, served; and its model."""
+    path = _encoder_workdir(tmp_path_factory.mktemp("serve-classify") / "run", num_classes=3)
+    write_labels(path, ["bad", "fine", "good"])
+    engine = Engine.from_workdir(path, EngineConfig(max_slots=2))
+    server = Server(engine, ServeConfig(api_key="k"), "tiny-classifier")
     yield server, engine.model
     server.stop()
 
@@ -101,3 +121,53 @@ def test_an_encoder_generates_nothing_and_says_where_its_embeddings_are(served):
         assert status == 400 and answer["error"]["code"] == "model_not_supported", answer
         assert "/v1/embeddings" in answer["error"]["message"]
     assert server.client().embeddings.create(model=MODEL, input="still here").data[0].embedding
+
+
+def test_classify_gives_each_input_s_class_probabilities_and_names_the_likeliest(classifier):
+    """vLLM's format at both paths: probs are the model's softmax over its classes on each input alone (no
+    padding, no batch), label the likeliest's name from the workdir; ids in, the same answer."""
+    server, model = classifier
+    texts = ["what a great app", "meh", "it crashes on every start, twice a day"]  # two calls over two slots
+    ids = [ByteTokenizer().encode(t) for t in texts]
+    alone = nnx.jit(lambda m, x: jax.nn.softmax(m.classify(x)))
+    want = [np.asarray(alone(model, jnp.asarray([x]))[0]) for x in ids]
+    assert len({int(np.argmax(w)) for w in want}) > 1, "inputs the model tells apart"
+    status, out = server.post("/v1/classify", {"model": "tiny-classifier", "input": texts})
+    assert status == 200, out
+    assert out["object"] == "list" and out["id"].startswith("classify-") and out["model"] == "tiny-classifier"
+    assert out["usage"] == {"prompt_tokens": sum(map(len, ids)), "total_tokens": sum(map(len, ids)),
+                            "completion_tokens": 0}  # fmt: skip
+    for i, (d, w) in enumerate(zip(out["data"], want, strict=True)):
+        assert d["index"] == i and d["num_classes"] == 3
+        np.testing.assert_allclose(d["probs"], w, rtol=1e-5, atol=1e-6)
+        assert d["label"] == ["bad", "fine", "good"][int(np.argmax(w))]
+    status, same = server.post("/classify", {"model": "tiny-classifier", "input": ids})  # vLLM's path, token ids
+    assert status == 200 and [d["probs"] for d in same["data"]] == [d["probs"] for d in out["data"]], same
+    status, one = server.post("/v1/classify", {"model": "tiny-classifier", "input": texts[1]})
+    assert status == 200 and one["data"][0]["label"] == out["data"][1]["label"], one
+    assert server.post("/v1/classify", {"model": "tiny-classifier", "input": "x"}, key=None)[0] == 401
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"model": "tiny-classifier", "input": []}, "input", "a string, a list of strings"),
+        ({"model": "tiny-classifier", "input": "x" * (MAX_LEN + 1)}, "input", "context"),
+        ({"model": "tiny-classifier", "input": [[5, 999]]}, "input", "vocabulary"),
+        ({"model": "tiny-classifier", "input": "x", "encoding_format": "float"}, "encoding_format", "unrecognized"),
+    ],
+)
+def test_a_bad_classify_request_is_a_400_naming_the_field(classifier, body, param, message):
+    server, _ = classifier
+    status, answer = server.post("/v1/classify", body)
+    assert status == 400 and answer["error"]["param"] == param and message in answer["error"]["message"], answer
+
+
+def test_classify_of_a_model_without_classes_is_refused_and_a_classifier_generates_nothing(served, classifier):
+    server, _ = served
+    status, answer = server.post("/classify", {"model": MODEL, "input": "x"})
+    assert status == 400 and answer["error"]["code"] == "model_not_supported", answer
+    assert "no classification head" in answer["error"]["message"] and "/v1/embeddings" in answer["error"]["message"]
+    server, _ = classifier
+    status, answer = server.post("/v1/completions", {"model": "tiny-classifier", "prompt": "x"})
+    assert status == 400 and "/v1/classify" in answer["error"]["message"], answer

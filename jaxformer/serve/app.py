@@ -69,6 +69,8 @@ class _Server:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            Route("/v1/classify", self.classify, methods=["POST"]),  # SGLang's path
+            Route("/classify", self.classify, methods=["POST"]),  # vLLM's
         ]
         self.app = Starlette(
             routes=routes,
@@ -172,10 +174,11 @@ class _Server:
     # ------------------------------------------------------------------ generation
 
     def _generates(self) -> None:
-        """Refuse a generating route of an encoder_only model, saying where its embeddings are."""
+        """Refuse a generating route of an encoder_only model, saying where its scores are."""
         if self.engine.encoder_only:
-            raise APIError(400, "this model is encoder_only: it generates nothing; its embeddings are served at "
-                           "/v1/embeddings", "model", "model_not_supported")  # fmt: skip
+            where = "/v1/embeddings" + (" and its classes at /v1/classify" if self.engine.labels else "")
+            raise APIError(400, f"this model is encoder_only: it generates nothing; its embeddings are served at "
+                           f"{where}", "model", "model_not_supported")  # fmt: skip
 
     async def completions(self, request: Request) -> Response:
         async def answer():
@@ -222,6 +225,33 @@ class _Server:
             except EngineError as e:  # an id outside the vocabulary
                 raise protocol.bad("input", str(e)) from None
             return JSONResponse(protocol.embeddings_body(vectors, as_base64, body["model"], sum(map(len, inputs))))
+
+        return await self._guarded(request, answer)
+
+    async def classify(self, request: Request) -> Response:
+        """vLLM's classification of an encoder_only model with a classification head: each input's class
+        probabilities (`Engine.score(..., "classify")`) and the likeliest class's name (`Engine.labels`)."""
+
+        async def answer():
+            from jaxformer.engine import EngineError
+
+            body = await self._body(request, protocol.CLASSIFY_FIELDS)
+            if not self.engine.encoder_only:
+                raise APIError(400, "classes come from an encoder_only model with a classification head; this one "
+                               "generates: use /v1/completions", "model", "model_not_supported")  # fmt: skip
+            if not self.engine.labels:
+                raise APIError(400, "this model has no classification head (model.num_classes=0): its embeddings "
+                               "are served at /v1/embeddings", "model", "model_not_supported")  # fmt: skip
+            inputs = protocol.scored_inputs(body, self.tok, self.engine.max_context)
+            adapter = None if body["model"] == self.model_name else body["model"]
+            try:
+                logprobs = await asyncio.wrap_future(
+                    self.runner.call(lambda e: e.score(inputs, "classify", adapter=adapter))
+                )
+            except EngineError as e:  # an id outside the vocabulary
+                raise protocol.bad("input", str(e)) from None
+            tokens = sum(map(len, inputs))
+            return JSONResponse(protocol.classify_body(logprobs, self.engine.labels, body["model"], tokens))
 
         return await self._guarded(request, answer)
 

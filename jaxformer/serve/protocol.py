@@ -19,7 +19,7 @@ from jaxformer.data import templates
 
 MAX_CHOICES = 128  # prompts x n of one request: more is a batch job (Engine.generate), not an HTTP call
 MAX_STOPS = 4  # as OpenAI
-MAX_INPUTS = 2048  # an embeddings request's inputs at most, as OpenAI
+MAX_INPUTS = 2048  # an embeddings or classify request's inputs at most (OpenAI's for embeddings)
 # Fields OpenAI defines that change nothing here at their default value (anything else is refused, as
 # OpenAI refuses what it does not know: "Unrecognized request argument supplied").
 _NEUTRAL = {
@@ -44,6 +44,7 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream"
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "frequency_penalty", "presence_penalty",
                                "logit_bias", "suffix", "user"}  # fmt: skip
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
+CLASSIFY_FIELDS = {"model", "input", "user"}
 CHAT_FIELDS = (
     _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"} | set(_NEUTRAL) | set(_IGNORED)
 )
@@ -365,6 +366,53 @@ def _id_lists(body: dict, name: str, tok) -> tuple[list[list[int]], list[str]]:
     return ids, texts
 
 
+def scored_inputs(body: dict, tok, max_context: int) -> list[list[int]]:
+    """The token ids of a body's `input` (/v1/embeddings, /v1/classify): a string, a list of strings, a list
+    of token ids or a list of such lists, at most MAX_INPUTS, each within the context.
+
+    Args:
+        body: the request body (fields checked, the model named already).
+        tok (Tokenizer): the model's tokenizer.
+        max_context: the tokens an input may hold at most.
+
+    Returns:
+        The token ids of each input.
+
+    Raises:
+        APIError: a missing or mistyped input, too many, or one over the context.
+    """
+    inputs, _ = _id_lists(body, "input", tok)
+    if len(inputs) > MAX_INPUTS:
+        raise bad("input", f"{len(inputs)} inputs: at most {MAX_INPUTS} in one request")
+    for i, ids in enumerate(inputs):
+        if len(ids) > max_context:
+            where = f"input[{i}]" if len(inputs) > 1 else "input"
+            raise bad(where, f"{len(ids)} tokens: the model's context is {max_context}", "context_length_exceeded")
+    return inputs
+
+
+def classify_body(logprobs: list[list[float]], labels: tuple[str, ...], model: str, tokens: int) -> dict:
+    """vLLM's answer to /classify (SGLang's /v1/classify): each input's class probabilities and the
+    likeliest class's name.
+
+    Args:
+        logprobs: each input's C class log-probabilities, in input order.
+        labels: the C class names, by index.
+        model: the model the request named.
+        tokens: the inputs' tokens in all.
+
+    Returns:
+        The body.
+    """
+    data = []
+    for i, row in enumerate(logprobs):
+        probs = [math.exp(x) for x in row]
+        best = max(range(len(probs)), key=probs.__getitem__)
+        data.append({"index": i, "label": labels[best], "probs": probs, "num_classes": len(probs)})
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+    return {"id": new_id("classify"), "object": "list", "created": now(), "model": model, "data": data, "usage": usage}
+
+
 def embedding_inputs(body: dict, tok, max_context: int, width: int) -> tuple[list[list[int]], bool]:
     """A /v1/embeddings body (fields checked, the model named already): its inputs' token ids, and whether
     the vectors go back in base64 (`encoding_format`: little-endian float32s, as OpenAI's).
@@ -381,13 +429,7 @@ def embedding_inputs(body: dict, tok, max_context: int, width: int) -> tuple[lis
     Raises:
         APIError: a missing, mistyped or out-of-range field, or an input over the context.
     """
-    inputs, _ = _id_lists(body, "input", tok)
-    if len(inputs) > MAX_INPUTS:
-        raise bad("input", f"{len(inputs)} inputs: at most {MAX_INPUTS} in one request")
-    for i, ids in enumerate(inputs):
-        if len(ids) > max_context:
-            where = f"input[{i}]" if len(inputs) > 1 else "input"
-            raise bad(where, f"{len(ids)} tokens: the model's context is {max_context}", "context_length_exceeded")
+    inputs = scored_inputs(body, tok, max_context)
     encoding = body.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
         raise bad("encoding_format", f"'float' or 'base64', got {encoding!r}")
