@@ -1393,6 +1393,20 @@ API_CASES = [
         r"ignore_eos must be bool, got 'yes'",
     ),
     api_case(
+        "SamplingParams presence_penalty out of OpenAI's range",
+        lambda m, p: jf.engine.SamplingParams(presence_penalty=3),
+        ValueError,
+        r"presence_penalty must be in \[-2, 2\], got 3",
+    ),
+    api_case(
+        "SamplingParams logit_bias of a token outside the vocabulary",
+        lambda m, p: jf.engine.Engine(m[LM], jf.config.EngineConfig(page_size=4, num_pages=8), eos_id=2).add_request(
+            [3, 4], jf.engine.SamplingParams(max_tokens=4, logit_bias={10**6: -100})
+        ),
+        ValueError,
+        r"logit_bias: token id 1000000 is outside the vocabulary \[0, ",
+    ),
+    api_case(
         "GRPO group of one",
         lambda m, p: jf.config.GRPOConfig(group_size=1),
         ConfigError,

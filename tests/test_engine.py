@@ -242,6 +242,76 @@ def test_min_tokens_holds_back_eos_until_then(model, eos_id):
         assert out.token_ids[L] == int(np.argmax(at))
 
 
+PENALIZED = [  # (row's params): each penalty alone, all of them together, and a row without any beside them
+    dict(presence_penalty=-2.0),  # negative: the output's tokens again
+    dict(frequency_penalty=0.7),
+    dict(repetition_penalty=1.6),
+    dict(logit_bias={5: 4.0, 30: -100.0}),
+    dict(),
+    dict(presence_penalty=-0.5, frequency_penalty=2.0, repetition_penalty=0.8, logit_bias={7: 3.0}),
+]
+
+
+def _penalized_reference(model, prompts, kwargs, n):
+    """Greedy decoding with each row's penalties and biases applied to its logits as written in numpy
+    (OpenAI's presence and frequency penalties over the output's counts, the repetition penalty over
+    prompt and output, biases added), every step's logits from one forward pass over the whole sequence."""
+    forward = nnx.jit(lambda m, x: m(x))
+    outs = [[] for _ in prompts]
+    for _ in range(n):
+        rows = [p + o for p, o in zip(prompts, outs, strict=True)]
+        ids = np.zeros((len(rows), 64), np.int32)  # right-padded to max_len: causal, so no row sees its padding
+        for r, row in enumerate(rows):
+            ids[r, : len(row)] = row
+        logits = np.asarray(forward(model, jnp.asarray(ids)), np.float32)
+        for r, (row, kw) in enumerate(zip(rows, kwargs, strict=True)):
+            x = logits[r, len(row) - 1].copy()
+            counts = np.bincount(outs[r], minlength=x.size).astype(np.float32)
+            seen = (counts > 0) | np.isin(np.arange(x.size), prompts[r])
+            rep = np.float32(kw.get("repetition_penalty", 1.0))
+            x = np.where(seen, np.where(x > 0, x / rep, x * rep), x)
+            x = x - np.float32(kw.get("frequency_penalty", 0.0)) * counts
+            x = x - np.float32(kw.get("presence_penalty", 0.0)) * (counts > 0)
+            for token, bias in kw.get("logit_bias", {}).items():
+                x[token] += bias
+            outs[r].append(int(np.argmax(x)))
+    return outs
+
+
+@pytest.mark.parametrize("decode_steps", [1, 3])
+def test_penalties_and_biases_change_the_logits_as_openai_and_vllm_define_them(model, decode_steps):
+    """Presence, frequency and repetition penalties and logit biases, each alone and all together, beside a
+    row with none (which keeps generate's tokens): greedy tokens equal a reference that applies them in numpy
+    to the model's logits over the whole sequence, one or three decoding steps a call (the counts then grow
+    inside the compiled loop); each penalty changes what greedy decoding gives; a bias of -100 bans a token."""
+    prompts, n = _prompts(), 8
+    cfg = EngineConfig(page_size=4, num_pages=40, max_slots=3, prefill_chunk=8, decode_steps=decode_steps)
+    params = [SamplingParams(max_tokens=n, **kw) for kw in PENALIZED]
+    outs = Engine(model, cfg, eos_id=None).generate(prompts, params)
+    want = _penalized_reference(model, prompts, PENALIZED, n)
+    assert [o.token_ids for o in outs] == want
+    plain = _reference(model, prompts, n, None)
+    assert want[4] == plain[4] and all(want[i] != plain[i] for i in (0, 1, 2, 3, 5)), (want, plain)
+    assert 30 not in want[3] and 30 in plain[3]
+
+
+def test_a_penalty_or_bias_out_of_range_is_refused_by_name(model):
+    for kw, match in [
+        (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\]"),
+        (dict(frequency_penalty="1"), "frequency_penalty must be int or float"),
+        (dict(repetition_penalty=0), "repetition_penalty must be > 0"),
+        (dict(logit_bias={"5": 1.0}), "logit_bias keys must be token ids"),
+        (dict(logit_bias={5: 101}), r"logit_bias\[5\] must be a number in \[-100, 100\]"),
+        (dict(logit_bias=[(5, 1.0), (5, 2.0)]), "names a token id twice"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**kw)
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=20, max_slots=2, prefill_chunk=8), eos_id=None)
+    with pytest.raises(EngineError, match=r"logit_bias: token id 999 is outside the vocabulary"):
+        engine.add_request([4, 5], SamplingParams(logit_bias={999: 1.0}))
+    assert SamplingParams(logit_bias={9: -1, 2: 0.5}).logit_bias == ((2, 0.5), (9, -1.0))
+
+
 @pytest.fixture(scope="module")
 def mla_model():
     """The two-layer decoder with latent attention (`model.mla`: C = 8, R = 4), parameters x3 as `model`'s."""

@@ -201,6 +201,22 @@ def test_ignore_eos_and_min_tokens_answer_max_tokens_where_the_model_draws_eos(s
     assert held.usage.completion_tokens == 4 * 24  # no EOS before 24 tokens: each runs to max_tokens
 
 
+def test_penalties_and_logit_bias_change_the_served_logits(server, engine, reference):
+    """OpenAI's `logit_bias` and penalties reach the engine: banning greedy's next token (bias -100) gives the
+    model's second likeliest there; a frequency penalty, presence penalty or (vLLM's) repetition penalty
+    changes greedy's answer, which repeats tokens (the engine's tests hold each to a reference)."""
+    client, ids = server.client(), ids_of("KING HENRY:")
+    greedy = reference(ids, 16)
+    banned = client.completions.create(model=MODEL, prompt="KING HENRY:", max_tokens=1, temperature=0,
+                                       logit_bias={str(greedy[0]): -100})  # fmt: skip
+    assert banned.choices[0].text == _likeliest(engine, ids, 2)[-1][1][0] != text_of(greedy[:1])
+    assert max(greedy.count(t) for t in set(greedy)) > 2, "greedy repeats a token"
+    for field, value in (("frequency_penalty", 2.0), ("presence_penalty", 2.0), ("repetition_penalty", 3.0)):
+        out = client.completions.create(model=MODEL, prompt="KING HENRY:", max_tokens=16, temperature=0,
+                                        extra_body={field: value})  # fmt: skip
+        assert out.choices[0].text != text_of(greedy), field
+
+
 def test_logprobs_are_log_probabilities_of_the_chosen_tokens(server):
     out = server.client().completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0, logprobs=0)
     lp = out.choices[0].logprobs
@@ -383,7 +399,14 @@ BAD = [  # (body, HTTP status, the field named, a word of the message)
     ({"model": MODEL, "prompt": "x", "n": 1000}, 400, "n", "[1,"),
     ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs", "[0, 20]"),
     ({"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs", "integer"),
-    ({"model": MODEL, "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty", "not supported"),
+    ({"model": MODEL, "prompt": "x", "frequency_penalty": 2.5}, 400, "frequency_penalty", "[-2.0, 2.0]"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": "x"}, 400, "presence_penalty", "number"),
+    ({"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", "(0.0,"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": [1]}, 400, "logit_bias", "an object"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias", "token ids"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 200}}, 400, "logit_bias", "[-100, 100]"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias", "outside the vocabulary"),
+    ({"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix", "not supported"),
     ({"model": MODEL, "prompt": "x", "colour": "red"}, 400, "colour", "unrecognized"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "[1,"),  # without echo: nothing asked

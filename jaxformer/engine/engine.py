@@ -41,7 +41,7 @@ from jaxformer.engine import adapters as _adapters
 from jaxformer.engine import paged
 from jaxformer.engine import steps as _steps
 from jaxformer.engine.pages import PageAllocator, page_hashes, pages_at_once, pages_behind, releasable_window
-from jaxformer.engine.requests import MAX_TOP_LOGPROBS, EngineError, Event, Output, SamplingParams
+from jaxformer.engine.requests import MAX_TOP_LOGPROBS, EngineError, Event, Output, SamplingParams, penalty_inputs
 from jaxformer.engine.steps import _copy_page, _encode_into, _forward, _score
 
 
@@ -149,7 +149,7 @@ class Engine:
         G, K = mcfg.kv_heads, mcfg.dim_per_head
         self.encoder_only = mcfg.mode == "encoder_only"  # scores only (`score`): no cache, no decoding
         self._pools = paged.empty_pools(mcfg, cfg.num_pages, cfg.page_size)  # K/V pages, or MLA's latents
-        self._compiled = {}  # the step's executables, by (rows, width, pages, steps[, top_n])
+        self._compiled = {}  # the step's executables, by (rows, width, pages, steps[, top_n][, "penalized"])
         self.encoder_decoder = mcfg.mode == "encoder_decoder"
         self._memory, self._src_lengths = None, np.zeros(cfg.max_slots, np.int32)
         if self.encoder_decoder:  # each slot's source, as cross-attention keys and values [slots, G, S, K]
@@ -319,6 +319,8 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise EngineError("stop strings need a tokenizer (the engine has none)")
+        if params.logit_bias and (outside := [t for t, _ in params.logit_bias if t >= self.vocab_size]):
+            raise EngineError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if not isinstance(request_id, str) or request_id in self._live:
@@ -551,6 +553,9 @@ class Engine:
             x["eos_from"][i] = len(req.prompt) + p.min_tokens  # the first position EOS may take
         # The likeliest tokens' log-probabilities, where a row asks: a variant of the step that returns them.
         top_n = MAX_TOP_LOGPROBS if any(r.params.top_logprobs for r in reqs) else 0
+        if any(r.params.penalized for r in reqs):  # penalties or biases: a variant of the step that applies them
+            rows = [(i, r.params, r.prompt, r.out) for r, i in row_of.items()]
+            x["penalties"] = penalty_inputs(rows, R, self.vocab_size)
         out = self._call(x, self.cfg.decode_steps if decode else 1, top_n)
         for req, i in row_of.items():
             n = req.params.top_logprobs
@@ -584,9 +589,10 @@ class Engine:
         """Run the compiled step of `steps` steps (a prefill chunk: 1) on inputs `x` (`_blank`'s, filled): tokens
         and log-probabilities [R, steps], and None or the `top_n` likeliest ids and their log-probabilities
         [R, steps, top_n]. Its executable for this shape is compiled the first time (unless `warmup` did; the
-        variant with `top_n` never is) and kept: a call then flattens the arrays and runs, with no jit cache
-        to look up by the model's graph."""
+        variants with `top_n` or penalties never are) and kept: a call then flattens the arrays and runs, with
+        no jit cache to look up by the model's graph."""
         shape = (*x["ids"].shape, x["table"].shape[1], steps) + ((top_n,) if top_n else ())
+        shape += ("penalized",) if "penalties" in x else ()
         if shape not in self._compiled:
             self._compiled[shape] = self._lower(x, steps, top_n).compile()
         tokens, logp, top, self._pools = self._compiled[shape](*self._inputs(x))
@@ -603,7 +609,7 @@ class Engine:
         sampling = (x["seeds"], x["temps"], x["top_k"], x["top_p"], eos, x["eos_from"])
         return (
             self._params, self._pools, x["table"], x["ids"], x["positions"], x["valid"], x["last"], sampling, source,
-            x["steps"], x["adapters"] if self.adapters else None,
+            x["steps"], x["adapters"] if self.adapters else None, x.get("penalties"),
         )  # fmt: skip
 
     def warmup(self, threads: int | None = None) -> int:

@@ -168,6 +168,35 @@ def request_keys(seeds_B: Array, positions_B: Array) -> Array:
     return jax.vmap(fold)(seeds_B, positions_B)
 
 
+def penalize(
+    logits_BV: Array, counts_BV: Array, seen_BV: Array, presence_B: Array, frequency_B: Array, repetition_B: Array,
+    bias_BV: Array,
+) -> Array:  # fmt: skip
+    """Each row's logits under its penalties and biases (`SamplingParams`): the repetition penalty on the
+    tokens of its prompt and output (divided where positive, multiplied where negative, as vLLM and Hugging
+    Face), then the frequency and presence penalties on the output's counts (as OpenAI and vLLM), then the
+    biases added.
+
+    Args:
+        logits_BV: [B, V] logits.
+        counts_BV: [B, V] int32, each token's count in the row's output so far.
+        seen_BV: [B, V] bool, the tokens of the row's prompt.
+        presence_B: [B] float32 (0: off).
+        frequency_B: [B] float32 (0: off).
+        repetition_B: [B] float32 (1: off).
+        bias_BV: [B, V] float32 (0: none).
+
+    Returns:
+        [B, V] float32 logits.
+    """
+    logits_BV = logits_BV.astype(jnp.float32)
+    repeated_BV = seen_BV | (counts_BV > 0)
+    r_B1 = repetition_B[:, None]
+    logits_BV = jnp.where(repeated_BV, jnp.where(logits_BV > 0, logits_BV / r_B1, logits_BV * r_B1), logits_BV)
+    logits_BV = logits_BV - frequency_B[:, None] * counts_BV - presence_B[:, None] * (counts_BV > 0)
+    return logits_BV + bias_BV
+
+
 def choose_rows(logits_BV: Array, keys_B: Array, temperature_B: Array, top_k_B: Array, top_p_B: Array):
     """Each row's next token and its log-probability: greedy where temperature is 0, else a draw from
     softmax(logits / temperature) under the row's top-k and top-p (`decode.sample_logits` per row).

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 MAX_TOP_LOGPROBS = 20  # the likeliest tokens a step lists at most (as vLLM's default `max_logprobs`)
 
 
@@ -32,6 +34,17 @@ class SamplingParams:
             over the other tokens.
         ignore_eos: an EOS drawn is a token like any other, not the end (`max_tokens` or a stop string ends
             the request): outputs of a set length, as a throughput benchmark asks (vLLM's `ignore_eos`).
+        presence_penalty: subtracted from the logit of every token the output holds already (OpenAI's, in
+            [-2, 2]; 0: off).
+        frequency_penalty: subtracted from a token's logit once for each time the output holds it (OpenAI's,
+            in [-2, 2]; 0: off).
+        repetition_penalty: the logits of the tokens of the prompt and the output so far divided by it where
+            positive, multiplied where negative (vLLM's and Hugging Face's; > 1 discourages them; 1: off).
+        logit_bias: {token id: bias} added to those logits at every step (OpenAI's, each in [-100, 100]; -100
+            in effect bans a token); given as a mapping or (id, bias) pairs, kept as sorted pairs.
+
+    The penalties, then the biases, change the logits every token is drawn from; a chosen token's
+    log-probability (and the likeliest tokens') are under those logits, as `min_tokens`' are.
     """
 
     max_tokens: int = 16
@@ -44,6 +57,10 @@ class SamplingParams:
     top_logprobs: int = 0
     min_tokens: int = 0
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         def need(ok, field, message):
@@ -80,6 +97,58 @@ class SamplingParams:
             0 <= self.min_tokens <= self.max_tokens, "min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}"
         )
         of("ignore_eos", bool)
+        for field in ("presence_penalty", "frequency_penalty"):
+            of(field, int, float)
+            need(-2 <= getattr(self, field) <= 2, field, f"must be in [-2, 2], got {getattr(self, field)}")
+        of("repetition_penalty", int, float)
+        r = self.repetition_penalty
+        need(0 < r < float("inf"), "repetition_penalty", f"must be > 0 and finite (1: off), got {r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        need(isinstance(bias, (tuple, list, type({}.items()))), "logit_bias", f"must be a mapping of token id to "
+             f"bias, got {self.logit_bias!r}")  # fmt: skip
+        pairs = []
+        for pair in bias:
+            ok = isinstance(pair, (tuple, list)) and len(pair) == 2
+            token, value = pair if ok else (None, None)
+            ok = ok and isinstance(token, int) and not isinstance(token, bool) and token >= 0
+            need(ok, "logit_bias", f"keys must be token ids (ints >= 0), got {pair!r}")
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and -100 <= value <= 100
+            need(ok, f"logit_bias[{token}]", f"must be a number in [-100, 100], got {value!r}")
+            pairs.append((token, float(value)))
+        need(len({t for t, _ in pairs}) == len(pairs), "logit_bias", "names a token id twice")
+        object.__setattr__(self, "logit_bias", tuple(sorted(pairs)))
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty or a bias changes this request's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias)
+
+
+def penalty_inputs(rows: list[tuple], R: int, V: int) -> tuple[np.ndarray, ...]:
+    """The compiled step's penalty and bias inputs (`paged.penalize`) for a call's rows: each row's count of
+    every token in its output so far, the tokens of its prompt, its three penalties and its biases; the
+    rows past those given (up to R) are left as they are (no penalty, no bias).
+
+    Args:
+        rows (list[tuple]): (row index, SamplingParams, prompt ids, output ids so far) of each request.
+        R: the call's rows.
+        V: the vocabulary's size.
+
+    Returns:
+        (counts [R, V] int32, seen [R, V] bool, presence, frequency and repetition [R] float32, bias [R, V]
+        float32).
+    """
+    x = {"counts": np.zeros((R, V), np.int32), "seen": np.zeros((R, V), bool), "bias": np.zeros((R, V), np.float32),
+         "presence": np.zeros(R, np.float32), "frequency": np.zeros(R, np.float32),
+         "repetition": np.ones(R, np.float32)}  # fmt: skip
+    for i, params, prompt, out in rows:
+        np.add.at(x["counts"][i], np.asarray(out, np.int64), 1)
+        x["seen"][i, np.asarray(prompt, np.int64)] = True
+        x["presence"][i], x["frequency"][i] = params.presence_penalty, params.frequency_penalty
+        x["repetition"][i] = params.repetition_penalty
+        for token, bias in params.logit_bias:
+            x["bias"][i, token] = bias
+    return tuple(x[k] for k in ("counts", "seen", "presence", "frequency", "repetition", "bias"))
 
 
 @dataclasses.dataclass

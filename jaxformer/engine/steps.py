@@ -22,16 +22,18 @@ from jaxformer.engine import paged
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps", "top_n"), donate_argnames=("pools",))
 def _forward(
     graphdef, params, pools, table_BP, ids_BT, positions_BT, valid_BT, last_B, sampling, source, steps_B,
-    rows_B=None, *, steps, top_n=0,
+    rows_B=None, penalties=None, *, steps, top_n=0,
 ):  # fmt: skip
     """One paged step and the next token of each row (from its last valid position `last_B`), then (decode,
     T = 1) `steps` - 1 more, each feeding the token just drawn, row b running `steps_B[b]` in all; `sampling`:
     each row's seed, temperature, top-k and top-p, the EOS id (-1: none) and each row's first position that
-    may draw it (`min_tokens`); `source`:
-    None, or (per layer the slots' cross-attention keys and values, the slots' source lengths, each row's
-    slot); `rows_B`: None, or each row's adapter (engine.adapters). Returns tokens and log-probabilities [B, steps],
-    None or (`top_n` > 0) the `top_n` likeliest ids at each step and their log-probabilities [B, steps, top_n]
-    (likeliest first, under the model as the chosen token's), and the pools."""
+    may draw it (`min_tokens`); `source`: None, or (per layer the slots' cross-attention keys and values, the
+    slots' source lengths, each row's slot); `rows_B`: None, or each row's adapter (engine.adapters);
+    `penalties`: None, or each row's output token counts, prompt tokens, presence, frequency and repetition
+    penalties and biases (`paged.penalize`; the counts grow by each token drawn). Returns tokens and
+    log-probabilities [B, steps], None or (`top_n` > 0) the `top_n` likeliest ids at each step and their
+    log-probabilities [B, steps, top_n] (likeliest first, under the model as the chosen token's), and the
+    pools."""
     model = nnx.merge(graphdef, params)
     if rows_B is not None:
         _adapters.bind_rows(model, rows_B)
@@ -42,11 +44,13 @@ def _forward(
         src_lengths_B = jnp.take(src_lengths_slots, slots_B, axis=0)
     seeds_B, temperature_B, top_k_B, top_p_B, eos, eos_from_B = sampling
 
-    def one(pools, rows, ids_BT, positions_BT, valid_BT, last_B):
+    def one(pools, rows, counts_BV, ids_BT, positions_BT, valid_BT, last_B):
         logits_B1V, pools, rows = paged.paged_step(
             model, pools, table_BP, ids_BT, positions_BT, valid_BT, memory, src_lengths_B, last_B, rows
         )
         logits_BV = logits_B1V[:, 0]
+        if penalties is not None:
+            logits_BV = paged.penalize(logits_BV, counts_BV, *penalties[1:])
         positions_B = jnp.take_along_axis(positions_BT, last_B[:, None], axis=1)[:, 0] + 1  # the drawn token's
         # `min_tokens`: a row draws no EOS (id `eos`, -1: none) at a position before its `eos_from_B`.
         held_BV = (jnp.arange(logits_BV.shape[-1]) == eos)[None, :] & (positions_B < eos_from_B)[:, None]
@@ -56,16 +60,19 @@ def _forward(
         top = jax.lax.top_k(jax.nn.log_softmax(logits_BV.astype(jnp.float32)), top_n)[::-1] if top_n else ()
         return tokens_B, logp_B, top, pools, rows
 
+    counts_BV = None if penalties is None else penalties[0]
     if steps == 1:  # a prefill chunk, or one decode step
-        tokens_B, logp_B, top, pools, _ = one(pools, None, ids_BT, positions_BT, valid_BT, last_B)
+        tokens_B, logp_B, top, pools, _ = one(pools, None, counts_BV, ids_BT, positions_BT, valid_BT, last_B)
         return tokens_B[:, None], logp_B[:, None], tuple(x[:, None] for x in top) or None, pools
 
     def body(i, carry):  # decoding (T = 1): the token drawn at step i - 1 goes in at the next position
-        tokens_BN, logp_BN, top_BNn, pools, rows, in_B1 = carry
+        tokens_BN, logp_BN, top_BNn, pools, rows, counts_BV, in_B1 = carry
         valid_B1 = valid_BT & (i < steps_B)[:, None]
-        t_B, l_B, top, pools, rows = one(pools, rows, in_B1, positions_BT + i, valid_B1, last_B)
+        t_B, l_B, top, pools, rows = one(pools, rows, counts_BV, in_B1, positions_BT + i, valid_B1, last_B)
         top_BNn = tuple(acc.at[:, i].set(x) for acc, x in zip(top_BNn, top, strict=True))
-        return tokens_BN.at[:, i].set(t_B), logp_BN.at[:, i].set(l_B), top_BNn, pools, rows, t_B[:, None]
+        if counts_BV is not None:  # the token drawn is in the output from the next step on
+            counts_BV = counts_BV.at[jnp.arange(t_B.shape[0]), t_B].add((i < steps_B).astype(jnp.int32))
+        return tokens_BN.at[:, i].set(t_B), logp_BN.at[:, i].set(l_B), top_BNn, pools, rows, counts_BV, t_B[:, None]
 
     # The rows' pages are read once for the call's steps, as a dense cache that each step writes as it
     # writes the pages, unless a Pallas paged kernel is meant to read them in place at every step (latent
@@ -80,8 +87,9 @@ def _forward(
     # waits for it at every step (XLA's while thunk runs a known count without those waits).
     B = ids_BT.shape[0]
     top_BNn = (jnp.zeros((B, steps, top_n), jnp.int32), jnp.zeros((B, steps, top_n), jnp.float32)) if top_n else ()
-    carry = (jnp.zeros((B, steps), jnp.int32), jnp.zeros((B, steps), jnp.float32), top_BNn, pools, rows, ids_BT)
-    tokens_BN, logp_BN, top_BNn, pools, _, _ = jax.lax.fori_loop(0, steps, body, carry)
+    carry = (jnp.zeros((B, steps), jnp.int32), jnp.zeros((B, steps), jnp.float32), top_BNn, pools, rows, counts_BV,
+             ids_BT)  # fmt: skip
+    tokens_BN, logp_BN, top_BNn, pools, _, _, _ = jax.lax.fori_loop(0, steps, body, carry)
     return tokens_BN, logp_BN, top_BNn or None, pools
 
 

@@ -314,7 +314,8 @@ class _Server:
             e = refused[0]
             if isinstance(e, EngineError):
                 code = "context_length_exceeded" if "context" in str(e) else "invalid_value"
-                raise APIError(400, str(e), "max_tokens" if code == "context_length_exceeded" else "prompt", code)
+                param = "max_tokens" if code == "context_length_exceeded" else "prompt"
+                raise APIError(400, str(e), "logit_bias" if str(e).startswith("logit_bias") else param, code)
             raise e
         return events, list(results)
 

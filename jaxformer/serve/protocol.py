@@ -23,9 +23,6 @@ MAX_INPUTS = 2048  # an embeddings or classify request's inputs at most (OpenAI'
 # Fields OpenAI defines that change nothing here at their default value (anything else is refused, as
 # OpenAI refuses what it does not know: "Unrecognized request argument supplied").
 _NEUTRAL = {
-    "frequency_penalty": (0, 0.0, None),
-    "presence_penalty": (0, 0.0, None),
-    "logit_bias": (None,),
     "suffix": (None, ""),
     "tools": (None,),
     "tool_choice": (None, "none"),
@@ -40,9 +37,9 @@ _NEUTRAL = {
 _IGNORED = {"user": str, "metadata": dict, "store": bool, "safety_identifier": str, "prompt_cache_key": str}
 _JSON_TYPE = {str: "a string", dict: "an object of string keys and values", bool: "true or false"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
-           "ignore_eos", "min_tokens"}  # fmt: skip
-COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "frequency_penalty", "presence_penalty",
-                               "logit_bias", "suffix", "user"}  # fmt: skip
+           "ignore_eos", "min_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty",
+           "logit_bias"}  # fmt: skip
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix", "user"}
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 CLASSIFY_FIELDS = {"model", "input", "user"}
 CHAT_FIELDS = (
@@ -275,7 +272,8 @@ def sampling(body: dict, max_tokens: int, stop: tuple[str, ...], logprobs: bool,
     """The engine's settings of each of the n choices (a given seed is each choice's seed + its index).
 
     Args:
-        body: the request body (temperature, top_p, top_k, seed, ignore_eos, min_tokens).
+        body: the request body (temperature, top_p, top_k, seed, the penalties, logit_bias; ignore_eos,
+            min_tokens and repetition_penalty, vLLM's extensions).
         max_tokens: new tokens at most.
         stop: the stop strings.
         logprobs: return each chosen token's log-probability.
@@ -294,8 +292,12 @@ def sampling(body: dict, max_tokens: int, stop: tuple[str, ...], logprobs: bool,
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     top_k = _int(body, "top_k", 0, 0, 1 << 30)
     seed = _int(body, "seed", None, 0, (1 << 32) - n)  # the engine's seeds are 32 bits; choice i takes seed + i
+    presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    logit_bias = _logit_bias(body)
     ignore_eos = _bool(body, "ignore_eos")  # extensions, as vLLM's
     min_tokens = _int(body, "min_tokens", 0, 0, max_tokens)
+    repetition = _number(body, "repetition_penalty", 1.0, 0.0, 1e4, lo_open=True)
     try:
         return [
             SamplingParams(
@@ -309,11 +311,32 @@ def sampling(body: dict, max_tokens: int, stop: tuple[str, ...], logprobs: bool,
                 top_logprobs=top_logprobs,
                 ignore_eos=ignore_eos,
                 min_tokens=min_tokens,
+                presence_penalty=presence,
+                frequency_penalty=frequency,
+                repetition_penalty=repetition,
+                logit_bias=logit_bias,
             )
             for i in range(n)
         ]
     except ValueError as e:  # the engine's own check names the field
         raise bad(None, str(e)) from None
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's `logit_bias`: an object of token ids (as strings) to biases in [-100, 100]."""
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad("logit_bias", f"an object of token ids to biases is expected, got {type(v).__name__}", "invalid_type")
+    out = {}
+    for key, bias in v.items():
+        if not (key.isascii() and key.isdigit()):
+            raise bad("logit_bias", f"keys are token ids (as strings of digits), got {key!r}")
+        if not _is_number(bias) or not -100 <= bias <= 100:
+            raise bad("logit_bias", f"the bias of token {key} must be a number in [-100, 100], got {bias!r}")
+        out[int(key)] = float(bias)
+    return out
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], default: int | None, max_context: int, lo: int = 1) -> int | None:
