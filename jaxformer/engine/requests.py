@@ -138,17 +138,15 @@ def penalty_inputs(rows: list[tuple], R: int, V: int) -> tuple[np.ndarray, ...]:
         (counts [R, V] int32, seen [R, V] bool, presence, frequency and repetition [R] float32, bias [R, V]
         float32).
     """
-    x = {"counts": np.zeros((R, V), np.int32), "seen": np.zeros((R, V), bool), "bias": np.zeros((R, V), np.float32),
-         "presence": np.zeros(R, np.float32), "frequency": np.zeros(R, np.float32),
-         "repetition": np.ones(R, np.float32)}  # fmt: skip
-    for i, params, prompt, out in rows:
-        np.add.at(x["counts"][i], np.asarray(out, np.int64), 1)
-        x["seen"][i, np.asarray(prompt, np.int64)] = True
-        x["presence"][i], x["frequency"][i] = params.presence_penalty, params.frequency_penalty
-        x["repetition"][i] = params.repetition_penalty
-        for token, bias in params.logit_bias:
-            x["bias"][i, token] = bias
-    return tuple(x[k] for k in ("counts", "seen", "presence", "frequency", "repetition", "bias"))
+    counts, seen, bias = np.zeros((R, V), np.int32), np.zeros((R, V), bool), np.zeros((R, V), np.float32)
+    presence, frequency, repetition = np.zeros(R, np.float32), np.zeros(R, np.float32), np.ones(R, np.float32)
+    for i, p, prompt, out in rows:
+        np.add.at(counts[i], np.asarray(out, np.int64), 1)
+        seen[i, np.asarray(prompt, np.int64)] = True
+        presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+        for token, b in p.logit_bias:
+            bias[i, token] = b
+    return counts, seen, presence, frequency, repetition, bias
 
 
 @dataclasses.dataclass
