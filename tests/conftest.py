@@ -132,6 +132,28 @@ def compilation_cache(tmp_path_factory):
     yield path
 
 
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's chromium, headless, driven by playwright (its own browser download is never used): the
+    server's page is tried in it (test_serve.py, test_serve_encoder.py)."""
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason='the test extra is not installed: pip install -e ".[test]"'
+    )
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("no chromium: .ci/run installs it (apt-get install chromium)")
+        pytest.skip("no chromium on this machine: apt-get install -y chromium")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=path, args=CHROMIUM_FLAGS, headless=True)
+        yield b
+        b.close()
+
+
 @pytest.fixture
 def key():
     return jax.random.key(0)

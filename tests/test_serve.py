@@ -11,7 +11,6 @@ import functools
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -538,7 +537,9 @@ def test_the_api_key_is_asked_for_and_checked(server):
     status, answer = server.post("/v1/completions", {"model": MODEL, "prompt": "x"}, key=None)
     assert status == 401 and answer["error"]["code"] == "invalid_api_key"
     assert [m.id for m in server.client().models.list()] == [MODEL]
-    assert server.client().models.retrieve(MODEL).id == MODEL
+    card = server.client().models.retrieve(MODEL).to_dict()
+    assert card["id"] == MODEL and (card["mode"], card["max_context"]) == ("decoder_only", MAX_LEN)
+    assert "labels" not in card  # a classifier's only
     assert server.health()["status"] == "ok"  # the health route is open
 
 
@@ -590,27 +591,6 @@ def test_jaxformer_serve_serves_a_workdir_until_interrupted(workdir):
         proc.send_signal(signal.SIGINT)  # Ctrl-C: uvicorn shuts down, the engine thread stops
         assert proc.wait(processes.HANG_GUARD_S) == 0
     assert re.search(r"warmed up: \d+ shapes of the step compiled and run", proc.stderr.read())  # before serving
-
-
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def browser():
-    """Debian's chromium, headless, driven by playwright (its own browser download is never used)."""
-    sync_api = pytest.importorskip(
-        "playwright.sync_api", reason='the test extra is not installed: pip install -e ".[test]"'
-    )
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("no chromium: .ci/run installs it (apt-get install chromium)")
-        pytest.skip("no chromium on this machine: apt-get install -y chromium")
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=path, args=CHROMIUM_FLAGS, headless=True)
-        yield b
-        b.close()
 
 
 def test_the_page_streams_an_answer_in_a_headless_browser(server, reference, browser):

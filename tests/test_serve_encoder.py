@@ -11,6 +11,7 @@ import struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+import processes
 import pytest
 from flax import nnx
 
@@ -171,3 +172,32 @@ def test_classify_of_a_model_without_classes_is_refused_and_a_classifier_generat
     server, _ = classifier
     status, answer = server.post("/v1/completions", {"model": "tiny-classifier", "prompt": "x"})
     assert status == 400 and "/v1/classify" in answer["error"]["message"], answer
+
+
+def test_the_page_classifies_and_embeds_what_is_typed_in_a_headless_browser(classifier, browser):
+    """The page at `/` of a classifier offers classify and embed, not chat or completion, and no sampling
+    settings; typed text gets each class's probability, likeliest first, as /v1/classify gives them, then
+    its embedding's size."""
+    server, model = classifier
+    page = browser.new_page()
+    page.goto(server.url + "/")
+    page.fill("#api_key", "k")
+    page.dispatch_event("#api_key", "change")  # the page asks /v1/models again, with the key
+    page.wait_for_function("document.getElementById('model').textContent.startsWith('tiny-classifier (encoder_only')")
+    shown = {m: page.is_visible(f"#for-{m}") for m in ("chat", "completion", "classify", "embed")}
+    assert shown == {"chat": False, "completion": False, "classify": True, "embed": True}
+    assert not page.is_visible("#sampling") and page.is_checked("#mode-classify")
+    page.fill("#prompt", "what a great app")
+    page.click("#send")
+    page.wait_for_selector("#status[data-done='1']", timeout=processes.HANG_GUARD_S * 1000)
+    probs = jax.nn.softmax(model.classify(jnp.asarray([ByteTokenizer().encode("what a great app")])))[0]
+    order = np.argsort(-np.asarray(probs), kind="stable")
+    want = [f"{['bad', 'fine', 'good'][i]}: {100 * float(probs[i]):.1f}%" for i in order]
+    assert page.eval_on_selector_all("#answer .class", "es => es.map(e => e.textContent)") == want
+    assert page.inner_text("#status").startswith(f"class {['bad', 'fine', 'good'][order[0]]} in ")
+    page.evaluate("document.getElementById('status').dataset.done = ''")
+    page.check("#mode-embed")
+    page.click("#send")
+    page.wait_for_selector("#status[data-done='1']", timeout=processes.HANG_GUARD_S * 1000)
+    assert page.inner_text("#answer").startswith("32 dimensions, norm ")
+    page.close()

@@ -58,7 +58,8 @@ class _Server:
         self.engine, self.cfg, self.model_name = engine, cfg, model_name
         self.names = (model_name, *getattr(engine, "adapters", ()))  # the base, then each LoRA adapter
         self.tok = engine.tokenizer
-        self.width = engine.model.cfg.d_model  # an encoder's embeddings' size (read once: `model` merges the graph)
+        mcfg = engine.model.cfg  # read once: `model` merges the graph
+        self.width, self.mode = mcfg.d_model, mcfg.mode  # an encoder's embeddings' size; the model's mode
         self.runner = EngineThread(engine)
         self.created = protocol.now()
         routes = [
@@ -101,8 +102,11 @@ class _Server:
         return JSONResponse({"status": "ok", "model": self.model_name, "engine": stats})
 
     def _model_card(self, name: str) -> dict:
+        """OpenAI's model object, and what the page asks of the model: its context, its mode (an encoder_only
+        model embeds and, with `labels`, classifies; the others generate) and a classifier's class names."""
         card = {"id": name, "object": "model", "created": self.created, "owned_by": "jaxformer",
-                "max_context": self.engine.max_context}  # fmt: skip
+                "max_context": self.engine.max_context, "mode": self.mode}  # fmt: skip
+        card |= {"labels": list(self.engine.labels)} if self.engine.encoder_only and self.engine.labels else {}
         return card if name == self.model_name else card | {"parent": self.model_name}  # a LoRA adapter of it
 
     async def models(self, request: Request) -> Response:
