@@ -72,6 +72,19 @@ class Server:
         with urllib.request.urlopen(self.url + "/health", timeout=processes.HANG_GUARD_S) as r:
             return json.loads(r.read())
 
+    def metrics(self) -> dict[str, float]:
+        """/metrics, read by Prometheus's own parser: {sample name{labels}: value}, labels sorted."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.url + "/metrics", timeout=processes.HANG_GUARD_S) as r:
+            assert r.headers["Content-Type"].startswith("text/plain"), r.headers["Content-Type"]
+            text = r.read().decode()
+        return {
+            s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}": s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
     def idle(self) -> dict:
         """/health once the engine has nothing unfinished (the aborts and finishes have gone through)."""
         deadline = time.monotonic() + processes.HANG_GUARD_S  # a hang guard: a busy machine's steps are slow

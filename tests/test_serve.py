@@ -216,6 +216,40 @@ def test_penalties_and_logit_bias_change_the_served_logits(server, engine, refer
         assert out.choices[0].text != text_of(greedy), field
 
 
+def test_metrics_count_each_request_s_tokens_latencies_and_end_as_prometheus_reads_them(server, reference):
+    """`/metrics` (open, as /health is), parsed by prometheus_client's parser: between two scrapes the prompt
+    and generation token counters grow by the answers' usage, each choice ends once by its finish reason (a
+    stream the client leaves: "abort"), each choice's latencies are observed once, and the engine's gauges
+    read it idle afterwards."""
+    before = server.metrics()
+    client, m = server.client(), f"model_name={MODEL}"
+    whole = client.completions.create(model=MODEL, prompt=["KING:", "ab"], max_tokens=6, temperature=0, n=2,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+    stop = text_of(reference(ids_of("KING:"), 40))[3:5]  # within greedy's answer: it ends there
+    stopped = client.completions.create(model=MODEL, prompt="KING:", max_tokens=40, temperature=0, stop=[stop],
+                                        extra_body={"ignore_eos": True})  # fmt: skip
+    assert stopped.choices[0].finish_reason == "stop"
+    with paced(server, 0.05):  # a stream the client leaves after its first token
+        stream = client.completions.create(model=MODEL, prompt="abc", max_tokens=40, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+        next(iter(stream))
+        stream.close()
+        server.idle()
+    after = server.metrics()
+    grew = lambda name: after.get(name, 0.0) - before.get(name, 0.0)
+    usage = [whole.usage, stopped.usage]  # a prompt's tokens once in usage, once a choice in the counter
+    assert grew(f"jaxformer:prompt_tokens_total{{{m}}}") == 2 * len(ids_of("KING:ab")) + len(ids_of("KING:abc"))
+    assert grew(f"jaxformer:generation_tokens_total{{{m}}}") >= sum(u.completion_tokens for u in usage) + 1
+    assert grew(f"jaxformer:request_success_total{{finished_reason=length,{m}}}") == 4
+    assert grew(f"jaxformer:request_success_total{{finished_reason=stop,{m}}}") == 1
+    assert grew(f"jaxformer:request_success_total{{finished_reason=abort,{m}}}") == 1
+    assert grew(f"jaxformer:e2e_request_latency_seconds_count{{{m}}}") == 6
+    assert grew(f"jaxformer:time_to_first_token_seconds_count{{{m}}}") == 6
+    assert grew(f"jaxformer:e2e_request_latency_seconds_sum{{{m}}}") > 0
+    assert after[f"jaxformer:num_requests_running{{{m}}}"] == after[f"jaxformer:num_requests_waiting{{{m}}}"] == 0
+    assert 0 <= after[f"jaxformer:kv_cache_usage_perc{{{m}}}"] < 1
+
+
 def test_logprobs_are_log_probabilities_of_the_chosen_tokens(server):
     out = server.client().completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0, logprobs=0)
     lp = out.choices[0].logprobs

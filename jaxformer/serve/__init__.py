@@ -4,8 +4,9 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions` (the messages writte
 template, `data.template`), both streamed by server-sent events with `"stream": true`; `POST /v1/embeddings`
 and, with a classification head, `POST /v1/classify` (also at `/classify`, vLLM's path; each input's class
 probabilities and its likeliest class's name) of an encoder_only model; `GET /v1/models`, `GET /health`,
-and `GET /` (the page: one HTML file, no external assets). Bound to 127.0.0.1 unless told otherwise; with
-`api_key` set, every route but `/` and `/health` asks for `Authorization: Bearer KEY`.
+`GET /metrics` (Prometheus's, `metrics`) and `GET /` (the page: one HTML file, no external assets).
+Bound to 127.0.0.1 unless told otherwise; with `api_key` set, every route but `/`, `/health` and
+`/metrics` asks for `Authorization: Bearer KEY`.
 
 The app is Starlette on uvicorn. Starlette: a small, well-kept ASGI toolkit whose StreamingResponse
 carries server-sent events and closes the stream's generator when the client goes away (so its requests

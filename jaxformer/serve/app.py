@@ -15,6 +15,7 @@ import json
 import logging
 import time
 
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -23,6 +24,7 @@ from starlette.routing import Route
 
 from jaxformer.config import ServeConfig
 from jaxformer.serve import protocol
+from jaxformer.serve.metrics import Metrics
 from jaxformer.serve.protocol import APIError, Job, TextStream
 from jaxformer.serve.runner import EngineThread
 
@@ -61,10 +63,12 @@ class _Server:
         mcfg = engine.model.cfg  # read once: `model` merges the graph
         self.width, self.mode = mcfg.d_model, mcfg.mode  # an encoder's embeddings' size; the model's mode
         self.runner = EngineThread(engine)
+        self.metrics = Metrics(model_name)
         self.created = protocol.now()
         routes = [
             Route("/", self.page, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.scrape, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -100,6 +104,15 @@ class _Server:
         except TimeoutError:
             return JSONResponse({"status": "engine busy"}, status_code=503)
         return JSONResponse({"status": "ok", "model": self.model_name, "engine": stats})
+
+    async def scrape(self, request: Request) -> Response:
+        """Prometheus's scrape (open, as `/health` is): the requests counted so far and the engine's figures
+        now, or as last read where the engine has stopped or stays busy."""
+        stats = None
+        if self.runner.alive:
+            with contextlib.suppress(TimeoutError):
+                stats = await asyncio.wait_for(asyncio.wrap_future(self.runner.call(lambda e: e.stats())), 30)
+        return Response(self.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 
     def _model_card(self, name: str) -> dict:
         """OpenAI's model object, and what the page asks of the model: its context, its mode (an encoder_only
@@ -324,8 +337,11 @@ class _Server:
         return events, list(results)
 
     async def _run(self, request: Request, job: Job, scores: list[dict] | None = None) -> Response:
+        arrived = time.monotonic()
         events, ids = await self._submit(job)
-        choices = [_Choice(self.tok, job, index, scores) for index in range(len(ids))]
+        ended = lambda c, reason: self.metrics.finished(job.adapter, reason, len(c.prompt), len(c.tokens),
+                                                        (arrived, c.first_at, c.last_at))  # fmt: skip
+        choices = [_Choice(self.tok, job, index, scores, ended) for index in range(len(ids))]
         if job.stream:
             return StreamingResponse(
                 self._stream(job, events, ids, choices), media_type="text/event-stream",
@@ -353,6 +369,8 @@ class _Server:
         for request_id, c in zip(ids, choices, strict=True):
             if not c.engine_done:
                 self.runner.abort(request_id)
+            if not c.done:
+                c.end("abort")  # the client went away
 
     def _whole(self, job: Job, choices: list[_Choice]) -> dict:
         usage = _usage(job, choices)
@@ -418,8 +436,8 @@ class _Server:
 class _Choice:
     """One choice's state: its text so far (TextStream), tokens, log-probabilities and finish reason."""
 
-    def __init__(self, tok, job: Job, index: int, scores: list[dict] | None = None):
-        self.tok, self.index = tok, index
+    def __init__(self, tok, job: Job, index: int, scores: list[dict] | None = None, on_end=None):
+        self.tok, self.index, self.on_end = tok, index, on_end  # on_end(choice, reason): once, when it ends
         self.prompt = job.prompts[index // job.n]
         self.scores = None if scores is None else scores[index // job.n]  # the prompt's (echo with logprobs)
         self.echo = job.prompt_texts[index // job.n] if job.echo else ""
@@ -427,12 +445,15 @@ class _Choice:
         self.top_n = job.top_logprobs
         self.text, self.tokens, self.logprobs = self.echo, [], []  # logprobs: (id, log-probability, likeliest)
         self.done = self.engine_done = False
-        self.finish_reason = None
+        self.finish_reason = self.first_at = self.last_at = None  # its first and last tokens' time.monotonic()
 
     def take(self, event, abort) -> str:
         """An Event's text (what can be handed out now); `abort()` stops the engine at a stop string."""
         if self.done:
             return ""
+        if event.token_ids:
+            self.last_at = time.monotonic()
+            self.first_at = self.first_at or self.last_at
         self.tokens += event.token_ids
         tops = event.top_logprobs or [None] * len(event.token_ids)
         self.logprobs += list(zip(event.token_ids, event.logprobs or [], tops, strict=False))
@@ -446,7 +467,15 @@ class _Choice:
             piece += self.stream.flush()
             self.done, self.finish_reason = True, event.finish_reason
         self.text += piece
+        if self.done:
+            self.end(self.finish_reason)
         return piece
+
+    def end(self, reason: str) -> None:
+        """It ended (`reason`: its finish reason, or "abort"): counted once."""
+        on_end, self.on_end = self.on_end, None
+        if on_end is not None:
+            on_end(self, reason)
 
     def text_logprobs(self, triples: list, whole: bool = False) -> dict:
         """OpenAI's logprobs of a text completion: the chosen tokens' and, where asked (`logprobs` > 0), the
