@@ -330,6 +330,8 @@ def cmd_serve(args) -> int:
         print(f"warmed up: {shapes} shapes of the step compiled and run in {took:.1f} s", file=sys.stderr)
     url = f"http://{cfg.host}:{cfg.port}"
     what = f"context {engine.max_context} tokens, chat template {engine.chat_template or 'none'}"
+    if engine.encoder_decoder:  # a translation model: each completion's prompt is a source
+        what = f"encoder_decoder: sources as /v1/completions prompts, answers of up to {engine.max_context - 1} tokens"
     where = f"{url}/v1{' (API key required)' if key else ''}; try it at {url}/"
     if engine.encoder_only:  # it generates nothing: its embeddings and classes only
         what = f"encoder_only, inputs of up to {engine.max_context} tokens"

@@ -1,7 +1,8 @@
 """`jaxformer serve`: an OpenAI-compatible HTTP server of one model, and a page to try it at `/`.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions` (the messages written in the workdir's chat
-template, `data.template`), both streamed by server-sent events with `"stream": true`; `POST /v1/embeddings`
+Routes: `POST /v1/completions` (an encoder_decoder model's prompts are sources, its answers their
+translations), `POST /v1/chat/completions` (the messages written in the workdir's chat template,
+`data.template`), both streamed by server-sent events with `"stream": true`; `POST /v1/embeddings`
 and, with a classification head, `POST /v1/classify` (also at `/classify`, vLLM's path; each input's class
 probabilities and its likeliest class's name) of an encoder_only model; `GET /v1/models`, `GET /health`,
 `GET /metrics` (Prometheus's, `metrics`) and `GET /` (the page: one HTML file, no external assets).

@@ -62,6 +62,7 @@ class _Server:
         self.tok = engine.tokenizer
         mcfg = engine.model.cfg  # read once: `model` merges the graph
         self.width, self.mode = mcfg.d_model, mcfg.mode  # an encoder's embeddings' size; the model's mode
+        self.max_source = mcfg.max_len  # an encoder_decoder model's sources at most
         self.runner = EngineThread(engine)
         self.metrics = Metrics(model_name)
         self.created = protocol.now()
@@ -190,8 +191,13 @@ class _Server:
 
     # ------------------------------------------------------------------ generation
 
-    def _generates(self) -> None:
-        """Refuse a generating route of an encoder_only model, saying where its scores are."""
+    def _generates(self, chat: bool = False) -> None:
+        """Refuse a generating route of an encoder_only model, saying where its scores are, and chat of an
+        encoder_decoder model, saying where its sources go."""
+        if chat and self.engine.encoder_decoder:
+            raise APIError(400, "this model is encoder_decoder: it answers a source (a translation), not a "
+                           "conversation: send the source as /v1/completions' prompt", "model",
+                           "model_not_supported")  # fmt: skip
         if self.engine.encoder_only:
             where = "/v1/embeddings" + (" and its classes at /v1/classify" if self.engine.labels else "")
             raise APIError(400, f"this model is encoder_only: it generates nothing; its embeddings are served at "
@@ -202,6 +208,16 @@ class _Server:
             body = await self._body(request, protocol.COMPLETION_FIELDS)
             self._generates()
             job = self._named(protocol.completion_job(body, self.tok, self.engine.max_context), body)
+            if self.engine.encoder_decoder:  # each prompt a source; the answer starts from BOS
+                if job.echo:
+                    raise protocol.bad("echo", "an encoder_decoder model's answer does not continue its source: "
+                                       "nothing to echo", "unsupported")  # fmt: skip
+                for i, ids in enumerate(job.prompts):
+                    if len(ids) > self.max_source:
+                        raise protocol.bad(f"prompt[{i}]" if len(job.prompts) > 1 else "prompt", f"a source of "
+                                           f"{len(ids)} tokens: the model's sources hold {self.max_source}",
+                                           "context_length_exceeded")  # fmt: skip
+                job.sources = True
             scores = await self._score(job) if job.score_prompt else None
             if not job.generate:  # echo with max_tokens 0: the prompt alone, the engine not asked
                 choices = [_Choice(self.tok, job, index, scores) for index in range(len(job.prompts) * job.n)]
@@ -215,7 +231,7 @@ class _Server:
     async def chat(self, request: Request) -> Response:
         async def answer():
             body = await self._body(request, protocol.CHAT_FIELDS)
-            self._generates()
+            self._generates(chat=True)
             template = getattr(self.engine, "chat_template", None)
             job = self._named(protocol.chat_job(body, self.tok, self.engine.max_context, template), body)
             return await self._run(request, job)
@@ -315,7 +331,10 @@ class _Server:
             for j, params in enumerate(job.params):
                 index = p * job.n + j
                 deliver = lambda item, i=index: loop.call_soon_threadsafe(events.put_nowait, (i, item))
-                futures.append(self.runner.add(ids, params, deliver, job.adapter))
+                if job.sources:
+                    futures.append(self.runner.add([], params, deliver, job.adapter, source_ids=ids))
+                else:
+                    futures.append(self.runner.add(ids, params, deliver, job.adapter))
         try:
             results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
         except asyncio.CancelledError:  # the client left while the requests were being added

@@ -106,6 +106,8 @@ class Job:
         generate: new tokens are asked for (false: echo with max_tokens 0, the prompt alone).
         model: the model the request names (the served model's id, or a LoRA adapter's name).
         adapter: the engine's adapter it runs (None: the base).
+        sources: each prompt is an encoder_decoder model's source, the answer its output from BOS (a
+            translation), not a prompt the answer continues.
     """
 
     chat: bool
@@ -122,6 +124,7 @@ class Job:
     generate: bool = True
     model: str = ""
     adapter: str | None = None
+    sources: bool = False
 
     @property
     def n(self) -> int:

@@ -54,7 +54,7 @@ class EngineThread:
         return self._thread.is_alive()
 
     def add(
-        self, prompt_ids: list[int], params, deliver: Callable, adapter: str | None = None
+        self, prompt_ids: list[int], params, deliver: Callable, adapter: str | None = None, source_ids=None
     ) -> concurrent.futures.Future:
         """Ask for a request to be added; `deliver(event)` is called (in the engine thread) with each of its
         Events, or with an Exception if the engine failed it.
@@ -64,12 +64,13 @@ class EngineThread:
             params (SamplingParams): its settings.
             deliver: the callback; it must not block.
             adapter: the engine's LoRA adapter the request runs (None: the base).
+            source_ids (list[int] | None): an encoder_decoder model's source.
 
         Returns:
             A future of the request id (or of the EngineError that refused it).
         """
         future = concurrent.futures.Future()
-        self._commands.put(("add", (prompt_ids, params, deliver, adapter), future))
+        self._commands.put(("add", (prompt_ids, params, deliver, adapter, source_ids), future))
         return future
 
     def abort(self, request_id: str) -> None:
@@ -132,8 +133,9 @@ class EngineThread:
             if what == "call":
                 future.set_result(arg(self.engine))
                 return
-            prompt_ids, params, deliver, adapter = arg
+            prompt_ids, params, deliver, adapter, source_ids = arg
             named = {} if adapter is None else {"adapter": adapter}  # an engine without adapters need not take it
+            named |= {} if source_ids is None else {"source_ids": source_ids}
             request_id = self.engine.add_request(prompt_ids, params, **named)
             self._routes[request_id] = deliver
             future.set_result(request_id)
