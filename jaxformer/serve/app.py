@@ -243,20 +243,12 @@ class _Server:
         positions (`Engine.score(..., "embed")`), in the engine's thread, `max_slots` inputs a call."""
 
         async def answer():
-            from jaxformer.engine import EngineError
-
             body = await self._body(request, protocol.EMBEDDING_FIELDS)
             if not self.engine.encoder_only:
                 raise APIError(400, "embeddings come from an encoder_only model; this one generates: use "
                                "/v1/completions", "model", "model_not_supported")  # fmt: skip
             inputs, as_base64 = protocol.embedding_inputs(body, self.tok, self.engine.max_context, self.width)
-            adapter = None if body["model"] == self.model_name else body["model"]
-            try:
-                vectors = await asyncio.wrap_future(
-                    self.runner.call(lambda e: e.score(inputs, "embed", adapter=adapter))
-                )
-            except EngineError as e:  # an id outside the vocabulary
-                raise protocol.bad("input", str(e)) from None
+            vectors = await self._scores(inputs, "embed", body["model"])
             return JSONResponse(protocol.embeddings_body(vectors, as_base64, body["model"], sum(map(len, inputs))))
 
         return await self._guarded(request, answer)
@@ -266,8 +258,6 @@ class _Server:
         probabilities (`Engine.score(..., "classify")`) and the likeliest class's name (`Engine.labels`)."""
 
         async def answer():
-            from jaxformer.engine import EngineError
-
             body = await self._body(request, protocol.CLASSIFY_FIELDS)
             if not self.engine.encoder_only:
                 raise APIError(400, "classes come from an encoder_only model with a classification head; this one "
@@ -276,17 +266,21 @@ class _Server:
                 raise APIError(400, "this model has no classification head (model.num_classes=0): its embeddings "
                                "are served at /v1/embeddings", "model", "model_not_supported")  # fmt: skip
             inputs = protocol.scored_inputs(body, self.tok, self.engine.max_context)
-            adapter = None if body["model"] == self.model_name else body["model"]
-            try:
-                logprobs = await asyncio.wrap_future(
-                    self.runner.call(lambda e: e.score(inputs, "classify", adapter=adapter))
-                )
-            except EngineError as e:  # an id outside the vocabulary
-                raise protocol.bad("input", str(e)) from None
+            logprobs = await self._scores(inputs, "classify", body["model"])
             tokens = sum(map(len, inputs))
             return JSONResponse(protocol.classify_body(logprobs, self.engine.labels, body["model"], tokens))
 
         return await self._guarded(request, answer)
+
+    async def _scores(self, inputs: list[list[int]], kind: str, model: str) -> list[list]:
+        """An encoder's `Engine.score` of whole inputs, in the engine's thread, by the model (or adapter) named."""
+        from jaxformer.engine import EngineError
+
+        adapter = None if model == self.model_name else model
+        try:
+            return await asyncio.wrap_future(self.runner.call(lambda e: e.score(inputs, kind, adapter=adapter)))
+        except EngineError as e:  # an id outside the vocabulary
+            raise protocol.bad("input", str(e)) from None
 
     async def _score(self, job: Job) -> list[dict]:
         """Each prompt's tokens, their log-probabilities (the first's None) and the likeliest tokens at each
