@@ -86,6 +86,14 @@ def _drawn(out: tuple, i: int, j: int, n: int) -> tuple[int, float, list[tuple[i
     return int(tokens[i, j]), float(logp[i, j]), pairs
 
 
+def _each(value, n: int, what: str, of: str) -> list:
+    """`value` for each of n items: a list or tuple of n, or one value for all (EngineError otherwise)."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * n
+    if len(values) != n:
+        raise EngineError(f"{len(values)} {what} for {n} {of}")
+    return values
+
+
 def _bucket(n: int, most: int) -> int:
     """The power of two at or above n, at most `most`: the row and page counts a few compilations cover."""
     return min(1 << (n - 1).bit_length(), most)
@@ -737,9 +745,7 @@ class Engine:
         for i, r in enumerate(rows):
             if len(r) > self.max_context:
                 raise EngineError(f"inputs[{i}] has {len(r)} tokens; the model's max_len is {self.max_context}")
-        names = list(adapter) if isinstance(adapter, (list, tuple)) else [adapter] * len(rows)  # as `generate`
-        if len(names) != len(rows):
-            raise EngineError(f"{len(names)} adapters for {len(rows)} inputs")
+        names = _each(adapter, len(rows), "adapters", "inputs")
         indices = [_adapters.index_of(self.adapters, name) for name in names]
         out, B = [], self.cfg.max_slots
         for start in range(0, len(rows), B):
@@ -783,9 +789,7 @@ class Engine:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise EngineError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        names = list(adapter) if isinstance(adapter, (list, tuple)) else [adapter] * len(prompts)
-        if len(names) != len(prompts):
-            raise EngineError(f"{len(names)} adapters for {len(prompts)} prompts")
+        names = _each(adapter, len(prompts), "adapters", "prompts")
         ids = []
         try:
             for prompt, p, src, name in zip(prompts, params, sources, names, strict=True):
