@@ -229,8 +229,8 @@ def test_metrics_count_each_request_s_tokens_latencies_and_end_as_prometheus_rea
     stopped = client.completions.create(model=MODEL, prompt="KING:", max_tokens=40, temperature=0, stop=[stop],
                                         extra_body={"ignore_eos": True})  # fmt: skip
     assert stopped.choices[0].finish_reason == "stop"
-    with paced(server, 0.05):  # a stream the client leaves after its first token
-        stream = client.completions.create(model=MODEL, prompt="abc", max_tokens=40, temperature=0, stream=True,
+    with paced(server, 0.05):  # a stream the client leaves after its first token (80 steps would take 4 s)
+        stream = client.completions.create(model=MODEL, prompt="abc", max_tokens=80, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})  # fmt: skip
         next(iter(stream))
         stream.close()
