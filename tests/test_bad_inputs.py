@@ -1393,6 +1393,12 @@ API_CASES = [
         r"ignore_eos must be bool, got 'yes'",
     ),
     api_case(
+        "SamplingParams choices with an empty one",
+        lambda m, p: jf.engine.SamplingParams(choices=[(5, 6), ()]),
+        ValueError,
+        r"choices must each be a non-empty sequence of token ids \(ints >= 0\), got \(\)",
+    ),
+    api_case(
         "SamplingParams presence_penalty out of OpenAI's range",
         lambda m, p: jf.engine.SamplingParams(presence_penalty=3),
         ValueError,

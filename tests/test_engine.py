@@ -295,6 +295,55 @@ def test_penalties_and_biases_change_the_logits_as_openai_and_vllm_define_them(m
     assert 30 not in want[3] and 30 in plain[3]
 
 
+def _chosen_reference(model, prompt, choices, eos_id, n):
+    """Greedy decoding held to `choices` as written here: at each step the likeliest of the tokens that keep
+    the output a prefix of a choice (EOS too where it is a whole one), by one forward pass over the whole
+    sequence; it ends at EOS, or at a whole choice that none extends."""
+    forward = nnx.jit(lambda m, x: m(x))
+    out = []
+    while len(out) < n:
+        ids = np.zeros((1, 64), np.int32)
+        ids[0, : len(prompt) + len(out)] = prompt + out
+        x = np.asarray(forward(model, jnp.asarray(ids)), np.float32)[0, len(prompt) + len(out) - 1]
+        ok = {c[len(out)] for c in choices if len(c) > len(out) and list(c[: len(out)]) == out}
+        ok |= {eos_id} if tuple(out) in choices else set()
+        token = max(ok, key=lambda t: x[t])
+        if token == eos_id:
+            break
+        out.append(int(token))
+        if not any(len(c) > len(out) and list(c[: len(out)]) == out for c in choices):
+            break
+    return out
+
+
+def test_choices_hold_greedy_decoding_to_one_of_them(model, eos_id):
+    """`choices` (vLLM's guided_choice, as ids): greedy tokens equal a reference that picks the likeliest
+    allowed token over whole-sequence logits, whether a choice is a prefix of another (EOS may end it) or
+    not; the rows without choices beside them, decoded one step a call too, keep generate's tokens; the
+    constraint changes what greedy decoding gives."""
+    prompts, n = _prompts(), 10
+    plain = _reference(model, prompts, n, eos_id)
+    choices = [
+        ((*plain[0], 5, 6), tuple(plain[0])),  # one a prefix of another, where greedy draws EOS: it ends there
+        ((5, 6, 7), (5, 9), (11,)),
+        (),
+        ((40, 41, 42, 43), (40, 41, 44)),
+    ]
+    cfg = EngineConfig(page_size=4, num_pages=40, max_slots=3, prefill_chunk=8, decode_steps=3)
+    params = [SamplingParams(max_tokens=n, choices=c) for c in choices]
+    outs = Engine(model, cfg, eos_id=eos_id).generate(prompts[:4], params)
+    for i, (out, c) in enumerate(zip(outs, choices, strict=True)):
+        if not c:
+            assert out.token_ids == plain[i]
+            continue
+        want = _chosen_reference(model, prompts[i], c, eos_id, n)
+        assert out.token_ids == want and tuple(want) in c and out.finish_reason == "stop", (i, out, want)
+        assert (want == plain[i]) == (i == 0)
+    # No EOS at all: a whole choice that none extends ends the request itself.
+    out = Engine(model, cfg, eos_id=None).generate(prompts[1:2], SamplingParams(max_tokens=n, choices=choices[1]))[0]
+    assert out.token_ids == _chosen_reference(model, prompts[1], choices[1], None, n) and out.finish_reason == "stop"
+
+
 def test_a_penalty_or_bias_out_of_range_is_refused_by_name(model):
     for kw, match in [
         (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\]"),
@@ -303,6 +352,8 @@ def test_a_penalty_or_bias_out_of_range_is_refused_by_name(model):
         (dict(logit_bias={"5": 1.0}), "logit_bias keys must be token ids"),
         (dict(logit_bias={5: 101}), r"logit_bias\[5\] must be a number in \[-100, 100\]"),
         (dict(logit_bias=[(5, 1.0), (5, 2.0)]), "names a token id twice"),
+        (dict(choices=[(5, 6), ()]), "choices must each be a non-empty sequence of token ids"),
+        (dict(choices=[("a",)]), "choices must each be a non-empty sequence of token ids"),
     ]:
         with pytest.raises(ValueError, match=match):
             SamplingParams(**kw)
@@ -310,6 +361,10 @@ def test_a_penalty_or_bias_out_of_range_is_refused_by_name(model):
     with pytest.raises(EngineError, match=r"logit_bias: token id 999 is outside the vocabulary"):
         engine.add_request([4, 5], SamplingParams(logit_bias={999: 1.0}))
     assert SamplingParams(logit_bias={9: -1, 2: 0.5}).logit_bias == ((2, 0.5), (9, -1.0))
+    with pytest.raises(EngineError, match=r"choices\[1\] has 20 tokens .*at most max_tokens=16"):
+        engine.add_request([4, 5], SamplingParams(choices=[(5,), (6,) * 20]))
+    with pytest.raises(EngineError, match=r"choices\[0\] has 1 tokens \(ids up to 999\)"):
+        engine.add_request([4, 5], SamplingParams(choices=[(999,)]))
 
 
 @pytest.fixture(scope="module")

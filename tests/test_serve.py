@@ -250,6 +250,22 @@ def test_metrics_count_each_request_s_tokens_latencies_and_end_as_prometheus_rea
     assert 0 <= after[f"jaxformer:kv_cache_usage_perc{{{m}}}"] < 1
 
 
+def test_guided_choice_answers_with_one_of_the_texts(server, engine):
+    """vLLM's `guided_choice`: greedy answers the text whose first byte the model likes best at the prompt's
+    end (the byte tokenizer writes each text one id a byte; their first bytes differ), sampled chat choices
+    each answer one of the texts whole."""
+    client, texts = server.client(), ["yes", "no", "maybe"]
+    out = client.completions.create(model=MODEL, prompt="KING HENRY:", max_tokens=8, temperature=0,
+                                    extra_body={"guided_choice": texts})  # fmt: skip
+    ranking = [text for text, _ in _likeliest(engine, ids_of("KING HENRY:"), 260)[-1]]
+    first = next(t for t in ranking if t in ("y", "n", "m"))
+    assert out.choices[0].text == {"y": "yes", "n": "no", "m": "maybe"}[first]
+    assert out.choices[0].finish_reason == "stop"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Well?"}], n=4,
+                                          temperature=1.0, seed=3, extra_body={"guided_choice": texts})  # fmt: skip
+    assert all(c.message.content in texts for c in chat.choices), [c.message.content for c in chat.choices]
+
+
 def test_logprobs_are_log_probabilities_of_the_chosen_tokens(server):
     out = server.client().completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0, logprobs=0)
     lp = out.choices[0].logprobs
@@ -440,6 +456,9 @@ BAD = [  # (body, HTTP status, the field named, a word of the message)
     ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 200}}, 400, "logit_bias", "[-100, 100]"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias", "outside the vocabulary"),
     ({"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix", "not supported"),
+    ({"model": MODEL, "prompt": "x", "guided_choice": "yes"}, 400, "guided_choice", "a list of 1 to 1024 texts"),
+    ({"model": MODEL, "prompt": "x", "guided_choice": ["a", ""]}, 400, "guided_choice[1]", "non-empty string"),
+    ({"model": MODEL, "prompt": "x", "guided_choice": ["x" * 20]}, 400, "guided_choice[0]", "max_tokens=16"),
     ({"model": MODEL, "prompt": "x", "colour": "red"}, 400, "colour", "unrecognized"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "[1,"),  # without echo: nothing asked

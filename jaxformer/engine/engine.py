@@ -329,6 +329,10 @@ class Engine:
             raise EngineError("stop strings need a tokenizer (the engine has none)")
         if params.logit_bias and (outside := [t for t, _ in params.logit_bias if t >= self.vocab_size]):
             raise EngineError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})")
+        for k, choice in enumerate(params.choices):
+            if max(choice) >= self.vocab_size or len(choice) > params.max_tokens:
+                raise EngineError(f"choices[{k}] has {len(choice)} tokens (ids up to {max(choice)}): at most "
+                                  f"max_tokens={params.max_tokens}, ids in [0, {self.vocab_size})")  # fmt: skip
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if not isinstance(request_id, str) or request_id in self._live:
@@ -526,12 +530,14 @@ class Engine:
         """One compiled step over `reqs`: a prefill chunk, the next `width` (at most) uncomputed tokens of each
         (a chunk of one included), or (`decode`) up to `decode_steps` steps from each one's last token."""
         spans = {}
+        # A request with choices learns its next allowed tokens from each one drawn: its calls run one step.
+        steps = 1 if any(r.params.choices for r in reqs) else self.cfg.decode_steps
         for req in sorted(reqs, key=lambda r: r.order):
             if req.slot is None:  # preempted by an earlier one's reservation
                 continue
             n = min(width, len(req.tokens) - req.computed)
-            if decode:  # up to decode_steps tokens, no more than the request may still take
-                n = min(self.cfg.decode_steps, req.params.max_tokens - len(req.out))
+            if decode:  # up to `steps` tokens, no more than the request may still take
+                n = min(steps, req.params.max_tokens - len(req.out))
             if self._reserve(req, req.computed + n):
                 spans[req] = n
         reqs = [r for r in spans if r.slot is not None]
@@ -563,8 +569,8 @@ class Engine:
         top_n = MAX_TOP_LOGPROBS if any(r.params.top_logprobs for r in reqs) else 0
         if any(r.params.penalized for r in reqs):  # penalties or biases: a variant of the step that applies them
             rows = [(i, r.params, r.prompt, r.out) for r, i in row_of.items()]
-            x["penalties"] = penalty_inputs(rows, R, self.vocab_size)
-        out = self._call(x, self.cfg.decode_steps if decode else 1, top_n)
+            x["penalties"] = penalty_inputs(rows, R, self.vocab_size, self.eos_id)
+        out = self._call(x, steps if decode else 1, top_n)
         for req, i in row_of.items():
             n = req.params.top_logprobs
             if not decode:  # a prefill chunk
@@ -677,6 +683,8 @@ class Engine:
         if top is not None:
             req.top_logprobs.append(top)
         if p.stop and self._stop_at(req) is not None:
+            return self._finish(req, "stop", [token], events, new) or True
+        if p.choices and not p.allowed(req.out)[0]:  # a whole choice that none extends
             return self._finish(req, "stop", [token], events, new) or True
         if len(req.out) >= p.max_tokens or len(req.tokens) >= self.max_context:
             return self._finish(req, "length", [token], events, new) or True

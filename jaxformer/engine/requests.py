@@ -42,9 +42,14 @@ class SamplingParams:
             positive, multiplied where negative (vLLM's and Hugging Face's; > 1 discourages them; 1: off).
         logit_bias: {token id: bias} added to those logits at every step (OpenAI's, each in [-100, 100]; -100
             in effect bans a token); given as a mapping or (id, bias) pairs, kept as sorted pairs.
+        choices: the output is one of these token-id sequences (vLLM's `guided_choice`, as ids): each step
+            draws only among the tokens that keep it a prefix of one, and it ends ("stop") once it is a whole
+            one that no other extends (where one does, EOS may end it there); () = free.
 
-    The penalties, then the biases, change the logits every token is drawn from; a chosen token's
-    log-probability (and the likeliest tokens') are under those logits, as `min_tokens`' are.
+    The penalties, then the biases and the choices' constraint, change the logits every token is drawn
+    from; a chosen token's log-probability (and the likeliest tokens') are under those logits, as
+    `min_tokens`' are. A request with choices decodes one step a call (its next tokens depend on each one
+    drawn), and so do the requests decoding beside it.
     """
 
     max_tokens: int = 16
@@ -61,6 +66,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    choices: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
         def need(ok, field, message):
@@ -117,22 +123,48 @@ class SamplingParams:
             pairs.append((token, float(value)))
         need(len({t for t, _ in pairs}) == len(pairs), "logit_bias", "names a token id twice")
         object.__setattr__(self, "logit_bias", tuple(sorted(pairs)))
+        need(isinstance(self.choices, (tuple, list)), "choices", f"must be token-id sequences, got {self.choices!r}")
+        choices = []
+        for c in self.choices:
+            ok = isinstance(c, (tuple, list)) and len(c) > 0
+            ok = ok and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in c)
+            need(ok, "choices", f"must each be a non-empty sequence of token ids (ints >= 0), got {c!r}")
+            choices.append(tuple(c))
+        object.__setattr__(self, "choices", tuple(dict.fromkeys(choices)))  # each once, in order
+
+    def allowed(self, out: list[int]) -> tuple[set[int], bool]:
+        """With `choices`: the tokens that may follow `out` (keeping it a prefix of a choice), and whether
+        `out` is a whole choice already.
+
+        Args:
+            out: the output so far.
+
+        Returns:
+            (next tokens, whole).
+        """
+        n, out = len(out), tuple(out)
+        return {c[n] for c in self.choices if len(c) > n and c[:n] == out}, out in self.choices
 
     @property
     def penalized(self) -> bool:
-        """Whether a penalty or a bias changes this request's logits."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias)
+        """Whether a penalty, a bias or choices change this request's logits."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias
+            or self.choices
+        )  # fmt: skip
 
 
-def penalty_inputs(rows: list[tuple], R: int, V: int) -> tuple[np.ndarray, ...]:
+def penalty_inputs(rows: list[tuple], R: int, V: int, eos_id: int | None) -> tuple[np.ndarray, ...]:
     """The compiled step's penalty and bias inputs (`paged.penalize`) for a call's rows: each row's count of
-    every token in its output so far, the tokens of its prompt, its three penalties and its biases; the
+    every token in its output so far, the tokens of its prompt, its three penalties and its biases (-inf on
+    the tokens its `choices` rule out next; EOS allowed where its output is a whole choice already); the
     rows past those given (up to R) are left as they are (no penalty, no bias).
 
     Args:
         rows (list[tuple]): (row index, SamplingParams, prompt ids, output ids so far) of each request.
         R: the call's rows.
         V: the vocabulary's size.
+        eos_id: the engine's EOS id (None: none).
 
     Returns:
         (counts [R, V] int32, seen [R, V] bool, presence, frequency and repetition [R] float32, bias [R, V]
@@ -146,6 +178,12 @@ def penalty_inputs(rows: list[tuple], R: int, V: int) -> tuple[np.ndarray, ...]:
         presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
         for token, b in p.logit_bias:
             bias[i, token] = b
+        if p.choices:
+            tokens, whole = p.allowed(out)
+            tokens |= {eos_id} if whole and eos_id is not None else set()
+            ruled_out = np.ones(V, bool)
+            ruled_out[sorted(tokens)] = False
+            bias[i, ruled_out] = -np.inf
     return counts, seen, presence, frequency, repetition, bias
 
 

@@ -19,6 +19,7 @@ from jaxformer.data import templates
 
 MAX_CHOICES = 128  # prompts x n of one request: more is a batch job (Engine.generate), not an HTTP call
 MAX_STOPS = 4  # as OpenAI
+MAX_GUIDED_CHOICES = 1024  # the texts of one `guided_choice` at most
 MAX_INPUTS = 2048  # an embeddings or classify request's inputs at most (OpenAI's for embeddings)
 # Fields OpenAI defines that change nothing here at their default value (anything else is refused, as
 # OpenAI refuses what it does not know: "Unrecognized request argument supplied").
@@ -38,7 +39,7 @@ _IGNORED = {"user": str, "metadata": dict, "store": bool, "safety_identifier": s
 _JSON_TYPE = {str: "a string", dict: "an object of string keys and values", bool: "true or false"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
            "ignore_eos", "min_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty",
-           "logit_bias"}  # fmt: skip
+           "logit_bias", "guided_choice"}  # fmt: skip
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix", "user"}
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 CLASSIFY_FIELDS = {"model", "input", "user"}
@@ -271,17 +272,20 @@ def check_model(body: dict, model_name: str | tuple[str, ...]) -> str:
     return v
 
 
-def sampling(body: dict, max_tokens: int, stop: tuple[str, ...], logprobs: bool, n: int, top_logprobs: int = 0) -> list:
+def sampling(
+    body: dict, max_tokens: int, stop: tuple[str, ...], logprobs: bool, n: int, top_logprobs: int = 0, tok=None
+) -> list:
     """The engine's settings of each of the n choices (a given seed is each choice's seed + its index).
 
     Args:
         body: the request body (temperature, top_p, top_k, seed, the penalties, logit_bias; ignore_eos,
-            min_tokens and repetition_penalty, vLLM's extensions).
+            min_tokens, repetition_penalty and guided_choice, vLLM's extensions).
         max_tokens: new tokens at most.
         stop: the stop strings.
         logprobs: return each chosen token's log-probability.
         n: choices per prompt.
         top_logprobs: and this many likeliest tokens' at each step (with `logprobs`).
+        tok (Tokenizer | None): the model's tokenizer, which writes `guided_choice`'s texts as token ids.
 
     Returns:
         n SamplingParams (jaxformer.engine).
@@ -301,6 +305,7 @@ def sampling(body: dict, max_tokens: int, stop: tuple[str, ...], logprobs: bool,
     ignore_eos = _bool(body, "ignore_eos")  # extensions, as vLLM's
     min_tokens = _int(body, "min_tokens", 0, 0, max_tokens)
     repetition = _number(body, "repetition_penalty", 1.0, 0.0, 1e4, lo_open=True)
+    choices = _guided_choice(body, tok, max_tokens)
     try:
         return [
             SamplingParams(
@@ -318,11 +323,31 @@ def sampling(body: dict, max_tokens: int, stop: tuple[str, ...], logprobs: bool,
                 frequency_penalty=frequency,
                 repetition_penalty=repetition,
                 logit_bias=logit_bias,
+                choices=choices,
             )
             for i in range(n)
         ]
     except ValueError as e:  # the engine's own check names the field
         raise bad(None, str(e)) from None
+
+
+def _guided_choice(body: dict, tok, max_tokens: int) -> tuple[tuple[int, ...], ...]:
+    """vLLM's `guided_choice`: the answer is one of these texts, each as the tokenizer writes it alone."""
+    v = body.get("guided_choice")
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not v or len(v) > MAX_GUIDED_CHOICES:
+        raise bad("guided_choice", f"a list of 1 to {MAX_GUIDED_CHOICES} texts is expected, got {type(v).__name__}"
+                  f"{f' of {len(v)}' if isinstance(v, list) else ''}", "invalid_type")  # fmt: skip
+    out = []
+    for i, text in enumerate(v):
+        if not isinstance(text, str) or not text:
+            raise bad(f"guided_choice[{i}]", f"a non-empty string is expected, got {text!r}")
+        ids = tuple(tok.encode(text))
+        if len(ids) > max_tokens:
+            raise bad(f"guided_choice[{i}]", f"{len(ids)} tokens: more than max_tokens={max_tokens}")
+        out.append(ids)
+    return tuple(out)
 
 
 def _logit_bias(body: dict) -> dict[int, float]:
@@ -518,7 +543,7 @@ def completion_job(body: dict, tok, max_context: int) -> Job:
                           "context_length_exceeded")  # fmt: skip
     return Job(
         chat=False, prompts=prompts, prompt_texts=texts,
-        params=sampling(body, max(max_tokens, 1), stop, logprobs is not None, n, logprobs or 0),
+        params=sampling(body, max(max_tokens, 1), stop, logprobs is not None, n, logprobs or 0, tok),
         stream=stream, include_usage=_stream_options(body, stream), echo=echo,
         logprobs=logprobs is not None, stop=stop, score_prompt=score, top_logprobs=logprobs or 0,
         generate=max_tokens > 0,
@@ -594,7 +619,7 @@ def chat_job(body: dict, tok, max_context: int, template) -> Job:
         raise bad("messages", f"the conversation is {len(ids)} tokens: the model's context is {max_context}",
                   "context_length_exceeded")  # fmt: skip
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), room, max_context)
-    params = sampling(body, max_tokens, stop, logprobs, n, top_logprobs)
+    params = sampling(body, max_tokens, stop, logprobs, n, top_logprobs, tok)
     return Job(
         chat=True, prompts=[ids], prompt_texts=[text], params=params, stream=stream, echo=False,
         include_usage=_stream_options(body, stream), logprobs=logprobs, stop=stop, top_logprobs=top_logprobs,
