@@ -42,7 +42,7 @@ from jaxformer.engine import paged
 from jaxformer.engine import steps as _steps
 from jaxformer.engine.pages import PageAllocator, page_hashes, pages_at_once, pages_behind, releasable_window
 from jaxformer.engine.requests import MAX_TOP_LOGPROBS, EngineError, Event, Output, SamplingParams, penalty_inputs
-from jaxformer.engine.steps import _copy_page, _encode_into, _forward, _score
+from jaxformer.engine.steps import _copy_page, _encode_into, _forward, score_batches
 
 
 @dataclasses.dataclass(eq=False)
@@ -327,12 +327,7 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise EngineError("stop strings need a tokenizer (the engine has none)")
-        if params.logit_bias and (outside := [t for t, _ in params.logit_bias if t >= self.vocab_size]):
-            raise EngineError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})")
-        for k, choice in enumerate(params.choices):
-            if max(choice) >= self.vocab_size or len(choice) > params.max_tokens:
-                raise EngineError(f"choices[{k}] has {len(choice)} tokens (ids up to {max(choice)}): at most "
-                                  f"max_tokens={params.max_tokens}, ids in [0, {self.vocab_size})")  # fmt: skip
+        params.check_ids(self.vocab_size)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if not isinstance(request_id, str) or request_id in self._live:
@@ -754,26 +749,9 @@ class Engine:
             if len(r) > self.max_context:
                 raise EngineError(f"inputs[{i}] has {len(r)} tokens; the model's max_len is {self.max_context}")
         names = _each(adapter, len(rows), "adapters", "inputs")
-        indices = [_adapters.index_of(self.adapters, name) for name in names]
-        out, B = [], self.cfg.max_slots
-        for start in range(0, len(rows), B):
-            batch = rows[start : start + B]
-            width = min(max(8, 1 << (max(map(len, batch)) - 1).bit_length()), self.max_context)
-            ids = np.full((B, width), self.pad_id, np.int32)
-            lengths = np.ones(B, np.int32)
-            for i, r in enumerate(batch):
-                ids[i, : len(r)], lengths[i] = r, len(r)
-            adapters_B = None  # each row's adapter, the padding rows' the base
-            if self.adapters:
-                adapters_B = np.zeros(B, np.int32)
-                adapters_B[: len(batch)] = indices[start : start + B]
-            got = np.asarray(_score(self._graphdef, self._params, ids, lengths, adapters_B, kind=kind))
-            for i, r in enumerate(batch):
-                if kind == "fill":
-                    out.append([int(p) if t == mask_id else t for t, p in zip(r, got[i], strict=False)])
-                else:
-                    out.append(got[i].tolist())
-        return out
+        indices = [_adapters.index_of(self.adapters, name) for name in names] if self.adapters else None
+        return score_batches(self._graphdef, self._params, rows, kind, self.cfg.max_slots, self.pad_id,
+                             self.max_context, indices, mask_id)  # fmt: skip
 
     def generate(self, prompts, params, *, sources=None, adapter=None) -> list[Output]:
         """Run prompts to the end (with any requests already queued) and return their outputs.

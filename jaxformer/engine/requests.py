@@ -132,6 +132,23 @@ class SamplingParams:
             choices.append(tuple(c))
         object.__setattr__(self, "choices", tuple(dict.fromkeys(choices)))  # each once, in order
 
+    def check_ids(self, vocab_size: int) -> None:
+        """The token ids of `logit_bias` and `choices` are of a vocabulary of `vocab_size`, and every choice
+        fits in `max_tokens`.
+
+        Args:
+            vocab_size: the model's vocabulary.
+
+        Raises:
+            EngineError: an id outside it, or a choice longer than max_tokens.
+        """
+        if self.logit_bias and (outside := [t for t, _ in self.logit_bias if t >= vocab_size]):
+            raise EngineError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
+        for k, choice in enumerate(self.choices):
+            if max(choice) >= vocab_size or len(choice) > self.max_tokens:
+                raise EngineError(f"choices[{k}] has {len(choice)} tokens (ids up to {max(choice)}): at most "
+                                  f"max_tokens={self.max_tokens}, ids in [0, {vocab_size})")  # fmt: skip
+
     def allowed(self, out: list[int]) -> tuple[set[int], bool]:
         """With `choices`: the tokens that may follow `out` (keeping it a prefix of a choice), and whether
         `out` is a whole choice already.

@@ -2,7 +2,8 @@
 continuous batch over the paged cache (`_forward`: a prefill chunk or `steps` decode steps, each row
 sampling its own next token), an encoder_decoder source encoded into its slot (`_encode_into`), whole
 inputs scored by an encoder_only model (`_score`), and copy-on-write of a shared page (`_copy_page`).
-The scheduler (`jaxformer.engine.engine`) builds their inputs and owns what they return.
+The scheduler (`jaxformer.engine.engine`) builds their inputs and owns what they return, but for whole
+inputs, which `score_batches` pads into batches of a few shapes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxformer import precast
@@ -155,3 +157,40 @@ def _copy_page(pools, src, dst):
         {n: p.at[dst].set(p[src]) if p.ndim == 3 else p.at[:, dst].set(p[:, src]) for n, p in pool.items()}
         for pool in pools
     ]
+
+
+def score_batches(
+    graphdef, params, rows: list[list[int]], kind: str, batch: int, pad_id: int, most: int, adapters=None, mask_id=None
+) -> list[list]:
+    """`_score` of whole inputs, `batch` rows a call, each call's positions a power of two (8 at least, `most`
+    at most) and its rows `batch` (the last padded): a few compiled shapes serve every input.
+
+    Args:
+        graphdef (nnx.GraphDef): the engine's model's graph.
+        params (nnx.State): its parameters.
+        rows: the inputs' token ids (each at most `most`).
+        kind: "classify", "fill" or "embed" (`_score`).
+        batch: rows a call.
+        pad_id: the padding id.
+        most: the positions a call has at most (the model's context).
+        adapters (list[int] | None): each input's adapter index (engine.adapters), or None (no adapters).
+        mask_id (int | None): "fill": the mask token, each replaced by the likeliest id there.
+
+    Returns:
+        One list per input: C log-probabilities, the filled ids, or D floats.
+    """
+    out = []
+    for start in range(0, len(rows), batch):
+        part = rows[start : start + batch]
+        width = min(max(8, 1 << (max(map(len, part)) - 1).bit_length()), most)
+        ids, lengths = np.full((batch, width), pad_id, np.int32), np.ones(batch, np.int32)
+        for i, r in enumerate(part):
+            ids[i, : len(r)], lengths[i] = r, len(r)
+        adapters_B = None if adapters is None else np.zeros(batch, np.int32)  # the padding rows' the base
+        if adapters is not None:
+            adapters_B[: len(part)] = adapters[start : start + batch]
+        got = np.asarray(_score(graphdef, params, ids, lengths, adapters_B, kind=kind))
+        for i, r in enumerate(part):
+            out.append([int(p) if t == mask_id else t for t, p in zip(r, got[i], strict=False)] if kind == "fill"
+                       else got[i].tolist())  # fmt: skip
+    return out

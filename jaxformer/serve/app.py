@@ -380,10 +380,10 @@ class _Server:
 
     def _abort_unfinished(self, ids: list[str], choices: list[_Choice]) -> None:
         for request_id, c in zip(ids, choices, strict=True):
+            if not c.done:
+                c.end("abort")  # the client went away: counted before the engine can hear of it
             if not c.engine_done:
                 self.runner.abort(request_id)
-            if not c.done:
-                c.end("abort")  # the client went away
 
     def _whole(self, job: Job, choices: list[_Choice]) -> dict:
         usage = _usage(job, choices)
