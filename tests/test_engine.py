@@ -295,6 +295,22 @@ def test_penalties_and_biases_change_the_logits_as_openai_and_vllm_define_them(m
     assert 30 not in want[3] and 30 in plain[3]
 
 
+@pytest.mark.parametrize("decode_steps", [1, 3])
+def test_stop_token_ids_end_a_request_as_eos_does(model, decode_steps):
+    """`stop_token_ids`: a request ends ("stop") where greedy decoding draws one of them, the id left out,
+    as at EOS; the other requests run on; ids never drawn change nothing."""
+    prompts, n = _prompts()[:3], 10
+    plain = _reference(model, prompts, n, None)
+    stop = plain[0][3]  # drawn by row 0 at step 3 (or sooner)
+    cfg = EngineConfig(page_size=4, num_pages=40, max_slots=3, prefill_chunk=8, decode_steps=decode_steps)
+    never = next(t for t in range(V) if all(t not in w for w in plain))
+    params = [SamplingParams(max_tokens=n, stop_token_ids=(stop,)), SamplingParams(max_tokens=n),
+              SamplingParams(max_tokens=n, stop_token_ids=(never,))]  # fmt: skip
+    outs = Engine(model, cfg, eos_id=None).generate(prompts, params)
+    assert outs[0].token_ids == plain[0][: plain[0].index(stop)] and outs[0].finish_reason == "stop"
+    assert [o.token_ids for o in outs[1:]] == plain[1:] and outs[2].finish_reason == "length"
+
+
 def _chosen_reference(model, prompt, choices, eos_id, n):
     """Greedy decoding held to `choices` as written here: at each step the likeliest of the tokens that keep
     the output a prefix of a choice (EOS too where it is a whole one), by one forward pass over the whole
@@ -354,6 +370,7 @@ def test_a_penalty_or_bias_out_of_range_is_refused_by_name(model):
         (dict(logit_bias=[(5, 1.0), (5, 2.0)]), "names a token id twice"),
         (dict(choices=[(5, 6), ()]), "choices must each be a non-empty sequence of token ids"),
         (dict(choices=[("a",)]), "choices must each be a non-empty sequence of token ids"),
+        (dict(stop_token_ids=[-1]), r"stop_token_ids must be token ids \(ints >= 0\), got \[-1\]"),
     ]:
         with pytest.raises(ValueError, match=match):
             SamplingParams(**kw)

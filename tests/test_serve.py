@@ -250,6 +250,13 @@ def test_metrics_count_each_request_s_tokens_latencies_and_end_as_prometheus_rea
     assert 0 <= after[f"jaxformer:kv_cache_usage_perc{{{m}}}"] < 1
 
 
+def test_stop_token_ids_end_the_answer_before_the_id(server, reference):
+    want = reference(ids_of("KING HENRY:"), 12)
+    out = server.client().completions.create(model=MODEL, prompt="KING HENRY:", max_tokens=12, temperature=0,
+                                             extra_body={"stop_token_ids": [want[4]]})  # fmt: skip
+    assert out.choices[0].text == text_of(want[: want.index(want[4])]) and out.choices[0].finish_reason == "stop"
+
+
 def test_guided_choice_answers_with_one_of_the_texts(server, engine):
     """vLLM's `guided_choice`: greedy answers the text whose first byte the model likes best at the prompt's
     end (the byte tokenizer writes each text one id a byte; their first bytes differ), sampled chat choices
@@ -457,6 +464,9 @@ BAD = [  # (body, HTTP status, the field named, a word of the message)
     ({"model": MODEL, "prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias", "outside the vocabulary"),
     ({"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix", "not supported"),
     ({"model": MODEL, "prompt": "x", "guided_choice": "yes"}, 400, "guided_choice", "a list of 1 to 1024 texts"),
+    ({"model": MODEL, "prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids", "token ids"),
+    ({"model": MODEL, "prompt": "x", "stop_token_ids": 5}, 400, "stop_token_ids", "a list of at most 64"),
+    ({"model": MODEL, "prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids", "outside the vocabulary"),
     ({"model": MODEL, "prompt": "x", "guided_choice": ["a", ""]}, 400, "guided_choice[1]", "non-empty string"),
     ({"model": MODEL, "prompt": "x", "guided_choice": ["x" * 20]}, 400, "guided_choice[0]", "max_tokens=16"),
     ({"model": MODEL, "prompt": "x", "colour": "red"}, 400, "colour", "unrecognized"),

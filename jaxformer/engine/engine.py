@@ -670,7 +670,7 @@ class Engine:
         log-probability) pairs); its EOS, a stop string or its length may end it. True if it ended."""
         p = req.params
         new = ([logp] if p.logprobs else None, None if top is None else [top])
-        if token == self.eos_id and not p.ignore_eos:
+        if (token == self.eos_id and not p.ignore_eos) or token in p.stop_token_ids:
             return self._finish(req, "stop", [], events) or True
         req.out.append(token)
         if p.logprobs:

@@ -11,6 +11,11 @@ import numpy as np
 MAX_TOP_LOGPROBS = 20  # the likeliest tokens a step lists at most (as vLLM's default `max_logprobs`)
 
 
+def _is_id(t) -> bool:
+    """A token id: an int (not a bool) >= 0."""
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
 class EngineError(ValueError):
     """A request the engine cannot take (a prompt over the context, bad ids, ...); the message says what."""
 
@@ -42,6 +47,9 @@ class SamplingParams:
             positive, multiplied where negative (vLLM's and Hugging Face's; > 1 discourages them; 1: off).
         logit_bias: {token id: bias} added to those logits at every step (OpenAI's, each in [-100, 100]; -100
             in effect bans a token); given as a mapping or (id, bias) pairs, kept as sorted pairs.
+        stop_token_ids: ids that end the request as EOS does ("stop", the id left out of the output; vLLM's
+            `stop_token_ids`): a chat model's turn-end token that is not its EOS, say. `ignore_eos` and
+            `min_tokens` concern EOS only.
         choices: the output is one of these token-id sequences (vLLM's `guided_choice`, as ids): each step
             draws only among the tokens that keep it a prefix of one, and it ends ("stop") once it is a whole
             one that no other extends (where one does, EOS may end it there); () = free.
@@ -66,6 +74,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     choices: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
@@ -116,25 +125,29 @@ class SamplingParams:
         for pair in bias:
             ok = isinstance(pair, (tuple, list)) and len(pair) == 2
             token, value = pair if ok else (None, None)
-            ok = ok and isinstance(token, int) and not isinstance(token, bool) and token >= 0
+            ok = ok and _is_id(token)
             need(ok, "logit_bias", f"keys must be token ids (ints >= 0), got {pair!r}")
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and -100 <= value <= 100
             need(ok, f"logit_bias[{token}]", f"must be a number in [-100, 100], got {value!r}")
             pairs.append((token, float(value)))
         need(len({t for t, _ in pairs}) == len(pairs), "logit_bias", "names a token id twice")
         object.__setattr__(self, "logit_bias", tuple(sorted(pairs)))
+        ids = self.stop_token_ids
+        ok = isinstance(ids, (tuple, list)) and all(map(_is_id, ids))
+        need(ok, "stop_token_ids", f"must be token ids (ints >= 0), got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
         need(isinstance(self.choices, (tuple, list)), "choices", f"must be token-id sequences, got {self.choices!r}")
         choices = []
         for c in self.choices:
             ok = isinstance(c, (tuple, list)) and len(c) > 0
-            ok = ok and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in c)
+            ok = ok and all(map(_is_id, c))
             need(ok, "choices", f"must each be a non-empty sequence of token ids (ints >= 0), got {c!r}")
             choices.append(tuple(c))
         object.__setattr__(self, "choices", tuple(dict.fromkeys(choices)))  # each once, in order
 
     def check_ids(self, vocab_size: int) -> None:
-        """The token ids of `logit_bias` and `choices` are of a vocabulary of `vocab_size`, and every choice
-        fits in `max_tokens`.
+        """The token ids of `logit_bias`, `stop_token_ids` and `choices` are of a vocabulary of `vocab_size`,
+        and every choice fits in `max_tokens`.
 
         Args:
             vocab_size: the model's vocabulary.
@@ -142,8 +155,9 @@ class SamplingParams:
         Raises:
             EngineError: an id outside it, or a choice longer than max_tokens.
         """
-        if self.logit_bias and (outside := [t for t, _ in self.logit_bias if t >= vocab_size]):
-            raise EngineError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
+        for field, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+            if outside := [t for t in ids if t >= vocab_size]:
+                raise EngineError(f"{field}: token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
         for k, choice in enumerate(self.choices):
             if max(choice) >= vocab_size or len(choice) > self.max_tokens:
                 raise EngineError(f"choices[{k}] has {len(choice)} tokens (ids up to {max(choice)}): at most "

@@ -345,7 +345,8 @@ class _Server:
             if isinstance(e, EngineError):
                 code = "context_length_exceeded" if "context" in str(e) else "invalid_value"
                 param = "max_tokens" if code == "context_length_exceeded" else "prompt"
-                raise APIError(400, str(e), "logit_bias" if str(e).startswith("logit_bias") else param, code)
+                field = str(e).split(":")[0]  # a request field the engine named, else the prompt's length or ids
+                raise APIError(400, str(e), field if field in ("logit_bias", "stop_token_ids") else param, code)
             raise e
         return events, list(results)
 

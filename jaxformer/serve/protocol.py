@@ -20,6 +20,7 @@ from jaxformer.data import templates
 MAX_CHOICES = 128  # prompts x n of one request: more is a batch job (Engine.generate), not an HTTP call
 MAX_STOPS = 4  # as OpenAI
 MAX_GUIDED_CHOICES = 1024  # the texts of one `guided_choice` at most
+MAX_STOP_TOKEN_IDS = 64  # vLLM's `stop_token_ids` of one request at most
 MAX_INPUTS = 2048  # an embeddings or classify request's inputs at most (OpenAI's for embeddings)
 # Fields OpenAI defines that change nothing here at their default value (anything else is refused, as
 # OpenAI refuses what it does not know: "Unrecognized request argument supplied").
@@ -39,7 +40,7 @@ _IGNORED = {"user": str, "metadata": dict, "store": bool, "safety_identifier": s
 _JSON_TYPE = {str: "a string", dict: "an object of string keys and values", bool: "true or false"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
            "ignore_eos", "min_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty",
-           "logit_bias", "guided_choice"}  # fmt: skip
+           "logit_bias", "guided_choice", "stop_token_ids"}  # fmt: skip
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix", "user"}
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 CLASSIFY_FIELDS = {"model", "input", "user"}
@@ -279,7 +280,7 @@ def sampling(
 
     Args:
         body: the request body (temperature, top_p, top_k, seed, the penalties, logit_bias; ignore_eos,
-            min_tokens, repetition_penalty and guided_choice, vLLM's extensions).
+            min_tokens, repetition_penalty, guided_choice and stop_token_ids, vLLM's extensions).
         max_tokens: new tokens at most.
         stop: the stop strings.
         logprobs: return each chosen token's log-probability.
@@ -306,6 +307,13 @@ def sampling(
     min_tokens = _int(body, "min_tokens", 0, 0, max_tokens)
     repetition = _number(body, "repetition_penalty", 1.0, 0.0, 1e4, lo_open=True)
     choices = _guided_choice(body, tok, max_tokens)
+    stop_ids = [] if body.get("stop_token_ids") is None else body["stop_token_ids"]
+    if (
+        not isinstance(stop_ids, list)
+        or len(stop_ids) > MAX_STOP_TOKEN_IDS
+        or not all(_is_int(t) and t >= 0 for t in stop_ids)
+    ):
+        raise bad("stop_token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} token ids is expected, got {stop_ids!r}")
     try:
         return [
             SamplingParams(
@@ -324,6 +332,7 @@ def sampling(
                 repetition_penalty=repetition,
                 logit_bias=logit_bias,
                 choices=choices,
+                stop_token_ids=tuple(stop_ids),
             )
             for i in range(n)
         ]
