@@ -1399,6 +1399,14 @@ API_CASES = [
         r"choices must each be a non-empty sequence of token ids \(ints >= 0\), got \(\)",
     ),
     api_case(
+        "SamplingParams stop_token_ids of a token outside the vocabulary",
+        lambda m, p: jf.engine.Engine(m[LM], jf.config.EngineConfig(page_size=4, num_pages=8), eos_id=2).add_request(
+            [3, 4], jf.engine.SamplingParams(max_tokens=4, stop_token_ids=(7, 10**6))
+        ),
+        ValueError,
+        r"stop_token_ids: token id 1000000 is outside the vocabulary \[0, ",
+    ),
+    api_case(
         "SamplingParams presence_penalty out of OpenAI's range",
         lambda m, p: jf.engine.SamplingParams(presence_penalty=3),
         ValueError,

@@ -17,7 +17,16 @@ def _is_id(t) -> bool:
 
 
 class EngineError(ValueError):
-    """A request the engine cannot take (a prompt over the context, bad ids, ...); the message says what."""
+    """A request the engine cannot take (a prompt over the context, bad ids, ...); the message says what.
+
+    Args:
+        message: what is wrong.
+        field: the SamplingParams field at fault, where one is (a server names it as the request's field).
+    """
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,11 +166,11 @@ class SamplingParams:
         """
         for field, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
             if outside := [t for t in ids if t >= vocab_size]:
-                raise EngineError(f"{field}: token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
+                raise EngineError(f"{field}: token id {outside[0]} is outside the vocabulary [0, {vocab_size})", field)
         for k, choice in enumerate(self.choices):
             if max(choice) >= vocab_size or len(choice) > self.max_tokens:
                 raise EngineError(f"choices[{k}] has {len(choice)} tokens (ids up to {max(choice)}): at most "
-                                  f"max_tokens={self.max_tokens}, ids in [0, {vocab_size})")  # fmt: skip
+                                  f"max_tokens={self.max_tokens}, ids in [0, {vocab_size})", "choices")  # fmt: skip
 
     def allowed(self, out: list[int]) -> tuple[set[int], bool]:
         """With `choices`: the tokens that may follow `out` (keeping it a prefix of a choice), and whether

@@ -186,8 +186,9 @@ def score_batches(
         ids, lengths = np.full((batch, width), pad_id, np.int32), np.ones(batch, np.int32)
         for i, r in enumerate(part):
             ids[i, : len(r)], lengths[i] = r, len(r)
-        adapters_B = None if adapters is None else np.zeros(batch, np.int32)  # the padding rows' the base
+        adapters_B = None  # each row's adapter, the padding rows' the base
         if adapters is not None:
+            adapters_B = np.zeros(batch, np.int32)
             adapters_B[: len(part)] = adapters[start : start + batch]
         got = np.asarray(_score(graphdef, params, ids, lengths, adapters_B, kind=kind))
         for i, r in enumerate(part):

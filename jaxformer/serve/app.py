@@ -344,9 +344,9 @@ class _Server:
             e = refused[0]
             if isinstance(e, EngineError):
                 code = "context_length_exceeded" if "context" in str(e) else "invalid_value"
-                param = "max_tokens" if code == "context_length_exceeded" else "prompt"
-                field = str(e).split(":")[0]  # a request field the engine named, else the prompt's length or ids
-                raise APIError(400, str(e), field if field in ("logit_bias", "stop_token_ids") else param, code)
+                param = {"choices": "guided_choice"}.get(e.field, e.field)  # the request's name of the field
+                param = param or ("max_tokens" if code == "context_length_exceeded" else "prompt")
+                raise APIError(400, str(e), param, code)
             raise e
         return events, list(results)
 
