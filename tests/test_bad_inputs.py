@@ -1407,6 +1407,20 @@ API_CASES = [
         r"stop_token_ids: token id 1000000 is outside the vocabulary \[0, ",
     ),
     api_case(
+        "SamplingParams regex on an engine without a tokenizer",
+        lambda m, p: jf.engine.Engine(m[LM], jf.config.EngineConfig(page_size=4, num_pages=8), eos_id=2).add_request(
+            [3, 4], jf.engine.SamplingParams(max_tokens=4, regex="[ab]+")
+        ),
+        ValueError,
+        r"regex needs an engine with a tokenizer and an EOS id",
+    ),
+    api_case(
+        "SamplingParams json_schema and choices both",
+        lambda m, p: jf.engine.SamplingParams(json_schema={"type": "object"}, choices=[(5,)]),
+        ValueError,
+        r"json_schema and choices both hold the output: give one",
+    ),
+    api_case(
         "SamplingParams presence_penalty out of OpenAI's range",
         lambda m, p: jf.engine.SamplingParams(presence_penalty=3),
         ValueError,

@@ -273,6 +273,54 @@ def test_guided_choice_answers_with_one_of_the_texts(server, engine):
     assert all(c.message.content in texts for c in chat.choices), [c.message.content for c in chat.choices]
 
 
+ANSWER = {  # a schema whose every output is short: an enum and a bounded string, nothing else
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "why": {"type": "string", "maxLength": 5}},
+    "required": ["answer", "why"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_follow_the_schema_regex_and_grammar(server):
+    """OpenAI's `response_format` (a JSON schema; any JSON object) and vLLM's `guided_json`, `guided_regex` and
+    `guided_grammar`: each answer, whole or streamed (the pieces the same answer), is JSON its schema
+    accepts (by jsonschema), matches its expression, or is a sentence of its grammar."""
+    import jsonschema
+
+    client, messages = server.client(), [{"role": "user", "content": "Well?"}]
+    form = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, n=2, temperature=1.0,
+                                          seed=5, response_format=form)  # fmt: skip
+    for choice in chat.choices:
+        jsonschema.validate(json.loads(choice.message.content), ANSWER)
+        assert choice.finish_reason == "stop"
+    pieces = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                            response_format=form, stream=True)  # fmt: skip
+    streamed = "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                           response_format=form).choices[0].message.content  # fmt: skip
+    assert streamed == whole and jsonschema.validate(json.loads(whole), ANSWER) is None
+    out = client.completions.create(model=MODEL, prompt="KING HENRY:", max_tokens=40, temperature=0,
+                                    extra_body={"guided_json": json.dumps(ANSWER)})  # fmt: skip
+    jsonschema.validate(json.loads(out.choices[0].text), ANSWER)
+    anything = client.completions.create(model=MODEL, prompt="{", max_tokens=60, temperature=1.0, seed=1,
+                                         extra_body={"response_format": {"type": "json_object"}})  # fmt: skip
+    if anything.choices[0].finish_reason == "stop":  # an open-ended object may run to max_tokens
+        assert isinstance(json.loads(anything.choices[0].text), dict)
+    else:
+        assert anything.choices[0].text.startswith("{")
+    out = client.completions.create(model=MODEL, prompt="Date: ", max_tokens=12, temperature=1.0, seed=2,
+                                    extra_body={"guided_regex": "20[0-9]{2}-(0[1-9]|1[0-2])"})  # fmt: skip
+    assert re.fullmatch("20[0-9]{2}-(0[1-9]|1[0-2])", out.choices[0].text), out.choices[0].text
+    out = client.completions.create(model=MODEL, prompt="Nest: ", max_tokens=24, temperature=0,
+                                    extra_body={"guided_grammar": 'start: "(" start ")" | "x"'})  # fmt: skip
+    text, n = out.choices[0].text, out.choices[0].text.count("(")
+    if out.choices[0].finish_reason == "stop":  # a sentence, or (max_tokens reached) the start of one
+        assert text == "(" * n + "x" + ")" * n, text
+    else:
+        assert re.fullmatch(r"\(*(x\)*)?", text) and text.count(")") <= n, text
+
+
 def test_logprobs_are_log_probabilities_of_the_chosen_tokens(server):
     out = server.client().completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0, logprobs=0)
     lp = out.choices[0].logprobs
@@ -433,6 +481,7 @@ def test_an_exception_while_answering_is_a_500_with_an_error_body_and_the_server
     assert server.client().completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
 
 
+UNFOLLOWABLE = {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}  # a schema llguidance refuses
 BAD = [  # (body, HTTP status, the field named, a word of the message)
     (b"{not json", 400, None, "JSON"),
     (b"[1, 2]", 400, None, "object"),
@@ -469,6 +518,15 @@ BAD = [  # (body, HTTP status, the field named, a word of the message)
     ({"model": MODEL, "prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids", "outside the vocabulary"),
     ({"model": MODEL, "prompt": "x", "guided_choice": ["a", ""]}, 400, "guided_choice[1]", "non-empty string"),
     ({"model": MODEL, "prompt": "x", "guided_choice": ["x" * 20]}, 400, "guided_choice[0]", "max_tokens=16"),
+    ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_schema"}}, 400, "response_format", "json_sch"),
+    ({"model": MODEL, "prompt": "x", "response_format": {"type": "xml"}}, 400, "response_format", "is expected"),
+    ({"model": MODEL, "prompt": "x", "response_format": UNFOLLOWABLE}, 400, "response_format", "cannot be followed"),
+    ({"model": MODEL, "prompt": "x", "guided_json": {"type": "frob"}}, 400, "guided_json", "frob"),
+    ({"model": MODEL, "prompt": "x", "guided_json": "{bad"}, 400, "guided_json", "not JSON"),
+    ({"model": MODEL, "prompt": "x", "guided_regex": "(a"}, 400, "guided_regex", "unclosed group"),
+    ({"model": MODEL, "prompt": "x", "guided_regex": ""}, 400, "guided_regex", "non-empty string"),
+    ({"model": MODEL, "prompt": "x", "guided_grammar": 'start: "a" nowhere'}, 400, "guided_grammar", "nowhere"),
+    ({"model": MODEL, "prompt": "x", "guided_regex": "a", "guided_json": {}}, 400, "guided_json", "both hold"),
     ({"model": MODEL, "prompt": "x", "colour": "red"}, 400, "colour", "unrecognized"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "[1,"),  # without echo: nothing asked
@@ -529,6 +587,12 @@ BAD_CHAT = [
     ),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "metadata": {"a": 1}}, 400, "metadata", "string"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "store": "yes"}, 400, "store", "true or false"),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": "json"},
+        400,
+        "response_format",
+        "is expected",
+    ),
 ]
 
 

@@ -7,6 +7,7 @@ that is an ordinary token (MLM's random replacements are drawn from there up).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -51,6 +52,14 @@ class ByteTokenizer:
         data = bytes(i - self.offset for i in ids if self.offset <= i < self.vocab_size)
         return data.decode("utf-8", errors="replace")
 
+    def token_bytes(self) -> dict[int, bytes]:
+        """Each ordinary token's bytes (structured outputs: `jaxformer.engine.guided`).
+
+        Returns:
+            {id: its one byte}.
+        """
+        return {b + self.offset: bytes([b]) for b in range(256)}
+
 
 class SymbolTokenizer:
     """Synthetic tasks (copy, reverse): pad 0, bos 1, symbols 2..V-1 written as numbers.
@@ -93,6 +102,17 @@ class SymbolTokenizer:
             The text.
         """
         return " ".join(str(int(i)) for i in ids if i > self.bos_id)
+
+    def token_bytes(self) -> dict[int, bytes]:
+        """Symbols are no text to hold to a pattern.
+
+        Returns:
+            Nothing: it raises.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError("a symbols tokenizer's tokens are numbers, not text: no pattern can hold them")
 
 
 class SentencePieceTokenizer:
@@ -196,6 +216,19 @@ class SentencePieceTokenizer:
         keep = [int(i) for i in ids if self.eos_id < int(i) < self.vocab_size or int(i) == self.unk_id]
         return self.sp.decode(keep)  # ids past the pieces (a larger model's) are no text, as specials are not
 
+    def token_bytes(self) -> dict[int, bytes]:
+        """Each ordinary piece's bytes: "▁" a space, a byte piece ("<0x0A>") its byte; the specials and
+        [MASK] have none. `decode` drops the space of a text's first "▁".
+
+        Returns:
+            {id: bytes}.
+        """
+        out = {}
+        for i in range(self.vocab_size):
+            if not (self.sp.is_control(i) or self.sp.is_unknown(i) or i == self.mask_id):
+                out[i] = _piece_bytes(self.sp.id_to_piece(i), byte=self.sp.is_byte(i))
+        return out
+
 
 def _spm_failure(message: str, vocab_size: int) -> str:
     """SentencePiece's refusal of a vocabulary size, as the data.spm_vocab_size that works.
@@ -214,6 +247,22 @@ def _spm_failure(message: str, vocab_size: int) -> str:
         return f"{setting} is too large for the training split, which makes at most {m.group(1)} pieces"
     return f"SentencePiece cannot train with {setting}: {message.split('] ', 1)[-1]}"
 
+
+def _piece_bytes(piece: str, byte: bool) -> bytes:
+    """A SentencePiece-style piece's bytes: a byte piece ("<0x0A>", `byte`) its byte, else its text with
+    "▁" as the space it stands for."""
+    return bytes([int(piece[3:5], 16)]) if byte else piece.replace("▁", " ").encode("utf-8")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character that stands for each byte in a byte-level BPE's
+    tokens (the printable Latin-1 bytes as themselves, the others as chr(256 + k) in order)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)}
+    others = (b for b in range(256) if b not in printable)
+    return {chr(b): b for b in printable} | {chr(256 + k): b for k, b in enumerate(others)}
+
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback piece
 
 # A Hugging Face tokenizer's usual spellings of its special tokens, tried in order where config.json names no id.
 HF_SPECIAL_TOKENS = {
@@ -300,6 +349,41 @@ class HFTokenizer:
             The text.
         """
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def token_bytes(self) -> dict[int, bytes]:
+        """Each ordinary token's bytes, as its decoder writes them: byte-level (GPT-2, Llama 3, Qwen) through
+        the byte alphabet; Metaspace or "▁" replaced by a space (T5, Llama 2, Gemma), byte-fallback pieces
+        ("<0x0A>") their byte; an added token that is not special its text. Special tokens have none.
+
+        Returns:
+            {id: bytes}.
+
+        Raises:
+            ValueError: a decoder that does not write tokens as bytes one after another (WordPiece's
+                "##", which joins words with spaces), or none.
+        """
+        decoder = json.loads(self.tokenizer.to_str()).get("decoder") or {}
+        kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+        added = self.tokenizer.get_added_tokens_decoder()
+        vocab = self.tokenizer.get_vocab(with_added_tokens=False)
+        if "ByteLevel" in kinds:
+            alphabet = _byte_level_alphabet()
+            convert = lambda token: bytes(alphabet[c] for c in token)
+        elif "Metaspace" in kinds or "Replace" in kinds:
+            fallback = "ByteFallback" in kinds
+            convert = lambda token: _piece_bytes(token, byte=fallback and _BYTE_PIECE.fullmatch(token) is not None)
+        else:
+            raise ValueError(
+                f"this tokenizer's decoder ({', '.join(sorted(map(str, kinds))) or 'none'}) does not write tokens "
+                "as bytes one after another: no pattern can hold its outputs"
+            )
+        out = {}
+        for token, i in vocab.items():
+            if i not in added:
+                with contextlib.suppress(KeyError):  # a byte-level token of a character outside the alphabet
+                    out[i] = convert(token)
+        out |= {i: t.content.encode("utf-8") for i, t in added.items() if not t.special}
+        return out
 
 
 def load_tokenizer(

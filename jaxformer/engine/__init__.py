@@ -5,6 +5,7 @@ model (`jaxformer.serve` puts it behind HTTP) and for batch jobs from Python (`E
   model's step over pages, per-row sampling)
 - `pages`: the page allocator (reference counts, the prefix cache of chained page hashes)
 - `requests`: what a request is and gets back (SamplingParams, Event, Output, EngineError)
+- `guided`: structured outputs (an output held to choices, a regular expression or a JSON schema)
 - `adapters`: several LoRA adapters served side by side, stacked, each request choosing its own
 - `engine`: the scheduler (Engine)
 """

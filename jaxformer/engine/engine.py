@@ -40,6 +40,7 @@ from jaxformer.config import EngineConfig
 from jaxformer.engine import adapters as _adapters
 from jaxformer.engine import paged
 from jaxformer.engine import steps as _steps
+from jaxformer.engine.guided import ChoiceGuide, GrammarGuide, Guides
 from jaxformer.engine.pages import PageAllocator, page_hashes, pages_at_once, pages_behind, releasable_window
 from jaxformer.engine.requests import MAX_TOP_LOGPROBS, EngineError, Event, Output, SamplingParams, penalty_inputs
 from jaxformer.engine.steps import _copy_page, _encode_into, _forward, score_batches
@@ -63,6 +64,7 @@ class _Request:
     behind: int = 0  # leading pages released behind the window (their entries 0)
     source: list[int] | None = None  # encoder_decoder: the source, encoded when the request takes a slot
     adapter: int = 0  # its LoRA adapter's index in the stacks (engine.adapters): 0 is the base
+    guide: ChoiceGuide | GrammarGuide | None = None  # what holds its output (choices, a pattern), if anything
 
     @property
     def tokens(self) -> list[int]:
@@ -144,6 +146,7 @@ class Engine:
             if value is not None and not (isinstance(value, int) and 0 <= value < mcfg.vocab_size):
                 raise EngineError(f"{name}={value!r} is not an id of the vocabulary [0, {mcfg.vocab_size})")
         self.cfg, self.tokenizer, self.eos_id, self.bos_id = cfg, tokenizer, eos_id, bos_id
+        self.guides = Guides(tokenizer, eos_id, mcfg.vocab_size)  # structured outputs (jaxformer.engine.guided)
         self.chat_template: str | None = None
         # A classifier's class names, by index (`from_workdir`: the workdir's own; else Hugging Face's defaults).
         self.labels = tuple(f"LABEL_{c}" for c in range(mcfg.num_classes))
@@ -335,7 +338,8 @@ class Engine:
         seed = params.seed
         if seed is None:
             seed = zlib.crc32(f"{self.cfg.seed}/{request_id}".encode())
-        req = _Request(request_id, prompt, params, seed, order=0, source=source, adapter=index)
+        guide = self.guides.guide(params)
+        req = _Request(request_id, prompt, params, seed, order=0, source=source, adapter=index, guide=guide)
         root = None if source is None else hash(("source", tuple(source)))  # its keys depend on the source
         root = hash(("adapter", adapter, root)) if index else root  # and on the adapter: shared within one only
         req.hashes = page_hashes(prompt, self.cfg.page_size, root) if self.cfg.prefix_sharing else []
@@ -525,8 +529,8 @@ class Engine:
         """One compiled step over `reqs`: a prefill chunk, the next `width` (at most) uncomputed tokens of each
         (a chunk of one included), or (`decode`) up to `decode_steps` steps from each one's last token."""
         spans = {}
-        # A request with choices learns its next allowed tokens from each one drawn: its calls run one step.
-        steps = 1 if any(r.params.choices for r in reqs) else self.cfg.decode_steps
+        # A guided request learns its next allowed tokens from each one drawn: its calls run one step.
+        steps = 1 if any(r.guide for r in reqs) else self.cfg.decode_steps
         for req in sorted(reqs, key=lambda r: r.order):
             if req.slot is None:  # preempted by an earlier one's reservation
                 continue
@@ -563,7 +567,7 @@ class Engine:
         # The likeliest tokens' log-probabilities, where a row asks: a variant of the step that returns them.
         top_n = MAX_TOP_LOGPROBS if any(r.params.top_logprobs for r in reqs) else 0
         if any(r.params.penalized for r in reqs):  # penalties or biases: a variant of the step that applies them
-            rows = [(i, r.params, r.prompt, r.out) for r, i in row_of.items()]
+            rows = [(i, r.params, r.prompt, r.out, r.guide) for r, i in row_of.items()]
             x["penalties"] = penalty_inputs(rows, R, self.vocab_size, self.eos_id)
         out = self._call(x, steps if decode else 1, top_n)
         for req, i in row_of.items():
@@ -679,7 +683,7 @@ class Engine:
             req.top_logprobs.append(top)
         if p.stop and self._stop_at(req) is not None:
             return self._finish(req, "stop", [token], events, new) or True
-        if p.choices and not p.allowed(req.out)[0]:  # a whole choice that none extends
+        if req.guide is not None and not len(req.guide.allowed(req.out)[0]):  # whole, and nothing extends it
             return self._finish(req, "stop", [token], events, new) or True
         if len(req.out) >= p.max_tokens or len(req.tokens) >= self.max_context:
             return self._finish(req, "length", [token], events, new) or True

@@ -5,6 +5,7 @@ of a request the engine cannot take (EngineError)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 
@@ -62,11 +63,20 @@ class SamplingParams:
         choices: the output is one of these token-id sequences (vLLM's `guided_choice`, as ids): each step
             draws only among the tokens that keep it a prefix of one, and it ends ("stop") once it is a whole
             one that no other extends (where one does, EOS may end it there); () = free.
+        regex: the output's text matches this regular expression (vLLM's `guided_regex`; the syntax of
+            Rust's `regex`, without look-around or back-references): each step draws only among the tokens
+            that keep it a prefix of a match; EOS only where it matches whole; it ends ("stop") where no
+            token may extend it. Needs an engine with a tokenizer (`jaxformer.engine.guided`).
+        json_schema: the output is JSON that this schema (an object, or its JSON text) accepts (vLLM's
+            `guided_json`, OpenAI's `response_format`), held as `regex` is.
+        grammar: the output is a sentence of this context-free grammar, in Lark's syntax or GBNF (vLLM's
+            `guided_grammar`; llguidance's dialect), held as `regex` is.
 
-    The penalties, then the biases and the choices' constraint, change the logits every token is drawn
-    from; a chosen token's log-probability (and the likeliest tokens') are under those logits, as
-    `min_tokens`' are. A request with choices decodes one step a call (its next tokens depend on each one
-    drawn), and so do the requests decoding beside it.
+    At most one of `choices`, `regex`, `json_schema` and `grammar` holds an output, none with `ignore_eos`. The
+    penalties, then the biases and the guide, change the logits every token is drawn from; a chosen token's
+    log-probability (and the likeliest tokens') are under those logits, as `min_tokens`' are. A guided
+    request decodes one step a call (its next tokens depend on each one drawn), and so do the requests
+    decoding beside it.
     """
 
     max_tokens: int = 16
@@ -85,6 +95,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     choices: tuple[tuple[int, ...], ...] = ()
+    regex: str | None = None
+    json_schema: str | None = None
+    grammar: str | None = None
 
     def __post_init__(self):
         def need(ok, field, message):
@@ -153,6 +166,16 @@ class SamplingParams:
             need(ok, "choices", f"must each be a non-empty sequence of token ids (ints >= 0), got {c!r}")
             choices.append(tuple(c))
         object.__setattr__(self, "choices", tuple(dict.fromkeys(choices)))  # each once, in order
+        for field in ("regex", "grammar"):
+            value = getattr(self, field)
+            ok = value is None or (isinstance(value, str) and value)
+            need(ok, field, f"must be a non-empty string, got {value!r}")
+        if self.json_schema is not None:
+            object.__setattr__(self, "json_schema", _schema_text(self.json_schema))
+        given = [f for f in ("choices", "regex", "json_schema", "grammar") if getattr(self, f) not in ((), None)]
+        if given:
+            need(len(given) == 1, given[-1], f"and {given[0]} both hold the output: give one")
+            need(not self.ignore_eos, "ignore_eos", f"cannot be set with {given[0]}: the output ends where it is whole")
 
     def check_ids(self, vocab_size: int) -> None:
         """The token ids of `logit_bias`, `stop_token_ids` and `choices` are of a vocabulary of `vocab_size`,
@@ -172,36 +195,42 @@ class SamplingParams:
                 raise EngineError(f"choices[{k}] has {len(choice)} tokens (ids up to {max(choice)}): at most "
                                   f"max_tokens={self.max_tokens}, ids in [0, {vocab_size})", "choices")  # fmt: skip
 
-    def allowed(self, out: list[int]) -> tuple[set[int], bool]:
-        """With `choices`: the tokens that may follow `out` (keeping it a prefix of a choice), and whether
-        `out` is a whole choice already.
-
-        Args:
-            out: the output so far.
-
-        Returns:
-            (next tokens, whole).
-        """
-        n, out = len(out), tuple(out)
-        return {c[n] for c in self.choices if len(c) > n and c[:n] == out}, out in self.choices
-
     @property
     def penalized(self) -> bool:
-        """Whether a penalty, a bias or choices change this request's logits."""
+        """Whether a penalty, a bias or a guide change this request's logits."""
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias
-            or self.choices
+            or self.guided
         )  # fmt: skip
+
+    @property
+    def guided(self) -> bool:
+        """Whether choices, a regular expression, a JSON schema or a grammar hold the output."""
+        return bool(self.choices) or any(x is not None for x in (self.regex, self.json_schema, self.grammar))
+
+
+def _schema_text(schema) -> str:
+    """A JSON schema given as an object or as JSON text, as the JSON text a request keeps (the properties in
+    the order given: the output keeps it)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json_schema is not JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"json_schema must be a JSON object (a schema), got {type(schema).__name__}")
+    return json.dumps(schema)
 
 
 def penalty_inputs(rows: list[tuple], R: int, V: int, eos_id: int | None) -> tuple[np.ndarray, ...]:
     """The compiled step's penalty and bias inputs (`paged.penalize`) for a call's rows: each row's count of
     every token in its output so far, the tokens of its prompt, its three penalties and its biases (-inf on
-    the tokens its `choices` rule out next; EOS allowed where its output is a whole choice already); the
-    rows past those given (up to R) are left as they are (no penalty, no bias).
+    the tokens its guide rules out next; EOS allowed where its output is whole already); the rows past
+    those given (up to R) are left as they are (no penalty, no bias).
 
     Args:
-        rows (list[tuple]): (row index, SamplingParams, prompt ids, output ids so far) of each request.
+        rows (list[tuple]): (row index, SamplingParams, prompt ids, output ids so far, guide or None) of
+            each request (`jaxformer.engine.guided`).
         R: the call's rows.
         V: the vocabulary's size.
         eos_id: the engine's EOS id (None: none).
@@ -212,17 +241,18 @@ def penalty_inputs(rows: list[tuple], R: int, V: int, eos_id: int | None) -> tup
     """
     counts, seen, bias = np.zeros((R, V), np.int32), np.zeros((R, V), bool), np.zeros((R, V), np.float32)
     presence, frequency, repetition = np.zeros(R, np.float32), np.zeros(R, np.float32), np.ones(R, np.float32)
-    for i, p, prompt, out in rows:
+    for i, p, prompt, out, guide in rows:
         np.add.at(counts[i], np.asarray(out, np.int64), 1)
         seen[i, np.asarray(prompt, np.int64)] = True
         presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
         for token, b in p.logit_bias:
             bias[i, token] = b
-        if p.choices:
-            tokens, whole = p.allowed(out)
-            tokens |= {eos_id} if whole and eos_id is not None else set()
+        if guide is not None:
+            tokens, whole = guide.allowed(out)
             ruled_out = np.ones(V, bool)
-            ruled_out[sorted(tokens)] = False
+            ruled_out[np.asarray(tokens, np.int64)] = False
+            if whole and eos_id is not None:
+                ruled_out[eos_id] = False
             bias[i, ruled_out] = -np.inf
     return counts, seen, presence, frequency, repetition, bias
 

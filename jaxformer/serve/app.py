@@ -344,7 +344,7 @@ class _Server:
             e = refused[0]
             if isinstance(e, EngineError):
                 code = "context_length_exceeded" if "context" in str(e) else "invalid_value"
-                param = {"choices": "guided_choice"}.get(e.field, e.field)  # the request's name of the field
+                param = job.guided_by if e.field in protocol.GUIDED.values() else e.field  # the request's name
                 param = param or ("max_tokens" if code == "context_length_exceeded" else "prompt")
                 raise APIError(400, str(e), param, code)
             raise e

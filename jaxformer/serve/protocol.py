@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import math
 import struct
 import time
@@ -30,7 +31,6 @@ _NEUTRAL = {
     "tool_choice": (None, "none"),
     "functions": (None,),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "parallel_tool_calls": (None, True, False),
     "modalities": (None, ["text"]),
     "service_tier": (None, "auto", "default"),
@@ -40,7 +40,11 @@ _IGNORED = {"user": str, "metadata": dict, "store": bool, "safety_identifier": s
 _JSON_TYPE = {str: "a string", dict: "an object of string keys and values", bool: "true or false"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
            "ignore_eos", "min_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty",
-           "logit_bias", "guided_choice", "stop_token_ids"}  # fmt: skip
+           "logit_bias", "stop_token_ids", "response_format", "guided_choice", "guided_regex", "guided_json",
+           "guided_grammar"}  # fmt: skip
+# The fields that hold an output to a form (at most one a request), and the SamplingParams field each sets.
+GUIDED = {"response_format": "json_schema", "guided_choice": "choices", "guided_regex": "regex",
+          "guided_json": "json_schema", "guided_grammar": "grammar"}  # fmt: skip
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix", "user"}
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 CLASSIFY_FIELDS = {"model", "input", "user"}
@@ -110,6 +114,7 @@ class Job:
         adapter: the engine's adapter it runs (None: the base).
         sources: each prompt is an encoder_decoder model's source, the answer its output from BOS (a
             translation), not a prompt the answer continues.
+        guided_by: the request's field that holds the output to a form (`GUIDED`), or None.
     """
 
     chat: bool
@@ -127,6 +132,7 @@ class Job:
     model: str = ""
     adapter: str | None = None
     sources: bool = False
+    guided_by: str | None = None
 
     @property
     def n(self) -> int:
@@ -279,8 +285,9 @@ def sampling(
     """The engine's settings of each of the n choices (a given seed is each choice's seed + its index).
 
     Args:
-        body: the request body (temperature, top_p, top_k, seed, the penalties, logit_bias; ignore_eos,
-            min_tokens, repetition_penalty, guided_choice and stop_token_ids, vLLM's extensions).
+        body: the request body (temperature, top_p, top_k, seed, the penalties, logit_bias,
+            response_format; ignore_eos, min_tokens, repetition_penalty, stop_token_ids and the guided_*
+            fields, vLLM's extensions).
         max_tokens: new tokens at most.
         stop: the stop strings.
         logprobs: return each chosen token's log-probability.
@@ -306,7 +313,7 @@ def sampling(
     ignore_eos = _bool(body, "ignore_eos")  # extensions, as vLLM's
     min_tokens = _int(body, "min_tokens", 0, 0, max_tokens)
     repetition = _number(body, "repetition_penalty", 1.0, 0.0, 1e4, lo_open=True)
-    choices = _guided_choice(body, tok, max_tokens)
+    guide = _guide(body, tok, max_tokens)
     stop_ids = [] if body.get("stop_token_ids") is None else body["stop_token_ids"]
     if (
         not isinstance(stop_ids, list)
@@ -331,8 +338,8 @@ def sampling(
                 frequency_penalty=frequency,
                 repetition_penalty=repetition,
                 logit_bias=logit_bias,
-                choices=choices,
                 stop_token_ids=tuple(stop_ids),
+                **guide,
             )
             for i in range(n)
         ]
@@ -340,11 +347,59 @@ def sampling(
         raise bad(None, str(e)) from None
 
 
-def _guided_choice(body: dict, tok, max_tokens: int) -> tuple[tuple[int, ...], ...]:
+def guided_by(body: dict) -> str | None:
+    """The request's field that holds the output to a form (`GUIDED`; OpenAI's response_format of type "text"
+    holds nothing), or None.
+
+    Args:
+        body: the request body.
+
+    Returns:
+        The field's name.
+
+    Raises:
+        APIError: two such fields.
+    """
+    given = [f for f in GUIDED if body.get(f) is not None and body[f] != {"type": "text"}]
+    if len(given) > 1:
+        raise bad(given[1], f"{given[0]} and {given[1]} both hold the output to a form: give one")
+    return given[0] if given else None
+
+
+def _guide(body: dict, tok, max_tokens: int) -> dict:
+    """The SamplingParams field of the request's form (`guided_by`), as keyword arguments: OpenAI's
+    response_format (a JSON schema, or any JSON object), or vLLM's guided_choice, guided_regex, guided_json or
+    guided_grammar. Their contents are compiled by the engine, which names this field where it cannot."""
+    field = guided_by(body)
+    if field is None:
+        return {}
+    v = body[field]
+    if field == "guided_choice":
+        return {"choices": _guided_choice(v, tok, max_tokens)}
+    if field == "response_format":
+        kind = v.get("type") if isinstance(v, dict) else None
+        if kind == "json_object":
+            return {"json_schema": {"type": "object"}}
+        spec = v.get("json_schema") if kind == "json_schema" else None
+        if not (isinstance(spec, dict) and isinstance(spec.get("schema"), dict)):
+            raise bad(field, 'one of {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+                      f'"json_schema": {{"name": ..., "schema": {{...}}}}}} is expected, got {v!r}')  # fmt: skip
+        return {"json_schema": spec["schema"]}
+    if field == "guided_json":
+        try:
+            schema = json.loads(v) if isinstance(v, str) else v
+        except json.JSONDecodeError as e:
+            raise bad(field, f"a JSON schema's text is not JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise bad(field, f"a JSON schema (an object, or its JSON text) is expected, got {type(schema).__name__}")
+        return {"json_schema": schema}
+    if not (isinstance(v, str) and v):
+        raise bad(field, f"a non-empty string is expected, got {v!r}")
+    return {GUIDED[field]: v}
+
+
+def _guided_choice(v, tok, max_tokens: int) -> tuple[tuple[int, ...], ...]:
     """vLLM's `guided_choice`: the answer is one of these texts, each as the tokenizer writes it alone."""
-    v = body.get("guided_choice")
-    if v is None:
-        return ()
     if not isinstance(v, list) or not v or len(v) > MAX_GUIDED_CHOICES:
         raise bad("guided_choice", f"a list of 1 to {MAX_GUIDED_CHOICES} texts is expected, got {type(v).__name__}"
                   f"{f' of {len(v)}' if isinstance(v, list) else ''}", "invalid_type")  # fmt: skip
@@ -555,7 +610,7 @@ def completion_job(body: dict, tok, max_context: int) -> Job:
         params=sampling(body, max(max_tokens, 1), stop, logprobs is not None, n, logprobs or 0, tok),
         stream=stream, include_usage=_stream_options(body, stream), echo=echo,
         logprobs=logprobs is not None, stop=stop, score_prompt=score, top_logprobs=logprobs or 0,
-        generate=max_tokens > 0,
+        generate=max_tokens > 0, guided_by=guided_by(body),
     )  # fmt: skip
 
 
@@ -632,6 +687,7 @@ def chat_job(body: dict, tok, max_context: int, template) -> Job:
     return Job(
         chat=True, prompts=[ids], prompt_texts=[text], params=params, stream=stream, echo=False,
         include_usage=_stream_options(body, stream), logprobs=logprobs, stop=stop, top_logprobs=top_logprobs,
+        guided_by=guided_by(body),
     )  # fmt: skip
 
 
