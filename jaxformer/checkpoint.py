@@ -254,7 +254,13 @@ class Checkpointer:
             raise error from e
 
     def close(self) -> None:
-        """Wait for the save in flight, then release the manager."""
+        """Wait for the save in flight and for the manager's sweep of a killed save's files, then release
+        the manager. orbax's own `close` does not wait for that sweep (a thread it starts when the manager
+        is made, awaited only by the first save): a run that fails before its first save, on a data error,
+        would leave it to the interpreter's exit, which breaks it with a traceback after the error's line."""
+        sweep = getattr(self.manager, "_maybe_await_cleanup_tmp_directory", None)
+        if sweep is not None:
+            sweep()
         self.manager.close()
 
     def restore_latest(self, like):
