@@ -554,6 +554,7 @@ BAD = [  # (body, HTTP status, the field named, a word of the message)
     ({"model": MODEL, "prompt": "x", "ignore_eos": "yes"}, 400, "ignore_eos", "true or false"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 3, "min_tokens": 4}, 400, "min_tokens", "[0, 3]"),
 ]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 BAD_CHAT = [
     (
         {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
@@ -576,8 +577,88 @@ BAD_CHAT = [
     (
         {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
         400,
-        "tools",
-        "not supported",
+        "tools[0]",
+        "function",
+    ),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools", "1 to 128"),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [TOOL, TOOL]},
+        400,
+        "tools[1].function.name",
+        "twice",
+    ),
+    (
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "a b"}}],
+        },
+        400,
+        "tools[0].function.name",
+        "letters",
+    ),
+    (
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}],
+        },
+        400,
+        "tools[0].function.parameters",
+        "schema",
+    ),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+        400,
+        "tool_choice",
+        "needs tools",
+    ),
+    (
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        400,
+        "tool_choice",
+        "no tool is named 'g'",
+    ),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": "always"},
+        400,
+        "tool_choice",
+        "is expected",
+    ),
+    (
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [TOOL],
+            "tool_choice": "required",
+            "guided_regex": "a",
+        },
+        400,
+        "guided_regex",
+        "both hold",
+    ),
+    ({"model": MODEL, "messages": [{"role": "tool", "content": 3}]}, 400, "messages[0].content", "string"),
+    (
+        {
+            "model": MODEL,
+            "messages": [
+                {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{"}}]}
+            ],
+        },
+        400,
+        "messages[0].tool_calls[0].function.arguments",
+        "not JSON",
+    ),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+        400,
+        "messages[0].tool_calls",
+        "assistant",
     ),
     (
         {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},

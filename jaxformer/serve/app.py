@@ -27,6 +27,7 @@ from jaxformer.serve import protocol
 from jaxformer.serve.metrics import Metrics
 from jaxformer.serve.protocol import APIError, Job, TextStream
 from jaxformer.serve.runner import EngineThread
+from jaxformer.serve.tools import CallStream
 
 log = logging.getLogger("jaxformer.serve")
 MAX_BODY = 8 << 20  # bytes of one request body
@@ -392,9 +393,7 @@ class _Server:
             return {
                 "id": protocol.new_id("chatcmpl"), "object": "chat.completion", "created": protocol.now(),
                 "model": job.model or self.model_name,
-                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": c.chat_logprobs(c.logprobs) if job.logprobs else None,
-                             "finish_reason": c.finish_reason} for c in choices],
+                "choices": [_message(c, job) for c in choices],
                 "usage": usage,
             }  # fmt: skip
         return {
@@ -414,6 +413,11 @@ class _Server:
             c = choices[index]
             if job.chat:
                 delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+                if c.calls is not None and not first:  # under tools: a call's arguments, or content before one
+                    if finish is None:
+                        delta = c.calls.add(text)
+                    else:
+                        delta, finish = c.calls.end(finish)
                 lp = c.chat_logprobs(logprobs) if job.logprobs and logprobs else None
                 choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
@@ -456,6 +460,7 @@ class _Choice:
         self.scores = None if scores is None else scores[index // job.n]  # the prompt's (echo with logprobs)
         self.echo = job.prompt_texts[index // job.n] if job.echo else ""
         self.stream = TextStream(tok, job.stop, getattr(tok, "eos_id", None))
+        self.calls = None if job.tools is None else CallStream(job.tools)  # a streamed chat's deltas under tools
         self.top_n = job.top_logprobs
         self.text, self.tokens, self.logprobs = self.echo, [], []  # logprobs: (id, log-probability, likeliest)
         self.done = self.engine_done = False
@@ -512,6 +517,16 @@ class _Choice:
             tops = [entry(self.tok.decode([i]), x) for i, x in top or ()]
             content.append(entry(self.tok.decode([t]), lp) | {"top_logprobs": tops})
         return {"content": content}
+
+
+def _message(c: _Choice, job: Job) -> dict:
+    """A whole chat choice: its message (under tools, its calls and the content before them) and finish reason."""
+    message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+    if job.tools is not None:
+        content, calls, reason = job.tools.answer(c.text, c.finish_reason)
+        message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+    logprobs = c.chat_logprobs(c.logprobs) if job.logprobs else None
+    return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
 def _top_texts(tok, pairs) -> dict[str, float]:

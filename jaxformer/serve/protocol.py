@@ -17,6 +17,7 @@ import time
 import uuid
 
 from jaxformer.data import templates
+from jaxformer.serve import tools
 
 MAX_CHOICES = 128  # prompts x n of one request: more is a batch job (Engine.generate), not an HTTP call
 MAX_STOPS = 4  # as OpenAI
@@ -27,11 +28,8 @@ MAX_INPUTS = 2048  # an embeddings or classify request's inputs at most (OpenAI'
 # OpenAI refuses what it does not know: "Unrecognized request argument supplied").
 _NEUTRAL = {
     "suffix": (None, ""),
-    "tools": (None,),
-    "tool_choice": (None, "none"),
     "functions": (None,),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None, True, False),
     "modalities": (None, ["text"]),
     "service_tier": (None, "auto", "default"),
 }
@@ -49,7 +47,10 @@ COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix"
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 CLASSIFY_FIELDS = {"model", "input", "user"}
 CHAT_FIELDS = (
-    _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"} | set(_NEUTRAL) | set(_IGNORED)
+    _COMMON
+    | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
+    | set(_NEUTRAL)
+    | set(_IGNORED)
 )
 
 
@@ -114,7 +115,8 @@ class Job:
         adapter: the engine's adapter it runs (None: the base).
         sources: each prompt is an encoder_decoder model's source, the answer its output from BOS (a
             translation), not a prompt the answer continues.
-        guided_by: the request's field that holds the output to a form (`GUIDED`), or None.
+        guided_by: the request's field that holds the output to a form (`GUIDED`, or "tools"), or None.
+        tools: a chat's tools and its choice among them (`jaxformer.serve.tools`), or None.
     """
 
     chat: bool
@@ -133,6 +135,7 @@ class Job:
     adapter: str | None = None
     sources: bool = False
     guided_by: str | None = None
+    tools: tools.Tools | None = None
 
     @property
     def n(self) -> int:
@@ -631,8 +634,15 @@ def chat_turns(messages) -> list[dict]:
     turns = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or set(m) - {"role", "content", "name"}:
+        if not isinstance(m, dict) or set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"}:
             raise bad(where, "a message is {role, content} (text only here)", "invalid_type")
+        try:
+            turn = tools.message_turn(m, where)  # a tool's result, or an assistant's calls
+        except tools.ToolError as e:
+            raise bad(e.field, str(e)) from None
+        if turn is not None:
+            turns.append(turn)
+            continue
         role, content = m.get("role"), m.get("content")
         role = "system" if role == "developer" else role
         if role not in templates.ROLES:
@@ -669,6 +679,16 @@ def chat_job(body: dict, tok, max_context: int, template) -> Job:
                        "messages", "no_chat_template")  # fmt: skip
     t = template if isinstance(template, templates.Template) else templates.get(template)
     turns = chat_turns(body.get("messages"))
+    try:
+        given = tools.request_tools(body)
+    except tools.ToolError as e:
+        raise bad(e.field, str(e)) from None
+    form = guided_by(body)
+    if given is not None:
+        turns = tools.with_tools(turns, given)
+        if given.schema() is not None and form is not None:  # "required" or a named function hold it already
+            raise bad(form, f"tool_choice {json.dumps(body['tool_choice'])} and {form} both hold the output to a "
+                      "form: give one")  # fmt: skip
     text = t.conversation(turns)
     ids = tok.encode(text)
     stream = _bool(body, "stream")
@@ -684,10 +704,16 @@ def chat_job(body: dict, tok, max_context: int, template) -> Job:
                   "context_length_exceeded")  # fmt: skip
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), room, max_context)
     params = sampling(body, max_tokens, stop, logprobs, n, top_logprobs, tok)
+    if given is not None and given.schema() is not None:  # "required" or a named function: held to the calls
+        try:
+            params = [dataclasses.replace(p, json_schema=given.schema()) for p in params]
+        except ValueError as e:
+            raise bad("tools", str(e)) from None
+        form = "tools"
     return Job(
         chat=True, prompts=[ids], prompt_texts=[text], params=params, stream=stream, echo=False,
         include_usage=_stream_options(body, stream), logprobs=logprobs, stop=stop, top_logprobs=top_logprobs,
-        guided_by=guided_by(body),
+        guided_by=form, tools=given,
     )  # fmt: skip
 
 
