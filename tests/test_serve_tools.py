@@ -151,6 +151,11 @@ def test_a_named_function_and_required_calls_follow_the_tools_schemas(server):
     out = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
                                          parallel_tool_calls=False, max_tokens=400, temperature=0)  # fmt: skip
     assert len(_calls(out.choices[0].message)) == 1
+    lookaround = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)x"}}}  # not regular
+    body = {"model": MODEL, "messages": ASK, "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": lookaround}}]}  # fmt: skip
+    status, answer = server.post("/v1/chat/completions", body)
+    assert status == 400 and answer["error"]["param"] == "tools", answer
 
 
 def test_auto_parses_the_calls_out_of_the_answer_whole_and_streamed(server):

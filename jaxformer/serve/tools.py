@@ -239,6 +239,8 @@ def message_turn(m: dict, where: str) -> dict | None:
     if m.get("role") != "assistant" or not isinstance(calls, list):
         raise ToolError(f"{where}.tool_calls", "an assistant message's list of calls is expected")
     text = m.get("content") or ""
+    if not isinstance(text, str):
+        raise ToolError(f"{where}.content", "a string (or null) beside tool_calls is expected")
     for j, c in enumerate(calls):
         f = c.get("function") if isinstance(c, dict) else None
         if not (isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("arguments"), str)):
