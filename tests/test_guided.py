@@ -227,3 +227,28 @@ def test_bad_patterns_schemas_and_combinations_are_refused_by_name(model):
     with pytest.raises(EngineError, match="regex needs an engine with a tokenizer and an EOS id"):
         plain.add_request([5, 6], SamplingParams(regex="a"))
     assert not engine.has_unfinished()
+
+
+def test_forced_tokens_are_taken_at_once_and_change_nothing(model):
+    """The tokens a JSON schema forces (its keys and punctuation) are taken without a call each, computed
+    as a prefill chunk: the greedy output is the same tokens (the reference: one step a token, every
+    token by the guide's mask, none taken at once) in fewer of the engine's calls."""
+    prompt, params = BYTE.encode("JSON: "), SamplingParams(max_tokens=90, json_schema=SCHEMA)
+    counts = []
+    for jump in (True, False):
+        engine, calls = _engine(model, decode_steps=1), []
+        run = engine._call
+        engine._call = lambda *a, run=run, calls=calls, **k: calls.append(1) or run(*a, **k)
+        if not jump:  # the reference: each guide forces nothing
+            make = engine.guides.guide
+            engine.guides.guide = lambda p, make=make: _forcing_nothing(make(p))
+        out = engine.generate([prompt], [params])[0]
+        counts.append((out.token_ids, len(calls)))
+    (jumped, n_jumped), (stepped, n_stepped) = counts
+    assert jumped == stepped and n_stepped >= len(stepped), counts
+    assert 2 * n_jumped <= n_stepped, (n_jumped, n_stepped)  # 12 calls against 56 when written
+
+
+def _forcing_nothing(guide):
+    guide.forced = lambda out: []
+    return guide

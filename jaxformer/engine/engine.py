@@ -669,9 +669,11 @@ class Engine:
             self._alloc.register(req.pages[i], req.hashes[i])
         req.registered = max(req.registered, done)
 
-    def _accept(self, req: _Request, token: int, logp: float, top: list | None, events: list[Event]) -> bool:
+    def _accept(self, req: _Request, token: int, logp: float, top, events: list[Event], forced=False) -> bool:
         """Take a new token of `req` and, if asked, its log-probability and the likeliest tokens' (`top`: (id,
-        log-probability) pairs); its EOS, a stop string or its length may end it. True if it ended."""
+        log-probability) pairs); its EOS, a stop string or its length may end it. Then the tokens its form
+        forces (`GrammarGuide.forced`), each as if drawn (log-probability 0), for the next call to compute as a
+        prefill chunk. True if it ended."""
         p = req.params
         new = ([logp] if p.logprobs else None, None if top is None else [top])
         if (token == self.eos_id and not p.ignore_eos) or token in p.stop_token_ids:
@@ -688,7 +690,8 @@ class Engine:
         if len(req.out) >= p.max_tokens or len(req.tokens) >= self.max_context:
             return self._finish(req, "length", [token], events, new) or True
         events.append(Event(req.id, [token], new[0], False, None, new[1]))
-        return False
+        jump = req.guide.forced(req.out) if req.guide is not None and not forced else []
+        return any(self._accept(req, t, 0.0, top and [(t, 0.0)], events, forced=True) for t in jump)
 
     def _stop_at(self, req: _Request) -> int | None:
         text = self.tokenizer.decode(req.out)

@@ -5,7 +5,8 @@ expression, to a JSON schema or to a context-free grammar (`SamplingParams.choic
 A guide says, before each token is drawn, which tokens may come next and whether the output so far is
 whole. The engine gives the others -inf logits (`requests.penalty_inputs`): EOS is allowed only where the
 output is whole, and a whole output that no token may extend ends the request ("stop"). A guided request
-decodes one step a call, as its next tokens depend on each one drawn.
+decodes one step a call, as its next tokens depend on each one drawn. The tokens a guide forces after a
+drawn one (`forced`) are taken at once, without a call each, and computed as a prefill chunk.
 
 Expressions, schemas and grammars are followed by llguidance (the Rust library behind vLLM's and SGLang's
 "guidance" backends and llama.cpp's grammars): each request has a matcher over the tokenizer's vocabulary,
@@ -52,6 +53,21 @@ class ChoiceGuide:
         n, out = len(out), tuple(out)
         return sorted({c[n] for c in self.choices if len(c) > n and c[:n] == out}), out in self.choices
 
+    def forced(self, out: list[int]) -> list[int]:
+        """The tokens that every choice `out` begins goes on with, up to where they part or one ends.
+
+        Args:
+            out: the output so far.
+
+        Returns:
+            The forced tokens.
+        """
+        n, live = len(out), [c for c in self.choices if c[: len(out)] == tuple(out)]
+        common = []
+        while live and all(len(c) > n + len(common) for c in live) and len({c[n + len(common)] for c in live}) == 1:
+            common.append(live[0][n + len(common)])
+        return common
+
 
 class GrammarGuide:
     """The output follows a regular expression, a JSON schema or a grammar: one request's llguidance matcher,
@@ -89,6 +105,19 @@ class GrammarGuide:
         mask[self._eos_id] = 0
         self._last = np.flatnonzero(mask), self._matcher.is_accepting()
         return self._last
+
+    def forced(self, out: list[int]) -> list[int]:
+        """The tokens that must follow `out`, whatever is drawn (llguidance's fast-forward tokens: a JSON
+        schema's fixed keys and punctuation, an expression's literal run), which the engine takes at once.
+
+        Args:
+            out: the output so far.
+
+        Returns:
+            The forced tokens (none where the next is a choice, or the output is whole).
+        """
+        self.allowed(out)  # the matcher moved on to `out`
+        return [] if self._matcher.is_error() else [int(t) for t in self._matcher.compute_ff_tokens()]
 
 
 class _Vocabulary:
