@@ -156,6 +156,7 @@ def test_a_named_function_and_required_calls_follow_the_tools_schemas(server):
             "tools": [{"type": "function", "function": {"name": "f", "parameters": lookaround}}]}  # fmt: skip
     status, answer = server.post("/v1/chat/completions", body)
     assert status == 400 and answer["error"]["param"] == "tools", answer
+    assert answer["error"]["message"].startswith("the tools' parameters cannot be followed"), answer
 
 
 def test_auto_parses_the_calls_out_of_the_answer_whole_and_streamed(server):

@@ -347,7 +347,9 @@ class _Server:
                 code = "context_length_exceeded" if "context" in str(e) else "invalid_value"
                 param = job.guided_by if e.field in protocol.GUIDED.values() else e.field  # the request's name
                 param = param or ("max_tokens" if code == "context_length_exceeded" else "prompt")
-                raise APIError(400, str(e), param, code)
+                message = str(e)  # the tools' calls are held by a schema the request did not write: say whose
+                message = message.replace("json_schema", "the tools' parameters", 1) if param == "tools" else message
+                raise APIError(400, message, param, code)
             raise e
         return events, list(results)
 
