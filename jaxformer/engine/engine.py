@@ -166,21 +166,19 @@ class Engine:
         if self.encoder_decoder:  # each slot's source, as cross-attention keys and values [slots, G, S, K]
             mem = jax.jit(lambda: jnp.zeros((cfg.max_slots, G, mcfg.max_len, K), mcfg.dtype))
             self._memory = [{"k": mem(), "v": mem()} for _ in range(mcfg.num_decoder_layers)]
-        self.pad_id = mcfg.pad_id
-        self._num_classes = mcfg.num_classes
+        self.pad_id, self._num_classes = mcfg.pad_id, mcfg.num_classes
         self._alloc = PageAllocator(cfg.num_pages)
         self._window = releasable_window(mcfg)  # > 0: pages behind it are released as a request moves on
         self._table = np.zeros((cfg.max_slots, self.pages_per_seq), np.int32)
         self._slots: list[_Request | None] = [None] * cfg.max_slots
-        self._waiting: collections.deque[_Request] = collections.deque()
+        self._waiting: collections.deque[_Request] = collections.deque()  # admitted in order, preempted first
         self._live: dict[str, _Request] = {}
         self._pending: list[Event] = []  # aborts, reported at the next step
         self._keep: dict[str, Output | None] = {}  # outputs `generate` collects
-        self._ids = itertools.count()
-        self._order = itertools.count()
-        self.num_preempted = 0
-        self.prefix_hits = 0  # prompt pages found in the pool rather than computed
-        self.window_released = 0  # pages released behind the sliding window
+        self._ids, self._order = itertools.count(), itertools.count()
+        # Counters: requests preempted, prompt pages found in the pool rather than computed, pages released
+        # behind the sliding window.
+        self.num_preempted = self.prefix_hits = self.window_released = 0
         self._casts = {}  # parameters stored in the dtype every program reads them in (precast), by leaf
         if not self.encoder_only:
             src = (self._memory, np.zeros((1, 1), np.int32), np.ones(1, np.int32), 0)  # _encode_into's arguments
@@ -402,16 +400,11 @@ class Engine:
         cached = sum(1 for p in self._alloc.free if p in self._alloc.hash_of)
         positions = self.cfg.num_pages * self.cfg.page_size
         return {
-            "pages_total": self.cfg.num_pages - 1,
-            "pages_free": self._alloc.num_free(),
-            "pages_cached": cached,
-            "running": sum(r is not None for r in self._slots),
-            "waiting": len(self._waiting),
-            "preempted": self.num_preempted,
-            "prefix_hits": self.prefix_hits,
-            "window_released": self.window_released,
+            "pages_total": self.cfg.num_pages - 1, "pages_free": self._alloc.num_free(), "pages_cached": cached,
+            "running": sum(r is not None for r in self._slots), "waiting": len(self._waiting),
+            "preempted": self.num_preempted, "prefix_hits": self.prefix_hits, "window_released": self.window_released,
             "cache_bytes_per_token": sum(p.nbytes for pool in self._pools for p in pool.values()) // positions,
-        }
+        }  # fmt: skip
 
     # ------------------------------------------------------------------------- scheduling
 
@@ -422,7 +415,7 @@ class Engine:
             The events of this step (aborts since the last step included).
         """
         events, self._pending = self._pending, []
-        self._admit()
+        self._admit(events)
         prefilling = [r for r in self._slots if r is not None and len(r.tokens) - r.computed > 1]
         if prefilling:
             self._run(prefilling, self.cfg.prefill_chunk, events, decode=False)
@@ -431,7 +424,7 @@ class Engine:
             self._run(decoding, 1, events, decode=True)
         return events
 
-    def _admit(self) -> None:
+    def _admit(self, events: list[Event]) -> None:
         promised = 0  # fresh pages the first chunks of the requests admitted so far will take
         while self._waiting and None in self._slots:
             req = self._waiting[0]
@@ -457,6 +450,8 @@ class Engine:
             self._sync_table(req)
             if req.source is not None:
                 self._encode(req)
+            if req.guide is not None and not req.out:  # the tokens its form forces first join its prompt's prefill
+                self._jump(req, events)
 
     def _encode(self, req: _Request) -> None:
         S = self._memory[0]["k"].shape[2]
@@ -671,9 +666,8 @@ class Engine:
 
     def _accept(self, req: _Request, token: int, logp: float, top, events: list[Event], forced=False) -> bool:
         """Take a new token of `req` and, if asked, its log-probability and the likeliest tokens' (`top`: (id,
-        log-probability) pairs); its EOS, a stop string or its length may end it. Then the tokens its form
-        forces (`GrammarGuide.forced`), each as if drawn (log-probability 0), for the next call to compute as a
-        prefill chunk. True if it ended."""
+        log-probability) pairs); its EOS, a stop string or its length may end it. Then (unless `forced`) the
+        tokens its form forces (`_jump`). True if it ended."""
         p = req.params
         new = ([logp] if p.logprobs else None, None if top is None else [top])
         if (token == self.eos_id and not p.ignore_eos) or token in p.stop_token_ids:
@@ -690,8 +684,13 @@ class Engine:
         if len(req.out) >= p.max_tokens or len(req.tokens) >= self.max_context:
             return self._finish(req, "length", [token], events, new) or True
         events.append(Event(req.id, [token], new[0], False, None, new[1]))
-        jump = req.guide.forced(req.out) if req.guide is not None and not forced else []
-        return any(self._accept(req, t, 0.0, top and [(t, 0.0)], events, forced=True) for t in jump)
+        return req.guide is not None and not forced and self._jump(req, events)
+
+    def _jump(self, req: _Request, events: list[Event]) -> bool:
+        """Take the tokens `req`'s form forces now (`GrammarGuide.forced`), each as if drawn (log-probability 0),
+        for its next call to compute as a prefill chunk. True if it ended."""
+        top = (lambda t: [(t, 0.0)]) if req.params.top_logprobs else (lambda t: None)
+        return any(self._accept(req, t, 0.0, top(t), events, forced=True) for t in req.guide.forced(req.out))
 
     def _stop_at(self, req: _Request) -> int | None:
         text = self.tokenizer.decode(req.out)

@@ -6,7 +6,8 @@ A guide says, before each token is drawn, which tokens may come next and whether
 whole. The engine gives the others -inf logits (`requests.penalty_inputs`): EOS is allowed only where the
 output is whole, and a whole output that no token may extend ends the request ("stop"). A guided request
 decodes one step a call, as its next tokens depend on each one drawn. The tokens a guide forces after a
-drawn one (`forced`) are taken at once, without a call each, and computed as a prefill chunk.
+drawn one, or at the start (`forced`), are taken at once, without a call each, and computed as a prefill
+chunk (at the start, with the prompt).
 
 Expressions, schemas and grammars are followed by llguidance (the Rust library behind vLLM's and SGLang's
 "guidance" backends and llama.cpp's grammars): each request has a matcher over the tokenizer's vocabulary,
