@@ -640,8 +640,10 @@ def chat_turns(messages) -> list[dict]:
             turn = tools.message_turn(m, where)  # a tool's result, or an assistant's calls
         except tools.ToolError as e:
             raise bad(e.field, str(e)) from None
-        if turn is not None:
-            turns.append(turn)
+        if turn is not None:  # consecutive tool results: one user turn
+            tool_after_tool = m.get("role") == "tool" and messages[i - 1].get("role") == "tool" if i else False
+            turns.append({"role": "user", "content": turns.pop()["content"] + "\n" + turn["content"]}
+                         if tool_after_tool else turn)  # fmt: skip
             continue
         role, content = m.get("role"), m.get("content")
         role = "system" if role == "developer" else role
@@ -683,10 +685,10 @@ def chat_job(body: dict, tok, max_context: int, template) -> Job:
         given = tools.request_tools(body)
     except tools.ToolError as e:
         raise bad(e.field, str(e)) from None
-    form = guided_by(body)
+    form, schema = guided_by(body), None if given is None else given.schema()
     if given is not None:
         turns = tools.with_tools(turns, given)
-        if given.schema() is not None and form is not None:  # "required" or a named function hold it already
+        if schema is not None and form is not None:  # "required" or a named function hold it already
             raise bad(form, f"tool_choice {json.dumps(body['tool_choice'])} and {form} both hold the output to a "
                       "form: give one")  # fmt: skip
     text = t.conversation(turns)
@@ -704,9 +706,9 @@ def chat_job(body: dict, tok, max_context: int, template) -> Job:
                   "context_length_exceeded")  # fmt: skip
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), room, max_context)
     params = sampling(body, max_tokens, stop, logprobs, n, top_logprobs, tok)
-    if given is not None and given.schema() is not None:  # "required" or a named function: held to the calls
+    if schema is not None:  # "required" or a named function: held to the calls
         try:
-            params = [dataclasses.replace(p, json_schema=given.schema()) for p in params]
+            params = [dataclasses.replace(p, json_schema=schema) for p in params]
         except ValueError as e:
             raise bad("tools", str(e)) from None
         form = "tools"
@@ -753,10 +755,7 @@ class TextStream:
             return self._out(text[: min(hits)], len(text))
         safe = len(text.rstrip("\ufffd"))  # a character's first bytes: wait for the rest
         for s in self.stops:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    safe = min(safe, len(text) - k)
-                    break
+            safe = min(safe, len(text) - tools.partial_end(text, s))
         return self._out(text, safe)
 
     def flush(self) -> str:

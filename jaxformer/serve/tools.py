@@ -256,8 +256,7 @@ def message_turn(m: dict, where: str) -> dict | None:
 
 
 def with_tools(turns: list[dict], tools: Tools) -> list[dict]:
-    """The conversation with the tools in its system turn (one added first where there is none), and
-    consecutive tool results in one user turn.
+    """The conversation with the tools in its system turn (one added first where there is none).
 
     Args:
         turns: the template's turns.
@@ -266,16 +265,9 @@ def with_tools(turns: list[dict], tools: Tools) -> list[dict]:
     Returns:
         The turns.
     """
-    merged = []
-    for t in turns:
-        response = t["role"] == "user" and t["content"].startswith("<tool_response>")
-        if response and merged and merged[-1]["role"] == "user" and merged[-1]["content"].endswith("</tool_response>"):
-            merged[-1] = {"role": "user", "content": merged[-1]["content"] + "\n" + t["content"]}
-        else:
-            merged.append(t)
-    if merged[0]["role"] == "system":
-        return [{"role": "system", "content": merged[0]["content"] + "\n\n" + tools.system_text()}, *merged[1:]]
-    return [{"role": "system", "content": tools.system_text()}, *merged]
+    if turns[0]["role"] == "system":
+        return [{"role": "system", "content": turns[0]["content"] + "\n\n" + tools.system_text()}, *turns[1:]]
+    return [{"role": "system", "content": tools.system_text()}, *turns]
 
 
 class CallStream:
@@ -300,16 +292,15 @@ class CallStream:
             OpenAI's chat delta ({} when nothing can be said yet).
         """
         self.text += piece
-        if self.head is not None:
+        if self.head is not None:  # the call's id, type and name, once
             first, self.head = self.head, None
-            if first:
-                return {"tool_calls": [{"index": 0, **first, "function": {**first["function"], "arguments": piece}}]}
+            return {"tool_calls": [{"index": 0, **first, "function": {**first["function"], "arguments": piece}}]}
         if self.tools.named:
             return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]} if piece else {}
         if self.tools.choice == "required":
             return {}
         at = self.text.find(OPEN, self.shown)
-        safe = at if at >= 0 else len(self.text) - _partial(self.text, OPEN)
+        safe = at if at >= 0 else len(self.text) - partial_end(self.text, OPEN)
         out, self.shown = self.text[self.shown : max(self.shown, safe)], max(self.shown, safe)
         return {"content": out} if out else {}
 
@@ -322,15 +313,23 @@ class CallStream:
         Returns:
             (delta, finish reason): the calls, or the text held back as content.
         """
+        if self.tools.named:  # its arguments are all out
+            return {}, finish_reason
         _, found, reason = self.tools.answer(self.text, finish_reason)
-        if self.tools.named:
-            return {}, reason
         if found:
             return {"tool_calls": [{"index": i, **c} for i, c in enumerate(found)]}, reason
         rest = self.text[self.shown :]
         return ({"content": rest} if rest else {}), reason
 
 
-def _partial(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag`."""
+def partial_end(text: str, tag: str) -> int:
+    """How much of `text`'s end may be the start of `tag` (text a stream holds back until it knows).
+
+    Args:
+        text: the text so far.
+        tag: the text looked for (a stop string, `<tool_call>`).
+
+    Returns:
+        The length of the longest end of `text` that begins `tag` (short of all of it), or 0.
+    """
     return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
