@@ -325,7 +325,7 @@ def cmd_serve(args) -> int:
 
     if args.warmup:
         t0 = time.perf_counter()
-        shapes = engine.warmup()
+        shapes = engine.warmup(every_variant=args.warmup == "all")
         took = time.perf_counter() - t0
         print(f"warmed up: {shapes} shapes of the step compiled and run in {took:.1f} s", file=sys.stderr)
     url = f"http://{cfg.host}:{cfg.port}"
@@ -587,8 +587,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--model-name", help="the model's id in /v1/models and in requests (default: the workdir's name)")
     sv.add_argument("--set", action="append", metavar="engine.FIELD=VALUE", help="an engine setting, e.g. "
                     "engine.max_slots=16")  # fmt: skip
-    sv.add_argument("--warmup", action="store_true", help="compile every shape of the engine's step and run it "
-                    "once before taking requests (none then waits for a compilation or a first run)")  # fmt: skip
+    sv.add_argument("--warmup", nargs="?", const="plain", choices=["plain", "all"], help="compile every shape of "
+                    "the engine's step and run it once before taking requests (none then waits for a compilation "
+                    "or a first run); `--warmup all`: also the variants for top_logprobs, penalties, biases and "
+                    "structured outputs (about 4.5x the shapes)")  # fmt: skip
     sv.add_argument("--lora", action="append", metavar="NAME=WORKDIR", help="serve a LoRA run's adapters beside the "
                     "model as model NAME (repeatable; a request's `model` picks one)")  # fmt: skip
     gr = sub.add_parser("grpo", help="GRPO on an experiment's task and rewards, sampling from the engine")

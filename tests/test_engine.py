@@ -569,9 +569,9 @@ def test_warmup_compiles_every_shape_the_stream_then_needs_and_leaves_the_output
     before = collections.Counter(engine_module._LOWERED)
     ran, call = [], engine._call
 
-    def counted(x, width):
+    def counted(x, *args):
         ran.append((*x["ids"].shape, x["table"].shape[1]))
-        return call(x, width)
+        return call(x, *args)
 
     with mock.patch.object(engine, "_call", counted):
         shapes = engine.warmup()
@@ -587,6 +587,28 @@ def test_warmup_compiles_every_shape_the_stream_then_needs_and_leaves_the_output
     engine.add_request([1, 2], SamplingParams(max_tokens=2))
     with pytest.raises(EngineError, match="warm up before adding any"):
         engine.warmup()
+
+
+def test_warmup_of_every_variant_leaves_nothing_for_logprobs_penalties_or_choices_to_compile(model):
+    """`warmup(every_variant=True)` also compiles the variants a request's fields choose: after it, requests
+    that list the likeliest tokens, apply penalties and biases, keep to choices (one step a decoding call)
+    or do all at once, sampled, compile nothing; greedy outputs are still `generate`'s."""
+    cfg = EngineConfig(page_size=64, num_pages=4, max_slots=1, prefill_chunk=4, decode_steps=2)
+    engine = Engine(model, cfg, eos_id=None)
+    # One row, one page (the context's 64 positions); calls: plain and top-logprobs (chunk, decode) 2 each,
+    # penalized and both (chunk, decode, one-step decode) 3 each.
+    assert engine.warmup(every_variant=True) == len(engine._compiled) == 2 + 2 + 3 + 3
+    warmed, prompts, n = set(engine._compiled), _prompts()[:4], 5
+    for params in [
+        SamplingParams(max_tokens=n, logprobs=True, top_logprobs=3),
+        SamplingParams(max_tokens=n, presence_penalty=0.5, logit_bias={5: 2.0}),
+        SamplingParams(max_tokens=n, choices=[(5, 6, 7), (5, 8)]),
+        SamplingParams(max_tokens=n, logprobs=True, top_logprobs=2, repetition_penalty=1.2, temperature=0.8, seed=1),
+    ]:
+        engine.generate(prompts, params)
+    greedy = engine.generate(prompts, SamplingParams(max_tokens=n))
+    assert set(engine._compiled) == warmed  # nothing compiled after the warm-up
+    assert [o.token_ids for o in greedy] == _reference(model, prompts, n, None)
 
 
 # ----------------------------------------------------------------------------- bad requests

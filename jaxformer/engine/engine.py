@@ -42,8 +42,8 @@ from jaxformer.engine import paged
 from jaxformer.engine import steps as _steps
 from jaxformer.engine.guided import ChoiceGuide, GrammarGuide, Guides
 from jaxformer.engine.pages import PageAllocator, page_hashes, pages_at_once, pages_behind, releasable_window
-from jaxformer.engine.requests import MAX_TOP_LOGPROBS, EngineError, Event, Output, SamplingParams, penalty_inputs
-from jaxformer.engine.steps import _copy_page, _encode_into, _forward, score_batches
+from jaxformer.engine.requests import MAX_TOP_LOGPROBS, EngineError, Event, Output, SamplingParams, each, penalty_inputs
+from jaxformer.engine.steps import _copy_page, _encode_into, _forward, drawn, score_batches
 
 
 @dataclasses.dataclass(eq=False)
@@ -80,20 +80,10 @@ def _aval(a) -> tuple:
     return a.shape, a.dtype, getattr(a, "sharding", None)
 
 
-def _drawn(out: tuple, i: int, j: int, n: int) -> tuple[int, float, list[tuple[int, float]] | None]:
-    """Row i's token at step j of a call's `out` (tokens, log-probabilities, None or the likeliest ids and
-    theirs), its log-probability, and its `n` likeliest (id, log-probability) pairs (None: n is 0)."""
-    tokens, logp, top = out
-    pairs = list(zip(top[0][i, j, :n].tolist(), top[1][i, j, :n].tolist(), strict=True)) if n else None
-    return int(tokens[i, j]), float(logp[i, j]), pairs
-
-
-def _each(value, n: int, what: str, of: str) -> list:
-    """`value` for each of n items: a list or tuple of n, or one value for all (EngineError otherwise)."""
-    values = list(value) if isinstance(value, (list, tuple)) else [value] * n
-    if len(values) != n:
-        raise EngineError(f"{len(values)} {what} for {n} {of}")
-    return values
+def _key(x: dict[str, np.ndarray], steps: int, top_n: int) -> tuple:
+    """A step's executable's key: (rows, width, pages, steps[, top_n][, "penalized"]) of its inputs `x`."""
+    variant = ((top_n,) if top_n else ()) + ("penalized",) * ("penalties" in x)
+    return (*x["ids"].shape, x["table"].shape[1], steps, *variant)
 
 
 def _bucket(n: int, most: int) -> int:
@@ -571,21 +561,23 @@ class Engine:
                 req.computed += spans[req]
                 self._register(req)
                 if req.computed == len(req.tokens):  # its last known token ran: a new one
-                    self._accept(req, *_drawn(out, i, 0, n), events)
+                    self._accept(req, *drawn(out, i, 0, n), events)
                 continue
             for j in range(spans[req]):  # decode: each token fed in gave the next, until the request ends
                 req.computed += 1
-                if self._accept(req, *_drawn(out, i, j, n), events):
+                if self._accept(req, *drawn(out, i, j, n), events):
                     break
         for req in row_of:
             if req.slot is not None:  # still running
                 self._slide(req)
 
-    def _blank(self, R: int, width: int, P: int) -> dict[str, np.ndarray]:
+    def _blank(self, R: int, width: int, P: int, penalized: bool = False) -> dict[str, np.ndarray]:
         """The inputs of one compiled step, every row empty: R rows of `width` positions over P pages
-        (page 0, scratch), greedy; an empty row writes nothing that any request reads."""
+        (page 0, scratch), greedy (`penalized`: with the penalty inputs, none set); an empty row writes
+        nothing that any request reads."""
         zeros = lambda dtype, shape=(R,): np.zeros(shape, dtype)
-        return {
+        penalties = {"penalties": penalty_inputs([], R, self.vocab_size, self.eos_id)} if penalized else {}
+        return penalties | {
             "ids": zeros(np.int32, (R, width)), "positions": zeros(np.int32, (R, width)),
             "valid": zeros(bool, (R, width)), "last": zeros(np.int32), "table": zeros(np.int32, (R, P)),
             "steps": zeros(np.int32), "adapters": zeros(np.int32), "slots": zeros(np.int32),
@@ -597,10 +589,9 @@ class Engine:
         """Run the compiled step of `steps` steps (a prefill chunk: 1) on inputs `x` (`_blank`'s, filled): tokens
         and log-probabilities [R, steps], and None or the `top_n` likeliest ids and their log-probabilities
         [R, steps, top_n]. Its executable for this shape is compiled the first time (unless `warmup` did; the
-        variants with `top_n` or penalties never are) and kept: a call then flattens the arrays and runs, with
-        no jit cache to look up by the model's graph."""
-        shape = (*x["ids"].shape, x["table"].shape[1], steps) + ((top_n,) if top_n else ())
-        shape += ("penalized",) if "penalties" in x else ()
+        variants with `top_n` or penalties, `warmup(every_variant=True)`) and kept: a call then flattens the
+        arrays and runs, with no jit cache to look up by the model's graph."""
+        shape = _key(x, steps, top_n)
         if shape not in self._compiled:
             self._compiled[shape] = self._lower(x, steps, top_n).compile()
         tokens, logp, top, self._pools = self._compiled[shape](*self._inputs(x))
@@ -620,7 +611,7 @@ class Engine:
             x["steps"], x["adapters"] if self.adapters else None, x.get("penalties"),
         )  # fmt: skip
 
-    def warmup(self, threads: int | None = None) -> int:
+    def warmup(self, threads: int | None = None, every_variant: bool = False) -> int:
         """Compile every shape of the step the scheduler can call, before any request: prefill chunks and
         decode steps, at each power of two of rows up to `max_slots` and of pages up to the context's,
         so that no request waits for a compilation (as a server warms up before it takes traffic). Each
@@ -632,6 +623,10 @@ class Engine:
 
         Args:
             threads: compilations at once (default: the host's cores).
+            every_variant: also the variants of the step that a request's fields choose: the one that lists
+                the likeliest tokens (`top_logprobs`), the one that applies penalties, biases or a structured
+                output (whose decoding calls run one step each), and the two at once; about 4.5x the shapes.
+                Without it, a request that needs a variant waits for its compilation the first time.
 
         Returns:
             The count of shapes the step can take, each now compiled (0 for an encoder_only engine, which
@@ -644,18 +639,22 @@ class Engine:
             raise EngineError("warmup: requests are queued or running; warm up before adding any")
         if self.encoder_only:
             return 0
-        top, pps = self.cfg.max_slots, self.pages_per_seq
+        top, pps, c = self.cfg.max_slots, self.pages_per_seq, self.cfg
         rows = sorted({_bucket(n, top) for n in range(1, top + 1)})
-        pages = sorted({_bucket(n, pps) for n in range(min(-(-_MIN_READ // self.cfg.page_size), pps), pps + 1)})
-        calls = dict.fromkeys([(self.cfg.prefill_chunk, 1), (1, self.cfg.decode_steps)])  # (width, steps), once each
-        shapes = [(R, width, P, steps) for width, steps in calls for R in rows for P in pages]
-        new = [shape for shape in shapes if shape not in self._compiled]
-        lowered = [self._lower(self._blank(R, width, P), steps) for R, width, P, steps in new]
+        pages = sorted({_bucket(n, pps) for n in range(min(-(-_MIN_READ // c.page_size), pps), pps + 1)})
+        variants = [(0, False)] + [(MAX_TOP_LOGPROBS, False), (0, True), (MAX_TOP_LOGPROBS, True)] * every_variant
+        calls = {}  # each shape's blank inputs, steps and top_n, by its key in `_compiled`
+        for top_n, penalized in variants:
+            for width, steps in dict.fromkeys([(c.prefill_chunk, 1), (1, c.decode_steps)] + [(1, 1)] * penalized):
+                for x in (self._blank(R, width, P, penalized) for R in rows for P in pages):
+                    calls[_key(x, steps, top_n)] = (x, steps, top_n)
+        new = {key: call for key, call in calls.items() if key not in self._compiled}
+        lowered = [self._lower(*call) for call in new.values()]
         with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
             self._compiled.update(zip(new, pool.map(lambda lowering: lowering.compile(), lowered), strict=True))
-        for R, width, P, steps in new:
-            self._call(self._blank(R, width, P), steps)
-        return len(shapes)
+        for call in new.values():
+            self._call(*call)
+        return len(calls)
 
     def _register(self, req: _Request) -> None:
         """Enter the prompt pages now computed into the prefix cache."""
@@ -754,7 +753,7 @@ class Engine:
         for i, r in enumerate(rows):
             if len(r) > self.max_context:
                 raise EngineError(f"inputs[{i}] has {len(r)} tokens; the model's max_len is {self.max_context}")
-        names = _each(adapter, len(rows), "adapters", "inputs")
+        names = each(adapter, len(rows), "adapters", "inputs")
         indices = [_adapters.index_of(self.adapters, name) for name in names] if self.adapters else None
         return score_batches(self._graphdef, self._params, rows, kind, self.cfg.max_slots, self.pad_id,
                              self.max_context, indices, mask_id)  # fmt: skip
@@ -781,7 +780,7 @@ class Engine:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise EngineError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        names = _each(adapter, len(prompts), "adapters", "prompts")
+        names = each(adapter, len(prompts), "adapters", "prompts")
         ids = []
         try:
             for prompt, p, src, name in zip(prompts, params, sources, names, strict=True):

@@ -299,3 +299,24 @@ class Output:
     logprobs: list[float] | None
     finish_reason: str
     top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+def each(value: object, n: int, what: str, of: str) -> list:
+    """`value` for each of n items.
+
+    Args:
+        value: a list or tuple of n values, or one value for all.
+        n: the items' count.
+        what: the values' name, for the error.
+        of: the items' name, for the error.
+
+    Returns:
+        The n values.
+
+    Raises:
+        EngineError: a list or tuple whose length is not n.
+    """
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * n
+    if len(values) != n:
+        raise EngineError(f"{len(values)} {what} for {n} {of}")
+    return values

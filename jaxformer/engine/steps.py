@@ -195,3 +195,21 @@ def score_batches(
             out.append([int(p) if t == mask_id else t for t, p in zip(r, got[i], strict=False)] if kind == "fill"
                        else got[i].tolist())  # fmt: skip
     return out
+
+
+def drawn(out: tuple, i: int, j: int, n: int) -> tuple[int, float, list[tuple[int, float]] | None]:
+    """One row's token at one step of a call of `_forward`, with what it says of it.
+
+    Args:
+        out: the call's tokens and log-probabilities [R, steps], and None or the likeliest ids and theirs
+            [R, steps, top_n].
+        i: the row.
+        j: the step.
+        n: how many of the likeliest tokens to list (0: none).
+
+    Returns:
+        (token, its log-probability, its `n` likeliest (id, log-probability) pairs or None where n is 0).
+    """
+    tokens, logp, top = out
+    pairs = list(zip(top[0][i, j, :n].tolist(), top[1][i, j, :n].tolist(), strict=True)) if n else None
+    return int(tokens[i, j]), float(logp[i, j]), pairs
