@@ -831,6 +831,19 @@ def test_the_page_streams_an_answer_in_a_headless_browser(server, reference, bro
     prompt = templates.get("chatml").conversation([{"role": "user", "content": "Hi"}])
     answer = text_of(reference(ids_of(prompt), MAX_LEN - len(prompt))).split("<|im_end|>")[0]
     assert page.eval_on_selector(".turn.assistant .content", "e => e.textContent") == answer
+    # A structured output: the page's regex holds the completion; a schema that is not JSON is said so.
+    page.check("#mode-completion")
+    page.select_option("#guide", "regex")
+    page.fill("#guide_text", "[0-9]{3}")
+    page.fill("#prompt", "KING")
+    page.click("#send")
+    page.wait_for_selector("#status[data-done='1']", timeout=processes.HANG_GUARD_S * 1000)
+    assert re.fullmatch("[0-9]{3}", page.eval_on_selector("#answer", "e => e.textContent"))
+    page.select_option("#guide", "json")
+    page.fill("#guide_text", "{not json")
+    page.click("#send")
+    page.wait_for_selector("#status[data-done='1']", timeout=processes.HANG_GUARD_S * 1000)
+    assert page.inner_text("#answer").startswith("the JSON schema is not JSON")
     page.close()
 
 
