@@ -555,6 +555,7 @@ BAD = [  # (body, HTTP status, the field named, a word of the message)
     ({"model": MODEL, "prompt": "x", "max_tokens": 3, "min_tokens": 4}, 400, "min_tokens", "[0, 3]"),
 ]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+CALL = {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 BAD_CHAT = [
     (
         {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
@@ -653,6 +654,47 @@ BAD_CHAT = [
         400,
         "messages[0].tool_calls[0].function.arguments",
         "not JSON",
+    ),
+    (
+        {"model": MODEL, "messages": [{"role": "assistant", "tool_calls": [CALL | {"id": None}]}]},
+        400,
+        "messages[0].tool_calls[0].id",
+        "id (a string)",
+    ),
+    (
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "a", "content": "r"}],
+        },
+        400,
+        "messages[1].role",
+        "answers a call",
+    ),
+    (
+        {
+            "model": MODEL,
+            "messages": [
+                {"role": "assistant", "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "b", "content": "r"},
+            ],
+        },
+        400,
+        "messages[1].tool_call_id",
+        "'b' is not the id of a call left to answer (a)",
+    ),
+    (
+        {
+            "model": MODEL,
+            "messages": [
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "tool_calls": [CALL, CALL | {"id": "b"}]},
+                {"role": "tool", "tool_call_id": "a", "content": "r"},
+                {"role": "user", "content": "y"},
+            ],
+        },
+        400,
+        "messages[1].tool_calls",
+        "the calls b are answered by no tool message",
     ),
     (
         {"model": MODEL, "messages": [{"role": "user", "content": "x", "tool_calls": []}]},

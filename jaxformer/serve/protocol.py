@@ -627,7 +627,8 @@ def chat_turns(messages) -> list[dict]:
         The turns.
 
     Raises:
-        APIError: not a non-empty list of messages, an unknown role, or content that is not text.
+        APIError: not a non-empty list of messages, an unknown role, content that is not text, or tool
+            results that do not answer the calls before them.
     """
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "a non-empty list of {role, content} messages is expected", "invalid_type")
@@ -657,6 +658,10 @@ def chat_turns(messages) -> list[dict]:
         if not isinstance(content, str):
             raise bad(f"{where}.content", f"a string is expected, got {type(content).__name__}", "invalid_type")
         turns.append({"role": role, "content": content})
+    try:
+        tools.check_results(messages)
+    except tools.ToolError as e:
+        raise bad(e.field, str(e)) from None
     return turns
 
 

@@ -250,9 +250,42 @@ def message_turn(m: dict, where: str) -> dict | None:
             arguments = json.loads(f["arguments"])
         except json.JSONDecodeError as e:
             raise ToolError(f"{where}.tool_calls[{j}].function.arguments", f"not JSON: {e}") from None
+        if not isinstance(c.get("id"), str):
+            raise ToolError(f"{where}.tool_calls[{j}].id", "a call's id (a string) is expected: its result names it")
         written = json.dumps({"name": f["name"], "arguments": arguments}, ensure_ascii=False)
         text += f"{chr(10) if text else ''}{OPEN}\n{written}\n{CLOSE}"
     return {"role": "assistant", "content": text}
+
+
+def check_results(messages: list[dict]) -> None:
+    """Each tool message answers, by its `tool_call_id`, a call of the assistant message before it not yet
+    answered, and every call is answered before the conversation goes on, as OpenAI holds them.
+
+    Args:
+        messages: the request's messages, each checked alone already (`message_turn`).
+
+    Raises:
+        ToolError: a tool message with no call before it, or not naming one left to answer; a call left
+            unanswered.
+    """
+    pending, asked = [], None  # the calls not yet answered; the message that made the last calls
+    for i, m in enumerate(messages):
+        if m.get("role") == "tool":
+            if asked is None:
+                raise ToolError(f"messages[{i}].role", "a tool message answers a call of the assistant message "
+                                "before it, and none is")  # fmt: skip
+            if m.get("tool_call_id") not in pending:
+                raise ToolError(f"messages[{i}].tool_call_id", f"{m.get('tool_call_id')!r} is not the id of a call "
+                                f"left to answer ({', '.join(pending) or 'none is'})")  # fmt: skip
+            pending.remove(m["tool_call_id"])
+            continue
+        if pending:
+            break
+        pending = [c["id"] for c in m.get("tool_calls") or []]
+        asked = i if pending else None
+    if pending:
+        raise ToolError(f"messages[{asked}].tool_calls", f"the calls {', '.join(pending)} are answered by no tool "
+                        "message after it")  # fmt: skip
 
 
 def with_tools(turns: list[dict], tools: Tools) -> list[dict]:
