@@ -295,6 +295,30 @@ def test_penalties_and_biases_change_the_logits_as_openai_and_vllm_define_them(m
     assert 30 not in want[3] and 30 in plain[3]
 
 
+def test_raw_logprobs_are_the_model_s_own_under_penalties_and_biases(model):
+    """`logprobs_mode="raw"` (vLLM's default): under penalties and biases the tokens are still the penalized
+    reference's, and their log-probabilities and the likeliest tokens are the model's own softmax over the
+    tokens before them (one forward pass over the whole sequence); the default mode's differ from them."""
+    prompts, n = _prompts()[:2], 6
+    kw = PENALIZED[-1]
+    params = SamplingParams(max_tokens=n, logprobs=True, top_logprobs=3, **kw)
+    cfg = dict(page_size=4, num_pages=40, max_slots=2, prefill_chunk=8, decode_steps=3)
+    raw = Engine(model, EngineConfig(**cfg, logprobs_mode="raw"), eos_id=None).generate(prompts, params)
+    penalized = Engine(model, EngineConfig(**cfg), eos_id=None).generate(prompts, params)
+    want = _penalized_reference(model, prompts, [kw, kw], n)
+    assert [o.token_ids for o in raw] == [o.token_ids for o in penalized] == want
+    for r, p in zip(raw, penalized, strict=True):
+        logits = model.decode(None, None, jnp.asarray([r.prompt_ids + r.token_ids], jnp.int32))[0]
+        logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32)))
+        at = np.arange(n) + len(r.prompt_ids) - 1  # the positions whose logits drew the new tokens
+        # A paged cache and a whole-sequence pass agree to a few float32 ulps of logits up to ~26 in size.
+        np.testing.assert_allclose(r.logprobs, logp[at, r.token_ids], rtol=1e-4, atol=1e-4)
+        assert [[i for i, _ in top] for top in r.top_logprobs] == np.argsort(-logp[at], axis=1)[:, :3].tolist()
+        assert not np.allclose(p.logprobs, r.logprobs, atol=1e-3)
+    with pytest.raises(ConfigError, match=r"engine\.logprobs_mode: one of \('penalized', 'raw'\), got 'processed'"):
+        EngineConfig(logprobs_mode="processed")
+
+
 @pytest.mark.parametrize("decode_steps", [1, 3])
 def test_stop_token_ids_end_a_request_as_eos_does(model, decode_steps):
     """`stop_token_ids`: a request ends ("stop") where greedy decoding draws one of them, the id left out,

@@ -21,6 +21,9 @@ class EngineConfig:
         max_context: prompt + new tokens of one request; None: the model's max_len.
         prefix_sharing: share whole pages of a common prompt prefix between requests.
         seed: the sampling root of requests without a seed (folded with the request id).
+        logprobs_mode: the log-probabilities returned: "penalized", under the logits each token is drawn
+            from (penalties, biases, `min_tokens` and structured outputs applied; never the temperature),
+            or "raw", under the model's own softmax (vLLM's default, `raw_logprobs`).
     """
 
     page_size: int = 16  # positions a page holds (vLLM's block size); a prefix is shared in whole pages
@@ -33,12 +36,17 @@ class EngineConfig:
     decode_steps: int = 1
     prefix_sharing: bool = True  # requests sharing whole pages of prompt share those pages (copy-on-write)
     seed: int = 0  # root key of the sampling of requests that bring no seed (folded with the request id)
+    # The log-probabilities returned: under the logits drawn from ("penalized": penalties, biases, min_tokens
+    # and structured outputs applied, never the temperature) or under the model's own softmax ("raw", vLLM's).
+    logprobs_mode: str = "penalized"
 
     def __post_init__(self):
         p = "engine"
         check_field_types(self, p)
         for name in ("page_size", "max_slots", "prefill_chunk", "decode_steps"):
             require(getattr(self, name) >= 1, f"{p}.{name}", f"must be >= 1, got {getattr(self, name)}")
+        modes = ("penalized", "raw")
+        require(self.logprobs_mode in modes, f"{p}.logprobs_mode", f"one of {modes}, got {self.logprobs_mode!r}")
         require(self.num_pages >= 2, f"{p}.num_pages", f"must be >= 2 (page 0 is scratch), got {self.num_pages}")
         require(
             self.max_context is None or self.max_context >= 2,

@@ -599,7 +599,8 @@ class Engine:
 
     def _lower(self, x: dict[str, np.ndarray], steps: int, top_n: int = 0):
         _LOWERED[(*x["ids"].shape, x["table"].shape[1]) + ((steps,) if steps > 1 else ())] += 1
-        return _forward.lower(self._graphdef, *self._inputs(x), steps=steps, top_n=top_n)
+        raw = self.cfg.logprobs_mode == "raw"
+        return _forward.lower(self._graphdef, *self._inputs(x), steps=steps, top_n=top_n, raw=raw)
 
     def _inputs(self, x: dict[str, np.ndarray]) -> tuple:
         """`_forward`'s arguments but its static ones (the graph, the steps), from `_blank`'s inputs."""

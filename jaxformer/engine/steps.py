@@ -21,10 +21,10 @@ from jaxformer.engine import adapters as _adapters
 from jaxformer.engine import paged
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "top_n"), donate_argnames=("pools",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "top_n", "raw"), donate_argnames=("pools",))
 def _forward(
     graphdef, params, pools, table_BP, ids_BT, positions_BT, valid_BT, last_B, sampling, source, steps_B,
-    rows_B=None, penalties=None, *, steps, top_n=0,
+    rows_B=None, penalties=None, *, steps, top_n=0, raw=False,
 ):  # fmt: skip
     """One paged step and the next token of each row (from its last valid position `last_B`), then (decode,
     T = 1) `steps` - 1 more, each feeding the token just drawn, row b running `steps_B[b]` in all; `sampling`:
@@ -35,7 +35,8 @@ def _forward(
     penalties and biases (`paged.penalize`; the counts grow by each token drawn). Returns tokens and
     log-probabilities [B, steps], None or (`top_n` > 0) the `top_n` likeliest ids at each step and their
     log-probabilities [B, steps, top_n] (likeliest first, under the model as the chosen token's), and the
-    pools."""
+    pools. The log-probabilities are under the logits the token is drawn from (penalties, biases and the
+    `min_tokens` hold applied; never the temperature), or (`raw`) under the model's own."""
     model = nnx.merge(graphdef, params)
     if rows_B is not None:
         _adapters.bind_rows(model, rows_B)
@@ -50,7 +51,7 @@ def _forward(
         logits_B1V, pools, rows = paged.paged_step(
             model, pools, table_BP, ids_BT, positions_BT, valid_BT, memory, src_lengths_B, last_B, rows
         )
-        logits_BV = logits_B1V[:, 0]
+        logits_BV = raw_BV = logits_B1V[:, 0]
         if penalties is not None:
             logits_BV = paged.penalize(logits_BV, counts_BV, *penalties[1:])
         positions_B = jnp.take_along_axis(positions_BT, last_B[:, None], axis=1)[:, 0] + 1  # the drawn token's
@@ -59,7 +60,10 @@ def _forward(
         logits_BV = jnp.where(held_BV, -jnp.inf, logits_BV)
         keys_B = paged.request_keys(seeds_B, positions_B)
         tokens_B, logp_B = paged.choose_rows(logits_BV, keys_B, temperature_B, top_k_B, top_p_B)
-        top = jax.lax.top_k(jax.nn.log_softmax(logits_BV.astype(jnp.float32)), top_n)[::-1] if top_n else ()
+        logp_BV = jax.nn.log_softmax((raw_BV if raw else logits_BV).astype(jnp.float32))
+        if raw:
+            logp_B = jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=1)[:, 0]
+        top = jax.lax.top_k(logp_BV, top_n)[::-1] if top_n else ()
         return tokens_B, logp_B, top, pools, rows
 
     counts_BV = None if penalties is None else penalties[0]
