@@ -139,8 +139,9 @@ def test_a_named_function_and_required_calls_follow_the_tools_schemas(server):
             arguments += call.function.arguments or ""
     assert arguments == choice.message.tool_calls[0].function.arguments and len(ids) == 1
 
-    out = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", n=3,
-                                         max_tokens=400, temperature=1.0, seed=3)  # fmt: skip
+    required = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", n=3, max_tokens=400,
+                    temperature=1.0, seed=3)  # fmt: skip
+    out = client.chat.completions.create(**required)
     for choice in out.choices:  # a random model's array may run to max_tokens: then it is the answer's text
         if choice.finish_reason == "length":
             assert choice.message.tool_calls is None and choice.message.content.startswith('[{"name": "get_')
@@ -148,6 +149,24 @@ def test_a_named_function_and_required_calls_follow_the_tools_schemas(server):
             assert choice.finish_reason == "tool_calls" and choice.message.content is None
             assert _calls(choice.message)
     assert {c.finish_reason for c in out.choices} == {"length", "tool_calls"}
+    # Streamed, each call's head comes once its name is whole (its id with it), then its arguments in pieces.
+    streamed, finishes, pieces = {}, {}, 0
+    for chunk in client.chat.completions.create(**required, stream=True):
+        for c in chunk.choices:
+            finishes[c.index] = c.finish_reason or finishes.get(c.index)
+            for d in c.delta.tool_calls or []:
+                head = streamed.setdefault(c.index, {}).setdefault(d.index, {"name": None, "arguments": ""})
+                if d.id is not None:
+                    assert head["name"] is None and d.type == "function"  # once
+                    head["name"] = d.function.name
+                head["arguments"] += d.function.arguments or ""
+                pieces += 1
+    for choice in out.choices:
+        assert finishes[choice.index] == choice.finish_reason
+        if choice.finish_reason == "tool_calls":
+            calls = streamed[choice.index].values()
+            assert [(h["name"], json.loads(h["arguments"])) for h in calls] == _calls(choice.message)
+    assert pieces > 3 * sum(map(len, streamed.values()))  # the arguments in pieces, not whole
     out = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
                                          parallel_tool_calls=False, max_tokens=400, temperature=0)  # fmt: skip
     assert len(_calls(out.choices[0].message)) == 1

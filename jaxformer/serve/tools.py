@@ -303,9 +303,14 @@ def with_tools(turns: list[dict], tools: Tools) -> list[dict]:
     return [{"role": "system", "content": tools.system_text()}, *turns]
 
 
+# The start of one of "required"'s calls as the JSON guide writes it, up to its arguments' first character.
+_HEAD = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
+
+
 class CallStream:
-    """A streamed choice's deltas under tools: a named function's arguments as they come; "auto"'s content up
-    to the first <tool_call> (text that may be its start waits); the calls at the end.
+    """A streamed choice's deltas under tools: a named function's arguments as they come; "required"'s calls
+    one by one, each call's head once its name is whole, then its arguments as they come; "auto"'s content up
+    to the first <tool_call> (text that may be its start waits), and its calls at the end.
 
     Args:
         tools: the request's tools.
@@ -314,6 +319,11 @@ class CallStream:
     def __init__(self, tools: Tools):
         self.tools, self.text, self.shown = tools, "", 0
         self.head = call(tools.named, "") if tools.named else None
+        # "required": the text read so far and its depth in brackets; inside a string, after a backslash; the
+        # open call's `{`; its arguments' text not yet handed out from (None: not begun, or closed); calls begun.
+        self.read = self.depth = self.opened = self.calls = 0
+        self.quoted = self.escaped = False
+        self.arguments = None
 
     def add(self, piece: str) -> dict:
         """The delta of a piece of the answer's text.
@@ -331,7 +341,7 @@ class CallStream:
         if self.tools.named:
             return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]} if piece else {}
         if self.tools.choice == "required":
-            return {}
+            return self._required()
         at = self.text.find(OPEN, self.shown)
         safe = at if at >= 0 else len(self.text) - partial_end(self.text, OPEN)
         out, self.shown = self.text[self.shown : max(self.shown, safe)], max(self.shown, safe)
@@ -349,10 +359,42 @@ class CallStream:
         if self.tools.named:  # its arguments are all out
             return {}, finish_reason
         _, found, reason = self.tools.answer(self.text, finish_reason)
+        if self.calls:  # "required"'s calls are out, as far as they came
+            return {}, reason
         if found:
             return {"tool_calls": [{"index": i, **c} for i, c in enumerate(found)]}, reason
         rest = self.text[self.shown :]
         return ({"content": rest} if rest else {}), reason
+
+    def _required(self) -> dict:
+        """ "required"'s deltas for the text not yet read: the answer is `[{"name": ..., "arguments": ...}, ...]`,
+        each call's name first, as the JSON guide writes it (its schema's order)."""
+        out, t = [], self.text
+        for k in range(self.read, len(t)):
+            ch = t[k]
+            if self.quoted:
+                self.escaped, self.quoted = (False, True) if self.escaped else (ch == "\\", ch != '"')
+                continue
+            if ch == '"':
+                self.quoted = True
+            elif ch in "[{":
+                self.depth += 1
+                self.opened = k if self.depth == 2 else self.opened
+            elif ch in "]}":
+                if self.depth == 2 and self.arguments is not None:  # the call closes: the rest of its arguments
+                    out.append({"index": self.calls - 1, "function": {"arguments": t[self.arguments : k]}})
+                    self.arguments = None
+                self.depth -= 1
+            elif ch == " " and self.depth == 2 and self.arguments is None and (m := _HEAD.match(t, self.opened, k + 1)):
+                first = call(json.loads(m.group(1)), "")
+                out.append({"index": self.calls, **first})
+                self.calls, self.arguments = self.calls + 1, k + 1
+        self.read = len(t)
+        if self.arguments is not None and self.arguments < len(t):  # the open call's arguments so far
+            out.append({"index": self.calls - 1, "function": {"arguments": t[self.arguments :]}})
+            self.arguments = len(t)
+        out = [o for o in out if "id" in o or o["function"]["arguments"]]
+        return {"tool_calls": out} if out else {}
 
 
 def partial_end(text: str, tag: str) -> int:
