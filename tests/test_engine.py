@@ -314,6 +314,8 @@ def test_raw_logprobs_are_the_model_s_own_under_penalties_and_biases(model):
         # A paged cache and a whole-sequence pass agree to a few float32 ulps of logits up to ~26 in size.
         np.testing.assert_allclose(r.logprobs, logp[at, r.token_ids], rtol=1e-4, atol=1e-4)
         assert [[i for i, _ in top] for top in r.top_logprobs] == np.argsort(-logp[at], axis=1)[:, :3].tolist()
+        top_logp = -np.sort(-logp[at], axis=1)[:, :3]
+        np.testing.assert_allclose([[x for _, x in top] for top in r.top_logprobs], top_logp, rtol=1e-4, atol=1e-4)
         assert not np.allclose(p.logprobs, r.logprobs, atol=1e-3)
     with pytest.raises(ConfigError, match=r"engine\.logprobs_mode: one of \('penalized', 'raw'\), got 'processed'"):
         EngineConfig(logprobs_mode="processed")
