@@ -37,6 +37,7 @@ from jaxformer.sharding import constrain, context_ways
 
 Array = jax.Array
 NEG_INF = -jnp.inf
+SAMPLED = ("temperature", "top_k", "top_p", "min_p")  # the settings of a draw (`sample_logits`), by name
 DEFAULTS = DecodeConfig()
 
 
@@ -96,8 +97,29 @@ def top_p_filter(logits_BV: Array, p: float) -> Array:
     return jnp.where(logits_BV < threshold_B1, NEG_INF, logits_BV)
 
 
-def sample_logits(logits_BV: Array, rng: Array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
-    """One token per row from softmax(logits / temperature), restricted by top-k then top-p.
+def min_p_filter(logits_BV: Array, min_p: float) -> Array:
+    """Min-p filter (Nguyen et al. 2024, vLLM's and Hugging Face's `min_p`): keep the tokens whose
+    probability is at least `min_p` times the likeliest one's; the rest get -inf. On the logits: a token
+    is kept where its logit is at least the largest + log(min_p).
+
+    Args:
+        logits_BV: [B, V] logits (after the temperature).
+        min_p: the fraction of the likeliest token's probability, in [0, 1] (0: all kept).
+
+    Returns:
+        [B, V].
+    """
+    if min_p <= 0.0:
+        return logits_BV
+    floor_B1 = jnp.max(logits_BV, axis=-1, keepdims=True) + jnp.log(jnp.float32(min_p))
+    return jnp.where(logits_BV < floor_B1, NEG_INF, logits_BV)
+
+
+def sample_logits(
+    logits_BV: Array, rng: Array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> Array:
+    """One token per row from softmax(logits / temperature), restricted by min-p, then top-k, then top-p
+    (vLLM's order).
 
     Row b draws with its own key, fold_in(rng, b), so its token depends on its logits alone,
     never on the other rows of the batch.
@@ -108,12 +130,13 @@ def sample_logits(logits_BV: Array, rng: Array, temperature: float = 1.0, top_k:
         temperature: divides the logits (> 0).
         top_k: keep the k largest (0: all).
         top_p: keep the nucleus of this mass (1: all).
+        min_p: keep the tokens at least this fraction as likely as the likeliest (0: all).
 
     Returns:
         tokens (Array): [B] int32.
     """
     logits_BV = logits_BV.astype(jnp.float32) / temperature
-    logits_BV = top_p_filter(top_k_filter(logits_BV, top_k), top_p)
+    logits_BV = top_p_filter(top_k_filter(min_p_filter(logits_BV, min_p), top_k), top_p)
     keys_B = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, jnp.arange(logits_BV.shape[0]))
     return jax.vmap(jax.random.categorical)(keys_B, logits_BV).astype(jnp.int32)
 
@@ -380,9 +403,7 @@ def _generate(
     if settings.strategy == "greedy":
         choose = lambda logits_BV, _: jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     else:
-        choose = functools.partial(
-            sample_logits, temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p
-        )
+        choose = functools.partial(sample_logits, **{k: getattr(settings, k) for k in SAMPLED})
     tokens_BN, logp_B = sample_search(stepper, prompt_BP, lengths_B, max_new_B, num_new, choose, eos_id, pad_id, rng)
     return tokens_BN[:, None], logp_B[:, None]
 
@@ -451,7 +472,7 @@ def _program_settings(settings: DecodeConfig) -> DecodeConfig:
     if settings.strategy == "beam":
         kept |= {"beam_size": settings.beam_size, "length_penalty": settings.length_penalty}
     elif settings.strategy == "sample":
-        kept |= {"temperature": settings.temperature, "top_k": settings.top_k, "top_p": settings.top_p}
+        kept |= {k: getattr(settings, k) for k in SAMPLED}
     return DecodeConfig(**kept)
 
 

@@ -513,6 +513,7 @@ CLI_CASES = [
     cli_case(TRAIN + "decode.top_p=0", r"decode\.top_p: must be in \(0, 1\], got 0"),
     cli_case(TRAIN + "decode.top_p=1.5", r"decode\.top_p: must be in \(0, 1\], got 1\.5"),
     cli_case(TRAIN + "decode.top_k=-1", r"decode\.top_k: must be >= 0 \(0 = off\), got -1"),
+    cli_case(TRAIN + "decode.min_p=2", r"decode\.min_p: must be in \[0, 1\] \(0 = off\), got 2"),
     cli_case(TRAIN + "decode.beam_size=0", r"decode\.beam_size: must be >= 1, got 0"),
     cli_case(TRAIN + "decode.num_return=5", r"decode\.num_return: must be in \[1, beam_size=4\] for beam search"),
     cli_case(TRAIN + "decode.max_new_tokens=0", r"decode\.max_new_tokens: must be positive, got 0"),

@@ -219,6 +219,33 @@ def test_sampled_tokens_lie_in_the_top_k_and_top_p_sets():
         assert len(set(np.asarray(draws[:, b]))) == len(nucleus) > 1  # it samples the whole nucleus
 
 
+def min_p_then_top_p(probs: np.ndarray, min_p: float, top_p: float) -> set[int]:
+    """The tokens vLLM's sampler keeps under min-p then top-p (its order), by NumPy on probabilities:
+    those at least min_p times the likeliest's, then the smallest likeliest set of the renormalized
+    rest whose mass reaches top_p."""
+    kept = np.flatnonzero(probs >= min_p * probs.max())
+    order = kept[np.argsort(-probs[kept])]
+    rest = probs[order] / probs[order].sum()
+    return set(order[np.cumsum(rest) - rest < top_p].tolist())
+
+
+@pytest.mark.parametrize(("min_p", "top_p"), [(0.1, 1.0), (0.02, 0.7), (1.0, 1.0)])
+def test_sampled_tokens_lie_in_the_min_p_set_and_cover_it(min_p, top_p):
+    """`sample_logits(min_p=...)` draws from the tokens at least min_p times as likely as the likeliest
+    (after the temperature), then under top-p, and from every one of them (300 draws a row); min_p = 1
+    keeps the likeliest alone (greedy)."""
+    logits = jax.random.normal(jax.random.key(0), (4, 50)) * 2
+    temperature = 1.5
+    probs = np.asarray(jax.nn.softmax(logits / temperature), np.float64)
+    keys = jax.random.split(jax.random.key(3), 300)
+    draws = np.asarray(jax.vmap(lambda k: decode.sample_logits(logits, k, temperature, top_p=top_p, min_p=min_p))(keys))
+    for b in range(4):
+        kept = min_p_then_top_p(probs[b], min_p, top_p)
+        assert set(draws[:, b].tolist()) == kept, b
+        assert len(kept) < 50  # the filter dropped tokens
+    assert (min_p < 1) or (draws == np.argmax(probs, axis=-1)).all()
+
+
 def test_wide_beam_finds_the_best_length_penalised_sequences():
     """V=5, 3 new tokens: every output is enumerated and scored with the full forward pass.
 
@@ -304,8 +331,9 @@ def test_beam_search_says_why_its_continuation_is_empty():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("top_p", 0.0), ("top_p", 1.5), ("beam_size", 0), ("temperature", 0.0), ("top_k", -1), ("num_return", 5)],
-)
+    [("top_p", 0.0), ("top_p", 1.5), ("min_p", -0.1), ("min_p", 1.5), ("beam_size", 0), ("temperature", 0.0),
+     ("top_k", -1), ("num_return", 5)],
+)  # fmt: skip
 def test_invalid_settings_name_their_field(field, value):
     with pytest.raises(ConfigError, match=f"decode.{field}"):
         DecodeConfig(strategy="beam", **{field: value})

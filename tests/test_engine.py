@@ -158,13 +158,17 @@ def test_decode_step_logits_at_one_position_equal_the_full_logits(model):
 
 
 def test_row_filters_equal_decode_filters():
-    """Per-row top-k and top-p equal `decode.top_k_filter` / `top_p_filter` applied row by row."""
-    logits = jax.random.normal(jax.random.key(0), (4, 11))
-    top_k, top_p = np.array([0, 3, 1, 5]), np.array([1.0, 0.9, 0.5, 0.3], np.float32)
-    got = paged.filter_rows(logits, jnp.asarray(top_k), jnp.asarray(top_p))
-    for b in range(4):
-        want = decode.top_p_filter(decode.top_k_filter(logits[b : b + 1], int(top_k[b])), float(top_p[b]))
+    """Per-row min-p, top-k and top-p equal `decode.min_p_filter`, `top_k_filter` and `top_p_filter`
+    applied row by row, in that order."""
+    logits = jax.random.normal(jax.random.key(0), (6, 11)) * 2
+    top_k, top_p = np.array([0, 3, 1, 5, 0, 6]), np.array([1.0, 0.9, 0.5, 0.3, 1.0, 0.8], np.float32)
+    min_p = np.array([0.0, 0.0, 0.0, 0.2, 0.1, 0.05], np.float32)
+    got = paged.filter_rows(logits, jnp.asarray(top_k), jnp.asarray(top_p), jnp.asarray(min_p))
+    for b in range(6):
+        want = decode.min_p_filter(logits[b : b + 1], float(min_p[b]))
+        want = decode.top_p_filter(decode.top_k_filter(want, int(top_k[b])), float(top_p[b]))
         np.testing.assert_array_equal(np.asarray(got[b]), np.asarray(want[0]))
+    assert np.isinf(np.asarray(got[4])).sum() > 0  # min-p alone dropped some
 
 
 # ----------------------------------------------------------------------------- greedy equals generate
@@ -538,6 +542,29 @@ def test_sampling_is_reproducible_and_independent_of_the_batch(model):
     assert other_seed.token_ids != alone.token_ids
 
 
+def test_min_p_draws_only_tokens_near_the_likeliest(model):
+    """`min_p` through the engine (three decoding steps a call, beside a request without it): every token
+    drawn is at least min_p times as likely, under the temperature, as the step's likeliest, by the
+    model's log-probabilities (top_logprobs=1 lists the likeliest's): logp - max logp >= T log(min_p); the
+    same seeds without min_p draw some that are not. min_p = 1 keeps the likeliest alone: greedy's tokens."""
+    cfg = EngineConfig(page_size=4, num_pages=60, max_slots=4, prefill_chunk=8, decode_steps=3)
+    engine, prompts, T, m = Engine(model, cfg, eos_id=None), _prompts()[:3], 2.0, 0.3
+
+    def gaps(min_p):
+        params = [SamplingParams(max_tokens=10, temperature=T, min_p=min_p, seed=s, logprobs=True, top_logprobs=1)
+                  for s in range(3)]  # fmt: skip
+        outs = engine.generate([*prompts, prompts[0]], [*params, SamplingParams(max_tokens=6, temperature=1.0)])
+        return [lp - top[0][1] for o in outs[:3] for lp, top in zip(o.logprobs, o.top_logprobs, strict=True)]
+
+    assert min(gaps(m)) >= T * np.log(m) - 1e-4
+    assert min(gaps(0.0)) < T * np.log(m)  # the check above bites
+    greedy = engine.generate(prompts, SamplingParams(max_tokens=10))
+    kept_one = engine.generate(
+        prompts, [SamplingParams(max_tokens=10, temperature=1.0, min_p=1.0, seed=s) for s in range(3)]
+    )
+    assert [o.token_ids for o in kept_one] == [o.token_ids for o in greedy]
+
+
 def test_top_logprobs_are_the_model_s_likeliest_tokens_at_each_step(model, eos_id):
     """A request asking for the likeliest tokens (greedy, and a seeded draw at three decoding steps a call,
     beside requests that do not ask) lists at each step the ids and log-probabilities of the model's own
@@ -692,6 +719,7 @@ def test_a_request_over_the_pool_is_refused(model):
         ({"temperature": -1.0}, "temperature must be >= 0"),
         ({"top_k": -1}, "top_k must be >= 0"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"min_p": 1.5}, r"min_p must be in \[0, 1\] \(0: off\), got 1.5"),
         ({"seed": -1}, "seed must be in"),
         ({"stop": ("",)}, "stop must hold non-empty strings"),
         ({"logprobs": 1}, "logprobs must be bool"),
@@ -842,7 +870,8 @@ def test_the_paged_decode_step_compiles_for_a_tpu_slice(d_model, kernel, impl, s
         pool = jax.ShapeDtypeStruct((mcfg.kv_heads, pages, page, mcfg.dim_per_head), mcfg.dtype, sharding=heads)
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)
         sampling = (jax.ShapeDtypeStruct((slots,), np.uint32), jax.ShapeDtypeStruct((slots,), np.float32))
-        sampling = (*sampling, i32(slots), jax.ShapeDtypeStruct((slots,), np.float32), i32(), i32(slots))
+        f32 = jax.ShapeDtypeStruct((slots,), np.float32)
+        sampling = (*sampling, i32(slots), f32, f32, i32(), i32(slots))  # top-k, top-p, min-p, EOS, its first position
         compiled = engine_steps._forward.lower(
             graphdef, params, [{"k": pool, "v": pool}], i32(slots, 8), i32(slots, 1), i32(slots, 1),
             jax.ShapeDtypeStruct((slots, 1), bool), i32(slots), sampling, None, i32(slots), steps=steps,

@@ -332,8 +332,9 @@ def engine_step_on_h100s(target: str, mesh_cfg: MeshConfig, pool_spec: tuple, wi
     with sharding.use(mesh, sharding.rules_for(mesh_cfg)):
         graphdef, params = nnx.split(nnx.eval_shape(lambda: without_id_checks(build_model(mcfg))))
         params = with_shardings(params, sharding.state_shardings(params, mesh))
-        sampling = (spec(np.uint32, B), spec(np.float32, B), spec(np.int32, B), spec(np.float32, B))
-        sampling = (*sampling, spec(np.int32), spec(np.int32, B))  # the EOS id, each row's first position for it
+        # seeds, temperature, top-k, top-p, min-p; the EOS id, each row's first position for it
+        f32 = spec(np.float32, B)
+        sampling = (spec(np.uint32, B), f32, spec(np.int32, B), f32, f32, spec(np.int32), spec(np.int32, B))
         compiled = engine_steps._forward.lower(
             graphdef, params, [{"k": pool, "v": pool}], spec(np.int32, B, P), spec(np.int32, B, width),
             spec(np.int32, B, width), spec(bool, B, width), spec(np.int32, B), sampling, None,

@@ -224,6 +224,7 @@ class DecodeConfig:
     temperature: float = 1.0  # sample: logits / temperature
     top_k: int = 0  # sample: keep the k most likely tokens (0 = all)
     top_p: float = 1.0  # sample: keep the smallest set of most likely tokens with mass >= top_p (nucleus)
+    min_p: float = 0.0  # sample: keep the tokens at least min_p times as likely as the likeliest (0 = all)
     beam_size: int = 4  # beam: hypotheses kept at each step (paper: 4)
     length_penalty: float = 0.6  # beam: GNMT alpha; score = log P / ((5 + length) / 6) ** alpha
     num_return: int = 1  # beam: the n best sequences returned (<= beam_size)
@@ -238,6 +239,7 @@ class DecodeConfig:
         require(self.temperature > 0, f"{p}.temperature", f"must be > 0, got {self.temperature}")
         require(self.top_k >= 0, f"{p}.top_k", f"must be >= 0 (0 = off), got {self.top_k}")
         require(0 < self.top_p <= 1, f"{p}.top_p", f"must be in (0, 1], got {self.top_p}")
+        require(0 <= self.min_p <= 1, f"{p}.min_p", f"must be in [0, 1] (0 = off), got {self.min_p}")
         require(self.beam_size >= 1, f"{p}.beam_size", f"must be >= 1, got {self.beam_size}")
         require(self.length_penalty >= 0, f"{p}.length_penalty", f"must be >= 0, got {self.length_penalty}")
         require(

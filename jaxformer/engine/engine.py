@@ -37,11 +37,12 @@ from flax import nnx
 
 from jaxformer import precast
 from jaxformer.config import EngineConfig
+from jaxformer.decode import SAMPLED
 from jaxformer.engine import adapters as _adapters
 from jaxformer.engine import paged
 from jaxformer.engine import steps as _steps
 from jaxformer.engine.guided import ChoiceGuide, GrammarGuide, Guides
-from jaxformer.engine.pages import PageAllocator, page_hashes, pages_at_once, pages_behind, releasable_window
+from jaxformer.engine.pages import PageAllocator, bucket, page_hashes, pages_at_once, pages_behind, releasable_window
 from jaxformer.engine.requests import MAX_TOP_LOGPROBS, EngineError, Event, Output, SamplingParams, each, penalty_inputs
 from jaxformer.engine.steps import _copy_page, _encode_into, _forward, drawn, score_batches
 
@@ -84,11 +85,6 @@ def _key(x: dict[str, np.ndarray], steps: int, top_n: int) -> tuple:
     """A step's executable's key: (rows, width, pages, steps[, top_n][, "penalized"]) of its inputs `x`."""
     variant = ((top_n,) if top_n else ()) + ("penalized",) * ("penalties" in x)
     return (*x["ids"].shape, x["table"].shape[1], steps, *variant)
-
-
-def _bucket(n: int, most: int) -> int:
-    """The power of two at or above n, at most `most`: the row and page counts a few compilations cover."""
-    return min(1 << (n - 1).bit_length(), most)
 
 
 class Engine:
@@ -530,12 +526,10 @@ class Engine:
         # A power of two of rows, and of pages: the pages the longest row reads in this call (positions up
         # to the last it writes), so a step's attention reads the live sequences' pages, not max_context's.
         # A few shapes serve every mix, one compilation each.
-        R = _bucket(len(reqs), self.cfg.max_slots)
+        R = bucket(len(reqs), self.cfg.max_slots)
         row_of = {r: i for i, r in enumerate(reqs)}
         size = self.cfg.page_size
-        P = _bucket(
-            max(-(-_MIN_READ // size), *(-(-(r.computed + spans[r]) // size) for r in reqs)), self.pages_per_seq
-        )
+        P = bucket(max(-(-_MIN_READ // size), *(-(-(r.computed + spans[r]) // size) for r in reqs)), self.pages_per_seq)
         x = self._blank(R, width, P)
         for req, i in row_of.items():
             start = req.computed
@@ -546,8 +540,9 @@ class Engine:
             x["last"][i], x["steps"][i] = n - 1, spans[req] if decode else 0  # steps: the decoding loop's
             x["table"][i] = self._table[req.slot, :P]
             p = req.params
-            x["seeds"][i], x["temps"][i], x["top_k"][i], x["top_p"][i] = req.seed, p.temperature, p.top_k, p.top_p
-            x["adapters"][i], x["slots"][i] = req.adapter, req.slot
+            x["seeds"][i], x["adapters"][i], x["slots"][i] = req.seed, req.adapter, req.slot
+            for field in SAMPLED:
+                x[field][i] = getattr(p, field)
             x["eos_from"][i] = len(req.prompt) + p.min_tokens  # the first position EOS may take
         # The likeliest tokens' log-probabilities, where a row asks: a variant of the step that returns them.
         top_n = MAX_TOP_LOGPROBS if any(r.params.top_logprobs for r in reqs) else 0
@@ -581,8 +576,8 @@ class Engine:
             "ids": zeros(np.int32, (R, width)), "positions": zeros(np.int32, (R, width)),
             "valid": zeros(bool, (R, width)), "last": zeros(np.int32), "table": zeros(np.int32, (R, P)),
             "steps": zeros(np.int32), "adapters": zeros(np.int32), "slots": zeros(np.int32),
-            "seeds": zeros(np.uint32), "temps": zeros(np.float32), "top_k": zeros(np.int32),
-            "top_p": np.ones(R, np.float32), "eos_from": zeros(np.int32),
+            "seeds": zeros(np.uint32), "temperature": zeros(np.float32), "top_k": zeros(np.int32),
+            "top_p": np.ones(R, np.float32), "min_p": zeros(np.float32), "eos_from": zeros(np.int32),
         }  # fmt: skip
 
     def _call(self, x: dict[str, np.ndarray], steps: int, top_n: int = 0) -> tuple:
@@ -606,7 +601,7 @@ class Engine:
         """`_forward`'s arguments but its static ones (the graph, the steps), from `_blank`'s inputs."""
         source = None if self._memory is None else (self._memory, self._src_lengths, x["slots"])
         eos = np.int32(-1 if self.eos_id is None else self.eos_id)
-        sampling = (x["seeds"], x["temps"], x["top_k"], x["top_p"], eos, x["eos_from"])
+        sampling = (x["seeds"], *(x[f] for f in SAMPLED), eos, x["eos_from"])
         return (
             self._params, self._pools, x["table"], x["ids"], x["positions"], x["valid"], x["last"], sampling, source,
             x["steps"], x["adapters"] if self.adapters else None, x.get("penalties"),
@@ -641,8 +636,8 @@ class Engine:
         if self.encoder_only:
             return 0
         top, pps, c = self.cfg.max_slots, self.pages_per_seq, self.cfg
-        rows = sorted({_bucket(n, top) for n in range(1, top + 1)})
-        pages = sorted({_bucket(n, pps) for n in range(min(-(-_MIN_READ // c.page_size), pps), pps + 1)})
+        rows = sorted({bucket(n, top) for n in range(1, top + 1)})
+        pages = sorted({bucket(n, pps) for n in range(min(-(-_MIN_READ // c.page_size), pps), pps + 1)})
         variants = [(0, False)] + [(MAX_TOP_LOGPROBS, False), (0, True), (MAX_TOP_LOGPROBS, True)] * every_variant
         calls = {}  # each shape's blank inputs, steps and top_n, by its key in `_compiled`
         for top_n, penalized in variants:

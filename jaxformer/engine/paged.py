@@ -129,19 +129,23 @@ def paged_step(
 # ----------------------------------------------------------------------------- per-row sampling
 
 
-def filter_rows(logits_BV: Array, top_k_B: Array, top_p_B: Array) -> Array:
-    """`decode.top_k_filter` then `decode.top_p_filter` with a k and a p per row (k = 0, p = 1: off), so
-    one compiled step serves every mix of requests.
+def filter_rows(logits_BV: Array, top_k_B: Array, top_p_B: Array, min_p_B: Array) -> Array:
+    """`decode.min_p_filter`, `top_k_filter` then `top_p_filter` (`decode.sample_logits`' order) with a
+    min-p, a k and a p per row (min-p = 0, k = 0, p = 1: off), so one compiled step serves every mix of
+    requests.
 
     Args:
         logits_BV: [B, V] logits (already divided by the temperature).
         top_k_B: [B] int, the k largest kept (0: all).
         top_p_B: [B] float, the nucleus mass kept (1: all).
+        min_p_B: [B] float, the fraction of the likeliest token's probability kept (0: all).
 
     Returns:
         [B, V], the dropped logits -inf.
     """
     V = logits_BV.shape[-1]
+    floor_B1 = jnp.max(logits_BV, axis=-1, keepdims=True) + jnp.log(min_p_B)[:, None]  # log 0: -inf, all kept
+    logits_BV = jnp.where(logits_BV < floor_B1, -jnp.inf, logits_BV)
     sorted_BV = -jnp.sort(-logits_BV, axis=-1)
     kth_B1 = jnp.take_along_axis(sorted_BV, jnp.clip(top_k_B - 1, 0, V - 1)[:, None], axis=1)
     drop_BV = (top_k_B > 0)[:, None] & (top_k_B < V)[:, None] & (logits_BV < kth_B1)
@@ -197,9 +201,11 @@ def penalize(
     return logits_BV + bias_BV
 
 
-def choose_rows(logits_BV: Array, keys_B: Array, temperature_B: Array, top_k_B: Array, top_p_B: Array):
+def choose_rows(
+    logits_BV: Array, keys_B: Array, temperature_B: Array, top_k_B: Array, top_p_B: Array, min_p_B: Array
+) -> tuple[Array, Array]:
     """Each row's next token and its log-probability: greedy where temperature is 0, else a draw from
-    softmax(logits / temperature) under the row's top-k and top-p (`decode.sample_logits` per row).
+    softmax(logits / temperature) under the row's min-p, top-k and top-p (`decode.sample_logits` per row).
 
     Args:
         logits_BV: [B, V] logits.
@@ -207,6 +213,7 @@ def choose_rows(logits_BV: Array, keys_B: Array, temperature_B: Array, top_k_B: 
         temperature_B: [B] float (0: greedy).
         top_k_B: [B] int (0: off).
         top_p_B: [B] float (1: off).
+        min_p_B: [B] float (0: off).
 
     Returns:
         result (tuple[Array, Array]): (tokens [B] int32, float32 log-probabilities [B] under the model).
@@ -217,12 +224,13 @@ def choose_rows(logits_BV: Array, keys_B: Array, temperature_B: Array, top_k_B: 
 
     def draw(_):  # the filters' two sorts of [B, V] and the draw's noise cost more than the model's step on a
         scaled_BV = logits_BV / jnp.where(sampled, temperature_B, 1.0)[:, None]  # CPU: run only when asked
-        filtering = jnp.any(sampled & ((top_k_B > 0) | (top_p_B < 1.0)))
-        filtered_BV = jax.lax.cond(filtering, lambda x: filter_rows(x, top_k_B, top_p_B), lambda x: x, scaled_BV)
+        filtering = jnp.any(sampled & ((top_k_B > 0) | (top_p_B < 1.0) | (min_p_B > 0.0)))
+        filter_ = lambda x: filter_rows(x, top_k_B, top_p_B, min_p_B)
+        filtered_BV = jax.lax.cond(filtering, filter_, lambda x: x, scaled_BV)
         drawn_B = jax.vmap(jax.random.categorical)(keys_B, filtered_BV).astype(jnp.int32)
         return jnp.where(sampled, drawn_B, greedy_B)
 
-    # A row's token never depends on the others': the filters leave a row with k = 0 and p = 1 as it is.
+    # A row's token never depends on the others': the filters leave a row with k = 0, p = 1, min-p 0 as it is.
     tokens_B = jax.lax.cond(jnp.any(sampled), draw, lambda _: greedy_B, None)
     logp_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV), tokens_B[:, None], axis=1)[:, 0]
     return tokens_B, logp_B

@@ -86,6 +86,20 @@ def pages_at_once(positions: int, window: int, page_size: int, span: int) -> int
     return min(whole, -(-(window + span - 2) // page_size) + 1) if window else whole
 
 
+def bucket(n: int, most: int) -> int:
+    """The power of two at or above n, at most `most`: the row and page counts of a step's call, so that a
+    few compilations cover every mix of requests.
+
+    Args:
+        n: the rows, or pages, a call needs.
+        most: the most there can be (`max_slots`, or a row's pages at max_context).
+
+    Returns:
+        The count the call runs.
+    """
+    return min(1 << (n - 1).bit_length(), most)
+
+
 class PageAllocator:
     """Pages 1..N-1 of a pool (page 0 is scratch), reference-counted, with a prefix cache.
 

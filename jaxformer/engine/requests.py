@@ -39,6 +39,8 @@ class SamplingParams:
         temperature: 0: greedy; else softmax(logits / temperature).
         top_k: keep the k likeliest tokens (0: off).
         top_p: keep the nucleus of this probability mass (1: off).
+        min_p: keep the tokens at least this fraction as likely as the likeliest (0: off; vLLM's `min_p`),
+            applied before top-k and top-p, as vLLM applies it.
         seed: the request's sampling seed; None: from the engine's seed and the request id.
         stop: stop strings (finish_reason "stop"), matched on the detokenized text.
         logprobs: return each chosen token's log-probability.
@@ -83,6 +85,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: bool = False
@@ -117,6 +120,8 @@ class SamplingParams:
         need(self.top_k >= 0, "top_k", f"must be >= 0 (0: off), got {self.top_k}")
         of("top_p", int, float)
         need(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        of("min_p", int, float)
+        need(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1] (0: off), got {self.min_p}")
         if self.seed is not None:
             of("seed", int)
             need(0 <= self.seed < 2**32, "seed", f"must be in [0, 2**32), got {self.seed}")

@@ -28,7 +28,7 @@ def _forward(
 ):  # fmt: skip
     """One paged step and the next token of each row (from its last valid position `last_B`), then (decode,
     T = 1) `steps` - 1 more, each feeding the token just drawn, row b running `steps_B[b]` in all; `sampling`:
-    each row's seed, temperature, top-k and top-p, the EOS id (-1: none) and each row's first position that
+    each row's seed, temperature, top-k, top-p and min-p, the EOS id (-1: none) and each row's first position that
     may draw it (`min_tokens`); `source`: None, or (per layer the slots' cross-attention keys and values, the
     slots' source lengths, each row's slot); `rows_B`: None, or each row's adapter (engine.adapters);
     `penalties`: None, or each row's output token counts, prompt tokens, presence, frequency and repetition
@@ -45,7 +45,7 @@ def _forward(
         memory_slots, src_lengths_slots, slots_B = source
         memory = jax.tree.map(lambda m: jnp.take(m, slots_B, axis=0), memory_slots)
         src_lengths_B = jnp.take(src_lengths_slots, slots_B, axis=0)
-    seeds_B, temperature_B, top_k_B, top_p_B, eos, eos_from_B = sampling
+    seeds_B, temperature_B, top_k_B, top_p_B, min_p_B, eos, eos_from_B = sampling
 
     def one(pools, rows, counts_BV, ids_BT, positions_BT, valid_BT, last_B):
         logits_B1V, pools, rows = paged.paged_step(
@@ -59,7 +59,7 @@ def _forward(
         held_BV = (jnp.arange(logits_BV.shape[-1]) == eos)[None, :] & (positions_B < eos_from_B)[:, None]
         logits_BV = jnp.where(held_BV, -jnp.inf, logits_BV)
         keys_B = paged.request_keys(seeds_B, positions_B)
-        tokens_B, logp_B = paged.choose_rows(logits_BV, keys_B, temperature_B, top_k_B, top_p_B)
+        tokens_B, logp_B = paged.choose_rows(logits_BV, keys_B, temperature_B, top_k_B, top_p_B, min_p_B)
         logp_BV = jax.nn.log_softmax((raw_BV if raw else logits_BV).astype(jnp.float32))
         if raw:
             logp_B = jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=1)[:, 0]
