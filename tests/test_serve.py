@@ -149,6 +149,27 @@ def test_chat_writes_the_messages_in_the_workdirs_template(server, reference):
     assert out.usage.prompt_tokens == len(ids_of(prompt))
 
 
+def test_chat_continues_a_prefilled_answer_or_leaves_the_opening_to_the_model(server, reference):
+    """vLLM's `continue_final_message`: the last message, an assistant's, is left open and the answer
+    continues it (the prompt: the turns before it, the assistant's opening, its text; the answer returned
+    is the new text alone); `add_generation_prompt` false leaves out the assistant's opening. Each is
+    `generate`'s greedy continuation of that text, up to the template's end, as /tokenize counts it."""
+    client, chatml = server.client(), templates.get("chatml")
+    asked = [{"role": "user", "content": "Hi"}]
+    prefilled = [*asked, {"role": "assistant", "content": "Well, "}]
+    body = {"add_generation_prompt": False, "continue_final_message": True}
+    out = client.chat.completions.create(model=MODEL, messages=prefilled, max_tokens=8, temperature=0, extra_body=body)
+    prompt = chatml.conversation(asked) + "Well, "
+    assert out.choices[0].message.content == text_of(reference(ids_of(prompt), 8)).split("<|im_end|>")[0]
+    assert out.usage.prompt_tokens == len(ids_of(prompt))
+    assert server.post("/tokenize", {"messages": prefilled, **body})[1]["tokens"] == ids_of(prompt)
+    out = client.chat.completions.create(model=MODEL, messages=asked, max_tokens=8, temperature=0,
+                                         extra_body={"add_generation_prompt": False})  # fmt: skip
+    prompt = chatml.conversation(asked).removesuffix("<|im_start|>assistant\n")
+    assert out.choices[0].message.content == text_of(reference(ids_of(prompt), 8)).split("<|im_end|>")[0]
+    assert out.usage.prompt_tokens == len(ids_of(prompt))
+
+
 def test_streamed_answers_are_the_whole_answers_in_pieces(server):
     client = server.client()
     whole = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=10, temperature=0)
@@ -185,7 +206,8 @@ def test_a_stop_string_ends_the_text_before_it(server, reference):
 def test_ignore_eos_and_min_tokens_answer_max_tokens_where_the_model_draws_eos(server, reference):
     """vLLM's `ignore_eos` and `min_tokens` (extensions, as `top_k`): draws that end at EOS without them
     (the seed's) are each `max_tokens` long with them, EOS kept or held back; the greedy answer past EOS
-    is `generate`'s continuation up to where it ends, and the text leaves EOS out."""
+    is `generate`'s continuation up to where it ends, and the text leaves EOS out. `min_p` = 1 keeps the
+    likeliest token alone: a draw gives greedy's text."""
     client = server.client()
     plain = client.completions.create(model=MODEL, prompt=["KING:", "a"], max_tokens=24, n=2, temperature=1.0, seed=5)
     assert plain.usage.completion_tokens < 4 * 24  # some end at EOS
@@ -198,6 +220,10 @@ def test_ignore_eos_and_min_tokens_answer_max_tokens_where_the_model_draws_eos(s
     held = client.completions.create(model=MODEL, prompt=["KING:", "a"], max_tokens=24, temperature=1.0,
                                      n=2, seed=5, extra_body={"min_tokens": 24})  # fmt: skip
     assert held.usage.completion_tokens == 4 * 24  # no EOS before 24 tokens: each runs to max_tokens
+    greedy = client.completions.create(model=MODEL, prompt=["KING:", "a"], max_tokens=12, temperature=0)
+    kept_one = client.completions.create(model=MODEL, prompt=["KING:", "a"], max_tokens=12, temperature=1.0, seed=5,
+                                         extra_body={"min_p": 1.0})  # fmt: skip
+    assert [c.text for c in kept_one.choices] == [c.text for c in greedy.choices]  # the likeliest token alone
 
 
 def test_penalties_and_logit_bias_change_the_served_logits(server, engine, reference):
@@ -319,6 +345,32 @@ def test_structured_outputs_follow_the_schema_regex_and_grammar(server):
         assert text == "(" * n + "x" + ")" * n, text
     else:
         assert re.fullmatch(r"\(*(x\)*)?", text) and text.count(")") <= n, text
+
+
+@pytest.mark.parametrize(
+    ("prompt", "old", "new"),
+    [
+        ("Date: ", {"guided_regex": "20[0-9]{2}-(0[1-9]|1[0-2])"}, {"regex": "20[0-9]{2}-(0[1-9]|1[0-2])"}),
+        ("KING HENRY:", {"guided_json": ANSWER}, {"json": json.dumps(ANSWER), "disable_any_whitespace": True}),
+        ("KING HENRY:", {"guided_choice": ["yes", "no", "maybe"]}, {"choice": ["yes", "no", "maybe"]}),
+        ("Nest: ", {"guided_grammar": 'start: "(" start ")" | "x"'}, {"grammar": 'start: "(" start ")" | "x"'}),
+        ("{", {"response_format": {"type": "json_object"}}, {"json_object": True, "disable_fallback": True}),
+    ],
+)
+def test_vllm_s_structured_outputs_answer_as_the_fields_it_replaced(server, prompt, old, new):
+    """vLLM's `structured_outputs` object (its form since vLLM 0.12; the `guided_*` fields before it, and
+    OpenAI's response_format): each form, with its neutral options, gives the same answers as the field it
+    replaced, greedy and sampled with one seed."""
+    client = server.client()
+    ask = dict(model=MODEL, prompt=prompt, max_tokens=24, n=2, temperature=1.0, seed=4)
+    want = client.completions.create(**ask, extra_body=old)
+    got = client.completions.create(**ask, extra_body={"structured_outputs": new})
+    assert [c.text for c in got.choices] == [c.text for c in want.choices]
+    greedy = dict(ask, n=1, temperature=0)
+    got = client.completions.create(**greedy, extra_body={"structured_outputs": new}).choices[0].text
+    assert got == client.completions.create(**greedy, extra_body=old).choices[0].text
+    if "regex" in new:
+        assert re.fullmatch(new["regex"], got), got
 
 
 def test_logprobs_are_log_probabilities_of_the_chosen_tokens(server):
@@ -482,6 +534,17 @@ def test_an_exception_while_answering_is_a_500_with_an_error_body_and_the_server
 
 
 UNFOLLOWABLE = {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}  # a schema llguidance refuses
+
+
+HI = [{"role": "user", "content": "Hi"}]
+STRICT = "disable_additional_properties"  # vLLM's: an object schema without additionalProperties takes none
+
+
+def so(spec, **more) -> dict:
+    """A completion's body with vLLM's `structured_outputs`."""
+    return {"model": MODEL, "prompt": "x", "structured_outputs": spec, **more}
+
+
 BAD = [  # (body, HTTP status, the field named, a word of the message)
     (b"{not json", 400, None, "JSON"),
     (b"[1, 2]", 400, None, "object"),
@@ -498,6 +561,7 @@ BAD = [  # (body, HTTP status, the field named, a word of the message)
     ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature", "number"),
     ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature", "[0"),
     ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p", "(0"),
+    ({"model": MODEL, "prompt": "x", "min_p": 1.5}, 400, "min_p", "[0.0, 1.0]"),
     ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream", "true or false"),
     ({"model": MODEL, "prompt": "x", "stop": [1]}, 400, "stop", "string"),
     ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n", "[1,"),
@@ -527,6 +591,18 @@ BAD = [  # (body, HTTP status, the field named, a word of the message)
     ({"model": MODEL, "prompt": "x", "guided_regex": ""}, 400, "guided_regex", "non-empty string"),
     ({"model": MODEL, "prompt": "x", "guided_grammar": 'start: "a" nowhere'}, 400, "guided_grammar", "nowhere"),
     ({"model": MODEL, "prompt": "x", "guided_regex": "a", "guided_json": {}}, 400, "guided_json", "both hold"),
+    (so("json"), 400, "structured_outputs", "an object"),
+    (so({}), 400, "structured_outputs", "got none"),
+    (so({"regex": "a", "choice": ["a"]}), 400, "structured_outputs", "exactly one of"),
+    (so({"xml": "a"}), 400, "structured_outputs.xml", "not a key"),
+    (so({"regex": "a", "whitespace_pattern": " "}), 400, "structured_outputs.whitespace_pattern", "only null is"),
+    (so({"json": {}, STRICT: True}), 400, f"structured_outputs.{STRICT}", "only false is supported"),
+    (so({"regex": "(a"}), 400, "structured_outputs.regex", "unclosed group"),  # the engine's error, the request's name
+    (so({"json": {"type": "frob"}}), 400, "structured_outputs.json", "frob"),
+    (so({"json": "{bad"}), 400, "structured_outputs.json", "not JSON"),
+    (so({"choice": ["a", ""]}), 400, "structured_outputs.choice[1]", "non-empty string"),
+    (so({"json_object": 1}), 400, "structured_outputs.json_object", "true is expected"),
+    (so({"regex": "a"}, guided_json={}), 400, "guided_json", "both hold"),
     ({"model": MODEL, "prompt": "x", "colour": "red"}, 400, "colour", "unrecognized"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "[1,"),  # without echo: nothing asked
@@ -556,7 +632,17 @@ BAD = [  # (body, HTTP status, the field named, a word of the message)
 ]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 CALL = {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+def hi(**more) -> dict:
+    """A chat's body, one user message, with `more` fields."""
+    return {"model": MODEL, "messages": HI, **more}
+
+
 BAD_CHAT = [
+    (hi(continue_final_message=True), 400, "continue_final_message", "add_generation_prompt false"),
+    (hi(continue_final_message=True, add_generation_prompt=False), 400, "continue_final_message", "the user's"),
+    (hi(add_generation_prompt="no"), 400, "add_generation_prompt", "true or false"),
     (
         {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
         400,
@@ -719,9 +805,26 @@ BAD_CHAT = [
 ]
 
 
+BAD_TOKENIZE = [  # vLLM's /tokenize and /detokenize: (path, body, HTTP status, the field named, a word of the message)
+    ("/tokenize", {"model": MODEL}, 400, "prompt", "either prompt"),
+    ("/tokenize", {"prompt": "x", "messages": HI}, 400, "prompt", "either prompt"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt", "a string"),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": True}, 400, "add_special_tokens", "false only"),
+    ("/tokenize", {"prompt": "x", "add_generation_prompt": False}, 400, "add_generation_prompt", "a chat's field"),
+    ("/tokenize", {"messages": HI, "continue_final_message": True}, 400, "continue_final_message", "add_generation"),
+    ("/tokenize", {"messages": "Hi"}, 400, "messages", "a non-empty list"),
+    ("/tokenize", {"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
+    ("/tokenize", {"prompt": "x", "colour": 1}, 400, "colour", "unrecognized"),
+    ("/detokenize", {}, 400, "tokens", "a list of token ids"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens", "a list of token ids"),
+    ("/detokenize", {"tokens": [1, True]}, 400, "tokens", "a list of token ids"),
+    ("/detokenize", {"tokens": [1, 99999]}, 400, "tokens", "outside the vocabulary"),
+]
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "param", "word"),
-    [("/v1/completions", *b) for b in BAD] + [("/v1/chat/completions", *b) for b in BAD_CHAT],
+    [("/v1/completions", *b) for b in BAD] + [("/v1/chat/completions", *b) for b in BAD_CHAT] + BAD_TOKENIZE,
 )
 def test_a_bad_request_gets_a_4xx_with_openais_error_body(server, path, body, status, param, word):
     got, answer = server.post(path, body)
@@ -729,6 +832,32 @@ def test_a_bad_request_gets_a_4xx_with_openais_error_body(server, path, body, st
     error = answer["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert error["param"] == param and word.lower() in error["message"].lower(), error
+
+
+def test_tokenize_gives_the_ids_the_generation_routes_feed_the_model(server):
+    """vLLM's /tokenize: a completion's prompt gives its ids, and their count is the completion's
+    prompt_tokens; a chat's messages (and tools) give the ids of the prompt written in the workdir's
+    template, counted as the chat counts them, less the assistant's opening without the generation
+    prompt; /detokenize gives the text back. The model may be left out, as vLLM allows."""
+    client = server.client()
+    got = server.post("/tokenize", {"model": MODEL, "prompt": "KING HENRY:", "return_token_strs": True})[1]
+    assert got["tokens"] == ids_of("KING HENRY:") and got["max_model_len"] == MAX_LEN
+    completion = client.completions.create(model=MODEL, prompt="KING HENRY:", max_tokens=1)
+    assert got["count"] == completion.usage.prompt_tokens
+    assert "".join(got["token_strs"]) == "KING HENRY:"
+    assert server.post("/detokenize", {"model": MODEL, "tokens": got["tokens"]}) == (200, {"prompt": "KING HENRY:"})
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    code, chat = server.post("/tokenize", {"messages": messages})
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert code == 200 and chat["count"] == answer.usage.prompt_tokens == len(chat["tokens"])
+    assert chat["tokens"] == ids_of(templates.get("chatml").conversation(messages)) and chat["token_strs"] is None
+    tool = {"type": "function", "function": {"name": "now", "description": "The time.", "parameters": {}}}
+    tooled = server.post("/tokenize", {"messages": messages, "tools": [tool]})[1]  # the tools' prompt: over the context
+    assert tooled["count"] > MAX_LEN and tooled["count"] == len(tooled["tokens"])
+    with pytest.raises(openai.BadRequestError, match=f"the conversation is {tooled['count']} tokens"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, tools=[tool])
+    bare = server.post("/tokenize", {"messages": messages, "add_generation_prompt": False})[1]
+    assert chat["tokens"] == bare["tokens"] + ids_of("<|im_start|>assistant\n")
 
 
 def test_the_openai_client_sees_bad_requests_as_its_errors_and_the_server_answers_on(server):
@@ -784,8 +913,10 @@ def test_embeddings_and_classes_of_a_model_that_generates_are_refused_by_name(se
 def test_the_api_key_is_asked_for_and_checked(server):
     with pytest.raises(openai.AuthenticationError):
         server.client(key="sk-wrong").completions.create(model=MODEL, prompt="x", max_tokens=2)
-    status, answer = server.post("/v1/completions", {"model": MODEL, "prompt": "x"}, key=None)
-    assert status == 401 and answer["error"]["code"] == "invalid_api_key"
+    for route, body in [("/v1/completions", {"model": MODEL, "prompt": "x"}), ("/tokenize", {"prompt": "x"}),
+                        ("/detokenize", {"tokens": [5]})]:  # fmt: skip
+        status, answer = server.post(route, body, key=None)
+        assert status == 401 and answer["error"]["code"] == "invalid_api_key", route
     assert [m.id for m in server.client().models.list()] == [MODEL]
     card = server.client().models.retrieve(MODEL).to_dict()
     assert card["id"] == MODEL and (card["mode"], card["max_context"]) == ("decoder_only", MAX_LEN)
@@ -865,6 +996,13 @@ def test_the_page_streams_an_answer_in_a_headless_browser(server, reference, bro
     assert page.eval_on_selector("#answer", "e => e.textContent") == expected
     assert page.evaluate("window.updates") >= min(len(expected), 2)
     assert "tokens/s" in page.inner_text("#status")
+    page.fill("#temperature", "1.5")  # sampled, but min_p = 1 keeps the likeliest token alone: greedy's answer
+    page.fill("#min_p", "1")
+    page.click("#send")
+    page.wait_for_selector("#status[data-done='1']", timeout=processes.HANG_GUARD_S * 1000)
+    assert page.eval_on_selector("#answer", "e => e.textContent") == expected
+    page.fill("#temperature", "0")
+    page.fill("#min_p", "0")
     page.check("#mode-chat")
     page.fill("#prompt", "Hi")
     page.press("#prompt", "Control+Enter")

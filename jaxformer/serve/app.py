@@ -23,7 +23,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from jaxformer.config import ServeConfig
-from jaxformer.serve import protocol
+from jaxformer.serve import forms, protocol, tokens
 from jaxformer.serve.metrics import Metrics
 from jaxformer.serve.protocol import APIError, Job, TextStream
 from jaxformer.serve.runner import EngineThread
@@ -78,6 +78,8 @@ class _Server:
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/classify", self.classify, methods=["POST"]),  # SGLang's path
             Route("/classify", self.classify, methods=["POST"]),  # vLLM's
+            Route("/tokenize", self.tokenize, methods=["POST"]),  # vLLM's
+            Route("/detokenize", self.detokenize, methods=["POST"]),
         ]
         self.app = Starlette(
             routes=routes,
@@ -169,7 +171,9 @@ class _Server:
         except Exception as e:
             return await self.server_error(request, e)
 
-    async def _body(self, request: Request, known: set[str]) -> dict:
+    async def _body(self, request: Request, known: set[str], named: bool = True) -> dict:
+        """The request's JSON body, its fields checked, and the model it names (`named`: one must be named;
+        else a model, if named, must be served)."""
         raw = await request.body()
         if len(raw) > MAX_BODY:
             raise APIError(413, f"the request body is {len(raw)} bytes: at most {MAX_BODY}", None, "body_too_large")
@@ -181,7 +185,8 @@ class _Server:
             raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}", None, "invalid_json")
         protocol.check_text(body)  # before any error message repeats a field's name or value
         protocol.check_fields(body, known)
-        protocol.check_model(body, self.names)
+        if named or body.get("model") is not None:
+            protocol.check_model(body, self.names)
         return body
 
     def _named(self, job: Job, body: dict) -> Job:
@@ -273,6 +278,25 @@ class _Server:
 
         return await self._guarded(request, answer)
 
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: a prompt, or a chat's messages, as the ids the generation routes feed the model."""
+
+        async def answer():
+            body = await self._body(request, tokens.TOKENIZE_FIELDS, named=False)
+            template = getattr(self.engine, "chat_template", None)
+            return JSONResponse(tokens.tokenize_body(body, self.tok, self.engine.max_context, template))
+
+        return await self._guarded(request, answer)
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: token ids as text."""
+
+        async def answer():
+            body = await self._body(request, tokens.DETOKENIZE_FIELDS, named=False)
+            return JSONResponse(tokens.detokenize_body(body, self.tok, self.engine.vocab_size))
+
+        return await self._guarded(request, answer)
+
     async def _scores(self, inputs: list[list[int]], kind: str, model: str) -> list[list]:
         """An encoder's `Engine.score` of whole inputs, in the engine's thread, by the model (or adapter) named."""
         from jaxformer.engine import EngineError
@@ -345,7 +369,7 @@ class _Server:
             e = refused[0]
             if isinstance(e, EngineError):
                 code = "context_length_exceeded" if "context" in str(e) else "invalid_value"
-                param = job.guided_by if e.field in protocol.GUIDED.values() else e.field  # the request's name
+                param = job.guided_by if e.field in forms.STRUCTURED.values() else e.field  # the request's name
                 param = param or ("max_tokens" if code == "context_length_exceeded" else "prompt")
                 message = str(e)  # the tools' calls are held by a schema the request did not write: say whose
                 message = message.replace("json_schema", "the tools' parameters", 1) if param == "tools" else message

@@ -17,11 +17,10 @@ import time
 import uuid
 
 from jaxformer.data import templates
-from jaxformer.serve import tools
+from jaxformer.serve import forms, tools
 
 MAX_CHOICES = 128  # prompts x n of one request: more is a batch job (Engine.generate), not an HTTP call
 MAX_STOPS = 4  # as OpenAI
-MAX_GUIDED_CHOICES = 1024  # the texts of one `guided_choice` at most
 MAX_STOP_TOKEN_IDS = 64  # vLLM's `stop_token_ids` of one request at most
 MAX_INPUTS = 2048  # an embeddings or classify request's inputs at most (OpenAI's for embeddings)
 # Fields OpenAI defines that change nothing here at their default value (anything else is refused, as
@@ -37,18 +36,15 @@ _NEUTRAL = {
 _IGNORED = {"user": str, "metadata": dict, "store": bool, "safety_identifier": str, "prompt_cache_key": str}
 _JSON_TYPE = {str: "a string", dict: "an object of string keys and values", bool: "true or false"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
-           "ignore_eos", "min_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty",
-           "logit_bias", "stop_token_ids", "response_format", "guided_choice", "guided_regex", "guided_json",
-           "guided_grammar"}  # fmt: skip
-# The fields that hold an output to a form (at most one a request), and the SamplingParams field each sets.
-GUIDED = {"response_format": "json_schema", "guided_choice": "choices", "guided_regex": "regex",
-          "guided_json": "json_schema", "guided_grammar": "grammar"}  # fmt: skip
+           "min_p", "ignore_eos", "min_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty",
+           "logit_bias", "stop_token_ids", *forms.GUIDED}  # fmt: skip
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix", "user"}
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 CLASSIFY_FIELDS = {"model", "input", "user"}
 CHAT_FIELDS = (
     _COMMON
     | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
+    | {"add_generation_prompt", "continue_final_message"}  # vLLM's: the prompt's end (`chat_prompt`)
     | set(_NEUTRAL)
     | set(_IGNORED)
 )
@@ -115,7 +111,7 @@ class Job:
         adapter: the engine's adapter it runs (None: the base).
         sources: each prompt is an encoder_decoder model's source, the answer its output from BOS (a
             translation), not a prompt the answer continues.
-        guided_by: the request's field that holds the output to a form (`GUIDED`, or "tools"), or None.
+        guided_by: the request's field that holds the output to a form (`forms.guided_by`, or "tools"), or None.
         tools: a chat's tools and its choice among them (`jaxformer.serve.tools`), or None.
     """
 
@@ -143,7 +139,15 @@ class Job:
         return len(self.params)
 
 
-def _is_int(v) -> bool:
+def is_int(v: object) -> bool:
+    """Whether a JSON value is an integer (true and false are not).
+
+    Args:
+        v: the value.
+
+    Returns:
+        True for an int that is not a bool.
+    """
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -155,7 +159,7 @@ def _int(body: dict, name: str, default, lo: int, hi: int):
     v = body.get(name)
     if v is None:
         return default
-    if not _is_int(v):
+    if not is_int(v):
         raise bad(name, f"an integer is expected, got {type(v).__name__} {v!r}", "invalid_type")
     if not lo <= v <= hi:
         raise bad(name, f"must be in [{lo}, {hi}], got {v}")
@@ -179,7 +183,20 @@ def _top_logprobs(body: dict, name: str, default: int | None) -> int | None:
     return _int(body, name, default, 0, MAX_TOP_LOGPROBS)
 
 
-def _bool(body: dict, name: str, default: bool = False) -> bool:
+def flag(body: dict, name: str, default: bool = False) -> bool:
+    """A body's true-or-false field.
+
+    Args:
+        body: the request body.
+        name: the field.
+        default: its value where it is missing or null.
+
+    Returns:
+        The value.
+
+    Raises:
+        APIError: a value that is not true or false.
+    """
     v = body.get(name)
     if v is None:
         return default
@@ -288,7 +305,7 @@ def sampling(
     """The engine's settings of each of the n choices (a given seed is each choice's seed + its index).
 
     Args:
-        body: the request body (temperature, top_p, top_k, seed, the penalties, logit_bias,
+        body: the request body (temperature, top_p, top_k, min_p, seed, the penalties, logit_bias,
             response_format; ignore_eos, min_tokens, repetition_penalty, stop_token_ids and the guided_*
             fields, vLLM's extensions).
         max_tokens: new tokens at most.
@@ -309,19 +326,20 @@ def sampling(
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     top_k = _int(body, "top_k", 0, 0, 1 << 30)
+    min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
     seed = _int(body, "seed", None, 0, (1 << 32) - n)  # the engine's seeds are 32 bits; choice i takes seed + i
     presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
     frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
     logit_bias = _logit_bias(body)
-    ignore_eos = _bool(body, "ignore_eos")  # extensions, as vLLM's
+    ignore_eos = flag(body, "ignore_eos")  # extensions, as vLLM's
     min_tokens = _int(body, "min_tokens", 0, 0, max_tokens)
     repetition = _number(body, "repetition_penalty", 1.0, 0.0, 1e4, lo_open=True)
-    guide = _guide(body, tok, max_tokens)
+    guide = form(forms.form_fields, body, tok, max_tokens)
     stop_ids = [] if body.get("stop_token_ids") is None else body["stop_token_ids"]
     if (
         not isinstance(stop_ids, list)
         or len(stop_ids) > MAX_STOP_TOKEN_IDS
-        or not all(_is_int(t) and t >= 0 for t in stop_ids)
+        or not all(is_int(t) and t >= 0 for t in stop_ids)
     ):
         raise bad("stop_token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} token ids is expected, got {stop_ids!r}")
     try:
@@ -331,6 +349,7 @@ def sampling(
                 temperature=temperature,
                 top_k=top_k,
                 top_p=top_p,
+                min_p=min_p,
                 seed=None if seed is None else seed + i,
                 stop=stop,
                 logprobs=logprobs,
@@ -350,71 +369,24 @@ def sampling(
         raise bad(None, str(e)) from None
 
 
-def guided_by(body: dict) -> str | None:
-    """The request's field that holds the output to a form (`GUIDED`; OpenAI's response_format of type "text"
-    holds nothing), or None.
+def form(read, body: dict, *args: object) -> object:
+    """A form field read, its FormError a 400 naming the field.
 
     Args:
+        read (Callable): `forms.guided_by` or `forms.form_fields`.
         body: the request body.
+        *args: `read`'s other arguments.
 
     Returns:
-        The field's name.
+        What `read` returns.
 
     Raises:
-        APIError: two such fields.
+        APIError: the field is malformed.
     """
-    given = [f for f in GUIDED if body.get(f) is not None and body[f] != {"type": "text"}]
-    if len(given) > 1:
-        raise bad(given[1], f"{given[0]} and {given[1]} both hold the output to a form: give one")
-    return given[0] if given else None
-
-
-def _guide(body: dict, tok, max_tokens: int) -> dict:
-    """The SamplingParams field of the request's form (`guided_by`), as keyword arguments: OpenAI's
-    response_format (a JSON schema, or any JSON object), or vLLM's guided_choice, guided_regex, guided_json or
-    guided_grammar. Their contents are compiled by the engine, which names this field where it cannot."""
-    field = guided_by(body)
-    if field is None:
-        return {}
-    v = body[field]
-    if field == "guided_choice":
-        return {"choices": _guided_choice(v, tok, max_tokens)}
-    if field == "response_format":
-        kind = v.get("type") if isinstance(v, dict) else None
-        if kind == "json_object":
-            return {"json_schema": {"type": "object"}}
-        spec = v.get("json_schema") if kind == "json_schema" else None
-        if not (isinstance(spec, dict) and isinstance(spec.get("schema"), dict)):
-            raise bad(field, 'one of {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
-                      f'"json_schema": {{"name": ..., "schema": {{...}}}}}} is expected, got {v!r}')  # fmt: skip
-        return {"json_schema": spec["schema"]}
-    if field == "guided_json":
-        try:
-            schema = json.loads(v) if isinstance(v, str) else v
-        except json.JSONDecodeError as e:
-            raise bad(field, f"a JSON schema's text is not JSON: {e}") from None
-        if not isinstance(schema, dict):
-            raise bad(field, f"a JSON schema (an object, or its JSON text) is expected, got {type(schema).__name__}")
-        return {"json_schema": schema}
-    if not (isinstance(v, str) and v):
-        raise bad(field, f"a non-empty string is expected, got {v!r}")
-    return {GUIDED[field]: v}
-
-
-def _guided_choice(v, tok, max_tokens: int) -> tuple[tuple[int, ...], ...]:
-    """vLLM's `guided_choice`: the answer is one of these texts, each as the tokenizer writes it alone."""
-    if not isinstance(v, list) or not v or len(v) > MAX_GUIDED_CHOICES:
-        raise bad("guided_choice", f"a list of 1 to {MAX_GUIDED_CHOICES} texts is expected, got {type(v).__name__}"
-                  f"{f' of {len(v)}' if isinstance(v, list) else ''}", "invalid_type")  # fmt: skip
-    out = []
-    for i, text in enumerate(v):
-        if not isinstance(text, str) or not text:
-            raise bad(f"guided_choice[{i}]", f"a non-empty string is expected, got {text!r}")
-        ids = tuple(tok.encode(text))
-        if len(ids) > max_tokens:
-            raise bad(f"guided_choice[{i}]", f"{len(ids)} tokens: more than max_tokens={max_tokens}")
-        out.append(ids)
-    return tuple(out)
+    try:
+        return read(body, *args)
+    except forms.FormError as e:
+        raise bad(e.field, str(e), e.code) from None
 
 
 def _logit_bias(body: dict) -> dict[int, float]:
@@ -456,14 +428,14 @@ def _stream_options(body: dict, stream: bool) -> bool:
         raise bad("stream_options", "only allowed when stream is true")
     if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
         raise bad("stream_options", 'an object {"include_usage": true|false} is expected', "invalid_type")
-    return _bool(opts, "include_usage")
+    return flag(opts, "include_usage")
 
 
 def _id_lists(body: dict, name: str, tok) -> tuple[list[list[int]], list[str]]:
     """Field `name` of `body` as OpenAI's prompts and inputs are given (a string, a list of token ids, or a
     list of either), each as its token ids and its text; none empty."""
     given = body.get(name)
-    if isinstance(given, str) or (isinstance(given, list) and given and all(_is_int(t) for t in given)):
+    if isinstance(given, str) or (isinstance(given, list) and given and all(is_int(t) for t in given)):
         given = [given]
     if not isinstance(given, list) or not given:
         raise bad(name, "a string, a list of strings, a list of token ids or a list of them is expected",
@@ -473,7 +445,7 @@ def _id_lists(body: dict, name: str, tok) -> tuple[list[list[int]], list[str]]:
         if isinstance(p, str):
             ids.append(tok.encode(p))
             texts.append(p)
-        elif isinstance(p, list) and all(_is_int(t) for t in p):
+        elif isinstance(p, list) and all(is_int(t) for t in p):
             ids.append(list(p))
             texts.append(tok.decode(p))
         else:
@@ -589,13 +561,13 @@ def completion_job(body: dict, tok, max_context: int) -> Job:
         APIError: a missing, mistyped or out-of-range field.
     """
     prompts, texts = _id_lists(body, "prompt", tok)
-    stream = _bool(body, "stream")
+    stream = flag(body, "stream")
     n = _n(body, len(prompts))
     if body.get("best_of") is not None and body["best_of"] != n:
         raise bad("best_of", f"only best_of = n ({n}) is supported (each choice is returned)", "unsupported")
     logprobs = _top_logprobs(body, "logprobs", None)  # the chosen token's log-probability and this many likeliest
     stop = _stops(body)
-    echo = _bool(body, "echo")
+    echo = flag(body, "echo")
     # With echo, max_tokens 0 asks for the prompt alone (its log-probabilities: OpenAI's legacy scoring call).
     max_tokens = _max_tokens(body, ("max_tokens",), 16, max_context, lo=0 if echo else 1)
     score = echo and logprobs is not None
@@ -613,7 +585,7 @@ def completion_job(body: dict, tok, max_context: int) -> Job:
         params=sampling(body, max(max_tokens, 1), stop, logprobs is not None, n, logprobs or 0, tok),
         stream=stream, include_usage=_stream_options(body, stream), echo=echo,
         logprobs=logprobs is not None, stop=stop, score_prompt=score, top_logprobs=logprobs or 0,
-        generate=max_tokens > 0, guided_by=guided_by(body),
+        generate=max_tokens > 0, guided_by=form(forms.guided_by, body),
     )  # fmt: skip
 
 
@@ -665,6 +637,44 @@ def chat_turns(messages) -> list[dict]:
     return turns
 
 
+def chat_prompt(body: dict, template) -> tuple[str, tools.Tools | None, templates.Template]:
+    """The prompt a chat body's messages (and its tools) make in the workdir's chat template: ending with
+    the assistant's opening (vLLM's `add_generation_prompt`, true by default), or (`continue_final_message`)
+    with the last message, an assistant's, left open for the answer to continue (a prefilled answer).
+
+    Args:
+        body: the request body.
+        template (str | Template | None): the template, or its name (data.template), or None.
+
+    Returns:
+        The prompt's text, the request's tools (or None), the template.
+
+    Raises:
+        APIError: a model without a template, malformed messages or tools, or a last message that cannot be
+            continued.
+    """
+    if template in (None, "none"):
+        raise APIError(400, "this model was not trained on a chat template (data.template=none): use /v1/completions",
+                       "messages", "no_chat_template")  # fmt: skip
+    t = template if isinstance(template, templates.Template) else templates.get(template)
+    turns = chat_turns(body.get("messages"))
+    try:
+        given = tools.request_tools(body)
+    except tools.ToolError as e:
+        raise bad(e.field, str(e)) from None
+    turns = turns if given is None else tools.with_tools(turns, given)
+    opening = t.turns["assistant"][0]
+    if flag(body, "continue_final_message"):
+        if flag(body, "add_generation_prompt", True):
+            raise bad("continue_final_message", "continues the last message: give add_generation_prompt false too")
+        if turns[-1]["role"] != "assistant":
+            raise bad("continue_final_message", f"the last message is the {turns[-1]['role']}'s: only an "
+                      "assistant's is continued")  # fmt: skip
+        return t.conversation(turns[:-1]) + turns[-1]["content"], given, t
+    text = t.conversation(turns)
+    return (text if flag(body, "add_generation_prompt", True) else text.removesuffix(opening)), given, t
+
+
 def chat_job(body: dict, tok, max_context: int, template) -> Job:
     """A /v1/chat/completions body (fields checked, the model named already) as a Job: the messages
     written in the workdir's chat template, the answer stopped at the template's end (and at EOS).
@@ -681,26 +691,15 @@ def chat_job(body: dict, tok, max_context: int, template) -> Job:
     Raises:
         APIError: a model without a template, or a missing, mistyped or out-of-range field.
     """
-    if template in (None, "none"):
-        raise APIError(400, "this model was not trained on a chat template (data.template=none): use /v1/completions",
-                       "messages", "no_chat_template")  # fmt: skip
-    t = template if isinstance(template, templates.Template) else templates.get(template)
-    turns = chat_turns(body.get("messages"))
-    try:
-        given = tools.request_tools(body)
-    except tools.ToolError as e:
-        raise bad(e.field, str(e)) from None
-    form, schema = guided_by(body), None if given is None else given.schema()
-    if given is not None:
-        turns = tools.with_tools(turns, given)
-        if schema is not None and form is not None:  # "required" or a named function hold it already
-            raise bad(form, f"tool_choice {json.dumps(body['tool_choice'])} and {form} both hold the output to a "
-                      "form: give one")  # fmt: skip
-    text = t.conversation(turns)
+    text, given, t = chat_prompt(body, template)
+    guided, schema = form(forms.guided_by, body), None if given is None else given.schema()
+    if schema is not None and guided is not None:  # "required" or a named function hold it already
+        raise bad(guided, f"tool_choice {json.dumps(body['tool_choice'])} and {guided} both hold the output "
+                  "to a form: give one")  # fmt: skip
     ids = tok.encode(text)
-    stream = _bool(body, "stream")
+    stream = flag(body, "stream")
     n = _n(body, 1)
-    logprobs = _bool(body, "logprobs")
+    logprobs = flag(body, "logprobs")
     top_logprobs = _top_logprobs(body, "top_logprobs", 0)
     if top_logprobs and not logprobs:  # as OpenAI
         raise bad("top_logprobs", "needs logprobs: true")
@@ -716,11 +715,11 @@ def chat_job(body: dict, tok, max_context: int, template) -> Job:
             params = [dataclasses.replace(p, json_schema=schema) for p in params]
         except ValueError as e:
             raise bad("tools", str(e)) from None
-        form = "tools"
+        guided = "tools"
     return Job(
         chat=True, prompts=[ids], prompt_texts=[text], params=params, stream=stream, echo=False,
         include_usage=_stream_options(body, stream), logprobs=logprobs, stop=stop, top_logprobs=top_logprobs,
-        guided_by=form, tools=given,
+        guided_by=guided, tools=given,
     )  # fmt: skip
 
 
