@@ -253,6 +253,7 @@ PENALIZED = [  # (row's params): each penalty alone, all of them together, and a
     dict(logit_bias={5: 4.0, 30: -100.0}),
     dict(),
     dict(presence_penalty=-0.5, frequency_penalty=2.0, repetition_penalty=0.8, logit_bias={7: 3.0}),
+    dict(allowed_token_ids=(3, 11, 20, 41, 42)),  # vLLM's: only these drawn
 ]
 
 
@@ -278,24 +279,29 @@ def _penalized_reference(model, prompts, kwargs, n):
             x = x - np.float32(kw.get("presence_penalty", 0.0)) * (counts > 0)
             for token, bias in kw.get("logit_bias", {}).items():
                 x[token] += bias
+            if "allowed_token_ids" in kw:
+                x[~np.isin(np.arange(x.size), kw["allowed_token_ids"])] = -np.inf
             outs[r].append(int(np.argmax(x)))
     return outs
 
 
 @pytest.mark.parametrize("decode_steps", [1, 3])
 def test_penalties_and_biases_change_the_logits_as_openai_and_vllm_define_them(model, decode_steps):
-    """Presence, frequency and repetition penalties and logit biases, each alone and all together, beside a
+    """Presence, frequency and repetition penalties, logit biases and allowed ids, each alone and the first
+    four together, beside a
     row with none (which keeps generate's tokens): greedy tokens equal a reference that applies them in numpy
     to the model's logits over the whole sequence, one or three decoding steps a call (the counts then grow
-    inside the compiled loop); each penalty changes what greedy decoding gives; a bias of -100 bans a token."""
-    prompts, n = _prompts(), 8
+    inside the compiled loop); each penalty changes what greedy decoding gives; a bias of -100 bans a token;
+    allowed ids are the only ones drawn."""
+    prompts, n = [*_prompts(), _prompts()[3]], 8
     cfg = EngineConfig(page_size=4, num_pages=40, max_slots=3, prefill_chunk=8, decode_steps=decode_steps)
     params = [SamplingParams(max_tokens=n, **kw) for kw in PENALIZED]
     outs = Engine(model, cfg, eos_id=None).generate(prompts, params)
     want = _penalized_reference(model, prompts, PENALIZED, n)
     assert [o.token_ids for o in outs] == want
     plain = _reference(model, prompts, n, None)
-    assert want[4] == plain[4] and all(want[i] != plain[i] for i in (0, 1, 2, 3, 5)), (want, plain)
+    assert want[4] == plain[4] and all(want[i] != plain[i] for i in (0, 1, 2, 3, 5, 6)), (want, plain)
+    assert set(want[6]) <= {3, 11, 20, 41, 42} and len(set(want[6])) > 1
     assert 30 not in want[3] and 30 in plain[3]
 
 
@@ -304,7 +310,7 @@ def test_raw_logprobs_are_the_model_s_own_under_penalties_and_biases(model):
     reference's, and their log-probabilities and the likeliest tokens are the model's own softmax over the
     tokens before them (one forward pass over the whole sequence); the default mode's differ from them."""
     prompts, n = _prompts()[:2], 6
-    kw = PENALIZED[-1]
+    kw = PENALIZED[5]  # the three penalties and a bias
     params = SamplingParams(max_tokens=n, logprobs=True, top_logprobs=3, **kw)
     cfg = dict(page_size=4, num_pages=40, max_slots=2, prefill_chunk=8, decode_steps=3)
     raw = Engine(model, EngineConfig(**cfg, logprobs_mode="raw"), eos_id=None).generate(prompts, params)

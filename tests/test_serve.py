@@ -229,7 +229,8 @@ def test_ignore_eos_and_min_tokens_answer_max_tokens_where_the_model_draws_eos(s
 def test_penalties_and_logit_bias_change_the_served_logits(server, engine, reference):
     """OpenAI's `logit_bias` and penalties reach the engine: banning greedy's next token (bias -100) gives the
     model's second likeliest there; a frequency penalty, presence penalty or (vLLM's) repetition penalty
-    changes greedy's answer, which repeats tokens (the engine's tests hold each to a reference)."""
+    changes greedy's answer, which repeats tokens (the engine's tests hold each to a reference); with vLLM's
+    `allowed_token_ids`, greedy answers with those tokens alone, first the likeliest of them."""
     client, ids = server.client(), ids_of("KING HENRY:")
     greedy = reference(ids, 16)
     banned = client.completions.create(model=MODEL, prompt="KING HENRY:", max_tokens=1, temperature=0,
@@ -240,6 +241,12 @@ def test_penalties_and_logit_bias_change_the_served_logits(server, engine, refer
         out = client.completions.create(model=MODEL, prompt="KING HENRY:", max_tokens=16, temperature=0,
                                         extra_body={field: value})  # fmt: skip
         assert out.choices[0].text != text_of(greedy), field
+    allowed = ids_of("KING")  # vLLM's allowed_token_ids: greedy's likeliest among them at each step
+    out = client.completions.create(model=MODEL, prompt="KING HENRY:", max_tokens=8, temperature=0,
+                                    extra_body={"allowed_token_ids": allowed})  # fmt: skip
+    assert set(out.choices[0].text) <= set("KING") and out.choices[0].text != text_of(greedy[:8])
+    first = next(t for t, _ in _likeliest(engine, ids, 300)[-1] if t in "KING")
+    assert out.choices[0].text[0] == first
 
 
 def test_metrics_count_each_request_s_tokens_latencies_and_end_as_prometheus_reads_them(server, reference):
@@ -580,6 +587,8 @@ BAD = [  # (body, HTTP status, the field named, a word of the message)
     ({"model": MODEL, "prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids", "token ids"),
     ({"model": MODEL, "prompt": "x", "stop_token_ids": 5}, 400, "stop_token_ids", "a list of at most 64"),
     ({"model": MODEL, "prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids", "outside the vocabulary"),
+    ({"model": MODEL, "prompt": "x", "allowed_token_ids": [5, "a"]}, 400, "allowed_token_ids", "token ids"),
+    ({"model": MODEL, "prompt": "x", "allowed_token_ids": [99999]}, 400, "allowed_token_ids", "outside the vocab"),
     ({"model": MODEL, "prompt": "x", "guided_choice": ["a", ""]}, 400, "guided_choice[1]", "non-empty string"),
     ({"model": MODEL, "prompt": "x", "guided_choice": ["x" * 20]}, 400, "guided_choice[0]", "max_tokens=16"),
     ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_schema"}}, 400, "response_format", "json_sch"),

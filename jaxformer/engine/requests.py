@@ -59,6 +59,8 @@ class SamplingParams:
             positive, multiplied where negative (vLLM's and Hugging Face's; > 1 discourages them; 1: off).
         logit_bias: {token id: bias} added to those logits at every step (OpenAI's, each in [-100, 100]; -100
             in effect bans a token); given as a mapping or (id, bias) pairs, kept as sorted pairs.
+        allowed_token_ids: only these ids may be drawn (vLLM's `allowed_token_ids`; EOS too only if listed);
+            () = all.
         stop_token_ids: ids that end the request as EOS does ("stop", the id left out of the output; vLLM's
             `stop_token_ids`): a chat model's turn-end token that is not its EOS, say. `ignore_eos` and
             `min_tokens` concern EOS only.
@@ -96,6 +98,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     choices: tuple[tuple[int, ...], ...] = ()
     regex: str | None = None
@@ -159,10 +162,11 @@ class SamplingParams:
             pairs.append((token, float(value)))
         need(len({t for t, _ in pairs}) == len(pairs), "logit_bias", "names a token id twice")
         object.__setattr__(self, "logit_bias", tuple(sorted(pairs)))
-        ids = self.stop_token_ids
-        ok = isinstance(ids, (tuple, list)) and all(map(_is_id, ids))
-        need(ok, "stop_token_ids", f"must be token ids (ints >= 0), got {ids!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        for field in ("allowed_token_ids", "stop_token_ids"):
+            ids = getattr(self, field)
+            ok = isinstance(ids, (tuple, list)) and all(map(_is_id, ids))
+            need(ok, field, f"must be token ids (ints >= 0), got {ids!r}")
+            object.__setattr__(self, field, tuple(ids))
         need(isinstance(self.choices, (tuple, list)), "choices", f"must be token-id sequences, got {self.choices!r}")
         choices = []
         for c in self.choices:
@@ -183,8 +187,8 @@ class SamplingParams:
             need(not self.ignore_eos, "ignore_eos", f"cannot be set with {given[0]}: the output ends where it is whole")
 
     def check_ids(self, vocab_size: int) -> None:
-        """The token ids of `logit_bias`, `stop_token_ids` and `choices` are of a vocabulary of `vocab_size`,
-        and every choice fits in `max_tokens`.
+        """The token ids of `logit_bias`, `allowed_token_ids`, `stop_token_ids` and `choices` are of a
+        vocabulary of `vocab_size`, and every choice fits in `max_tokens`.
 
         Args:
             vocab_size: the model's vocabulary.
@@ -192,7 +196,9 @@ class SamplingParams:
         Raises:
             EngineError: an id outside it, or a choice longer than max_tokens.
         """
-        for field, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+        given = {"logit_bias": [t for t, _ in self.logit_bias], "allowed_token_ids": self.allowed_token_ids,
+                 "stop_token_ids": self.stop_token_ids}  # fmt: skip
+        for field, ids in given.items():
             if outside := [t for t in ids if t >= vocab_size]:
                 raise EngineError(f"{field}: token id {outside[0]} is outside the vocabulary [0, {vocab_size})", field)
         for k, choice in enumerate(self.choices):
@@ -202,10 +208,10 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether a penalty, a bias or a guide change this request's logits."""
+        """Whether a penalty, a bias, a set of allowed ids or a guide change this request's logits."""
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias
-            or self.guided
+            or self.allowed_token_ids or self.guided
         )  # fmt: skip
 
     @property
@@ -230,7 +236,8 @@ def _schema_text(schema) -> str:
 def penalty_inputs(rows: list[tuple], R: int, V: int, eos_id: int | None) -> tuple[np.ndarray, ...]:
     """The compiled step's penalty and bias inputs (`paged.penalize`) for a call's rows: each row's count of
     every token in its output so far, the tokens of its prompt, its three penalties and its biases (-inf on
-    the tokens its guide rules out next; EOS allowed where its output is whole already); the rows past
+    the tokens outside its allowed ids and those its guide rules out next; EOS allowed where its output is
+    whole already); the rows past
     those given (up to R) are left as they are (no penalty, no bias).
 
     Args:
@@ -252,6 +259,10 @@ def penalty_inputs(rows: list[tuple], R: int, V: int, eos_id: int | None) -> tup
         presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
         for token, b in p.logit_bias:
             bias[i, token] = b
+        if p.allowed_token_ids:
+            barred = np.ones(V, bool)
+            barred[np.asarray(p.allowed_token_ids, np.int64)] = False
+            bias[i, barred] = -np.inf
         if guide is not None:
             tokens, whole = guide.allowed(out)
             ruled_out = np.ones(V, bool)

@@ -37,7 +37,7 @@ _IGNORED = {"user": str, "metadata": dict, "store": bool, "safety_identifier": s
 _JSON_TYPE = {str: "a string", dict: "an object of string keys and values", bool: "true or false"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
            "min_p", "ignore_eos", "min_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty",
-           "logit_bias", "stop_token_ids", *forms.GUIDED}  # fmt: skip
+           "logit_bias", "stop_token_ids", "allowed_token_ids", *forms.GUIDED}  # fmt: skip
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix", "user"}
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 CLASSIFY_FIELDS = {"model", "input", "user"}
@@ -305,9 +305,9 @@ def sampling(
     """The engine's settings of each of the n choices (a given seed is each choice's seed + its index).
 
     Args:
-        body: the request body (temperature, top_p, top_k, min_p, seed, the penalties, logit_bias,
-            response_format; ignore_eos, min_tokens, repetition_penalty, stop_token_ids and the guided_*
-            fields, vLLM's extensions).
+        body: the request body (temperature, top_p, seed, the penalties, logit_bias, response_format; vLLM's
+            extensions: top_k, min_p, ignore_eos, min_tokens, repetition_penalty, stop_token_ids,
+            allowed_token_ids and the form fields, `forms`).
         max_tokens: new tokens at most.
         stop: the stop strings.
         logprobs: return each chosen token's log-probability.
@@ -335,13 +335,8 @@ def sampling(
     min_tokens = _int(body, "min_tokens", 0, 0, max_tokens)
     repetition = _number(body, "repetition_penalty", 1.0, 0.0, 1e4, lo_open=True)
     guide = form(forms.form_fields, body, tok, max_tokens)
-    stop_ids = [] if body.get("stop_token_ids") is None else body["stop_token_ids"]
-    if (
-        not isinstance(stop_ids, list)
-        or len(stop_ids) > MAX_STOP_TOKEN_IDS
-        or not all(is_int(t) and t >= 0 for t in stop_ids)
-    ):
-        raise bad("stop_token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} token ids is expected, got {stop_ids!r}")
+    stop_ids = _ids(body, "stop_token_ids", MAX_STOP_TOKEN_IDS)
+    allowed = _ids(body, "allowed_token_ids", 1 << 20)
     try:
         return [
             SamplingParams(
@@ -360,7 +355,8 @@ def sampling(
                 frequency_penalty=frequency,
                 repetition_penalty=repetition,
                 logit_bias=logit_bias,
-                stop_token_ids=tuple(stop_ids),
+                stop_token_ids=stop_ids,
+                allowed_token_ids=allowed,
                 **guide,
             )
             for i in range(n)
@@ -387,6 +383,14 @@ def form(read, body: dict, *args: object) -> object:
         return read(body, *args)
     except forms.FormError as e:
         raise bad(e.field, str(e), e.code) from None
+
+
+def _ids(body: dict, name: str, most: int) -> tuple[int, ...]:
+    """A field of token ids (vLLM's `stop_token_ids`, `allowed_token_ids`): a list of at most `most`."""
+    v = [] if body.get(name) is None else body[name]
+    if not isinstance(v, list) or len(v) > most or not all(is_int(t) and t >= 0 for t in v):
+        raise bad(name, f"a list of at most {most} token ids is expected, got {v!r}"[:300])
+    return tuple(v)
 
 
 def _logit_bias(body: dict) -> dict[int, float]:
