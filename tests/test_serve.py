@@ -149,6 +149,22 @@ def test_chat_writes_the_messages_in_the_workdirs_template(server, reference):
     assert out.usage.prompt_tokens == len(ids_of(prompt))
 
 
+def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(server, reference):
+    """vLLM's `truncate_prompt_tokens`: a prompt longer than the context, cut to its last k tokens, is
+    answered as those k tokens alone (`generate`'s greedy continuation) and counted as k, a completion's
+    and a chat's (the cut from the conversation's start)."""
+    client, long = server.client(), "KING HENRY: " * 20  # 240 tokens, the context 160
+    out = client.completions.create(model=MODEL, prompt=long, max_tokens=6, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 10})  # fmt: skip
+    assert out.choices[0].text == text_of(reference(ids_of(long)[-10:], 6)) and out.usage.prompt_tokens == 10
+    messages = [{"role": "user", "content": long}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                         extra_body={"truncate_prompt_tokens": 30})  # fmt: skip
+    kept = ids_of(templates.get("chatml").conversation(messages))[-30:]
+    assert out.choices[0].message.content == text_of(reference(kept, 6)).split("<|im_end|>")[0]
+    assert out.usage.prompt_tokens == 30
+
+
 def test_chat_continues_a_prefilled_answer_or_leaves_the_opening_to_the_model(server, reference):
     """vLLM's `continue_final_message`: the last message, an assistant's, is left open and the answer
     continues it (the prompt: the turns before it, the assistant's opening, its text; the answer returned
@@ -588,6 +604,8 @@ BAD = [  # (body, HTTP status, the field named, a word of the message)
     ({"model": MODEL, "prompt": "x", "stop_token_ids": 5}, 400, "stop_token_ids", "a list of at most 64"),
     ({"model": MODEL, "prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids", "outside the vocabulary"),
     ({"model": MODEL, "prompt": "x", "allowed_token_ids": [5, "a"]}, 400, "allowed_token_ids", "token ids"),
+    ({"model": MODEL, "prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", ">= 1, or -1"),
+    ({"model": MODEL, "prompt": "x", "truncate_prompt_tokens": 10**6}, 400, "truncate_prompt_tokens", "[-1, 160]"),
     ({"model": MODEL, "prompt": "x", "allowed_token_ids": [99999]}, 400, "allowed_token_ids", "outside the vocab"),
     ({"model": MODEL, "prompt": "x", "guided_choice": ["a", ""]}, 400, "guided_choice[1]", "non-empty string"),
     ({"model": MODEL, "prompt": "x", "guided_choice": ["x" * 20]}, 400, "guided_choice[0]", "max_tokens=16"),

@@ -37,7 +37,7 @@ _IGNORED = {"user": str, "metadata": dict, "store": bool, "safety_identifier": s
 _JSON_TYPE = {str: "a string", dict: "an object of string keys and values", bool: "true or false"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
            "min_p", "ignore_eos", "min_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty",
-           "logit_bias", "stop_token_ids", "allowed_token_ids", *forms.GUIDED}  # fmt: skip
+           "logit_bias", "stop_token_ids", "allowed_token_ids", "truncate_prompt_tokens", *forms.GUIDED}  # fmt: skip
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix", "user"}
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 CLASSIFY_FIELDS = {"model", "input", "user"}
@@ -393,6 +393,15 @@ def _ids(body: dict, name: str, most: int) -> tuple[int, ...]:
     return tuple(v)
 
 
+def _kept(body: dict, max_context: int) -> int | None:
+    """vLLM's `truncate_prompt_tokens`: how many of the prompt's last tokens are kept (-1: the context's
+    worth), or None (all)."""
+    keep = _int(body, "truncate_prompt_tokens", None, -1, max_context)
+    if keep == 0:
+        raise bad("truncate_prompt_tokens", "must be >= 1, or -1 (the model's context)")
+    return max_context if keep == -1 else keep
+
+
 def _logit_bias(body: dict) -> dict[int, float]:
     """OpenAI's `logit_bias`: an object of token ids (as strings) to biases in [-100, 100]."""
     v = body.get("logit_bias")
@@ -565,6 +574,9 @@ def completion_job(body: dict, tok, max_context: int) -> Job:
         APIError: a missing, mistyped or out-of-range field.
     """
     prompts, texts = _id_lists(body, "prompt", tok)
+    if (keep := _kept(body, max_context)) is not None:
+        prompts = [ids[-keep:] for ids in prompts]
+        texts = [tok.decode(ids) for ids in prompts]
     stream = flag(body, "stream")
     n = _n(body, len(prompts))
     if body.get("best_of") is not None and body["best_of"] != n:
@@ -701,6 +713,9 @@ def chat_job(body: dict, tok, max_context: int, template) -> Job:
         raise bad(guided, f"tool_choice {json.dumps(body['tool_choice'])} and {guided} both hold the output "
                   "to a form: give one")  # fmt: skip
     ids = tok.encode(text)
+    if (keep := _kept(body, max_context)) is not None and len(ids) > keep:
+        ids = ids[-keep:]
+        text = tok.decode(ids)
     stream = flag(body, "stream")
     n = _n(body, 1)
     logprobs = flag(body, "logprobs")
