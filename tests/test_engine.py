@@ -766,7 +766,7 @@ class _Letters:
 
 def test_a_stop_string_ends_the_request_and_is_cut(model):
     """The text of two greedy tokens as a stop string: the request ends there ("stop"), its text and
-    tokens end before it."""
+    tokens end before it, or (include_stop_str_in_output) after it."""
     prompt, tok = _prompts()[3], _Letters()
     want = _reference(model, [prompt], 10, None)[0]
     k = next(i for i in range(1, 8) if tok.decode(want).find(tok.decode(want[i : i + 2])) == i)
@@ -775,6 +775,10 @@ def test_a_stop_string_ends_the_request_and_is_cut(model):
     out = engine.generate([prompt], SamplingParams(max_tokens=10, stop=(stop, "zzzzzz")))[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == want[:k] and out.text == tok.decode(want[:k])
+    kept = SamplingParams(max_tokens=10, stop=("zzzzzz", stop), include_stop_str_in_output=True)
+    out = engine.generate([prompt], kept)[0]  # vLLM's include_stop_str_in_output: the text ends after it
+    assert out.finish_reason == "stop"
+    assert out.token_ids == want[: k + 2] and out.text == tok.decode(want[:k]) + stop
 
 
 @pytest.mark.parametrize("decode_steps", [1, 3])

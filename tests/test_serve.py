@@ -207,6 +207,8 @@ def test_streamed_answers_are_the_whole_answers_in_pieces(server):
 
 
 def test_a_stop_string_ends_the_text_before_it(server, reference):
+    """A stop string ends the answer before it, whole or streamed; after it with vLLM's
+    include_stop_str_in_output, which never shows a chat template's end."""
     full = text_of(reference(ids_of("KING:"), 12))
     stop = next((full[i : i + 2] for i in range(2, len(full) - 2) if full[i : i + 2].strip()), None)
     if stop is None:
@@ -217,6 +219,17 @@ def test_a_stop_string_ends_the_text_before_it(server, reference):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt="KING:", max_tokens=12, temperature=0, stop=stop, stream=True) if c.choices)  # fmt: skip
     assert streamed == out.choices[0].text
+    shown = {"include_stop_str_in_output": True}  # vLLM's: the text ends after the stop string
+    kept = client.completions.create(model=MODEL, prompt="KING:", max_tokens=12, temperature=0, stop=[stop],
+                                     extra_body=shown)  # fmt: skip
+    assert kept.choices[0].text == out.choices[0].text + stop and kept.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="KING:", max_tokens=12, temperature=0, stop=stop, stream=True, extra_body=shown)
+        if c.choices)  # fmt: skip
+    assert streamed == kept.choices[0].text
+    chat = dict(model=MODEL, messages=HI, max_tokens=40, temperature=0)  # a chat template's end is never shown
+    answer = client.chat.completions.create(**chat).choices[0].message.content
+    assert client.chat.completions.create(**chat, extra_body=shown).choices[0].message.content == answer
 
 
 def test_ignore_eos_and_min_tokens_answer_max_tokens_where_the_model_draws_eos(server, reference):
@@ -1075,13 +1088,15 @@ def test_section_overrides_parse_by_type_and_name_the_field():
         ("abc<|im_end|>more", ("<|im_end|>",), "abc"),
         ("a<|im_x and on", ("<|im_end|>",), "a<|im_x and on"),  # a prefix of the stop string, then not
         ("ends with <|im", ("<|im_end|>",), "ends with <|im"),  # held back, then flushed at the end
+        ("say END now<|im_end|>", ("END", "<|im_end|>"), "say END"),  # a stop the request keeps (shown)
+        ("say it<|im_end|> END", ("END", "<|im_end|>"), "say it"),  # the template's end, never shown
     ],
 )
 def test_text_is_handed_out_once_whole_characters_only_and_cut_before_a_stop(text, stops, expected):
     from jaxformer.serve.protocol import TextStream
 
     tok = ByteTokenizer()
-    stream, pieces = TextStream(tok, stops, tok.eos_id), []
+    stream, pieces = TextStream(tok, stops, tok.eos_id, shown=("END",)), []
     for i in [*tok.encode(text), tok.eos_id]:  # one token (here: one byte) at a time, as an engine gives them
         pieces.append(stream.add([i]))
         if stream.stopped:

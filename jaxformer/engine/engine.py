@@ -688,9 +688,11 @@ class Engine:
         return any(self._accept(req, t, 0.0, top(t), events, forced=True) for t in req.guide.forced(req.out))
 
     def _stop_at(self, req: _Request) -> int | None:
+        """Where `req`'s text ends at its first stop string found: before it, or (include_stop_str_in_output)
+        after it; None while none is found."""
         text = self.tokenizer.decode(req.out)
-        found = [i for s in req.params.stop if (i := text.find(s)) >= 0]
-        return min(found) if found else None
+        found = [(i, i + len(s)) for s in req.params.stop if (i := text.find(s)) >= 0]
+        return min(found)[req.params.include_stop_str_in_output] if found else None
 
     def _finish(self, req, reason: str, new: list[int], events: list[Event], got=(None, None)) -> None:
         """End `req`: its pages freed, its last Event (`new` tokens, `got`: their log-probabilities and likeliest
@@ -705,7 +707,7 @@ class Engine:
                 text = text[:cut]
                 n = len(tokens)
                 while n and not text.startswith(self.tokenizer.decode(tokens[:n])):
-                    n -= 1  # the tokens whose text stays before the stop string
+                    n -= 1  # the tokens whose text stays within the text kept
                 tokens = tokens[:n]
                 logprobs, tops = (None if x is None else x[:n] for x in (logprobs, tops))
         events.append(Event(req.id, new, got[0], True, reason, got[1]))

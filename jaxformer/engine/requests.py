@@ -42,7 +42,9 @@ class SamplingParams:
         min_p: keep the tokens at least this fraction as likely as the likeliest (0: off; vLLM's `min_p`),
             applied before top-k and top-p, as vLLM applies it.
         seed: the request's sampling seed; None: from the engine's seed and the request id.
-        stop: stop strings (finish_reason "stop"), matched on the detokenized text.
+        stop: stop strings (finish_reason "stop"), matched on the detokenized text; the text ends before the
+            first one found.
+        include_stop_str_in_output: the text ends after that stop string instead (vLLM's).
         logprobs: return each chosen token's log-probability.
         top_logprobs: also list the likeliest tokens at each step, this many (0 to MAX_TOP_LOGPROBS; needs
             `logprobs`), likeliest first, with their log-probabilities under the model, as the chosen token's.
@@ -90,6 +92,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
     min_tokens: int = 0
@@ -142,6 +145,7 @@ class SamplingParams:
             0 <= self.min_tokens <= self.max_tokens, "min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}"
         )
         of("ignore_eos", bool)
+        of("include_stop_str_in_output", bool)
         for field in ("presence_penalty", "frequency_penalty"):
             of(field, int, float)
             need(-2 <= getattr(self, field) <= 2, field, f"must be in [-2, 2], got {getattr(self, field)}")

@@ -23,7 +23,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from jaxformer.config import ServeConfig
-from jaxformer.serve import forms, protocol, tokens
+from jaxformer.serve import encoders, forms, protocol, tokens
 from jaxformer.serve.metrics import Metrics
 from jaxformer.serve.protocol import APIError, Job, TextStream
 from jaxformer.serve.runner import EngineThread
@@ -249,13 +249,13 @@ class _Server:
         positions (`Engine.score(..., "embed")`), in the engine's thread, `max_slots` inputs a call."""
 
         async def answer():
-            body = await self._body(request, protocol.EMBEDDING_FIELDS)
+            body = await self._body(request, encoders.EMBEDDING_FIELDS)
             if not self.engine.encoder_only:
                 raise APIError(400, "embeddings come from an encoder_only model; this one generates: use "
                                "/v1/completions", "model", "model_not_supported")  # fmt: skip
-            inputs, as_base64 = protocol.embedding_inputs(body, self.tok, self.engine.max_context, self.width)
+            inputs, as_base64 = encoders.embedding_inputs(body, self.tok, self.engine.max_context, self.width)
             vectors = await self._scores(inputs, "embed", body["model"])
-            return JSONResponse(protocol.embeddings_body(vectors, as_base64, body["model"], sum(map(len, inputs))))
+            return JSONResponse(encoders.embeddings_body(vectors, as_base64, body["model"], sum(map(len, inputs))))
 
         return await self._guarded(request, answer)
 
@@ -264,17 +264,17 @@ class _Server:
         probabilities (`Engine.score(..., "classify")`) and the likeliest class's name (`Engine.labels`)."""
 
         async def answer():
-            body = await self._body(request, protocol.CLASSIFY_FIELDS)
+            body = await self._body(request, encoders.CLASSIFY_FIELDS)
             if not self.engine.encoder_only:
                 raise APIError(400, "classes come from an encoder_only model with a classification head; this one "
                                "generates: use /v1/completions", "model", "model_not_supported")  # fmt: skip
             if not self.engine.labels:
                 raise APIError(400, "this model has no classification head (model.num_classes=0): its embeddings "
                                "are served at /v1/embeddings", "model", "model_not_supported")  # fmt: skip
-            inputs = protocol.scored_inputs(body, self.tok, self.engine.max_context)
+            inputs = encoders.scored_inputs(body, self.tok, self.engine.max_context)
             logprobs = await self._scores(inputs, "classify", body["model"])
             tokens = sum(map(len, inputs))
-            return JSONResponse(protocol.classify_body(logprobs, self.engine.labels, body["model"], tokens))
+            return JSONResponse(encoders.classify_body(logprobs, self.engine.labels, body["model"], tokens))
 
         return await self._guarded(request, answer)
 
@@ -485,7 +485,7 @@ class _Choice:
         self.prompt = job.prompts[index // job.n]
         self.scores = None if scores is None else scores[index // job.n]  # the prompt's (echo with logprobs)
         self.echo = job.prompt_texts[index // job.n] if job.echo else ""
-        self.stream = TextStream(tok, job.stop, getattr(tok, "eos_id", None))
+        self.stream = TextStream(tok, job.stop, getattr(tok, "eos_id", None), job.shown_stops)
         self.calls = None if job.tools is None else CallStream(job.tools)  # a streamed chat's deltas under tools
         self.top_n = job.top_logprobs
         self.text, self.tokens, self.logprobs = self.echo, [], []  # logprobs: (id, log-probability, likeliest)

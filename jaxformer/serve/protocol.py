@@ -8,11 +8,9 @@ builds) on an install whose engine does not load.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
 import math
-import struct
 import time
 import uuid
 
@@ -22,7 +20,6 @@ from jaxformer.serve import forms, tools
 MAX_CHOICES = 128  # prompts x n of one request: more is a batch job (Engine.generate), not an HTTP call
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_TOKEN_IDS = 64  # vLLM's `stop_token_ids` of one request at most
-MAX_INPUTS = 2048  # an embeddings or classify request's inputs at most (OpenAI's for embeddings)
 # Fields OpenAI defines that change nothing here at their default value (anything else is refused, as
 # OpenAI refuses what it does not know: "Unrecognized request argument supplied").
 _NEUTRAL = {
@@ -37,10 +34,9 @@ _IGNORED = {"user": str, "metadata": dict, "store": bool, "safety_identifier": s
 _JSON_TYPE = {str: "a string", dict: "an object of string keys and values", bool: "true or false"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
            "min_p", "ignore_eos", "min_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty",
-           "logit_bias", "stop_token_ids", "allowed_token_ids", "truncate_prompt_tokens", *forms.GUIDED}  # fmt: skip
+           "logit_bias", "stop_token_ids", "allowed_token_ids", "truncate_prompt_tokens",
+           "include_stop_str_in_output", *forms.GUIDED}  # fmt: skip
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix", "user"}
-EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
-CLASSIFY_FIELDS = {"model", "input", "user"}
 CHAT_FIELDS = (
     _COMMON
     | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
@@ -113,6 +109,8 @@ class Job:
             translation), not a prompt the answer continues.
         guided_by: the request's field that holds the output to a form (`forms.guided_by`, or "tools"), or None.
         tools: a chat's tools and its choice among them (`jaxformer.serve.tools`), or None.
+        shown_stops: the stop strings the answer keeps (vLLM's include_stop_str_in_output: the request's own,
+            never a chat template's end).
     """
 
     chat: bool
@@ -132,6 +130,7 @@ class Job:
     sources: bool = False
     guided_by: str | None = None
     tools: tools.Tools | None = None
+    shown_stops: tuple[str, ...] = ()
 
     @property
     def n(self) -> int:
@@ -347,6 +346,7 @@ def sampling(
                 min_p=min_p,
                 seed=None if seed is None else seed + i,
                 stop=stop,
+                include_stop_str_in_output=flag(body, "include_stop_str_in_output"),
                 logprobs=logprobs,
                 top_logprobs=top_logprobs,
                 ignore_eos=ignore_eos,
@@ -391,6 +391,11 @@ def _ids(body: dict, name: str, most: int) -> tuple[int, ...]:
     if not isinstance(v, list) or len(v) > most or not all(is_int(t) and t >= 0 for t in v):
         raise bad(name, f"a list of at most {most} token ids is expected, got {v!r}"[:300])
     return tuple(v)
+
+
+def _shown(body: dict) -> tuple[str, ...]:
+    """The request's stop strings, where vLLM's `include_stop_str_in_output` keeps them in the answer."""
+    return _stops(body) if flag(body, "include_stop_str_in_output") else ()
 
 
 def _kept(body: dict, max_context: int) -> int | None:
@@ -444,9 +449,20 @@ def _stream_options(body: dict, stream: bool) -> bool:
     return flag(opts, "include_usage")
 
 
-def _id_lists(body: dict, name: str, tok) -> tuple[list[list[int]], list[str]]:
-    """Field `name` of `body` as OpenAI's prompts and inputs are given (a string, a list of token ids, or a
-    list of either), each as its token ids and its text; none empty."""
+def id_lists(body: dict, name: str, tok) -> tuple[list[list[int]], list[str]]:
+    """A field as OpenAI's prompts and inputs are given: a string, a list of token ids, or a list of either.
+
+    Args:
+        body: the request body.
+        name: the field ("prompt", "input").
+        tok (Tokenizer): the model's tokenizer.
+
+    Returns:
+        Each one's token ids, and each one's text; none empty.
+
+    Raises:
+        APIError: a missing, mistyped or empty value.
+    """
     given = body.get(name)
     if isinstance(given, str) or (isinstance(given, list) and given and all(is_int(t) for t in given)):
         given = [given]
@@ -469,96 +485,6 @@ def _id_lists(body: dict, name: str, tok) -> tuple[list[list[int]], list[str]]:
     return ids, texts
 
 
-def scored_inputs(body: dict, tok, max_context: int) -> list[list[int]]:
-    """The token ids of a body's `input` (/v1/embeddings, /v1/classify): a string, a list of strings, a list
-    of token ids or a list of such lists, at most MAX_INPUTS, each within the context.
-
-    Args:
-        body: the request body (fields checked, the model named already).
-        tok (Tokenizer): the model's tokenizer.
-        max_context: the tokens an input may hold at most.
-
-    Returns:
-        The token ids of each input.
-
-    Raises:
-        APIError: a missing or mistyped input, too many, or one over the context.
-    """
-    inputs, _ = _id_lists(body, "input", tok)
-    if len(inputs) > MAX_INPUTS:
-        raise bad("input", f"{len(inputs)} inputs: at most {MAX_INPUTS} in one request")
-    for i, ids in enumerate(inputs):
-        if len(ids) > max_context:
-            where = f"input[{i}]" if len(inputs) > 1 else "input"
-            raise bad(where, f"{len(ids)} tokens: the model's context is {max_context}", "context_length_exceeded")
-    return inputs
-
-
-def classify_body(logprobs: list[list[float]], labels: tuple[str, ...], model: str, tokens: int) -> dict:
-    """vLLM's answer to /classify (SGLang's /v1/classify): each input's class probabilities and the
-    likeliest class's name.
-
-    Args:
-        logprobs: each input's C class log-probabilities, in input order.
-        labels: the C class names, by index.
-        model: the model the request named.
-        tokens: the inputs' tokens in all.
-
-    Returns:
-        The body.
-    """
-    data = []
-    for i, row in enumerate(logprobs):
-        probs = [math.exp(x) for x in row]
-        best = max(range(len(probs)), key=probs.__getitem__)
-        data.append({"index": i, "label": labels[best], "probs": probs, "num_classes": len(probs)})
-    usage = {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
-    return {"id": new_id("classify"), "object": "list", "created": now(), "model": model, "data": data, "usage": usage}
-
-
-def embedding_inputs(body: dict, tok, max_context: int, width: int) -> tuple[list[list[int]], bool]:
-    """A /v1/embeddings body (fields checked, the model named already): its inputs' token ids, and whether
-    the vectors go back in base64 (`encoding_format`: little-endian float32s, as OpenAI's).
-
-    Args:
-        body: the request body.
-        tok (Tokenizer): the model's tokenizer.
-        max_context: the tokens an input may hold at most.
-        width: the embedding's size (`dimensions`, if given, must be it: no shortening).
-
-    Returns:
-        (token ids per input, base64).
-
-    Raises:
-        APIError: a missing, mistyped or out-of-range field, or an input over the context.
-    """
-    inputs = scored_inputs(body, tok, max_context)
-    encoding = body.get("encoding_format") or "float"
-    if encoding not in ("float", "base64"):
-        raise bad("encoding_format", f"'float' or 'base64', got {encoding!r}")
-    if body.get("dimensions") not in (None, width):
-        raise bad("dimensions", f"this model's embeddings have {width} dimensions, not shortened", "unsupported")
-    return inputs, encoding == "base64"
-
-
-def embeddings_body(vectors: list[list[float]], base64_: bool, model: str, tokens: int) -> dict:
-    """OpenAI's answer to /v1/embeddings.
-
-    Args:
-        vectors: one embedding per input, in input order.
-        base64_: each as base64 of its little-endian float32s, else a list of numbers.
-        model: the model the request named.
-        tokens: the inputs' tokens in all.
-
-    Returns:
-        The body.
-    """
-    as_base64 = lambda v: base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode("ascii")
-    data = [{"object": "embedding", "index": i, "embedding": as_base64(v) if base64_ else v}
-            for i, v in enumerate(vectors)]  # fmt: skip
-    return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-
-
 def completion_job(body: dict, tok, max_context: int) -> Job:
     """A /v1/completions body (fields checked, the model named already) as a Job.
 
@@ -573,7 +499,7 @@ def completion_job(body: dict, tok, max_context: int) -> Job:
     Raises:
         APIError: a missing, mistyped or out-of-range field.
     """
-    prompts, texts = _id_lists(body, "prompt", tok)
+    prompts, texts = id_lists(body, "prompt", tok)
     if (keep := _kept(body, max_context)) is not None:
         prompts = [ids[-keep:] for ids in prompts]
         texts = [tok.decode(ids) for ids in prompts]
@@ -601,7 +527,7 @@ def completion_job(body: dict, tok, max_context: int) -> Job:
         params=sampling(body, max(max_tokens, 1), stop, logprobs is not None, n, logprobs or 0, tok),
         stream=stream, include_usage=_stream_options(body, stream), echo=echo,
         logprobs=logprobs is not None, stop=stop, score_prompt=score, top_logprobs=logprobs or 0,
-        generate=max_tokens > 0, guided_by=form(forms.guided_by, body),
+        generate=max_tokens > 0, guided_by=form(forms.guided_by, body), shown_stops=_shown(body),
     )  # fmt: skip
 
 
@@ -738,23 +664,24 @@ def chat_job(body: dict, tok, max_context: int, template) -> Job:
     return Job(
         chat=True, prompts=[ids], prompt_texts=[text], params=params, stream=stream, echo=False,
         include_usage=_stream_options(body, stream), logprobs=logprobs, stop=stop, top_logprobs=top_logprobs,
-        guided_by=guided, tools=given,
+        guided_by=guided, tools=given, shown_stops=_shown(body),
     )  # fmt: skip
 
 
 class TextStream:
     """One choice's text as its tokens come: each piece once, none held back at the end. Text that may
     be the start of a stop string, or a character whose bytes have not all come, waits for the next
-    tokens; at a stop string the text ends before it.
+    tokens; at a stop string the text ends before it (or after it, one of `shown`).
 
     Args:
         tok (Tokenizer): decodes the ids.
         stops: the stop strings.
         eos_id (int | None): an id that ends the text and is not shown.
+        shown: the stop strings the text keeps (vLLM's include_stop_str_in_output: the request's own).
     """
 
-    def __init__(self, tok, stops: tuple[str, ...], eos_id: int | None):
-        self.tok, self.stops, self.eos_id = tok, stops, eos_id
+    def __init__(self, tok, stops: tuple[str, ...], eos_id: int | None, shown: tuple[str, ...] = ()):
+        self.tok, self.stops, self.eos_id, self.shown = tok, stops, eos_id, shown
         self.ids: list[int] = []
         self.sent = 0  # characters handed out
         self.stopped = False
@@ -772,10 +699,10 @@ class TextStream:
             return ""
         self.ids += [i for i in ids if i != self.eos_id]
         text = self.tok.decode(self.ids)
-        hits = [text.find(s) for s in self.stops if s in text]
+        hits = [(i, i + len(s) * (s in self.shown)) for s in self.stops if (i := text.find(s)) >= 0]
         if hits:
             self.stopped = True
-            return self._out(text[: min(hits)], len(text))
+            return self._out(text[: min(hits)[1]], len(text))
         safe = len(text.rstrip("\ufffd"))  # a character's first bytes: wait for the rest
         for s in self.stops:
             safe = min(safe, len(text) - tools.partial_end(text, s))
