@@ -149,6 +149,45 @@ def test_chat_writes_the_messages_in_the_workdirs_template(server, reference):
     assert out.usage.prompt_tokens == len(ids_of(prompt))
 
 
+def test_the_responses_api_answers_as_the_chat_it_is(server):
+    """OpenAI's Responses API through its own client: `instructions` and `input` (a string, or messages with
+    text parts, an earlier answer's output_text among them) answer as the chat of those messages does, the
+    usage counted alike, "incomplete" at max_output_tokens; streamed, its typed events come in order,
+    numbered, their deltas the whole answer's text; `text.format` holds the answer to a JSON schema."""
+    import jsonschema
+
+    client = server.client()
+    chat = lambda messages, n: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=n,
+                                                               temperature=0)  # fmt: skip
+    got = client.responses.create(model=MODEL, instructions="Be brief.", input="Hi", max_output_tokens=8,
+                                  temperature=0)  # fmt: skip
+    want = chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], 8)
+    assert got.output_text == want.choices[0].message.content and got.output[0].role == "assistant"
+    assert (got.usage.input_tokens, got.usage.output_tokens) == (want.usage.prompt_tokens, want.usage.completion_tokens)
+    assert got.status == ("incomplete" if want.choices[0].finish_reason == "length" else "completed")
+    assert got.status != "incomplete" or got.incomplete_details.reason == "max_output_tokens"
+    items = [{"role": "developer", "content": "A."}, {"role": "user", "content": [{"type": "input_text",
+             "text": "Hi"}]}, {"type": "message", "role": "assistant", "content": [{"type": "output_text",
+             "text": "Yo."}]}, {"role": "user", "content": "Go"}]  # fmt: skip
+    got = client.responses.create(model=MODEL, input=items, max_output_tokens=8, temperature=0)
+    messages = [{"role": "system", "content": "A."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Yo."}, {"role": "user", "content": "Go"}]  # fmt: skip
+    assert got.output_text == chat(messages, 8).choices[0].message.content
+    events = list(client.responses.create(model=MODEL, input=items, max_output_tokens=8, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]  # fmt: skip
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == got.output_text == events[-1].response.output_text and len(kinds) > 8
+    schema = {"name": "answer", "schema": ANSWER, "type": "json_schema", "strict": True}
+    got = client.responses.create(model=MODEL, input="Well?", max_output_tokens=60, temperature=0,
+                                  text={"format": schema})  # fmt: skip
+    jsonschema.validate(json.loads(got.output_text), ANSWER)
+
+
 def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(server, reference):
     """vLLM's `truncate_prompt_tokens`: a prompt longer than the context, cut to its last k tokens, is
     answered as those k tokens alone (`generate`'s greedy continuation) and counted as k, a completion's
@@ -845,6 +884,31 @@ BAD_CHAT = [
 ]
 
 
+RESPONSES = "/v1/responses"
+
+
+def asked(**more) -> dict:
+    """A Responses request's body, input "x", with `more` fields."""
+    return {"model": MODEL, "input": "x", **more}
+
+
+BAD_RESPONSES = [  # /v1/responses: (path, body, HTTP status, the field named, a word of the message)
+    (RESPONSES, {"model": MODEL}, 400, "input", "a string or a non-empty list"),
+    (RESPONSES, asked(previous_response_id="resp_1"), 400, "previous_response_id", "the whole conversation"),
+    (RESPONSES, asked(tools=[{"type": "web_search"}]), 400, "tools", "not supported"),
+    (RESPONSES, asked(input=[{"type": "function_call_output"}]), 400, "input[0]", "a message"),
+    (
+        RESPONSES,
+        asked(input=[{"role": "user", "content": [{"type": "input_image"}]}]),
+        400,
+        "input[0].content",
+        "text parts",
+    ),
+    (RESPONSES, asked(max_output_tokens=-1), 400, "max_output_tokens", "[1,"),
+    (RESPONSES, asked(input="x" * 200), 400, "input", "context"),
+    (RESPONSES, asked(text={"format": {"type": "xml"}}), 400, "text.format", "is expected"),
+    (RESPONSES, asked(seed=1), 400, "seed", "unrecognized"),
+]
 BAD_TOKENIZE = [  # vLLM's /tokenize and /detokenize: (path, body, HTTP status, the field named, a word of the message)
     ("/tokenize", {"model": MODEL}, 400, "prompt", "either prompt"),
     ("/tokenize", {"prompt": "x", "messages": HI}, 400, "prompt", "either prompt"),
@@ -864,7 +928,10 @@ BAD_TOKENIZE = [  # vLLM's /tokenize and /detokenize: (path, body, HTTP status, 
 
 @pytest.mark.parametrize(
     ("path", "body", "status", "param", "word"),
-    [("/v1/completions", *b) for b in BAD] + [("/v1/chat/completions", *b) for b in BAD_CHAT] + BAD_TOKENIZE,
+    [("/v1/completions", *b) for b in BAD]
+    + [("/v1/chat/completions", *b) for b in BAD_CHAT]
+    + BAD_TOKENIZE
+    + BAD_RESPONSES,
 )
 def test_a_bad_request_gets_a_4xx_with_openais_error_body(server, path, body, status, param, word):
     got, answer = server.post(path, body)

@@ -23,7 +23,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from jaxformer.config import ServeConfig
-from jaxformer.serve import encoders, forms, protocol, tokens
+from jaxformer.serve import encoders, forms, protocol, responses, tokens
 from jaxformer.serve.metrics import Metrics
 from jaxformer.serve.protocol import APIError, Job, TextStream
 from jaxformer.serve.runner import EngineThread
@@ -75,6 +75,7 @@ class _Server:
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/classify", self.classify, methods=["POST"]),  # SGLang's path
             Route("/classify", self.classify, methods=["POST"]),  # vLLM's
@@ -244,6 +245,22 @@ class _Server:
 
         return await self._guarded(request, answer)
 
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API: the chat its request is (`responses.as_chat`), answered as a Response."""
+
+        async def answer():
+            body = await self._body(request, responses.FIELDS)
+            self._generates(chat=True)
+            template = getattr(self.engine, "chat_template", None)
+            try:
+                job = protocol.chat_job(responses.as_chat(body), self.tok, self.engine.max_context, template)
+            except APIError as e:
+                raise responses.renamed(e) from None
+            job.respond = body
+            return await self._run(request, self._named(job, body))
+
+        return await self._guarded(request, answer)
+
     async def embeddings(self, request: Request) -> Response:
         """OpenAI's embeddings of an encoder_only model: each input's final hidden states averaged over its
         positions (`Engine.score(..., "embed")`), in the engine's thread, `max_slots` inputs a call."""
@@ -384,8 +401,9 @@ class _Server:
                                                         (arrived, c.first_at, c.last_at))  # fmt: skip
         choices = [_Choice(self.tok, job, index, scores, ended) for index in range(len(ids))]
         if job.stream:
+            stream = self._stream if job.respond is None else self._stream_response
             return StreamingResponse(
-                self._stream(job, events, ids, choices), media_type="text/event-stream",
+                stream(job, events, ids, choices), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )  # fmt: skip
         try:
@@ -415,6 +433,10 @@ class _Server:
 
     def _whole(self, job: Job, choices: list[_Choice]) -> dict:
         usage = _usage(job, choices)
+        if job.respond is not None:  # one choice: a Responses request has no n
+            c = choices[0]
+            rid, model = protocol.new_id("resp"), job.model or self.model_name
+            return responses.response(rid, protocol.now(), model, job.respond, c.text, c.finish_reason, usage)
         if job.chat:
             return {
                 "id": protocol.new_id("chatcmpl"), "object": "chat.completion", "created": protocol.now(),
@@ -458,23 +480,48 @@ class _Server:
                     yield chunk(c.index, "", None, first=True)
                 elif job.echo:
                     yield chunk(c.index, c.echo, None)
-            while not all(c.done for c in choices):
-                index, item = await events.get()
-                if isinstance(item, Exception):
-                    yield _sse(_engine_failed(item).body())
-                    return
-                c = choices[index]
-                before = len(c.logprobs)
-                piece = c.take(item, lambda i=index: self.runner.abort(ids[i]))
-                if piece or (job.logprobs and len(c.logprobs) > before):
-                    yield chunk(index, piece, None, c.logprobs[before:])
-                if c.done:
-                    yield chunk(index, "", c.finish_reason)
+            async for index, piece, logprobs in self._pieces(job, events, ids, choices):
+                if piece or logprobs:
+                    yield chunk(index, piece, None, logprobs)
+                if choices[index].done:
+                    yield chunk(index, "", choices[index].finish_reason)
             if job.include_usage:
                 yield _sse(head | {"choices": [], "usage": _usage(job, choices)})
             yield "data: [DONE]\n\n"
+        except APIError as e:  # the engine failed
+            yield _sse(e.body())
         finally:  # the client went away (the generator is closed), or all is said: free what still runs
             self._abort_unfinished(ids, choices)
+
+    async def _stream_response(self, job: Job, events: asyncio.Queue, ids: list[str], choices: list[_Choice]):
+        """A Responses request's stream: its typed events (`responses.Events`)."""
+        out = responses.Events(job.model or self.model_name, job.respond)
+        try:
+            yield out.start()
+            async for _, piece, _ in self._pieces(job, events, ids, choices):
+                if piece:
+                    yield out.delta(piece)
+            yield out.end(choices[0].finish_reason, _usage(job, choices))
+        except APIError as e:  # the engine failed
+            yield out.error(e)
+        finally:
+            self._abort_unfinished(ids, choices)
+
+    async def _pieces(self, job: Job, events: asyncio.Queue, ids: list[str], choices: list[_Choice]):
+        """(choice index, its new text, its new (id, log-probability, likeliest) triples if asked) as the
+        engine's events come, until every choice is done; a choice's last is its end (`_Choice.done`).
+
+        Raises:
+            APIError: the engine failed.
+        """
+        while not all(c.done for c in choices):
+            index, item = await events.get()
+            if isinstance(item, Exception):
+                raise _engine_failed(item)
+            c = choices[index]
+            before = len(c.logprobs)
+            piece = c.take(item, lambda i=index: self.runner.abort(ids[i]))
+            yield index, piece, c.logprobs[before:] if job.logprobs else []
 
 
 class _Choice:

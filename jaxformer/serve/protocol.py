@@ -111,6 +111,7 @@ class Job:
         tools: a chat's tools and its choice among them (`jaxformer.serve.tools`), or None.
         shown_stops: the stop strings the answer keeps (vLLM's include_stop_str_in_output: the request's own,
             never a chat template's end).
+        respond: the Responses API request this chat came from (answered as a Response), or None.
     """
 
     chat: bool
@@ -131,6 +132,7 @@ class Job:
     guided_by: str | None = None
     tools: tools.Tools | None = None
     shown_stops: tuple[str, ...] = ()
+    respond: dict | None = None
 
     @property
     def n(self) -> int:
