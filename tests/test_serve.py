@@ -579,7 +579,11 @@ def test_a_failing_engine_step_fails_its_requests_not_the_server(server):
     engine.step = broken  # mid-stream: an error event, which the client raises
     with pytest.raises(openai.APIError, match="injected fault"):
         list(server.client().completions.create(model=MODEL, prompt="boom", max_tokens=3, stream=True))
-    assert server.runner.alive and server.runner.failures >= 1
+    server.idle()
+    engine.step = broken  # a Responses stream ends with the API's error event
+    events = list(server.client().responses.create(model=MODEL, input="boom", max_output_tokens=3, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "error" and "injected" in events[-1].message
+    assert server.runner.alive and server.runner.failures >= 2
     out = server.client().completions.create(model=MODEL, prompt="fine", max_tokens=3, temperature=0)
     assert out.choices[0].finish_reason in ("length", "stop")
 
