@@ -889,6 +889,7 @@ BAD_CHAT = [
 
 
 RESPONSES = "/v1/responses"
+UNFOLLOWED = {"type": "json_schema", "schema": {"type": 5}}  # UNFOLLOWABLE, in the Responses' flat form
 
 
 def asked(**more) -> dict:
@@ -912,6 +913,8 @@ BAD_RESPONSES = [  # /v1/responses: (path, body, HTTP status, the field named, a
     (RESPONSES, asked(input="x" * 200), 400, "input", "context"),
     (RESPONSES, asked(text={"format": {"type": "xml"}}), 400, "text.format", "is expected"),
     (RESPONSES, asked(seed=1), 400, "seed", "unrecognized"),
+    (RESPONSES, asked(text={"format": UNFOLLOWED}), 400, "text.format", "cannot be followed"),  # the engine's
+    (RESPONSES, asked(text="json"), 400, "text", "an object"),
 ]
 BAD_TOKENIZE = [  # vLLM's /tokenize and /detokenize: (path, body, HTTP status, the field named, a word of the message)
     ("/tokenize", {"model": MODEL}, 400, "prompt", "either prompt"),

@@ -257,6 +257,8 @@ class _Server:
             except APIError as e:
                 raise responses.renamed(e) from None
             job.respond = body
+            if job.guided_by == "response_format":  # an engine's error names the Responses field
+                job.guided_by = "text.format"
             return await self._run(request, self._named(job, body))
 
         return await self._guarded(request, answer)

@@ -64,9 +64,10 @@ def as_chat(body: dict) -> dict:
                                   "prompt_cache_key") if k in body}  # fmt: skip
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
-    form = (body.get("text") or {}).get("format") if isinstance(body.get("text") or {}, dict) else None
-    if body.get("text") is not None and (not isinstance(body["text"], dict) or set(body["text"]) - {"format"}):
+    text = body.get("text")
+    if text is not None and (not isinstance(text, dict) or set(text) - {"format"}):
         raise bad("text", 'an object {"format": {...}} is expected', "invalid_type")
+    form = None if text is None else text.get("format")
     if form is not None:
         if not isinstance(form, dict) or form.get("type") not in ("text", "json_object", "json_schema"):
             raise bad("text.format", 'one of {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
