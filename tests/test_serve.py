@@ -238,6 +238,13 @@ def test_streamed_answers_are_the_whole_answers_in_pieces(server):
             finish = c.finish_reason or finish
     assert "".join(pieces) == whole.choices[0].text and finish == whole.choices[0].finish_reason
     assert usage.completion_tokens == whole.usage.completion_tokens
+    # vLLM's continuous_usage_stats: every chunk counts its choice's tokens so far, up to the whole answer's.
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=10, temperature=0, stream=True,
+                                            stream_options=options))  # fmt: skip
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == counts[-2] == whole.usage.completion_tokens
+    assert all(c.usage.prompt_tokens == whole.usage.prompt_tokens for c in chunks)
     chat = [{"role": "user", "content": "Hello"}]
     whole = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=10, temperature=0)
     deltas = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
@@ -616,6 +623,7 @@ UNFOLLOWABLE = {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}  
 
 
 HI = [{"role": "user", "content": "Hi"}]
+HIDDEN = "include_obfuscation"  # OpenAI's stream_options field: random padding in each chunk
 STRICT = "disable_additional_properties"  # vLLM's: an object schema without additionalProperties takes none
 
 
@@ -688,6 +696,12 @@ BAD = [  # (body, HTTP status, the field named, a word of the message)
     (so({"regex": "a"}, guided_json={}), 400, "guided_json", "both hold"),
     ({"model": MODEL, "prompt": "x", "colour": "red"}, 400, "colour", "unrecognized"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
+    (
+        {"model": MODEL, "prompt": "x", "stream": True, "stream_options": {HIDDEN: True}},
+        400,
+        f"stream_options.{HIDDEN}",
+        "false only",
+    ),
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "[1,"),  # without echo: nothing asked
     ({"model": MODEL, "prompt": "x", "max_tokens": -1, "echo": True}, 400, "max_tokens", "[0,"),
     ({"model": MODEL, "prompt": "x" * 160, "echo": True, "logprobs": 1, "max_tokens": 1}, 400, "prompt", "context"),

@@ -473,7 +473,7 @@ class _Server:
             else:
                 lp = c.text_logprobs(logprobs) if job.logprobs and logprobs else None
                 choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
-            usage = {"usage": None} if job.include_usage else {}
+            usage = {"usage": _counts(c) if job.continuous_usage else None} if job.include_usage else {}
             return _sse(head | {"choices": [choice]} | usage)
 
         try:
@@ -625,6 +625,15 @@ def _usage(job: Job, choices: list[_Choice]) -> dict:
     prompt = sum(len(p) for p in job.prompts)
     completion = sum(len(c.tokens) for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _counts(c: _Choice) -> dict:
+    """One choice's usage so far (vLLM's continuous_usage_stats): its prompt's tokens and its own."""
+    return {
+        "prompt_tokens": len(c.prompt),
+        "completion_tokens": len(c.tokens),
+        "total_tokens": len(c.prompt) + len(c.tokens),
+    }
 
 
 def _engine_failed(e: Exception) -> APIError:

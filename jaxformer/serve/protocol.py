@@ -96,6 +96,7 @@ class Job:
         params: the sampling settings of each of the n choices of a prompt.
         stream: answer by server-sent events.
         include_usage: a last streamed chunk with the token counts.
+        continuous_usage: and each streamed chunk with its choice's counts so far (vLLM's).
         echo: the prompt's text before the completion's.
         logprobs: each chosen token's log-probability.
         stop: the stop strings (the template's end marker included).
@@ -133,6 +134,7 @@ class Job:
     tools: tools.Tools | None = None
     shown_stops: tuple[str, ...] = ()
     respond: dict | None = None
+    continuous_usage: bool = False
 
     @property
     def n(self) -> int:
@@ -440,15 +442,21 @@ def _n(body: dict, prompts: int) -> int:
     return n
 
 
-def _stream_options(body: dict, stream: bool) -> bool:
+def _stream_options(body: dict, stream: bool) -> dict:
+    """`stream_options` as the Job's fields: OpenAI's `include_usage`, and vLLM's `continuous_usage_stats`
+    (with it: each chunk's choice's counts so far)."""
     opts = body.get("stream_options")
     if opts is None:
-        return False
+        return {"include_usage": False}
     if not stream:
         raise bad("stream_options", "only allowed when stream is true")
-    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
-        raise bad("stream_options", 'an object {"include_usage": true|false} is expected', "invalid_type")
-    return flag(opts, "include_usage")
+    if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats", "include_obfuscation"}:
+        raise bad("stream_options", 'an object {"include_usage": true|false, "continuous_usage_stats": true|false} '
+                  "is expected", "invalid_type")  # fmt: skip
+    if flag(opts, "include_obfuscation"):
+        raise bad("stream_options.include_obfuscation", "false only: this server pads no chunk", "unsupported")
+    usage = flag(opts, "include_usage")
+    return {"include_usage": usage, "continuous_usage": usage and flag(opts, "continuous_usage_stats")}
 
 
 def id_lists(body: dict, name: str, tok) -> tuple[list[list[int]], list[str]]:
@@ -527,7 +535,7 @@ def completion_job(body: dict, tok, max_context: int) -> Job:
     return Job(
         chat=False, prompts=prompts, prompt_texts=texts,
         params=sampling(body, max(max_tokens, 1), stop, logprobs is not None, n, logprobs or 0, tok),
-        stream=stream, include_usage=_stream_options(body, stream), echo=echo,
+        stream=stream, **_stream_options(body, stream), echo=echo,
         logprobs=logprobs is not None, stop=stop, score_prompt=score, top_logprobs=logprobs or 0,
         generate=max_tokens > 0, guided_by=form(forms.guided_by, body), shown_stops=_shown(body),
     )  # fmt: skip
@@ -665,7 +673,7 @@ def chat_job(body: dict, tok, max_context: int, template) -> Job:
         guided = "tools"
     return Job(
         chat=True, prompts=[ids], prompt_texts=[text], params=params, stream=stream, echo=False,
-        include_usage=_stream_options(body, stream), logprobs=logprobs, stop=stop, top_logprobs=top_logprobs,
+        **_stream_options(body, stream), logprobs=logprobs, stop=stop, top_logprobs=top_logprobs,
         guided_by=guided, tools=given, shown_stops=_shown(body),
     )  # fmt: skip
 
