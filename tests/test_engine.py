@@ -281,6 +281,9 @@ def _penalized_reference(model, prompts, kwargs, n):
                 x[token] += bias
             if "allowed_token_ids" in kw:
                 x[~np.isin(np.arange(x.size), kw["allowed_token_ids"])] = -np.inf
+            for word in kw.get("banned", ()):  # bad words' ids: the last one, after the ones before it
+                if len(word) == 1 or outs[r][len(outs[r]) - len(word) + 1 :] == list(word[:-1]):
+                    x[word[-1]] = -np.inf
             outs[r].append(int(np.argmax(x)))
     return outs
 
@@ -725,6 +728,7 @@ def test_a_request_over_the_pool_is_refused(model):
         ({"temperature": -1.0}, "temperature must be >= 0"),
         ({"top_k": -1}, "top_k must be >= 0"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"bad_words": ("ok", " ")}, "bad_words must be non-blank strings"),
         ({"min_p": 1.5}, r"min_p must be in \[0, 1\] \(0: off\), got 1.5"),
         ({"seed": -1}, "seed must be in"),
         ({"stop": ("",)}, "stop must hold non-empty strings"),
@@ -762,6 +766,36 @@ class _Letters:
 
     def decode(self, ids):
         return "".join(chr(97 + int(i) % 26) for i in ids)
+
+
+class _Chars:
+    """A tokenizer stand-in that encodes too: id i is the i-th of V distinct characters (a space: id 0)."""
+
+    eos_id, chars = None, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUV"
+
+    def decode(self, ids):
+        return "".join(self.chars[int(i)] for i in ids)
+
+    def encode(self, text):
+        return [max(self.chars.find(c), 0) for c in text]
+
+
+@pytest.mark.parametrize("decode_steps", [1, 3])
+def test_bad_words_are_never_written(model, decode_steps):
+    """vLLM's `bad_words`: a word of two of greedy's own tokens (its first token drawn mid-call at three steps
+    a call), one of a single token, and none, a row each, through one or three decoding steps a call (a
+    request with a word of several tokens runs one): the tokens equal a reference that bans a word's last
+    token where the output ends with the ones before it, over the whole sequence's logits, and differ from
+    plain greedy's where a word was banned."""
+    prompts, n, tok = _prompts()[:3], 10, _Chars()
+    plain = _reference(model, prompts, n, None)
+    words = [[plain[0][1:3]], [plain[1][2:3]], []]
+    cfg = EngineConfig(page_size=4, num_pages=40, max_slots=3, prefill_chunk=8, decode_steps=decode_steps)
+    params = [SamplingParams(max_tokens=n, bad_words=tuple(tok.decode(w) for w in ws)) for ws in words]
+    outs = Engine(model, cfg, tokenizer=tok, eos_id=None).generate(prompts, params)
+    want = _penalized_reference(model, prompts, [{"banned": ws} for ws in words], n)
+    assert [o.token_ids for o in outs] == want
+    assert want[0] != plain[0] and want[1] != plain[1] and want[2] == plain[2]
 
 
 def test_a_stop_string_ends_the_request_and_is_cut(model):

@@ -324,6 +324,37 @@ def test_penalties_and_logit_bias_change_the_served_logits(server, engine, refer
     assert out.choices[0].text[0] == first
 
 
+def test_bad_words_are_never_written(server, engine, reference):
+    """vLLM's `bad_words`: greedy answers as a reference that, at each step of a forward pass over the whole
+    sequence, bans a word's last token where the answer ends with the ones before it (a word of two bytes,
+    from greedy's own answer; a word of one, banned everywhere); the words are nowhere in the answers."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    client, prompt = server.client(), ids_of("KING HENRY:")
+    forward, model = nnx.jit(lambda m, x: m(x)), engine.model  # one shape: right-padded, causal
+    greedy = text_of(reference(prompt, 16))
+    word = next(
+        w for i in range(1, len(greedy) - 1) if (w := greedy[i : i + 2]).isascii() and w.isprintable() and " " not in w
+    )
+    for words in ([word], [word[0]]):
+        out = client.completions.create(model=MODEL, prompt="KING HENRY:", max_tokens=16, temperature=0,
+                                        extra_body={"bad_words": words}).choices[0].text  # fmt: skip
+        banned, ids = [ids_of(w) for w in words], []
+        for _ in range(16):
+            row = prompt + ids
+            logits = np.array(forward(model, jnp.asarray([row + [0] * (MAX_LEN - len(row))]))[0, len(row) - 1])
+            for w in banned:
+                if ids[len(ids) - len(w) + 1 :] == w[:-1] or len(w) == 1:
+                    logits[w[-1]] = -np.inf
+            if (token := int(np.argmax(logits))) == ByteTokenizer().eos_id:
+                break
+            ids.append(token)
+        assert out == text_of(ids) and all(w not in out for w in words), (words, out, greedy)
+    assert word in greedy
+
+
 def test_metrics_count_each_request_s_tokens_latencies_and_end_as_prometheus_reads_them(server, reference):
     """`/metrics` (open, as /health is), parsed by prometheus_client's parser: between two scrapes the prompt
     and generation token counters grow by the answers' usage, each choice ends once by its finish reason (a
@@ -668,6 +699,8 @@ BAD = [  # (body, HTTP status, the field named, a word of the message)
     ({"model": MODEL, "prompt": "x", "stop_token_ids": 5}, 400, "stop_token_ids", "a list of at most 64"),
     ({"model": MODEL, "prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids", "outside the vocabulary"),
     ({"model": MODEL, "prompt": "x", "allowed_token_ids": [5, "a"]}, 400, "allowed_token_ids", "token ids"),
+    ({"model": MODEL, "prompt": "x", "bad_words": "no"}, 400, "bad_words", "a list of at most 256 strings"),
+    ({"model": MODEL, "prompt": "x", "bad_words": [" "]}, 400, None, "bad_words must be non-blank strings"),
     ({"model": MODEL, "prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", ">= 1, or -1"),
     ({"model": MODEL, "prompt": "x", "truncate_prompt_tokens": 10**6}, 400, "truncate_prompt_tokens", "[-1, 160]"),
     ({"model": MODEL, "prompt": "x", "allowed_token_ids": [99999]}, 400, "allowed_token_ids", "outside the vocab"),

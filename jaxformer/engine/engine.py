@@ -41,7 +41,7 @@ from jaxformer.decode import SAMPLED
 from jaxformer.engine import adapters as _adapters
 from jaxformer.engine import paged
 from jaxformer.engine import steps as _steps
-from jaxformer.engine.guided import ChoiceGuide, GrammarGuide, Guides
+from jaxformer.engine.guided import ChoiceGuide, GrammarGuide, Guides, bad_word_ids
 from jaxformer.engine.pages import PageAllocator, bucket, page_hashes, pages_at_once, pages_behind, releasable_window
 from jaxformer.engine.requests import MAX_TOP_LOGPROBS, EngineError, Event, Output, SamplingParams, each, penalty_inputs
 from jaxformer.engine.steps import _copy_page, _encode_into, _forward, drawn, score_batches
@@ -66,6 +66,7 @@ class _Request:
     source: list[int] | None = None  # encoder_decoder: the source, encoded when the request takes a slot
     adapter: int = 0  # its LoRA adapter's index in the stacks (engine.adapters): 0 is the base
     guide: ChoiceGuide | GrammarGuide | None = None  # what holds its output (choices, a pattern), if anything
+    banned: tuple = ()  # its bad words' ids (guided.bad_word_ids)
 
     @property
     def tokens(self) -> list[int]:
@@ -312,8 +313,9 @@ class Engine:
                 f"prompt + max_tokens = {need} positions need {pages} pages at once; the pool has "
                 f"{self.cfg.num_pages - 1} (engine.num_pages={self.cfg.num_pages}, one scratch)"
             )
-        if params.stop and self.tokenizer is None:
-            raise EngineError("stop strings need a tokenizer (the engine has none)")
+        if (params.stop or params.bad_words) and self.tokenizer is None:
+            what = "stop strings" if params.stop else "bad words"
+            raise EngineError(f"{what} need a tokenizer (the engine has none)")
         params.check_ids(self.vocab_size)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
@@ -324,6 +326,7 @@ class Engine:
             seed = zlib.crc32(f"{self.cfg.seed}/{request_id}".encode())
         guide = self.guides.guide(params)
         req = _Request(request_id, prompt, params, seed, order=0, source=source, adapter=index, guide=guide)
+        req.banned = bad_word_ids(params.bad_words, self.tokenizer) if params.bad_words else ()
         root = None if source is None else hash(("source", tuple(source)))  # its keys depend on the source
         root = hash(("adapter", adapter, root)) if index else root  # and on the adapter: shared within one only
         req.hashes = page_hashes(prompt, self.cfg.page_size, root) if self.cfg.prefix_sharing else []
@@ -510,8 +513,9 @@ class Engine:
         """One compiled step over `reqs`: a prefill chunk, the next `width` (at most) uncomputed tokens of each
         (a chunk of one included), or (`decode`) up to `decode_steps` steps from each one's last token."""
         spans = {}
-        # A guided request learns its next allowed tokens from each one drawn: its calls run one step.
-        steps = 1 if any(r.guide for r in reqs) else self.cfg.decode_steps
+        # A guided request learns its next allowed tokens from each one drawn, as one with a bad word of several
+        # tokens its banned ones: their calls run one step.
+        steps = 1 if any(r.guide or any(len(w) > 1 for w in r.banned) for r in reqs) else self.cfg.decode_steps
         for req in sorted(reqs, key=lambda r: r.order):
             if req.slot is None:  # preempted by an earlier one's reservation
                 continue
@@ -547,7 +551,7 @@ class Engine:
         # The likeliest tokens' log-probabilities, where a row asks: a variant of the step that returns them.
         top_n = MAX_TOP_LOGPROBS if any(r.params.top_logprobs for r in reqs) else 0
         if any(r.params.penalized for r in reqs):  # penalties or biases: a variant of the step that applies them
-            rows = [(i, r.params, r.prompt, r.out, r.guide) for r, i in row_of.items()]
+            rows = [(i, r.params, r.prompt, r.out, r.guide, r.banned) for r, i in row_of.items()]
             x["penalties"] = penalty_inputs(rows, R, self.vocab_size, self.eos_id)
         out = self._call(x, steps if decode else 1, top_n)
         for req, i in row_of.items():

@@ -1,6 +1,7 @@
 """Structured outputs: a request's output held to one of a list of token-id sequences, to a regular
 expression, to a JSON schema or to a context-free grammar (`SamplingParams.choices`, `regex`,
-`json_schema`, `grammar`; vLLM's guided decoding, OpenAI's `response_format`).
+`json_schema`, `grammar`; vLLM's guided decoding, OpenAI's `response_format`); and kept from words it
+must not write (`bad_words`, `bad_word_ids`).
 
 A guide says, before each token is drawn, which tokens may come next and whether the output so far is
 whole. The engine gives the others -inf logits (`requests.penalty_inputs`): EOS is allowed only where the
@@ -198,3 +199,22 @@ class Guides:
                 raise EngineError(f"{field}: {e}", field) from None
             self._lltokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocabulary))
         return self._lltokenizer
+
+
+def bad_word_ids(words: tuple[str, ...], tok) -> tuple[tuple[int, ...], ...]:
+    """`bad_words` as token ids, as vLLM reads them: each word as the tokenizer encodes it, and with a space
+    before it where that encodes otherwise (a word in mid-text) in as many tokens.
+
+    Args:
+        words: the words.
+        tok (Tokenizer): the engine's tokenizer.
+
+    Returns:
+        The id sequences, each once.
+    """
+    out = []
+    for word in words:
+        alone = tuple(tok.encode(word.lstrip()))
+        spaced = tuple(tok.encode(" " + word.lstrip()))
+        out += [alone] + ([spaced] if spaced[0] != alone[0] and len(spaced) == len(alone) else [])
+    return tuple(dict.fromkeys(w for w in out if w))

@@ -63,6 +63,9 @@ class SamplingParams:
             in effect bans a token); given as a mapping or (id, bias) pairs, kept as sorted pairs.
         allowed_token_ids: only these ids may be drawn (vLLM's `allowed_token_ids`; EOS too only if listed);
             () = all.
+        bad_words: words never written (vLLM's `bad_words`): each as the tokenizer encodes it, and with a space
+            before it; the last token of one is not drawn where the output ends with the ones before it.
+            Needs a tokenizer; a request with a word of several tokens decodes one step a call.
         stop_token_ids: ids that end the request as EOS does ("stop", the id left out of the output; vLLM's
             `stop_token_ids`): a chat model's turn-end token that is not its EOS, say. `ignore_eos` and
             `min_tokens` concern EOS only.
@@ -102,6 +105,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     choices: tuple[tuple[int, ...], ...] = ()
     regex: str | None = None
@@ -166,6 +170,10 @@ class SamplingParams:
             pairs.append((token, float(value)))
         need(len({t for t, _ in pairs}) == len(pairs), "logit_bias", "names a token id twice")
         object.__setattr__(self, "logit_bias", tuple(sorted(pairs)))
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
+        ok = isinstance(words, (tuple, list)) and all(isinstance(w, str) and w.strip() for w in words)
+        need(ok, "bad_words", f"must be non-blank strings, got {self.bad_words!r}")
+        object.__setattr__(self, "bad_words", tuple(words))
         for field in ("allowed_token_ids", "stop_token_ids"):
             ids = getattr(self, field)
             ok = isinstance(ids, (tuple, list)) and all(map(_is_id, ids))
@@ -215,7 +223,7 @@ class SamplingParams:
         """Whether a penalty, a bias, a set of allowed ids or a guide change this request's logits."""
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias
-            or self.allowed_token_ids or self.guided
+            or self.allowed_token_ids or self.bad_words or self.guided
         )  # fmt: skip
 
     @property
@@ -245,8 +253,8 @@ def penalty_inputs(rows: list[tuple], R: int, V: int, eos_id: int | None) -> tup
     those given (up to R) are left as they are (no penalty, no bias).
 
     Args:
-        rows (list[tuple]): (row index, SamplingParams, prompt ids, output ids so far, guide or None) of
-            each request (`jaxformer.engine.guided`).
+        rows (list[tuple]): (row index, SamplingParams, prompt ids, output ids so far, guide or None, its bad
+            words' ids, `guided.bad_word_ids`) of each request (`jaxformer.engine.guided`).
         R: the call's rows.
         V: the vocabulary's size.
         eos_id: the engine's EOS id (None: none).
@@ -257,12 +265,15 @@ def penalty_inputs(rows: list[tuple], R: int, V: int, eos_id: int | None) -> tup
     """
     counts, seen, bias = np.zeros((R, V), np.int32), np.zeros((R, V), bool), np.zeros((R, V), np.float32)
     presence, frequency, repetition = np.zeros(R, np.float32), np.zeros(R, np.float32), np.ones(R, np.float32)
-    for i, p, prompt, out, guide in rows:
+    for i, p, prompt, out, guide, banned in rows:
         np.add.at(counts[i], np.asarray(out, np.int64), 1)
         seen[i, np.asarray(prompt, np.int64)] = True
         presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
         for token, b in p.logit_bias:
             bias[i, token] = b
+        for word in banned:  # its last token, where the output ends with the ones before it
+            if len(word) == 1 or tuple(out[-(len(word) - 1) :]) == word[:-1]:
+                bias[i, word[-1]] = -np.inf
         if p.allowed_token_ids:
             barred = np.ones(V, bool)
             barred[np.asarray(p.allowed_token_ids, np.int64)] = False

@@ -20,6 +20,7 @@ from jaxformer.serve import forms, tools
 MAX_CHOICES = 128  # prompts x n of one request: more is a batch job (Engine.generate), not an HTTP call
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_TOKEN_IDS = 64  # vLLM's `stop_token_ids` of one request at most
+MAX_BAD_WORDS = 256  # vLLM's `bad_words` of one request at most
 # Fields OpenAI defines that change nothing here at their default value (anything else is refused, as
 # OpenAI refuses what it does not know: "Unrecognized request argument supplied").
 _NEUTRAL = {
@@ -35,7 +36,7 @@ _JSON_TYPE = {str: "a string", dict: "an object of string keys and values", bool
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
            "min_p", "ignore_eos", "min_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty",
            "logit_bias", "stop_token_ids", "allowed_token_ids", "truncate_prompt_tokens",
-           "include_stop_str_in_output", *forms.GUIDED}  # fmt: skip
+           "include_stop_str_in_output", "bad_words", *forms.GUIDED}  # fmt: skip
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix", "user"}
 CHAT_FIELDS = (
     _COMMON
@@ -310,7 +311,7 @@ def sampling(
     Args:
         body: the request body (temperature, top_p, seed, the penalties, logit_bias, response_format; vLLM's
             extensions: top_k, min_p, ignore_eos, min_tokens, repetition_penalty, stop_token_ids,
-            allowed_token_ids and the form fields, `forms`).
+            allowed_token_ids, bad_words and the form fields, `forms`).
         max_tokens: new tokens at most.
         stop: the stop strings.
         logprobs: return each chosen token's log-probability.
@@ -340,6 +341,9 @@ def sampling(
     guide = form(forms.form_fields, body, tok, max_tokens)
     stop_ids = _ids(body, "stop_token_ids", MAX_STOP_TOKEN_IDS)
     allowed = _ids(body, "allowed_token_ids", 1 << 20)
+    words = [] if body.get("bad_words") is None else body["bad_words"]
+    if not isinstance(words, list) or len(words) > MAX_BAD_WORDS or not all(isinstance(w, str) for w in words):
+        raise bad("bad_words", f"a list of at most {MAX_BAD_WORDS} strings is expected", "invalid_type")
     try:
         return [
             SamplingParams(
@@ -361,6 +365,7 @@ def sampling(
                 logit_bias=logit_bias,
                 stop_token_ids=stop_ids,
                 allowed_token_ids=allowed,
+                bad_words=tuple(words),
                 **guide,
             )
             for i in range(n)
