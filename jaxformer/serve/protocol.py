@@ -515,9 +515,9 @@ def completion_job(body: dict, tok, max_context: int) -> Job:
         APIError: a missing, mistyped or out-of-range field.
     """
     prompts, texts = id_lists(body, "prompt", tok)
-    if (keep := _kept(body, max_context)) is not None:
+    if (keep := _kept(body, max_context)) is not None:  # the prompts over it cut, their texts with them
+        texts = [tok.decode(ids[-keep:]) if len(ids) > keep else text for ids, text in zip(prompts, texts, strict=True)]
         prompts = [ids[-keep:] for ids in prompts]
-        texts = [tok.decode(ids) for ids in prompts]
     stream = flag(body, "stream")
     n = _n(body, len(prompts))
     if body.get("best_of") is not None and body["best_of"] != n:

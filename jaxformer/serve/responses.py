@@ -151,10 +151,14 @@ def response(rid: str, created: int, model: str, body: dict, text: str, finish: 
     }  # fmt: skip
 
 
+def _part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
 def _item(rid: str, text: str, status: str) -> dict:
-    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    """The Response's one output item: its message, id'd after the response."""
     return {"id": "msg_" + rid.removeprefix("resp_"), "type": "message", "status": status, "role": "assistant",
-            "content": [part]}  # fmt: skip
+            "content": [_part(text)]}  # fmt: skip
 
 
 class Events:
@@ -167,7 +171,7 @@ class Events:
 
     def __init__(self, model: str, body: dict):
         self.rid, self.created, self.model, self.body = new_id("resp"), now(), model, body
-        self.item = "msg_" + self.rid.removeprefix("resp_")
+        self.at = {"item_id": _item(self.rid, "", "in_progress")["id"], "output_index": 0, "content_index": 0}
         self.seq = 0
         self.text = ""
 
@@ -182,15 +186,13 @@ class Events:
         Returns:
             The events.
         """
-        at = {"item_id": self.item, "output_index": 0, "content_index": 0}
         started = response(self.rid, self.created, self.model, self.body, "", None, None)
         return (
             self._event("response.created", response=started)
             + self._event("response.in_progress", response=started)
             + self._event("response.output_item.added", output_index=0, item=_item(self.rid, "", "in_progress")
                           | {"content": []})
-            + self._event("response.content_part.added", **at,
-                          part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+            + self._event("response.content_part.added", **self.at, part=_part(""))
         )  # fmt: skip
 
     def delta(self, text: str) -> str:
@@ -203,8 +205,7 @@ class Events:
             The event.
         """
         self.text += text
-        at = {"item_id": self.item, "output_index": 0, "content_index": 0}
-        return self._event("response.output_text.delta", **at, delta=text, logprobs=[])
+        return self._event("response.output_text.delta", **self.at, delta=text, logprobs=[])
 
     def end(self, finish: str, usage: dict) -> str:
         """The events after the last text: the text, its part and message done, the response completed (or
@@ -218,10 +219,10 @@ class Events:
             The events.
         """
         whole = response(self.rid, self.created, self.model, self.body, self.text, finish, usage)
-        item, at = whole["output"][0], {"item_id": self.item, "output_index": 0, "content_index": 0}
+        item = whole["output"][0]
         return (
-            self._event("response.output_text.done", **at, text=self.text, logprobs=[])
-            + self._event("response.content_part.done", **at, part=item["content"][0])
+            self._event("response.output_text.done", **self.at, text=self.text, logprobs=[])
+            + self._event("response.content_part.done", **self.at, part=item["content"][0])
             + self._event("response.output_item.done", output_index=0, item=item)
             + self._event("response.completed" if whole["status"] == "completed" else "response.incomplete",
                           response=whole)
