@@ -342,8 +342,12 @@ def sampling(
     stop_ids = _ids(body, "stop_token_ids", MAX_STOP_TOKEN_IDS)
     allowed = _ids(body, "allowed_token_ids", 1 << 20)
     words = [] if body.get("bad_words") is None else body["bad_words"]
-    if not isinstance(words, list) or len(words) > MAX_BAD_WORDS or not all(isinstance(w, str) for w in words):
-        raise bad("bad_words", f"a list of at most {MAX_BAD_WORDS} strings is expected", "invalid_type")
+    if (
+        not isinstance(words, list)
+        or len(words) > MAX_BAD_WORDS
+        or not all(isinstance(w, str) and w.strip() for w in words)
+    ):
+        raise bad("bad_words", f"a list of at most {MAX_BAD_WORDS} non-blank strings is expected", "invalid_type")
     try:
         return [
             SamplingParams(
