@@ -256,6 +256,34 @@ def test_forced_tokens_are_taken_at_once_and_change_nothing(model):
     assert out.top_logprobs == [[(t, 0.0)] for t in (40, 41, 42)]
 
 
+def test_raw_log_probabilities_of_forced_tokens_are_the_model_s_own(model):
+    """Under `logprobs_mode="raw"` a request for log-probabilities draws the tokens its form forces by a
+    step each (the only one allowed), as vLLM does: the tokens are those taken at once by default, and each
+    token's log-probability and likeliest tokens are the model's own softmax over the tokens before it (one
+    forward pass over the whole sequence), not the 0 of a forced token."""
+    prompt = BYTE.encode("JSON: ")
+    params = [SamplingParams(max_tokens=80, json_schema=SCHEMA, logprobs=True, top_logprobs=2),
+              SamplingParams(max_tokens=5, choices=((40, 41, 42),), logprobs=True)]  # fmt: skip
+    cfg = EngineConfig(page_size=8, num_pages=64, max_slots=4, prefill_chunk=16, decode_steps=3, logprobs_mode="raw")
+    raw = Engine(model, cfg, tokenizer=BYTE, eos_id=BYTE.eos_id).generate([prompt] * 2, params)
+    jumped = _engine(model).generate([prompt] * 2, params)
+    assert [o.token_ids for o in raw] == [o.token_ids for o in jumped] and raw[1].token_ids == [40, 41, 42]
+    forced = [i for i, x in enumerate(jumped[0].logprobs) if x == 0.0]
+    assert len(forced) > len(jumped[0].token_ids) // 2 and jumped[1].logprobs == [0.0] * 3, jumped
+    forward = nnx.jit(lambda m, x: m(x))
+    for r in raw:
+        ids = np.zeros((1, 96), np.int32)
+        ids[0, : len(prompt) + len(r.token_ids)] = prompt + r.token_ids
+        logp = np.asarray(jax.nn.log_softmax(forward(model, jnp.asarray(ids))[0].astype(jnp.float32)))
+        at = np.arange(len(r.token_ids)) + len(prompt) - 1  # the positions whose logits give the new tokens
+        np.testing.assert_allclose(r.logprobs, logp[at, r.token_ids], rtol=1e-4, atol=1e-4)
+        assert min(np.abs(r.logprobs)) > 1e-3, r.logprobs  # none is a forced token's 0
+        if r.top_logprobs:  # the model's two likeliest there, whatever the form allows
+            assert [[i for i, _ in t] for t in r.top_logprobs] == np.argsort(-logp[at], axis=1)[:, :2].tolist()
+            want = -np.sort(-logp[at], axis=1)[:, :2]
+            np.testing.assert_allclose([[x for _, x in t] for t in r.top_logprobs], want, rtol=1e-4, atol=1e-4)
+
+
 def _forcing_nothing(guide):
     guide.forced = lambda out: []
     return guide

@@ -8,7 +8,8 @@ whole. The engine gives the others -inf logits (`requests.penalty_inputs`): EOS 
 output is whole, and a whole output that no token may extend ends the request ("stop"). A guided request
 decodes one step a call, as its next tokens depend on each one drawn. The tokens a guide forces after a
 drawn one, or at the start (`forced`), are taken at once, without a call each, and computed as a prefill
-chunk (at the start, with the prompt).
+chunk (at the start, with the prompt), each with log-probability 0; a request for the model's own
+log-probabilities (`logprobs_mode="raw"`) draws them a step each instead.
 
 Expressions, schemas and grammars are followed by llguidance (the Rust library behind vLLM's and SGLang's
 "guidance" backends and llama.cpp's grammars): each request has a matcher over the tokenizer's vocabulary,
