@@ -750,6 +750,9 @@ BAD = [  # (body, HTTP status, the field named, a word of the message)
         "vocabulary",
     ),
     ({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "stream", "not streamed"),
+    ({"model": MODEL, "prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs", "not streamed"),
+    ({"model": MODEL, "prompt": "x", "prompt_logprobs": -1}, 400, "prompt_logprobs", "[0, 20]"),
+    ({"model": MODEL, "prompt": "x", "prompt_logprobs": "2"}, 400, "prompt_logprobs", "an integer"),
     ({"model": MODEL, "prompt": "a\ud800b"}, 400, "prompt", "lone surrogate"),  # JSON's "\ud800": half a pair
     ({"model": MODEL, "prompt": ["ok", "x"], "stop": ["\udfff"]}, 400, "stop[0]", "lone surrogate"),
     ({"model": MODEL, "prompt": "x", "\ud800": 1}, 400, None, "lone surrogate"),
@@ -1061,6 +1064,54 @@ def test_echo_with_logprobs_scores_the_prompt_by_the_models_forward_pass(server,
         for got, top in zip(lp["top_logprobs"][1:], want[: n + new - 1], strict=True):
             _assert_texts(got, top)
     assert choice["finish_reason"] == "length" and alone["choices"][0]["finish_reason"] == "length"
+
+
+def test_prompt_logprobs_rank_each_prompt_token_by_the_models_forward_pass(server, engine, reference):
+    """vLLM's `prompt_logprobs`: for a completion (each choice) and a chat (the answer), the prompt's first
+    position null, then at each position the prompt's token first, its log-probability and rank (the ids at
+    least as likely, itself included) by one forward pass of the served model, then the k likeliest ranked
+    1..k (k = 0: the prompt's token alone); the answer itself unchanged."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    def expected(ids: list[int], k: int) -> list:
+        logp = np.asarray(jax.nn.log_softmax(engine.model(jnp.asarray([ids]))[0].astype(jnp.float32)))
+        out = [None]
+        for at, token in enumerate(ids[1:]):
+            row = logp[at]
+            entry = {str(token): (row[token], int((row >= row[token]).sum()), text_of([token]))}
+            for r, i in enumerate(np.argsort(-row, kind="stable")[:k], 1):
+                entry.setdefault(str(i), (row[i], r, text_of([int(i)])))
+            out.append(entry)
+        return out
+
+    def check(got: list, want: list) -> None:
+        assert len(got) == len(want) and got[0] is None
+        for g, w in zip(got[1:], want[1:], strict=True):
+            assert list(g) == list(w)  # the prompt's token first, then the likeliest in order
+            for key, (lp, rank, text) in w.items():
+                assert (g[key]["rank"], g[key]["decoded_token"]) == (rank, text), (g, w)
+                np.testing.assert_allclose(g[key]["logprob"], lp, rtol=1e-5, atol=1e-5)
+
+    prompt = "KING HENRY: to be"
+    ids = ids_of(prompt)
+    for k in (0, 3):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0, "n": 2, "prompt_logprobs": k}
+        status, out = server.post("/v1/completions", body)
+        assert status == 200, out
+        for choice in out["choices"]:
+            assert choice["text"] == text_of(reference(ids, 3))
+            check(choice["prompt_logprobs"], expected(ids, k))
+    ranks = [e[str(t)]["rank"] for e, t in zip(out["choices"][0]["prompt_logprobs"][1:], ids[1:], strict=True)]
+    assert max(ranks) > 3, ranks  # counted over the vocabulary, not places in the top list
+    messages = [{"role": "user", "content": "to be"}]
+    status, chat = server.post("/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2,
+                                                         "temperature": 0, "prompt_logprobs": 2})  # fmt: skip
+    assert status == 200, chat
+    status, tokenized = server.post("/tokenize", {"model": MODEL, "messages": messages})
+    assert status == 200 and chat["usage"]["prompt_tokens"] == tokenized["count"], (chat, tokenized)
+    check(chat["prompt_logprobs"], expected(tokenized["tokens"], 2))
+    assert chat["choices"][0]["message"]["content"] == text_of(reference(tokenized["tokens"], 2))
 
 
 @pytest.mark.parametrize("route", ["/v1/embeddings", "/v1/classify", "/classify"])

@@ -1,7 +1,7 @@
 """`jaxformer serve` of an encoder_decoder model: each completion's prompt is a source and its answer the
 model's output from BOS, `decode.translate`'s greedy tokens for it (whole, several prompts and streamed);
-chat and echo, which an answer that does not continue its prompt cannot honour, and a source over the
-model's length are refused by name."""
+chat, echo and prompt_logprobs, which an answer that does not continue its prompt cannot honour, and a
+source over the model's length are refused by name."""
 
 import jax
 import pytest
@@ -76,6 +76,7 @@ def test_a_completion_s_prompt_is_the_source_and_its_answer_translate_s(served):
     [
         ("chat/completions", {"messages": [{"role": "user", "content": "x"}]}, "model", "not a conversation"),
         ("completions", {"prompt": "x", "echo": True}, "echo", "nothing to echo"),
+        ("completions", {"prompt": "xy", "prompt_logprobs": 1}, "prompt_logprobs", "nothing to score"),
         ("completions", {"prompt": "x" * (MAX_LEN + 1)}, "prompt", f"the model's sources hold {MAX_LEN}"),
         ("completions", {"prompt": ["ok", "x" * (MAX_LEN + 1)]}, "prompt[1]", "sources hold"),
     ],

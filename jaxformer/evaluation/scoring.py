@@ -35,14 +35,16 @@ class ScoringError(ValueError):
 @functools.partial(jax.jit, static_argnames=("graphdef", "top_n"))
 def _token_logprobs(graphdef, params, inputs_BT, targets_BT, lengths_B, src_BS, src_lengths_B, top_n=1):
     """log p(targets[b, t] | inputs[b, :t+1] (, source b)) [B, T] in float32, the `top_n` most likely ids at
-    each position [B, T, top_n] (likeliest first; ties to the lower id, as argmax) and their log-probabilities."""
+    each position [B, T, top_n] (likeliest first; ties to the lower id, as argmax), their log-probabilities,
+    and each target's rank [B, T] (the ids at least as likely, itself included: 1 for the likeliest; vLLM's)."""
     model = nnx.merge(graphdef, params)
     memory_BSD = None if src_BS is None else model.encode(src_BS, src_lengths=src_lengths_B)
     logits_BTV = model.decode(memory_BSD, src_BS, inputs_BT, src_lengths=src_lengths_B, tgt_lengths=lengths_B)
     logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32))  # float32: the harness sums these
     logp_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
     top_logp_BTn, top_BTn = jax.lax.top_k(logp_BTV, top_n)
-    return logp_BT, top_BTn, top_logp_BTn
+    rank_BT = jnp.sum(logp_BTV >= logp_BT[..., None], axis=-1, dtype=jnp.int32)
+    return logp_BT, top_BTn, top_logp_BTn, rank_BT
 
 
 def bucket(n: int, cap: int) -> int:
@@ -141,7 +143,7 @@ class Scorer:
         """
         rows = [self.rows(c, x) for c, x in requests]
         out = []
-        for (inp, tgt, _, first), (logp, top, _) in zip(rows, self._forward(rows), strict=True):
+        for (inp, tgt, _, first), (logp, top, *_) in zip(rows, self._forward(rows), strict=True):
             scored = slice(first, len(inp))
             greedy = bool((top[scored, 0] == np.asarray(tgt)[scored]).all())
             out.append((float(np.sum(logp[scored], dtype=np.float64)), greedy))
@@ -149,9 +151,9 @@ class Scorer:
 
     def prompt_logprobs(
         self, sequences: Sequence[Sequence[int]], top_n: int = 1
-    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
         """Each token's log-probability given the tokens before it (decoder_only): what an OpenAI
-        completion with `echo` and `logprobs` returns for its prompt.
+        completion with `echo` and `logprobs` returns for its prompt, and vLLM's `prompt_logprobs`.
 
         Args:
             sequences: token ids, each of 2 to max_len + 1 tokens.
@@ -159,7 +161,8 @@ class Scorer:
 
         Returns:
             Per sequence, for its tokens 1..n-1: (log-probability [n-1], the `top_n` most likely ids there
-            [n-1, top_n], likeliest first, and their log-probabilities [n-1, top_n]), float32 and int32.
+            [n-1, top_n], likeliest first, their log-probabilities [n-1, top_n], and each token's rank [n-1]:
+            the ids at least as likely there, itself included), float32 and int32.
 
         Raises:
             ScoringError: an encoder_decoder model, or a sequence too short or too long.
@@ -174,9 +177,9 @@ class Scorer:
         out = self._forward(rows, top_n)
         return [tuple(a[: len(r[0])] for a in got) for r, got in zip(rows, out, strict=True)]
 
-    def _forward(self, rows: list, top_n: int = 1) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def _forward(self, rows: list, top_n: int = 1) -> list[tuple[np.ndarray, ...]]:
         """Rows as `rows` cuts them -> per row, (target log-probabilities, the `top_n` likeliest ids, their
-        log-probabilities) over its padded width, in row order."""
+        log-probabilities, the targets' ranks) over its padded width, in row order."""
         order = sorted(range(len(rows)), key=lambda i: -(len(rows[i][0]) + len(rows[i][2])))
         out: list = [None] * len(rows)
         B = self.batch_size
@@ -198,9 +201,9 @@ class Scorer:
             arrays = (inputs, targets, lengths, src, src_lengths)
             if self._rows is not None:
                 arrays = jax.device_put(arrays, self._rows)
-            logp, top, top_logp = jax.device_get(_token_logprobs(self._graphdef, self._params, *arrays, top_n))
+            got = jax.device_get(_token_logprobs(self._graphdef, self._params, *arrays, top_n))
             for b, i in enumerate(chunk):
-                out[i] = (logp[b], top[b], top_logp[b])
+                out[i] = tuple(a[b] for a in got)
         return out
 
 

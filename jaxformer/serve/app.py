@@ -216,16 +216,17 @@ class _Server:
             self._generates()
             job = self._named(protocol.completion_job(body, self.tok, self.engine.max_context), body)
             if self.engine.encoder_decoder:  # each prompt a source; the answer starts from BOS
-                if job.echo:
-                    raise protocol.bad("echo", "an encoder_decoder model's answer does not continue its source: "
-                                       "nothing to echo", "unsupported")  # fmt: skip
+                if job.echo or job.prompt_logprobs is not None:
+                    field, what = ("echo", "echo") if job.echo else ("prompt_logprobs", "score")
+                    raise protocol.bad(field, "an encoder_decoder model's answer does not continue its source: "
+                                       f"nothing to {what}", "unsupported")  # fmt: skip
                 for i, ids in enumerate(job.prompts):
                     if len(ids) > self.max_source:
                         raise protocol.bad(f"prompt[{i}]" if len(job.prompts) > 1 else "prompt", f"a source of "
                                            f"{len(ids)} tokens: the model's sources hold {self.max_source}",
                                            "context_length_exceeded")  # fmt: skip
                 job.sources = True
-            scores = await self._score(job) if job.score_prompt else None
+            scores = await self._score(job)
             if not job.generate:  # echo with max_tokens 0: the prompt alone, the engine not asked
                 choices = [_Choice(self.tok, job, index, scores) for index in range(len(job.prompts) * job.n)]
                 for c in choices:
@@ -241,7 +242,7 @@ class _Server:
             self._generates(chat=True)
             template = getattr(self.engine, "chat_template", None)
             job = self._named(protocol.chat_job(body, self.tok, self.engine.max_context, template), body)
-            return await self._run(request, job)
+            return await self._run(request, job, await self._score(job))
 
         return await self._guarded(request, answer)
 
@@ -326,11 +327,17 @@ class _Server:
         except EngineError as e:  # an id outside the vocabulary
             raise protocol.bad("input", str(e)) from None
 
-    async def _score(self, job: Job) -> list[dict]:
-        """Each prompt's tokens, their log-probabilities (the first's None) and the likeliest tokens at each
-        position (`job.top_logprobs`, at least one), by one batched forward pass (jaxformer.evaluation.scoring)
-        in the engine's thread, over the weights it serves."""
+    async def _score(self, job: Job) -> list[dict] | None:
+        """Where a request asks (echo with logprobs, or vLLM's `prompt_logprobs`), each prompt's scores by one
+        batched forward pass (jaxformer.evaluation.scoring) in the engine's thread, over the weights it serves:
+        "echo": OpenAI's "tokens", "token_logprobs" and "top_logprobs" (the first None; `job.top_logprobs`
+        likeliest at each), and "ranked": vLLM's prompt_logprobs (`_ranked`), each where asked; None where
+        neither is."""
         from jaxformer.evaluation.scoring import Scorer, ScoringError
+
+        if not job.score_prompt and job.prompt_logprobs is None:
+            return None
+        top_n = max(job.top_logprobs, job.prompt_logprobs or 0, 1)
 
         for i, ids in enumerate(job.prompts):
             V = self.engine.vocab_size
@@ -343,19 +350,24 @@ class _Server:
         def score(engine):
             model = engine.model if job.adapter is None else engine.model_of(job.adapter)
             scorer = Scorer(model, batch_size=engine.cfg.max_slots)  # weights as served now
-            return scorer.prompt_logprobs([job.prompts[i] for i in scored], max(job.top_logprobs, 1))
+            return scorer.prompt_logprobs([job.prompts[i] for i in scored], top_n)
 
         try:
             found = dict(zip(scored, await asyncio.wrap_future(self.runner.call(score)), strict=True))
         except ScoringError as e:
-            raise protocol.bad("echo", f"this model cannot score a prompt: {e}", "unsupported") from None
+            field = "echo" if job.score_prompt else "prompt_logprobs"
+            raise protocol.bad(field, f"this model cannot score a prompt: {e}", "unsupported") from None
         out = []
         for i, ids in enumerate(job.prompts):
-            logp, top, top_logp = found.get(i, ((), (), ()))
-            tops = [_top_texts(self.tok, zip(t, lp, strict=True)) if job.top_logprobs else {}
+            logp, top, top_logp, rank = found.get(i, ((), (), (), ()))
+            k = job.top_logprobs
+            tops = [_top_texts(self.tok, zip(t[:k], lp[:k], strict=True)) if k else {}
                     for t, lp in zip(top, top_logp, strict=True)]  # fmt: skip
-            out.append({"tokens": [self.tok.decode([t]) for t in ids],
-                        "token_logprobs": [None, *map(float, logp)], "top_logprobs": [None, *tops]})  # fmt: skip
+            echo = {"tokens": [self.tok.decode([t]) for t in ids],
+                    "token_logprobs": [None, *map(float, logp)], "top_logprobs": [None, *tops]}  # fmt: skip
+            n, at = job.prompt_logprobs, zip(ids[1:], logp, rank, top, top_logp, strict=True)
+            ranked = None if n is None else [None, *(_ranked(self.tok, *r, n) for r in at)]
+            out.append({"echo": echo if job.score_prompt else None, "ranked": ranked})
         return out
 
     async def _submit(self, job: Job) -> tuple[asyncio.Queue, list[str]]:
@@ -439,18 +451,21 @@ class _Server:
             c = choices[0]
             rid, model = protocol.new_id("resp"), job.model or self.model_name
             return responses.response(rid, protocol.now(), model, job.respond, c.text, c.finish_reason, usage)
+        # vLLM's prompt_logprobs: a completion's in each choice, a chat's (one prompt) in the answer.
+        prompt_logprobs = lambda c: {} if job.prompt_logprobs is None else {"prompt_logprobs": c.scores["ranked"]}
         if job.chat:
             return {
                 "id": protocol.new_id("chatcmpl"), "object": "chat.completion", "created": protocol.now(),
                 "model": job.model or self.model_name,
                 "choices": [_message(c, job) for c in choices],
                 "usage": usage,
-            }  # fmt: skip
+            } | prompt_logprobs(choices[0])  # fmt: skip
         return {
             "id": protocol.new_id("cmpl"), "object": "text_completion", "created": protocol.now(),
             "model": job.model or self.model_name,
             "choices": [{"index": c.index, "text": c.text, "logprobs": c.text_logprobs(c.logprobs, whole=True)
-                         if job.logprobs else None, "finish_reason": c.finish_reason} for c in choices],
+                         if job.logprobs else None, "finish_reason": c.finish_reason} | prompt_logprobs(c)
+                        for c in choices],
             "usage": usage,
         }  # fmt: skip
 
@@ -532,7 +547,7 @@ class _Choice:
     def __init__(self, tok, job: Job, index: int, scores: list[dict] | None = None, on_end=None):
         self.tok, self.index, self.on_end = tok, index, on_end  # on_end(choice, reason): once, when it ends
         self.prompt = job.prompts[index // job.n]
-        self.scores = None if scores is None else scores[index // job.n]  # the prompt's (echo with logprobs)
+        self.scores = None if scores is None else scores[index // job.n]  # the prompt's (`App._score`)
         self.echo = job.prompt_texts[index // job.n] if job.echo else ""
         self.stream = TextStream(tok, job.stop, getattr(tok, "eos_id", None), job.shown_stops)
         self.calls = None if job.tools is None else CallStream(job.tools)  # a streamed chat's deltas under tools
@@ -578,8 +593,8 @@ class _Choice:
         tokens = [self.tok.decode([t]) for t, _, _ in triples]
         lps = [lp for _, lp, _ in triples]
         tops = [_top_texts(self.tok, top) for _, _, top in triples] if self.top_n else None
-        if whole and self.scores is not None:
-            s = self.scores
+        if whole and self.scores is not None and self.scores["echo"] is not None:
+            s = self.scores["echo"]
             return {"tokens": s["tokens"] + tokens, "token_logprobs": s["token_logprobs"] + lps,
                     "top_logprobs": s["top_logprobs"] + (tops or [{}] * len(triples)), "text_offset": None}  # fmt: skip
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": None}
@@ -602,6 +617,30 @@ def _message(c: _Choice, job: Job) -> dict:
         message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
     logprobs = c.chat_logprobs(c.logprobs) if job.logprobs else None
     return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+
+
+def _ranked(tok, token: int, logp: float, rank: int, top, top_logp, n: int) -> dict[str, dict]:
+    """One prompt position as vLLM's `prompt_logprobs` lists it: {id: {"logprob", "rank", "decoded_token"}}
+    for the prompt's token there (its rank: the ids at least as likely, itself included), then the `n`
+    likeliest (ranks 1 to n) not already listed.
+
+    Args:
+        tok (Tokenizer): decodes each id.
+        token: the prompt's token at the position.
+        logp: its log-probability.
+        rank: its rank.
+        top: the likeliest ids there, likeliest first (at least `n`).
+        top_logp: their log-probabilities.
+        n: how many of them are listed.
+
+    Returns:
+        The dict, its keys the ids as strings (JSON's).
+    """
+    entry = lambda i, lp, r: {"logprob": float(lp), "rank": int(r), "decoded_token": tok.decode([int(i)])}
+    out = {str(int(token)): entry(token, logp, rank)}
+    for r, (i, lp) in enumerate(zip(top[:n], top_logp[:n], strict=True), 1):
+        out.setdefault(str(int(i)), entry(i, lp, r))
+    return out
 
 
 def _top_texts(tok, pairs) -> dict[str, float]:

@@ -36,7 +36,7 @@ _JSON_TYPE = {str: "a string", dict: "an object of string keys and values", bool
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
            "min_p", "ignore_eos", "min_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty",
            "logit_bias", "stop_token_ids", "allowed_token_ids", "truncate_prompt_tokens",
-           "include_stop_str_in_output", "bad_words", *forms.GUIDED}  # fmt: skip
+           "include_stop_str_in_output", "bad_words", "prompt_logprobs", *forms.GUIDED}  # fmt: skip
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix", "user"}
 CHAT_FIELDS = (
     _COMMON
@@ -104,6 +104,8 @@ class Job:
         score_prompt: echo with logprobs: each prompt token's log-probability too (a forward pass).
         top_logprobs: how many most likely tokens each position lists, the prompt's (scored) and the new
             ones' (0 to the engine's MAX_TOP_LOGPROBS).
+        prompt_logprobs: vLLM's: each prompt token's log-probability and rank, and this many likeliest tokens
+            at each position (a forward pass), or None.
         generate: new tokens are asked for (false: echo with max_tokens 0, the prompt alone).
         model: the model the request names (the served model's id, or a LoRA adapter's name).
         adapter: the engine's adapter it runs (None: the base).
@@ -127,6 +129,7 @@ class Job:
     stop: tuple[str, ...]
     score_prompt: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None
     generate: bool = True
     model: str = ""
     adapter: str | None = None
@@ -451,6 +454,15 @@ def _n(body: dict, prompts: int) -> int:
     return n
 
 
+def _prompt_logprobs(body: dict, stream: bool) -> int | None:
+    """vLLM's `prompt_logprobs`: the likeliest tokens listed at each prompt position (0 to MAX_TOP_LOGPROBS:
+    the prompt's own token alone), or None; answered whole, as vLLM does."""
+    n = _top_logprobs(body, "prompt_logprobs", None)
+    if n is not None and stream:
+        raise bad("prompt_logprobs", "the prompt's log-probabilities are answered whole, not streamed", "unsupported")
+    return n
+
+
 def _stream_options(body: dict, stream: bool) -> dict:
     """`stream_options` as the Job's fields: OpenAI's `include_usage`, and vLLM's `continuous_usage_stats`
     (with it: each chunk's choice's counts so far)."""
@@ -544,7 +556,7 @@ def completion_job(body: dict, tok, max_context: int) -> Job:
     return Job(
         chat=False, prompts=prompts, prompt_texts=texts,
         params=sampling(body, max(max_tokens, 1), stop, logprobs is not None, n, logprobs or 0, tok),
-        stream=stream, **_stream_options(body, stream), echo=echo,
+        stream=stream, **_stream_options(body, stream), echo=echo, prompt_logprobs=_prompt_logprobs(body, stream),
         logprobs=logprobs is not None, stop=stop, score_prompt=score, top_logprobs=logprobs or 0,
         generate=max_tokens > 0, guided_by=form(forms.guided_by, body), shown_stops=_shown(body),
     )  # fmt: skip
@@ -683,7 +695,7 @@ def chat_job(body: dict, tok, max_context: int, template) -> Job:
     return Job(
         chat=True, prompts=[ids], prompt_texts=[text], params=params, stream=stream, echo=False,
         **_stream_options(body, stream), logprobs=logprobs, stop=stop, top_logprobs=top_logprobs,
-        guided_by=guided, tools=given, shown_stops=_shown(body),
+        prompt_logprobs=_prompt_logprobs(body, stream), guided_by=guided, tools=given, shown_stops=_shown(body),
     )  # fmt: skip
 
 
