@@ -939,6 +939,7 @@ BAD_CHAT = [
 
 RESPONSES = "/v1/responses"
 UNFOLLOWED = {"type": "json_schema", "schema": {"type": 5}}  # UNFOLLOWABLE, in the Responses' flat form
+FUNCTION_G = {"type": "function", "name": "g"}  # a Responses tool_choice of a function not given
 
 
 def asked(**more) -> dict:
@@ -949,8 +950,26 @@ def asked(**more) -> dict:
 BAD_RESPONSES = [  # /v1/responses: (path, body, HTTP status, the field named, a word of the message)
     (RESPONSES, {"model": MODEL}, 400, "input", "a string or a non-empty list"),
     (RESPONSES, asked(previous_response_id="resp_1"), 400, "previous_response_id", "the whole conversation"),
-    (RESPONSES, asked(tools=[{"type": "web_search"}]), 400, "tools", "not supported"),
-    (RESPONSES, asked(input=[{"type": "function_call_output"}]), 400, "input[0]", "a message"),
+    (RESPONSES, asked(tools=[{"type": "web_search"}]), 400, "tools[0]", "only function tools"),
+    (RESPONSES, asked(tools=[{"type": "function", "name": "a b"}]), 400, "tools[0].name", "letters, digits"),
+    (RESPONSES, asked(tools=[{"type": "function", "name": "f"}], tool_choice=FUNCTION_G), 400, "tool_choice", "'g'"),
+    (RESPONSES, asked(tool_choice={"type": "file_search"}), 400, "tool_choice", "is expected"),
+    (RESPONSES, asked(input=[{"type": "function_call_output"}]), 400, "input[0].call_id", "a string"),
+    (RESPONSES, asked(input=[{"type": "reasoning"}]), 400, "input[0]", "a message"),
+    (
+        RESPONSES,
+        asked(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{x"}]),
+        400,
+        "input[0].arguments",
+        "not JSON",
+    ),
+    (
+        RESPONSES,
+        asked(input=[{"role": "user", "content": "x"}, {"type": "function_call_output", "call_id": "c", "output": ""}]),
+        400,
+        "input[1]",
+        "call",
+    ),
     (
         RESPONSES,
         asked(input=[{"role": "user", "content": [{"type": "input_image"}]}]),

@@ -199,3 +199,85 @@ def test_auto_parses_the_calls_out_of_the_answer_whole_and_streamed(server):
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls]  # fmt: skip
     plain = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=12, temperature=0)
     assert plain.choices[0].message.tool_calls is None and re.fullmatch(r"[^<]*", plain.choices[0].message.content)
+
+
+# The tools in the Responses API's flat form.
+FLAT = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+def test_the_responses_api_calls_tools_as_the_chat_does(server):
+    """OpenAI's Responses API through its own client: function tools in its flat form and a named or
+    "required" `tool_choice` give the chat's calls (the same greedy answer) as function_call items; streamed,
+    each call's item is added, its arguments come in pieces that make the whole's, and it is done; a
+    conversation with an earlier call and its output (input items) is answered as the chat of the
+    assistant's tool_calls and the tool's message is."""
+    client = server.client()
+    base = dict(model=MODEL, max_output_tokens=80, temperature=0)
+    chat = dict(model=MODEL, max_tokens=80, temperature=0)
+    weather = {"type": "function", "function": {"name": "get_weather"}}
+    named = client.responses.create(input=ASK, tools=FLAT, tool_choice={"type": "function", "name": "get_weather"},
+                                    **base)  # fmt: skip
+    want = client.chat.completions.create(messages=ASK, tools=TOOLS, tool_choice=weather, **chat)
+    [item] = named.output
+    assert (item.type, item.name, item.status, named.status) == ("function_call", "get_weather", *["completed"] * 2)
+    assert item.arguments == want.choices[0].message.tool_calls[0].function.arguments
+    assert item.call_id.startswith("call_") and item.id.startswith("fc_")
+    jsonschema.validate(json.loads(item.arguments), WEATHER)
+    required = client.responses.create(input=ASK, tools=FLAT, tool_choice="required", parallel_tool_calls=False, **base)
+    want = client.chat.completions.create(messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                                          **chat)  # fmt: skip
+    made = want.choices[0].message.tool_calls
+    assert [(i.type, i.name, i.arguments) for i in required.output] == [
+        ("function_call", c.function.name, c.function.arguments) for c in made]  # fmt: skip
+    events = list(client.responses.create(input=ASK, tools=FLAT, tool_choice="required", parallel_tool_calls=False,
+                                          stream=True, **base))  # fmt: skip
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"], kinds
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert set(kinds[3:-3]) == {"response.function_call_arguments.delta"} and len(kinds) > 8, kinds
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    pieces = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = events[-1].response.output
+    assert pieces == events[-3].arguments == done[0].arguments == required.output[0].arguments
+    assert events[2].item.id == done[0].id and done[0].name == required.output[0].name
+    # A second turn: the call made and its output, as input items, answer as the chat's messages do.
+    call = required.output[0]
+    items = [*ASK, {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+             {"type": "function_call_output", "call_id": call.call_id, "output": '{"rain": true}'}]  # fmt: skip
+    then = client.responses.create(model=MODEL, input=items, tools=FLAT, max_output_tokens=12, temperature=0)
+    calls = [{"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": call.call_id, "content": '{"rain": true}'}]  # fmt: skip
+    want = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=12, temperature=0)
+    assert then.output_text == want.choices[0].message.content and then.output[0].type == "message"
+    assert then.usage.input_tokens == want.usage.prompt_tokens
+
+
+def test_a_responses_stream_adds_the_message_then_each_call_in_turn():
+    """`responses.Events` fed the chat deltas of an "auto" answer (text, then two calls whole, as
+    `tools.CallStream` gives them at the end): the message's item and part added with its first text and
+    done when the first call begins, each call added and done in turn, numbered in order; the final response
+    lists the three items as streamed."""
+    from jaxformer.serve.responses import Events
+
+    out = Events("m", {"model": "m"})
+    calls = [tools.call("get_time", '{"zone": "UTC"}'), tools.call("get_weather", '{"city": "Oslo", "days": 2}')]
+    stream = (out.start() + out.chat_delta({"content": "Let me "}) + out.chat_delta({"content": "see."})
+              + out.chat_delta({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
+              + out.end("tool_calls", {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}))  # fmt: skip
+    events = [json.loads(line[6:]) for line in stream.splitlines() if line.startswith("data: ")]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [(e["type"].removeprefix("response."), e.get("output_index")) for e in events] == [
+        ("created", None), ("in_progress", None), ("output_item.added", 0), ("content_part.added", 0),
+        ("output_text.delta", 0), ("output_text.delta", 0), ("output_text.done", 0), ("content_part.done", 0),
+        ("output_item.done", 0), ("output_item.added", 1), ("function_call_arguments.delta", 1),
+        ("function_call_arguments.done", 1), ("output_item.done", 1), ("output_item.added", 2),
+        ("function_call_arguments.delta", 2), ("function_call_arguments.done", 2), ("output_item.done", 2),
+        ("completed", None)]  # fmt: skip
+    final = events[-1]["response"]
+    assert [i["type"] for i in final["output"]] == ["message", "function_call", "function_call"]
+    assert final["output"][0]["content"][0]["text"] == "Let me see." and final["status"] == "completed"
+    assert [(i["call_id"], i["name"], i["arguments"], i["status"]) for i in final["output"][1:]] == [
+        (c["id"], c["function"]["name"], c["function"]["arguments"], "completed") for c in calls]  # fmt: skip
+    assert [e["item"]["id"] for e in events if e["type"] == "response.output_item.done"] == [
+        i["id"] for i in final["output"]]  # fmt: skip

@@ -253,10 +253,11 @@ class _Server:
             body = await self._body(request, responses.FIELDS)
             self._generates(chat=True)
             template = getattr(self.engine, "chat_template", None)
+            chat, origin = responses.as_chat(body)
             try:
-                job = protocol.chat_job(responses.as_chat(body), self.tok, self.engine.max_context, template)
+                job = protocol.chat_job(chat, self.tok, self.engine.max_context, template)
             except APIError as e:
-                raise responses.renamed(e) from None
+                raise responses.renamed(e, origin) from None
             job.respond = body
             if job.guided_by == "response_format":  # an engine's error names the Responses field
                 job.guided_by = "text.format"
@@ -448,9 +449,13 @@ class _Server:
     def _whole(self, job: Job, choices: list[_Choice]) -> dict:
         usage = _usage(job, choices)
         if job.respond is not None:  # one choice: a Responses request has no n
-            c = choices[0]
-            rid, model = protocol.new_id("resp"), job.model or self.model_name
-            return responses.response(rid, protocol.now(), model, job.respond, c.text, c.finish_reason, usage)
+            c, rid = choices[0], protocol.new_id("resp")
+            content, calls, reason = c.text, [], c.finish_reason
+            if job.tools is not None:
+                content, calls, reason = job.tools.answer(c.text, c.finish_reason)
+            output = responses.outputs(rid, content, calls, reason)
+            model = job.model or self.model_name
+            return responses.response(rid, protocol.now(), model, job.respond, output, reason, usage)
         # vLLM's prompt_logprobs: a completion's in each choice, a chat's (one prompt) in the answer.
         prompt_logprobs = lambda c: {} if job.prompt_logprobs is None else {"prompt_logprobs": c.scores["ranked"]}
         if job.chat:
@@ -515,10 +520,17 @@ class _Server:
         out = responses.Events(job.model or self.model_name, job.respond)
         try:
             yield out.start()
+            c = choices[0]
             async for _, piece, _ in self._pieces(job, events, ids, choices):
-                if piece:
+                if c.calls is not None:  # under tools: the content before the calls, then each call
+                    yield out.chat_delta(c.calls.add(piece))
+                elif piece:
                     yield out.delta(piece)
-            yield out.end(choices[0].finish_reason, _usage(job, choices))
+            reason = c.finish_reason
+            if c.calls is not None:
+                delta, reason = c.calls.end(reason)
+                yield out.chat_delta(delta)
+            yield out.end(reason, _usage(job, choices))
         except APIError as e:  # the engine failed
             yield out.error(e)
         finally:
