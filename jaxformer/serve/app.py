@@ -559,7 +559,7 @@ class _Choice:
     def __init__(self, tok, job: Job, index: int, scores: list[dict] | None = None, on_end=None):
         self.tok, self.index, self.on_end = tok, index, on_end  # on_end(choice, reason): once, when it ends
         self.prompt = job.prompts[index // job.n]
-        self.scores = None if scores is None else scores[index // job.n]  # the prompt's (`App._score`)
+        self.scores = None if scores is None else scores[index // job.n]  # the prompt's (`_Server._score`)
         self.echo = job.prompt_texts[index // job.n] if job.echo else ""
         self.stream = TextStream(tok, job.stop, getattr(tok, "eos_id", None), job.shown_stops)
         self.calls = None if job.tools is None else CallStream(job.tools)  # a streamed chat's deltas under tools
