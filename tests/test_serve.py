@@ -188,6 +188,24 @@ def test_the_responses_api_answers_as_the_chat_it_is(server):
     jsonschema.validate(json.loads(got.output_text), ANSWER)
 
 
+def test_the_responses_api_returns_the_chat_s_log_probabilities(server):
+    """The Responses API's `include: ["message.output_text.logprobs"]` and `top_logprobs`: the message's
+    text part lists each token's log-probability and its likeliest tokens, as the chat's `logprobs.content`
+    lists them for the same messages; streamed, the deltas' lists make the whole's."""
+    client = server.client()
+    ask = dict(model=MODEL, input="Hi", max_output_tokens=8, temperature=0, top_logprobs=2)
+    got = client.responses.create(**ask, include=["message.output_text.logprobs"])
+    want = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+                                          temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    listed = [lp.to_dict() for lp in got.output[0].content[0].logprobs]
+    assert listed == [lp.to_dict() for lp in want.choices[0].logprobs.content] and len(listed) >= 1
+    assert all(len(lp["top_logprobs"]) == 2 for lp in listed)
+    events = list(client.responses.create(**ask, stream=True))  # top_logprobs alone asks too
+    streamed = [lp.to_dict() for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert streamed == listed == [lp.to_dict() for lp in events[-1].response.output[0].content[0].logprobs]
+    assert "".join(lp["token"] for lp in listed) == got.output_text
+
+
 def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(server, reference):
     """vLLM's `truncate_prompt_tokens`: a prompt longer than the context, cut to its last k tokens, is
     answered as those k tokens alone (`generate`'s greedy continuation) and counted as k, a completion's
@@ -983,6 +1001,9 @@ BAD_RESPONSES = [  # /v1/responses: (path, body, HTTP status, the field named, a
     (RESPONSES, asked(seed=1), 400, "seed", "unrecognized"),
     (RESPONSES, asked(text={"format": UNFOLLOWED}), 400, "text.format", "cannot be followed"),  # the engine's
     (RESPONSES, asked(text="json"), 400, "text", "an object"),
+    (RESPONSES, asked(include=["reasoning.encrypted_content"]), 400, "include", "not supported"),
+    (RESPONSES, asked(top_logprobs=21), 400, "top_logprobs", "[0, 20]"),
+    (RESPONSES, asked(top_logprobs=1, tools=[{"type": "function", "name": "f"}]), 400, "include", "beside tools"),
 ]
 BAD_TOKENIZE = [  # vLLM's /tokenize and /detokenize: (path, body, HTTP status, the field named, a word of the message)
     ("/tokenize", {"model": MODEL}, 400, "prompt", "either prompt"),

@@ -453,7 +453,8 @@ class _Server:
             content, calls, reason = c.text, [], c.finish_reason
             if job.tools is not None:
                 content, calls, reason = job.tools.answer(c.text, c.finish_reason)
-            output = responses.outputs(rid, content, calls, reason)
+            logprobs = c.chat_logprobs(c.logprobs)["content"] if job.logprobs else None
+            output = responses.outputs(rid, content, calls, reason, logprobs)
             model = job.model or self.model_name
             return responses.response(rid, protocol.now(), model, job.respond, output, reason, usage)
         # vLLM's prompt_logprobs: a completion's in each choice, a chat's (one prompt) in the answer.
@@ -521,11 +522,11 @@ class _Server:
         try:
             yield out.start()
             c = choices[0]
-            async for _, piece, _ in self._pieces(job, events, ids, choices):
+            async for _, piece, triples in self._pieces(job, events, ids, choices):
                 if c.calls is not None:  # under tools: the content before the calls, then each call
                     yield out.chat_delta(c.calls.add(piece))
-                elif piece:
-                    yield out.delta(piece)
+                elif piece or triples:
+                    yield out.delta(piece, c.chat_logprobs(triples)["content"] if triples else None)
             reason = c.finish_reason
             if c.calls is not None:
                 delta, reason = c.calls.end(reason)

@@ -17,12 +17,13 @@ from jaxformer.serve.protocol import APIError, bad, new_id, now
 
 # Responses' fields: those read, and the bookkeeping ones passed to the chat as they are.
 FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "text",
-          "tools", "tool_choice", "parallel_tool_calls", "metadata", "user", "store", "safety_identifier",
-          "prompt_cache_key"}  # fmt: skip
+          "tools", "tool_choice", "parallel_tool_calls", "top_logprobs", "include", "metadata", "user", "store",
+          "safety_identifier", "prompt_cache_key"}  # fmt: skip
+LOGPROBS = "message.output_text.logprobs"  # the `include` that asks for the message's log-probabilities
 # Fields this server cannot honour, taken at these values only.
 _NEUTRAL = {"previous_response_id": (None,), "truncation": (None, "disabled"), "reasoning": (None,),
-            "include": (None, []), "background": (None, False), "service_tier": (None, "auto", "default"),
-            "top_logprobs": (None, 0)}  # fmt: skip
+            "include": (None, [], [LOGPROBS]), "background": (None, False),
+            "service_tier": (None, "auto", "default")}  # fmt: skip
 FIELDS |= set(_NEUTRAL)
 _ROLES = ("user", "assistant", "system", "developer")
 _PARTS = {"input_text", "output_text", "text"}  # the text parts of a message's content
@@ -79,6 +80,10 @@ def as_chat(body: dict) -> tuple[dict, list[list[str]]]:
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     chat |= _tools(body)
+    if body.get("include") == [LOGPROBS] or body.get("top_logprobs"):  # the message's tokens', and the likeliest
+        if chat.get("tools"):
+            raise bad("include", "log-probabilities are served for a message's text, not beside tools", "unsupported")
+        chat |= {"logprobs": True, "top_logprobs": body.get("top_logprobs") or 0}
     text = body.get("text")
     if text is not None and (not isinstance(text, dict) or set(text) - {"format"}):
         raise bad("text", 'an object {"format": {...}} is expected', "invalid_type")
@@ -217,7 +222,7 @@ def response(
     }  # fmt: skip
 
 
-def outputs(rid: str, content: str | None, calls: list[dict], finish: str) -> list[dict]:
+def outputs(rid: str, content: str | None, calls: list[dict], finish: str, logprobs: list | None = None) -> list[dict]:
     """A whole answer's output items: its message (unless it is calls alone), then its function calls.
 
     Args:
@@ -225,32 +230,34 @@ def outputs(rid: str, content: str | None, calls: list[dict], finish: str) -> li
         content: the answer's text (under tools, the text before its calls), or None.
         calls: the calls found in it (the chat's `tool_calls` entries).
         finish: the choice's finish reason.
+        logprobs: its tokens' log-probabilities, as a chat's `logprobs.content` lists them, where asked.
 
     Returns:
         The items.
     """
     status = "incomplete" if finish == "length" else "completed"
-    message = [message_item(rid, content or "", status)] if content or not calls else []
+    message = [message_item(rid, content or "", status, logprobs)] if content or not calls else []
     return message + [call_item(c, "completed") for c in calls]
 
 
-def _part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _part(text: str, logprobs: list | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs or [])}
 
 
-def message_item(rid: str, text: str, status: str) -> dict:
+def message_item(rid: str, text: str, status: str, logprobs: list | None = None) -> dict:
     """The Response's message: the answer's text, id'd after the response.
 
     Args:
         rid: the response's id.
         text: the text.
         status: "in_progress", "completed" or "incomplete".
+        logprobs: its tokens' log-probabilities ({"token", "logprob", "bytes", "top_logprobs"}), where asked.
 
     Returns:
         The item.
     """
     return {"id": "msg_" + rid.removeprefix("resp_"), "type": "message", "status": status, "role": "assistant",
-            "content": [_part(text)]}  # fmt: skip
+            "content": [_part(text, logprobs)]}  # fmt: skip
 
 
 def call_item(call: dict, status: str) -> dict:
@@ -313,9 +320,9 @@ class Events:
         self.open, item = False, self.items[-1]
         item["status"] = status if item["type"] == "message" else "completed"
         if item["type"] == "message":
-            text = item["content"][0]["text"]
-            out = self._event("response.output_text.done", **self._at(), text=text, logprobs=[])
-            out += self._event("response.content_part.done", **self._at(), part=item["content"][0])
+            part = item["content"][0]
+            out = self._event("response.output_text.done", **self._at(), text=part["text"], logprobs=part["logprobs"])
+            out += self._event("response.content_part.done", **self._at(), part=part)
         else:
             out = self._event("response.function_call_arguments.done", **self._at(), arguments=item["arguments"])
         return out + self._event("response.output_item.done", output_index=len(self.items) - 1, item=item)
@@ -329,19 +336,22 @@ class Events:
         started = response(self.rid, self.created, self.model, self.body, [], None, None)
         return self._event("response.created", response=started) + self._event("response.in_progress", response=started)
 
-    def delta(self, text: str) -> str:
+    def delta(self, text: str, logprobs: list | None = None) -> str:
         """A piece of the message's text (the message added first, where none is open).
 
         Args:
             text: the piece.
+            logprobs: the log-probabilities of the tokens that came with it, where asked.
 
         Returns:
             The events.
         """
         out = "" if self.open and self.items[-1]["type"] == "message" else self._begin(
             message_item(self.rid, "", "in_progress"))  # fmt: skip
-        self.items[-1]["content"][0]["text"] += text
-        return out + self._event("response.output_text.delta", **self._at(), delta=text, logprobs=[])
+        part = self.items[-1]["content"][0]
+        part["text"] += text
+        part["logprobs"] += logprobs or []
+        return out + self._event("response.output_text.delta", **self._at(), delta=text, logprobs=logprobs or [])
 
     def chat_delta(self, delta: dict) -> str:
         """A streamed chat delta under tools (`tools.CallStream`'s): its content as the message's text, each
