@@ -687,12 +687,10 @@ class Engine:
 
     def _jump(self, req: _Request, events: list[Event]) -> bool:
         """Take the tokens `req`'s form forces now (`GrammarGuide.forced`), each as if drawn (log-probability 0),
-        for its next call to compute as a prefill chunk. True if it ended. None under `logprobs_mode="raw"` with
-        logprobs: a step draws each, the only one allowed, to give it the model's log-probability (vLLM's)."""
-        if self.cfg.logprobs_mode == "raw" and req.params.logprobs:
-            return False
+        for its next call to compute as a prefill chunk. True if it ended. Under "raw" logprobs, steps draw them."""
+        raw = self.cfg.logprobs_mode == "raw" and req.params.logprobs  # each drawn: the model's log-probability
         top = (lambda t: [(t, 0.0)]) if req.params.top_logprobs else (lambda t: None)
-        return any(self._accept(req, t, 0.0, top(t), events, forced=True) for t in req.guide.forced(req.out))
+        return not raw and any(self._accept(req, t, 0.0, top(t), events, True) for t in req.guide.forced(req.out))
 
     def _stop_at(self, req: _Request) -> int | None:
         """Where `req`'s text ends at its first stop string found: before it, or (include_stop_str_in_output)
