@@ -294,7 +294,7 @@ def cmd_serve(args) -> int:
     workdir = pathlib.Path(args.workdir)
     key = args.api_key if args.api_key is not None else os.environ.get("JAXFORMER_API_KEY") or None
     name = args.model_name or workdir.absolute().name
-    cfg = ServeConfig(host=args.host, port=args.port, api_key=key, model_name=name)
+    cfg = ServeConfig(host=args.host, port=args.port, api_key=key, model_name=name, lora_updates=args.lora_updates)
     others = [s for s in args.set or [] if not s.strip().startswith("engine.")]
     if others:
         raise CommandError(f"--set {others[0]}: `serve` --set changes the engine only (engine.FIELD=VALUE)")
@@ -593,6 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "structured outputs (about 4.5x the shapes)")  # fmt: skip
     sv.add_argument("--lora", action="append", metavar="NAME=WORKDIR", help="serve a LoRA run's adapters beside the "
                     "model as model NAME (repeatable; a request's `model` picks one)")  # fmt: skip
+    sv.add_argument("--lora-updates", action="store_true", help="open POST /v1/load_lora_adapter and "
+                    "/v1/unload_lora_adapter (vLLM's): adapters loaded and unloaded while it serves")  # fmt: skip
     gr = sub.add_parser("grpo", help="GRPO on an experiment's task and rewards, sampling from the engine")
     gr.add_argument("--config", help="experiments/NAME.py with a grpo section (default: the workdir's config.json)")
     gr.add_argument("--workdir", required=True, help="the run's directory; rerun to resume")

@@ -57,16 +57,20 @@ class Server:
         kw = {"timeout": processes.HANG_GUARD_S} | kw
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or "none", max_retries=0, **kw)
 
-    def post(self, path: str, body: bytes | dict, key=_ITS_KEY) -> tuple[int, dict]:
+    def post(self, path: str, body: bytes | dict, key=_ITS_KEY) -> tuple[int, dict | str]:
         key = self.key if key is _ITS_KEY else key
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
         request = urllib.request.Request(self.url + path, data=data, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=processes.HANG_GUARD_S) as r:
-                return r.status, json.loads(r.read())
+                status, raw = r.status, r.read()
         except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
+            status, raw = e.code, e.read()
+        try:
+            return status, json.loads(raw)
+        except json.JSONDecodeError:  # a route that answers plain text (vLLM's LoRA routes)
+            return status, raw.decode()
 
     def health(self) -> dict:
         with urllib.request.urlopen(self.url + "/health", timeout=processes.HANG_GUARD_S) as r:

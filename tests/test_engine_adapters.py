@@ -5,6 +5,8 @@ encoder_decoder's translations (`decode.translate`: the source encoded with the 
 an encoder_only model's scores (its logits, one input alone); the batched update equals the one-adapter
 maths row by row; bad adapters and unknown names are refused."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -218,3 +220,46 @@ def test_the_stacks_carry_their_kernels_logical_axes_and_shard_as_they_do(models
         assert spec(path) == want, path
         split += "tensor" in spec(path)
     assert split >= 12  # q, k, v (heads), o (heads), wi (ff) and wo (ff) of each layer at least
+
+
+def test_adapters_loaded_and_unloaded_while_serving_answer_as_if_served_from_the_start(models):
+    """`load_adapter` while a request of another adapter runs: the running request's tokens, and the new
+    adapter's, equal those of an engine that served both from the start; `unload_adapter` refuses while
+    a request of the adapter is live, then the others answer on unchanged (their places in the stacks
+    closed up) and a request naming it is refused."""
+    base, adapters = models
+    cfg = EngineConfig(max_slots=2, page_size=4, num_pages=64)
+    prompt, params = [3, 4, 5, 6, 7], SamplingParams(max_tokens=8)
+    both = Engine(base, cfg, eos_id=EOS, adapters=adapters)
+    want = {a: both.generate([prompt], params, adapter=a)[0].token_ids for a in ("small", "wide", None)}
+    engine = Engine(base, cfg, eos_id=EOS, adapters={"small": adapters["small"]})
+    first, got = engine.add_request(prompt, params, adapter="small"), {}
+
+    def step():
+        for event in engine.step():
+            got[event.request_id] = got.get(event.request_id, []) + event.token_ids
+
+    step()  # its prompt computed, a token drawn
+    assert got[first]
+    engine.load_adapter("wide", adapters["wide"])
+    assert engine.adapters == ("small", "wide")
+    second = engine.add_request(prompt, params, adapter="wide")
+    with pytest.raises(EngineError, match=r"adapter 'small' has requests running or waiting"):
+        engine.unload_adapter("small")
+    while engine.has_unfinished():
+        step()
+    assert (got[first], got[second]) == (want["small"], want["wide"])
+    with pytest.raises(EngineError, match=r"adapter 'wide' is already served"):
+        engine.load_adapter("wide", adapters["wide"])
+    third = engine.add_request(prompt, dataclasses.replace(params, max_tokens=20), adapter="wide")
+    step()
+    engine.unload_adapter("small")  # while a request of "wide", index 2 of the stacks until now, runs
+    assert engine.adapters == ("wide",)
+    while engine.has_unfinished():
+        step()
+    assert got[third][:8] == want["wide"]
+    assert engine.generate([prompt], params)[0].token_ids == want[None]
+    with pytest.raises(EngineError, match=r"adapter 'small' is not served by this engine"):
+        engine.add_request(prompt, params, adapter="small")
+    engine.unload_adapter("wide")  # none left: the base alone, without stacks
+    assert engine.adapters == () and engine.generate([prompt], params)[0].token_ids == want[None]

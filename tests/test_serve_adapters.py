@@ -1,6 +1,7 @@
 """`jaxformer serve --lora NAME=WORKDIR`: a LoRA run's adapters served beside the base, a request's `model`
 picking one. The real `openai` client gets the adapter's completion (the engine's own, which differs from
-the base's), an unknown model gets OpenAI's `model_not_found`, and /v1/models lists the base and the adapter."""
+the base's), an unknown model gets OpenAI's `model_not_found`, and /v1/models lists the base and the adapter;
+with `--lora-updates`, an adapter loaded while the server runs answers as one served from the start."""
 
 import dataclasses
 
@@ -68,3 +69,51 @@ def test_the_request_model_picks_the_adapter(served):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="other", prompt=PROMPT, max_tokens=2)
     assert e.value.code == "model_not_found" and "serves `tiny`, `tuned`" in e.value.message
+
+
+def test_adapters_loaded_and_unloaded_while_serving(workdirs, served):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (`--lora-updates`): a LoRA run's workdir
+    loaded into a server of the base answers as the server that served it from the start does, and is
+    listed; unloaded, it is a 404 again. Closed by default, behind the key, and bad names and paths are
+    400s naming the field."""
+    from jaxformer.config import ServeConfig
+
+    base, tuned = workdirs
+    _, expected = served
+    engine = Engine.from_workdir(base, EngineConfig(max_slots=2, page_size=8, num_pages=32))
+    closed = Server(engine, ServeConfig(), MODEL)
+    try:
+        status, answer = closed.post("/v1/load_lora_adapter", {"lora_name": ADAPTER, "lora_path": str(tuned)})
+        assert status == 404 and "--lora-updates" in answer["error"]["message"], answer
+    finally:
+        closed.stop()
+    server = Server(engine, ServeConfig(api_key="k", lora_updates=True), MODEL)
+    try:
+        client, load = server.client(), {"lora_name": ADAPTER, "lora_path": str(tuned)}
+        assert server.post("/v1/load_lora_adapter", load, key=None)[0] == 401
+        for body, param, word in [
+            ({"lora_name": "x", "lora_path": str(base)}, "lora_path", "no LoRA adapters"),
+            ({"lora_name": "x", "lora_path": str(base / "nowhere")}, "lora_path", "does not exist"),
+            ({"lora_name": " x", "lora_path": str(tuned)}, "lora_name", "surrounding spaces"),
+            ({"lora_name": MODEL, "lora_path": str(tuned)}, "lora_name", "already served"),
+            ({"lora_name": "x", "path": str(tuned)}, "path", "unrecognized"),
+        ]:
+            status, answer = server.post("/v1/load_lora_adapter", body)
+            assert status == 400 and answer["error"]["param"] == param and word in answer["error"]["message"], answer
+        status, answer = server.post("/v1/load_lora_adapter", load)
+        assert (status, answer) == (200, f"Success: LoRA adapter '{ADAPTER}' added successfully."), answer
+        assert server.post("/v1/load_lora_adapter", load)[0] == 400  # already served
+        assert [c.id for c in client.models.list().data] == [MODEL, ADAPTER]
+        for name in (MODEL, ADAPTER):
+            got = client.completions.create(model=name, prompt=PROMPT, max_tokens=6, temperature=0)
+            assert got.choices[0].text == expected[name], name
+        status, _ = server.post("/v1/unload_lora_adapter", {"lora_name": ADAPTER})
+        assert status == 200 and [c.id for c in client.models.list().data] == [MODEL]
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model=ADAPTER, prompt=PROMPT, max_tokens=2)
+        status, answer = server.post("/v1/unload_lora_adapter", {"lora_name": ADAPTER})
+        assert status == 404 and answer["error"]["param"] == "lora_name", answer
+        got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+        assert got.choices[0].text == expected[MODEL]
+    finally:
+        server.stop()

@@ -19,12 +19,15 @@ class ServeConfig:
         port: the TCP port.
         api_key: the key clients must send as `Authorization: Bearer KEY`, or None (none asked).
         model_name: the model's id in /v1/models and in requests, or None (the workdir's directory name).
+        lora_updates: LoRA adapters may be loaded and unloaded while it serves (vLLM's /v1/load_lora_adapter
+            and /v1/unload_lora_adapter, which vLLM opens with VLLM_ALLOW_RUNTIME_LORA_UPDATING).
     """
 
     host: str = "127.0.0.1"  # this machine only; "0.0.0.0" opens it to the network (give it an api_key then)
     port: int = 8000
     api_key: str | None = None  # clients send `Authorization: Bearer KEY`; None: no key asked
     model_name: str | None = None  # the id in /v1/models and requests' "model"; None: the workdir's directory name
+    lora_updates: bool = False  # the routes that load and unload LoRA adapters are open (behind the api_key)
 
     def __post_init__(self):
         p = "serve"

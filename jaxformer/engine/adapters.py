@@ -152,30 +152,61 @@ def attach(model: nnx.Module, adapters: dict) -> tuple[str, ...]:
         EngineError: a name that is not a non-empty string, a workdir or model without adapters, or one
             whose config (`adapters['NAME']: model.FIELD`) or shapes differ.
     """
-    mcfg = model.cfg
-    names, found = [], []
-    for name, given in adapters.items():
-        if not isinstance(name, str) or not name or name.strip() != name:
-            raise EngineError(f"adapters: a name must be a non-empty string without surrounding spaces, got {name!r}")
-        where = f"adapters[{name!r}]"
-        adapted = _load(given, where)
-        _check_config(adapted.cfg, mcfg, where)
-        arrays = _arrays(adapted)
-        if not arrays:
-            raise EngineError(
-                f"{where}: the model has no LoRA adapters (lora.rank=0): nothing to serve beside the base"
-            )
-        names.append(name)
-        found.append(arrays)
+    found = {name: arrays_of(name, given, model.cfg) for name, given in adapters.items()}
+    stack(model, found)
+    return tuple(found)
+
+
+def arrays_of(name: str, given, mcfg) -> dict:
+    """One adapter's A and B, read and checked against the served model's config.
+
+    Args:
+        name: its name (a non-empty string without surrounding spaces).
+        given (Transformer | str | os.PathLike): a model with LoRA adapters, or a workdir of a LoRA run.
+        mcfg (ModelConfig): the served model's config.
+
+    Returns:
+        (module path in the unrolled model, kernel name) -> (A [in..., R], B [R, out...], scale).
+
+    Raises:
+        EngineError: a bad name, a workdir or model without adapters, or one whose config differs.
+    """
+    if not isinstance(name, str) or not name or name.strip() != name:
+        raise EngineError(f"adapters: a name must be a non-empty string without surrounding spaces, got {name!r}")
+    where = f"adapters[{name!r}]"
+    adapted = _load(given, where)
+    _check_config(adapted.cfg, mcfg, where)
+    arrays = _arrays(adapted)
+    if not arrays:
+        raise EngineError(f"{where}: the model has no LoRA adapters (lora.rank=0): nothing to serve beside the base")
+    return arrays
+
+
+def stack(model: nnx.Module, found: dict[str, dict]) -> None:
+    """Replace the model's stacks (in place) by those of `found`'s adapters, in its order (adapter i + 1 of
+    the stacks is the i-th); none at all where `found` is empty.
+
+    Args:
+        model (Transformer): the engine's model.
+        found: name -> `arrays_of`'s.
+
+    Raises:
+        EngineError: an adapter of a kernel the model does not have, or of other shapes than another's.
+    """
+    names = list(found)
     modules = dict(nnx.iter_modules(model))
-    for key in sorted({k for arrays in found for k in arrays}, key=str):
+    for module in modules.values():
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, StackedAdapter):
+                delattr(module, attr)
+    for key in sorted({k for arrays in found.values() for k in arrays}, key=str):
         path, kernel_name = key
         module = modules.get(path)
         kernel = getattr(module, kernel_name, None) if module is not None else None
         if not isinstance(kernel, nnx.Param):
             where = ".".join(map(str, (*path, kernel_name)))
             raise EngineError(f"adapters: an adapter adapts {where}, which the served model does not have")
-        parts = [arrays.get(key) for arrays in found]
+        parts = [arrays.get(key) for arrays in found.values()]
         R = max(a.shape[-1] for a, _, _ in filter(None, parts))
         a0, b0, _ = next(filter(None, parts))
         A = np.zeros((len(parts) + 1, *a0.shape[:-1], R), np.float32)
@@ -191,7 +222,73 @@ def attach(model: nnx.Module, adapters: dict) -> tuple[str, ...]:
         axes = kernel.get_metadata().get("out_sharding")  # its logical axes: the stacks shard as it does
         stacked = StackedAdapter(jnp.asarray(A), jnp.asarray(B), jnp.asarray(scale), axes)
         setattr(module, f"{kernel_name}_lora", stacked)
-    return tuple(names)
+
+
+class Served:
+    """The engine's adapters, by name: the model of one, and adapters loaded or unloaded while it serves
+    (vLLM's `/v1/load_lora_adapter`). A mixin of `Engine`, whose state it reads: `adapters` (the names, in
+    the stacks' order), `_lora` (their `arrays_of`), the split model, the live requests, the prefix cache and
+    the compiled steps."""
+
+    def model_of(self, adapter: str | None):
+        """`model` running one served adapter (None: the base) on every row.
+
+        Args:
+            adapter: a name of `adapters`, or None.
+
+        Returns:
+            model (Transformer): over the engine's arrays.
+
+        Raises:
+            EngineError: an adapter the engine does not serve.
+        """
+        return bind_rows(self.model, index_of(self.adapters, adapter))
+
+    def load_adapter(self, name: str, adapter) -> None:
+        """Serve one more adapter from the next step on, beside the running requests (theirs keep their
+        places in the stacks: it is added last). The stacks change shape, so the step compiles again.
+
+        Args:
+            name: its name (a request's `adapter`).
+            adapter (Transformer | str | os.PathLike | dict): a model of the engine's architecture with LoRA
+                adapters, the workdir of a LoRA run, or `arrays_of`'s reading of one under this name (read off
+                the engine's thread).
+
+        Raises:
+            EngineError: a name already served, or an adapter `arrays_of` refuses.
+        """
+        if name in self.adapters:
+            raise EngineError(f"adapter {name!r} is already served: unload it first")
+        arrays = adapter if isinstance(adapter, dict) else arrays_of(name, adapter, self.model.cfg)
+        self._restack({**self._lora, name: arrays})
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving an adapter; the requests of the others keep running (the stacks close up behind it).
+
+        Args:
+            name: a name of `adapters`.
+
+        Raises:
+            EngineError: a name not served, or requests of it still running or waiting.
+        """
+        index = index_of(self.adapters, name)
+        if any(req.adapter == index for req in self._live.values()):
+            raise EngineError(f"adapter {name!r} has requests running or waiting: finish or abort them first")
+        for req in self._live.values():
+            req.adapter -= req.adapter > index
+        self._restack({k: v for k, v in self._lora.items() if k != name})
+
+    def _restack(self, found: dict[str, dict]) -> None:
+        """Serve `found`'s adapters: the stacks rebuilt over the same base arrays, the step's executables and
+        the prefix cache's entries (keyed by adapter name, whose weights may now differ) forgotten."""
+        model = nnx.merge(self._graphdef, self._params)
+        stack(model, found)
+        self._lora, self.adapters = found, tuple(found)
+        self._graphdef, self._params = nnx.split(model)
+        self._precast()
+        self._compiled.clear()
+        self._alloc.by_hash.clear()
+        self._alloc.hash_of.clear()
 
 
 def _load(given, where: str):

@@ -88,7 +88,7 @@ def _key(x: dict[str, np.ndarray], steps: int, top_n: int) -> tuple:
     return (*x["ids"].shape, x["table"].shape[1], steps, *variant)
 
 
-class Engine:
+class Engine(_adapters.Served):
     """Continuous batching over a paged KV cache (see the module's docstring).
 
     Not thread-safe: one thread owns it (a server calls `step` in a loop, fed by a queue).
@@ -142,7 +142,10 @@ class Engine:
         self.pages_per_seq = -(-self.max_context // cfg.page_size)
         own = nnx.merge(*nnx.split(model))  # new modules over the same arrays: the caller's keep their id checks
         served = decodable(without_id_checks(own))
-        self.adapters = _adapters.attach(served, adapters) if adapters else ()  # names; index i + 1 in the stacks
+        # The served adapters' A and B by name; adapter i + 1 of the stacks is names[i] (`adapters.Served`).
+        self._lora = {name: _adapters.arrays_of(name, given, mcfg) for name, given in (adapters or {}).items()}
+        _adapters.stack(served, self._lora)
+        self.adapters = tuple(self._lora)
         self._graphdef, self._params = nnx.split(served)
         G, K = mcfg.kv_heads, mcfg.dim_per_head
         self.encoder_only = mcfg.mode == "encoder_only"  # scores only (`score`): no cache, no decoding
@@ -167,6 +170,10 @@ class Engine:
         # behind the sliding window.
         self.num_preempted = self.prefix_hits = self.window_released = 0
         self._casts = {}  # parameters stored in the dtype every program reads them in (precast), by leaf
+        self._precast()
+
+    def _precast(self) -> None:
+        """Store the parameters in the dtype every program reads them in (`precast`)."""
         if not self.encoder_only:
             src = (self._memory, np.zeros((1, 1), np.int32), np.ones(1, np.int32), 0)  # _encode_into's arguments
             step = self._inputs(self._blank(1, 1, 1))[1:]  # _forward's
@@ -211,20 +218,6 @@ class Engine:
             model (Transformer): its own adapters folded, layers unrolled; the served adapters' rows all 0 (the base).
         """
         return nnx.merge(self._graphdef, self._params)
-
-    def model_of(self, adapter: str | None):
-        """`model` running one served adapter (None: the base) on every row.
-
-        Args:
-            adapter: a name of `adapters`, or None.
-
-        Returns:
-            model (Transformer): over the engine's arrays.
-
-        Raises:
-            EngineError: an adapter the engine does not serve.
-        """
-        return _adapters.bind_rows(self.model, _adapters.index_of(self.adapters, adapter))
 
     def load_weights(self, model) -> None:
         """Serve `model`'s current weights from the next step on (a training loop hands over its new

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from jaxformer.config import ServeConfig
@@ -59,9 +59,8 @@ def create_app(engine, cfg: ServeConfig, model_name: str) -> Starlette:
 class _Server:
     def __init__(self, engine, cfg: ServeConfig, model_name: str):
         self.engine, self.cfg, self.model_name = engine, cfg, model_name
-        self.names = (model_name, *getattr(engine, "adapters", ()))  # the base, then each LoRA adapter
         self.tok = engine.tokenizer
-        mcfg = engine.model.cfg  # read once: `model` merges the graph
+        self.mcfg = mcfg = engine.model.cfg  # read once: `model` merges the graph
         self.width, self.mode = mcfg.d_model, mcfg.mode  # an encoder's embeddings' size; the model's mode
         self.max_source = mcfg.max_len  # an encoder_decoder model's sources at most
         self.runner = EngineThread(engine)
@@ -81,6 +80,8 @@ class _Server:
             Route("/classify", self.classify, methods=["POST"]),  # vLLM's
             Route("/tokenize", self.tokenize, methods=["POST"]),  # vLLM's
             Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/v1/load_lora_adapter", self.load_lora, methods=["POST"]),  # vLLM's, if cfg.lora_updates
+            Route("/v1/unload_lora_adapter", self.unload_lora, methods=["POST"]),
         ]
         self.app = Starlette(
             routes=routes,
@@ -94,6 +95,11 @@ class _Server:
         self.runner.start()
         yield
         self.runner.stop()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The models served: the base, then each LoRA adapter (as the engine serves them now)."""
+        return (self.model_name, *getattr(self.engine, "adapters", ()))
 
     # ------------------------------------------------------------------ plain routes
 
@@ -317,6 +323,57 @@ class _Server:
             return JSONResponse(tokens.detokenize_body(body, self.tok, self.engine.vocab_size))
 
         return await self._guarded(request, answer)
+
+    async def load_lora(self, request: Request) -> Response:
+        """vLLM's /v1/load_lora_adapter: {"lora_name", "lora_path"}, the workdir of a LoRA run of this model,
+        served from the engine's next step as model `lora_name` (read off the engine's thread, then stacked
+        on it)."""
+
+        async def answer():
+            name, path = await self._lora_body(request, {"lora_name", "lora_path"})
+            if name in self.names:
+                raise APIError(400, f"lora_name: {name!r} is already served (unload it first)", "lora_name")
+            if not isinstance(path, str) or not path:
+                raise APIError(400, "lora_path: the workdir of a LoRA run (a string) is expected", "lora_path")
+            from jaxformer.engine import EngineError
+            from jaxformer.engine.adapters import arrays_of
+
+            try:  # the checkpoint read here, the engine's steps going on meanwhile
+                arrays = await asyncio.to_thread(arrays_of, name, path, self.mcfg)
+                await asyncio.wrap_future(self.runner.call(lambda e: e.load_adapter(name, arrays)))
+            except EngineError as e:
+                raise APIError(400, f"lora_path: {e}", "lora_path") from None
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+        return await self._guarded(request, answer)
+
+    async def unload_lora(self, request: Request) -> Response:
+        """vLLM's /v1/unload_lora_adapter: {"lora_name"}, refused while requests of it run."""
+
+        async def answer():
+            name, _ = await self._lora_body(request, {"lora_name", "lora_int_id"})
+            if name not in self.names[1:]:
+                raise APIError(404, f"lora_name: no LoRA adapter {name!r} is served", "lora_name", "model_not_found")
+            from jaxformer.engine import EngineError
+
+            try:
+                await asyncio.wrap_future(self.runner.call(lambda e: e.unload_adapter(name)))
+            except EngineError as e:
+                raise APIError(400, f"lora_name: {e}", "lora_name") from None
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+        return await self._guarded(request, answer)
+
+    async def _lora_body(self, request: Request, fields: set[str]) -> tuple:
+        """A LoRA route's (lora_name, lora_path), where `cfg.lora_updates` opens the route (else a 404)."""
+        if not self.cfg.lora_updates:
+            raise APIError(404, "loading LoRA adapters while serving is off: start the server with --lora-updates",
+                           None, "not_found")  # fmt: skip
+        body = await self._body(request, fields, named=False)
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name or name.strip() != name:
+            raise APIError(400, "lora_name: a non-empty name without surrounding spaces is expected", "lora_name")
+        return name, body.get("lora_path")
 
     async def _scores(self, inputs: list[list[int]], kind: str, model: str) -> list[list]:
         """An encoder's `Engine.score` of whole inputs, in the engine's thread, by the model (or adapter) named."""
