@@ -1231,6 +1231,7 @@ def test_the_page_streams_an_answer_in_a_headless_browser(server, reference, bro
     page.fill("#api_key", KEY)
     page.dispatch_event("#api_key", "change")  # the page asks /v1/models again, with the key
     page.wait_for_function("document.getElementById('model').textContent.startsWith('tiny-chat')")
+    assert not page.is_visible("#models")  # one model: nothing to choose (test_serve_adapters: several)
     # Count the answer's updates: a streamed answer shows up in pieces, not at once.
     page.evaluate("""() => { window.updates = 0;
         new MutationObserver(() => window.updates++).observe(document.getElementById("history"),

@@ -6,6 +6,7 @@ with `--lora-updates`, an adapter loaded while the server runs answers as one se
 import dataclasses
 
 import jax
+import processes
 import pytest
 from flax import nnx
 
@@ -50,13 +51,13 @@ def served(workdirs):
     # One request at a time, as the server's will run: one compiled shape for both.
     expected = [engine.generate([ids], SamplingParams(max_tokens=6), adapter=a)[0].text for a in (None, ADAPTER)]
     server = Server(engine, ServeConfig(), MODEL)
-    client = server.client()
-    yield client, dict(zip((MODEL, ADAPTER), expected, strict=True))
+    yield server, dict(zip((MODEL, ADAPTER), expected, strict=True))
     server.stop()
 
 
 def test_the_request_model_picks_the_adapter(served):
-    client, expected = served
+    server, expected = served
+    client = server.client()
     assert expected[ADAPTER] != expected[MODEL]  # the adapter's B is not zero: it answers otherwise
     for name in (MODEL, ADAPTER):
         got = client.completions.create(model=name, prompt=PROMPT, max_tokens=6, temperature=0)
@@ -117,3 +118,22 @@ def test_adapters_loaded_and_unloaded_while_serving(workdirs, served):
         assert got.choices[0].text == expected[MODEL]
     finally:
         server.stop()
+
+
+def test_the_page_offers_the_adapters_and_answers_with_the_one_chosen(served, browser):
+    """The page at `/` lists the base and each adapter; a completion asked of the one chosen is its answer."""
+    server, expected = served
+    page = browser.new_page()
+    page.goto(server.url + "/")
+    page.wait_for_function("document.getElementById('model').textContent.startsWith('tiny')")
+    options = page.eval_on_selector_all("#models option", "os => os.map(o => [o.value, o.textContent])")
+    assert options == [[MODEL, MODEL], [ADAPTER, f"{ADAPTER} (LoRA of {MODEL})"]] and page.is_visible("#models")
+    page.check("#mode-completion")
+    page.fill("#max_tokens", "6")
+    for name in (ADAPTER, MODEL):
+        page.select_option("#models", name)
+        page.fill("#prompt", PROMPT)
+        page.click("#send")
+        page.wait_for_selector("#status[data-done='1']", timeout=processes.HANG_GUARD_S * 1000)
+        assert page.eval_on_selector("#answer", "e => e.textContent") == expected[name], name
+    page.close()
