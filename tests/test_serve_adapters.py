@@ -4,6 +4,7 @@ the base's), an unknown model gets OpenAI's `model_not_found`, and /v1/models li
 with `--lora-updates`, an adapter loaded while the server runs answers as one served from the start."""
 
 import dataclasses
+import time
 
 import jax
 import processes
@@ -101,8 +102,29 @@ def test_adapters_loaded_and_unloaded_while_serving(workdirs, served):
         ]:
             status, answer = server.post("/v1/load_lora_adapter", body)
             assert status == 400 and answer["error"]["param"] == param and word in answer["error"]["message"], answer
-        status, answer = server.post("/v1/load_lora_adapter", load)
+        # Loaded while a stream of the base runs: after its first step, the engine steps again only once the
+        # adapter is in (the load is a command its thread takes between steps); the stream goes on unchanged.
+        step, served_at = engine.step, []  # the adapters served at each step that had work
+
+        def held():
+            if served_at and not engine.adapters:
+                time.sleep(0.01)
+                return []
+            if engine.has_unfinished():
+                served_at.append(len(engine.adapters))
+            return step()
+
+        engine.step = held
+        try:
+            stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True)
+            chunks = iter(stream)
+            text = next(chunks).choices[0].text
+            status, answer = server.post("/v1/load_lora_adapter", load)
+            text += "".join(c.choices[0].text for c in chunks if c.choices)
+        finally:
+            del engine.step
         assert (status, answer) == (200, f"Success: LoRA adapter '{ADAPTER}' added successfully."), answer
+        assert text.startswith(expected[MODEL]) and served_at[0] == 0 and 1 in served_at, (text, served_at)
         assert server.post("/v1/load_lora_adapter", load)[0] == 400  # already served
         assert [c.id for c in client.models.list().data] == [MODEL, ADAPTER]
         for name in (MODEL, ADAPTER):
