@@ -263,3 +263,4 @@ def test_adapters_loaded_and_unloaded_while_serving_answer_as_if_served_from_the
         engine.add_request(prompt, params, adapter="small")
     engine.unload_adapter("wide")  # none left: the base alone, without stacks
     assert engine.adapters == () and engine.generate([prompt], params)[0].token_ids == want[None]
+    assert not any(isinstance(m, StackedAdapter) for _, m in nnx.iter_modules(engine.model))
