@@ -73,7 +73,7 @@ def test_the_request_model_picks_the_adapter(served):
     assert e.value.code == "model_not_found" and "serves `tiny`, `tuned`" in e.value.message
 
 
-def test_adapters_loaded_and_unloaded_while_serving(workdirs, served):
+def test_adapters_loaded_and_unloaded_while_serving(workdirs, served, monkeypatch):
     """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (`--lora-updates`): a LoRA run's workdir
     loaded into a server of the base answers as the server that served it from the start does, and is
     listed; unloaded, it is a 404 again. Closed by default, behind the key, and bad names and paths are
@@ -136,6 +136,12 @@ def test_adapters_loaded_and_unloaded_while_serving(workdirs, served):
             client.completions.create(model=ADAPTER, prompt=PROMPT, max_tokens=2)
         status, answer = server.post("/v1/unload_lora_adapter", {"lora_name": ADAPTER})
         assert status == 404 and answer["error"]["param"] == "lora_name", answer
+        # A request that named the adapter just before it was unloaded (the name checked, then gone when the
+        # engine takes the request): OpenAI's model_not_found too, not a 400.
+        with monkeypatch.context() as m, pytest.raises(openai.NotFoundError) as e:
+            m.setattr(type(server.app.state.server), "names", property(lambda _: (MODEL, ADAPTER)))  # as before
+            client.completions.create(model=ADAPTER, prompt=PROMPT, max_tokens=2)
+        assert e.value.code == "model_not_found" and "is not served by this engine" in e.value.message
         got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
         assert got.choices[0].text == expected[MODEL]
     finally:

@@ -133,7 +133,7 @@ def index_of(names: tuple[str, ...], adapter: str | None) -> int:
     """
     if adapter is not None and adapter not in names:
         served = ", ".join(map(repr, names)) or "none"
-        raise EngineError(f"adapter {adapter!r} is not served by this engine (its adapters: {served})")
+        raise EngineError(f"adapter {adapter!r} is not served by this engine (its adapters: {served})", "adapter")
     return 0 if adapter is None else names.index(adapter) + 1
 
 

@@ -456,6 +456,8 @@ class _Server:
                 if isinstance(r, str):
                     self.runner.abort(r)
             e = refused[0]
+            if isinstance(e, EngineError) and e.field == "adapter":  # unloaded since the request named it
+                raise APIError(404, f"model: {e}", "model", "model_not_found")
             if isinstance(e, EngineError):
                 code = "context_length_exceeded" if "context" in str(e) else "invalid_value"
                 param = job.guided_by if e.field in forms.STRUCTURED.values() else e.field  # the request's name
