@@ -103,7 +103,7 @@ def test_model_of_an_adapter_and_refusals(models):
     plain = _adapted(base, 5, rank=2, targets=("q",))
     int8 = lora.quantize_base(nnx.clone(plain), LoRAConfig(rank=2, base="int8"))
     served = decode.decodable(nnx.clone(base))  # as the engine runs its base: unrolled
-    assert attach(served, {"a": int8}) == ("a",)
+    assert tuple(attach(served, {"a": int8})) == ("a",)
     got = [m.a[...][1] for _, m in nnx.iter_modules(served) if isinstance(m, StackedAdapter)]  # layer by layer
     (_, _, adapter), *_ = lora.adapters(plain)
     assert len(got) == 2 and all(np.array_equal(x, y) for x, y in zip(got, adapter.a[...], strict=True))

@@ -137,7 +137,7 @@ def index_of(names: tuple[str, ...], adapter: str | None) -> int:
     return 0 if adapter is None else names.index(adapter) + 1
 
 
-def attach(model: nnx.Module, adapters: dict) -> tuple[str, ...]:
+def attach(model: nnx.Module, adapters: dict) -> dict[str, dict]:
     """Give the engine's model (merged, unrolled: `decode.decodable`) a `StackedAdapter` on every kernel
     some adapter targets, in place.
 
@@ -146,7 +146,7 @@ def attach(model: nnx.Module, adapters: dict) -> tuple[str, ...]:
         adapters: name -> a model with LoRA adapters, or a workdir (str or path) of a LoRA run.
 
     Returns:
-        The names, in order: adapter i + 1 of the stacks is names[i].
+        name -> its A and B (`arrays_of`), in order: adapter i + 1 of the stacks is the i-th.
 
     Raises:
         EngineError: a name that is not a non-empty string, a workdir or model without adapters, or one
@@ -154,7 +154,7 @@ def attach(model: nnx.Module, adapters: dict) -> tuple[str, ...]:
     """
     found = {name: arrays_of(name, given, model.cfg) for name, given in adapters.items()}
     stack(model, found)
-    return tuple(found)
+    return found
 
 
 def arrays_of(name: str, given, mcfg) -> dict:
@@ -287,8 +287,7 @@ class Served:
         self._graphdef, self._params = nnx.split(model)
         self._precast()
         self._compiled.clear()
-        self._alloc.by_hash.clear()
-        self._alloc.hash_of.clear()
+        self._alloc.forget()
 
 
 def _load(given, where: str):

@@ -142,10 +142,8 @@ class Engine(_adapters.Served):
         self.pages_per_seq = -(-self.max_context // cfg.page_size)
         own = nnx.merge(*nnx.split(model))  # new modules over the same arrays: the caller's keep their id checks
         served = decodable(without_id_checks(own))
-        # The served adapters' A and B by name; adapter i + 1 of the stacks is names[i] (`adapters.Served`).
-        self._lora = {name: _adapters.arrays_of(name, given, mcfg) for name, given in (adapters or {}).items()}
-        _adapters.stack(served, self._lora)
-        self.adapters = tuple(self._lora)
+        self._lora = _adapters.attach(served, adapters or {})  # their A and B by name (`adapters.Served`)
+        self.adapters = tuple(self._lora)  # names; adapter i + 1 of the stacks is names[i]
         self._graphdef, self._params = nnx.split(served)
         G, K = mcfg.kv_heads, mcfg.dim_per_head
         self.encoder_only = mcfg.mode == "encoder_only"  # scores only (`score`): no cache, no decoding
@@ -244,8 +242,7 @@ class Engine(_adapters.Served):
         if jax.tree.map(_aval, params) != jax.tree.map(_aval, self._params):
             self._compiled.clear()  # the executables were compiled for the old arrays' shapes and placement
         self._params = params
-        self._alloc.by_hash.clear()
-        self._alloc.hash_of.clear()
+        self._alloc.forget()
 
     # ------------------------------------------------------------------------- requests
 

@@ -176,6 +176,12 @@ class PageAllocator:
             pages[i] = 0
         return max(0, stop - start)
 
+    def forget(self) -> None:
+        """Empty the prefix cache (pages computed under weights no longer served): no page is found by its
+        hash any more; reference counts and the free list are unchanged."""
+        self.by_hash.clear()
+        self.hash_of.clear()
+
     def lookup(self, h: int) -> int | None:
         """The page holding the prefix of hash `h`, or None.
 
