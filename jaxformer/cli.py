@@ -294,7 +294,8 @@ def cmd_serve(args) -> int:
     workdir = pathlib.Path(args.workdir)
     key = args.api_key if args.api_key is not None else os.environ.get("JAXFORMER_API_KEY") or None
     name = args.model_name or workdir.absolute().name
-    cfg = ServeConfig(host=args.host, port=args.port, api_key=key, model_name=name, lora_updates=args.lora_updates)
+    cfg = ServeConfig(host=args.host, port=args.port, api_key=key, model_name=name, lora_updates=args.lora_updates,
+                      responses_store=args.responses_store)  # fmt: skip
     others = [s for s in args.set or [] if not s.strip().startswith("engine.")]
     if others:
         raise CommandError(f"--set {others[0]}: `serve` --set changes the engine only (engine.FIELD=VALUE)")
@@ -595,6 +596,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "model as model NAME (repeatable; a request's `model` picks one)")  # fmt: skip
     sv.add_argument("--lora-updates", action="store_true", help="open POST /v1/load_lora_adapter and "
                     "/v1/unload_lora_adapter (vLLM's): adapters loaded and unloaded while it serves")  # fmt: skip
+    sv.add_argument("--responses-store", type=int, default=1000, metavar="N", help="keep the last N Responses API "
+                    "answers in memory, for previous_response_id and GET /v1/responses/ID (0: none)")  # fmt: skip
     gr = sub.add_parser("grpo", help="GRPO on an experiment's task and rewards, sampling from the engine")
     gr.add_argument("--config", help="experiments/NAME.py with a grpo section (default: the workdir's config.json)")
     gr.add_argument("--workdir", required=True, help="the run's directory; rerun to resume")

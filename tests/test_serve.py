@@ -206,6 +206,44 @@ def test_the_responses_api_returns_the_chat_s_log_probabilities(server):
     assert "".join(lp["token"] for lp in listed) == got.output_text
 
 
+def test_the_store_keeps_the_most_recent_and_pages_their_input_items():
+    """`stored.Store`: the oldest response forgotten beyond the capacity; `listing`'s pages by `after` and
+    `limit`, both orders, and its malformed parameters refused by name; a store of capacity 0 keeps nothing
+    and refuses to continue any response, saying how."""
+    from jaxformer.serve import stored
+    from jaxformer.serve.protocol import APIError
+
+    store = stored.Store(2)
+    items = stored.input_items([{"role": "user", "content": "a"}, {"type": "function_call_output", "call_id": "c",
+                                "output": "1"}, {"id": "msg_mine", "role": "user", "content": "b"}])  # fmt: skip
+    assert [i["id"][:4] for i in items] == ["msg_", "fco_", "msg_"] and items[2]["id"] == "msg_mine"
+    assert stored.input_items("hi") == [{"id": stored.input_items("hi")[0]["id"], "type": "message", "role": "user",
+                                         "content": [{"type": "input_text", "text": "hi"}]}]  # fmt: skip
+    for rid in ("resp_1", "resp_2", "resp_3"):
+        store.put({"id": rid, "output": [{"id": f"out_{rid}"}]}, items)
+    assert len(store) == 2
+    with pytest.raises(APIError, match="no response") as caught:
+        store.get("resp_1")
+    assert caught.value.status == 404
+    assert [i["id"] for i in store.conversation("resp_3")] == [i["id"] for i in items] + ["out_resp_3"]
+    ids = [i["id"] for i in items]
+    page = store.listing("resp_2", {"order": "asc", "limit": "2"})
+    assert ([i["id"] for i in page["data"]], page["has_more"], page["first_id"]) == (ids[:2], True, ids[0])
+    assert [i["id"] for i in store.listing("resp_2", {"order": "asc", "after": ids[1]})["data"]] == ids[2:]
+    assert [i["id"] for i in store.listing("resp_2", {})["data"]] == ids[::-1]
+    for query, field in [({"limit": "0"}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
+                         ({"after": "msg_none"}, "after"), ({"colour": "red"}, "colour")]:  # fmt: skip
+        with pytest.raises(APIError) as caught:
+            store.listing("resp_2", query)
+        assert (caught.value.status, caught.value.param) == (400, field)
+    assert store.delete("resp_2") == {"id": "resp_2", "object": "response", "deleted": True} and len(store) == 1
+    none = stored.Store(0)
+    none.put({"id": "resp_1", "output": []}, items)
+    with pytest.raises(APIError, match="--responses-store 0") as caught:
+        none.conversation("resp_1")
+    assert (caught.value.status, caught.value.param) == (400, "previous_response_id")
+
+
 def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(server, reference):
     """vLLM's `truncate_prompt_tokens`: a prompt longer than the context, cut to its last k tokens, is
     answered as those k tokens alone (`generate`'s greedy continuation) and counted as k, a completion's
@@ -967,7 +1005,8 @@ def asked(**more) -> dict:
 
 BAD_RESPONSES = [  # /v1/responses: (path, body, HTTP status, the field named, a word of the message)
     (RESPONSES, {"model": MODEL}, 400, "input", "a string or a non-empty list"),
-    (RESPONSES, asked(previous_response_id="resp_1"), 400, "previous_response_id", "the whole conversation"),
+    (RESPONSES, asked(previous_response_id="resp_1"), 404, "previous_response_id", "no previous response"),
+    (RESPONSES, asked(previous_response_id=5), 400, "previous_response_id", "a string"),
     (RESPONSES, asked(tools=[{"type": "web_search"}]), 400, "tools[0]", "only function tools"),
     (RESPONSES, asked(tools=[{"type": "function", "name": "a b"}]), 400, "tools[0].name", "letters, digits"),
     (RESPONSES, asked(tools=[{"type": "function", "name": "f"}], tool_choice=FUNCTION_G), 400, "tool_choice", "'g'"),
@@ -1290,6 +1329,8 @@ def test_section_overrides_parse_by_type_and_name_the_field():
         apply_section_overrides(ServeConfig(), "serve", ["model.d_model=1"])
     with pytest.raises(ConfigError, match=r"serve\.port: a TCP port in \[1, 65535\], got 99999"):
         apply_section_overrides(ServeConfig(), "serve", ["serve.port=99999"])
+    with pytest.raises(ConfigError, match=r"serve\.responses_store: a count >= 0, got -1"):
+        apply_section_overrides(ServeConfig(), "serve", ["serve.responses_store=-1"])
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,8 @@
 the prompt writes them (against a text written out by hand), the calls read back from an answer, and the
 real `openai` client against a server of a tiny chatml model: a named function's and "required"'s calls
 are held to the tools' schemas (checked by jsonschema), "auto"'s calls are parsed out of the answer, whole
-and streamed alike.
+and streamed alike. The Responses API's calls, and its stored conversations (`previous_response_id`), whose
+turns this model's long context holds.
 """
 
 import json
@@ -251,6 +252,60 @@ def test_the_responses_api_calls_tools_as_the_chat_does(server):
     want = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=12, temperature=0)
     assert then.output_text == want.choices[0].message.content and then.output[0].type == "message"
     assert then.usage.input_tokens == want.usage.prompt_tokens
+    # The same turn continuing the stored response that made the call: its output (the call) comes back.
+    chained = client.responses.create(model=MODEL, previous_response_id=required.id, input=items[-1:], tools=FLAT,
+                                      max_output_tokens=12, temperature=0)  # fmt: skip
+    assert (chained.output_text, chained.usage.input_tokens) == (then.output_text, then.usage.input_tokens)
+
+
+def test_a_response_continues_a_stored_one_as_the_whole_conversation_would(server):
+    """OpenAI's `previous_response_id` through its own client: a turn that names the previous response is
+    answered as the chat of the whole conversation (its earlier input and output, then the new input; only
+    the new turn's `instructions`), a chain of three turns and a streamed turn alike; each answer is kept:
+    `retrieve` gives it back (a stream's, its final response), `input_items` lists what it answered, newest
+    first, by pages; a deleted one, or one sent with `store: false`, is a 404, continued or retrieved, while
+    the turns after a deleted one still hold the whole conversation."""
+    client = server.client()
+    turn = dict(model=MODEL, max_output_tokens=6, temperature=0)
+    chat = lambda messages: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                                            temperature=0)  # fmt: skip
+    first = client.responses.create(instructions="Be brief.", input="Hi", **turn)
+    second = client.responses.create(previous_response_id=first.id, input="Go", **turn)
+    said = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "Go"}]  # fmt: skip
+    want = chat(said)
+    assert second.output_text == want.choices[0].message.content and second.previous_response_id == first.id
+    assert second.usage.input_tokens == want.usage.prompt_tokens
+    said += [{"role": "assistant", "content": second.output_text}, {"role": "user", "content": "On"}]
+    third = client.responses.create(previous_response_id=second.id, instructions="X", input="On", **turn)
+    want = chat([{"role": "system", "content": "X"}, *said])
+    assert third.output_text == want.choices[0].message.content
+    assert third.usage.input_tokens == want.usage.prompt_tokens > second.usage.input_tokens
+    events = list(client.responses.create(previous_response_id=first.id, input="Go", stream=True, **turn))
+    streamed = events[-1].response
+    assert streamed.output_text == second.output_text and streamed.previous_response_id == first.id
+    assert client.responses.retrieve(streamed.id).to_dict() == streamed.to_dict()
+    assert client.responses.retrieve(second.id).to_dict() == second.to_dict()
+    listed = client.responses.input_items.list(third.id, order="asc")
+    texts = [(i.role, i.content[0].text) for i in listed.data]
+    assert texts == [(m["role"], m["content"]) for m in said]
+    assert listed.data[1].id == first.output[0].id and not listed.has_more
+    newest = client.responses.input_items.list(third.id, limit=2)
+    assert [i.id for i in newest.data] == [i.id for i in listed.data[::-1][:2]] and newest.has_more
+    paged = client.responses.input_items.list(third.id, limit=2)  # the client asks for each page `after` the last
+    assert [i.id for i in paged] == [i.id for i in listed.data[::-1]]
+    assert client.responses.delete(first.id) is None  # the client reads nothing back from a DELETE
+    with pytest.raises(openai.NotFoundError, match="no response"):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError, match="no previous response") as caught:
+        client.responses.create(previous_response_id=first.id, input="Go", **turn)
+    assert caught.value.body["param"] == "previous_response_id"
+    again = client.responses.create(previous_response_id=second.id, instructions="X", input="On", **turn)
+    assert again.output_text == third.output_text
+    unkept = client.responses.create(input="Hi", store=False, **turn)
+    assert unkept.to_dict()["store"] is False and second.to_dict()["store"] is True
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
 
 
 def test_a_responses_stream_adds_the_message_then_each_call_in_turn():

@@ -23,7 +23,7 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Route
 
 from jaxformer.config import ServeConfig
-from jaxformer.serve import encoders, forms, protocol, responses, tokens
+from jaxformer.serve import encoders, forms, protocol, responses, stored, tokens
 from jaxformer.serve.metrics import Metrics
 from jaxformer.serve.protocol import APIError, Job, TextStream
 from jaxformer.serve.runner import EngineThread
@@ -65,6 +65,7 @@ class _Server:
         self.max_source = mcfg.max_len  # an encoder_decoder model's sources at most
         self.runner = EngineThread(engine)
         self.metrics = Metrics(model_name)
+        self.stored = stored.Store(cfg.responses_store)
         self.created = protocol.now()
         routes = [
             Route("/", self.page, methods=["GET"]),
@@ -75,6 +76,8 @@ class _Server:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/v1/responses/{rid}", self.response, methods=["GET", "DELETE"]),
+            Route("/v1/responses/{rid}/input_items", self.input_items, methods=["GET"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/classify", self.classify, methods=["POST"]),  # SGLang's path
             Route("/classify", self.classify, methods=["POST"]),  # vLLM's
@@ -259,17 +262,36 @@ class _Server:
             body = await self._body(request, responses.FIELDS)
             self._generates(chat=True)
             template = getattr(self.engine, "chat_template", None)
-            chat, origin = responses.as_chat(body)
+            before = [] if body.get("previous_response_id") is None else self.stored.conversation(
+                body["previous_response_id"])  # fmt: skip
+            chat, origin = responses.as_chat(body, before)
             try:
                 job = protocol.chat_job(chat, self.tok, self.engine.max_context, template)
             except APIError as e:
                 raise responses.renamed(e, origin) from None
-            job.respond = body
+            job.respond, job.conversation = body, before + stored.input_items(body["input"])
             if job.guided_by == "response_format":  # an engine's error names the Responses field
                 job.guided_by = "text.format"
             return await self._run(request, self._named(job, body))
 
         return await self._guarded(request, answer)
+
+    async def response(self, request: Request) -> Response:
+        """A stored Response (`GET /v1/responses/{id}`), or forgotten (`DELETE`)."""
+        rid = request.path_params["rid"]
+        kept = lambda: self.stored.delete(rid) if request.method == "DELETE" else self.stored.get(rid).response
+        return await self._guarded(request, lambda: JSONResponse(kept()))
+
+    async def input_items(self, request: Request) -> Response:
+        """The input items a stored Response answered, a page of them (`stored.Store.listing`)."""
+        listing = lambda: self.stored.listing(request.path_params["rid"], dict(request.query_params))
+        return await self._guarded(request, lambda: JSONResponse(listing()))
+
+    def _keep(self, job: Job, whole: dict) -> dict:
+        """A Responses request's answer, stored unless it asked not to be (`store: false`)."""
+        if whole["store"]:
+            self.stored.put(whole, job.conversation)
+        return whole
 
     async def embeddings(self, request: Request) -> Response:
         """OpenAI's embeddings of an encoder_only model: each input's final hidden states averaged over its
@@ -515,7 +537,7 @@ class _Server:
             logprobs = c.chat_logprobs(c.logprobs)["content"] if job.logprobs else None
             output = responses.outputs(rid, content, calls, reason, logprobs)
             model = job.model or self.model_name
-            return responses.response(rid, protocol.now(), model, job.respond, output, reason, usage)
+            return self._keep(job, responses.response(rid, protocol.now(), model, job.respond, output, reason, usage))
         # vLLM's prompt_logprobs: a completion's in each choice, a chat's (one prompt) in the answer.
         prompt_logprobs = lambda c: {} if job.prompt_logprobs is None else {"prompt_logprobs": c.scores["ranked"]}
         if job.chat:
@@ -591,6 +613,7 @@ class _Server:
                 delta, reason = c.calls.end(reason)
                 yield out.chat_delta(delta)
             yield out.end(reason, _usage(job, choices))
+            self._keep(job, out.whole)
         except APIError as e:  # the engine failed
             yield out.error(e)
         finally:

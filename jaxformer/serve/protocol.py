@@ -116,6 +116,8 @@ class Job:
         shown_stops: the stop strings the answer keeps (vLLM's include_stop_str_in_output: the request's own,
             never a chat template's end).
         respond: the Responses API request this chat came from (answered as a Response), or None.
+        conversation: a Responses request's input items, those of the conversation it continues first (kept
+            with its Response where it is stored: `jaxformer.serve.stored`).
     """
 
     chat: bool
@@ -138,6 +140,7 @@ class Job:
     tools: tools.Tools | None = None
     shown_stops: tuple[str, ...] = ()
     respond: dict | None = None
+    conversation: list | None = None
     continuous_usage: bool = False
 
     @property

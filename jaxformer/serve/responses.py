@@ -3,9 +3,9 @@
 outputs; function `tools` and `tool_choice` as the chat's, `jaxformer.serve.tools`) and answered as a
 Response object, its output a message and the function calls found, whole or as its stream of typed events.
 
-Stateless, as a server that stores nothing is: `previous_response_id` is refused (send the conversation as
-`input`), and so are built-in tools (web search, files). The chat route's checks run on the chat, and their
-errors name the Responses fields (`input[i]`, `max_output_tokens`, `text.format`, `tools[i].name`).
+A request may continue a stored response's conversation (`previous_response_id`, `jaxformer.serve.stored`);
+built-in tools (web search, files) are refused. The chat route's checks run on the chat, and their errors
+name the Responses fields (`input[i]`, `max_output_tokens`, `text.format`, `tools[i].name`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from jaxformer.serve.protocol import APIError, bad, new_id, now
 # Responses' fields: those read, and the bookkeeping ones passed to the chat as they are.
 FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "text",
           "tools", "tool_choice", "parallel_tool_calls", "top_logprobs", "include", "metadata", "user", "store",
-          "safety_identifier", "prompt_cache_key"}  # fmt: skip
+          "safety_identifier", "prompt_cache_key", "previous_response_id"}  # fmt: skip
 LOGPROBS = "message.output_text.logprobs"  # the `include` that asks for the message's log-probabilities
 # Fields this server cannot honour, taken at these values only.
-_NEUTRAL = {"previous_response_id": (None,), "truncation": (None, "disabled"), "reasoning": (None,),
+_NEUTRAL = {"truncation": (None, "disabled"), "reasoning": (None,),
             "include": (None, [], [LOGPROBS]), "background": (None, False),
             "service_tier": (None, "auto", "default")}  # fmt: skip
 FIELDS |= set(_NEUTRAL)
@@ -31,15 +31,17 @@ _PARTS = {"input_text", "output_text", "text"}  # the text parts of a message's 
 _NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
-def as_chat(body: dict) -> tuple[dict, list[list[str]]]:
+def as_chat(body: dict, before: list[dict] = ()) -> tuple[dict, list[list[str]]]:
     """A Responses request as the /v1/chat/completions body it asks for.
 
     Args:
         body: the request body (fields checked, the model named).
+        before: the conversation it continues (its previous response's: `stored.Store.conversation`), whose
+            items come after its `instructions` and before its `input`.
 
     Returns:
         (the chat body, where each of its messages came from: the input items ("input[3]"; an assistant's
-        calls, each call's), for `renamed`).
+        calls, each call's; "previous_response_id" for those of the conversation it continues), for `renamed`).
 
     Raises:
         APIError: a field this server cannot honour, or an input item that is not a message of text, a
@@ -47,9 +49,7 @@ def as_chat(body: dict) -> tuple[dict, list[list[str]]]:
     """
     for field, ok in _NEUTRAL.items():
         if body.get(field) not in ok:
-            raise bad(field, f"not supported by this server (only {' or '.join(map(json.dumps, ok))})"
-                      + (": send the whole conversation as input" if field == "previous_response_id" else ""),
-                      "unsupported")  # fmt: skip
+            raise bad(field, f"not supported by this server (only {' or '.join(map(json.dumps, ok))})", "unsupported")
     messages, origin = [], []
     if body.get("instructions") is not None:
         if not isinstance(body["instructions"], str):
@@ -58,22 +58,22 @@ def as_chat(body: dict) -> tuple[dict, list[list[str]]]:
             )
         messages.append({"role": "system", "content": body["instructions"]})
         origin.append(["instructions"])
-    given = body.get("input")
+    given, items = body.get("input"), [(item, "previous_response_id") for item in before]
     if isinstance(given, str):
-        messages.append({"role": "user", "content": given})
-        origin.append(["input"])
+        items.append(({"role": "user", "content": given}, "input"))
     elif isinstance(given, list) and given:
-        for i, item in enumerate(given):
-            m = _message(item, f"input[{i}]")
-            last = messages[-1] if messages else {}
-            if "tool_calls" in m and "tool_calls" in last and not last["content"]:  # parallel calls: one message
-                last["tool_calls"] += m["tool_calls"]
-                origin[-1].append(f"input[{i}]")
-            else:
-                messages.append(m)
-                origin.append([f"input[{i}]"])
+        items += [(item, f"input[{i}]") for i, item in enumerate(given)]
     else:
         raise bad("input", "a string or a non-empty list of messages is expected", "invalid_type")
+    for item, where in items:
+        m = _message(item, where)
+        last = messages[-1] if messages else {}
+        if "tool_calls" in m and "tool_calls" in last and not last["content"]:  # parallel calls: one message
+            last["tool_calls"] += m["tool_calls"]
+            origin[-1].append(where)
+        else:
+            messages.append(m)
+            origin.append([where])
     chat = {"model": body["model"], "messages": messages}
     chat |= {k: body[k] for k in ("temperature", "top_p", "stream", "metadata", "user", "store", "safety_identifier",
                                   "prompt_cache_key", "parallel_tool_calls") if k in body}  # fmt: skip
@@ -218,7 +218,8 @@ def response(
         "temperature": body.get("temperature"), "top_p": body.get("top_p"), "metadata": body.get("metadata") or {},
         "parallel_tool_calls": body.get("parallel_tool_calls", True), "tool_choice": body.get("tool_choice") or "auto",
         "tools": body.get("tools") or [], "text": body.get("text") or {"format": {"type": "text"}},
-        "truncation": "disabled", "previous_response_id": None, "reasoning": None, "usage": tokens,
+        "truncation": "disabled", "previous_response_id": body.get("previous_response_id"), "reasoning": None,
+        "store": body.get("store", True) is not False, "usage": tokens,
     }  # fmt: skip
 
 
@@ -290,6 +291,7 @@ class Events:
         self.seq = 0
         self.items: list[dict] = []  # the output items begun, the last one open
         self.open = False
+        self.whole: dict | None = None  # the Response, once ended
 
     def _event(self, kind: str, **fields) -> str:
         payload = {"type": kind, "sequence_number": self.seq} | fields
@@ -388,7 +390,7 @@ class Events:
         out = "" if self.items else self._begin(message_item(self.rid, "", "in_progress"))
         status = "incomplete" if finish == "length" else "completed"
         out += self._close(status)
-        whole = response(self.rid, self.created, self.model, self.body, self.items, finish, usage)
+        self.whole = whole = response(self.rid, self.created, self.model, self.body, self.items, finish, usage)
         kind = "response.completed" if whole["status"] == "completed" else "response.incomplete"
         return out + self._event(kind, response=whole)
 
