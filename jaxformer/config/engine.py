@@ -24,6 +24,10 @@ class EngineConfig:
         logprobs_mode: the log-probabilities returned: "penalized", under the logits each token is drawn
             from (penalties, biases, `min_tokens` and structured outputs applied; never the temperature),
             or "raw", under the model's own softmax (vLLM's default, `raw_logprobs`).
+        speculative_tokens: tokens drafted per request by prompt lookup and checked in one step
+            (`jaxformer.engine.speculate`; vLLM's `num_speculative_tokens` of its "ngram" method); 0: none.
+        prompt_lookup_max: the longest n-gram of a request's last tokens looked up in its text.
+        prompt_lookup_min: the shortest.
     """
 
     page_size: int = 16  # positions a page holds (vLLM's block size); a prefix is shared in whole pages
@@ -39,12 +43,23 @@ class EngineConfig:
     # The log-probabilities returned: under the logits drawn from ("penalized": penalties, biases, min_tokens
     # and structured outputs applied, never the temperature) or under the model's own softmax ("raw", vLLM's).
     logprobs_mode: str = "penalized"
+    # Speculative decoding by prompt lookup: a request's next tokens guessed from its own text (the tokens after
+    # an earlier occurrence of its last n), all checked by one step; its tokens are those it gets without.
+    speculative_tokens: int = 0  # drafted per request and step; 0: off
+    prompt_lookup_max: int = 4  # the longest n-gram looked up
+    prompt_lookup_min: int = 2  # the shortest
 
     def __post_init__(self):
         p = "engine"
         check_field_types(self, p)
         for name in ("page_size", "max_slots", "prefill_chunk", "decode_steps"):
             require(getattr(self, name) >= 1, f"{p}.{name}", f"must be >= 1, got {getattr(self, name)}")
+        require(self.speculative_tokens >= 0, f"{p}.speculative_tokens", f"must be >= 0, got {self.speculative_tokens}")
+        require(
+            1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+            f"{p}.prompt_lookup_min",
+            f"must be in [1, prompt_lookup_max={self.prompt_lookup_max}], got {self.prompt_lookup_min}",
+        )
         modes = ("penalized", "raw")
         require(self.logprobs_mode in modes, f"{p}.logprobs_mode", f"one of {modes}, got {self.logprobs_mode!r}")
         require(self.num_pages >= 2, f"{p}.num_pages", f"must be >= 2 (page 0 is scratch), got {self.num_pages}")

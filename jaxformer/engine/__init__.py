@@ -7,6 +7,7 @@ model (`jaxformer.serve` puts it behind HTTP) and for batch jobs from Python (`E
 - `requests`: what a request is and gets back (SamplingParams, Event, Output, EngineError)
 - `guided`: structured outputs (an output held to choices, a regular expression or a JSON schema)
 - `adapters`: several LoRA adapters served side by side, stacked, each request choosing its own
+- `speculate`: speculative decoding by prompt lookup (drafts from a request's own text, checked in one step)
 - `engine`: the scheduler (Engine)
 """
 

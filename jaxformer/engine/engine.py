@@ -39,7 +39,7 @@ from jaxformer import precast
 from jaxformer.config import EngineConfig
 from jaxformer.decode import SAMPLED
 from jaxformer.engine import adapters as _adapters
-from jaxformer.engine import paged
+from jaxformer.engine import paged, speculate
 from jaxformer.engine import steps as _steps
 from jaxformer.engine.guided import ChoiceGuide, GrammarGuide, Guides, bad_word_ids
 from jaxformer.engine.pages import PageAllocator, bucket, page_hashes, pages_at_once, pages_behind, releasable_window
@@ -82,9 +82,9 @@ def _aval(a) -> tuple:
     return a.shape, a.dtype, getattr(a, "sharding", None)
 
 
-def _key(x: dict[str, np.ndarray], steps: int, top_n: int) -> tuple:
-    """A step's executable's key: (rows, width, pages, steps[, top_n][, "penalized"]) of its inputs `x`."""
-    variant = ((top_n,) if top_n else ()) + ("penalized",) * ("penalties" in x)
+def _key(x: dict[str, np.ndarray], steps: int, top_n: int, verify: bool = False) -> tuple:
+    """A step's executable's key: (rows, width, pages, steps[, top_n][, "penalized"][, "verify"]) of its inputs."""
+    variant = ((top_n,) if top_n else ()) + ("penalized",) * ("penalties" in x) + ("verify",) * verify
     return (*x["ids"].shape, x["table"].shape[1], steps, *variant)
 
 
@@ -165,8 +165,8 @@ class Engine(_adapters.Served):
         self._keep: dict[str, Output | None] = {}  # outputs `generate` collects
         self._ids, self._order = itertools.count(), itertools.count()
         # Counters: requests preempted, prompt pages found in the pool rather than computed, pages released
-        # behind the sliding window.
-        self.num_preempted = self.prefix_hits = self.window_released = 0
+        # behind the sliding window, tokens drafted and accepted (speculative decoding).
+        self.num_preempted = self.prefix_hits = self.window_released = self.drafted = self.draft_accepted = 0
         self._casts = {}  # parameters stored in the dtype every program reads them in (precast), by leaf
         self._precast()
 
@@ -370,11 +370,12 @@ class Engine(_adapters.Served):
 
         Returns:
             {"pages_total", "pages_free", "pages_cached", "running", "waiting", "preempted", "prefix_hits",
-            "window_released", "cache_bytes_per_token"}: pages_total excludes the scratch page; pages_cached are
-            free pages still holding a prefix; window_released counts the pages released behind a sliding
-            window so far (a model whose every layer is local); cache_bytes_per_token is what one position
-            takes in the pools over all layers (2 G K x the dtype's bytes a layer, latent attention's
-            (C + R) x the dtype's bytes).
+            "window_released", "drafted", "draft_accepted", "cache_bytes_per_token"}: pages_total excludes the
+            scratch page; pages_cached are free pages still holding a prefix; window_released counts the pages
+            released behind a sliding window so far (a model whose every layer is local); drafted and
+            draft_accepted count speculative decoding's drafted tokens and those taken; cache_bytes_per_token
+            is what one position takes in the pools over all layers (2 G K x the dtype's bytes a layer,
+            latent attention's (C + R) x the dtype's bytes).
         """
         cached = sum(1 for p in self._alloc.free if p in self._alloc.hash_of)
         positions = self.cfg.num_pages * self.cfg.page_size
@@ -382,6 +383,7 @@ class Engine(_adapters.Served):
             "pages_total": self.cfg.num_pages - 1, "pages_free": self._alloc.num_free(), "pages_cached": cached,
             "running": sum(r is not None for r in self._slots), "waiting": len(self._waiting),
             "preempted": self.num_preempted, "prefix_hits": self.prefix_hits, "window_released": self.window_released,
+            "drafted": self.drafted, "draft_accepted": self.draft_accepted,
             "cache_bytes_per_token": sum(p.nbytes for pool in self._pools for p in pool.values()) // positions,
         }  # fmt: skip
 
@@ -506,12 +508,15 @@ class Engine(_adapters.Served):
         # A guided request learns its next allowed tokens from each one drawn, as one with a bad word of several
         # tokens its banned ones: their calls run one step.
         steps = 1 if any(r.guide or any(len(w) > 1 for w in r.banned) for r in reqs) else self.cfg.decode_steps
+        drafts = speculate.drafts(reqs, self.cfg, self.max_context) if decode else {}
+        # Where a row has drafts, one step checks each row's last token and its drafts at once (`speculate`).
+        width, steps = (1 + self.cfg.speculative_tokens, 1) if drafts else (width, steps)
         for req in sorted(reqs, key=lambda r: r.order):
             if req.slot is None:  # preempted by an earlier one's reservation
                 continue
             n = min(width, len(req.tokens) - req.computed)
             if decode:  # up to `steps` tokens, no more than the request may still take
-                n = min(steps, req.params.max_tokens - len(req.out))
+                n = 1 + len(drafts[req]) if drafts else min(steps, req.params.max_tokens - len(req.out))
             if self._reserve(req, req.computed + n):
                 spans[req] = n
         reqs = [r for r in spans if r.slot is not None]
@@ -527,8 +532,8 @@ class Engine(_adapters.Served):
         x = self._blank(R, width, P)
         for req, i in row_of.items():
             start = req.computed
-            n = 1 if decode else spans[req]  # positions fed in (decoding feeds the tokens it draws)
-            x["ids"][i, :n] = req.tokens[start : start + n]
+            n = spans[req] if not decode or drafts else 1  # positions fed in (decoding feeds the tokens it draws)
+            x["ids"][i, :n] = req.tokens[start : start + 1] + drafts[req] if drafts else req.tokens[start : start + n]
             x["positions"][i] = start + np.arange(width)
             x["valid"][i, :n] = True
             x["last"][i], x["steps"][i] = n - 1, spans[req] if decode else 0  # steps: the decoding loop's
@@ -543,7 +548,7 @@ class Engine(_adapters.Served):
         if any(r.params.penalized for r in reqs):  # penalties or biases: a variant of the step that applies them
             rows = [(i, r.params, r.prompt, r.out, r.guide, r.banned) for r, i in row_of.items()]
             x["penalties"] = penalty_inputs(rows, R, self.vocab_size, self.eos_id)
-        out = self._call(x, steps if decode else 1, top_n)
+        out = self._call(x, steps if decode else 1, top_n, bool(drafts))
         for req, i in row_of.items():
             n = req.params.top_logprobs
             if not decode:  # a prefill chunk
@@ -552,7 +557,10 @@ class Engine(_adapters.Served):
                 if req.computed == len(req.tokens):  # its last known token ran: a new one
                     self._accept(req, *drawn(out, i, 0, n), events)
                 continue
-            for j in range(spans[req]):  # decode: each token fed in gave the next, until the request ends
+            taken = speculate.accepted(out[0][i], drafts[req]) if drafts else spans[req]  # the drafts matched, +1
+            if drafts:
+                self.drafted, self.draft_accepted = self.drafted + len(drafts[req]), self.draft_accepted + taken - 1
+            for j in range(taken):  # decode: each token fed in gave the next, until the request ends
                 req.computed += 1
                 if self._accept(req, *drawn(out, i, j, n), events):
                     break
@@ -574,22 +582,23 @@ class Engine(_adapters.Served):
             "top_p": np.ones(R, np.float32), "min_p": zeros(np.float32), "eos_from": zeros(np.int32),
         }  # fmt: skip
 
-    def _call(self, x: dict[str, np.ndarray], steps: int, top_n: int = 0) -> tuple:
+    def _call(self, x: dict[str, np.ndarray], steps: int, top_n: int = 0, verify: bool = False) -> tuple:
         """Run the compiled step of `steps` steps (a prefill chunk: 1) on inputs `x` (`_blank`'s, filled): tokens
         and log-probabilities [R, steps], and None or the `top_n` likeliest ids and their log-probabilities
         [R, steps, top_n]. Its executable for this shape is compiled the first time (unless `warmup` did; the
         variants with `top_n` or penalties, `warmup(every_variant=True)`) and kept: a call then flattens the
-        arrays and runs, with no jit cache to look up by the model's graph."""
-        shape = _key(x, steps, top_n)
+        arrays and runs, with no jit cache to look up by the model's graph. `verify`: every position draws
+        (speculative decoding's check: tokens [R, width])."""
+        shape = _key(x, steps, top_n, verify)
         if shape not in self._compiled:
-            self._compiled[shape] = self._lower(x, steps, top_n).compile()
+            self._compiled[shape] = self._lower(x, steps, top_n, verify).compile()
         tokens, logp, top, self._pools = self._compiled[shape](*self._inputs(x))
         return np.asarray(tokens), np.asarray(logp), None if top is None else tuple(map(np.asarray, top))
 
-    def _lower(self, x: dict[str, np.ndarray], steps: int, top_n: int = 0):
+    def _lower(self, x: dict[str, np.ndarray], steps: int, top_n: int = 0, verify: bool = False):
         _LOWERED[(*x["ids"].shape, x["table"].shape[1]) + ((steps,) if steps > 1 else ())] += 1
         raw = self.cfg.logprobs_mode == "raw"
-        return _forward.lower(self._graphdef, *self._inputs(x), steps=steps, top_n=top_n, raw=raw)
+        return _forward.lower(self._graphdef, *self._inputs(x), steps=steps, top_n=top_n, raw=raw, verify=verify)
 
     def _inputs(self, x: dict[str, np.ndarray]) -> tuple:
         """`_forward`'s arguments but its static ones (the graph, the steps), from `_blank`'s inputs."""
@@ -633,11 +642,13 @@ class Engine(_adapters.Served):
         rows = sorted({bucket(n, top) for n in range(1, top + 1)})
         pages = sorted({bucket(n, pps) for n in range(min(-(-_MIN_READ // c.page_size), pps), pps + 1)})
         variants = [(0, False)] + [(MAX_TOP_LOGPROBS, False), (0, True), (MAX_TOP_LOGPROBS, True)] * every_variant
-        calls = {}  # each shape's blank inputs, steps and top_n, by its key in `_compiled`
+        calls = {}  # each shape's blank inputs, steps, top_n and verify, by its key in `_compiled`
+        checks = [(1 + c.speculative_tokens, 1, True)] if c.speculative_tokens else []  # speculative decoding's
         for top_n, penalized in variants:
-            for width, steps in dict.fromkeys([(c.prefill_chunk, 1), (1, c.decode_steps)] + [(1, 1)] * penalized):
+            shapes = [(c.prefill_chunk, 1, False), (1, c.decode_steps, False)] + [(1, 1, False)] * penalized + checks
+            for width, steps, verify in dict.fromkeys(shapes):
                 for x in (self._blank(R, width, P, penalized) for R in rows for P in pages):
-                    calls[_key(x, steps, top_n)] = (x, steps, top_n)
+                    calls[_key(x, steps, top_n, verify)] = (x, steps, top_n, verify)
         new = {key: call for key, call in calls.items() if key not in self._compiled}
         lowered = [self._lower(*call) for call in new.values()]
         with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:

@@ -21,13 +21,15 @@ from jaxformer.engine import adapters as _adapters
 from jaxformer.engine import paged
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "top_n", "raw"), donate_argnames=("pools",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "top_n", "raw", "verify"), donate_argnames=("pools",))
 def _forward(
     graphdef, params, pools, table_BP, ids_BT, positions_BT, valid_BT, last_B, sampling, source, steps_B,
-    rows_B=None, penalties=None, *, steps, top_n=0, raw=False,
+    rows_B=None, penalties=None, *, steps, top_n=0, raw=False, verify=False,
 ):  # fmt: skip
     """One paged step and the next token of each row (from its last valid position `last_B`), then (decode,
-    T = 1) `steps` - 1 more, each feeding the token just drawn, row b running `steps_B[b]` in all; `sampling`:
+    T = 1) `steps` - 1 more, each feeding the token just drawn, row b running `steps_B[b]` in all; or
+    (`verify`, speculative decoding's check of drafted tokens, `steps` 1) the token each position draws,
+    every position drawing as a decode step at that position would [B, T]; `sampling`:
     each row's seed, temperature, top-k, top-p and min-p, the EOS id (-1: none) and each row's first position that
     may draw it (`min_tokens`); `source`: None, or (per layer the slots' cross-attention keys and values, the
     slots' source lengths, each row's slot); `rows_B`: None, or each row's adapter (engine.adapters);
@@ -48,34 +50,42 @@ def _forward(
     seeds_B, temperature_B, top_k_B, top_p_B, min_p_B, eos, eos_from_B = sampling
 
     def one(pools, rows, counts_BV, ids_BT, positions_BT, valid_BT, last_B):
-        logits_B1V, pools, rows = paged.paged_step(
+        """Each row's token drawn from its position `last_B` ([B, 1]), or (None) from each position ([B, T])."""
+        logits_BTV, pools, rows = paged.paged_step(
             model, pools, table_BP, ids_BT, positions_BT, valid_BT, memory, src_lengths_B, last_B, rows
         )
-        logits_BV = raw_BV = logits_B1V[:, 0]
+        B, T, V = logits_BTV.shape  # N = B x T draws, each with its row's settings
+        per_N = lambda x_B: jnp.repeat(x_B, T, axis=0)
+        logits_NV = raw_NV = logits_BTV.reshape(B * T, V)
         if penalties is not None:
-            logits_BV = paged.penalize(logits_BV, counts_BV, *penalties[1:])
-        positions_B = jnp.take_along_axis(positions_BT, last_B[:, None], axis=1)[:, 0] + 1  # the drawn token's
+            logits_NV = paged.penalize(logits_NV, per_N(counts_BV), *map(per_N, penalties[1:]))
+        at_BT = positions_BT if last_B is None else jnp.take_along_axis(positions_BT, last_B[:, None], axis=1)
+        positions_N = at_BT.reshape(B * T) + 1  # the drawn token's
         # `min_tokens`: a row draws no EOS (id `eos`, -1: none) at a position before its `eos_from_B`.
-        held_BV = (jnp.arange(logits_BV.shape[-1]) == eos)[None, :] & (positions_B < eos_from_B)[:, None]
-        logits_BV = jnp.where(held_BV, -jnp.inf, logits_BV)
-        keys_B = paged.request_keys(seeds_B, positions_B)
-        tokens_B, logp_B = paged.choose_rows(logits_BV, keys_B, temperature_B, top_k_B, top_p_B, min_p_B)
-        logp_BV = jax.nn.log_softmax((raw_BV if raw else logits_BV).astype(jnp.float32))
+        held_NV = (jnp.arange(V) == eos)[None, :] & (positions_N < per_N(eos_from_B))[:, None]
+        logits_NV = jnp.where(held_NV, -jnp.inf, logits_NV)
+        keys_N = paged.request_keys(per_N(seeds_B), positions_N)
+        settings = map(per_N, (temperature_B, top_k_B, top_p_B, min_p_B))
+        tokens_N, logp_N = paged.choose_rows(logits_NV, keys_N, *settings)
+        logp_NV = jax.nn.log_softmax((raw_NV if raw else logits_NV).astype(jnp.float32))
         if raw:
-            logp_B = jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=1)[:, 0]
-        top = jax.lax.top_k(logp_BV, top_n)[::-1] if top_n else ()
-        return tokens_B, logp_B, top, pools, rows
+            logp_N = jnp.take_along_axis(logp_NV, tokens_N[:, None], axis=1)[:, 0]
+        top = tuple(x.reshape(B, T, top_n) for x in jax.lax.top_k(logp_NV, top_n)[::-1]) if top_n else ()
+        return tokens_N.reshape(B, T), logp_N.reshape(B, T), top, pools, rows
 
     counts_BV = None if penalties is None else penalties[0]
-    if steps == 1:  # a prefill chunk, or one decode step
-        tokens_B, logp_B, top, pools, _ = one(pools, None, counts_BV, ids_BT, positions_BT, valid_BT, last_B)
-        return tokens_B[:, None], logp_B[:, None], tuple(x[:, None] for x in top) or None, pools
+    if steps == 1:  # a prefill chunk, one decode step, or the check of drafted tokens (every position's draw)
+        tokens_BT, logp_BT, top, pools, _ = one(
+            pools, None, counts_BV, ids_BT, positions_BT, valid_BT, None if verify else last_B
+        )
+        return tokens_BT, logp_BT, top or None, pools
 
     def body(i, carry):  # decoding (T = 1): the token drawn at step i - 1 goes in at the next position
         tokens_BN, logp_BN, top_BNn, pools, rows, counts_BV, in_B1 = carry
         valid_B1 = valid_BT & (i < steps_B)[:, None]
-        t_B, l_B, top, pools, rows = one(pools, rows, counts_BV, in_B1, positions_BT + i, valid_B1, last_B)
-        top_BNn = tuple(acc.at[:, i].set(x) for acc, x in zip(top_BNn, top, strict=True))
+        t_B1, l_B1, top, pools, rows = one(pools, rows, counts_BV, in_B1, positions_BT + i, valid_B1, last_B)
+        t_B, l_B = t_B1[:, 0], l_B1[:, 0]
+        top_BNn = tuple(acc.at[:, i].set(x[:, 0]) for acc, x in zip(top_BNn, top, strict=True))
         if counts_BV is not None:  # the token drawn is in the output from the next step on
             counts_BV = counts_BV.at[jnp.arange(t_B.shape[0]), t_B].add((i < steps_B).astype(jnp.int32))
         return tokens_BN.at[:, i].set(t_B), logp_BN.at[:, i].set(l_B), top_BNn, pools, rows, counts_BV, t_B[:, None]

@@ -104,6 +104,8 @@ class _EngineFigures:
         for metric, doc, value in [
             ("jaxformer:num_preemptions", "Requests preempted when the pool ran out of pages", stats["preempted"]),
             ("jaxformer:prefix_cache_hits", "Prompt pages found in the prefix cache", stats["prefix_hits"]),
+            ("jaxformer:spec_decode_num_draft_tokens", "Tokens drafted by prompt lookup", stats["drafted"]),
+            ("jaxformer:spec_decode_num_accepted_tokens", "Drafted tokens taken", stats["draft_accepted"]),
         ]:
             family = CounterMetricFamily(metric, doc, labels=["model_name"])
             family.add_metric([name], value)
