@@ -656,6 +656,8 @@ def main() -> None:
     p.add_argument("--serve-max-new", type=int, default=128, help="serve: the longest output")
     p.add_argument("--serve-chunk", type=int, default=64, help="serve: prefill chunk")
     p.add_argument("--serve-steps", type=int, default=8, help="serve: the engine's decode steps a call")
+    p.add_argument("--serve-speculate", type=int, default=0, metavar="K", help="serve: also the engine drafting K "
+                   "tokens a step by prompt lookup (speculative decoding)")  # fmt: skip
     p.add_argument("--serve-profile", help="serve: profile one more round of each jax path into this folder")
     p.add_argument("--grpo", action="store_true", help="a GRPO iteration: rollout vs update, rollout vs engine")
     p.add_argument("--grpo-prompts", type=int, default=8, help="grpo: prompts a step")

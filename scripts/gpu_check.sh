@@ -80,6 +80,10 @@
 #            for cuDNN (--attention cudnn), each against static `generate` with the same attention:
 #            whether the kernel pays. About 6 minutes on one H100; run it alone. SERVE_PAGES_SHAPE
 #            replaces its shape's flags, SERVE_PAGES_ATTENTION the two settings ("auto xla" on a CPU)
+#   serve_spec  speculative decoding by prompt lookup at the serve part's shape: the engine at one step a
+#            call, without drafts and drafting 4 tokens a step (`--serve-speculate 4`), against static
+#            `generate`, with the share of drafts taken. About 6 minutes on one H100; run it alone.
+#            SERVE_SPEC_SHAPE replaces its shape's flags
 #   tests    the test suite on the GPU (4 workers; conftest pins float32 matmul precision and stops each
 #            worker preallocating GPU memory), with the GPU-only check that cuDNN flash attention is
 #            in the compiled training step
@@ -197,8 +201,13 @@ for part in "${parts[@]}"; do
         run "serve_pages_$attention" "$py" scripts/benchmark.py --serve --scan --attention "$attention" \
           --dtype bfloat16 "${shape[@]}"
       done ;;
+    serve_spec)
+      spec=(${SERVE_SPEC_SHAPE:---d-model 2048 --heads 16 --layers 24 --vocab 50304 --seq 64 --serve-requests 64 \
+        --serve-max-new 64 --serve-slots 32 --rounds 3})
+      run serve_spec "$py" scripts/benchmark.py --serve --scan --attention auto --dtype bfloat16 --serve-steps 1 \
+        --serve-speculate 4 "${spec[@]}" ;;
     tests) run tests "$py" -m pytest -n 4 --dist loadfile -q -ra ;;
-    *) echo "gpu_check: no part named $part (device, plan, quick, gpt2, gpt2_big, decode, moe, long, serve, serve_pages, tests)" >&2
+    *) echo "gpu_check: no part named $part (device, plan, quick, gpt2, gpt2_big, decode, moe, long, serve, serve_pages, serve_spec, tests)" >&2
       exit 2 ;;
   esac
 done

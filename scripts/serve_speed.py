@@ -79,10 +79,12 @@ def serve_speed(args) -> None:
         decode_steps=args.serve_steps, prefix_sharing=False,
     )  # fmt: skip
     engine = Engine(model, cfg, eos_id=None)
+    # --serve-speculate K: the same engine drafting K tokens a step by prompt lookup (`engine.speculate`).
+    drafting = Engine(model, dataclasses.replace(cfg, speculative_tokens=args.serve_speculate), eos_id=None)
     batches = [range(i, min(i + slots, len(prompts))) for i in range(0, len(prompts), slots)]
     total = sum(outs)
 
-    def engine_run():
+    def engine_run(engine=engine):
         t0, first, last = time.perf_counter(), {}, {}
         for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
             engine.add_request(p, SamplingParams(max_tokens=o), f"r{i}")
@@ -106,6 +108,8 @@ def serve_speed(args) -> None:
         return time.perf_counter() - t0, ttft, []
 
     runs = {f"engine ({slots} slots, {args.serve_steps} steps a call)": engine_run, "static generate": static_run}
+    if args.serve_speculate:
+        runs[f"engine, prompt lookup of {args.serve_speculate}"] = lambda: engine_run(drafting)
     torch_run = _torch_serve(model, prompts, outs, batches, tempfile.mkdtemp(), save_hf, args.dtype)
     if torch_run is not None:
         runs["transformers torch generate"] = torch_run
@@ -121,6 +125,7 @@ def serve_speed(args) -> None:
     )
     t0 = time.perf_counter()
     shapes = engine.warmup()  # every shape of the engine's step, as `serve --warmup` does
+    shapes += drafting.warmup() if args.serve_speculate else 0
     print(f"engine warm-up: {shapes} shapes compiled in {time.perf_counter() - t0:.1f} s", flush=True)
     for name, fn in runs.items():
         t0 = time.perf_counter()
@@ -143,6 +148,10 @@ def serve_speed(args) -> None:
     names = list(runs)
     for other in names[1:]:
         print(f"engine / {other}: {rate[names[0]] / rate[other]:.2f}x tokens/s")
+    if args.serve_speculate:
+        s = drafting.stats()
+        print(f"prompt lookup: {s['draft_accepted']} of {s['drafted']} drafted tokens taken "
+              f"({s['draft_accepted'] / max(s['drafted'], 1):.0%})")  # fmt: skip
     if args.serve_profile:  # one more round of each jax path under the profiler: where a round's time goes
         for name, fn in list(runs.items())[:2]:
             directory = os.path.join(args.serve_profile, name.split()[0])

@@ -115,10 +115,13 @@ def test_serve_parts_at_toy_shapes_run_the_engine_and_profile_one_round_of_each_
     """`serve` at a toy shape on the CPU: the benchmark's table, then one profiled round of the engine and
     of static `generate` (summarised: here no device track), then the same benchmark with XLA's GPU
     command buffers switched off (a flag XLA:CPU ignores), each with its own log; then `serve_pages` with
-    the one attention setting given (its GPU pair, the paged kernel and cuDNN's gather, needs a GPU)."""
+    the one attention setting given (its GPU pair, the paged kernel and cuDNN's gather, needs a GPU); then
+    `serve_spec`, the engine beside the same engine drafting by prompt lookup."""
     shape = "--d-model 32 --heads 2 --layers 1 --vocab 64 --seq 8 --serve-requests 4 --serve-max-new 8 --serve-slots 2"
     pages = {"SERVE_PAGES_SHAPE": f"{shape} --rounds 1", "SERVE_PAGES_ATTENTION": "auto"}
-    out = gpu_check(tmp_path, "serve", "serve_pages", SERVE_SHAPE=f"{shape} --rounds 1", WHEELS="", **pages)
+    pages |= {"SERVE_SPEC_SHAPE": f"{shape} --rounds 1"}
+    out = gpu_check(tmp_path, "serve", "serve_pages", "serve_spec", SERVE_SHAPE=f"{shape} --rounds 1", WHEELS="",
+                    **pages)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     profiled = (tmp_path / "serve.log").read_text()
     assert "engine / static generate:" in profiled
@@ -129,6 +132,8 @@ def test_serve_parts_at_toy_shapes_run_the_engine_and_profile_one_round_of_each_
     assert "== serve_without_cuda_graphs: " in out.stdout and "failed" not in out.stdout
     assert "== serve_pages_auto: " in out.stdout and "serve_pages_cudnn" not in out.stdout
     assert "engine / static generate:" in (tmp_path / "serve_pages_auto.log").read_text()
+    spec = (tmp_path / "serve_spec.log").read_text()
+    assert "engine / engine, prompt lookup of 4:" in spec and "drafted tokens taken" in spec
 
 
 def test_trace_summary_reads_a_gpu_track_as_the_profiler_writes_it(tmp_path):
