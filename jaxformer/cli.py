@@ -1,5 +1,5 @@
-"""`jaxformer train | prepare | eval | generate | translate | serve | grpo | export | import-hf | export-hf | plan |
-sweep | plot | check | config`."""
+"""`jaxformer train | prepare | eval | generate | translate | serve | batch | grpo | export | import-hf | export-hf |
+plan | sweep | plot | check | config`."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ EXAMPLES = {
     "generate": 'jaxformer generate --workdir runs/lm_shakespeare --prompt "KING HENRY:" --set decode.temperature=0.7',
     "translate": 'jaxformer translate --workdir runs/translate_en_de --src "Click the OK button."',
     "serve": "jaxformer serve --workdir runs/instruct_tiny --port 8000 --set engine.max_slots=16",
+    "batch": "jaxformer batch --workdir runs/instruct_tiny --input requests.jsonl --output answers.jsonl",
     "grpo": "jaxformer grpo --config experiments/grpo_reverse.py --workdir runs/grpo_reverse",
     "sweep": "jaxformer sweep experiments/sweeps/copy_task.py --workdir sweeps/copy_task --workers 2",
     "plan": "jaxformer plan --config experiments/gpt2_1p3b.py --target tpu-v5p:4x4x4",
@@ -285,20 +286,26 @@ def cmd_grpo(args) -> int:
     return 0
 
 
-def cmd_serve(args) -> int:
-    """An OpenAI-compatible HTTP server of a workdir's model, and a page to try it at `/` (jaxformer.serve)."""
-    import os
+def _served_engine(args, name: str, command: str):
+    """The engine `serve` and `batch` run: the workdir's model (and `--lora` adapters), `--set engine.*` applied.
 
-    from jaxformer.config import ServeConfig, apply_section_overrides
+    Args:
+        args (argparse.Namespace): the command's (workdir, set, lora).
+        name: the base model's name.
+        command: the command, for its errors.
+
+    Returns:
+        The engine.
+
+    Raises:
+        CommandError: the workdir is not one, a --set is not the engine's, an adapter does not fit.
+    """
+    from jaxformer.config import apply_section_overrides
 
     workdir = pathlib.Path(args.workdir)
-    key = args.api_key if args.api_key is not None else os.environ.get("JAXFORMER_API_KEY") or None
-    name = args.model_name or workdir.absolute().name
-    cfg = ServeConfig(host=args.host, port=args.port, api_key=key, model_name=name, lora_updates=args.lora_updates,
-                      responses_store=args.responses_store)  # fmt: skip
     others = [s for s in args.set or [] if not s.strip().startswith("engine.")]
     if others:
-        raise CommandError(f"--set {others[0]}: `serve` --set changes the engine only (engine.FIELD=VALUE)")
+        raise CommandError(f"--set {others[0]}: `{command}` --set changes the engine only (engine.FIELD=VALUE)")
     if not (workdir / "config.json").is_file():
         raise CommandError(
             f"{workdir / 'config.json'} does not exist: {workdir} is not a training workdir "
@@ -308,7 +315,9 @@ def cmd_serve(args) -> int:
         from jaxformer.config import EngineConfig
         from jaxformer.engine import Engine, EngineError
     except ImportError as e:
-        raise CommandError(f"the inference engine does not load here ({e}): `serve` needs jaxformer.engine") from None
+        raise CommandError(
+            f"the inference engine does not load here ({e}): `{command}` needs jaxformer.engine"
+        ) from None
     from jaxformer.engine.adapters import parse_flags
 
     engine_cfg = apply_section_overrides(EngineConfig(), "engine", args.set or [])
@@ -319,9 +328,33 @@ def cmd_serve(args) -> int:
     if name in loras:
         raise CommandError(f"--lora {name}=...: {name!r} is the base model's name too (--model-name)")
     try:
-        engine = Engine.from_workdir(workdir, engine_cfg, adapters=loras or None)
+        return Engine.from_workdir(workdir, engine_cfg, adapters=loras or None)
     except EngineError as e:
         raise CommandError(f"--lora: {e}" if loras and str(e).startswith("adapters") else str(e)) from None
+
+
+def _engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `serve` and `batch` that make their engine (`_served_engine`)."""
+    p.add_argument("--workdir", required=True, help="a training workdir: its latest checkpoint, tokenizer, template")
+    p.add_argument("--model-name", help="the model's id in /v1/models and in requests (default: the workdir's name)")
+    p.add_argument("--set", action="append", metavar="engine.FIELD=VALUE", help="an engine setting, e.g. "
+                   "engine.max_slots=16")  # fmt: skip
+    p.add_argument("--lora", action="append", metavar="NAME=WORKDIR", help="serve a LoRA run's adapters beside the "
+                   "model as model NAME (repeatable; a request's `model` picks one)")  # fmt: skip
+
+
+def cmd_serve(args) -> int:
+    """An OpenAI-compatible HTTP server of a workdir's model, and a page to try it at `/` (jaxformer.serve)."""
+    import os
+
+    from jaxformer.config import ServeConfig
+
+    workdir = pathlib.Path(args.workdir)
+    key = args.api_key if args.api_key is not None else os.environ.get("JAXFORMER_API_KEY") or None
+    name = args.model_name or workdir.absolute().name
+    cfg = ServeConfig(host=args.host, port=args.port, api_key=key, model_name=name, lora_updates=args.lora_updates,
+                      responses_store=args.responses_store)  # fmt: skip
+    engine = _served_engine(args, name, "serve")
     from jaxformer.serve import run
 
     if args.warmup:
@@ -340,6 +373,21 @@ def cmd_serve(args) -> int:
         where = f"{url}/v1/embeddings{classes}"
     print(f"serving {name} ({what}) at {where} ; Ctrl-C stops", file=sys.stderr)
     run(engine, cfg, name)
+    return 0
+
+
+def cmd_batch(args) -> int:
+    """OpenAI's batch file answered by the server's routes in this process (jaxformer.serve.batch)."""
+    from jaxformer.serve import batch
+
+    if args.concurrency < 1:
+        raise CommandError(f"--concurrency: at least 1, got {args.concurrency}")
+    name = args.model_name or pathlib.Path(args.workdir).absolute().name
+    try:
+        batch.answer_file(lambda: _served_engine(args, name, "batch"), name, pathlib.Path(args.input),
+                          pathlib.Path(args.output), args.concurrency, quiet=args.quiet)  # fmt: skip
+    except batch.BatchError as e:
+        raise CommandError(f"--input: {e}") from None
     return 0
 
 
@@ -577,7 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser(
         "serve", help="serve a workdir's model over an OpenAI-compatible HTTP API, with a page to try it at /"
     )
-    sv.add_argument("--workdir", required=True, help="a training workdir: its latest checkpoint, tokenizer, template")
+    _engine_arguments(sv)
     sv.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine)")
     sv.add_argument("--port", type=int, default=8000, help="the TCP port (default 8000)")
     sv.add_argument(
@@ -585,19 +633,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="ask clients for `Authorization: Bearer KEY` (default: $JAXFORMER_API_KEY, which keeps the key out of "
         "the process list; neither: no key asked)",
     )
-    sv.add_argument("--model-name", help="the model's id in /v1/models and in requests (default: the workdir's name)")
-    sv.add_argument("--set", action="append", metavar="engine.FIELD=VALUE", help="an engine setting, e.g. "
-                    "engine.max_slots=16")  # fmt: skip
     sv.add_argument("--warmup", nargs="?", const="plain", choices=["plain", "all"], help="compile every shape of "
                     "the engine's step and run it once before taking requests (none then waits for a compilation "
                     "or a first run); `--warmup all`: also the variants for top_logprobs, penalties, biases and "
                     "structured outputs (about 4.5x the shapes)")  # fmt: skip
-    sv.add_argument("--lora", action="append", metavar="NAME=WORKDIR", help="serve a LoRA run's adapters beside the "
-                    "model as model NAME (repeatable; a request's `model` picks one)")  # fmt: skip
     sv.add_argument("--lora-updates", action="store_true", help="open POST /v1/load_lora_adapter and "
                     "/v1/unload_lora_adapter (vLLM's): adapters loaded and unloaded while it serves")  # fmt: skip
     sv.add_argument("--responses-store", type=int, default=1000, metavar="N", help="keep the last N Responses API "
                     "answers in memory, for previous_response_id and GET /v1/responses/ID (0: none)")  # fmt: skip
+    ba = sub.add_parser("batch", help="answer OpenAI's batch file (JSON lines) through the server's routes, offline")
+    _engine_arguments(ba)
+    ba.add_argument("--input", required=True, help="the requests: JSON lines {custom_id, method, url, body}")
+    ba.add_argument("--output", required=True, help="the answers, a JSON line each as it ends; rerun to answer "
+                    "only the custom_ids not yet in it")  # fmt: skip
+    ba.add_argument("--concurrency", type=int, default=256, help="requests handed to the engine at once (default "
+                    "256; its slots take them in turn)")  # fmt: skip
+    ba.add_argument("--quiet", action="store_true", help="no progress output")
     gr = sub.add_parser("grpo", help="GRPO on an experiment's task and rewards, sampling from the engine")
     gr.add_argument("--config", help="experiments/NAME.py with a grpo section (default: the workdir's config.json)")
     gr.add_argument("--workdir", required=True, help="the run's directory; rerun to resume")
@@ -711,6 +762,7 @@ def main(argv: list[str] | None = None) -> int:
             "generate": cmd_generate,
             "translate": cmd_generate,
             "serve": cmd_serve,
+            "batch": cmd_batch,
             "grpo": cmd_grpo,
             "sweep": cmd_sweep,
             "plot": cmd_plot,

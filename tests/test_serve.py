@@ -1319,6 +1319,88 @@ def test_the_page_streams_an_answer_in_a_headless_browser(server, reference, bro
     page.close()
 
 
+def _batch_line(cid: str, url: str, **body) -> dict:
+    return {"custom_id": cid, "method": "POST", "url": url, "body": {"model": MODEL, **body}}
+
+
+def test_a_batch_file_is_answered_as_the_server_answers_and_a_rerun_answers_only_what_is_missing(
+    workdir, reference, server, tmp_path, capsys
+):
+    """`jaxformer batch`: OpenAI's batch lines answered through the server's routes offline, each written as
+    OpenAI's batch output line: a completion is `generate`'s greedy continuation, a chat and a Responses
+    request are the server's answers to the same bodies (asked over HTTP), refusals keep the route's status and
+    error; the output lost a line and the last written was cut short (a killed run): the rerun answers that
+    request alone and keeps the rest as they were; a third run answers nothing."""
+    from jaxformer import cli
+
+    lines = [
+        _batch_line("c1", "/v1/completions", prompt="KING HENRY:", max_tokens=12, temperature=0),
+        _batch_line("c2", "/v1/completions", prompt=["ab", "KING:"], n=2, max_tokens=4, temperature=0),
+        _batch_line("chat", "/v1/chat/completions", messages=HI, max_tokens=8, temperature=0),
+        _batch_line("resp", "/v1/responses", input="Hi", max_output_tokens=5, temperature=0),
+        _batch_line("bad", "/v1/completions", prompt="x", max_tokens=-1),
+        _batch_line("emb", "/v1/embeddings", input="x"),
+        {"custom_id": "who", "method": "POST", "url": "/v1/completions", "body": {"model": "gpt-4", "prompt": "x"}},
+    ]
+    inputs, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inputs.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    command = ["batch", "--workdir", str(workdir), "--model-name", MODEL, "--input", str(inputs), "--output",
+               str(output), "--set", "engine.page_size=8"]  # fmt: skip
+    assert cli.main(command) == 0
+    assert "7 answered" in capsys.readouterr().err
+    got = {(line := json.loads(text))["custom_id"]: line for text in output.read_text().splitlines()}
+    assert set(got) == {line["custom_id"] for line in lines} and len(output.read_text().splitlines()) == 7
+    status = {cid: line["response"]["status_code"] for cid, line in got.items()}
+    assert status == {"c1": 200, "c2": 200, "chat": 200, "resp": 200, "bad": 400, "emb": 400, "who": 404}
+    assert all(line["id"].startswith("batch_req_") and line["response"]["request_id"] for line in got.values())
+    body = lambda cid: got[cid]["response"]["body"]
+    assert body("c1")["choices"][0]["text"] == text_of(reference(ids_of("KING HENRY:"), 12))
+    twice = ["ab", "ab", "KING:", "KING:"]  # n=2 choices of each prompt, greedy
+    assert [c["text"] for c in body("c2")["choices"]] == [text_of(reference(ids_of(p), 4)) for p in twice]
+    client = server.client()
+    chat = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=8, temperature=0)
+    assert body("chat")["choices"][0]["message"]["content"] == chat.choices[0].message.content
+    assert body("chat")["usage"] == chat.usage.to_dict()
+    answer = client.responses.create(model=MODEL, input="Hi", max_output_tokens=5, temperature=0)
+    assert body("resp")["output"][0]["content"][0]["text"] == answer.output_text
+    assert got["bad"]["error"]["param"] == "max_tokens" and got["who"]["error"]["code"] == "model_not_found"
+    assert got["c1"]["error"] is None and got["emb"]["error"] == body("emb")["error"]
+    # A killed run: c1's line lost, and the last line cut short as it was written.
+    kept = [text for text in output.read_text().splitlines(keepends=True) if '"c1"' not in text]
+    output.write_text("".join(kept) + '{"id": "batch_req_1", "custom_id": "c1", "resp')
+    assert cli.main(command) == 0
+    assert "1 requests of 7 to answer (6 in" in capsys.readouterr().err
+    again = output.read_text().splitlines(keepends=True)
+    assert again[:6] == kept and json.loads(again[6])["response"]["body"]["choices"] == body("c1")["choices"]
+    assert cli.main(command) == 0 and "answered in" in capsys.readouterr().err and output.read_text() == "".join(again)
+
+
+@pytest.mark.parametrize(
+    ("line", "words"),
+    [
+        ("{nope", "2: not JSON"),
+        (json.dumps(_batch_line("a", "/v1/completions", prompt="x")), "2: custom_id 'a' is line 1's too"),
+        (json.dumps(_batch_line("b", "/v1/models")), "2: url: one of /v1/completions"),
+        (json.dumps(_batch_line("b", "/v1/completions", prompt="x", stream=True)), "2: body.stream"),
+        (json.dumps({**_batch_line("b", "/v1/completions"), "method": "GET"}), "2: method: only POST"),
+        (json.dumps({**_batch_line("b", "/v1/completions"), "custom_id": 5}), "2: custom_id: a non-empty string"),
+        (json.dumps({**_batch_line("b", "/v1/completions"), "extra": 1}), "2: unknown field 'extra'"),
+        (json.dumps({**_batch_line("b", "/v1/completions"), "body": []}), "2: body: a JSON object"),
+    ],
+)
+def test_a_batch_line_that_is_not_a_request_stops_the_batch_naming_it_before_anything_runs(tmp_path, capsys, line,
+                                                                                              words):  # fmt: skip
+    from jaxformer import cli
+
+    inputs, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inputs.write_text(json.dumps(_batch_line("a", "/v1/completions", prompt="x")) + "\n" + line + "\n")
+    command = ["batch", "--workdir", str(tmp_path / "nowhere"), "--input", str(inputs), "--output", str(output)]
+    assert cli.main(command) == 2
+    err = capsys.readouterr().err
+    assert f"error: --input: {inputs}:{words}" in err, err
+    assert not output.exists()  # nothing ran, no engine was made (the workdir is not one)
+
+
 def test_section_overrides_parse_by_type_and_name_the_field():
     from jaxformer.config import ConfigError, apply_section_overrides
 
