@@ -14,6 +14,7 @@ output file, a batch answers only the `custom_id`s not yet there: an interrupted
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import pathlib
 import secrets
@@ -67,9 +68,11 @@ def answer_file(engine_of: Callable, name: str, inputs: pathlib.Path, output: pa
     say(f"{len(todo)} requests of {len(requests)} to answer ({len(done)} in {output} already), model {name}")
     t0, runner = time.perf_counter(), app.state.server.runner
     runner.start()
+    progress = lambda n, bad: say(f"{n} of {len(todo)} answered, {bad} refused")
     try:
-        counts = asyncio.run(run(app, todo, output, concurrency, lambda n, bad: say(f"{n} of {len(todo)} answered, "
-                                                                                  f"{bad} refused")))  # fmt: skip
+        # In a thread of its own where this one runs an event loop already (a notebook's).
+        with concurrent.futures.ThreadPoolExecutor(1) as thread:
+            counts = thread.submit(asyncio.run, run(app, todo, output, concurrency, progress)).result()
     finally:
         runner.stop()
     refused = {code: n for code, n in sorted(counts.items()) if code >= 400}
