@@ -24,10 +24,10 @@ from starlette.routing import Route
 
 from jaxformer.config import ServeConfig
 from jaxformer.serve import encoders, forms, protocol, responses, stored, tokens
+from jaxformer.serve.choices import Choice, chat_choice, counts_of, ranked, top_texts, usage_of
 from jaxformer.serve.metrics import Metrics
-from jaxformer.serve.protocol import APIError, Job, TextStream
+from jaxformer.serve.protocol import APIError, Job
 from jaxformer.serve.runner import EngineThread
-from jaxformer.serve.tools import CallStream
 
 log = logging.getLogger("jaxformer.serve")
 MAX_BODY = 8 << 20  # bytes of one request body
@@ -237,7 +237,7 @@ class _Server:
                 job.sources = True
             scores = await self._score(job)
             if not job.generate:  # echo with max_tokens 0: the prompt alone, the engine not asked
-                choices = [_Choice(self.tok, job, index, scores) for index in range(len(job.prompts) * job.n)]
+                choices = [Choice(self.tok, job, index, scores) for index in range(len(job.prompts) * job.n)]
                 for c in choices:
                     c.done, c.finish_reason = True, "length"
                 return JSONResponse(self._whole(job, choices))
@@ -411,7 +411,7 @@ class _Server:
         """Where a request asks (echo with logprobs, or vLLM's `prompt_logprobs`), each prompt's scores by one
         batched forward pass (jaxformer.evaluation.scoring) in the engine's thread, over the weights it serves:
         "echo": OpenAI's "tokens", "token_logprobs" and "top_logprobs" (the first None; `job.top_logprobs`
-        likeliest at each), and "ranked": vLLM's prompt_logprobs (`_ranked`), each where asked; None where
+        likeliest at each), and "ranked": vLLM's prompt_logprobs (`choices.ranked`), each where asked; None where
         neither is."""
         from jaxformer.evaluation.scoring import Scorer, ScoringError
 
@@ -441,13 +441,13 @@ class _Server:
         for i, ids in enumerate(job.prompts):
             logp, top, top_logp, rank = found.get(i, ((), (), (), ()))
             k = job.top_logprobs
-            tops = [_top_texts(self.tok, zip(t[:k], lp[:k], strict=True)) if k else {}
+            tops = [top_texts(self.tok, zip(t[:k], lp[:k], strict=True)) if k else {}
                     for t, lp in zip(top, top_logp, strict=True)]  # fmt: skip
             echo = {"tokens": [self.tok.decode([t]) for t in ids],
                     "token_logprobs": [None, *map(float, logp)], "top_logprobs": [None, *tops]}  # fmt: skip
             n, at = job.prompt_logprobs, zip(ids[1:], logp, rank, top, top_logp, strict=True)
-            ranked = None if n is None else [None, *(_ranked(self.tok, *r, n) for r in at)]
-            out.append({"echo": echo if job.score_prompt else None, "ranked": ranked})
+            listed = None if n is None else [None, *(ranked(self.tok, *r, n) for r in at)]
+            out.append({"echo": echo if job.score_prompt else None, "ranked": listed})
         return out
 
     async def _submit(self, job: Job) -> tuple[asyncio.Queue, list[str]]:
@@ -495,7 +495,7 @@ class _Server:
         events, ids = await self._submit(job)
         ended = lambda c, reason: self.metrics.finished(job.adapter, reason, len(c.prompt), len(c.tokens),
                                                         (arrived, c.first_at, c.last_at))  # fmt: skip
-        choices = [_Choice(self.tok, job, index, scores, ended) for index in range(len(ids))]
+        choices = [Choice(self.tok, job, index, scores, ended) for index in range(len(ids))]
         if job.stream:
             stream = self._stream if job.respond is None else self._stream_response
             return StreamingResponse(
@@ -520,15 +520,15 @@ class _Server:
             self._abort_unfinished(ids, choices)
         return JSONResponse(self._whole(job, choices))
 
-    def _abort_unfinished(self, ids: list[str], choices: list[_Choice]) -> None:
+    def _abort_unfinished(self, ids: list[str], choices: list[Choice]) -> None:
         for request_id, c in zip(ids, choices, strict=True):
             if not c.done:
                 c.end("abort")  # the client went away: counted before the engine can hear of it
             if not c.engine_done:
                 self.runner.abort(request_id)
 
-    def _whole(self, job: Job, choices: list[_Choice]) -> dict:
-        usage = _usage(job, choices)
+    def _whole(self, job: Job, choices: list[Choice]) -> dict:
+        usage = usage_of(job, choices)
         if job.respond is not None:  # one choice: a Responses request has no n
             c, rid = choices[0], protocol.new_id("resp")
             content, calls, reason = c.text, [], c.finish_reason
@@ -544,7 +544,7 @@ class _Server:
             return {
                 "id": protocol.new_id("chatcmpl"), "object": "chat.completion", "created": protocol.now(),
                 "model": job.model or self.model_name,
-                "choices": [_message(c, job) for c in choices],
+                "choices": [chat_choice(c, job) for c in choices],
                 "usage": usage,
             } | prompt_logprobs(choices[0])  # fmt: skip
         return {
@@ -556,7 +556,7 @@ class _Server:
             "usage": usage,
         }  # fmt: skip
 
-    async def _stream(self, job: Job, events: asyncio.Queue, ids: list[str], choices: list[_Choice]):
+    async def _stream(self, job: Job, events: asyncio.Queue, ids: list[str], choices: list[Choice]):
         kind = "chat.completion.chunk" if job.chat else "text_completion"
         head = {"id": protocol.new_id("chatcmpl" if job.chat else "cmpl"), "object": kind,
                 "created": protocol.now(), "model": job.model or self.model_name}  # fmt: skip
@@ -575,7 +575,7 @@ class _Server:
             else:
                 lp = c.text_logprobs(logprobs) if job.logprobs and logprobs else None
                 choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
-            usage = {"usage": _counts(c) if job.continuous_usage else None} if job.include_usage else {}
+            usage = {"usage": counts_of(c) if job.continuous_usage else None} if job.include_usage else {}
             return _sse(head | {"choices": [choice]} | usage)
 
         try:
@@ -590,14 +590,14 @@ class _Server:
                 if choices[index].done:
                     yield chunk(index, "", choices[index].finish_reason)
             if job.include_usage:
-                yield _sse(head | {"choices": [], "usage": _usage(job, choices)})
+                yield _sse(head | {"choices": [], "usage": usage_of(job, choices)})
             yield "data: [DONE]\n\n"
         except APIError as e:  # the engine failed
             yield _sse(e.body())
         finally:  # the client went away (the generator is closed), or all is said: free what still runs
             self._abort_unfinished(ids, choices)
 
-    async def _stream_response(self, job: Job, events: asyncio.Queue, ids: list[str], choices: list[_Choice]):
+    async def _stream_response(self, job: Job, events: asyncio.Queue, ids: list[str], choices: list[Choice]):
         """A Responses request's stream: its typed events (`responses.Events`)."""
         out = responses.Events(job.model or self.model_name, job.respond)
         try:
@@ -612,16 +612,16 @@ class _Server:
             if c.calls is not None:
                 delta, reason = c.calls.end(reason)
                 yield out.chat_delta(delta)
-            yield out.end(reason, _usage(job, choices))
+            yield out.end(reason, usage_of(job, choices))
             self._keep(job, out.whole)
         except APIError as e:  # the engine failed
             yield out.error(e)
         finally:
             self._abort_unfinished(ids, choices)
 
-    async def _pieces(self, job: Job, events: asyncio.Queue, ids: list[str], choices: list[_Choice]):
+    async def _pieces(self, job: Job, events: asyncio.Queue, ids: list[str], choices: list[Choice]):
         """(choice index, its new text, its new (id, log-probability, likeliest) triples if asked) as the
-        engine's events come, until every choice is done; a choice's last is its end (`_Choice.done`).
+        engine's events come, until every choice is done; a choice's last is its end (`Choice.done`).
 
         Raises:
             APIError: the engine failed.
@@ -634,140 +634,6 @@ class _Server:
             before = len(c.logprobs)
             piece = c.take(item, lambda i=index: self.runner.abort(ids[i]))
             yield index, piece, c.logprobs[before:] if job.logprobs else []
-
-
-class _Choice:
-    """One choice's state: its text so far (TextStream), tokens, log-probabilities and finish reason."""
-
-    def __init__(self, tok, job: Job, index: int, scores: list[dict] | None = None, on_end=None):
-        self.tok, self.index, self.on_end = tok, index, on_end  # on_end(choice, reason): once, when it ends
-        self.prompt = job.prompts[index // job.n]
-        self.scores = None if scores is None else scores[index // job.n]  # the prompt's (`_Server._score`)
-        self.echo = job.prompt_texts[index // job.n] if job.echo else ""
-        self.stream = TextStream(tok, job.stop, getattr(tok, "eos_id", None), job.shown_stops)
-        self.calls = None if job.tools is None else CallStream(job.tools)  # a streamed chat's deltas under tools
-        self.top_n = job.top_logprobs
-        self.text, self.tokens, self.logprobs = self.echo, [], []  # logprobs: (id, log-probability, likeliest)
-        self.done = self.engine_done = False
-        self.finish_reason = self.first_at = self.last_at = None  # its first and last tokens' time.monotonic()
-
-    def take(self, event, abort) -> str:
-        """An Event's text (what can be handed out now); `abort()` stops the engine at a stop string."""
-        if self.done:
-            return ""
-        if event.token_ids:
-            self.last_at = time.monotonic()
-            self.first_at = self.first_at or self.last_at
-        self.tokens += event.token_ids
-        tops = event.top_logprobs or [None] * len(event.token_ids)
-        self.logprobs += list(zip(event.token_ids, event.logprobs or [], tops, strict=False))
-        piece = self.stream.add(event.token_ids)
-        self.engine_done = event.finished
-        if self.stream.stopped:
-            self.done, self.finish_reason = True, "stop"
-            if not event.finished:
-                abort()
-        elif event.finished:
-            piece += self.stream.flush()
-            self.done, self.finish_reason = True, event.finish_reason
-        self.text += piece
-        if self.done:
-            self.end(self.finish_reason)
-        return piece
-
-    def end(self, reason: str) -> None:
-        """It ended (`reason`: its finish reason, or "abort"): counted once."""
-        on_end, self.on_end = self.on_end, None
-        if on_end is not None:
-            on_end(self, reason)
-
-    def text_logprobs(self, triples: list, whole: bool = False) -> dict:
-        """OpenAI's logprobs of a text completion: the chosen tokens' and, where asked (`logprobs` > 0), the
-        likeliest tokens' at each ({text: log-probability}); with `whole` and a scored prompt, the prompt's
-        tokens first, the first one's None."""
-        tokens = [self.tok.decode([t]) for t, _, _ in triples]
-        lps = [lp for _, lp, _ in triples]
-        tops = [_top_texts(self.tok, top) for _, _, top in triples] if self.top_n else None
-        if whole and self.scores is not None and self.scores["echo"] is not None:
-            s = self.scores["echo"]
-            return {"tokens": s["tokens"] + tokens, "token_logprobs": s["token_logprobs"] + lps,
-                    "top_logprobs": s["top_logprobs"] + (tops or [{}] * len(triples)), "text_offset": None}  # fmt: skip
-        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": None}
-
-    def chat_logprobs(self, triples: list) -> dict:
-        """OpenAI's logprobs of a chat completion: each chosen token's and its likeliest tokens' (`top_logprobs`)."""
-        entry = lambda text, lp: {"token": text, "logprob": lp, "bytes": list(text.encode())}
-        content = []
-        for t, lp, top in triples:
-            tops = [entry(self.tok.decode([i]), x) for i, x in top or ()]
-            content.append(entry(self.tok.decode([t]), lp) | {"top_logprobs": tops})
-        return {"content": content}
-
-
-def _message(c: _Choice, job: Job) -> dict:
-    """A whole chat choice: its message (under tools, its calls and the content before them) and finish reason."""
-    message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
-    if job.tools is not None:
-        content, calls, reason = job.tools.answer(c.text, c.finish_reason)
-        message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
-    logprobs = c.chat_logprobs(c.logprobs) if job.logprobs else None
-    return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
-
-
-def _ranked(tok, token: int, logp: float, rank: int, top, top_logp, n: int) -> dict[str, dict]:
-    """One prompt position as vLLM's `prompt_logprobs` lists it: {id: {"logprob", "rank", "decoded_token"}}
-    for the prompt's token there (its rank: the ids at least as likely, itself included), then the `n`
-    likeliest (ranks 1 to n) not already listed.
-
-    Args:
-        tok (Tokenizer): decodes each id.
-        token: the prompt's token at the position.
-        logp: its log-probability.
-        rank: its rank.
-        top: the likeliest ids there, likeliest first (at least `n`).
-        top_logp: their log-probabilities.
-        n: how many of them are listed.
-
-    Returns:
-        The dict, its keys the ids as strings (JSON's).
-    """
-    entry = lambda i, lp, r: {"logprob": float(lp), "rank": int(r), "decoded_token": tok.decode([int(i)])}
-    out = {str(int(token)): entry(token, logp, rank)}
-    for r, (i, lp) in enumerate(zip(top[:n], top_logp[:n], strict=True), 1):
-        out.setdefault(str(int(i)), entry(i, lp, r))
-    return out
-
-
-def _top_texts(tok, pairs) -> dict[str, float]:
-    """The likeliest tokens at one position as OpenAI's text completions list them: {text: log-probability},
-    likeliest first (of two ids of one text, the likelier's).
-
-    Args:
-        tok (Tokenizer): decodes each id.
-        pairs: (id, log-probability) pairs, likeliest first.
-
-    Returns:
-        The dict.
-    """
-    out: dict[str, float] = {}
-    for i, lp in pairs:
-        out.setdefault(tok.decode([int(i)]), float(lp))
-    return out
-
-
-def _usage(job: Job, choices: list[_Choice]) -> dict:
-    prompt = sum(len(p) for p in job.prompts)
-    completion = sum(len(c.tokens) for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _counts(c: _Choice) -> dict:
-    """One choice's usage so far (vLLM's continuous_usage_stats): its prompt's tokens and its own."""
-    return {
-        "prompt_tokens": len(c.prompt),
-        "completion_tokens": len(c.tokens),
-        "total_tokens": len(c.prompt) + len(c.tokens),
-    }
 
 
 def _engine_failed(e: Exception) -> APIError:
