@@ -206,6 +206,51 @@ def test_the_responses_api_returns_the_chat_s_log_probabilities(server):
     assert "".join(lp["token"] for lp in listed) == got.output_text
 
 
+def _polled(client, rid: str, until=("completed", "incomplete", "failed", "cancelled")):
+    """The stored Response `rid` once its status is one of `until` (a hang guard: a busy machine is slow)."""
+    deadline = time.monotonic() + processes.HANG_GUARD_S
+    while (got := client.responses.retrieve(rid)).status not in until:
+        assert time.monotonic() < deadline, got.status
+        time.sleep(0.05)
+    return got
+
+
+def test_a_background_response_is_queued_then_stored_when_it_ends_and_can_be_cancelled(server):
+    """OpenAI's `background: true` through its own client: the Response comes back at once, queued, and
+    polling finds it ended with the answer a plain request gets; one cancelled while it runs (the engine
+    slowed) is kept "cancelled" with its text so far and its engine requests freed, and a second cancel
+    answers it as it is; one deleted while it runs is gone and freed too; a plain response cannot be
+    cancelled, and background refuses stream and store: false by name."""
+    client = server.client()
+    ask = dict(model=MODEL, input="Hi", max_output_tokens=8, temperature=0)
+    plain = client.responses.create(**ask)
+    queued = client.responses.create(**ask, background=True)
+    assert queued.status in ("queued", "in_progress", "completed", "incomplete") and queued.background
+    ended = _polled(client, queued.id)
+    assert (ended.output_text, ended.status, ended.usage.output_tokens) == (plain.output_text, plain.status,
+                                                                            plain.usage.output_tokens)  # fmt: skip
+    assert ended.created_at == queued.created_at and ended.id == queued.id
+    with paced(server, 0.5):  # each step half a second: the requests still run when the cancel comes
+        running = client.responses.create(model=MODEL, input="Hi", max_output_tokens=100, temperature=0,
+                                          background=True)  # fmt: skip
+        cancelled = client.responses.cancel(running.id)
+        assert cancelled.status == "cancelled" and client.responses.retrieve(running.id).status == "cancelled"
+        assert client.responses.cancel(running.id).status == "cancelled"
+        gone = client.responses.create(model=MODEL, input="Hi", max_output_tokens=100, background=True)
+        client.responses.delete(gone.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(gone.id)
+        server.idle()  # both cancelled requests' pages freed
+    said = cancelled.output[0].content[0].text if cancelled.output else ""
+    assert plain.output_text.startswith(said) or said.startswith(plain.output_text[: len(said)])
+    with pytest.raises(openai.BadRequestError, match="only a background response that runs"):
+        client.responses.cancel(plain.id)
+    for extra, word in [({"stream": True}, "not streamed"), ({"store": False}, "needs the response stored")]:
+        with pytest.raises(openai.BadRequestError, match=word) as caught:
+            client.responses.create(**ask, background=True, **extra)
+        assert caught.value.body["param"] == "background"
+
+
 def test_the_store_keeps_the_most_recent_and_pages_their_input_items():
     """`stored.Store`: the oldest response forgotten beyond the capacity; `listing`'s pages by `after` and
     `limit`, both orders, and its malformed parameters refused by name; a store of capacity 0 keeps nothing

@@ -66,6 +66,7 @@ class _Server:
         self.runner = EngineThread(engine)
         self.metrics = Metrics(model_name)
         self.stored = stored.Store(cfg.responses_store)
+        self._later: dict[str, asyncio.Task] = {}  # the background Responses running, by id
         self.created = protocol.now()
         routes = [
             Route("/", self.page, methods=["GET"]),
@@ -78,6 +79,7 @@ class _Server:
             Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/responses/{rid}", self.response, methods=["GET", "DELETE"]),
             Route("/v1/responses/{rid}/input_items", self.input_items, methods=["GET"]),
+            Route("/v1/responses/{rid}/cancel", self.cancel, methods=["POST"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/classify", self.classify, methods=["POST"]),  # SGLang's path
             Route("/classify", self.classify, methods=["POST"]),  # vLLM's
@@ -272,15 +274,81 @@ class _Server:
             job.respond, job.conversation = body, before + stored.input_items(body["input"])
             if job.guided_by == "response_format":  # an engine's error names the Responses field
                 job.guided_by = "text.format"
+            if body.get("background"):
+                return await self._background(self._named(job, body))
             return await self._run(request, self._named(job, body))
 
         return await self._guarded(request, answer)
 
+    async def _background(self, job: Job) -> Response:
+        """A Responses request answered in the background (`background: true`): its Response comes back at once,
+        "queued", and is stored; a task waits for its answer and stores it when it ends ("completed",
+        "incomplete", "failed" where the engine failed, or "cancelled": `cancel`)."""
+        body = job.respond
+        if body.get("stream") or body.get("store") is False or not self.stored.capacity:
+            why = "is not streamed here (poll GET /v1/responses/{id})" if body.get("stream") else (
+                "needs the response stored (store: true" + (")" if self.stored.capacity else ", and a server "
+                "started with --responses-store N > 0)"))  # fmt: skip
+            raise protocol.bad("background", f"a background response {why}", "unsupported")
+        events, ids, choices = await self._started(job)
+        job.response_id = rid = protocol.new_id("resp")
+        queued = responses.response(rid, protocol.now(), job.model, body, [], None, None) | {"status": "queued"}
+        self.stored.put(queued, job.conversation)
+
+        async def answer() -> None:
+            try:
+                await self._collected(None, events, ids, choices)
+                whole = self._whole(job, choices, queued["created_at"])
+            except APIError as e:  # the engine failed
+                whole = queued | {"status": "failed", "error": {"code": e.code or "server_error", "message": e.message}}
+            except asyncio.CancelledError:  # `cancel`: what it said so far
+                text = choices[0].text
+                whole = queued | {"status": "cancelled", "output": [responses.message_item(rid, text, "incomplete")]
+                                  if text else []}  # fmt: skip
+            self._later.pop(rid, None)
+            self._keep(job, whole)
+
+        self._later[rid] = asyncio.create_task(answer())
+        return JSONResponse(queued)
+
+    async def cancel(self, request: Request) -> Response:
+        """A background Response stopped (`POST /v1/responses/{id}/cancel`): its requests aborted, it is kept as
+        "cancelled" with the text said so far; one cancelled already is answered as it is."""
+
+        async def answer():
+            rid = request.path_params["rid"]
+            kept = self.stored.get(rid).response
+            if rid in self._later:
+                await self._stop(rid)
+                return JSONResponse(self.stored.get(rid).response)
+            if kept.get("background") and kept["status"] == "cancelled":
+                return JSONResponse(kept)
+            what = "has ended" if kept.get("background") else "was not made in the background"
+            raise APIError(400, f"response {rid!r} {what}: only a background response that runs can be cancelled",
+                           None, "invalid_request")  # fmt: skip
+
+        return await self._guarded(request, answer)
+
+    async def _stop(self, rid: str) -> None:
+        """Cancel a background Response's task and wait until it has stored what it had."""
+        task = self._later[rid]
+        await asyncio.sleep(0)  # a task cancelled before its first step would not run its own `except`
+        task.cancel()
+        await asyncio.wait([task])
+
     async def response(self, request: Request) -> Response:
-        """A stored Response (`GET /v1/responses/{id}`), or forgotten (`DELETE`)."""
-        rid = request.path_params["rid"]
-        kept = lambda: self.stored.delete(rid) if request.method == "DELETE" else self.stored.get(rid).response
-        return await self._guarded(request, lambda: JSONResponse(kept()))
+        """A stored Response (`GET /v1/responses/{id}`), or forgotten (`DELETE`; one running in the background is
+        cancelled first)."""
+
+        async def answer():
+            rid = request.path_params["rid"]
+            if request.method == "GET":
+                return JSONResponse(self.stored.get(rid).response)
+            if rid in self._later:
+                await self._stop(rid)
+            return JSONResponse(self.stored.delete(rid))
+
+        return await self._guarded(request, answer)
 
     async def input_items(self, request: Request) -> Response:
         """The input items a stored Response answered, a page of them (`stored.Store.listing`)."""
@@ -490,25 +558,37 @@ class _Server:
             raise e
         return events, list(results)
 
-    async def _run(self, request: Request, job: Job, scores: list[dict] | None = None) -> Response:
+    async def _started(self, job: Job, scores: list[dict] | None = None) -> tuple:
+        """The job's requests added to the engine: (their Events' queue, their ids, a Choice each, counted in the
+        metrics when it ends)."""
         arrived = time.monotonic()
         events, ids = await self._submit(job)
         ended = lambda c, reason: self.metrics.finished(job.adapter, reason, len(c.prompt), len(c.tokens),
                                                         (arrived, c.first_at, c.last_at))  # fmt: skip
-        choices = [Choice(self.tok, job, index, scores, ended) for index in range(len(ids))]
+        return events, ids, [Choice(self.tok, job, index, scores, ended) for index in range(len(ids))]
+
+    async def _run(self, request: Request, job: Job, scores: list[dict] | None = None) -> Response:
+        events, ids, choices = await self._started(job, scores)
         if job.stream:
             stream = self._stream if job.respond is None else self._stream_response
             return StreamingResponse(
                 stream(job, events, ids, choices), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )  # fmt: skip
+        if not await self._collected(request, events, ids, choices):
+            return Response(status_code=499)  # nobody to answer; its pages are freed
+        return JSONResponse(self._whole(job, choices))
+
+    async def _collected(self, request: Request | None, events: asyncio.Queue, ids: list[str], choices: list[Choice]):
+        """Take the Events until every choice has ended (True), or the client of `request` went away (False;
+        None: a background Response's, whom nobody waits on); what still runs is aborted either way."""
         try:
             looked = time.monotonic()
             while not all(c.done for c in choices):
-                if time.monotonic() - looked > DISCONNECT_POLL:  # however busy the queue is
+                if request is not None and time.monotonic() - looked > DISCONNECT_POLL:  # however busy the queue
                     looked = time.monotonic()
                     if await request.is_disconnected():
-                        return Response(status_code=499)  # nobody to answer; `finally` frees the pages
+                        return False
                 try:
                     index, item = await asyncio.wait_for(events.get(), DISCONNECT_POLL)
                 except TimeoutError:
@@ -518,7 +598,7 @@ class _Server:
                 choices[index].take(item, lambda i=index: self.runner.abort(ids[i]))
         finally:
             self._abort_unfinished(ids, choices)
-        return JSONResponse(self._whole(job, choices))
+        return True
 
     def _abort_unfinished(self, ids: list[str], choices: list[Choice]) -> None:
         for request_id, c in zip(ids, choices, strict=True):
@@ -527,17 +607,18 @@ class _Server:
             if not c.engine_done:
                 self.runner.abort(request_id)
 
-    def _whole(self, job: Job, choices: list[Choice]) -> dict:
+    def _whole(self, job: Job, choices: list[Choice], created: int | None = None) -> dict:
         usage = usage_of(job, choices)
         if job.respond is not None:  # one choice: a Responses request has no n
-            c, rid = choices[0], protocol.new_id("resp")
+            c, rid = choices[0], job.response_id or protocol.new_id("resp")
             content, calls, reason = c.text, [], c.finish_reason
             if job.tools is not None:
                 content, calls, reason = job.tools.answer(c.text, c.finish_reason)
             logprobs = c.chat_logprobs(c.logprobs)["content"] if job.logprobs else None
             output = responses.outputs(rid, content, calls, reason, logprobs)
             model = job.model or self.model_name
-            return self._keep(job, responses.response(rid, protocol.now(), model, job.respond, output, reason, usage))
+            whole = responses.response(rid, created or protocol.now(), model, job.respond, output, reason, usage)
+            return self._keep(job, whole)
         # vLLM's prompt_logprobs: a completion's in each choice, a chat's (one prompt) in the answer.
         prompt_logprobs = lambda c: {} if job.prompt_logprobs is None else {"prompt_logprobs": c.scores["ranked"]}
         if job.chat:

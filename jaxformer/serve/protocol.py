@@ -118,6 +118,7 @@ class Job:
         respond: the Responses API request this chat came from (answered as a Response), or None.
         conversation: a Responses request's input items, those of the conversation it continues first (kept
             with its Response where it is stored: `jaxformer.serve.stored`).
+        response_id: a background Response's id, given when it was queued; None: a new one when it ends.
     """
 
     chat: bool
@@ -141,6 +142,7 @@ class Job:
     shown_stops: tuple[str, ...] = ()
     respond: dict | None = None
     conversation: list | None = None
+    response_id: str | None = None
     continuous_usage: bool = False
 
     @property

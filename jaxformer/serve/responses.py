@@ -22,7 +22,7 @@ FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", 
 LOGPROBS = "message.output_text.logprobs"  # the `include` that asks for the message's log-probabilities
 # Fields this server cannot honour, taken at these values only.
 _NEUTRAL = {"truncation": (None, "disabled"), "reasoning": (None,),
-            "include": (None, [], [LOGPROBS]), "background": (None, False),
+            "include": (None, [], [LOGPROBS]), "background": (None, False, True),
             "service_tier": (None, "auto", "default")}  # fmt: skip
 FIELDS |= set(_NEUTRAL)
 _ROLES = ("user", "assistant", "system", "developer")
@@ -219,7 +219,7 @@ def response(
         "parallel_tool_calls": body.get("parallel_tool_calls", True), "tool_choice": body.get("tool_choice") or "auto",
         "tools": body.get("tools") or [], "text": body.get("text") or {"format": {"type": "text"}},
         "truncation": "disabled", "previous_response_id": body.get("previous_response_id"), "reasoning": None,
-        "store": body.get("store", True) is not False, "usage": tokens,
+        "store": body.get("store", True) is not False, "background": body.get("background") is True, "usage": tokens,
     }  # fmt: skip
 
 
