@@ -883,14 +883,16 @@ def test_a_model_with_lora_adapters_serves_merged(model):
 
 
 @pytest.mark.parametrize(
-    "d_model, kernel, impl, steps", [(256, True, "auto", 1), (128, False, "auto", 1), (256, False, "naive", 4)]
+    "d_model, kernel, impl, steps, width",
+    [(256, True, "auto", 1, 1), (128, False, "auto", 1, 1), (256, False, "naive", 4, 1), (256, False, "auto", 1, 5)],
 )
-def test_the_paged_decode_step_compiles_for_a_tpu_slice(d_model, kernel, impl, steps):
+def test_the_paged_decode_step_compiles_for_a_tpu_slice(d_model, kernel, impl, steps, width):
     """libtpu's compiler, no chip: the decode step [slots, 1] over pools whose heads are split over the
     tensor axis of a v5e:2x2 slice compiles and keeps the pools' sharding. At head dim 128 it runs the
     Pallas paged-attention kernel (a Mosaic custom call) and gathers no page, its logits soft-capped
     inside it; at head dim 64, which the kernel cannot take, it gathers the pages by XLA; under the
-    reference attention, four steps a call gather the rows' pages once, before the decoding loop."""
+    reference attention, four steps a call gather the rows' pages once, before the decoding loop.
+    Speculative decoding's check ([slots, 5], every position drawing) gathers, as a prefill chunk does."""
     pytest.importorskip("libtpu")
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -917,8 +919,9 @@ def test_the_paged_decode_step_compiles_for_a_tpu_slice(d_model, kernel, impl, s
         f32 = jax.ShapeDtypeStruct((slots,), np.float32)
         sampling = (*sampling, i32(slots), f32, f32, i32(), i32(slots))  # top-k, top-p, min-p, EOS, its first position
         compiled = engine_steps._forward.lower(
-            graphdef, params, [{"k": pool, "v": pool}], i32(slots, 8), i32(slots, 1), i32(slots, 1),
-            jax.ShapeDtypeStruct((slots, 1), bool), i32(slots), sampling, None, i32(slots), steps=steps,
+            graphdef, params, [{"k": pool, "v": pool}], i32(slots, 8), i32(slots, width), i32(slots, width),
+            jax.ShapeDtypeStruct((slots, width), bool), i32(slots), sampling, None, i32(slots), steps=steps,
+            verify=width > 1,
         ).compile()  # fmt: skip
     text = compiled.as_text()
     # The pages' gather takes whole pages of a head: slices of page * K values.
@@ -928,6 +931,7 @@ def test_the_paged_decode_step_compiles_for_a_tpu_slice(d_model, kernel, impl, s
         assert pages_gather not in _loop_bodies(text)
     out_pools = compiled.output_shardings[-1]
     assert out_pools[0]["k"].spec == PartitionSpec("tensor")
+    assert compiled.out_info[0].shape == (slots, max(steps, width))  # a token for each step, or each position
 
 
 def test_a_call_s_decoding_loop_has_a_trip_count_the_compiler_knows(model):

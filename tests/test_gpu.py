@@ -307,10 +307,11 @@ def test_host_offload_moves_bytes_off_the_h100(devices):
 ENGINE_STEP = (4, 17, 16, 8)  # the engine step's slots, pool pages, page size, pages a row
 
 
-def engine_step_on_h100s(target: str, mesh_cfg: MeshConfig, pool_spec: tuple, width: int):
+def engine_step_on_h100s(target: str, mesh_cfg: MeshConfig, pool_spec: tuple, width: int, verify: bool = False):
     """The serving engine's compiled step (`engine.steps._forward`, one step a call) on `target`'s H100s:
     a one-layer bfloat16 decoder, head dim 64 (4 heads over 2 kv heads), `ENGINE_STEP`'s slots and pages,
-    `width` positions a row, the pools laid out by `pool_spec` over the mesh, everything else replicated.
+    `width` positions a row (`verify`: each position drawing, speculative decoding's check), the pools laid
+    out by `pool_spec` over the mesh, everything else replicated.
     Returns (the compiled step, the parameters' abstract state)."""
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
@@ -338,7 +339,7 @@ def engine_step_on_h100s(target: str, mesh_cfg: MeshConfig, pool_spec: tuple, wi
         compiled = engine_steps._forward.lower(
             graphdef, params, [{"k": pool, "v": pool}], spec(np.int32, B, P), spec(np.int32, B, width),
             spec(np.int32, B, width), spec(bool, B, width), spec(np.int32, B), sampling, None,
-            spec(np.int32, B), steps=1,
+            spec(np.int32, B), steps=1, verify=verify,
         ).compile(NO_TRITON_GEMM)  # fmt: skip
     return compiled, params
 
@@ -380,6 +381,21 @@ def test_the_engine_s_decode_step_reads_pages_by_triton_and_its_prefill_gathers_
         assert memory.alias_size_in_bytes == 2 * G * N * page * K * 2  # the pools, donated and written in place
         # No [B, H, T, S] block and no copy of a pool: cuBLAS's workspace, the weights in bfloat16, the pages.
         assert workspace <= memory.temp_size_in_bytes <= workspace + weights + gathered, width
+
+
+def test_speculative_decoding_s_check_reads_the_gathered_pages_by_cudnn_on_h100():
+    """The engine's check of drafted tokens (`verify`: [4, 5], a token drawn at every position) compiles for
+    one H100 as a prefill chunk does: the pages gathered whole for cuDNN's fused attention, nothing to or
+    from the host, the pools written in place, a token for each position."""
+    compiled, _ = engine_step_on_h100s("gpu-h100:1x1", MeshConfig(), (), 5, verify=True)
+    text, memory = compiled.as_text(), compiled.memory_analysis()
+    B, N, page, _, G, K = *ENGINE_STEP, 2, 64
+    targets = set(re.findall(r'custom_call_target="([^"]+)"', text))
+    assert targets == {"__cublas$lt$matmul", "__cudnn$fmhaScaleBiasSoftmax"}, targets
+    assert f"slice_sizes={{{G},1,{page * K}}}" in text  # the gather of whole pages, both kv heads
+    assert (memory.host_argument_size_in_bytes, memory.host_output_size_in_bytes) == (0, 0)
+    assert memory.alias_size_in_bytes == 2 * G * N * page * K * 2
+    assert compiled.out_info[0].shape == (B, 5)
 
 
 def test_the_engine_s_decode_step_runs_triton_s_paged_kernel_per_shard_of_heads_on_two_h100s():
