@@ -704,6 +704,8 @@ def test_a_client_that_goes_away_has_its_request_aborted_and_the_server_answers_
 
 
 def test_a_failing_engine_step_fails_its_requests_not_the_server(server):
+    """A step that raises fails the requests it ran, whole, streamed, a Responses stream and a background
+    Response alike, and the server answers on."""
     engine = server.runner.engine
     real = engine.step
 
@@ -722,7 +724,12 @@ def test_a_failing_engine_step_fails_its_requests_not_the_server(server):
     engine.step = broken  # a Responses stream ends with the API's error event
     events = list(server.client().responses.create(model=MODEL, input="boom", max_output_tokens=3, stream=True))
     assert events[0].type == "response.created" and events[-1].type == "error" and "injected" in events[-1].message
-    assert server.runner.alive and server.runner.failures >= 2
+    server.idle()
+    engine.step = broken  # a background Response is stored "failed", with the engine's error
+    queued = server.client().responses.create(model=MODEL, input="boom", max_output_tokens=3, background=True)
+    failed = _polled(server.client(), queued.id)
+    assert failed.status == "failed" and "injected fault" in failed.error.message
+    assert server.runner.alive and server.runner.failures >= 3
     out = server.client().completions.create(model=MODEL, prompt="fine", max_tokens=3, temperature=0)
     assert out.choices[0].finish_reason in ("length", "stop")
 

@@ -299,7 +299,10 @@ class _Server:
             try:
                 await self._collected(None, events, ids, choices)
                 whole = self._whole(job, choices, queued["created_at"])
-            except APIError as e:  # the engine failed
+            except Exception as e:  # the engine failed (an APIError), or this server did
+                if not isinstance(e, APIError):
+                    log.exception("background response %s failed", rid)
+                    e = APIError(500, f"{type(e).__name__}: {e}", None, "server_error", "server_error")
                 whole = queued | {"status": "failed", "error": {"code": e.code or "server_error", "message": e.message}}
             except asyncio.CancelledError:  # `cancel`: what it said so far
                 text = choices[0].text
