@@ -216,11 +216,11 @@ def _polled(client, rid: str, until=("completed", "incomplete", "failed", "cance
 
 
 def test_a_background_response_is_queued_then_stored_when_it_ends_and_can_be_cancelled(server):
-    """OpenAI's `background: true` through its own client: the Response comes back at once, queued, and
-    polling finds it ended with the answer a plain request gets; one cancelled while it runs (the engine
-    slowed) is kept "cancelled" with its text so far and its engine requests freed, and a second cancel
-    answers it as it is; one deleted while it runs is gone and freed too; a plain response cannot be
-    cancelled, and background refuses stream and store: false by name."""
+    """OpenAI's `background: true` through its own client: the Response comes back at once, queued, is in
+    progress while it runs, and polling finds it ended with the answer a plain request gets; one cancelled
+    while it runs (the engine slowed) is kept "cancelled" with its text so far and its engine requests
+    freed, and a second cancel answers it as it is; one deleted while it runs is gone and freed too; a
+    plain response cannot be cancelled, and background refuses stream and store: false by name."""
     client = server.client()
     ask = dict(model=MODEL, input="Hi", max_output_tokens=8, temperature=0)
     plain = client.responses.create(**ask)
@@ -233,6 +233,7 @@ def test_a_background_response_is_queued_then_stored_when_it_ends_and_can_be_can
     with paced(server, 0.5):  # each step half a second: the requests still run when the cancel comes
         running = client.responses.create(model=MODEL, input="Hi", max_output_tokens=100, temperature=0,
                                           background=True)  # fmt: skip
+        assert client.responses.retrieve(running.id).status == "in_progress"
         cancelled = client.responses.cancel(running.id)
         assert cancelled.status == "cancelled" and client.responses.retrieve(running.id).status == "cancelled"
         assert client.responses.cancel(running.id).status == "cancelled"

@@ -282,8 +282,8 @@ class _Server:
 
     async def _background(self, job: Job) -> Response:
         """A Responses request answered in the background (`background: true`): its Response comes back at once,
-        "queued", and is stored; a task waits for its answer and stores it when it ends ("completed",
-        "incomplete", "failed" where the engine failed, or "cancelled": `cancel`)."""
+        "queued", and is stored; a task marks it "in_progress", waits for its answer and stores it when it ends
+        ("completed", "incomplete", "failed" where the engine failed, or "cancelled": `cancel`)."""
         body = job.respond
         if body.get("stream") or body.get("store") is False or not self.stored.capacity:
             why = "is not streamed here (poll GET /v1/responses/{id})" if body.get("stream") else (
@@ -296,6 +296,7 @@ class _Server:
         self.stored.put(queued, job.conversation)
 
         async def answer() -> None:
+            self.stored.put(queued | {"status": "in_progress"}, job.conversation)  # its requests run in the engine
             try:
                 await self._collected(None, events, ids, choices)
                 whole = self._whole(job, choices, queued["created_at"])
