@@ -4,6 +4,7 @@ and an engine that drafts against the same engine without drafts: the same token
 model, for a decoder and an encoder-decoder alike."""
 
 import collections
+import dataclasses
 
 import jax
 import numpy as np
@@ -42,6 +43,26 @@ def test_a_draft_is_what_follows_the_latest_earlier_occurrence_of_the_longest_ta
     assert speculate.draft([1, 2, 3, 9, 1, 2, 3], 3, 3, 1) == [9, 1, 2]
     assert speculate.draft([1, 2, 3, 4], 2, 3, 1) == []  # nothing repeats
     assert speculate.draft([5], 2, 3, 1) == []
+
+
+def test_a_request_gets_k_drafts_unless_its_max_tokens_or_the_context_leave_fewer_or_a_penalty_shapes_it():
+    @dataclasses.dataclass(eq=False)  # as the engine's requests: by identity
+    class Request:
+        params: SamplingParams
+        out: list
+        tokens: list
+        guide: None = None
+        banned: tuple = ()
+
+    cfg = EngineConfig(speculative_tokens=3, prompt_lookup_min=1)
+    request = lambda out=(), max_tokens=50, **params: Request(SamplingParams(max_tokens=max_tokens, **params),
+                                                              list(out), [1, 2, 3] * 6 + list(out))  # fmt: skip
+    plain, near_end, penalized = request(), request(out=[1, 2], max_tokens=4), request(presence_penalty=0.5)
+    got = speculate.drafts([plain, near_end, penalized], cfg, max_context=64)
+    assert got == {plain: [1, 2, 3], near_end: [3], penalized: []}  # 2 of 4 out: one draft, then the one drawn
+    assert speculate.drafts([plain], cfg, max_context=20)[plain] == [1]  # 18 tokens: positions 18 and 19 left
+    assert speculate.drafts([penalized], cfg, max_context=64) == {}  # nothing drafted: no check
+    assert speculate.drafts([plain], EngineConfig(), max_context=64) == {}  # off
 
 
 def test_a_row_takes_the_drafts_that_match_then_one_drawn():

@@ -40,7 +40,8 @@ def drafts(reqs: list, cfg: EngineConfig, max_context: int) -> dict:
         return {}
     out = {}
     for r in reqs:
-        room = min(cfg.speculative_tokens, r.params.max_tokens - len(r.out), max_context - len(r.tokens)) - 1
+        # k at most, and no more than its tokens taken with the one drawn after them leave room for
+        room = min(cfg.speculative_tokens, r.params.max_tokens - len(r.out) - 1, max_context - len(r.tokens) - 1)
         plain = not (r.params.penalized or r.guide or r.banned) and room > 0
         out[r] = draft(r.tokens, room, cfg.prompt_lookup_max, cfg.prompt_lookup_min) if plain else []
     return out if any(out.values()) else {}
