@@ -587,8 +587,7 @@ class Engine(_adapters.Served):
         and log-probabilities [R, steps], and None or the `top_n` likeliest ids and their log-probabilities
         [R, steps, top_n]. Its executable for this shape is compiled the first time (unless `warmup` did; the
         variants with `top_n` or penalties, `warmup(every_variant=True)`) and kept: a call then flattens the
-        arrays and runs, with no jit cache to look up by the model's graph. `verify`: every position draws
-        (speculative decoding's check: tokens [R, width])."""
+        arrays and runs, with no jit cache to look up by the model's graph. `verify`: each position draws."""
         shape = _key(x, steps, top_n, verify)
         if shape not in self._compiled:
             self._compiled[shape] = self._lower(x, steps, top_n, verify).compile()

@@ -285,11 +285,12 @@ class _Server:
         "queued", and is stored; a task marks it "in_progress", waits for its answer and stores it when it ends
         ("completed", "incomplete", "failed" where the engine failed, or "cancelled": `cancel`)."""
         body = job.respond
-        if body.get("stream") or body.get("store") is False or not self.stored.capacity:
-            why = "is not streamed here (poll GET /v1/responses/{id})" if body.get("stream") else (
-                "needs the response stored (store: true" + (")" if self.stored.capacity else ", and a server "
-                "started with --responses-store N > 0)"))  # fmt: skip
-            raise protocol.bad("background", f"a background response {why}", "unsupported")
+        if body.get("stream"):
+            raise protocol.bad("background", "a background response is not streamed here: poll GET "
+                               "/v1/responses/{id}", "unsupported")  # fmt: skip
+        if body.get("store") is False or not self.stored.capacity:
+            raise protocol.bad("background", "a background response needs the response stored (store: true, on a "
+                               "server whose --responses-store is above 0)", "unsupported")  # fmt: skip
         events, ids, choices = await self._started(job)
         job.response_id = rid = protocol.new_id("resp")
         queued = responses.response(rid, protocol.now(), job.model, body, [], None, None) | {"status": "queued"}
