@@ -150,13 +150,15 @@ def test_two_workers_share_one_sqlite_sweep_and_a_rerun_adds_nothing(tmp_path, c
 def test_a_killed_sweep_continues_and_retries_the_dead_trial_in_its_workdir(tmp_path, capfd):
     import optuna
 
-    file, workdir = sweep_file(tmp_path, "killed", trials=3, steps=30), tmp_path / "sweep"
+    # 60 steps, a checkpoint every 10: trial 1 runs the programs trial 0 compiled, and the kill must come
+    # between its first checkpoint and its end (at 30 steps, polled every 0.5 s, a fast run once ended first).
+    file, workdir = sweep_file(tmp_path, "killed", trials=3, steps=60), tmp_path / "sweep"
     cmd = [sys.executable, "-m", "jaxformer.cli", "sweep", str(file), "--workdir", str(workdir)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=processes.cpu_env())
     url = f"sqlite:///{workdir / 'sweep.db'}"
     try:  # kill the worker once trial 0 is complete and trial 1 has saved a checkpoint
         trial1_saved = lambda: (workdir / "trial-001" / "checkpoints" / "10").is_dir()
-        processes.wait_until(trial1_saved, proc, "trial 1's first checkpoint", poll=0.5)
+        processes.wait_until(trial1_saved, proc, "trial 1's first checkpoint", poll=0.05)
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait()
@@ -177,7 +179,7 @@ def test_a_killed_sweep_continues_and_retries_the_dead_trial_in_its_workdir(tmp_
     assert len({table[n]["train.learning_rate"] for n in (0, 1, 2)}) == 3  # the planned trials differ
     # The retry resumed from trial 1's checkpoint (a fresh start would append a second step 0).
     steps = [json.loads(line)["step"] for line in (workdir / "trial-001" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == sorted(steps) and steps[-1] == 30
+    assert steps == sorted(steps) and steps[-1] == 60
 
 
 @pytest.mark.parametrize(
