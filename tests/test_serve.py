@@ -220,7 +220,7 @@ def test_a_background_response_is_queued_then_stored_when_it_ends_and_can_be_can
     progress while it runs, and polling finds it ended with the answer a plain request gets; one cancelled
     while it runs (the engine slowed) is kept "cancelled" with its text so far and its engine requests
     freed, and a second cancel answers it as it is; one deleted while it runs is gone and freed too; a
-    plain response cannot be cancelled, and background refuses stream and store: false by name."""
+    plain response cannot be cancelled, and background refuses store: false by name."""
     client = server.client()
     ask = dict(model=MODEL, input="Hi", max_output_tokens=8, temperature=0)
     plain = client.responses.create(**ask)
@@ -247,10 +247,57 @@ def test_a_background_response_is_queued_then_stored_when_it_ends_and_can_be_can
     assert said[:shared] == plain.output_text[:shared]
     with pytest.raises(openai.BadRequestError, match="only a background response that runs"):
         client.responses.cancel(plain.id)
-    for extra, word in [({"stream": True}, "not streamed"), ({"store": False}, "needs the response stored")]:
-        with pytest.raises(openai.BadRequestError, match=word) as caught:
-            client.responses.create(**ask, background=True, **extra)
-        assert caught.value.body["param"] == "background"
+    with pytest.raises(openai.BadRequestError, match="needs the response stored") as caught:
+        client.responses.create(**ask, background=True, store=False)
+    assert caught.value.body["param"] == "background"
+
+
+def test_a_background_stream_is_kept_and_read_again_after_any_event(server):
+    """OpenAI's `background: true, stream: true` through its own client: the events a plain stream gets (the
+    first response "queued"), numbered without a gap, its Response stored as it ended; read again from the
+    store after event N (`retrieve(stream=True, starting_after=N)`), the same events after N. A client that
+    stops reading while it runs (the engine slowed) stops nothing: a second reads on from the last event the
+    first had, and the two make the whole stream, its text the plain request's. A response not made so has
+    no stream to read again, and a malformed query is a 400 naming its parameter."""
+    client = server.client()
+    ask = dict(model=MODEL, input="Hi", max_output_tokens=8, temperature=0)
+    plain = list(client.responses.create(**ask, stream=True))
+    events = list(client.responses.create(**ask, stream=True, background=True))
+    assert [e.type for e in events] == [e.type for e in plain]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].response.status == "queued" and events[1].response.status == "in_progress"
+    final = events[-1].response
+    assert final.background and final.output_text == plain[-1].response.output_text and final.output_text
+    assert client.responses.retrieve(final.id).to_dict() == final.to_dict()
+    again = client.responses.retrieve(final.id, stream=True, starting_after=3)
+    assert [e.to_dict() for e in again] == [e.to_dict() for e in events[4:]]
+    assert [e.to_dict() for e in client.responses.retrieve(final.id, stream=True)] == [e.to_dict() for e in events]
+
+    long = dict(model=MODEL, input="Once upon a time", max_output_tokens=64, temperature=0)
+    want = client.responses.create(**long)
+    assert want.usage.output_tokens == 64  # several calls of the engine's decoding steps
+    with paced(server, 0.25):  # the answer still runs when the first reader stops
+        stream = client.responses.create(**long, stream=True, background=True)
+        read = iter(stream)
+        first = [next(read) for _ in range(5)]  # created, in_progress, the message begun, a delta or two
+        stream.close()
+        rid = first[0].response.id
+        assert client.responses.retrieve(rid).status == "in_progress"
+        rest = list(client.responses.retrieve(rid, stream=True, starting_after=first[-1].sequence_number))
+    whole = first + rest
+    assert [e.sequence_number for e in whole] == list(range(len(whole)))
+    assert whole[-1].response.output_text == want.output_text == client.responses.retrieve(rid).output_text
+    said = "".join(e.delta for e in whole if e.type == "response.output_text.delta")
+    assert said == want.output_text and whole[-1].response.usage.to_dict() == want.usage.to_dict()
+    server.idle()
+
+    bad = [(dict(stream=True), "stream"), (dict(stream=True, starting_after=-2), "starting_after"),
+           (dict(starting_after=2), "starting_after"), (dict(extra_query={"page": 1}), "page")]  # fmt: skip
+    for query, param in bad:
+        target = want.id if param == "stream" else final.id
+        with pytest.raises(openai.BadRequestError) as caught:
+            list(client.responses.retrieve(target, **query))
+        assert caught.value.body["param"] == param, caught.value.body
 
 
 def test_the_store_keeps_the_most_recent_and_pages_their_input_items():
@@ -731,7 +778,15 @@ def test_a_failing_engine_step_fails_its_requests_not_the_server(server):
     queued = server.client().responses.create(model=MODEL, input="boom", max_output_tokens=3, background=True)
     failed = _polled(server.client(), queued.id)
     assert failed.status == "failed" and "injected fault" in failed.error.message
-    assert server.runner.alive and server.runner.failures >= 3
+    server.idle()
+    engine.step = broken  # streamed too: the error event, kept, and the Response stored "failed"
+    events = list(server.client().responses.create(model=MODEL, input="boom", max_output_tokens=3, stream=True,
+                                                   background=True))  # fmt: skip
+    assert events[-1].type == "error" and "injected" in events[-1].message
+    rid = events[0].response.id
+    assert [e.type for e in server.client().responses.retrieve(rid, stream=True)] == [e.type for e in events]
+    assert _polled(server.client(), rid).status == "failed"
+    assert server.runner.alive and server.runner.failures >= 4
     out = server.client().completions.create(model=MODEL, prompt="fine", max_tokens=3, temperature=0)
     assert out.choices[0].finish_reason in ("length", "stop")
 

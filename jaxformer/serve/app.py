@@ -283,24 +283,31 @@ class _Server:
     async def _background(self, job: Job) -> Response:
         """A Responses request answered in the background (`background: true`): its Response comes back at once,
         "queued", and is stored; a task marks it "in_progress", waits for its answer and stores it when it ends
-        ("completed", "incomplete", "failed" where the engine failed, or "cancelled": `cancel`)."""
+        ("completed", "incomplete", "failed" where the engine failed, or "cancelled": `cancel`). Streamed
+        (`stream: true` too), its events come back instead, are kept with it and can be read again from any
+        point (`GET /v1/responses/{id}?stream=true`); a client that goes away stops reading them, not the answer."""
         body = job.respond
-        if body.get("stream"):
-            raise protocol.bad("background", "a background response is not streamed here: poll GET "
-                               "/v1/responses/{id}", "unsupported")  # fmt: skip
         if body.get("store") is False or not self.stored.capacity:
             raise protocol.bad("background", "a background response needs the response stored (store: true, on a "
                                "server whose --responses-store is above 0)", "unsupported")  # fmt: skip
         events, ids, choices = await self._started(job)
-        job.response_id = rid = protocol.new_id("resp")
-        queued = responses.response(rid, protocol.now(), job.model, body, [], None, None) | {"status": "queued"}
-        self.stored.put(queued, job.conversation)
+        out = responses.Events(job.model or self.model_name, body) if body.get("stream") else None
+        job.response_id = rid = protocol.new_id("resp") if out is None else out.rid
+        created = protocol.now() if out is None else out.created
+        queued = responses.response(rid, created, job.model, body, [], None, None) | {"status": "queued"}
+        self.stored.put(queued, job.conversation, out)
 
         async def answer() -> None:
             self.stored.put(queued | {"status": "in_progress"}, job.conversation)  # its requests run in the engine
             try:
-                await self._collected(None, events, ids, choices)
-                whole = self._whole(job, choices, queued["created_at"])
+                if out is None:
+                    await self._collected(None, events, ids, choices)
+                else:
+                    async for _ in self._stream_response(job, events, ids, choices, out):
+                        pass  # each event kept by `out`, for its readers
+                    if out.failure is not None:
+                        raise out.failure
+                whole = self._whole(job, choices, created) if out is None else out.whole
             except Exception as e:  # the engine failed (an APIError), or this server did
                 if not isinstance(e, APIError):
                     log.exception("background response %s failed", rid)
@@ -312,9 +319,11 @@ class _Server:
                                   if text else []}  # fmt: skip
             self._later.pop(rid, None)
             self._keep(job, whole)
+            if out is not None:
+                out.finish()  # its readers' streams end, with the Response stored as it ended
 
         self._later[rid] = asyncio.create_task(answer())
-        return JSONResponse(queued)
+        return JSONResponse(queued) if out is None else _event_stream(out.follow())
 
     async def cancel(self, request: Request) -> Response:
         """A background Response stopped (`POST /v1/responses/{id}/cancel`): its requests aborted, it is kept as
@@ -348,7 +357,9 @@ class _Server:
         async def answer():
             rid = request.path_params["rid"]
             if request.method == "GET":
-                return JSONResponse(self.stored.get(rid).response)
+                kept = self.stored.get(rid)
+                after = stored.stream_query(kept, dict(request.query_params))
+                return JSONResponse(kept.response) if after is None else _event_stream(kept.events.follow(after))
             if rid in self._later:
                 await self._stop(rid)
             return JSONResponse(self.stored.delete(rid))
@@ -576,10 +587,7 @@ class _Server:
         events, ids, choices = await self._started(job, scores)
         if job.stream:
             stream = self._stream if job.respond is None else self._stream_response
-            return StreamingResponse(
-                stream(job, events, ids, choices), media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )  # fmt: skip
+            return _event_stream(stream(job, events, ids, choices))
         if not await self._collected(request, events, ids, choices):
             return Response(status_code=499)  # nobody to answer; its pages are freed
         return JSONResponse(self._whole(job, choices))
@@ -683,9 +691,10 @@ class _Server:
         finally:  # the client went away (the generator is closed), or all is said: free what still runs
             self._abort_unfinished(ids, choices)
 
-    async def _stream_response(self, job: Job, events: asyncio.Queue, ids: list[str], choices: list[Choice]):
-        """A Responses request's stream: its typed events (`responses.Events`)."""
-        out = responses.Events(job.model or self.model_name, job.respond)
+    async def _stream_response(self, job: Job, events: asyncio.Queue, ids: list[str], choices: list[Choice],
+                               out: responses.Events | None = None):  # fmt: skip
+        """A Responses request's stream: its typed events (`out`, or new `responses.Events`)."""
+        out = out or responses.Events(job.model or self.model_name, job.respond)
         try:
             yield out.start()
             c = choices[0]
@@ -728,6 +737,12 @@ def _engine_failed(e: Exception) -> APIError:
 
 def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
+
+
+def _event_stream(events) -> StreamingResponse:
+    """Server-sent events as `events` (an async iterator of their texts) gives them, kept by no proxy's buffer."""
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 
 def _sse(payload: dict) -> str:

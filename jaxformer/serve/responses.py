@@ -10,8 +10,10 @@ name the Responses fields (`input[i]`, `max_output_tokens`, `text.format`, `tool
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+from collections.abc import AsyncIterator
 
 from jaxformer.serve.protocol import APIError, bad, new_id, now
 
@@ -288,15 +290,46 @@ class Events:
 
     def __init__(self, model: str, body: dict):
         self.rid, self.created, self.model, self.body = new_id("resp"), now(), model, body
-        self.seq = 0
         self.items: list[dict] = []  # the output items begun, the last one open
         self.open = False
         self.whole: dict | None = None  # the Response, once ended
+        self.failure: APIError | None = None  # what failed, where the stream ended in an error
+        self.sent: list[str] = []  # every event so far, its sequence number its index: `follow` reads them
+        self.ended = False  # no event follows (`finish`)
+        self._grew = asyncio.Event()  # set, and replaced, when an event is added or the stream ends
 
     def _event(self, kind: str, **fields) -> str:
-        payload = {"type": kind, "sequence_number": self.seq} | fields
-        self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        payload = {"type": kind, "sequence_number": len(self.sent)} | fields
+        self.sent.append(f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n")
+        self._grew.set()
+        self._grew = asyncio.Event()
+        return self.sent[-1]
+
+    def finish(self) -> None:
+        """Say that no event follows: `follow` ends once it has given the last."""
+        self.ended = True
+        self._grew.set()
+
+    async def follow(self, after: int = -1) -> AsyncIterator[str]:
+        """The events after sequence number `after`, those sent already, then each as it comes, until the
+        stream ends (`finish`): a background Response's stream, read when it is created and again by
+        `GET /v1/responses/{id}?stream=true&starting_after=N`, by as many readers as ask.
+
+        Args:
+            after: the last sequence number the reader has (-1: none).
+
+        Returns:
+            The events' texts, as they come.
+        """
+        at = after + 1
+        while True:
+            grew = self._grew
+            while at < len(self.sent):
+                yield self.sent[at]
+                at += 1
+            if self.ended:
+                return
+            await grew.wait()
 
     def _at(self) -> dict:
         item = self.items[-1]
@@ -330,13 +363,14 @@ class Events:
         return out + self._event("response.output_item.done", output_index=len(self.items) - 1, item=item)
 
     def start(self) -> str:
-        """The events before the answer: the response created and in progress.
+        """The events before the answer: the response created (queued, in the background) and in progress.
 
         Returns:
             The events.
         """
         started = response(self.rid, self.created, self.model, self.body, [], None, None)
-        return self._event("response.created", response=started) + self._event("response.in_progress", response=started)
+        created = started | {"status": "queued"} if started["background"] else started
+        return self._event("response.created", response=created) + self._event("response.in_progress", response=started)
 
     def delta(self, text: str, logprobs: list | None = None) -> str:
         """A piece of the message's text (the message added first, where none is open).
@@ -403,4 +437,5 @@ class Events:
         Returns:
             The event.
         """
+        self.failure = e
         return self._event("error", code=e.code, message=e.message, param=e.param)

@@ -5,14 +5,15 @@ Kept in the server's memory, the most recent `capacity` of them (`jaxformer serv
 oldest is forgotten first, and a restart forgets all), each with the whole conversation it answered: its
 previous response's conversation and output, then its own input. A request that names a previous response
 continues that conversation, as OpenAI's does: its input follows the previous response's output, and only
-its own `instructions` apply.
+its own `instructions` apply. One made in the background and streamed keeps its stream's events too, to be
+read again from any of them (`GET /v1/responses/{id}?stream=true&starting_after=N`: `stream_query`).
 """
 
 from __future__ import annotations
 
 import collections
 import secrets
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from jaxformer.serve.protocol import APIError, bad
 
@@ -27,10 +28,13 @@ class Stored(NamedTuple):
     Attributes:
         response: the Response object, as it was answered.
         items: the input items it answered, in order: those of the conversation before it, then its own.
+        events: its stream's events (`responses.Events`), kept where it was made in the background and
+            streamed, to be read again (`stream_query`); None otherwise.
     """
 
     response: dict
     items: list[dict]
+    events: Any = None
 
 
 def input_items(given: str | list) -> list[dict]:
@@ -63,16 +67,20 @@ class Store:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def put(self, response: dict, items: list[dict]) -> None:
-        """Keep a response, forgetting the oldest beyond the capacity.
+    def put(self, response: dict, items: list[dict], events: Any = None) -> None:
+        """Keep a response (in place of the one of its id, whose stream's events it keeps), forgetting the oldest
+        beyond the capacity.
 
         Args:
             response: the Response object answered.
             items: the conversation it answered (`conversation`'s, then its own input's `input_items`).
+            events: its stream's events, where it is made in the background and streamed.
         """
         if self.capacity == 0:
             return
-        self._kept[response["id"]] = Stored(response, items)
+        before = self._kept.get(response["id"])
+        events = before.events if events is None and before is not None else events
+        self._kept[response["id"]] = Stored(response, items, events)
         while len(self._kept) > self.capacity:
             self._kept.popitem(last=False)
 
@@ -165,3 +173,37 @@ class Store:
         page = items[: int(limit)]
         return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                 "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}  # fmt: skip
+
+
+def stream_query(kept: Stored, query: dict) -> int | None:
+    """What `GET /v1/responses/{id}` asks of a stored response: None, the Response (no `stream`, or
+    `stream=false`); or the sequence number after which to stream its events (`starting_after`, -1 where
+    not given), where it was made in the background and streamed, as OpenAI's can be read again.
+
+    Args:
+        kept: the stored response.
+        query: the request's query parameters.
+
+    Returns:
+        None, or the sequence number.
+
+    Raises:
+        APIError: a query parameter is unknown or malformed, or the response has no stream to read.
+    """
+    if set(query) - {"stream", "starting_after", "include", "include_obfuscation"}:
+        raise bad(sorted(set(query) - {"stream", "starting_after", "include", "include_obfuscation"})[0],
+                  "unknown query parameter: stream and starting_after are known", "unknown_parameter")  # fmt: skip
+    stream = query.get("stream", "false")
+    if stream not in ("true", "false"):
+        raise bad("stream", f"'true' or 'false' is expected, got {stream[:20]!r}")
+    after = query.get("starting_after", "-1")
+    if not (after.isdigit() or after == "-1"):
+        raise bad("starting_after", f"an event's sequence number (an integer >= 0) is expected, got {after[:20]!r}")
+    if stream == "false":
+        if "starting_after" in query:
+            raise bad("starting_after", "only a stream starts after an event: add stream=true")
+        return None
+    if kept.events is None:
+        raise bad("stream", f"response {kept.response['id']!r} has no stream to read again: only one made with "
+                  "background: true and stream: true has", "unsupported")  # fmt: skip
+    return int(after)
