@@ -12,6 +12,7 @@ read again from any of them (`GET /v1/responses/{id}?stream=true&starting_after=
 from __future__ import annotations
 
 import collections
+import re
 import secrets
 from typing import Any, NamedTuple
 
@@ -197,7 +198,7 @@ def stream_query(kept: Stored, query: dict) -> int | None:
     if stream not in ("true", "false"):
         raise bad("stream", f"'true' or 'false' is expected, got {stream[:20]!r}")
     after = query.get("starting_after", "-1")
-    if not (after.isdigit() or after == "-1"):
+    if re.fullmatch(r"-1|[0-9]+", after) is None:
         raise bad("starting_after", f"an event's sequence number (an integer >= 0) is expected, got {after[:20]!r}")
     if stream == "false":
         if "starting_after" in query:
