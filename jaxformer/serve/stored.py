@@ -14,9 +14,12 @@ from __future__ import annotations
 import collections
 import re
 import secrets
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from jaxformer.serve.protocol import APIError, bad
+
+if TYPE_CHECKING:
+    from jaxformer.serve.responses import Events
 
 # The prefix of an input item's id, by its type (an item given without one gets one, as OpenAI's do).
 _PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_"}
@@ -35,7 +38,7 @@ class Stored(NamedTuple):
 
     response: dict
     items: list[dict]
-    events: Any = None
+    events: Events | None = None
 
 
 def input_items(given: str | list) -> list[dict]:
@@ -68,7 +71,7 @@ class Store:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def put(self, response: dict, items: list[dict], events: Any = None) -> None:
+    def put(self, response: dict, items: list[dict], events: Events | None = None) -> None:
         """Keep a response (in place of the one of its id, whose stream's events it keeps), forgetting the oldest
         beyond the capacity.
 
@@ -156,9 +159,7 @@ class Store:
             APIError: none of that id is kept, or a query parameter is malformed.
         """
         items = self.get(rid).items
-        if set(query) - {"order", "limit", "after", "include"}:
-            raise bad(sorted(set(query) - {"order", "limit", "after", "include"})[0], "unknown query parameter: "
-                      "order, limit and after are known", "unknown_parameter")  # fmt: skip
+        _known(query, ("order", "limit", "after"), ("include",))
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise bad("order", f"'asc' or 'desc' is expected, got {order[:20]!r}")
@@ -191,9 +192,7 @@ def stream_query(kept: Stored, query: dict) -> int | None:
     Raises:
         APIError: a query parameter is unknown or malformed, or the response has no stream to read.
     """
-    if set(query) - {"stream", "starting_after", "include", "include_obfuscation"}:
-        raise bad(sorted(set(query) - {"stream", "starting_after", "include", "include_obfuscation"})[0],
-                  "unknown query parameter: stream and starting_after are known", "unknown_parameter")  # fmt: skip
+    _known(query, ("stream", "starting_after"), ("include", "include_obfuscation"))
     stream = query.get("stream", "false")
     if stream not in ("true", "false"):
         raise bad("stream", f"'true' or 'false' is expected, got {stream[:20]!r}")
@@ -208,3 +207,9 @@ def stream_query(kept: Stored, query: dict) -> int | None:
         raise bad("stream", f"response {kept.response['id']!r} has no stream to read again: only one made with "
                   "background: true and stream: true has", "unsupported")  # fmt: skip
     return int(after)
+
+
+def _known(query: dict, read: tuple[str, ...], taken: tuple[str, ...]) -> None:
+    """Refuse a query parameter neither `read` nor `taken` (taken and ignored: OpenAI's client may send it)."""
+    if unknown := sorted(set(query) - set(read) - set(taken)):
+        raise bad(unknown[0], f"unknown query parameter: {', '.join(read)} are known", "unknown_parameter")
