@@ -332,6 +332,16 @@ def test_the_store_keeps_the_most_recent_and_pages_their_input_items():
             store.listing("resp_2", query)
         assert (caught.value.status, caught.value.param) == (400, field)
     assert store.delete("resp_2") == {"id": "resp_2", "object": "response", "deleted": True} and len(store) == 1
+    streams = stored.Store(stored.STREAMS_KEPT + 10)  # background streams' events: the last STREAMS_KEPT kept
+    rids = [f"resp_{n}" for n in range(stored.STREAMS_KEPT + 2)]
+    for rid in rids:
+        streams.put({"id": rid, "output": []}, items, events=f"events of {rid}")
+        streams.put({"id": rid, "output": [], "status": "completed"}, items)  # as it ends: its events kept
+    assert [streams.get(rid).events for rid in rids[:3]] == [None, None, "events of resp_2"]
+    assert streams.get(rids[-1]).events == f"events of {rids[-1]}" and streams.get(rids[0]).response["output"] == []
+    with pytest.raises(APIError, match="among the last") as caught:
+        stored.stream_query(streams.get(rids[0]), {"stream": "true"})
+    assert caught.value.param == "stream" and stored.stream_query(streams.get(rids[-1]), {"stream": "true"}) == -1
     none = stored.Store(0)
     none.put({"id": "resp_1", "output": []}, items)
     with pytest.raises(APIError, match="--responses-store 0") as caught:

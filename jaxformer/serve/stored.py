@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 # The prefix of an input item's id, by its type (an item given without one gets one, as OpenAI's do).
 _PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_"}
 MAX_LIMIT = 100  # input_items: at most this many a page, as OpenAI's
+# Background streams whose events are kept to be read again, the most recent (~200 bytes an event, about one a
+# token: a 4,000-token answer's are ~1 MB). An older one's Response stays stored; its events are dropped.
+STREAMS_KEPT = 100
 
 
 class Stored(NamedTuple):
@@ -67,13 +70,14 @@ class Store:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._kept: collections.OrderedDict[str, Stored] = collections.OrderedDict()
+        self._streams: collections.deque[str] = collections.deque()  # those kept with their events, oldest first
 
     def __len__(self) -> int:
         return len(self._kept)
 
     def put(self, response: dict, items: list[dict], events: Events | None = None) -> None:
         """Keep a response (in place of the one of its id, whose stream's events it keeps), forgetting the oldest
-        beyond the capacity.
+        beyond the capacity, and the events of background streams beyond the last STREAMS_KEPT.
 
         Args:
             response: the Response object answered.
@@ -87,6 +91,11 @@ class Store:
         self._kept[response["id"]] = Stored(response, items, events)
         while len(self._kept) > self.capacity:
             self._kept.popitem(last=False)
+        if events is not None and before is None:
+            self._streams.append(response["id"])
+            while len(self._streams) > STREAMS_KEPT:
+                if (rid := self._streams.popleft()) in self._kept:
+                    self._kept[rid] = self._kept[rid]._replace(events=None)
 
     def get(self, rid: str, param: str | None = None) -> Stored:
         """A stored response.
@@ -205,7 +214,7 @@ def stream_query(kept: Stored, query: dict) -> int | None:
         return None
     if kept.events is None:
         raise bad("stream", f"response {kept.response['id']!r} has no stream to read again: only one made with "
-                  "background: true and stream: true has", "unsupported")  # fmt: skip
+                  f"background and stream has, among the last {STREAMS_KEPT} such", "unsupported")  # fmt: skip
     return int(after)
 
 
